@@ -1,0 +1,46 @@
+"""kvtier: tiered KV-cache offloading for LLM serving engines."""
+
+from kvtier.base import (
+    ChunkState,
+    LoadSpec,
+    LookupResult,
+    ManagerStats,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+    SlotSpec,
+    StoreSpec,
+)
+from kvtier.errors import ConfigError, InvariantError, KVTierError, NotReadyError
+from kvtier.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key, split_offload_key
+from kvtier.policies import CachePolicy, make_policy, register_policy
+from kvtier.tiers.cpu import CPUTierManager
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockHash",
+    "BlockHasher",
+    "CPUTierManager",
+    "CachePolicy",
+    "ChunkState",
+    "ConfigError",
+    "InvariantError",
+    "KVTierError",
+    "LoadSpec",
+    "LookupResult",
+    "ManagerStats",
+    "NotReadyError",
+    "OffloadKey",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "SlotSpec",
+    "StoreSpec",
+    "make_offload_key",
+    "make_policy",
+    "register_policy",
+    "split_offload_key",
+]

@@ -1,0 +1,214 @@
+"""The offloading-manager contract and the small types that cross it.
+
+An `OffloadingManager` holds metadata only: for every offloaded chunk (named by an
+`OffloadKey`) where it lives, whether it can be read, and who pins it. It never
+touches tensors. The primitives, in call order:
+
+1. `lookup(key, ctx)` -> `LookupResult`: HIT readable now; HIT_PENDING stored but
+   its write is in flight; RETRY not known yet (an asynchronous probe runs); MISS.
+2. `prepare_load(keys, ctx)` -> `LoadSpec`: every key was a HIT; pins them.
+3. `touch(keys, ctx)`: recency, also for chunks the engine's own cache served.
+4. `complete_load(keys, ctx)`: unpins.
+5. `prepare_store(keys, ctx)` -> `PrepareStoreOutput | None`: drops keys present or
+   in flight, evicts unpinned chunks never belonging to this call, reserves slots
+   in state PENDING. None means "no room now", never an exception.
+6. `complete_store(keys, ctx, success)`: PENDING -> READY, or rollback on failure.
+7. `take_events()`: stored / removed events, each with its tier (`medium`).
+8. `on_request_finished(ctx)`, `reset()`, `stats()`.
+
+Every call carries a `ReqContext`: its required `req_id` is what lets the layers
+below track a request (bounded waiting, pins released on finish).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import ConfigError
+from kvtier.keys import OffloadKey
+
+__all__ = [
+    "ChunkState",
+    "LoadSpec",
+    "LookupResult",
+    "ManagerStats",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "SlotSpec",
+    "StoreSpec",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ReqContext:
+    """Per-request context passed to every manager call.
+
+    Args:
+        req_id: the engine's request id; required, it is how state is tracked per request.
+        kv_transfer_params: the request's `kv_transfer_params`, if any (untrusted input).
+    """
+
+    req_id: str
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.req_id, str):
+            raise ConfigError(f"ReqContext.req_id must be the request id as a str, got {type(self.req_id).__name__}")
+
+
+class LookupResult(enum.Enum):
+    """What a tier knows about one key right now."""
+
+    MISS = "miss"  # not stored (or not readable): recompute
+    HIT = "hit"  # readable now
+    HIT_PENDING = "hit_pending"  # stored, but its write is still in flight: ask again
+    RETRY = "retry"  # not known yet (an asynchronous probe runs): ask again
+
+
+class ChunkState(enum.Enum):
+    """Lifecycle of one chunk in a tier; the pin count is kept beside it."""
+
+    PENDING = "pending"  # slot reserved, write in flight; invisible to loads
+    READY = "ready"  # readable; evictable when unpinned
+    RETIRED = "retired"  # dropped by reset() while in use; freed when its transfer ends
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSpec:
+    """Where a transfer reads or writes in a tier: one slot id per key, in key order."""
+
+    medium: str
+    slot_ids: np.ndarray  # int64, shape (num_keys,)
+
+    def __len__(self) -> int:
+        return len(self.slot_ids)
+
+
+LoadSpec = SlotSpec  # slots to read, in the order of the keys passed to prepare_load
+StoreSpec = SlotSpec  # slots to write, in the order of PrepareStoreOutput.keys_to_store
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareStoreOutput:
+    """Result of a successful `prepare_store`.
+
+    keys_to_store: the keys the caller must write (absent and not in flight before).
+    store_spec: one reserved slot per key of `keys_to_store`.
+    evicted_keys: keys removed to make room (none of them belonged to the call).
+    """
+
+    keys_to_store: list[OffloadKey]
+    store_spec: StoreSpec
+    evicted_keys: list[OffloadKey]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadingEvent:
+    """Keys that became readable (`removed=False`) or were dropped from `medium`."""
+
+    keys: list[OffloadKey]
+    medium: str
+    removed: bool
+
+
+@dataclass(slots=True)
+class ManagerStats:
+    """A snapshot of one tier's occupancy and lifetime counters."""
+
+    medium: str
+    num_slots: int
+    used_slots: int = 0
+    pinned_slots: int = 0
+    pending_slots: int = 0
+    evictable_slots: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    stores: int = 0
+    failed_stores: int = 0
+    rejected_stores: int = 0  # prepare_store returned None
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class OffloadingManager(ABC):
+    """Metadata for offloaded chunks of one tier (or a cascade of tiers).
+
+    Subclasses state their own thread-safety; the scheduler calls a manager from one
+    thread only.
+    """
+
+    medium: str = "unknown"
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """Say whether `key` can be loaded now.
+
+        Args:
+            key: the chunk's offload key.
+            ctx: the asking request.
+        Returns:
+            HIT, HIT_PENDING, RETRY or MISS.
+        """
+
+    def lookup_prefix(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> tuple[int, LookupResult]:
+        """Look keys up in order until the first non-HIT.
+
+        Returns:
+            (number of leading HITs, the result that stopped the scan — HIT if none did).
+        """
+        for i, key in enumerate(keys):
+            result = self.lookup(key, ctx)
+            if result is not LookupResult.HIT:
+                return i, result
+        return len(keys), LookupResult.HIT
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
+        """Pin `keys` (all HIT) for reading and say where they are.
+
+        Raises:
+            NotReadyError: a key is not readable now (the caller broke the contract).
+        """
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Mark `keys` recently used; the first key ends up the most recent."""
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Unpin `keys` after their load ended (successfully or not)."""
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        """Reserve slots for the keys not present nor in flight.
+
+        Returns:
+            The keys to write and their slots, or None when there is no room now.
+        """
+
+    @abstractmethod
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        """Make PENDING `keys` READY, or roll them back and free their slots."""
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Return and forget the events since the last call (oldest first)."""
+        return []
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """The request will make no more calls; release what it still holds."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every chunk; chunks still in transfer are freed when it ends."""
+
+    @abstractmethod
+    def stats(self) -> ManagerStats:
+        """Occupancy and counters (O(1))."""

@@ -1,0 +1,105 @@
+"""Adaptive Replacement Cache (Megiddo & Modha, FAST'03) as an eviction policy.
+
+T1 holds keys used once since they entered, T2 keys used at least twice. Ghost lists
+B1 and B2 remember keys recently evicted from T1 and T2 (keys only, no slots). A key
+stored again while in B1 means T1 was too small: the target size `p` of T1 grows;
+one in B2 shrinks it. Eviction takes from T1 while it is larger than `p`, else from
+T2. Each ghost list is bounded by the capacity.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Iterator, Sequence
+
+from kvtier.keys import OffloadKey
+from kvtier.policies.base import CachePolicy
+
+__all__ = ["ARCPolicy"]
+
+
+class ARCPolicy(CachePolicy):
+    """ARC over the READY keys of one tier; `target_t1` is the adaptive target `p`."""
+
+    name = "arc"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.target_t1 = 0.0
+        self.t1: OrderedDict[OffloadKey, None] = OrderedDict()  # oldest first
+        self.t2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        for key in reversed(keys):
+            if key in self.t1 or key in self.t2:
+                self.touch((key,))
+            elif key in self.b1:
+                self._adapt(+max(1.0, len(self.b2) / len(self.b1)))
+                del self.b1[key]
+                self.t2[key] = None
+            elif key in self.b2:
+                self._adapt(-max(1.0, len(self.b1) / len(self.b2)))
+                del self.b2[key]
+                self.t2[key] = None
+            else:
+                self.t1[key] = None
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        t1, t2 = self.t1, self.t2
+        for key in reversed(keys):
+            if key in t1:
+                del t1[key]
+                t2[key] = None
+            elif key in t2:
+                t2.move_to_end(key)
+
+    def remove(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            self.t1.pop(key, None)
+            self.t2.pop(key, None)
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
+        from_t1 = self._candidates(self.t1, protected)
+        from_t2 = self._candidates(self.t2, protected)
+        size_t1 = len(self.t1)
+        plan: list[tuple[OffloadKey, bool]] = []  # (victim, came from T1)
+        for _ in range(n):
+            prefer_t1 = size_t1 > self.target_t1
+            first, second = (from_t1, from_t2) if prefer_t1 else (from_t2, from_t1)
+            key = next(first, None)
+            is_t1 = prefer_t1
+            if key is None:
+                key, is_t1 = next(second, None), not prefer_t1
+            if key is None:
+                return None
+            size_t1 -= is_t1
+            plan.append((key, is_t1))
+        for key, is_t1 in plan:
+            self._to_ghost(key, self.t1 if is_t1 else self.t2, self.b1 if is_t1 else self.b2)
+        return [key for key, _ in plan]
+
+    def clear(self) -> None:
+        for d in (self.t1, self.t2, self.b1, self.b2):
+            d.clear()
+        self.target_t1 = 0.0
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.t1 or key in self.t2
+
+    def _adapt(self, delta: float) -> None:
+        self.target_t1 = min(max(self.target_t1 + delta, 0.0), float(self.capacity))
+
+    def _to_ghost(self, key: OffloadKey, live: OrderedDict, ghost: OrderedDict) -> None:
+        del live[key]
+        ghost[key] = None
+        if len(ghost) > self.capacity:
+            ghost.popitem(last=False)
+
+    @staticmethod
+    def _candidates(order: OrderedDict, protected: Container[OffloadKey]) -> Iterator[OffloadKey]:
+        return (k for k in order if k not in protected)

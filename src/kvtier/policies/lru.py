@@ -1,0 +1,59 @@
+"""Least-recently-used eviction."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Sequence
+from itertools import islice
+
+from kvtier.keys import OffloadKey
+from kvtier.policies.base import CachePolicy
+
+__all__ = ["LRUPolicy"]
+
+
+class LRUPolicy(CachePolicy):
+    """Evicts the least recently inserted or touched key first.
+
+    Keys of one call are walked in reverse, so a request's prefix ends up more recent
+    than its tail: the tail, which is useless without the prefix, goes first.
+    """
+
+    name = "lru"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self._order: OrderedDict[OffloadKey, None] = OrderedDict()  # oldest first
+
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        order = self._order
+        for key in reversed(keys):
+            order[key] = None
+            order.move_to_end(key)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        order, move = self._order, self._order.move_to_end
+        for key in reversed(keys):
+            if key in order:
+                move(key)
+
+    def remove(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            self._order.pop(key, None)
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
+        victims = list(islice((k for k in self._order if k not in protected), n))
+        if len(victims) < n:
+            return None
+        for key in victims:
+            del self._order[key]
+        return victims
+
+    def clear(self) -> None:
+        self._order.clear()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order

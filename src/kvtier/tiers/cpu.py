@@ -1,0 +1,331 @@
+"""The CPU tier: metadata of the host slab that sits next to the engine.
+
+`CPUTierManager` is the primary tier of the `OffloadingManager` contract (see
+`kvtier.base`). It owns the bookkeeping — one `_Chunk` (slot, state, pin count) per
+key, slot allocation, per-request pins, counters, events — and delegates only the
+eviction order to a `CachePolicy`. The bytes live in the worker's slab; this class
+never sees them.
+
+Invariants (verified by `check()`):
+- every chunk has exactly one slot; used + free slots = num_slots;
+- the policy holds exactly the READY chunks (PENDING and RETIRED are invisible to it),
+  so a PENDING chunk is never evicted; pinned READY chunks are protected at eviction;
+- a chunk's pin count equals the pins its requests hold.
+
+Thread-safety: not thread-safe. The scheduler calls it from one thread.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.base import (
+    ChunkState,
+    LoadSpec,
+    LookupResult,
+    ManagerStats,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+    SlotSpec,
+)
+from kvtier.errors import ConfigError, InvariantError, NotReadyError
+from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey
+from kvtier.policies import make_policy
+from kvtier.tiers.admission import ReuseGate
+from kvtier.tiers.slots import SlotAllocator
+
+__all__ = ["CPUTierManager"]
+
+_PENDING, _READY, _RETIRED = ChunkState.PENDING, ChunkState.READY, ChunkState.RETIRED
+_HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+
+
+class _Chunk:
+    __slots__ = ("slot", "state", "pins")
+
+    def __init__(self, slot: int):
+        self.slot = slot
+        self.state = _PENDING
+        self.pins = 0
+
+
+class _Protected:
+    """Keys an eviction must spare: the call's own keys and every pinned chunk."""
+
+    __slots__ = ("own", "chunks")
+
+    def __init__(self, own: set[OffloadKey], chunks: dict[OffloadKey, _Chunk]):
+        self.own, self.chunks = own, chunks
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.own or self.chunks[key].pins > 0  # type: ignore[index]
+
+
+class CPUTierManager(OffloadingManager):
+    """Offloaded-chunk metadata for a host slab of `num_slots` slots.
+
+    Args:
+        num_slots: slab capacity in chunks.
+        policy: eviction policy name ("lru", "arc") or "module:Class".
+        store_threshold: store a key only on its N-th offer (1 = always).
+        enable_events: record stored/removed events for `take_events`.
+        key_bytes: length of every offload key (block-hash bytes + 4).
+    """
+
+    medium = "cpu"
+
+    def __init__(
+        self,
+        num_slots: int,
+        policy: str = "lru",
+        store_threshold: int = 1,
+        enable_events: bool = True,
+        key_bytes: int = OFFLOAD_KEY_BYTES,
+    ):
+        if not isinstance(num_slots, int) or num_slots <= 0:
+            raise ConfigError(f"num_slots must be a positive int, got {num_slots!r}; raise cpu_bytes or shrink chunks")
+        if key_bytes <= 4:
+            raise ConfigError(f"key_bytes must exceed the 4-byte group index, got {key_bytes}")
+        self.num_slots = num_slots
+        self.key_bytes = key_bytes
+        self.enable_events = enable_events
+        self._policy = make_policy(policy, num_slots)
+        self._gate = ReuseGate(store_threshold, max_tracked=max(4 * num_slots, 1024))
+        self._slots = SlotAllocator(num_slots)
+        self._chunks: dict[OffloadKey, _Chunk] = {}
+        self._pins_by_req: dict[str, Counter[OffloadKey]] = {}
+        self._events: list[OffloadingEvent] = []
+        self._num_pending = self._num_pinned = self._num_evictable = 0
+        self._hits = self._misses = self._evictions = self._stores = 0
+        self._failed_stores = self._rejected_stores = self._released_pins = 0
+
+    # -- lookups and loads -------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        if len(key) != self.key_bytes:
+            raise self._bad_key(key)
+        chunk = self._chunks.get(key)
+        if chunk is None or chunk.state is _RETIRED:
+            self._misses += 1
+            return _MISS
+        if chunk.state is _READY:
+            self._hits += 1
+            return _HIT
+        return _HIT_PENDING
+
+    def lookup_prefix(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> tuple[int, LookupResult]:
+        chunks, size = self._chunks, self.key_bytes
+        for i, key in enumerate(keys):
+            chunk = chunks.get(key)
+            if chunk is None or chunk.state is not _READY:
+                self._hits += i
+                if len(key) != size:
+                    raise self._bad_key(key)
+                if chunk is None or chunk.state is _RETIRED:
+                    self._misses += 1
+                    return i, _MISS
+                return i, _HIT_PENDING
+        self._hits += len(keys)
+        return len(keys), _HIT
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
+        chunks = self._chunks
+        for key in keys:
+            chunk = chunks.get(key)
+            if chunk is None or chunk.state is not _READY:
+                raise NotReadyError(f"prepare_load: key {key.hex()[:16]}… is not a HIT; look it up first")
+        held = self._pins_by_req.setdefault(ctx.req_id, Counter())
+        slot_ids = np.empty(len(keys), dtype=np.int64)
+        for i, key in enumerate(keys):
+            chunk = chunks[key]
+            if chunk.pins == 0:
+                self._num_pinned += 1
+                self._num_evictable -= 1
+            chunk.pins += 1
+            held[key] += 1
+            slot_ids[i] = chunk.slot
+        return SlotSpec(self.medium, slot_ids)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self._policy.touch(keys)
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        held = self._pins_by_req.get(ctx.req_id)
+        if held is None:
+            return
+        for key in keys:
+            if held[key] > 0:
+                held[key] -= 1
+                self._unpin(key)
+        if not +held:
+            del self._pins_by_req[ctx.req_id]
+
+    # -- stores ------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        for key in keys:
+            if len(key) != self.key_bytes:
+                raise self._bad_key(key)
+        chunks, admit = self._chunks, self._gate.admit
+        new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and admit(k)]
+        num_needed = len(new_keys) - self._slots.num_free
+        evicted: list[OffloadKey] = []
+        if num_needed > 0:
+            victims = self._policy.evict(num_needed, _Protected(set(keys), chunks))
+            if victims is None:
+                self._rejected_stores += 1
+                return None
+            evicted = self._drop_evicted(victims)
+        slot_ids = self._slots.allocate(len(new_keys))
+        if slot_ids is None:
+            raise InvariantError("no free slot after a successful eviction")
+        for key, slot in zip(new_keys, slot_ids):
+            chunks[key] = _Chunk(slot)
+        self._num_pending += len(new_keys)
+        return PrepareStoreOutput(new_keys, SlotSpec(self.medium, np.array(slot_ids, dtype=np.int64)), evicted)
+
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        chunks = self._chunks
+        ready: list[OffloadKey] = []
+        for key in keys:
+            chunk = chunks.get(key)
+            if chunk is None or chunk.state is _READY:
+                continue  # unknown or already completed: a stale or repeated completion
+            if chunk.state is _RETIRED:
+                self._free(key, chunk)  # reset() dropped it while its write was in flight
+                continue
+            self._num_pending -= 1
+            if success:
+                chunk.state = _READY
+                ready.append(key)
+            else:
+                self._failed_stores += 1
+                self._free(key, chunk)
+        if ready:
+            self._policy.insert(ready)
+            self._num_evictable += len(ready)
+            self._stores += len(ready)
+            self._emit(ready, removed=False)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        held = self._pins_by_req.pop(ctx.req_id, None)
+        if not held:
+            return
+        for key, count in held.items():
+            for _ in range(count):
+                self._released_pins += 1
+                self._unpin(key)
+
+    def reset(self) -> None:
+        removed: list[OffloadKey] = []
+        for key, chunk in list(self._chunks.items()):
+            if chunk.state is _READY:
+                removed.append(key)
+            if chunk.pins > 0 or chunk.state is _PENDING:
+                chunk.state = _RETIRED  # in use by a transfer: freed when it ends
+            else:
+                self._free(key, chunk)
+        self._num_pending = self._num_evictable = 0
+        self._policy.clear()
+        self._gate.clear()
+        self._emit(removed, removed=True)
+
+    def stats(self) -> ManagerStats:
+        return ManagerStats(
+            medium=self.medium,
+            num_slots=self.num_slots,
+            used_slots=self.num_slots - self._slots.num_free,
+            pinned_slots=self._num_pinned,
+            pending_slots=self._num_pending,
+            evictable_slots=self._num_evictable,
+            hits=self._hits,
+            misses=self._misses,
+            evictions=self._evictions,
+            stores=self._stores,
+            failed_stores=self._failed_stores,
+            rejected_stores=self._rejected_stores,
+            extra={"released_pins": self._released_pins, "retired_slots": self._count(_RETIRED)},
+        )
+
+    def check(self) -> None:
+        """Cross-check every invariant of the module docstring (O(n); for tests).
+
+        Raises:
+            InvariantError: naming the first inconsistency found.
+        """
+        chunks = self._chunks
+        slots = [c.slot for c in chunks.values()]
+        _require(len(set(slots)) == len(slots), "two chunks share a slot")
+        free = self._slots.free_ids()
+        _require(not free & set(slots), "a chunk's slot is also free")
+        _require(len(free) + len(slots) == self.num_slots, "used + free slots != num_slots")
+        ready = {k for k, c in chunks.items() if c.state is _READY}
+        _require(len(self._policy) == len(ready) and all(k in self._policy for k in ready),
+                 "the policy does not hold exactly the READY chunks")
+        held: Counter[OffloadKey] = sum(self._pins_by_req.values(), Counter())
+        _require(all(held[k] == c.pins for k, c in chunks.items()), "pin counts differ from the pins requests hold")
+        _require(all(k in chunks for k in held), "a request pins an unknown chunk")
+        _require(all(c.state is not _PENDING or c.pins == 0 for c in chunks.values()), "a PENDING chunk is pinned")
+        _require(self._num_pending == self._count(_PENDING), "pending counter drifted")
+        _require(self._num_pinned == sum(c.pins > 0 for c in chunks.values()), "pinned counter drifted")
+        _require(self._num_evictable == sum(c.pins == 0 for c in chunks.values() if c.state is _READY),
+                 "evictable counter drifted")
+
+    def __len__(self) -> int:
+        """Number of readable (READY) chunks."""
+        return len(self._policy)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _unpin(self, key: OffloadKey) -> None:
+        chunk = self._chunks[key]
+        chunk.pins -= 1
+        if chunk.pins:
+            return
+        self._num_pinned -= 1
+        if chunk.state is _RETIRED:
+            self._free(key, chunk)
+        else:
+            self._num_evictable += 1
+
+    def _drop_evicted(self, victims: list[OffloadKey]) -> list[OffloadKey]:
+        chunks = self._chunks
+        self._slots.free(chunks.pop(key).slot for key in victims)
+        self._num_evictable -= len(victims)
+        self._evictions += len(victims)
+        self._emit(victims, removed=True)
+        return victims
+
+    def _free(self, key: OffloadKey, chunk: _Chunk) -> None:
+        del self._chunks[key]
+        self._slots.free((chunk.slot,))
+
+    def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
+        if self.enable_events and keys:
+            self._events.append(OffloadingEvent(list(keys), self.medium, removed))
+
+    def _count(self, state: ChunkState) -> int:
+        return sum(c.state is state for c in self._chunks.values())
+
+    def _bad_key(self, key: object) -> ConfigError:
+        size = len(key) if isinstance(key, (bytes, bytearray, memoryview)) else type(key).__name__
+        return ConfigError(
+            f"offload key of {size} bytes where this tier expects {self.key_bytes}: build keys with "
+            "kvtier.keys.make_offload_key(block_hash, group_idx), or pass key_bytes for other hash sizes"
+        )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvariantError(message)

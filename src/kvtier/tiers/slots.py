@@ -1,0 +1,54 @@
+"""Slot allocation for fixed-size tiers: fresh ids first, then reuse of freed ones.
+
+Handing out never-used ids first keeps a young tier's slab writes sequential; freed ids
+are reused most-recently-freed first (their pages are likely still warm). O(1) per id.
+
+Thread-safety: not thread-safe; the owning tier serializes calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvtier.errors import ConfigError
+
+__all__ = ["SlotAllocator"]
+
+
+class SlotAllocator:
+    """Ids 0..num_slots-1: `allocate(n)` returns n ids or None, `free(ids)` returns them."""
+
+    def __init__(self, num_slots: int):
+        if num_slots <= 0:
+            raise ConfigError(f"num_slots must be positive, got {num_slots}; give the tier more bytes or smaller chunks")
+        self.num_slots = num_slots
+        self._next_fresh = 0
+        self._freed: list[int] = []  # a stack: the most recently freed id is reused first
+
+    @property
+    def num_free(self) -> int:
+        return self.num_slots - self._next_fresh + len(self._freed)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Reserve `n` slot ids (fresh first), or return None when fewer are free."""
+        if n > self.num_free:
+            return None
+        num_fresh = min(n, self.num_slots - self._next_fresh)
+        ids = list(range(self._next_fresh, self._next_fresh + num_fresh))
+        self._next_fresh += num_fresh
+        for _ in range(n - num_fresh):
+            ids.append(self._freed.pop())
+        return ids
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Return slot ids for reuse."""
+        self._freed.extend(ids)
+
+    def reset(self) -> None:
+        """Forget every allocation (only when no slot is in use)."""
+        self._next_fresh = 0
+        self._freed.clear()
+
+    def free_ids(self) -> set[int]:
+        """The free ids (for `check()`; O(num_slots))."""
+        return set(range(self._next_fresh, self.num_slots)) | set(self._freed)

@@ -1,0 +1,31 @@
+"""Helpers shared by the test suites."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.base import ReqContext
+from kvtier.keys import make_offload_key
+
+
+def make_req_context(req_id: str = "", kv_transfer_params: dict[str, Any] | None = None) -> ReqContext:
+    """A ReqContext for tests; the manager suites do not care which request asks."""
+    return ReqContext(req_id=req_id, kv_transfer_params=kv_transfer_params)
+
+
+def key(i: int, group: int = 0) -> bytes:
+    """A deterministic 36-byte offload key numbered `i` (readable in failures)."""
+    return make_offload_key(i.to_bytes(32, "big"), group)
+
+
+def keys(*ids: int) -> list[bytes]:
+    return [key(i) for i in ids]
+
+
+def num(k: bytes) -> int:
+    """Inverse of `key` for readable assertions."""
+    return int.from_bytes(k[:32], "big")
+
+
+def nums(ks: list[bytes] | None) -> list[int] | None:
+    return None if ks is None else [num(k) for k in ks]

@@ -1,0 +1,179 @@
+"""Scenarios where the eviction order of a policy matters (capacity 4)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import key, keys, make_req_context, nums
+
+from kvtier import CPUTierManager
+from kvtier.errors import ConfigError
+from kvtier.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
+
+CTX = make_req_context()
+
+
+def fill(m: CPUTierManager, *ids: int) -> list[int] | None:
+    """Store ids; return the keys it evicted."""
+    out = m.prepare_store(keys(*ids), CTX)
+    if out is None:
+        return None
+    m.complete_store(out.keys_to_store, CTX)
+    m.check()
+    return nums(out.evicted_keys)
+
+
+# -- LRU -------------------------------------------------------------------------------
+
+
+def test_lru_touch_walks_keys_in_reverse():
+    m = CPUTierManager(4, policy="lru")
+    # two stores: [1,2] then [3,4]; inside a call the prefix is the more recent
+    fill(m, 1, 2)
+    fill(m, 3, 4)
+    # touch [1,2,3] → order (oldest first) 4, 3, 2, 1: tails before their prefixes
+    m.touch(keys(1, 2, 3), CTX)
+    assert fill(m, 5) == [4]
+    assert fill(m, 6) == [3]
+    assert fill(m, 7, 8) == [2, 1]
+
+
+def test_lru_store_order_evicts_tail_first():
+    m = CPUTierManager(4, policy="lru")
+    # one request stores its chain [1,2,3,4]
+    fill(m, 1, 2, 3, 4)
+    # the next store evicts the chain's tail (4), keeping the prefix usable
+    assert fill(m, 5) == [4]
+
+
+def test_lru_order_after_complete_load():
+    m = CPUTierManager(4, policy="lru")
+    fill(m, 1)
+    fill(m, 2)
+    fill(m, 3)
+    fill(m, 4)  # oldest first: 1, 2, 3, 4
+    # load [1] (pinned), then store [5] → 1 is pinned, so 2 goes
+    m.prepare_load(keys(1), CTX)
+    assert fill(m, 5) == [2]
+    # the load completes: 1 keeps its old recency and is the next victim
+    m.complete_load(keys(1), CTX)
+    assert fill(m, 6) == [1]
+
+
+# -- ARC -------------------------------------------------------------------------------
+
+
+def test_arc_touch_promotes_t1_to_t2():
+    p = ARCPolicy(4)
+    p.insert(keys(1, 2))
+    assert list(p.t1) == keys(2, 1) and not p.t2
+    # a touch is the second use → T2
+    p.touch(keys(1))
+    assert list(p.t1) == keys(2) and list(p.t2) == keys(1)
+
+
+def test_arc_evicts_from_t1_while_above_target_and_keeps_frequent_keys():
+    m = CPUTierManager(4, policy="arc")
+    fill(m, 1, 2, 3, 4)
+    m.touch(keys(1, 2), CTX)  # 1 and 2 used twice → T2
+    # a scan of one-use keys [5,6,7] only ever displaces one-use keys
+    assert fill(m, 5) == [4]
+    assert fill(m, 6) == [3]
+    assert fill(m, 7) == [5]
+    assert nums(m.prepare_store(keys(1, 2), CTX).keys_to_store) == []  # both still present
+
+
+def test_arc_ghost_hit_in_b1_grows_target():
+    p = ARCPolicy(4)
+    p.insert(keys(1, 2, 3, 4))
+    # evict one T1 key → it becomes a B1 ghost
+    assert p.evict(1, set()) == [key(4)]
+    assert list(p.b1) == keys(4)
+    # storing it again: B1 hit → target grows by max(1, |B2|/|B1|) = 1, key goes to T2
+    p.insert(keys(4))
+    assert p.target_t1 == 1.0 and key(4) in p.t2 and not p.b1
+
+
+def test_arc_ghost_hit_in_b2_shrinks_target():
+    p = ARCPolicy(4)
+    p.target_t1 = 3.0
+    p.insert(keys(1))
+    p.touch(keys(1))  # 1 in T2
+    p.insert(keys(2))  # T1 = [2], |T1| = 1 <= target → evict from T2
+    assert p.evict(1, set()) == [key(1)]
+    assert list(p.b2) == keys(1)
+    p.insert(keys(1))  # B2 hit → target shrinks by 1
+    assert p.target_t1 == 2.0 and key(1) in p.t2
+
+
+def test_arc_ghost_lists_are_bounded():
+    p = ARCPolicy(4)
+    for i in range(20):
+        p.insert(keys(i))
+        if len(p) > 4:
+            p.evict(1, set())
+    assert len(p.b1) <= 4 and len(p.b2) <= 4 and len(p) == 4
+
+
+def test_arc_evict_is_atomic():
+    p = ARCPolicy(4)
+    p.insert(keys(1, 2))
+    # 2 victims needed, only 1 unprotected → nothing changes
+    assert p.evict(2, {key(1)}) is None
+    assert len(p) == 2 and not p.b1
+
+
+# -- the reuse gate ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_store_threshold_gate(policy):
+    m = CPUTierManager(4, policy=policy, store_threshold=2)
+    # first offer of [1,2] → counted, nothing stored
+    out = m.prepare_store(keys(1, 2), CTX)
+    assert out is not None and out.keys_to_store == []
+    # second offer of [1] and first of [3] → only 1 is stored
+    out = m.prepare_store(keys(1, 3), CTX)
+    assert nums(out.keys_to_store) == [1]
+    m.check()
+
+
+def test_reuse_tracker_is_bounded():
+    m = CPUTierManager(4, store_threshold=3)
+    for i in range(5000):
+        m.prepare_store(keys(i), CTX)
+    assert len(m._gate) <= 1024
+
+
+# -- the registry ----------------------------------------------------------------------
+
+
+class MRUPolicy(LRUPolicy):
+    """An out-of-tree policy used through the module-path hook."""
+
+    name = "mru-test"
+
+    def evict(self, n, protected):
+        victims = [k for k in reversed(self._order) if k not in protected][:n]
+        if len(victims) < n:
+            return None
+        self.remove(victims)
+        return victims
+
+
+def test_out_of_tree_policy_by_module_path():
+    m = CPUTierManager(4, policy="test_policies:MRUPolicy")
+    fill(m, 1)
+    fill(m, 2)
+    fill(m, 3)
+    fill(m, 4)
+    assert fill(m, 5) == [4]
+
+
+@pytest.mark.parametrize("spec", ["nope.module:X", "test_policies:missing", "test_policies:fill"])
+def test_bad_policy_paths_are_clear_errors(spec):
+    with pytest.raises(ConfigError, match="policy"):
+        make_policy(spec, 4)
+
+
+def test_policies_share_the_interface():
+    assert isinstance(make_policy("lru", 2), CachePolicy) and isinstance(make_policy("arc", 2), CachePolicy)
