@@ -63,7 +63,7 @@ def test_cache_salt_changes_every_block_and_only_enters_the_first():
     hasher = BlockHasher(block_size=2)
     plain = hasher.hash_blocks([1, 2, 3, 4])
     salted = hasher.hash_blocks([1, 2, 3, 4], cache_salt="tenant-a")
-    assert all(a != b for a, b in zip(plain, salted))
+    assert all(a != b for a, b in zip(plain, salted, strict=False))
     assert salted[1] == hash_block_tokens(salted[0], (3, 4), None)
 
 

@@ -7,8 +7,8 @@ what must happen next.
 from __future__ import annotations
 
 import pytest
-from helpers import key, keys, make_req_context, nums
 
+from helpers import key, keys, make_req_context, nums
 from kvtier import CPUTierManager, LookupResult, NotReadyError, ReqContext
 from kvtier.errors import ConfigError
 

@@ -10,10 +10,10 @@ to exactly the set of readable keys.
 from __future__ import annotations
 
 import hypothesis.strategies as st
-from helpers import key, make_req_context
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from helpers import key, make_req_context
 from kvtier import CPUTierManager, LookupResult
 
 KEY_IDS = st.lists(st.integers(0, 7), min_size=1, max_size=4)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers import key, keys, make_req_context, nums
 
+from helpers import key, keys, make_req_context, nums
 from kvtier import CPUTierManager
 from kvtier.errors import ConfigError
 from kvtier.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy

@@ -202,7 +202,7 @@ class OffloadingManager(ABC):
         """Return and forget the events since the last call (oldest first)."""
         return []
 
-    def on_request_finished(self, ctx: ReqContext) -> None:
+    def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027 (an optional hook)
         """The request will make no more calls; release what it still holds."""
 
     @abstractmethod

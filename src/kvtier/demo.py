@@ -89,7 +89,10 @@ def main() -> None:
         for policy in ("lru", "arc"):
             r = replay(prompts, policy, max(1, int(working_set * fraction)))
             keys_per_s = r.prompt_tokens / BLOCK_SIZE / r.seconds
-            print(f"{policy:<6} {r.num_slots:>6} {fraction:>14.0%} {r.hit_rate:>15.1%} {r.evictions:>10} {keys_per_s:>10.0f}")
+            print(
+                f"{policy:<6} {r.num_slots:>6} {fraction:>14.0%} {r.hit_rate:>15.1%} "
+                f"{r.evictions:>10} {keys_per_s:>10.0f}"
+            )
 
 
 if __name__ == "__main__":

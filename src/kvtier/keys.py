@@ -166,6 +166,7 @@ class BlockHasher:
         size = self.block_size
         for start in range(0, len(token_ids) - size + 1, size):
             salt = cache_salt if (start == 0 and parent is None) else None
-            prev = hash_block_tokens(prev, token_ids[start : start + size], extra_keys(lora_name, (), salt), self.secret)
+            extra = extra_keys(lora_name, (), salt)
+            prev = hash_block_tokens(prev, token_ids[start : start + size], extra, self.secret)
             hashes.append(prev)
         return hashes

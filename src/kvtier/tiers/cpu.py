@@ -46,7 +46,7 @@ _HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HI
 
 
 class _Chunk:
-    __slots__ = ("slot", "state", "pins")
+    __slots__ = ("pins", "slot", "state")
 
     def __init__(self, slot: int):
         self.slot = slot
@@ -57,7 +57,7 @@ class _Chunk:
 class _Protected:
     """Keys an eviction must spare: the call's own keys and every pinned chunk."""
 
-    __slots__ = ("own", "chunks")
+    __slots__ = ("chunks", "own")
 
     def __init__(self, own: set[OffloadKey], chunks: dict[OffloadKey, _Chunk]):
         self.own, self.chunks = own, chunks
@@ -184,7 +184,7 @@ class CPUTierManager(OffloadingManager):
         slot_ids = self._slots.allocate(len(new_keys))
         if slot_ids is None:
             raise InvariantError("no free slot after a successful eviction")
-        for key, slot in zip(new_keys, slot_ids):
+        for key, slot in zip(new_keys, slot_ids, strict=False):
             chunks[key] = _Chunk(slot)
         self._num_pending += len(new_keys)
         return PrepareStoreOutput(new_keys, SlotSpec(self.medium, np.array(slot_ids, dtype=np.int64)), evicted)
