@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.keys import (
+    DEFAULT_SEED,
     BlockHasher,
     extra_keys,
     hash_block_tokens,
@@ -94,13 +95,16 @@ def test_bad_block_size():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_byte_identical_to_installed_vllm():
+@pytest.mark.parametrize("seed", ["0", DEFAULT_SEED])
+def test_byte_identical_to_installed_vllm(seed):
     from vllm.utils.hashing import sha256_cbor as vllm_sha256_cbor
+    from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.kv_cache_utils import hash_block_tokens as vllm_hash_block_tokens
 
-    parent = vllm_sha256_cbor("0")
-    assert parent == none_hash("0")
-    ours = BlockHasher(block_size=4, seed="0").hash_blocks(list(range(12)))
+    assert kv_cache_utils.DEFAULT_NONE_HASH_SEED == DEFAULT_SEED
+    parent = vllm_sha256_cbor(seed)
+    assert parent == none_hash(seed)
+    ours = BlockHasher(block_size=4, seed=seed).hash_blocks(list(range(12)))
     for i, expected in enumerate(ours):
         parent = vllm_hash_block_tokens(vllm_sha256_cbor, parent, list(range(4 * i, 4 * i + 4)), None)
         assert bytes(parent) == expected

@@ -10,7 +10,9 @@ For engines that bring no hashes (the simulator, tests) `BlockHasher` computes t
 same chain as vLLM's `sha256_cbor` scheme, byte for byte:
 
     hash_i = sha256(cbor_canonical((hash_{i-1}, tuple(tokens_i), extra_keys_i)))
-    hash_{-1} = NONE_HASH = sha256(cbor_canonical(seed))   # vLLM: seed = PYTHONHASHSEED
+    hash_{-1} = NONE_HASH = sha256(cbor_canonical(seed))
+
+where vLLM's seed is PYTHONHASHSEED when set, else "vllm-none-hash" (`DEFAULT_SEED`).
 
 Extra keys are type-tagged pairs (``("lora", name)``, ``("mm", hash)``,
 ``("salt", cache_salt)``), so a LoRA adapter named like a tenant's salt can never
@@ -34,6 +36,7 @@ from kvtier.errors import ConfigError
 
 __all__ = [
     "BLOCK_HASH_BYTES",
+    "DEFAULT_SEED",
     "GROUP_INDEX_BYTES",
     "OFFLOAD_KEY_BYTES",
     "BlockHash",
@@ -54,6 +57,7 @@ OffloadKey = bytes  # BlockHash of a chunk's last block + 4-byte big-endian grou
 BLOCK_HASH_BYTES = 32  # sha256 / HMAC-SHA256 digests; engines with other hashes pass key_bytes
 GROUP_INDEX_BYTES = 4
 OFFLOAD_KEY_BYTES = BLOCK_HASH_BYTES + GROUP_INDEX_BYTES
+DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for sha256 hashes without PYTHONHASHSEED
 _MAX_GROUP_INDEX = 2 ** (8 * GROUP_INDEX_BYTES) - 1
 
 
@@ -79,8 +83,8 @@ def sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
-def none_hash(seed: str = "0") -> BlockHash:
-    """The parent hash of a request's first block (vLLM: the PYTHONHASHSEED string)."""
+def none_hash(seed: str = DEFAULT_SEED) -> BlockHash:
+    """The parent hash of a request's first block (vLLM's NONE_HASH for this seed)."""
     return sha256_cbor(seed)
 
 
@@ -136,11 +140,11 @@ class BlockHasher:
 
     Args:
         block_size: tokens per block; only full blocks are hashed.
-        seed: the first block's parent seed (vLLM uses the PYTHONHASHSEED string).
+        seed: the first block's parent seed (vLLM: PYTHONHASHSEED, else DEFAULT_SEED).
         secret: optional deployment secret; switches to HMAC-SHA256 (keyed mode).
     """
 
-    def __init__(self, block_size: int, seed: str = "0", secret: bytes | None = None):
+    def __init__(self, block_size: int, seed: str = DEFAULT_SEED, secret: bytes | None = None):
         if block_size <= 0:
             raise ConfigError(f"block_size must be a positive number of tokens, got {block_size}")
         if secret is not None and len(secret) < 16:
