@@ -1,0 +1,39 @@
+"""The engine-agnostic scheduler side: per-request state, bounded waiting, store
+selection and transfer jobs. Adapters (vLLM, the fake engine) drive `OffloadScheduler`.
+"""
+
+from kvtier.scheduler.config import GroupKind, GroupSpec, SchedulerOffloadConfig
+from kvtier.scheduler.core import OffloadScheduler
+from kvtier.scheduler.params import OffloadParams, parse_kv_transfer_params
+from kvtier.scheduler.state import RequestGroupState, RequestOffloadState
+from kvtier.scheduler.stats import SchedulerStats
+from kvtier.scheduler.types import (
+    JobKind,
+    JobReport,
+    RequestView,
+    ScheduledRequest,
+    StepPlan,
+    StepView,
+    TransferJob,
+    TransferPart,
+)
+
+__all__ = [
+    "GroupKind",
+    "GroupSpec",
+    "JobKind",
+    "JobReport",
+    "OffloadParams",
+    "OffloadScheduler",
+    "RequestGroupState",
+    "RequestOffloadState",
+    "RequestView",
+    "ScheduledRequest",
+    "SchedulerOffloadConfig",
+    "SchedulerStats",
+    "StepPlan",
+    "StepView",
+    "TransferJob",
+    "TransferPart",
+    "parse_kv_transfer_params",
+]

@@ -1,0 +1,109 @@
+"""Scheduler-side configuration: the KV-cache groups and the offload rules."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvtier.errors import ConfigError
+
+__all__ = ["GroupKind", "GroupSpec", "SchedulerOffloadConfig"]
+
+
+class GroupKind(enum.Enum):
+    FULL = "full_attention"  # every earlier token matters: prefix scan
+    SLIDING_WINDOW = "sliding_window"  # only the last window matters: suffix scan
+    UNSUPPORTED = "unsupported"  # e.g. state-space layers: the model gets no hits
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One KV-cache group.
+
+    Args:
+        kind: how the group's attention reads earlier tokens.
+        tokens_per_block: the engine's block size for this group.
+        blocks_per_chunk: engine blocks per offloaded chunk.
+        sliding_window: window in tokens (SLIDING_WINDOW groups only).
+    """
+
+    kind: GroupKind = GroupKind.FULL
+    tokens_per_block: int = 16
+    blocks_per_chunk: int = 1
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_block <= 0 or self.blocks_per_chunk <= 0:
+            raise ConfigError(f"tokens_per_block and blocks_per_chunk must be positive: {self}")
+        if (self.kind is GroupKind.SLIDING_WINDOW) != (self.sliding_window is not None):
+            raise ConfigError("sliding_window (tokens) is required for, and only for, SLIDING_WINDOW groups")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be a positive number of tokens, got {self.sliding_window}")
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.tokens_per_block * self.blocks_per_chunk
+
+    def first_needed_chunk(self, num_chunks: int) -> int:
+        """First chunk whose KV this group needs to continue after `num_chunks` chunks.
+
+        The token after the boundary attends to the previous `sliding_window - 1`
+        tokens in a sliding-window group, to every earlier token otherwise.
+        """
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_chunks * self.tokens_per_chunk - (self.sliding_window - 1)) // self.tokens_per_chunk)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOffloadConfig:
+    """Offload rules shared by every request.
+
+    Args:
+        groups: the model's KV-cache groups, in the engine's group order.
+        offload_prompt_only: store prompt chunks only (not generated tokens).
+        max_defer_s: a request waits at most this long for pending writes or probes.
+        max_deferrals: and is asked again at most this many times.
+        load_async: loads finish in the background (the engine waits for a report)
+            instead of before the request's first forward pass.
+        num_workers: workers that must acknowledge each job.
+        hash_block_size: tokens per engine block hash (default: the first group's block size).
+    """
+
+    groups: tuple[GroupSpec, ...] = (GroupSpec(),)
+    offload_prompt_only: bool = False
+    max_defer_s: float = 2.0
+    max_deferrals: int = 64
+    load_async: bool = False
+    num_workers: int = 1
+    hash_block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("at least one KV-cache group is required")
+        if len({g.tokens_per_chunk for g in self.groups}) != 1:
+            raise ConfigError("every KV-cache group needs the same tokens per chunk (block size x blocks_per_chunk)")
+        if self.max_defer_s < 0 or self.max_deferrals < 0:
+            raise ConfigError("max_defer_s and max_deferrals must be >= 0 (0 disables waiting)")
+        if self.tokens_per_chunk % self.tokens_per_hash:
+            raise ConfigError(f"a chunk ({self.tokens_per_chunk} tokens) must span whole hash blocks of "
+                              f"{self.tokens_per_hash} tokens")
+        if self.num_workers < 1:
+            raise ConfigError(f"num_workers must be >= 1, got {self.num_workers}")
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.groups[0].tokens_per_chunk
+
+    @property
+    def tokens_per_hash(self) -> int:
+        return self.hash_block_size or self.groups[0].tokens_per_block
+
+    @property
+    def hashes_per_chunk(self) -> int:
+        return self.tokens_per_chunk // self.tokens_per_hash
+
+    @property
+    def is_supported(self) -> bool:
+        """False when a group cannot be offloaded: the whole model then gets no hits."""
+        return all(g.kind is not GroupKind.UNSUPPORTED for g in self.groups)

@@ -1,0 +1,288 @@
+"""`OffloadScheduler`: what to load and what to store, per request and per engine step.
+
+Engine-agnostic: an adapter (vLLM's connector, the fake engine of the tests and the
+simulator) calls it in the order of DESIGN.md's scheduler protocol:
+
+1. `get_num_new_matched_tokens(req, num_local)`   -> (tokens | None, load_async)
+2. `update_state_after_alloc(req_id, block_ids, num_external_tokens)`
+3. `build_connector_meta(step)`                    -> StepPlan for the workers
+4. (workers run the plan and report)
+5. `update_connector_output(reports)`              -> block ids whose load failed
+6. `request_finished(req)`; `reset_cache()`
+
+Waiting is bounded per request: a request that would wait for a pending write or a
+probe is asked again at most `max_deferrals` times and for at most `max_defer_s`
+seconds; then it proceeds with its confirmed hits and `deferral_timeouts` counts it.
+
+Thread-safety: not thread-safe; the engine's scheduler calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from kvtier.base import OffloadingManager
+from kvtier.errors import KVTierError
+from kvtier.scheduler.config import GroupKind, SchedulerOffloadConfig
+from kvtier.scheduler.jobs import JobBook
+from kvtier.scheduler.lookup import scan_hits
+from kvtier.scheduler.state import PendingLoad, RequestOffloadState
+from kvtier.scheduler.stats import SchedulerStats
+from kvtier.scheduler.types import BlockIds, JobReport, RequestView, StepPlan, StepView
+
+__all__ = ["OffloadScheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+class OffloadScheduler:
+    """The scheduler side of kvtier for one engine.
+
+    Args:
+        config: groups and offload rules.
+        manager: the offloading manager (a tier or a cascade of tiers).
+        clock: monotonic seconds; injectable for tests.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerOffloadConfig,
+        manager: OffloadingManager,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.manager = manager
+        self.stats = SchedulerStats()
+        self._clock = clock
+        self._requests: dict[str, RequestOffloadState] = {}
+        self._jobs = JobBook(config.num_workers)
+        self._loading_keys: Counter[bytes] = Counter()  # keys of in-flight loads
+        self._next_plan = StepPlan()  # jobs created between two build_connector_meta calls
+
+    # -- 1. lookup --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, req: RequestView, num_local: int) -> tuple[int | None, bool]:
+        """Tokens kvtier can load after the engine's own `num_local` hits.
+
+        Returns:
+            (tokens, load_async); tokens is None for "ask again next step".
+        """
+        state = self._state_for(req)
+        state.pending_load = None
+        state.num_locally_computed_tokens = num_local
+        if not (self.config.is_supported and state.params.load):
+            return self._answer(state, num_local, 0)
+        if state.load_job_id is not None:  # its previous load is still in flight
+            return (None, False) if self._may_defer(state) else self._answer(state, num_local, 0)
+        size = self.config.tokens_per_chunk
+        start = num_local // size
+        max_chunks = min(state.num_hashed_chunks(), (req.num_tokens - 1) // size)
+        if start >= max_chunks:
+            return self._answer(state, num_local, 0)
+        scan = scan_hits(state, self.manager, self._loading_keys, start, max_chunks)
+        if scan.must_wait and self._may_defer(state):
+            return None, False
+        self._touch(state, scan.end_chunk)
+        if scan.end_chunk <= start:
+            return self._answer(state, num_local, 0)
+        state.pending_load = PendingLoad(start, scan.end_chunk, num_local)
+        return self._answer(state, num_local, scan.end_chunk * size - num_local)
+
+    def _touch(self, state: RequestOffloadState, end: int) -> None:
+        """Recency for every chunk the request reuses, also those the engine's cache served."""
+        keys = []
+        for gs in state.group_states:
+            if gs.spec.kind is not GroupKind.UNSUPPORTED:
+                keys.extend(state.keys(gs.group, gs.spec.first_needed_chunk(end), end))
+        self.manager.touch(keys, state.req_context)
+
+    def _answer(self, state: RequestOffloadState, num_local: int, hit_tokens: int) -> tuple[int, bool]:
+        self.stats.requests += 1
+        self.stats.local_hit_tokens += num_local
+        self.stats.query_tokens += max(0, state.req.num_tokens - 1 - num_local)
+        self.stats.hit_tokens += hit_tokens
+        return hit_tokens, self.config.load_async and hit_tokens > 0
+
+    def _may_defer(self, state: RequestOffloadState) -> bool:
+        """Spend one deferral of the request's budget; False once it is exhausted."""
+        if state.deferral_expired:
+            return False
+        now = self._clock()
+        if state.first_deferred_at is None:
+            state.first_deferred_at = now
+        if state.num_deferrals >= self.config.max_deferrals or now - state.first_deferred_at >= self.config.max_defer_s:
+            state.deferral_expired = True
+            self.stats.deferral_timeouts += 1
+            logger.info("request %s stopped waiting after %d deferrals", state.req_id, state.num_deferrals)
+            return False
+        state.num_deferrals += 1
+        self.stats.deferrals += 1
+        return True
+
+    # -- 2. allocation -> load job ----------------------------------------------------
+
+    def update_state_after_alloc(self, req_id: str, block_ids: BlockIds, num_external_tokens: int) -> None:
+        """The engine allocated `block_ids` (all of the request's blocks, per group)."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        state.set_block_ids(block_ids, replace=True)
+        pending, state.pending_load = state.pending_load, None
+        if pending is None or num_external_tokens <= 0:
+            return
+        expected = pending.end_chunk * self.config.tokens_per_chunk - pending.num_local_tokens
+        if num_external_tokens != expected:
+            logger.warning("request %s: engine accepted %d external tokens, kvtier offered %d; not loading",
+                           req_id, num_external_tokens, expected)
+            self._next_plan.failed_load_block_ids.update(self._external_blocks(state, pending))
+            return
+        self._start_load(state, pending)
+
+    def _start_load(self, state: RequestOffloadState, pending: PendingLoad) -> None:
+        keys, blocks = self._jobs.load_parts_for(state, pending)
+        try:
+            spec = self.manager.prepare_load([k for part in keys for k in part], state.req_context)
+        except KVTierError as exc:  # a broken contract below: recompute, never crash
+            logger.warning("request %s: prepare_load failed (%s); its blocks will be recomputed", state.req_id, exc)
+            self.stats.load_prepare_failures += 1
+            self._next_plan.failed_load_block_ids.update(self._external_blocks(state, pending))
+            return
+        job = self._jobs.new_load(state, keys, blocks, spec.slot_ids)
+        state.load_job_id = job.job_id
+        self._loading_keys.update(self._jobs[job.job_id].keys)
+        self._next_plan.load_jobs.append(job)
+        for gs in state.group_states:
+            gs.num_hit_chunks = pending.end_chunk - pending.start_chunk
+            gs.next_store_chunk = max(gs.next_store_chunk, pending.end_chunk)
+        self.stats.load_jobs += 1
+        self.stats.loaded_chunks += job.num_chunks
+
+    def _external_blocks(self, state: RequestOffloadState, pending: PendingLoad) -> set[int]:
+        first = pending.num_local_tokens // state.group_states[0].spec.tokens_per_block
+        last = pending.end_chunk * self.config.blocks_per_chunk
+        return {b for gs in state.group_states for b in gs.block_ids[first:last]}
+
+    # -- 3. the step plan -------------------------------------------------------------
+
+    def build_connector_meta(self, step: StepView) -> StepPlan:
+        """Plan this step's transfers: new loads, stores of newly computed chunks, flushes."""
+        plan, self._next_plan = self._next_plan, StepPlan()
+        for req_id in step.preempted_req_ids:
+            self._on_preempted(req_id, plan)
+        for sched in step.scheduled:
+            state = self._requests.get(sched.req_id)
+            if state is None:
+                continue
+            if sched.new_block_ids is not None:
+                written = state.set_block_ids(sched.new_block_ids, replace=sched.is_new_or_resumed)
+                plan.flush_job_ids |= self._jobs.stores_reading(written)
+            if state.load_job_id is None and state.params.store:
+                self._plan_stores(state, sched.num_computed_tokens + sched.num_scheduled_tokens,
+                                  sched.num_computed_tokens, plan)
+        self.stats.flushed_jobs += len(plan.flush_job_ids)
+        return plan
+
+    def _on_preempted(self, req_id: str, plan: StepPlan) -> None:
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        plan.flush_job_ids |= {j for j in state.transfer_jobs if not self._jobs[j].is_load}
+        state.clear_block_ids()
+        state.pending_load = None
+
+    def _plan_stores(self, state: RequestOffloadState, num_tokens: int, window_from: int, plan: StepPlan) -> None:
+        """Offer every whole, computed chunk after the store cursor to the manager."""
+        if self.config.offload_prompt_only:
+            num_tokens = min(num_tokens, state.req.num_prompt_tokens)
+        end = min(num_tokens // self.config.tokens_per_chunk, state.num_hashed_chunks(),
+                  *(gs.num_allocated_chunks() for gs in state.group_states))
+        keys, chunks = self._jobs.store_candidates(state, end, window_from)
+        if not keys:
+            return
+        out = self.manager.prepare_store(keys, state.req_context)
+        if out is None:
+            self.stats.store_alloc_failures += 1  # no room now: the cursor stays, retried next step
+            return
+        for gs in state.group_states:
+            gs.next_store_chunk = max(gs.next_store_chunk, end)
+        if out.keys_to_store:
+            job = self._jobs.new_store(state, keys, chunks, out)
+            plan.store_jobs.append(job)
+            self.stats.store_jobs += 1
+
+    # -- 5. completions ---------------------------------------------------------------
+
+    def update_connector_output(self, reports: Iterable[JobReport]) -> set[int]:
+        """Record workers' reports; returns engine block ids whose load failed (recompute them)."""
+        invalid: set[int] = set()
+        for record in self._jobs.acknowledge(reports):
+            state = self._requests[record.job.req_id]
+            state.transfer_jobs.discard(record.job.job_id)
+            ok, failed = self._jobs.split_keys(record)
+            stale = record.generation != self._jobs.generation
+            self.stats.stale_completions += stale
+            if record.is_load:
+                state.load_job_id = None
+                self._loading_keys.subtract(record.keys)
+                self._loading_keys = +self._loading_keys
+                self.manager.complete_load(record.keys, state.req_context)
+                self.stats.failed_load_chunks += len(failed)
+                invalid |= self._jobs.failed_load_blocks(record)
+            else:
+                self.manager.complete_store(ok, state.req_context, success=True)  # a stale one is freed
+                self.manager.complete_store(failed, state.req_context, success=False)
+                self.stats.stored_chunks += 0 if stale else len(ok)
+                self.stats.failed_store_chunks += len(failed)
+            self._release_if_done(state)
+        return invalid
+
+    # -- 6. request end, reset --------------------------------------------------------
+
+    def request_finished(self, req: RequestView) -> None:
+        """The request ended (finished, aborted): store its last chunks, then forget it.
+
+        Its engine blocks may be freed at once: stores still reading them are flushed
+        before a new owner writes them (see `StepPlan.flush_job_ids`).
+        """
+        state = self._requests.get(req.req_id)
+        if state is None:
+            return
+        state.req, state.is_finished, state.pending_load = req, True, None
+        if state.load_job_id is None and state.params.store and state.group_states[0].block_ids:
+            self._plan_stores(state, req.num_computed_tokens, req.num_computed_tokens, self._next_plan)
+        self._release_if_done(state)
+
+    def _release_if_done(self, state: RequestOffloadState) -> None:
+        if state.is_finished and not state.transfer_jobs:
+            del self._requests[state.req_id]
+            self.manager.on_request_finished(state.req_context)
+
+    def reset_cache(self) -> bool:
+        """Forget every offloaded chunk; jobs in flight are flushed and their results ignored."""
+        self.manager.reset()
+        self._next_plan.flush_job_ids |= self._jobs.start_new_generation()
+        for state in self._requests.values():
+            state.reset_store_cursors()
+        return True
+
+    def take_events(self):
+        return self.manager.take_events()
+
+    def has_jobs_in_flight(self) -> bool:
+        return bool(self._jobs)
+
+    def _state_for(self, req: RequestView) -> RequestOffloadState:
+        state = self._requests.get(req.req_id)
+        if state is None:
+            state = self._requests[req.req_id] = RequestOffloadState(self.config, req)
+        else:
+            state.req = req
+        return state
+
+    def request_state(self, req_id: str) -> RequestOffloadState | None:
+        """The live state of a request (for adapters and tests)."""
+        return self._requests.get(req_id)
+

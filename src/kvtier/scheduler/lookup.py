@@ -1,0 +1,81 @@
+"""The hit scan: how many chunks after the engine's own hits kvtier can load now.
+
+Full-attention groups need every chunk of the prefix: a prefix scan where HIT counts,
+MISS stops, and HIT_PENDING / RETRY (or a chunk being loaded for another request)
+mean "wait". Sliding-window groups only need the chunks inside the window before the
+boundary: a suffix scan lowers the boundary until that window is all HIT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+
+from kvtier.base import LookupResult, OffloadingManager
+from kvtier.keys import OffloadKey
+from kvtier.scheduler.config import GroupKind
+from kvtier.scheduler.state import RequestOffloadState
+
+__all__ = ["ScanResult", "scan_hits"]
+
+_HIT = LookupResult.HIT
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    end_chunk: int  # confirmed hits cover chunks [start, end_chunk)
+    must_wait: bool  # a later chunk may become a hit soon (pending write, probe, load)
+
+
+class _Lookups:
+    """Memoized lookups for one scan; a key being loaded elsewhere reads as 'wait'."""
+
+    def __init__(self, manager: OffloadingManager, state: RequestOffloadState, loading: Container[OffloadKey]):
+        self.manager, self.ctx, self.loading = manager, state.req_context, loading
+        self.cache: dict[OffloadKey, LookupResult] = {}
+
+    def __call__(self, key: OffloadKey) -> LookupResult:
+        result = self.cache.get(key)
+        if result is None:
+            result = self.manager.lookup(key, self.ctx)
+            if result is _HIT and key in self.loading:
+                result = LookupResult.HIT_PENDING  # the engine's prefix cache will serve it soon
+            self.cache[key] = result
+        return result
+
+
+def scan_hits(
+    state: RequestOffloadState,
+    manager: OffloadingManager,
+    loading: Container[OffloadKey],
+    start: int,
+    max_chunks: int,
+) -> ScanResult:
+    """Scan chunks [start, max_chunks) of every group; see the module docstring."""
+    lookup = _Lookups(manager, state, loading)
+    end, must_wait = max_chunks, False
+    for gs in state.group_states:
+        if gs.spec.kind is GroupKind.FULL and end > start:
+            for i, key in enumerate(state.keys(gs.group, start, end)):
+                result = lookup(key)
+                if result is not _HIT:
+                    must_wait |= result is not LookupResult.MISS
+                    end = start + i
+                    break
+    for gs in state.group_states:
+        if gs.spec.kind is GroupKind.SLIDING_WINDOW:
+            end, waits = _window_scan(state, gs.group, lookup, start, end)
+            must_wait |= waits
+    return ScanResult(end, must_wait)
+
+
+def _window_scan(state: RequestOffloadState, group: int, lookup: _Lookups, start: int, end: int) -> tuple[int, bool]:
+    """Largest boundary h <= end whose window chunks (after `start`) are all HIT."""
+    spec, must_wait = state.group_states[group].spec, False
+    for h in range(end, start, -1):
+        first = max(start, spec.first_needed_chunk(h))
+        results = [lookup(k) for k in state.keys(group, first, h)]
+        if all(r is _HIT for r in results):
+            return h, must_wait
+        must_wait |= any(r is not _HIT and r is not LookupResult.MISS for r in results)
+    return start, must_wait

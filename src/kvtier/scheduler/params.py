@@ -1,0 +1,52 @@
+"""Per-request options read from `kv_transfer_params` (untrusted input).
+
+kvtier reads only its own sub-dict, so other connectors' parameters pass through:
+
+    {"kvtier": {"load": false, "store": true}}
+
+Anything malformed is ignored with a warning naming the problem; it never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["OffloadParams", "parse_kv_transfer_params"]
+
+logger = logging.getLogger(__name__)
+_KNOWN = ("load", "store")
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadParams:
+    load: bool = True  # may this request load from kvtier
+    store: bool = True  # may this request's chunks be stored
+
+
+def parse_kv_transfer_params(raw: Any, req_id: str) -> OffloadParams:
+    """Read kvtier's options for one request; defaults on anything malformed."""
+    if raw is None:
+        return OffloadParams()
+    if not isinstance(raw, dict):
+        logger.warning("request %s: kv_transfer_params is a %s, not a dict; ignored", req_id, type(raw).__name__)
+        return OffloadParams()
+    ours = raw.get("kvtier")
+    if ours is None:
+        return OffloadParams()
+    if not isinstance(ours, dict):
+        logger.warning("request %s: kv_transfer_params['kvtier'] must be a dict like "
+                       "{'load': bool, 'store': bool}; ignored", req_id)
+        return OffloadParams()
+    unknown = sorted(str(k) for k in ours if k not in _KNOWN)
+    if unknown:
+        logger.warning("request %s: unknown kvtier params %s ignored (valid: %s)", req_id, unknown, list(_KNOWN))
+    values = {}
+    for name in _KNOWN:
+        value = ours.get(name, True)
+        if isinstance(value, bool):
+            values[name] = value
+        else:
+            logger.warning("request %s: kvtier param %r must be true or false, got %r; ignored", req_id, name, value)
+    return OffloadParams(**values)

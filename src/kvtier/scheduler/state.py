@@ -1,0 +1,132 @@
+"""Per-request scheduler state: one dataclass per request, one per (request, group).
+
+`RequestOffloadState` holds everything the scheduler knows about a request: its view,
+its `ReqContext` (built from its `req_id`), per-group keys, blocks and store cursors,
+the load it is about to start, the jobs it has in flight, and its deferral budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.base import ReqContext
+from kvtier.keys import OffloadKey, make_offload_key
+from kvtier.scheduler.config import GroupSpec, SchedulerOffloadConfig
+from kvtier.scheduler.params import OffloadParams, parse_kv_transfer_params
+from kvtier.scheduler.types import JobKind, RequestView, TransferJob
+
+__all__ = ["JobRecord", "PendingLoad", "RequestGroupState", "RequestOffloadState"]
+
+
+@dataclass(slots=True)
+class RequestGroupState:
+    """One KV-cache group of one request.
+
+    offload_keys: keys of the chunks hashed so far (computed lazily, cached).
+    block_ids: the engine blocks of this group, in token order.
+    next_store_chunk: the store cursor; chunks before it were offered to the tier.
+    num_hit_chunks: chunks loaded from kvtier for this request (for stats and tests).
+    """
+
+    group: int
+    spec: GroupSpec
+    offload_keys: list[OffloadKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    next_store_chunk: int = 0
+    num_hit_chunks: int = 0
+
+    def chunk_blocks(self, chunk: int) -> list[int]:
+        bpc = self.spec.blocks_per_chunk
+        return self.block_ids[chunk * bpc : (chunk + 1) * bpc]
+
+    def num_allocated_chunks(self) -> int:
+        return len(self.block_ids) // self.spec.blocks_per_chunk
+
+
+@dataclass(frozen=True, slots=True)
+class PendingLoad:
+    """A hit found by a lookup, to become a load job once blocks are allocated."""
+
+    start_chunk: int
+    end_chunk: int
+    num_local_tokens: int
+
+
+@dataclass(slots=True)
+class JobRecord:
+    """Scheduler-side bookkeeping of one in-flight job."""
+
+    job: TransferJob
+    keys: list[OffloadKey]  # one per chunk, in the job's part order
+    generation: int  # the reset_cache() generation it was created in
+    num_acks: int = 0
+    failed_chunks: set[int] = field(default_factory=set)
+
+    @property
+    def is_load(self) -> bool:
+        return self.job.kind is JobKind.LOAD
+
+
+@dataclass(slots=True)
+class RequestOffloadState:
+    """Everything the scheduler tracks for one request."""
+
+    config: SchedulerOffloadConfig
+    req: RequestView
+    group_states: list[RequestGroupState] = field(init=False)
+    req_context: ReqContext = field(init=False)
+    params: OffloadParams = field(init=False)
+    num_locally_computed_tokens: int = 0
+    transfer_jobs: set[int] = field(default_factory=set)  # in-flight job ids
+    load_job_id: int | None = None  # the in-flight load, if any
+    pending_load: PendingLoad | None = None
+    num_deferrals: int = 0
+    first_deferred_at: float | None = None
+    deferral_expired: bool = False
+    is_finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.group_states = [RequestGroupState(g, spec) for g, spec in enumerate(self.config.groups)]
+        raw = self.req.kv_transfer_params
+        self.req_context = ReqContext(self.req.req_id, raw if isinstance(raw, dict) else None)
+        self.params = parse_kv_transfer_params(raw, self.req.req_id)
+
+    @property
+    def req_id(self) -> str:
+        return self.req.req_id
+
+    def num_hashed_chunks(self) -> int:
+        return len(self.req.block_hashes) // self.config.hashes_per_chunk
+
+    def keys(self, group: int, start: int, end: int) -> list[OffloadKey]:
+        """Offload keys of chunks [start, end) of `group` (end <= num_hashed_chunks())."""
+        state = self.group_states[group]
+        keys, hashes, per_chunk = state.offload_keys, self.req.block_hashes, self.config.hashes_per_chunk
+        for chunk in range(len(keys), end):
+            keys.append(make_offload_key(hashes[(chunk + 1) * per_chunk - 1], group))
+        return keys[start:end]
+
+    def set_block_ids(self, block_ids: tuple[list[int], ...], replace: bool) -> list[int]:
+        """Record blocks allocated to the request.
+
+        Returns:
+            The ids the engine may write next: new blocks, never the leading blocks its
+            own prefix cache served (those are shared and read-only).
+        """
+        written: list[int] = []
+        for state, ids in zip(self.group_states, block_ids, strict=False):
+            if replace:
+                state.block_ids = list(ids)
+                written.extend(ids[self.num_locally_computed_tokens // state.spec.tokens_per_block :])
+            else:
+                state.block_ids.extend(ids)
+                written.extend(ids)
+        return written
+
+    def clear_block_ids(self) -> None:
+        for state in self.group_states:
+            state.block_ids = []
+
+    def reset_store_cursors(self) -> None:
+        for state in self.group_states:
+            state.next_store_chunk = 0

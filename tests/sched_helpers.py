@@ -1,0 +1,39 @@
+"""Builders for the scheduler scenario tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
+from kvtier.sim import FakeEngine
+from kvtier.tiers.cpu import CPUTierManager
+
+
+@dataclass
+class FakeClock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_engine(
+    *,
+    block_size: int = 4,
+    blocks_per_chunk: int = 1,
+    num_slots: int = 64,
+    num_blocks: int = 64,
+    groups: tuple[GroupSpec, ...] | None = None,
+    max_tokens_per_step: int = 64,
+    clock: FakeClock | None = None,
+    **config,
+) -> FakeEngine:
+    groups = groups or (GroupSpec(tokens_per_block=block_size, blocks_per_chunk=blocks_per_chunk),)
+    sched = OffloadScheduler(
+        SchedulerOffloadConfig(groups=groups, **config), CPUTierManager(num_slots), clock=clock or FakeClock()
+    )
+    return FakeEngine(sched, num_blocks=num_blocks, block_size=block_size, max_tokens_per_step=max_tokens_per_step)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 for i in range(n)]

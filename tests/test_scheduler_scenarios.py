@@ -1,0 +1,269 @@
+"""OffloadScheduler driven step by step by the fake engine (vLLM's protocol).
+
+The fake engine checks, before computing any token, that every block the token
+attends to holds the KV of exactly the right prefix: a wrong load, a missing fence
+or a resurrected stale chunk raises ContentMismatch. Block size 4 tokens throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvtier.base import LookupResult, ReqContext
+from kvtier.scheduler import GroupKind, GroupSpec, JobReport, RequestView, StepView
+from sched_helpers import FakeClock, make_engine, prompt
+
+P20 = prompt(20)  # 5 blocks
+
+
+def serve(engine, req_id, tokens, max_new_tokens=1, **kw):
+    req = engine.add_request(req_id, tokens, max_new_tokens, **kw)
+    engine.run()
+    return req
+
+
+def test_reuse_comes_from_kvtier_after_the_engine_cache_is_emptied():
+    engine = make_engine()
+    # A computes 20 tokens → chunks 0..4 stored (5 whole chunks of 1 block)
+    serve(engine, "A", P20)
+    assert engine.scheduler.stats.stored_chunks == 5
+    # the engine forgets its own cache; B repeats the prompt → loads 4 chunks (one token left to compute)
+    engine.reset_prefix_cache()
+    b = serve(engine, "B", P20 + [7, 7, 7])
+    assert (b.num_cached_tokens, b.num_external_tokens) == (20, 20)
+    assert len(engine.worker.executed_loads) == 1
+
+
+def test_only_whole_chunks_are_stored():
+    # chunks of 2 blocks (8 tokens); 21 tokens computed → chunks 0,1 (16 tokens), never the partial third
+    engine = make_engine(blocks_per_chunk=2)
+    a = serve(engine, "A", P20, max_new_tokens=2)
+    assert engine.scheduler.stats.stored_chunks == 2
+    ctx = ReqContext("probe")
+    keys = [a.block_hashes[i] + b"\0\0\0\0" for i in (1, 3, 4)]
+    assert [engine.scheduler.manager.lookup(k, ctx) for k in keys] == [
+        LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+
+
+def test_a_hit_in_a_middle_chunk_loads_only_that_chunk():
+    engine = make_engine()
+    serve(engine, "A", P20)  # chunks 0..4 in kvtier
+    engine.reset_prefix_cache()
+    # C re-computes the first 2 blocks only, so the engine's own cache holds chunks 0,1 again
+    serve(engine, "C", P20[:8] + [1, 2, 3])
+    # B (21 tokens): the engine serves chunks 0,1; kvtier loads chunks 2,3,4 only
+    b = serve(engine, "B", P20 + [9])
+    assert (b.num_cached_tokens, b.num_external_tokens) == (20, 12)
+    load = engine.worker.executed_loads[-1]
+    assert load.num_chunks == 3 and load.parts[0].skip_blocks == 0
+
+
+def test_partial_local_hit_loads_the_rest_of_the_chunk_without_touching_the_local_blocks():
+    # chunks of 2 blocks; the engine holds block 0 only → kvtier's chunk 0 is loaded without block 0
+    engine = make_engine(blocks_per_chunk=2)
+    serve(engine, "A", P20)  # chunks 0,1 stored (16 tokens)
+    engine.reset_prefix_cache()
+    serve(engine, "C", P20[:4] + [5])  # the engine caches block 0 again
+    b = serve(engine, "B", P20)
+    assert (b.num_cached_tokens, b.num_external_tokens) == (16, 12)
+    assert engine.worker.executed_loads[-1].parts[0].skip_blocks == 1
+
+
+def test_preemption_flushes_stores_and_the_request_reloads_later():
+    engine = make_engine(max_tokens_per_step=8)
+    engine.worker.store_delay_steps = 5  # stores stay in flight for a while
+    a = engine.add_request("A", P20, max_new_tokens=3)
+    engine.step()
+    engine.step()  # A computed 16 tokens: chunks 0..3 are being stored
+    assert engine.worker.pending_stores
+    engine.preempt("A")
+    engine.reset_prefix_cache()
+    # the next step flushes A's stores before anything reuses its blocks...
+    engine.step()
+    assert engine.scheduler.stats.flushed_jobs >= 1 and not engine.worker.pending_stores
+    # ...and A, re-admitted, loads what it had computed instead of recomputing it
+    engine.run()
+    assert engine.scheduler.stats.load_jobs == 1 and a.is_finished
+
+
+def test_an_aborted_queued_request_stores_nothing():
+    engine = make_engine()
+    engine.add_request("A", P20)
+    engine.abort("A")
+    engine.run()
+    s = engine.scheduler.manager.stats()
+    assert (s.used_slots, engine.scheduler.stats.store_jobs) == (0, 0)
+    assert engine.scheduler.request_state("A") is None
+
+
+def test_two_requests_for_one_prefix_do_not_load_it_twice():
+    engine = make_engine()
+    serve(engine, "A", P20)
+    engine.reset_prefix_cache()
+    # B and C arrive together: B loads; C waits one step, then the engine's cache serves it
+    b = engine.add_request("B", P20 + [1])
+    c = engine.add_request("C", P20 + [2])
+    engine.run()
+    assert len(engine.worker.executed_loads) == 1
+    assert (b.num_external_tokens, c.num_external_tokens) == (20, 0)
+    assert c.num_cached_tokens == 20 and c.num_lookups == 2
+    assert engine.scheduler.stats.deferrals == 1
+
+
+def test_a_write_that_never_completes_stops_deferring_at_the_cap():
+    engine = make_engine(max_deferrals=5, max_defer_s=3600)
+    engine.worker.stuck_stores = True  # every store stays PENDING forever
+    serve(engine, "A", P20)
+    engine.reset_prefix_cache()
+    b = serve(engine, "B", P20)
+    # asked 5 times "later", then once more: it proceeds without the pending chunks
+    assert b.num_lookups == 6 and b.is_finished and b.num_external_tokens == 0
+    assert engine.scheduler.stats.deferral_timeouts == 1
+
+
+def test_a_write_that_never_completes_stops_deferring_at_the_deadline():
+    clock = FakeClock()
+    engine = make_engine(max_deferrals=10_000, max_defer_s=1.0, clock=clock)
+    engine.worker.stuck_stores = True
+    serve(engine, "A", P20)
+    engine.reset_prefix_cache()
+    b = engine.add_request("B", P20)
+    for _ in range(1000):
+        if b.is_finished:
+            break
+        clock.now += 0.1
+        engine.step()
+    assert b.is_finished and 10 <= b.num_lookups <= 12
+    assert engine.scheduler.stats.deferral_timeouts == 1
+
+
+def test_a_failed_load_is_recomputed():
+    engine = make_engine()
+    serve(engine, "A", P20)
+    engine.reset_prefix_cache()
+    engine.worker.fail_load = lambda job: True
+    # B's load fails → its blocks are reported invalid → the engine recomputes them (no mismatch)
+    b = serve(engine, "B", P20)
+    assert b.is_finished and b.num_external_tokens == 16
+    assert engine.scheduler.stats.failed_load_chunks == 4
+
+
+def test_failed_load_reports_exactly_the_loaded_blocks():
+    engine = make_engine()
+    serve(engine, "A", P20)
+    sched = engine.scheduler
+    view = RequestView("X", engine.requests["A"].block_hashes, 21, 21)
+    assert sched.get_num_new_matched_tokens(view, 4) == (16, False)  # local 1 block, kvtier 4 more
+    sched.update_state_after_alloc("X", ([30, 31, 32, 33, 34, 35],), 16)
+    plan = sched.build_connector_meta(StepView())
+    (job,) = plan.load_jobs
+    assert sched.update_connector_output([JobReport(job.job_id, success=False, failed_chunks=(1,))]) == {32}
+
+
+def test_reset_cache_ignores_stale_completions():
+    engine = make_engine()
+    engine.worker.store_delay_steps = 3
+    engine.add_request("A", P20, max_new_tokens=1)
+    engine.step()  # A's chunks are being stored
+    assert engine.worker.pending_stores
+    assert engine.scheduler.reset_cache()
+    engine.run()
+    for _ in range(4):
+        engine.step()  # the stale stores complete
+    manager = engine.scheduler.manager
+    assert engine.scheduler.stats.stale_completions >= 1
+    assert manager.stats().used_slots == 0 and len(manager) == 0
+    engine.reset_prefix_cache()
+    assert serve(engine, "B", P20).num_external_tokens == 0
+    manager.check()
+
+
+def test_freed_blocks_with_a_store_in_flight_are_fenced():
+    # 6 blocks only: B reuses A's freed blocks while A's delayed stores still read them
+    engine = make_engine(num_blocks=6)
+    engine.worker.store_delay_steps = 4
+    serve(engine, "A", P20)
+    engine.reset_prefix_cache()
+    serve(engine, "B", prompt(20, seed=1))
+    assert engine.scheduler.stats.flushed_jobs >= 1
+    # A's chunks hold A's KV, not B's: reloading them passes the content checks
+    engine.reset_prefix_cache()
+    assert serve(engine, "A2", P20).num_external_tokens == 16
+
+
+def test_full_attention_and_sliding_window_groups():
+    groups = (GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8))
+    engine = make_engine(groups=groups, num_blocks=128)
+    serve(engine, "A", prompt(40))
+    engine.reset_prefix_cache()
+    b = serve(engine, "B", prompt(40) + [3])
+    assert b.num_external_tokens == 40
+    full, window = engine.worker.executed_loads[-1].parts
+    # the full-attention group loads all 10 chunks; the window group only chunks 8,9: token 40
+    # attends to tokens 33..40
+    assert (len(full.slot_ids), len(window.slot_ids)) == (10, 2)
+
+
+def test_sliding_window_suffix_scan_lowers_the_boundary():
+    groups = (GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8))
+    engine = make_engine(groups=groups, num_blocks=128)
+    a = serve(engine, "A", prompt(40))
+    sched, ctx = engine.scheduler, ReqContext("x")
+    # drop the window group's chunk 8: boundaries 10 and 9 need it, boundary 8 needs chunks 5..7 only
+    sched.manager.reset()
+    full_keys = [h + b"\0\0\0\0" for h in a.block_hashes[:10]]
+    window_keys = [h + b"\0\0\0\1" for h in a.block_hashes[:10]]
+    out = sched.manager.prepare_store(full_keys + window_keys[:8] + window_keys[9:], ctx)
+    sched.manager.complete_store(out.keys_to_store, ctx)
+    view = RequestView("B", a.block_hashes, 41, 41)
+    assert sched.get_num_new_matched_tokens(view, 0) == (32, False)
+
+
+def test_an_unsupported_group_gets_no_hits():
+    groups = (GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.UNSUPPORTED, 4))
+    engine = make_engine(groups=groups, num_blocks=128)
+    serve(engine, "A", P20)
+    engine.reset_prefix_cache()
+    assert serve(engine, "B", P20).num_external_tokens == 0
+
+
+@pytest.mark.parametrize("prompt_only, expected", [(True, 2), (False, 4)])
+def test_offload_prompt_only(prompt_only, expected):
+    engine = make_engine(offload_prompt_only=prompt_only)
+    serve(engine, "A", prompt(8), max_new_tokens=10)  # 8 prompt tokens, 17 computed at the end
+    assert engine.scheduler.stats.stored_chunks == expected
+
+
+@pytest.mark.parametrize("params", ["garbage", 5, {"kvtier": 5}, {"kvtier": {"load": "yes", "bogus": 1}}])
+def test_malformed_kv_transfer_params_are_ignored_with_a_warning(params, caplog):
+    engine = make_engine()
+    serve(engine, "A", P20)
+    engine.reset_prefix_cache()
+    with caplog.at_level(logging.WARNING, logger="kvtier.scheduler.params"):
+        b = serve(engine, "B", P20, kv_transfer_params=params)
+    assert b.num_external_tokens == 16
+    assert caplog.records and all(r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_kv_transfer_params_can_turn_loading_and_storing_off():
+    engine = make_engine()
+    serve(engine, "A", P20, kv_transfer_params={"kvtier": {"store": False}})
+    assert engine.scheduler.stats.store_jobs == 0
+    serve(engine, "A2", P20)
+    engine.reset_prefix_cache()
+    assert serve(engine, "B", P20, kv_transfer_params={"kvtier": {"load": False}}).num_external_tokens == 0
+
+
+def test_requests_are_forgotten_and_manager_is_told_once():
+    engine = make_engine()
+    finished = []
+    original = engine.scheduler.manager.on_request_finished
+    engine.scheduler.manager.on_request_finished = lambda ctx: (finished.append(ctx.req_id), original(ctx))
+    engine.worker.store_delay_steps = 2
+    serve(engine, "A", P20, max_new_tokens=4)
+    for _ in range(3):
+        engine.step()
+    assert finished == ["A"] and engine.scheduler.request_state("A") is None
+    assert not engine.scheduler.has_jobs_in_flight()
