@@ -104,7 +104,8 @@ def main() -> None:
     print(f"engine without kvtier: {base_us:8.1f} µs per request-step, engine prefix-cache hit rate "
           f"{base['local_rate']:.2%}")
     print(f"engine with kvtier:    {ours_us:8.1f} µs per request-step ({ours_us / base_us:.2f}x), of which "
-          f"kvtier {sched_us:.1f} µs; engine hit rate {ours['local_rate']:.2%} + kvtier hit rate {ours['hit_rate']:.2%}")
+          f"kvtier {sched_us:.1f} µs; engine hit rate {ours['local_rate']:.2%} + kvtier hit rate "
+          f"{ours['hit_rate']:.2%}")
     print(f"RESULT sched_us_per_step={sched_us:.1f} hit_rate={ours['hit_rate']:.4f}")
 
 
