@@ -13,17 +13,26 @@ noisy). The last line is the 2 MiB fragmented figure:
 
     RESULT store_ratio=<x> load_ratio=<y>
 
-Usage: python benchmarks/bench_transfer.py [--quick] [--layers 8] [--bpc 4]
+`--gil` instead measures 2 MiB fragmented chunks with a pure-Python thread spinning beside the
+copies (an engine's forward pass holds the GIL between torch ops), on each copy path: the C
+helper (`native`, one GIL release per batch) and the `ctypes` fallback (the GIL retaken after
+every run). Its ratios are against the contiguous copy measured without the spinner.
+
+Usage: python benchmarks/bench_transfer.py [--quick] [--gil] [--layers 8] [--bpc 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+import kvtier.worker.memmove as memmove
 from kvtier.worker import TransferEngine
 
 CHUNK_SIZES = (256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)
@@ -86,7 +95,9 @@ def scrub_cache() -> None:
     _SCRUB.add_(1)
 
 
-def bench_size(chunk_bytes: int, args: argparse.Namespace, rng: np.random.Generator) -> dict[str, tuple]:
+def bench_size(
+    chunk_bytes: int, args: argparse.Namespace, rng: np.random.Generator, cases=("contiguous", "fragmented")
+) -> dict[str, tuple]:
     """GB/s of store, load and the contiguous baseline per case, best of `args.rounds`."""
     page = chunk_bytes // (args.layers * args.bpc)
     num_chunks = max(4, args.total_mib * (1 << 20) // chunk_bytes)
@@ -96,7 +107,7 @@ def bench_size(chunk_bytes: int, args: argparse.Namespace, rng: np.random.Genera
     with TransferEngine(kv, args.bpc, num_chunks) as engine:
         src, dst = next(iter(kv.values())).untyped_storage(), engine.slab.view(-1)
         src = torch.empty(0, dtype=torch.int8).set_(src, 0, (total,), (1,))
-        for case in ("contiguous", "fragmented"):
+        for case in cases:
             blocks, slots = placement(case, num_chunks, args.bpc, rng)
             check_round_trip(engine, kv, blocks, slots)
             best = [float("inf")] * 3
@@ -113,6 +124,58 @@ def bench_size(chunk_bytes: int, args: argparse.Namespace, rng: np.random.Genera
     return out
 
 
+@contextlib.contextmanager
+def copy_path(path: str) -> Iterator[None]:
+    """Engines made inside copy on `path` ("native" or "ctypes")."""
+    saved = memmove._copyruns
+    memmove._copyruns = saved if path == "native" else None
+    try:
+        yield
+    finally:
+        memmove._copyruns = saved
+
+
+@contextlib.contextmanager
+def spinning(on: bool) -> Iterator[None]:
+    """A thread running pure Python (holding the GIL except when made to drop it) while inside."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        count = 0
+        while not stop.is_set():
+            count += 1
+
+    thread = threading.Thread(target=spin, daemon=True)
+    if on:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if on:
+            thread.join()
+
+
+def gil_main(args: argparse.Namespace, rng: np.random.Generator) -> None:
+    """Store/load GB/s of 2 MiB fragmented chunks on each copy path, with and without a spinner."""
+    paths = ("native", "ctypes") if memmove.native_copy_available() else ("ctypes",)
+    print(f"2048 KiB chunks, fragmented, {args.total_mib} MiB per direction, best of {args.rounds}; "
+          f"paths: {', '.join(paths)}")  # fmt: skip
+    print(f"{'path':>7} {'spinner':>8} {'store GB/s':>11} {'load GB/s':>10} {'copy GB/s':>10} "
+          f"{'store/copy':>10} {'load/copy':>9}")  # fmt: skip
+    ratios = {}
+    for path in paths:
+        for spin in (False, True):
+            with copy_path(path), spinning(spin):
+                store, load, copy = bench_size(2 << 20, args, rng, cases=("fragmented",))["fragmented"]
+            copy = ratios.setdefault("copy", copy)  # the no-spinner baseline of the first row
+            ratios[path, spin] = (store / copy, load / copy)
+            print(f"{path:>7} {'yes' if spin else 'no':>8} {store:>11.2f} {load:>10.2f} {copy:>10.2f} "
+                  f"{store / copy:>10.2f} {load / copy:>9.2f}")  # fmt: skip
+    store_ratio, load_ratio = ratios[paths[0], True]
+    print(f"RESULT gil_path={paths[0]} store_ratio={store_ratio:.2f} load_ratio={load_ratio:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 MiB per direction, 5 rounds")
@@ -121,10 +184,13 @@ def main() -> None:
     parser.add_argument("--chunks-per-job", type=int, default=4)
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per direction per round")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--gil", action="store_true", help="2 MiB chunks beside a spinning Python thread")
     args = parser.parse_args()
     if args.quick:
         args.total_mib, args.rounds = 64, 5
     rng = np.random.default_rng(0)
+    if args.gil:
+        return gil_main(args, rng)
     threads = torch.get_num_threads()
     print(f"{args.layers} layers, {args.bpc} blocks/chunk, {args.chunks_per_job} chunks/job, "
           f"{args.total_mib} MiB per direction, best of {args.rounds}, torch threads {threads}")  # fmt: skip

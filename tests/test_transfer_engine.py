@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvtier.worker.cpu_copy as cpu_copy
+import kvtier.worker.memmove as memmove
 from kvtier.errors import ConfigError
 from kvtier.worker import TransferEngine
 from kvtier.worker.cuda import cuda_usable
@@ -42,6 +43,17 @@ def block_bytes(kv: dict[str, torch.Tensor], layout: str, block_ids: list[int]) 
 def zero_all(kv: dict[str, torch.Tensor]) -> None:
     for t in kv.values():
         t.zero_()
+
+
+@pytest.fixture(autouse=True, params=["native", "ctypes"])
+def copy_path(request, monkeypatch):
+    """Every test runs on both copy paths: the C helper, and the ctypes fallback used where
+    it is not built."""
+    if request.param == "native" and not memmove.native_copy_available():
+        pytest.skip("C helper kvtier.worker._copyruns not built")
+    if request.param == "ctypes":
+        monkeypatch.setattr(memmove, "_copyruns", None)
+    return request.param
 
 
 class Gate(threading.Event):
@@ -291,11 +303,12 @@ def test_bad_arguments_are_config_errors():
         engine.submit_store("job-1", [0], [0])
 
 
-def test_cuda_path_imports_and_stays_off_without_a_gpu():
+def test_cuda_path_imports_and_stays_off_without_a_gpu(copy_path):
     # the CUDA backend is unverified until it runs on a GPU; here it must simply not be chosen
     assert not cuda_usable(torch.device("cpu"))
     with TransferEngine(random_kv("blocks_first", 1, 8, 2), 1, 4) as engine:
         assert type(engine._backend).__name__ == "CpuBackend"
+        assert engine._backend._copier.is_native == (copy_path == "native")
         assert not engine.slab.is_pinned()
 
 

@@ -1,15 +1,17 @@
-"""The CPU path: a job thread that plans batches while copy threads move the last one.
+"""The CPU path: a job thread that plans batches while copy threads move earlier ones.
 
 The job thread takes a batch of queued jobs (`JobQueue.pop_batch`), turns it into byte
 runs with numpy, and hands the runs to `MemmoveCopier`; while they copy, it plans the next
-batch, which must not conflict with the one in flight. Planning per job and waking threads
-per job cost as much as copying 1 MiB here; batches and the overlap hide both.
+batches (up to `_MAX_IN_FLIGHT` started), none conflicting with one in flight. Planning per
+job and waking threads per job cost as much as copying 1 MiB here; batches and the overlap
+hide both.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +29,10 @@ __all__ = ["CpuBackend"]
 # arrives meanwhile waits behind it (32 MiB is ~2-3 ms here).
 _BATCH_MAX_JOBS = 64
 _BATCH_MAX_BYTES = 32 << 20
+# Batches started and not yet reported. More than two keeps the copy threads busy while the job
+# thread waits for the GIL beside a busy Python thread (~5 ms, the switch interval; measured
+# with `bench_transfer.py --gil`); each one more lets a load wait behind one more batch.
+_MAX_IN_FLIGHT = 3
 
 
 @dataclass(slots=True)
@@ -84,19 +90,26 @@ class CpuBackend:
         return never_run
 
     def _loop(self) -> None:
-        running: _Running | None = None
+        in_flight: deque[_Running] = deque()
         while True:
             with self._cond:
-                while running is None and not self._stopping and not self._queue:
+                while not in_flight and not self._stopping and not self._queue:
                     self._cond.wait()
-                busy = running.batch if running else ()
-                batch = self._queue.pop_batch(_BATCH_MAX_JOBS, _BATCH_MAX_BYTES, running=busy)
-            if running is None and not batch:
+                batch = self._pop_batch(in_flight)
+            if not in_flight and not batch:
                 return  # stopping, and nothing queued or in flight
             started = self._start(batch) if batch else None
-            if running is not None:
-                self._finish(running)
-            running = started
+            if started is not None:
+                in_flight.append(started)
+            if in_flight and (not batch or len(in_flight) >= _MAX_IN_FLIGHT):
+                self._finish(in_flight.popleft())
+
+    def _pop_batch(self, in_flight: deque[_Running]) -> list[TransferJob]:
+        """The next batch that may run beside those in flight; empty when none may (lock held)."""
+        if len(in_flight) >= _MAX_IN_FLIGHT or not self._queue:
+            return []
+        busy = [job for running in in_flight for job in running.batch]
+        return self._queue.pop_batch(_BATCH_MAX_JOBS, _BATCH_MAX_BYTES, running=busy)
 
     def _start(self, batch: list[TransferJob]) -> _Running | None:
         """Plan and start a batch; a planning error fails the batch, never the thread."""

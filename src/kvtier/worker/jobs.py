@@ -167,8 +167,7 @@ def make_job(
     blocks = blocks.reshape(len(slots), blocks_per_chunk)
     block_set, slot_set = frozenset(blocks.ravel().tolist()), frozenset(slots.tolist())
     if _all_good(blocks, slots, block_set, slot_set, is_store, layouts[group].num_blocks, num_slots):
-        # The common case, kept cheap: the submitting thread's Python time stalls the copy
-        # threads (they retake the GIL after every run).
+        # The common case, kept cheap: it runs in the engine's thread, once per job.
         return TransferJob(
             job_id, is_store, group, blocks, slots, len(slots), (), None, block_set, slot_set,
             len(slots) * layouts[group].chunk_bytes - skip_blocks * page_bytes, skip_blocks=skip_blocks,

@@ -1,5 +1,13 @@
 """Copying lists of byte runs between host addresses, on a few threads, without the GIL.
 
+Two paths, chosen when a copier is made (the first one logs at INFO which):
+
+- native: `_copyruns.Copier`, the C helper built by `setup.py` (optional): persistent
+  pthreads copy each started batch with memcpy and never take the GIL, so consecutive
+  batches copy back to back however busy the interpreter is; `wait` blocks without the GIL.
+- ctypes (fallback, when the helper is not built): `ctypes.memmove` run by run on one Python
+  thread per share, retaking the GIL after every run.
+
 Why memmove and not `Tensor.copy_` (measured on the 2-core development machine, 128 MiB
 moved in runs at random offsets, against one contiguous 2-thread `copy_` at ~18 GB/s):
 
@@ -10,13 +18,12 @@ moved in runs at random offsets, against one contiguous 2-thread `copy_` at ~18 
     memmove, 2 threads   0.87      0.93      0.95
 
 `copy_` pays a TensorIterator set-up and an OpenMP fork per call, comparable to copying
-128 KiB. `ctypes.memmove` costs well under a microsecond from Python and releases the
-GIL while it copies, so two threads each copying half of the bytes run in parallel.
-(`index_copy_` and advanced-index assignment reach ~0.6 GB/s here and are never used.)
+128 KiB. (`index_copy_` and advanced-index assignment reach ~0.6 GB/s here and are never used.)
 
-The GIL is retaken after every run, so a thread spinning in pure Python (no torch ops,
-which release the GIL) slows these copies to a crawl; an engine's forward pass is torch
-ops, and copies measured at 7-9 GB/s beside a thread running small matmuls.
+Why persistent C threads rather than a Python thread calling a GIL-free `copy_runs` per batch:
+beside a thread spinning in pure Python (an engine's forward pass between torch ops), every
+return to Python waited ~5-7 ms for the GIL (the interpreter's switch interval): 256 MiB in 64
+`copy_runs` calls went at 0.5 GB/s, in one call at 8.7 GB/s. See `benchmarks/README.md`.
 
 Memory safety: callers pass addresses computed from validated ids and bounds-checked
 planes, inside tensors they keep alive until the copy has finished.
@@ -26,15 +33,35 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import queue
 import threading
 import time
+from types import ModuleType
 
 import numpy as np
 
-__all__ = ["CopyHandle", "MemmoveCopier"]
+_copyruns: ModuleType | None
+try:
+    from kvtier.worker import _copyruns
+except ImportError:  # not built (no C compiler at install time): the ctypes path copies
+    _copyruns = None
+
+__all__ = ["CopyHandle", "MemmoveCopier", "native_copy_available"]
+
+logger = logging.getLogger(__name__)
 
 _SPLIT_MIN_BYTES = 1 << 20  # below this, waking a second thread costs more than it saves
+_logged_paths: set[str] = set()
+_PATH_NOTES = {
+    "native": "C helper kvtier.worker._copyruns: batches copy without the GIL",
+    "ctypes": "kvtier.worker._copyruns is not built; ctypes.memmove retakes the GIL after every run",
+}
+
+
+def native_copy_available() -> bool:
+    """True when the C helper is built, so copies hold no GIL while they run."""
+    return _copyruns is not None
 
 
 class CopyHandle:
@@ -69,21 +96,46 @@ class CopyHandle:
             raise RuntimeError(f"copy thread failed: {self._error!r}")
 
 
+class _NativeCopyHandle(CopyHandle):
+    """A batch started on a `_copyruns.Copier`; `wait` blocks in C, without the GIL."""
+
+    def __init__(self, copier: object, ticket: int, started_at: float) -> None:
+        super().__init__(1)
+        self._copier, self._ticket, self._started_at = copier, ticket, started_at
+
+    def wait(self) -> None:
+        if self._ticket is not None:  # idempotent: the C side forgets a ticket once waited for
+            seconds = self._copier.wait(self._ticket)  # type: ignore[attr-defined]
+            self.finished_at, self._ticket = self._started_at + seconds, None
+
+
 class MemmoveCopier:
     """Copies (dst, src, nbytes) byte runs on `num_threads` threads, split evenly by bytes.
 
-    `start` returns at once; the copy runs on the copier's threads. Not thread-safe: one
-    caller (the job thread).
+    `start` returns at once; batches copy in start order. Not thread-safe: one caller (the job
+    thread).
     """
 
     def __init__(self, num_threads: int) -> None:
-        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(max(1, num_threads))]
+        self._num_threads = max(1, num_threads)
+        self._native = _copyruns.Copier(self._num_threads) if _copyruns is not None else None
+        path = "ctypes" if self._native is None else "native"
+        if path not in _logged_paths:
+            _logged_paths.add(path)
+            logger.info("kvtier copies on the %s path (%s)", path, _PATH_NOTES[path])
+        num_servers = 0 if self._native is not None else self._num_threads
+        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_servers)]
         self._threads = [
             threading.Thread(target=_serve, args=(inbox,), name=f"kvtier-copy-{i}", daemon=True)
             for i, inbox in enumerate(self._inboxes)
         ]
         for thread in self._threads:
             thread.start()
+
+    @property
+    def is_native(self) -> bool:
+        """True when batches are copied by the C helper."""
+        return self._native is not None
 
     def start(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> CopyHandle:
         """Start copying every run.
@@ -92,10 +144,15 @@ class MemmoveCopier:
             dst, src: int64 addresses; nbytes: int64 lengths (destinations must not overlap).
         Returns:
             The handle to wait on.
+        Raises:
+            ValueError: malformed arrays (native path), before anything is copied.
         """
         if nbytes.size == 0:
             return CopyHandle(0)
-        shares = 1 if int(nbytes.sum()) < _SPLIT_MIN_BYTES else len(self._inboxes)
+        shares = 1 if int(nbytes.sum()) < _SPLIT_MIN_BYTES else self._num_threads
+        if self._native is not None:
+            started_at = time.perf_counter()
+            return _NativeCopyHandle(self._native, self._native.start(dst, src, nbytes, shares), started_at)
         parts = split_by_bytes(dst, src, nbytes, shares)
         handle = CopyHandle(len(parts))
         for inbox, part in zip(self._inboxes, parts, strict=False):  # small copies have one part
@@ -108,6 +165,8 @@ class MemmoveCopier:
 
     def close(self) -> None:
         """Stop the threads after the copies already started (idempotent)."""
+        if self._native is not None:
+            self._native.close()
         for inbox in self._inboxes:
             inbox.put(None)
         for thread in self._threads:

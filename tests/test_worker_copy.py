@@ -1,0 +1,140 @@
+"""The C copy helper `kvtier.worker._copyruns` and `MemmoveCopier`'s choice of path."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import kvtier.worker.memmove as memmove
+from kvtier.worker.memmove import MemmoveCopier
+
+copyruns = pytest.importorskip("kvtier.worker._copyruns", reason="C helper not built (python setup.py build_ext)")
+
+
+class Runs:
+    """A source buffer of random bytes, a zeroed destination, and runs between them: uneven
+    lengths (some zero) at shuffled destination places, so every run lands somewhere else."""
+
+    def __init__(self, num_runs: int, max_len: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.nbytes = rng.integers(0, max_len, num_runs, dtype=np.int64)
+        self.nbytes[::5] = 0
+        total = int(self.nbytes.sum())
+        self.src = rng.integers(0, 256, total, dtype=np.uint8)
+        self.dst = np.zeros(total, dtype=np.uint8)
+        src_offsets = np.cumsum(self.nbytes) - self.nbytes
+        order = rng.permutation(num_runs)  # destination runs laid out in a shuffled order
+        dst_offsets = np.empty(num_runs, dtype=np.int64)
+        dst_offsets[order] = np.cumsum(self.nbytes[order]) - self.nbytes[order]
+        self.src_addr = self.src.ctypes.data + src_offsets
+        self.dst_addr = self.dst.ctypes.data + dst_offsets
+        self.expected = np.zeros_like(self.dst)
+        for s, d, n in zip(src_offsets, dst_offsets, self.nbytes, strict=True):
+            self.expected[d : d + n] = self.src[s : s + n]
+
+    def arrays(self, first: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.dst_addr[first:end], self.src_addr[first:end], self.nbytes[first:end]
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize(("num_runs", "max_len"), [(1, 1 << 20), (7, 3), (500, 70_000)])
+def test_copy_runs_copies_every_byte_once(num_threads, num_runs, max_len):
+    runs = Runs(num_runs, max_len)
+    copyruns.copy_runs(*runs.arrays(), num_threads)
+    assert np.array_equal(runs.dst, runs.expected)
+
+
+def test_copy_runs_with_nothing_to_copy_returns():
+    empty = np.zeros(0, dtype=np.int64)
+    copyruns.copy_runs(empty, empty, empty, 2)
+    zeros = np.zeros(3, dtype=np.int64)
+    copyruns.copy_runs(zeros, zeros, zeros, 2)  # zero-length runs may have null addresses
+
+
+def good() -> np.ndarray:
+    return np.ones(4, dtype=np.int64)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (([1, 2], good(), good()), "dst must be a C-contiguous 1-D int64 array"),
+        ((good(), good().astype(np.int32), good()), "src must be a 1-D int64 array, got format 'i'"),
+        ((good(), good(), good().astype(np.float64)), "nbytes must be a 1-D int64 array, got format 'd'"),
+        ((good(), good(), good().astype(np.uint64)), "nbytes must be a 1-D int64 array"),
+        ((np.ones((2, 2), dtype=np.int64), good(), good()), "dst must be a 1-D int64 array.*ndim 2"),
+        ((np.ones(8, dtype=np.int64)[::2], good(), good()), "dst must be a C-contiguous"),
+        ((good(), good()[:3], good()), "equal lengths, got 4, 3, 4"),
+        ((good(), good(), np.array([1, -1, 1, 1])), r"nbytes\[1\] = -1"),
+        ((good(), np.array([1, 0, 1, 1]), good()), "run 1 has a null address"),
+    ],
+)
+def test_copy_runs_rejects_malformed_arguments_before_copying(args, message):
+    with pytest.raises(ValueError, match=message):
+        copyruns.copy_runs(*args, 1)
+
+
+@pytest.mark.parametrize("num_threads", [0, 65])
+def test_copy_runs_rejects_thread_counts_out_of_range(num_threads):
+    with pytest.raises(ValueError, match=r"num_threads must be in \[1, 64\]"):
+        copyruns.copy_runs(good(), good(), good(), num_threads)
+
+
+def test_copier_copies_batches_started_back_to_back():
+    runs = Runs(600, 40_000, seed=1)
+    copier = copyruns.Copier(2)
+    # three batches in flight at once, cut into 2, 1 and 2 shares; waited for out of order
+    tickets = [
+        copier.start(*runs.arrays(0, 200), 2),
+        copier.start(*runs.arrays(200, 400), 1),
+        copier.start(*runs.arrays(400), 2),
+    ]
+    seconds = [copier.wait(t) for t in reversed(tickets)]
+    assert np.array_equal(runs.dst, runs.expected)
+    assert all(s >= 0 for s in seconds)
+    # a ticket is forgotten once waited for
+    with pytest.raises(ValueError, match="no started copy has ticket"):
+        copier.wait(tickets[0])
+    # malformed batches are refused at start, and the copier keeps working
+    with pytest.raises(ValueError, match="equal lengths"):
+        copier.start(good(), good()[:1], good(), 1)
+    empty = np.zeros(0, dtype=np.int64)
+    assert copier.wait(copier.start(empty, empty, empty, 2)) == 0.0
+    # close finishes what was started (never waited for here), then refuses new batches
+    runs = Runs(50, 10_000, seed=2)
+    copier.start(*runs.arrays(), 2)
+    copier.close()
+    copier.close()
+    assert np.array_equal(runs.dst, runs.expected)
+    with pytest.raises(RuntimeError, match="Copier is closed"):
+        copier.start(empty, empty, empty, 1)
+
+
+@pytest.mark.parametrize("path", ["native", "ctypes"])
+def test_memmove_copier_copies_on_either_path(path, monkeypatch):
+    if path == "ctypes":
+        monkeypatch.setattr(memmove, "_copyruns", None)
+    copier = MemmoveCopier(2)
+    assert copier.is_native == (path == "native")
+    # a small batch (one share) and a large one (split by bytes over both threads)
+    small, large = Runs(20, 1000, seed=3), Runs(300, 30_000, seed=4)
+    handles = [copier.start(*small.arrays()), copier.start(*large.arrays())]
+    for handle in handles:
+        handle.wait()
+        assert handle.finished_at > 0
+    copier.close()
+    assert np.array_equal(small.dst, small.expected) and np.array_equal(large.dst, large.expected)
+
+
+def test_the_path_is_logged_once_per_process(monkeypatch, caplog):
+    monkeypatch.setattr(memmove, "_logged_paths", set())
+    caplog.set_level(logging.INFO, logger="kvtier.worker.memmove")
+    for _ in range(2):
+        MemmoveCopier(1).close()
+    monkeypatch.setattr(memmove, "_copyruns", None)
+    MemmoveCopier(1).close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert "native path" in messages[0] and "ctypes path" in messages[1] and "not built" in messages[1]
