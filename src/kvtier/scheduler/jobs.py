@@ -158,13 +158,4 @@ class JobBook:
     @staticmethod
     def failed_load_blocks(record: JobRecord) -> set[int]:
         """Engine blocks a failed load left invalid (never the blocks it had to skip)."""
-        blocks: set[int] = set()
-        index = 0
-        for part in record.job.parts:
-            bpc = len(part.block_ids) // max(len(part.slot_ids), 1)
-            for chunk in range(len(part.slot_ids)):
-                if index + chunk in record.failed_chunks:
-                    first = part.skip_blocks if chunk == 0 else 0
-                    blocks.update(part.block_ids[chunk * bpc + first : (chunk + 1) * bpc].tolist())
-            index += len(part.slot_ids)
-        return blocks
+        return record.job.load_targets(record.failed_chunks)

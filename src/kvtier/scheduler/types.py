@@ -106,6 +106,19 @@ class TransferJob:
     def num_chunks(self) -> int:
         return sum(len(p.slot_ids) for p in self.parts)
 
+    def load_targets(self, chunks: set[int]) -> set[int]:
+        """Engine blocks a load writes for these chunk indices (never the skipped ones)."""
+        blocks: set[int] = set()
+        index = 0
+        for part in self.parts:
+            bpc = len(part.block_ids) // max(len(part.slot_ids), 1)
+            for c in range(len(part.slot_ids)):
+                if index + c in chunks:
+                    first = part.skip_blocks if c == 0 else 0
+                    blocks.update(part.block_ids[c * bpc + first : (c + 1) * bpc].tolist())
+            index += len(part.slot_ids)
+        return blocks
+
 
 @dataclass(slots=True)
 class StepPlan:

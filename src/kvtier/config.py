@@ -1,0 +1,105 @@
+"""kvtier's user-facing configuration (`kv_connector_extra_config` in vLLM).
+
+Every key is validated at engine start: an unknown key or a bad value is a
+`ConfigError` that names the key, what was wrong, and the valid keys.
+
+    {"cpu_bytes": "4GiB", "blocks_per_chunk": 1, "eviction_policy": "lru"}
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.policies import policy_names
+
+__all__ = ["KVTierConfig", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """Bytes from an int or a string like "4GiB", "512 MiB", "2e9"-free "2000000000"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size like '4GiB' or a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        num_bytes = value
+    elif isinstance(value, str) and (m := _SIZE.match(value)) and m.group(2).lower() in _UNITS:
+        num_bytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ConfigError(f"{key}: expected a size like '4GiB', '512MiB' or a number of bytes, got {value!r}")
+    if num_bytes <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    return num_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierConfig:
+    """Validated kvtier settings.
+
+    cpu_bytes: host RAM for the CPU tier (e.g. "4GiB").
+    blocks_per_chunk: engine blocks per offloaded chunk (the transfer unit).
+    eviction_policy: "lru", "arc" or an out-of-tree "module:Class".
+    store_threshold: store a chunk on its N-th offer (1 = always).
+    offload_prompt_only: do not store chunks of generated tokens.
+    max_defer_s / max_deferrals: the bound on how long a request waits for pending writes.
+    enable_events: publish BlockStored / BlockRemoved KV events.
+    """
+
+    cpu_bytes: int = 4 * 2**30
+    blocks_per_chunk: int = 1
+    eviction_policy: str = "lru"
+    store_threshold: int = 1
+    offload_prompt_only: bool = False
+    max_defer_s: float = 2.0
+    max_deferrals: int = 64
+    enable_events: bool = True
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> KVTierConfig:
+        """Validate a user dict; raises ConfigError naming the key and the valid keys."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise ConfigError(f"kvtier config must be a dict of {cls.valid_keys()}, got {type(raw).__name__}")
+        unknown = sorted(str(k) for k in raw if k not in cls.valid_keys())
+        if unknown:
+            raise ConfigError(f"unknown kvtier config key(s) {unknown}; valid keys: {cls.valid_keys()}")
+        values = {k: _check(k, v) for k, v in raw.items()}
+        return cls(**values)
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _check(key: str, value: Any) -> Any:
+    if key == "cpu_bytes":
+        return parse_size(value, key)
+    if key in ("blocks_per_chunk", "store_threshold"):
+        return _int_at_least(key, value, 1)
+    if key == "max_deferrals":
+        return _int_at_least(key, value, 0)
+    if key == "max_defer_s":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{key}: expected seconds >= 0, got {value!r}")
+        return float(value)
+    if key in ("offload_prompt_only", "enable_events"):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if key == "eviction_policy":
+        if not isinstance(value, str) or (value not in policy_names() and ":" not in value):
+            raise ConfigError(f"{key}: expected one of {policy_names()} or 'module:Class', got {value!r}")
+        return value
+    raise ConfigError(f"unknown kvtier config key {key!r}")
+
+
+def _int_at_least(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key}: expected an integer >= {minimum}, got {value!r}")
+    return value

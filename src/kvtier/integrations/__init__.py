@@ -1,0 +1,1 @@
+"""Engine adapters. Each imports its engine; the kvtier core never does."""

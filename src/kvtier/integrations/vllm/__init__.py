@@ -1,0 +1,6 @@
+"""kvtier inside vLLM: `KVTierConnector`, loaded with
+`kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm"`."""
+
+from kvtier.integrations.vllm.connector import KVTierConnector
+
+__all__ = ["KVTierConnector"]

@@ -1,0 +1,138 @@
+"""`KVTierConnector`: kvtier as a vLLM v1 KV connector (out of tree).
+
+    LLM(..., kv_transfer_config=KVTransferConfig(
+        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"cpu_bytes": "4GiB"}))
+
+vLLM builds one instance per process: role SCHEDULER in the engine core (-> `SchedulerSide`,
+metadata only) and role WORKER in each worker (-> `WorkerSide`, the bytes). This class
+only routes calls; `kv_connector_extra_config` is validated here, at engine start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
+from kvtier.integrations.vllm.scheduler_side import SchedulerSide
+from kvtier.integrations.vllm.worker_side import WorkerSide
+
+__all__ = ["KVTierConnector"]
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """Tiered KV-cache offloading for vLLM; see the module docstring for its configuration."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.kvtier_config = KVTierConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.kvtier_config, vllm_config, kv_cache_config)
+        else:
+            self._worker = WorkerSide(self.kvtier_config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is only a future miss
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._sched().request_finished(request)
+        return False, None  # blocks may be freed now: stores still reading them are fenced
+
+    def take_events(self) -> Iterable[Any]:
+        return self._sched().take_events()
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def reset_cache(self) -> bool:
+        return self._sched().reset_cache()
+
+    # -- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        self._work().handle_preemptions(kv_connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work().start_load_kv(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # start_load_kv already waited for the step's loads
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass  # whole chunks are stored after the forward pass (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self._work().wait_for_save(self._plan())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # loads are synchronous and blocks are never held back
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self):
+        return self._work().build_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- stats ------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        if self._scheduler is not None:
+            return self._scheduler.get_stats()
+        return self._worker.get_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:
+        return KVTierStats(data=data) if data is not None else KVTierStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side KVTierConnector method was called on the worker side")
+        return self._scheduler
+
+    def _work(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side KVTierConnector method was called on the scheduler side")
+        return self._worker
+
+    def _plan(self):
+        return self._get_connector_metadata().plan

@@ -1,0 +1,111 @@
+"""kvtier's connector stats and Prometheus metrics (`kvtier:*`).
+
+Both connector halves report deltas since their previous report: the scheduler
+side its lookups, deferrals and occupancy, the workers their bytes and seconds per
+direction. vLLM aggregates them (`aggregate`), logs `reduce()` and feeds the data to
+`KVTierPromMetrics.observe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+__all__ = ["COUNTERS", "GAUGES", "KVTierPromMetrics", "KVTierStats"]
+
+# name -> documentation; counters are deltas, gauges the latest value
+COUNTERS = {
+    "hit_tokens": "Prompt tokens loaded from kvtier instead of recomputed.",
+    "miss_tokens": "Prompt tokens after the engine's own hits that kvtier could not supply.",
+    "deferrals": "Lookups answered 'ask again next step' (pending writes or probes).",
+    "deferral_timeouts": "Requests that stopped waiting at their deadline or deferral cap.",
+    "store_alloc_failures": "Stores postponed because the CPU tier had no evictable room.",
+    "evictions": "Chunks evicted from the CPU tier.",
+    "load_bytes": "Bytes loaded from kvtier into the engine's KV cache.",
+    "load_seconds": "Seconds spent loading.",
+    "store_bytes": "Bytes stored from the engine's KV cache into kvtier.",
+    "store_seconds": "Seconds spent storing.",
+    "failed_load_chunks": "Chunks whose load failed (the engine recomputed them).",
+    "failed_store_chunks": "Chunks whose store failed (dropped, never served).",
+}
+GAUGES = {
+    "num_slots": "Slots (chunks) of the CPU tier.",
+    "used_slots": "Slots holding a chunk (readable, being written, or retired).",
+    "pinned_slots": "Slots pinned by loads in flight.",
+}
+_DIRECTIONAL = {"bytes": ("load_bytes", "store_bytes"), "seconds": ("load_seconds", "store_seconds"),
+                "failed_chunks": ("failed_load_chunks", "failed_store_chunks")}
+
+
+@dataclass
+class KVTierStats(KVConnectorStats):
+    """`data = {"counters": {name: delta}, "gauges": {name: value}}` (plain, serializable)."""
+
+    def __post_init__(self) -> None:
+        if "counters" not in self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "gauges": {}}
+
+    def add(self, name: str, value: float) -> None:
+        if value:
+            self.data["counters"][name] = self.data["counters"].get(name, 0) + value
+
+    def set_gauge(self, name: str, value: float) -> None:
+        self.data["gauges"][name] = value
+
+    def aggregate(self, other: KVConnectorStats) -> KVTierStats:
+        for name, value in other.data.get("counters", {}).items():
+            self.add(name, value)
+        self.data["gauges"].update(other.data.get("gauges", {}))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {**self.data["counters"], **self.data["gauges"]}
+        queried = out.get("hit_tokens", 0) + out.get("miss_tokens", 0)
+        if queried:
+            out["hit_rate"] = round(out.get("hit_tokens", 0) / queried, 4)
+        for direction in ("load", "store"):
+            seconds = out.get(f"{direction}_seconds", 0)
+            if seconds:
+                out[f"{direction}_GBps"] = round(out.get(f"{direction}_bytes", 0) / seconds / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not (self.data["counters"] or self.data["gauges"])
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """Registers `kvtier:*` counters and gauges, per engine, and records stats into them."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        self._gauges: dict[str, dict[int, Any]] = {}
+        directional = {n for names in _DIRECTIONAL.values() for n in names}
+        for name, doc in COUNTERS.items():
+            if name not in directional:
+                metric = self._counter_cls(name=f"kvtier:{name}", documentation=doc, labelnames=labelnames)
+                self._counters[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+        for suffix, (load_name, store_name) in _DIRECTIONAL.items():
+            metric = self._counter_cls(name=f"kvtier:transfer_{suffix}", labelnames=[*labelnames, "direction"],
+                                       documentation=f"{COUNTERS[load_name]} / {COUNTERS[store_name]}")
+            for name, direction in ((load_name, "load"), (store_name, "store")):
+                self._counters[name] = {i: metric.labels(*values, direction)
+                                        for i, values in per_engine_labelvalues.items()}
+        for name, doc in GAUGES.items():
+            metric = self._gauge_cls(name=f"kvtier:{name}", documentation=doc, labelnames=labelnames)
+            self._gauges[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.get("counters", {}).items():
+            if name in self._counters and value > 0:
+                self._counters[name][engine_idx].inc(value)
+        for name, value in transfer_stats_data.get("gauges", {}).items():
+            if name in self._gauges:
+                self._gauges[name][engine_idx].set(value)

@@ -1,0 +1,75 @@
+"""The scheduler-process half of `KVTierConnector`: vLLM calls -> `OffloadScheduler`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.convert import num_slots_for, request_view, scheduler_config, step_view
+from kvtier.integrations.vllm.events import to_kv_events
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.metrics import KVTierStats
+from kvtier.scheduler import OffloadScheduler, SchedulerStats
+from kvtier.tiers.cpu import CPUTierManager
+
+__all__ = ["SchedulerSide"]
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    """Owns the CPU tier's metadata and the scheduler; never touches tensors."""
+
+    def __init__(self, cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any):
+        num_slots = num_slots_for(cfg, kv_cache_config)
+        self.manager = CPUTierManager(num_slots, policy=cfg.eviction_policy, store_threshold=cfg.store_threshold,
+                                      enable_events=cfg.enable_events)
+        self.core = OffloadScheduler(scheduler_config(cfg, vllm_config, kv_cache_config), self.manager)
+        self._reported = SchedulerStats()
+        self._reported_evictions = 0
+        logger.info("kvtier: CPU tier of %d slots (%d bytes), chunks of %d block(s)",
+                    num_slots, cfg.cpu_bytes, cfg.blocks_per_chunk)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.core.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.core.update_state_after_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        return KVTierMetadata(self.core.build_connector_meta(step_view(scheduler_output)))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMetadata) and meta.reports:
+            self.core.update_connector_output(meta.reports)
+
+    def request_finished(self, request: Any) -> None:
+        self.core.request_finished(request_view(request))
+
+    def take_events(self):
+        return to_kv_events(self.core.take_events())
+
+    def has_pending_push_work(self) -> bool:
+        return self.core.has_jobs_in_flight()
+
+    def reset_cache(self) -> bool:
+        return self.core.reset_cache()
+
+    def get_stats(self) -> KVTierStats:
+        """Deltas of the scheduler's counters since the last call, plus occupancy gauges."""
+        now, before = self.core.stats, self._reported
+        stats = KVTierStats()
+        stats.add("hit_tokens", now.hit_tokens - before.hit_tokens)
+        stats.add("miss_tokens", (now.query_tokens - now.hit_tokens) - (before.query_tokens - before.hit_tokens))
+        for name in ("deferrals", "deferral_timeouts", "store_alloc_failures", "failed_load_chunks",
+                     "failed_store_chunks"):
+            stats.add(name, getattr(now, name) - getattr(before, name))
+        tier = self.manager.stats()
+        stats.add("evictions", tier.evictions - self._reported_evictions)
+        for name in ("num_slots", "used_slots", "pinned_slots"):
+            stats.set_gauge(name, getattr(tier, name))
+        self._reported = SchedulerStats(**now.as_dict())
+        self._reported_evictions = tier.evictions
+        return stats
