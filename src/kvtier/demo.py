@@ -137,7 +137,7 @@ def plot(base: RunResult, ours: RunResult, path: Path) -> None:
     ax.set_xlabel("turn")
     ax.set_ylabel("time to first token (ms, log)")
     ax.set_xticks(range(1, len(base.ttft_by_turn) + 1))
-    ax.set_title("8 chats x 4 turns, 2k-token system prompt, vLLM on CPU")
+    ax.set_title(f"{len(base.ttft_by_turn[0])} chats x {len(base.ttft_by_turn)} turns, vLLM on CPU")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
