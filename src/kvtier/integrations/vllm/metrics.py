@@ -14,7 +14,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["COUNTERS", "GAUGES", "KVTierPromMetrics", "KVTierStats"]
+__all__ = ["COUNTERS", "GAUGES", "KVTierPromMetrics", "KVTierStats", "read_metric"]
 
 # name -> documentation; counters are deltas, gauges the latest value
 COUNTERS = {
@@ -109,3 +109,14 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         for name, value in transfer_stats_data.get("gauges", {}).items():
             if name in self._gauges:
                 self._gauges[name][engine_idx].set(value)
+
+
+def read_metric(name: str) -> float:
+    """A kvtier metric as this process's Prometheus registry holds it, summed over labels.
+
+    vLLM's stat logger records into the registry of the process that runs `LLM`.
+    """
+    from prometheus_client import REGISTRY
+
+    return sum(sample.value for metric in REGISTRY.collect() if metric.name == name
+               for sample in metric.samples if sample.name in (name, name + "_total"))
