@@ -7,9 +7,10 @@ placements: "contiguous" (chunk i = blocks i*bpc.., slot i) and "fragmented" (ea
 run of bpc consecutive blocks at a random place, random slots), the engine's usual case.
 
 The baseline is one `dst.copy_(src)` of the same number of bytes, measured in the same run:
-this machine's memory-bandwidth limit. Rounds are interleaved, every timed copy starts from
-the same cache state (`scrub_cache`), and the best of each side is kept (2-core machines are
-noisy). The last line is the 2 MiB fragmented figure:
+this machine's memory-bandwidth limit. Each round times store, load and baseline back to back,
+every timed copy from the same cache state (`scrub_cache`); the GB/s columns show each side's
+best round, the ratios the median over rounds of each round's ratio (paired, so the bandwidth
+drift of 2-core machines cancels). The last line is the 2 MiB fragmented figure:
 
     RESULT store_ratio=<x> load_ratio=<y>
 
@@ -110,17 +111,22 @@ def bench_size(
         for case in cases:
             blocks, slots = placement(case, num_chunks, args.bpc, rng)
             check_round_trip(engine, kv, blocks, slots)
-            best = [float("inf")] * 3
+            rounds = []  # (store, load, copy) seconds, measured back to back
             for _ in range(args.rounds):
                 scrub_cache()
-                best[0] = min(best[0], run_jobs(engine, True, blocks, slots, args.chunks_per_job))
+                store = run_jobs(engine, True, blocks, slots, args.chunks_per_job)
                 scrub_cache()
-                best[1] = min(best[1], run_jobs(engine, False, blocks, slots, args.chunks_per_job))
+                load = run_jobs(engine, False, blocks, slots, args.chunks_per_job)
                 scrub_cache()
                 t = time.perf_counter()
                 dst.copy_(src)
-                best[2] = min(best[2], time.perf_counter() - t)
-            out[case] = tuple(total / s / 1e9 for s in best)
+                rounds.append((store, load, time.perf_counter() - t))
+            best = [min(r[i] for r in rounds) for i in range(3)]
+            # Ratios are paired: each round's copies against that round's baseline, median over
+            # rounds. This machine's bandwidth drifts (the baseline reads 16-22 GB/s from one
+            # second to the next); best-of each side alone would compare different moments.
+            paired = [float(np.median([r[2] / r[i] for r in rounds])) for i in range(2)]
+            out[case] = (*(total / s / 1e9 for s in best), *paired)
     return out
 
 
@@ -167,7 +173,7 @@ def gil_main(args: argparse.Namespace, rng: np.random.Generator) -> None:
     for path in paths:
         for spin in (False, True):
             with copy_path(path), spinning(spin):
-                store, load, copy = bench_size(2 << 20, args, rng, cases=("fragmented",))["fragmented"]
+                store, load, copy, *_ = bench_size(2 << 20, args, rng, cases=("fragmented",))["fragmented"]
             copy = ratios.setdefault("copy", copy)  # the no-spinner baseline of the first row
             ratios[path, spin] = (store / copy, load / copy)
             print(f"{path:>7} {'yes' if spin else 'no':>8} {store:>11.2f} {load:>10.2f} {copy:>10.2f} "
@@ -193,15 +199,16 @@ def main() -> None:
         return gil_main(args, rng)
     threads = torch.get_num_threads()
     print(f"{args.layers} layers, {args.bpc} blocks/chunk, {args.chunks_per_job} chunks/job, "
-          f"{args.total_mib} MiB per direction, best of {args.rounds}, torch threads {threads}")  # fmt: skip
+          f"{args.total_mib} MiB per direction, {args.rounds} rounds, torch threads {threads}; "
+          "GB/s: best round; ratios: median of per-round ratios")  # fmt: skip
     print(f"{'chunk':>8} {'page':>8} {'case':>11} {'store GB/s':>11} {'load GB/s':>10} {'copy GB/s':>10} "
           f"{'store/copy':>10} {'load/copy':>9}")  # fmt: skip
     ratios = {}
     for chunk in CHUNK_SIZES:
-        for case, (store, load, copy) in bench_size(chunk, args, rng).items():
-            ratios[chunk, case] = (store / copy, load / copy)
+        for case, (store, load, copy, store_ratio, load_ratio) in bench_size(chunk, args, rng).items():
+            ratios[chunk, case] = (store_ratio, load_ratio)
             print(f"{chunk >> 10:>5} KiB {chunk // (args.layers * args.bpc) >> 10:>4} KiB {case:>11} {store:>11.2f} "
-                  f"{load:>10.2f} {copy:>10.2f} {store / copy:>10.2f} {load / copy:>9.2f}")  # fmt: skip
+                  f"{load:>10.2f} {copy:>10.2f} {store_ratio:>10.2f} {load_ratio:>9.2f}")  # fmt: skip
     store_ratio, load_ratio = ratios[2 << 20, "fragmented"]
     print(f"RESULT store_ratio={store_ratio:.2f} load_ratio={load_ratio:.2f}")
 

@@ -46,6 +46,19 @@ def test_copy_runs_copies_every_byte_once(num_threads, num_runs, max_len):
     assert np.array_equal(runs.dst, runs.expected)
 
 
+@pytest.mark.parametrize("dst_misalign", [0, 1, 7, 15])
+@pytest.mark.parametrize("length", [65_535, 65_536, 65_536 + 63, 200_001])
+def test_streaming_stores_copy_long_runs_exactly(dst_misalign, length):
+    # runs of >= 64 KiB take the streaming-store path: unaligned heads and odd tails included
+    rng = np.random.default_rng(length + dst_misalign)
+    src = rng.integers(0, 256, length + 16, dtype=np.uint8)
+    dst = np.zeros(length + 32, dtype=np.uint8)
+    addr = lambda a, off: np.array([a.ctypes.data + off], dtype=np.int64)  # noqa: E731
+    copyruns.copy_runs(addr(dst, dst_misalign), addr(src, 3), np.array([length], dtype=np.int64), 1)
+    assert np.array_equal(dst[dst_misalign : dst_misalign + length], src[3 : 3 + length])
+    assert not dst[:dst_misalign].any() and not dst[dst_misalign + length :].any()
+
+
 def test_copy_runs_with_nothing_to_copy_returns():
     empty = np.zeros(0, dtype=np.int64)
     copyruns.copy_runs(empty, empty, empty, 2)

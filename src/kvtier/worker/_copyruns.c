@@ -32,8 +32,44 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define HAVE_STREAMING_STORES 1
+#endif
 
 #define MAX_THREADS 64
+/* Runs at least this long are written with non-temporal (streaming) stores: the bytes are
+ * not read again soon (a slab slot, or engine blocks the next forward pass reads once), and
+ * skipping the read-for-ownership of each destination line saves a third of the memory
+ * traffic. Measured on the 2-core development machine: 2 MiB chunks went from ~0.78 to ~1.0
+ * of a contiguous torch copy (which writes through the cache). */
+#define STREAM_MIN_BYTES (64 * 1024)
+
+static void copy_bytes(char *dst, const char *src, size_t len)
+{
+#ifdef HAVE_STREAMING_STORES
+    if (len >= STREAM_MIN_BYTES) {
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        memcpy(dst, src, head);
+        dst += head, src += head, len -= head;
+        size_t blocks = len / 64;
+        for (size_t i = 0; i < blocks; i++, dst += 64, src += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+        memcpy(dst, src, len % 64);
+        _mm_sfence(); /* streaming stores are weakly ordered: visible before the copy reports done */
+        return;
+    }
+#endif
+    memcpy(dst, src, len);
+}
 
 typedef struct {
     const int64_t *dst, *src, *nbytes;
@@ -50,7 +86,7 @@ static void copy_share(const Share *s)
         int64_t len = s->nbytes[i] - skip;
         if (len > left)
             len = left;
-        memcpy((char *)(intptr_t)s->dst[i] + skip, (const char *)(intptr_t)s->src[i] + skip, (size_t)len);
+        copy_bytes((char *)(intptr_t)s->dst[i] + skip, (const char *)(intptr_t)s->src[i] + skip, (size_t)len);
         left -= len;
         skip = 0;
     }
