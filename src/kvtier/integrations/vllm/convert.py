@@ -5,9 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
 from kvtier.scheduler import GroupKind, GroupSpec, RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
 
-__all__ = ["num_slots_for", "request_view", "scheduler_config", "step_view"]
+__all__ = ["block_hash_bytes", "num_slots_for", "request_view", "scheduler_config", "step_view"]
+
+# vLLM's prefix-caching hash algorithms -> digest bytes (sha256: 32; xxh3_128: 16)
+_HASH_BYTES = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
 
 
 def request_view(request: Any) -> RequestView:
@@ -74,3 +78,12 @@ def num_slots_for(cfg: KVTierConfig, kv_cache_config: Any) -> int:
         for g in kv_cache_config.kv_cache_groups
     )
     return cfg.cpu_bytes // slot_bytes
+
+
+def block_hash_bytes(vllm_config: Any) -> int:
+    """Bytes of the engine's block hashes; an unknown algorithm stops the engine at start."""
+    algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")
+    if algo not in _HASH_BYTES:
+        raise ConfigError(f"kvtier does not know vLLM's prefix_caching_hash_algo {algo!r}; "
+                          f"use one of {sorted(_HASH_BYTES)}")
+    return _HASH_BYTES[algo]

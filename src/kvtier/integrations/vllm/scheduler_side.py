@@ -6,10 +6,17 @@ import logging
 from typing import Any
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.convert import num_slots_for, request_view, scheduler_config, step_view
+from kvtier.integrations.vllm.convert import (
+    block_hash_bytes,
+    num_slots_for,
+    request_view,
+    scheduler_config,
+    step_view,
+)
 from kvtier.integrations.vllm.events import to_kv_events
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierStats
+from kvtier.keys import GROUP_INDEX_BYTES
 from kvtier.scheduler import OffloadScheduler, SchedulerStats
 from kvtier.tiers.cpu import CPUTierManager
 
@@ -24,7 +31,8 @@ class SchedulerSide:
     def __init__(self, cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any):
         num_slots = num_slots_for(cfg, kv_cache_config)
         self.manager = CPUTierManager(num_slots, policy=cfg.eviction_policy, store_threshold=cfg.store_threshold,
-                                      enable_events=cfg.enable_events)
+                                      enable_events=cfg.enable_events,
+                                      key_bytes=block_hash_bytes(vllm_config) + GROUP_INDEX_BYTES)
         self.core = OffloadScheduler(scheduler_config(cfg, vllm_config, kv_cache_config), self.manager)
         self._reported = SchedulerStats()
         self._reported_evictions = 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.convert import num_slots_for
 from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierStats
@@ -52,6 +53,8 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         groups = [list(g.layer_names) for g in self.kv_cache_config.kv_cache_groups]
+        if len(groups) > _MAX_PARTS:
+            raise ConfigError(f"kvtier supports up to {_MAX_PARTS} KV-cache groups, this model has {len(groups)}")
         self.engine = TransferEngine(kv_caches, self.cfg.blocks_per_chunk, self.num_slots, layer_groups=groups)
         logger.info("kvtier: host slab of %d slots x %d bytes", self.num_slots, self.engine.slot_bytes)
 
@@ -67,8 +70,14 @@ class WorkerSide:
             return
         ids = [e for job in plan.load_jobs for e in self._submit(job, is_load=True)]
         if ids and self.engine is not None and not self.engine.wait(ids, timeout=_FLUSH_TIMEOUT_S):
+            # Never hang the forward pass on a stuck copy: the engine recomputes what is late.
+            # (A copy that still lands afterwards would overwrite recomputed blocks; a host that
+            # cannot memcpy a few MiB in 120 s is failing, and this is logged as an error.)
             logger.error("kvtier: loads still running after %.0f s; their blocks will be recomputed",
                          _FLUSH_TIMEOUT_S)
+            for job in plan.load_jobs:
+                if job.job_id in self._pending:
+                    self._load_errors |= job.load_targets(set(range(job.num_chunks)))
         self._collect()
 
     def wait_for_save(self, plan: StepPlan) -> None:
