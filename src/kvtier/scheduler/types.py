@@ -92,6 +92,12 @@ class TransferPart:
     block_ids: np.ndarray
     skip_blocks: int = 0
 
+    def chunk_pages(self, chunk: int) -> list[tuple[int, int]]:
+        """(page in the slot, engine block) of every block chunk `chunk` moves."""
+        bpc = len(self.block_ids) // max(len(self.slot_ids), 1)
+        first = self.skip_blocks if chunk == 0 else 0
+        return [(page, int(self.block_ids[chunk * bpc + page])) for page in range(first, bpc)]
+
 
 @dataclass(frozen=True, slots=True)
 class TransferJob:
@@ -111,11 +117,9 @@ class TransferJob:
         blocks: set[int] = set()
         index = 0
         for part in self.parts:
-            bpc = len(part.block_ids) // max(len(part.slot_ids), 1)
             for c in range(len(part.slot_ids)):
                 if index + c in chunks:
-                    first = part.skip_blocks if c == 0 else 0
-                    blocks.update(part.block_ids[c * bpc + first : (c + 1) * bpc].tolist())
+                    blocks.update(block for _, block in part.chunk_pages(c))
             index += len(part.slot_ids)
         return blocks
 

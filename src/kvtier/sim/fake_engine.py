@@ -142,17 +142,13 @@ class FakeEngine:
             return None
         n = min(req.num_tokens - num_local - ext, budget)
         needed = -(-(num_local + ext + n) // self.block_size) - len(local)
-        new = [self._allocate(needed) for _ in self.groups]
-        if any(b is None for b in new):
-            for blocks in new:
-                self.free_blocks.extend(blocks or [])
+        new = self._allocate_groups(needed)
+        if new is None:
             return None
         for blocks in local:
             for b in blocks:
                 self.refs[b] += 1
         req.block_ids = [[bs[g] for bs in local] + new[g] for g in range(len(self.groups))]
-        for b in (b for ids in new for b in ids):
-            self.refs[b] += 1
         if self.scheduler:
             self.scheduler.update_state_after_alloc(req.req_id, tuple(list(ids) for ids in req.block_ids), ext)
         req.num_computed = num_local + ext
@@ -244,17 +240,25 @@ class FakeEngine:
         needed = -(-num_tokens // self.block_size) - len(req.block_ids[0])
         if needed <= 0:
             return tuple([] for _ in self.groups)
-        new = [self._allocate(needed) for _ in self.groups]
-        if any(b is None for b in new):
-            for blocks in new:
-                self.free_blocks.extend(blocks or [])
+        new = self._allocate_groups(needed)
+        if new is None:
             self.preempt(req.req_id)
             return None
         for g, blocks in enumerate(new):
             req.block_ids[g].extend(blocks)
+        return tuple(new)
+
+    def _allocate_groups(self, n: int) -> list[list[int]] | None:
+        """`n` referenced blocks for every group, or None (and nothing taken)."""
+        new = [self._allocate(n) for _ in self.groups]
+        if any(blocks is None for blocks in new):
+            for blocks in new:
+                self.free_blocks.extend(blocks or [])
+            return None
+        for blocks in new:
             for b in blocks:
                 self.refs[b] += 1
-        return tuple(new)
+        return new
 
     def _cache_computed(self, req: SimRequest) -> None:
         """Like vLLM: full, computed blocks enter the prefix cache as soon as they exist."""

@@ -57,17 +57,14 @@ class FakeWorker:
         if self.fail_load(job):
             return JobReport(job.job_id, success=False)
         for part in job.parts:
-            bpc = len(part.block_ids) // len(part.slot_ids)
             for i, slot in enumerate(part.slot_ids.tolist()):
-                for j in range(part.skip_blocks if i == 0 else 0, bpc):
-                    self.blocks[int(part.block_ids[i * bpc + j])] = self.slots[slot][j]
+                for page, block in part.chunk_pages(i):
+                    self.blocks[block] = self.slots[slot][page]
         return JobReport(job.job_id, success=True)
 
     def _finish_store(self, job_id: int) -> JobReport:
         job, _ = self.pending_stores.pop(job_id)
         for part in job.parts:
-            bpc = len(part.block_ids) // len(part.slot_ids)
             for i, slot in enumerate(part.slot_ids.tolist()):
-                ids = part.block_ids[i * bpc : (i + 1) * bpc].tolist()
-                self.slots[slot] = tuple(self.blocks[b] for b in ids)
+                self.slots[slot] = tuple(self.blocks[block] for _, block in part.chunk_pages(i))
         return JobReport(job.job_id, success=True)
