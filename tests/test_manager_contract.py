@@ -194,6 +194,46 @@ def test_reset_forgets_ready_chunks_and_retires_busy_ones(manager):
     manager.check()
 
 
+def store_as(m: CPUTierManager, req_id: str, *ids: int) -> None:
+    ctx = make_req_context(req_id)
+    out = m.prepare_store(keys(*ids), ctx)
+    m.complete_store(out.keys_to_store, ctx)
+
+
+def test_a_prefix_stored_over_several_calls_loses_its_tail_first():
+    # issue #8 defect 8, with every policy: capacity 2
+    for policy in ("lru", "arc"):
+        m = CPUTierManager(num_slots=2, policy=policy)
+        # A stores its chain head first, one chunk per call (chunked prefill, decode)
+        store_as(m, "A", 1)
+        store_as(m, "A", 2)
+        # B needs a slot: A's tail [2] goes, its head [1] stays usable
+        store_as(m, "B", 3)
+        assert m.lookup_prefix(keys(1, 2), CTX) == (1, MISS), policy
+        m.check()
+
+
+def test_a_prefix_reused_from_the_tier_keeps_its_head_when_the_request_stores_its_tail(manager):
+    # A's head [1, 2] came from another request; A touches it (a reuse), then stores [3, 4]
+    store_as(manager, "X", 1, 2)
+    manager.touch(keys(1, 2), make_req_context("A"))
+    store_as(manager, "A", 3, 4)
+    # B needs two slots: A's tail [4, 3] goes first, never the head the tail stands on
+    store_as(manager, "B", 5, 6)
+    assert manager.lookup_prefix(keys(1, 2, 3), CTX) == (2, MISS)
+
+
+def test_tails_before_heads_across_kv_cache_groups(manager):
+    # one request, two groups (g0, g1) of 2 chunks each, stored over two calls, chunk by chunk
+    a = make_req_context("A")
+    first, second = [key(1, 0), key(1, 1)], [key(2, 0), key(2, 1)]
+    for ks in (first, second):
+        manager.complete_store(manager.prepare_store(ks, a).keys_to_store, a)
+    # B needs two slots: both groups' chunk 2 go; chunk 1 stays readable in both groups
+    store_as(manager, "B", 7, 8)
+    assert [manager.lookup(k, CTX) for k in first + second] == [HIT, HIT, MISS, MISS]
+
+
 def test_stats_add_up(manager):
     store(manager, 1, 2)
     manager.prepare_store(keys(3), CTX)

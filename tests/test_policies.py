@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from helpers import key, keys, make_req_context, nums
@@ -10,14 +12,16 @@ from kvtier.errors import ConfigError
 from kvtier.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
 
 CTX = make_req_context()
+_requests = itertools.count()
 
 
 def fill(m: CPUTierManager, *ids: int) -> list[int] | None:
-    """Store ids; return the keys it evicted."""
-    out = m.prepare_store(keys(*ids), CTX)
+    """Store ids as one request of their own; return the keys it evicted."""
+    ctx = make_req_context(f"fill-{next(_requests)}")
+    out = m.prepare_store(keys(*ids), ctx)
     if out is None:
         return None
-    m.complete_store(out.keys_to_store, CTX)
+    m.complete_store(out.keys_to_store, ctx)
     m.check()
     return nums(out.evicted_keys)
 
@@ -88,7 +92,10 @@ def test_arc_ghost_hit_in_b1_grows_target():
     # evict one T1 key → it becomes a B1 ghost
     assert p.evict(1, set()) == [key(4)]
     assert list(p.b1) == keys(4)
-    # storing it again: B1 hit → target grows by max(1, |B2|/|B1|) = 1, key goes to T2
+    # storing it again: B1 hit (seen before the store's evictions) → target grows by
+    # max(1, |B2|/|B1|) = 1; the key goes to T2 when its store completes
+    p.prepare_insert(keys(4))
+    assert p.target_t1 == 1.0 and not p.b1
     p.insert(keys(4))
     assert p.target_t1 == 1.0 and key(4) in p.t2 and not p.b1
 
@@ -101,8 +108,32 @@ def test_arc_ghost_hit_in_b2_shrinks_target():
     p.insert(keys(2))  # T1 = [2], |T1| = 1 <= target → evict from T2
     assert p.evict(1, set()) == [key(1)]
     assert list(p.b2) == keys(1)
-    p.insert(keys(1))  # B2 hit → target shrinks by 1
+    p.prepare_insert(keys(1))  # B2 hit → target shrinks by 1
+    p.insert(keys(1))
     assert p.target_t1 == 2.0 and key(1) in p.t2
+
+
+def test_arc_ghost_hits_survive_the_evictions_their_own_store_causes():
+    # issue #8 defect 7: one request stores 1-4, then 5-8 (1-4 → B1), then 1-4 again
+    m = CPUTierManager(num_slots=4, policy="arc")
+    a = make_req_context("A")
+    for ids in ((1, 2, 3, 4), (5, 6, 7, 8), (1, 2, 3, 4)):
+        out = m.prepare_store(keys(*ids), a)
+        m.complete_store(out.keys_to_store, a)
+    # storing 1-4 again evicted 5-8 into B1, which trimmed the oldest ghosts — 1-4 — but
+    # the ghost hits were taken first: 1-4 are in T2 and T1's target grew
+    policy = m._policy
+    assert sorted(nums(list(policy.t2))) == [1, 2, 3, 4] and not policy.t1
+    assert policy.target_t1 == 4.0
+    m.check()
+
+
+def test_arc_keeps_a_head_at_least_as_frequent_as_its_tail():
+    p = ARCPolicy(4)
+    p.insert(keys(1, 2))
+    p.touch(keys(2))  # the tail is in T2 (a ghost hit, say), its head in T1
+    p.order_chain(keys(1, 2))
+    assert list(p.t2) == keys(2, 1) and not p.t1  # head promoted, and the more recent
 
 
 def test_arc_ghost_lists_are_bounded():
@@ -128,12 +159,33 @@ def test_arc_evict_is_atomic():
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_store_threshold_gate(policy):
     m = CPUTierManager(4, policy=policy, store_threshold=2)
-    # first offer of [1,2] → counted, nothing stored
-    out = m.prepare_store(keys(1, 2), CTX)
+    a, b = make_req_context("A"), make_req_context("B")
+    # A offers [1,2] → counted, nothing stored
+    out = m.prepare_store(keys(1, 2), a)
     assert out is not None and out.keys_to_store == []
-    # second offer of [1] and first of [3] → only 1 is stored
-    out = m.prepare_store(keys(1, 3), CTX)
+    # A offering 1 again is still one offer
+    assert m.prepare_store(keys(1), a).keys_to_store == []
+    # B offers [1,3]: 1 now has two requests' offers → only 1 is stored
+    out = m.prepare_store(keys(1, 3), b)
     assert nums(out.keys_to_store) == [1]
+    m.check()
+
+
+def test_a_retried_store_is_one_offer():
+    # issue #8 defect 4: with store_threshold=2, a request retrying its store (no room the
+    # first time) must not count twice
+    m = CPUTierManager(2, store_threshold=2)
+    for req in ("Z1", "Z2"):  # two requests offer [5, 6]: stored on the second offer
+        ctx = make_req_context(req)
+        m.complete_store(m.prepare_store(keys(5, 6), ctx).keys_to_store, ctx)
+    loader = make_req_context("L")
+    m.prepare_load(keys(5, 6), loader)  # both slots pinned
+    m.prepare_store(keys(1), make_req_context("X"))  # X offers 1 once
+    a = make_req_context("A")
+    assert m.prepare_store(keys(1, 2), a) is None  # 1 admitted (X, A), no room: A retries
+    m.complete_load(keys(5, 6), loader)
+    # A's retry: 1 has two requests' offers, 2 only A's → only 1 is stored
+    assert nums(m.prepare_store(keys(1, 2), a).keys_to_store) == [1]
     m.check()
 
 
@@ -156,7 +208,8 @@ class MRUPolicy(LRUPolicy):
         victims = [k for k in reversed(self._order) if k not in protected][:n]
         if len(victims) < n:
             return None
-        self.remove(victims)
+        for victim in victims:
+            del self._order[victim]
         return victims
 
 

@@ -46,7 +46,7 @@ __all__ = [
     "hash_block_tokens",
     "make_offload_key",
     "none_hash",
-    "rekey",
+    "key_length_error",
     "sha256_cbor",
     "split_offload_key",
 ]
@@ -130,9 +130,13 @@ def extra_keys(
     return tuple(keys) or None
 
 
-def rekey(block_hash: BlockHash, secret: bytes) -> BlockHash:
-    """Keyed re-hash of an engine-provided block hash, for tiers shared by tenants."""
-    return hmac.new(secret, block_hash, hashlib.sha256).digest()
+def key_length_error(key: object, expected: int) -> ConfigError:
+    """The error a tier raises for an offload key of the wrong length."""
+    size = len(key) if isinstance(key, (bytes, bytearray, memoryview)) else type(key).__name__
+    return ConfigError(
+        f"offload key of {size} bytes where this tier expects {expected}: build keys with "
+        "kvtier.keys.make_offload_key(block_hash, group_idx), or pass key_bytes for other hash sizes"
+    )
 
 
 class BlockHasher:

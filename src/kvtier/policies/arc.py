@@ -5,6 +5,11 @@ B1 and B2 remember keys recently evicted from T1 and T2 (keys only, no slots). A
 stored again while in B1 means T1 was too small: the target size `p` of T1 grows;
 one in B2 shrinks it. Eviction takes from T1 while it is larger than `p`, else from
 T2. Each ghost list is bounded by the capacity.
+
+As in ARC itself, a ghost hit is taken when a key is about to be stored
+(`prepare_insert`), before the evictions that make room for it — those push older keys
+into the ghost lists and trim the oldest ghosts, which are often the very keys being
+stored again. The key then enters T2 when its store completes.
 """
 
 from __future__ import annotations
@@ -30,18 +35,28 @@ class ARCPolicy(CachePolicy):
         self.t2: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._returning: OrderedDict[OffloadKey, None] = OrderedDict()  # ghost hits whose store is in flight
+
+    def prepare_insert(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            if key in self.b1:
+                self._adapt(+max(1.0, len(self.b2) / len(self.b1)))
+                del self.b1[key]
+            elif key in self.b2:
+                self._adapt(-max(1.0, len(self.b1) / len(self.b2)))
+                del self.b2[key]
+            else:
+                continue
+            self._returning[key] = None
+            if len(self._returning) > self.capacity:  # stores that never completed
+                self._returning.popitem(last=False)
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         for key in reversed(keys):
             if key in self.t1 or key in self.t2:
                 self.touch((key,))
-            elif key in self.b1:
-                self._adapt(+max(1.0, len(self.b2) / len(self.b1)))
-                del self.b1[key]
-                self.t2[key] = None
-            elif key in self.b2:
-                self._adapt(-max(1.0, len(self.b1) / len(self.b2)))
-                del self.b2[key]
+            elif key in self._returning:
+                del self._returning[key]
                 self.t2[key] = None
             else:
                 self.t1[key] = None
@@ -55,10 +70,17 @@ class ARCPolicy(CachePolicy):
             elif key in t2:
                 t2.move_to_end(key)
 
-    def remove(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
-            self.t1.pop(key, None)
-            self.t2.pop(key, None)
+    def order_chain(self, keys: Sequence[OffloadKey]) -> None:
+        # A head is used at least as often as its tail (no tail is usable without it): the
+        # keys before the chain's last T2 key belong in T2 too. Then, within each list, the
+        # head ends up most recent.
+        last_t2 = max((i for i, key in enumerate(keys) if key in self.t2), default=0)
+        for key in keys[:last_t2]:
+            if key in self.t1:
+                del self.t1[key]
+                self.t2[key] = None
+        for key in reversed(keys):
+            (self.t1 if key in self.t1 else self.t2).move_to_end(key)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         from_t1 = self._candidates(self.t1, protected)
@@ -81,7 +103,7 @@ class ARCPolicy(CachePolicy):
         return [key for key, _ in plan]
 
     def clear(self) -> None:
-        for d in (self.t1, self.t2, self.b1, self.b2):
+        for d in (self.t1, self.t2, self.b1, self.b2, self._returning):
             d.clear()
         self.target_t1 = 0.0
 

@@ -1,9 +1,9 @@
 """The eviction-policy interface, kept apart from bookkeeping.
 
 A `CachePolicy` only orders the READY keys of one tier. Slots, states and pins
-belong to the tier manager, which tells the policy what happened (insert, touch,
-remove, clear) and asks it for victims (`evict`). Each policy overrides these few
-hooks; none of them re-implements accounting.
+belong to the tier manager, which tells the policy what happened (prepare_insert,
+insert, touch, order_chain, clear) and asks it for victims (`evict`). Each policy
+overrides these few hooks; none of them re-implements accounting.
 
 Thread-safety: not thread-safe; the owning tier serializes calls.
 """
@@ -29,6 +29,13 @@ class CachePolicy(ABC):
             raise ConfigError(f"a cache policy needs a positive capacity, got {capacity}")
         self.capacity = capacity
 
+    def prepare_insert(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (an optional hook)
+        """`keys` are about to be stored: called before the evictions that make room for them.
+
+        A policy with history (ARC's ghosts) looks the keys up here, before those evictions
+        change the history.
+        """
+
     @abstractmethod
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         """`keys` became READY; walked in reverse so the first key ends up most recent."""
@@ -40,9 +47,14 @@ class CachePolicy(ABC):
         Keys the policy does not hold are ignored.
         """
 
-    @abstractmethod
-    def remove(self, keys: Sequence[OffloadKey]) -> None:
-        """`keys` left the tier without an eviction (rollback, reset); unknown keys are ignored."""
+    def order_chain(self, keys: Sequence[OffloadKey]) -> None:
+        """`keys` are one prefix chain, head first, all held: rank them so that none is evicted
+        before a key after it (a tail is useless without its head). Not a use of the keys.
+
+        The default is `touch`, right for policies where a touch only moves recency; a policy
+        that counts uses in `touch` (ARC) overrides it.
+        """
+        self.touch(keys)
 
     @abstractmethod
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:

@@ -37,10 +37,6 @@ class LRUPolicy(CachePolicy):
             if key in order:
                 move(key)
 
-    def remove(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
-            self._order.pop(key, None)
-
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         victims = list(islice((k for k in self._order if k not in protected), n))
         if len(victims) < n:

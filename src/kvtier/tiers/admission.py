@@ -1,8 +1,10 @@
 """Admission rules: which offered chunks a tier actually stores.
 
-`ReuseGate(threshold)` stores a key only once it was offered `threshold` times, so
-one-off prompts do not push out chunks that are reused. The offer counts are kept
-for a bounded number of keys (least recently offered forgotten first).
+`ReuseGate(threshold)` stores a key only once `threshold` different requests offered it,
+so one-off prompts do not push out chunks that are reused. A request that offers a key
+again (its store found no room and is retried, or it runs a second time through
+chunked prefill) is still one offer. The offers are kept for a bounded number of keys
+(least recently offered forgotten first).
 
 Thread-safety: not thread-safe; the owning tier serializes calls.
 """
@@ -18,7 +20,7 @@ __all__ = ["ReuseGate"]
 
 
 class ReuseGate:
-    """Admit a key on its `threshold`-th offer; track at most `max_tracked` keys."""
+    """Admit a key once `threshold` requests offered it; track at most `max_tracked` keys."""
 
     def __init__(self, threshold: int, max_tracked: int):
         if threshold < 1:
@@ -27,19 +29,21 @@ class ReuseGate:
             raise ConfigError(f"the reuse tracker needs room for at least one key, got {max_tracked}")
         self.threshold = threshold
         self.max_tracked = max_tracked
-        self._offers: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._offers: OrderedDict[OffloadKey, frozenset[str]] = OrderedDict()  # key -> requests that offered it
 
-    def admit(self, key: OffloadKey) -> bool:
-        """Count one offer of `key`; True once it reached the threshold."""
+    def admit(self, key: OffloadKey, req_id: str) -> bool:
+        """Count `req_id`'s offer of `key` (once per request); True once it reached the threshold."""
         if self.threshold == 1:
             return True
-        # The count is kept after admission: a store refused for lack of room, or a
-        # chunk evicted later, is admitted again on its next offer.
-        count = self._offers.pop(key, 0) + 1
-        self._offers[key] = count
+        # Kept after admission: a store refused for lack of room, or a chunk evicted later,
+        # is admitted again on its next offer. At most `threshold` ids are kept per key.
+        offers = self._offers.pop(key, frozenset())
+        if len(offers) < self.threshold:
+            offers = offers | {req_id}
+        self._offers[key] = offers
         if len(self._offers) > self.max_tracked:
             self._offers.popitem(last=False)
-        return count >= self.threshold
+        return len(offers) >= self.threshold
 
     def __len__(self) -> int:
         return len(self._offers)

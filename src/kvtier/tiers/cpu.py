@@ -2,9 +2,9 @@
 
 `CPUTierManager` is the primary tier of the `OffloadingManager` contract (see
 `kvtier.base`). It owns the bookkeeping — one `_Chunk` (slot, state, pin count) per
-key, slot allocation, per-request pins, counters, events — and delegates only the
-eviction order to a `CachePolicy`. The bytes live in the worker's slab; this class
-never sees them.
+key, slot allocation, what each request holds (`RequestLedger`: pins, prefix chain),
+counters, events — and delegates only the eviction order to a `CachePolicy`. The bytes
+live in the host slab; this class never sees them.
 
 Invariants (verified by `check()`):
 - every chunk has exactly one slot; used + free slots = num_slots;
@@ -17,7 +17,6 @@ Thread-safety: not thread-safe. The scheduler calls it from one thread.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,9 +33,10 @@ from kvtier.base import (
     SlotSpec,
 )
 from kvtier.errors import ConfigError, InvariantError, NotReadyError
-from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey
+from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey, key_length_error
 from kvtier.policies import make_policy
 from kvtier.tiers.admission import ReuseGate
+from kvtier.tiers.ledger import RequestLedger
 from kvtier.tiers.slots import SlotAllocator
 
 __all__ = ["CPUTierManager"]
@@ -98,7 +98,7 @@ class CPUTierManager(OffloadingManager):
         self._gate = ReuseGate(store_threshold, max_tracked=max(4 * num_slots, 1024))
         self._slots = SlotAllocator(num_slots)
         self._chunks: dict[OffloadKey, _Chunk] = {}
-        self._pins_by_req: dict[str, Counter[OffloadKey]] = {}
+        self._ledger = RequestLedger()
         self._events: list[OffloadingEvent] = []
         self._num_pending = self._num_pinned = self._num_evictable = 0
         self._hits = self._misses = self._evictions = self._stores = 0
@@ -108,7 +108,7 @@ class CPUTierManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         if len(key) != self.key_bytes:
-            raise self._bad_key(key)
+            raise key_length_error(key, self.key_bytes)
         chunk = self._chunks.get(key)
         if chunk is None or chunk.state is _RETIRED:
             self._misses += 1
@@ -118,28 +118,12 @@ class CPUTierManager(OffloadingManager):
             return _HIT
         return _HIT_PENDING
 
-    def lookup_prefix(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> tuple[int, LookupResult]:
-        chunks, size = self._chunks, self.key_bytes
-        for i, key in enumerate(keys):
-            chunk = chunks.get(key)
-            if chunk is None or chunk.state is not _READY:
-                self._hits += i
-                if len(key) != size:
-                    raise self._bad_key(key)
-                if chunk is None or chunk.state is _RETIRED:
-                    self._misses += 1
-                    return i, _MISS
-                return i, _HIT_PENDING
-        self._hits += len(keys)
-        return len(keys), _HIT
-
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
         chunks = self._chunks
         for key in keys:
             chunk = chunks.get(key)
             if chunk is None or chunk.state is not _READY:
                 raise NotReadyError(f"prepare_load: key {key.hex()[:16]}… is not a HIT; look it up first")
-        held = self._pins_by_req.setdefault(ctx.req_id, Counter())
         slot_ids = np.empty(len(keys), dtype=np.int64)
         for i, key in enumerate(keys):
             chunk = chunks[key]
@@ -147,34 +131,31 @@ class CPUTierManager(OffloadingManager):
                 self._num_pinned += 1
                 self._num_evictable -= 1
             chunk.pins += 1
-            held[key] += 1
+            self._ledger.pin(ctx.req_id, key)
             slot_ids[i] = chunk.slot
         return SlotSpec(self.medium, slot_ids)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys)
+        self._ledger.extend_chain(ctx.req_id, keys)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        held = self._pins_by_req.get(ctx.req_id)
-        if held is None:
-            return
         for key in keys:
-            if held[key] > 0:
-                held[key] -= 1
+            if self._ledger.unpin(ctx.req_id, key):
                 self._unpin(key)
-        if not +held:
-            del self._pins_by_req[ctx.req_id]
 
     # -- stores ------------------------------------------------------------------------
 
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         for key in keys:
             if len(key) != self.key_bytes:
-                raise self._bad_key(key)
-        chunks, admit = self._chunks, self._gate.admit
-        new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and admit(k)]
+                raise key_length_error(key, self.key_bytes)
+        chunks, admit, req_id = self._chunks, self._gate.admit, ctx.req_id
+        self._ledger.extend_chain(req_id, keys)
+        new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and admit(k, req_id)]
         num_needed = len(new_keys) - self._slots.num_free
         evicted: list[OffloadKey] = []
+        self._policy.prepare_insert(new_keys)  # before evicting: ARC's ghost hits
         if num_needed > 0:
             victims = self._policy.evict(num_needed, _Protected(set(keys), chunks))
             if victims is None:
@@ -208,6 +189,7 @@ class CPUTierManager(OffloadingManager):
                 self._free(key, chunk)
         if ready:
             self._policy.insert(ready)
+            self._policy.order_chain([k for k in self._ledger.chain(ctx.req_id) if k in self._policy])
             self._num_evictable += len(ready)
             self._stores += len(ready)
             self._emit(ready, removed=False)
@@ -219,10 +201,7 @@ class CPUTierManager(OffloadingManager):
         return events
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        held = self._pins_by_req.pop(ctx.req_id, None)
-        if not held:
-            return
-        for key, count in held.items():
+        for key, count in self._ledger.release(ctx.req_id).items():
             for _ in range(count):
                 self._released_pins += 1
                 self._unpin(key)
@@ -273,7 +252,7 @@ class CPUTierManager(OffloadingManager):
         ready = {k for k, c in chunks.items() if c.state is _READY}
         _require(len(self._policy) == len(ready) and all(k in self._policy for k in ready),
                  "the policy does not hold exactly the READY chunks")
-        held: Counter[OffloadKey] = sum(self._pins_by_req.values(), Counter())
+        held = self._ledger.all_pins()
         _require(all(held[k] == c.pins for k, c in chunks.items()), "pin counts differ from the pins requests hold")
         _require(all(k in chunks for k in held), "a request pins an unknown chunk")
         _require(all(c.state is not _PENDING or c.pins == 0 for c in chunks.values()), "a PENDING chunk is pinned")
@@ -317,13 +296,6 @@ class CPUTierManager(OffloadingManager):
 
     def _count(self, state: ChunkState) -> int:
         return sum(c.state is state for c in self._chunks.values())
-
-    def _bad_key(self, key: object) -> ConfigError:
-        size = len(key) if isinstance(key, (bytes, bytearray, memoryview)) else type(key).__name__
-        return ConfigError(
-            f"offload key of {size} bytes where this tier expects {self.key_bytes}: build keys with "
-            "kvtier.keys.make_offload_key(block_hash, group_idx), or pass key_bytes for other hash sizes"
-        )
 
 
 def _require(condition: bool, message: str) -> None:

@@ -44,11 +44,6 @@ class SlotAllocator:
         """Return slot ids for reuse."""
         self._freed.extend(ids)
 
-    def reset(self) -> None:
-        """Forget every allocation (only when no slot is in use)."""
-        self._next_fresh = 0
-        self._freed.clear()
-
     def free_ids(self) -> set[int]:
         """The free ids (for `check()`; O(num_slots))."""
         return set(range(self._next_fresh, self.num_slots)) | set(self._freed)
