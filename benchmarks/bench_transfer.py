@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -34,10 +35,12 @@ import numpy as np
 import torch
 
 import kvtier.worker.memmove as memmove
+from kvtier.jobs import Endpoint, TransferJob, TransferPart
 from kvtier.worker import TransferEngine
 
 CHUNK_SIZES = (256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)
 HEADS, TOKENS = 4, 16
+ENGINE, SLAB = Endpoint.ENGINE, Endpoint.SLAB
 
 
 def make_kv(layers: int, num_blocks: int, page_bytes: int) -> dict[str, torch.Tensor]:
@@ -62,7 +65,9 @@ def run_jobs(engine: TransferEngine, is_store: bool, blocks: np.ndarray, slots: 
     job_ids = []
     for job_id, first in enumerate(range(0, len(slots), per_job)):
         b, s = blocks[first : first + per_job].ravel(), slots[first : first + per_job]
-        (engine.submit_store(job_id, b, s) if is_store else engine.submit_load(job_id, s, b))
+        engine.submit(TransferJob(job_id=job_id, req_id="bench", src=ENGINE if is_store else SLAB,
+                                  dst=SLAB if is_store else ENGINE, deadline=math.inf,
+                                  parts=(TransferPart(group=0, slot_ids=s, block_ids=b),)))
         job_ids.append(job_id)
     if not engine.wait(job_ids, timeout=60):
         raise RuntimeError("jobs did not finish in 60 s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.base import ReqContext
+from kvtier.jobs import Endpoint, TransferJob, TransferPart
 from kvtier.keys import make_offload_key
 
 
@@ -29,3 +30,14 @@ def num(k: bytes) -> int:
 
 def nums(ks: list[bytes] | None) -> list[int] | None:
     return None if ks is None else [num(k) for k in ks]
+
+
+def store_job(job_id, block_ids, slot_ids, group=0):
+    """A one-part store job (ids passed through as given: validation is under test)."""
+    part = TransferPart(group=group, slot_ids=slot_ids, block_ids=block_ids)
+    return TransferJob(job_id=job_id, req_id="r", src=Endpoint.ENGINE, dst=Endpoint.SLAB, parts=(part,), deadline=0.0)
+
+
+def load_job(job_id, slot_ids, block_ids, group=0, skip_blocks=0):
+    part = TransferPart(group=group, slot_ids=slot_ids, block_ids=block_ids, skip_blocks=skip_blocks)
+    return TransferJob(job_id=job_id, req_id="r", src=Endpoint.SLAB, dst=Endpoint.ENGINE, parts=(part,), deadline=0.0)

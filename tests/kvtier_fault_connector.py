@@ -2,7 +2,9 @@
 
 The flag path comes from the KVTIER_TEST_FAIL_LOADS environment variable, which the
 engine's worker process inherits when it is spawned; the test creates and removes the
-file to inject a failure at a chosen moment.
+file to inject a failure at a chosen moment. The fault sits where a real one would: in
+the transfer engine, which reports every chunk of such a load failed and copies nothing;
+the real `WorkerSide` and connector handle the rest.
 """
 
 from __future__ import annotations
@@ -11,24 +13,20 @@ import os
 from pathlib import Path
 
 from kvtier.integrations.vllm import KVTierConnector
-from kvtier.integrations.vllm.worker_side import WorkerSide
+from kvtier.jobs import JobResult, TransferJob
+from kvtier.worker import TransferEngine
 
 
-class _FailingWorkerSide(WorkerSide):
-    def start_load_kv(self, plan):
+class _LoadFailingTransferEngine(TransferEngine):
+    def submit(self, job: TransferJob) -> None:
         flag = os.environ.get("KVTIER_TEST_FAIL_LOADS")
-        if not (flag and Path(flag).exists() and plan.load_jobs):
-            return super().start_load_kv(plan)
-        # drop every load of this step: report all its chunks failed, copy nothing
-        for job in plan.load_jobs:
-            self._track(job)
-            self._finish(job.job_id, set(range(job.num_chunks)))
-        Path(flag).with_suffix(".seen").write_text(str(len(plan.load_jobs)))
-        return None
+        if not (job.is_load and flag and Path(flag).exists()):
+            return super().submit(job)
+        seen = Path(flag).with_suffix(".seen")
+        seen.write_text(str(int(seen.read_text() or 0) + 1) if seen.exists() else "1")
+        return self._report(JobResult(job_id=job.job_id, failed_chunks=tuple(range(job.num_chunks)),
+                                      error="injected load failure"))
 
 
 class FaultyKVTierConnector(KVTierConnector):
-    def __init__(self, vllm_config, role, kv_cache_config):
-        super().__init__(vllm_config, role, kv_cache_config)
-        if self._worker is not None:
-            self._worker.__class__ = _FailingWorkerSide
+    transfer_factory = _LoadFailingTransferEngine

@@ -26,13 +26,32 @@ def make_engine(
     groups: tuple[GroupSpec, ...] | None = None,
     max_tokens_per_step: int = 64,
     clock: FakeClock | None = None,
+    policy: str = "lru",
     **config,
 ) -> FakeEngine:
     groups = groups or (GroupSpec(tokens_per_block=block_size, blocks_per_chunk=blocks_per_chunk),)
-    sched = OffloadScheduler(
-        SchedulerOffloadConfig(groups=groups, **config), CPUTierManager(num_slots), clock=clock or FakeClock()
-    )
-    return FakeEngine(sched, num_blocks=num_blocks, block_size=block_size, max_tokens_per_step=max_tokens_per_step)
+    clock = clock or FakeClock()
+    sched = OffloadScheduler(SchedulerOffloadConfig(groups=groups, **config), CPUTierManager(num_slots, policy=policy),
+                             clock=clock)
+    engine = FakeEngine(sched, num_blocks=num_blocks, block_size=block_size, max_tokens_per_step=max_tokens_per_step,
+                        clock=clock)
+    return close_after_test(engine)
+
+
+_to_close: list = []
+
+
+def close_after_test(thing):
+    """Have the conftest close `thing` (a fake engine, a worker) when the test ends: their copy threads stop."""
+    _to_close.append(thing)
+    return thing
+
+
+def close_engines() -> None:
+    """Stop the copy threads of everything `close_after_test` was given (conftest calls it)."""
+    while _to_close:
+        thing = _to_close.pop()
+        (thing.close if hasattr(thing, "close") else thing.shutdown)()
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

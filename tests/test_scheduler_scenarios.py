@@ -7,15 +7,24 @@ or a resurrected stale chunk raises ContentMismatch. Block size 4 tokens through
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import numpy as np
 import pytest
 
 from kvtier.base import LookupResult, ReqContext
-from kvtier.scheduler import GroupKind, GroupSpec, JobReport, RequestView, StepView
+from kvtier.jobs import StepPlan
+from kvtier.scheduler import GroupKind, GroupSpec, RequestView, StepView
 from sched_helpers import FakeClock, make_engine, prompt
 
 P20 = prompt(20)  # 5 blocks
+
+
+def view(req_id, like, num_tokens):
+    """A request with `like`'s block hashes and `num_tokens` prompt tokens."""
+    return RequestView(req_id=req_id, block_hashes=like.block_hashes, num_tokens=num_tokens,
+                       num_prompt_tokens=num_tokens)
 
 
 def serve(engine, req_id, tokens, max_new_tokens=1, **kw):
@@ -33,7 +42,7 @@ def test_reuse_comes_from_kvtier_after_the_engine_cache_is_emptied():
     engine.reset_prefix_cache()
     b = serve(engine, "B", P20 + [7, 7, 7])
     assert (b.num_cached_tokens, b.num_external_tokens) == (20, 20)
-    assert len(engine.worker.executed_loads) == 1
+    assert len(engine.transfer.loads) == 1
 
 
 def test_only_whole_chunks_are_stored():
@@ -56,7 +65,7 @@ def test_a_hit_in_a_middle_chunk_loads_only_that_chunk():
     # B (21 tokens): the engine serves chunks 0,1; kvtier loads chunks 2,3,4 only
     b = serve(engine, "B", P20 + [9])
     assert (b.num_cached_tokens, b.num_external_tokens) == (20, 12)
-    load = engine.worker.executed_loads[-1]
+    load = engine.transfer.loads[-1]
     assert load.num_chunks == 3 and load.parts[0].skip_blocks == 0
 
 
@@ -68,21 +77,21 @@ def test_partial_local_hit_loads_the_rest_of_the_chunk_without_touching_the_loca
     serve(engine, "C", P20[:4] + [5])  # the engine caches block 0 again
     b = serve(engine, "B", P20)
     assert (b.num_cached_tokens, b.num_external_tokens) == (16, 12)
-    assert engine.worker.executed_loads[-1].parts[0].skip_blocks == 1
+    assert engine.transfer.loads[-1].parts[0].skip_blocks == 1
 
 
 def test_preemption_flushes_stores_and_the_request_reloads_later():
     engine = make_engine(max_tokens_per_step=8)
-    engine.worker.store_delay_steps = 5  # stores stay in flight for a while
+    engine.faults.store_delay_steps = 5  # stores stay in flight for a while
     a = engine.add_request("A", P20, max_new_tokens=3)
     engine.step()
     engine.step()  # A computed 16 tokens: chunks 0..3 are being stored
-    assert engine.worker.pending_stores
+    assert engine.transfer.held_store_ids
     engine.preempt("A")
     engine.reset_prefix_cache()
     # the next step flushes A's stores before anything reuses its blocks...
     engine.step()
-    assert engine.scheduler.stats.flushed_jobs >= 1 and not engine.worker.pending_stores
+    assert engine.scheduler.stats.flushed_jobs >= 1 and not engine.transfer.held_store_ids
     # ...and A, re-admitted, loads what it had computed instead of recomputing it
     engine.run()
     assert engine.scheduler.stats.load_jobs == 1 and a.is_finished
@@ -106,7 +115,7 @@ def test_two_requests_for_one_prefix_do_not_load_it_twice():
     b = engine.add_request("B", P20 + [1])
     c = engine.add_request("C", P20 + [2])
     engine.run()
-    assert len(engine.worker.executed_loads) == 1
+    assert len(engine.transfer.loads) == 1
     assert (b.num_external_tokens, c.num_external_tokens) == (20, 0)
     assert c.num_cached_tokens == 20 and c.num_lookups == 2
     assert engine.scheduler.stats.deferrals == 1
@@ -114,7 +123,7 @@ def test_two_requests_for_one_prefix_do_not_load_it_twice():
 
 def test_a_write_that_never_completes_stops_deferring_at_the_cap():
     engine = make_engine(max_deferrals=5, max_defer_s=3600)
-    engine.worker.stuck_stores = True  # every store stays PENDING forever
+    engine.faults.stuck_stores = True  # every store stays PENDING forever
     serve(engine, "A", P20)
     engine.reset_prefix_cache()
     b = serve(engine, "B", P20)
@@ -126,7 +135,7 @@ def test_a_write_that_never_completes_stops_deferring_at_the_cap():
 def test_a_write_that_never_completes_stops_deferring_at_the_deadline():
     clock = FakeClock()
     engine = make_engine(max_deferrals=10_000, max_defer_s=1.0, clock=clock)
-    engine.worker.stuck_stores = True
+    engine.faults.stuck_stores = True
     serve(engine, "A", P20)
     engine.reset_prefix_cache()
     b = engine.add_request("B", P20)
@@ -143,7 +152,7 @@ def test_a_failed_load_is_recomputed():
     engine = make_engine()
     serve(engine, "A", P20)
     engine.reset_prefix_cache()
-    engine.worker.fail_load = lambda job: True
+    engine.faults.fail_load = lambda job: True
     # B's load fails → its blocks are reported invalid → the engine recomputes them (no mismatch)
     b = serve(engine, "B", P20)
     assert b.is_finished and b.num_external_tokens == 16
@@ -154,20 +163,25 @@ def test_failed_load_reports_exactly_the_loaded_blocks():
     engine = make_engine()
     serve(engine, "A", P20)
     sched = engine.scheduler
-    view = RequestView("X", engine.requests["A"].block_hashes, 21, 21)
-    assert sched.get_num_new_matched_tokens(view, 4) == (16, False)  # local 1 block, kvtier 4 more
+    assert sched.get_num_new_matched_tokens(view("X", engine.requests["A"], 21), 4) == (16, False)  # local 1 block
     sched.update_state_after_alloc("X", ([30, 31, 32, 33, 34, 35],), 16)
-    plan = sched.build_connector_meta(StepView())
-    (job,) = plan.load_jobs
-    assert sched.update_connector_output([JobReport(job.job_id, success=False, failed_chunks=(1,))]) == {32}
+    (job,) = sched.build_connector_meta(StepView()).load_jobs
+    # the real worker gets the load with chunk 1's slot out of range: only that chunk fails
+    (part,) = job.parts
+    bad_part = dataclasses.replace(part, slot_ids=part.slot_ids + np.array([0, 10**6, 0, 0]))
+    bad = dataclasses.replace(job, parts=(bad_part,))
+    engine.worker.start_load_kv(StepPlan(load_jobs=[bad]))
+    assert engine.worker.take_load_errors() == {32}
+    sched.update_connector_output(engine.worker.take_results())
+    assert sched.stats.failed_load_chunks == 1 and not sched.has_jobs_in_flight()
 
 
 def test_reset_cache_ignores_stale_completions():
     engine = make_engine()
-    engine.worker.store_delay_steps = 3
+    engine.faults.store_delay_steps = 3
     engine.add_request("A", P20, max_new_tokens=1)
     engine.step()  # A's chunks are being stored
-    assert engine.worker.pending_stores
+    assert engine.transfer.held_store_ids
     assert engine.scheduler.reset_cache()
     engine.run()
     for _ in range(4):
@@ -183,7 +197,7 @@ def test_reset_cache_ignores_stale_completions():
 def test_freed_blocks_with_a_store_in_flight_are_fenced():
     # 6 blocks only: B reuses A's freed blocks while A's delayed stores still read them
     engine = make_engine(num_blocks=6)
-    engine.worker.store_delay_steps = 4
+    engine.faults.store_delay_steps = 4
     serve(engine, "A", P20)
     engine.reset_prefix_cache()
     serve(engine, "B", prompt(20, seed=1))
@@ -200,7 +214,7 @@ def test_full_attention_and_sliding_window_groups():
     engine.reset_prefix_cache()
     b = serve(engine, "B", prompt(40) + [3])
     assert b.num_external_tokens == 40
-    full, window = engine.worker.executed_loads[-1].parts
+    full, window = engine.transfer.loads[-1].parts
     # the full-attention group loads all 10 chunks; the window group only chunks 8,9: token 40
     # attends to tokens 33..40
     assert (len(full.slot_ids), len(window.slot_ids)) == (10, 2)
@@ -217,8 +231,7 @@ def test_sliding_window_suffix_scan_lowers_the_boundary():
     window_keys = [h + b"\0\0\0\1" for h in a.block_hashes[:10]]
     out = sched.manager.prepare_store(full_keys + window_keys[:8] + window_keys[9:], ctx)
     sched.manager.complete_store(out.keys_to_store, ctx)
-    view = RequestView("B", a.block_hashes, 41, 41)
-    assert sched.get_num_new_matched_tokens(view, 0) == (32, False)
+    assert sched.get_num_new_matched_tokens(view("B", a, 41), 0) == (32, False)
 
 
 def test_an_unsupported_group_gets_no_hits():
@@ -261,7 +274,7 @@ def test_requests_are_forgotten_and_manager_is_told_once():
     finished = []
     original = engine.scheduler.manager.on_request_finished
     engine.scheduler.manager.on_request_finished = lambda ctx: (finished.append(ctx.req_id), original(ctx))
-    engine.worker.store_delay_steps = 2
+    engine.faults.store_delay_steps = 2
     serve(engine, "A", P20, max_new_tokens=4)
     for _ in range(3):
         engine.step()

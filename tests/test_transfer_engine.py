@@ -11,6 +11,7 @@ import torch
 
 import kvtier.worker.cpu_copy as cpu_copy
 import kvtier.worker.memmove as memmove
+from helpers import load_job, store_job
 from kvtier.errors import ConfigError
 from kvtier.worker import TransferEngine
 from kvtier.worker.cuda import cuda_usable
@@ -91,11 +92,11 @@ def test_store_then_load_returns_every_byte(layout, bpc, content):
     slot_ids = np.array([4, 0, 6, 2, 5])
     expected = block_bytes(kv, layout, block_ids.tolist())
     with TransferEngine(kv, bpc, num_slots=8) as engine:
-        engine.submit_store(1, block_ids, slot_ids)
+        engine.submit(store_job(1, block_ids, slot_ids))
         assert engine.wait([1], timeout=5)
         # zero the engine's KV, then load the chunks back into the same blocks
         zero_all(kv)
-        engine.submit_load(2, slot_ids, block_ids)
+        engine.submit(load_job(2, slot_ids, block_ids))
         assert engine.wait([2], timeout=5)
         results = {r.job_id: r for r in engine.get_finished()}
     assert all(r.success and r.failed_chunks == () and r.error is None for r in results.values())
@@ -111,10 +112,10 @@ def test_second_group_uses_its_own_layers():
     groups = [["layer.0", "layer.1"], ["layer.2"]]
     expected = kv["layer.2"][[3, 4]].clone()
     with TransferEngine(kv, 2, 2, layer_groups=groups) as engine:
-        engine.submit_store(1, [3, 4], [1], group=1)
+        engine.submit(store_job(1, [3, 4], [1], group=1))
         engine.wait([1], timeout=5)
         kv["layer.2"].zero_()
-        engine.submit_load(2, [1], [9, 10], group=1)
+        engine.submit(load_job(2, [1], [9, 10], group=1))
         engine.wait([2], timeout=5)
         assert all(r.success for r in engine.get_finished())
     assert torch.equal(kv["layer.2"][[9, 10]].view(torch.int32), expected.view(torch.int32))
@@ -125,9 +126,9 @@ def test_out_of_range_ids_fail_their_chunk_and_the_engine_keeps_going():
     expected = block_bytes(kv, "blocks_first", [0, 1, 4, 5])
     with TransferEngine(kv, 2, num_slots=4) as engine:
         # chunk 1 names block 99 (of 16), chunk 2 slot 7 (of 4), chunk 3 slot -1: only 0 and 4 copy
-        engine.submit_store(1, [0, 1, 2, 99, 6, 7, 8, 9, 4, 5], [0, 1, 7, -1, 2])
-        engine.submit_store(2, [0, 1], [9])  # its only chunk is bad: the whole job fails
-        engine.submit_load(3, [0, 2], [10, 11, 12, 13])
+        engine.submit(store_job(1, [0, 1, 2, 99, 6, 7, 8, 9, 4, 5], [0, 1, 7, -1, 2]))
+        engine.submit(store_job(2, [0, 1], [9]))  # its only chunk is bad: the whole job fails
+        engine.submit(load_job(3, [0, 2], [10, 11, 12, 13]))
         engine.wait([1, 2, 3], timeout=5)
         results = {r.job_id: r for r in engine.get_finished()}
     assert not results[1].success and results[1].failed_chunks == (1, 2, 3)
@@ -152,7 +153,7 @@ def test_out_of_range_ids_fail_their_chunk_and_the_engine_keeps_going():
 )
 def test_malformed_jobs_fail_whole(block_ids, slot_ids, group, message):
     with TransferEngine(random_kv("blocks_first", 1, 8, 2), 2, 2) as engine:
-        engine.submit_load(7, slot_ids, block_ids, group=group)
+        engine.submit(load_job(7, slot_ids, block_ids, group=group))
         (result,) = engine.get_finished()
     assert (result.job_id, result.success, result.num_bytes) == (7, False, 0)
     assert result.failed_chunks == tuple(range(len(slot_ids)))
@@ -161,9 +162,9 @@ def test_malformed_jobs_fail_whole(block_ids, slot_ids, group, message):
 
 def test_writing_one_place_twice_fails_the_repeat_and_empty_jobs_succeed():
     with TransferEngine(random_kv("blocks_first", 1, 8, 2), 1, 4) as engine:
-        engine.submit_store(1, [0, 1, 2], [3, 3, 1])  # slot 3 written twice
-        engine.submit_load(2, [0, 1], [5, 5])  # block 5 written twice
-        engine.submit_store(3, [], [])
+        engine.submit(store_job(1, [0, 1, 2], [3, 3, 1]))  # slot 3 written twice
+        engine.submit(load_job(2, [0, 1], [5, 5]))  # block 5 written twice
+        engine.submit(store_job(3, [], []))
         engine.wait([1, 2, 3], timeout=5)
         results = {r.job_id: r for r in engine.get_finished()}
     assert results[1].failed_chunks == (1,) and "written twice" in results[1].error
@@ -173,8 +174,8 @@ def test_writing_one_place_twice_fails_the_repeat_and_empty_jobs_succeed():
 
 def test_duplicate_job_id_in_flight_fails_the_new_job(gate):
     with TransferEngine(random_kv("blocks_first", 1, 8, 2), 1, 4) as engine:
-        engine.submit_store(1, [0], [0])
-        engine.submit_store(1, [1], [1])  # job 1 is still in flight
+        engine.submit(store_job(1, [0], [0]))
+        engine.submit(store_job(1, [1], [1]))  # job 1 is still in flight
         (refused,) = engine.get_finished()
         assert not refused.success and "already in flight" in refused.error
         gate.set()
@@ -185,7 +186,7 @@ def test_duplicate_job_id_in_flight_fails_the_new_job(gate):
 
 def test_wait_times_out_then_succeeds(gate):
     with TransferEngine(random_kv("blocks_first", 1, 8, 2), 1, 4) as engine:
-        engine.submit_store(1, [0], [0])
+        engine.submit(store_job(1, [0], [0]))
         assert engine.wait([1], timeout=0.05) is False
         gate.set()
         assert engine.wait([1], timeout=5) is True
@@ -204,9 +205,9 @@ def test_an_exception_in_a_copy_fails_the_job_not_the_thread(monkeypatch):
 
     monkeypatch.setattr(cpu_copy, "plan_copies", broken_once)
     with TransferEngine(random_kv("blocks_first", 1, 8, 2), 1, 4) as engine:
-        engine.submit_store(1, [0, 1], [0, 1])
+        engine.submit(store_job(1, [0, 1], [0, 1]))
         engine.wait([1], timeout=5)
-        engine.submit_store(2, [2], [2])
+        engine.submit(store_job(2, [2], [2]))
         engine.wait([2], timeout=5)
         results = {r.job_id: r for r in engine.get_finished()}
     assert not results[1].success and results[1].failed_chunks == (0, 1)
@@ -226,8 +227,8 @@ def test_loads_see_the_store_they_depend_on_under_concurrency(held, gate):
         gate.set()
     with TransferEngine(kv, 1, num_slots=2) as engine:
         for i in range(100):
-            engine.submit_store(2 * i, [i], [i % 2])
-            engine.submit_load(2 * i + 1, [i % 2], [100 + i])
+            engine.submit(store_job(2 * i, [i], [i % 2]))
+            engine.submit(load_job(2 * i + 1, [i % 2], [100 + i]))
         gate.set()
         assert engine.wait(range(200), timeout=10)
         assert all(r.success for r in engine.get_finished())
@@ -239,9 +240,9 @@ def test_a_load_into_a_block_waits_for_the_store_reading_it(gate):
     kv = random_kv("blocks_first", 1, 8, 16)
     old_block_5 = kv["layer.0"][5].view(torch.int32).clone()
     with TransferEngine(kv, 1, num_slots=2) as engine:
-        engine.submit_store(1, [6], [1])  # held at the gate: queued behind it...
-        engine.submit_store(2, [5], [0])  # ...this store reads block 5
-        engine.submit_load(3, [1], [5])  # loads are preferred, but this one overwrites block 5
+        engine.submit(store_job(1, [6], [1]))  # held at the gate: queued behind it...
+        engine.submit(store_job(2, [5], [0]))  # ...this store reads block 5
+        engine.submit(load_job(3, [1], [5]))  # loads are preferred, but this one overwrites block 5
         gate.set()
         assert engine.wait([1, 2, 3], timeout=5)
     assert torch.equal(engine.slab[0].view(torch.int32).view(-1), old_block_5.view(-1))
@@ -249,10 +250,10 @@ def test_a_load_into_a_block_waits_for_the_store_reading_it(gate):
 
 def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
     engine = TransferEngine(random_kv("blocks_first", 1, 64, 16), 1, num_slots=64)
-    engine.submit_store(0, [0], [0])
+    engine.submit(store_job(0, [0], [0]))
     assert gate.reached.wait(5)  # job 0 is held mid-flight; the next 39 queue behind it
     for i in range(1, 40):
-        engine.submit_store(i, [i], [i])
+        engine.submit(store_job(i, [i], [i]))
     # let the held batch go only once shutdown has begun: the queued jobs are failed, not run
     threading.Timer(0.1, gate.set).start()
     engine.shutdown()
@@ -262,7 +263,7 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
     assert len(never_ran) == 39 and all("shut down before the job ran" in r.error for r in never_ran)
     # later calls neither raise nor hang
     engine.shutdown()
-    engine.submit_load(99, [0], [0])
+    engine.submit(load_job(99, [0], [0]))
     (late,) = engine.get_finished()
     assert not late.success and "shut down" in late.error
     assert engine.wait([99], timeout=1)
@@ -278,11 +279,13 @@ def test_slab_is_allocated_once_and_jobs_allocate_no_pages(monkeypatch):
     for name in ("empty", "zeros", "empty_like", "zeros_like", "ones", "full"):
         original = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, _o=original, _n=name, **k: allocations.append(_n) or _o(*a, **k))
+    jobs = [job for i in range(20) for job in (
+        store_job(2 * i, np.array([2 * (i % 16), 2 * (i % 16) + 1, 40, 41]), np.array([i % 8, 8 + i % 8])),
+        load_job(2 * i + 1, np.array([i % 8]), np.array([50, 51])))]  # the caller's objects: built before
     tracemalloc.start()
     try:
-        for i in range(20):
-            engine.submit_store(2 * i, [2 * (i % 16), 2 * (i % 16) + 1, 40, 41], [i % 8, 8 + i % 8])
-            engine.submit_load(2 * i + 1, [i % 8], [50, 51])
+        for job in jobs:
+            engine.submit(job)
         assert engine.wait(range(40), timeout=10)
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -300,7 +303,7 @@ def test_bad_arguments_are_config_errors():
     with pytest.raises(ConfigError, match="kv_caches is empty"):
         TransferEngine({}, 1, 4)
     with TransferEngine(kv, 1, 4) as engine, pytest.raises(ConfigError, match="job_id must be an int"):
-        engine.submit_store("job-1", [0], [0])
+        engine.submit(store_job("job-1", [0], [0]))
 
 
 def test_cuda_path_imports_and_stays_off_without_a_gpu(copy_path):
@@ -317,13 +320,13 @@ def test_a_load_can_skip_the_leading_blocks_of_its_first_chunk(layout):
     # chunks of 4 blocks; blocks 0 and 1 of the first chunk are the engine's own (local hits)
     kv = random_kv(layout, num_layers=2, num_blocks=16, content=32)
     with TransferEngine(kv, blocks_per_chunk=4, num_slots=4) as engine:
-        engine.submit_store(1, list(range(8)), [2, 3])
+        engine.submit(store_job(1, list(range(8)), [2, 3]))
         assert engine.wait([1], timeout=10)
         expected = block_bytes(kv, layout, list(range(8)))
         zero_all(kv)
         # two loads in one batch, each skipping a different number of blocks
-        engine.submit_load(2, [2, 3], list(range(8)), skip_blocks=2)
-        engine.submit_load(3, [2], [8, 9, 10, 11], skip_blocks=1)
+        engine.submit(load_job(2, [2, 3], list(range(8)), skip_blocks=2))
+        engine.submit(load_job(3, [2], [8, 9, 10, 11], skip_blocks=1))
         assert engine.wait([2, 3], timeout=10)
         results = {r.job_id: r for r in engine.get_finished()}
         assert all(r.success for r in results.values())
@@ -344,7 +347,7 @@ def test_a_load_can_skip_the_leading_blocks_of_its_first_chunk(layout):
 def test_skip_blocks_is_validated():
     kv = random_kv("blocks_first", num_layers=1, num_blocks=8, content=2)
     with TransferEngine(kv, blocks_per_chunk=2, num_slots=2) as engine:
-        engine.submit_load(1, [0], [0, 1], skip_blocks=2)  # a whole chunk: not a partial one
+        engine.submit(load_job(1, [0], [0, 1], skip_blocks=2))  # a whole chunk: not a partial one
         engine.wait([1], timeout=10)
         (result,) = engine.get_finished()
         assert not result.success and "skip_blocks=2" in result.error

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import load_job, store_job
 from kvtier.errors import ConfigError
 from kvtier.worker import TransferEngine, build_group_layouts, kv_planes
 from kvtier.worker.memmove import split_by_bytes
@@ -76,8 +77,8 @@ def test_a_block_loaded_elsewhere_equals_the_stored_block(name):
     blocks = {k: (t[:, 2] if name == "kv_first" else t[2]).clone() for k, t in kv.items()}
     with TransferEngine(kv, blocks_per_chunk=1, num_slots=2) as engine:
         # store block 2 into slot 1, load slot 1 into block 5: block 5 reads as block 2 did
-        engine.submit_store(1, [2], [1])
-        engine.submit_load(2, [1], [5])
+        engine.submit(store_job(1, [2], [1]))
+        engine.submit(load_job(2, [1], [5]))
         assert engine.wait([1, 2], timeout=5)
         assert all(r.success for r in engine.get_finished())
     for k, t in kv.items():

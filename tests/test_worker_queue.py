@@ -1,30 +1,30 @@
-"""JobQueue: loads first, unless they conflict with an earlier store; FIFO per direction."""
+"""TaskQueue: loads first, unless they conflict with an earlier store; FIFO per direction."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvtier.worker.jobs import TransferJob
-from kvtier.worker.queue import JobQueue
+from kvtier.worker.queue import TaskQueue
+from kvtier.worker.tasks import CopyTask
 
 
-def job(job_id: int, is_store: bool, blocks: list[int], slots: list[int], num_bytes: int = 1) -> TransferJob:
-    return TransferJob(
-        job_id, is_store, 0, np.array(blocks).reshape(len(slots), -1), np.array(slots), len(slots), (), None,
-        frozenset(blocks), frozenset(slots), num_bytes,
-    )  # fmt: skip
+def job(job_id: int, is_store: bool, blocks: list[int], slots: list[int], num_bytes: int = 1) -> CopyTask:
+    return CopyTask(job_id=job_id, part=0, is_store=is_store, group=0,
+                    block_ids=np.array(blocks).reshape(len(slots), -1), slot_ids=np.array(slots),
+                    num_chunks=len(slots), failed_chunks=(), error=None, block_set=frozenset(blocks),
+                    slot_set=frozenset(slots), num_bytes=num_bytes)
 
 
-def store(job_id: int, blocks: list[int], slots: list[int], num_bytes: int = 1) -> TransferJob:
+def store(job_id: int, blocks: list[int], slots: list[int], num_bytes: int = 1) -> CopyTask:
     return job(job_id, True, blocks, slots, num_bytes)
 
 
-def load(job_id: int, slots: list[int], blocks: list[int], num_bytes: int = 1) -> TransferJob:
+def load(job_id: int, slots: list[int], blocks: list[int], num_bytes: int = 1) -> CopyTask:
     return job(job_id, False, blocks, slots, num_bytes)
 
 
-def drain_order(queue: JobQueue) -> list[int]:
+def drain_order(queue: TaskQueue) -> list[int]:
     order = []
     while (next_job := queue.pop_next()) is not None:
         order.append(next_job.job_id)
@@ -32,7 +32,7 @@ def drain_order(queue: JobQueue) -> list[int]:
 
 
 def test_a_load_overtakes_unrelated_stores():
-    queue = JobQueue()
+    queue = TaskQueue()
     queue.push(store(1, [0], [0]))
     queue.push(store(2, [1], [1]))
     queue.push(load(3, [5], [7]))
@@ -46,7 +46,7 @@ def test_a_load_overtakes_unrelated_stores():
     ids=["same-slot", "same-block"],
 )
 def test_a_load_waits_for_an_earlier_store_it_conflicts_with(conflicting_load):
-    queue = JobQueue()
+    queue = TaskQueue()
     queue.push(store(1, [0], [0]))
     queue.push(store(2, [1], [1]))
     queue.push(conflicting_load)
@@ -55,7 +55,7 @@ def test_a_load_waits_for_an_earlier_store_it_conflicts_with(conflicting_load):
 
 
 def test_a_store_never_runs_before_an_earlier_load_it_conflicts_with():
-    queue = JobQueue()
+    queue = TaskQueue()
     queue.push(store(1, [0], [0]))
     queue.push(load(2, [0], [4]))  # blocked by store 1 (slot 0)
     queue.push(store(3, [9], [0]))  # rewrites slot 0: after load 2
@@ -63,7 +63,7 @@ def test_a_store_never_runs_before_an_earlier_load_it_conflicts_with():
 
 
 def test_batches_stop_before_a_conflict_with_the_batch_or_what_is_running():
-    queue = JobQueue()
+    queue = TaskQueue()
     queue.push(store(1, [0], [0]))
     queue.push(store(2, [1], [1]))
     queue.push(store(3, [2], [0]))  # writes slot 0 again: not beside store 1
@@ -75,11 +75,11 @@ def test_batches_stop_before_a_conflict_with_the_batch_or_what_is_running():
 
 
 def test_batches_respect_their_caps_and_drain_returns_the_rest_in_order():
-    queue = JobQueue()
+    queue = TaskQueue()
     for i in range(6):
         queue.push(store(i, [i], [i], num_bytes=10))
-    assert [j.job_id for j in queue.pop_batch(max_jobs=2, max_bytes=1000)] == [0, 1]
-    assert [j.job_id for j in queue.pop_batch(max_jobs=10, max_bytes=15)] == [2, 3]
+    assert [j.job_id for j in queue.pop_batch(max_tasks=2, max_bytes=1000)] == [0, 1]
+    assert [j.job_id for j in queue.pop_batch(max_tasks=10, max_bytes=15)] == [2, 3]
     queue.push(load(9, [50], [50]))
     assert [j.job_id for j in queue.drain()] == [4, 5, 9]
     assert len(queue) == 0 and queue.pop_next() is None

@@ -47,6 +47,7 @@ class KVTierConfig:
     store_threshold: store a chunk on its N-th offer (1 = always).
     offload_prompt_only: do not store chunks of generated tokens.
     max_defer_s / max_deferrals: the bound on how long a request waits for pending writes.
+    job_timeout_s: a transfer job not done by then is abandoned (loads recomputed, stores dropped).
     enable_events: publish BlockStored / BlockRemoved KV events.
     """
 
@@ -57,6 +58,7 @@ class KVTierConfig:
     offload_prompt_only: bool = False
     max_defer_s: float = 2.0
     max_deferrals: int = 64
+    job_timeout_s: float = 10.0
     enable_events: bool = True
 
     @classmethod
@@ -84,9 +86,10 @@ def _check(key: str, value: Any) -> Any:
         return _int_at_least(key, value, 1)
     if key == "max_deferrals":
         return _int_at_least(key, value, 0)
-    if key == "max_defer_s":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(f"{key}: expected seconds >= 0, got {value!r}")
+    if key in ("max_defer_s", "job_timeout_s"):
+        least = 0.0 if key == "max_defer_s" else 0.001
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < float("inf"):
+            raise ConfigError(f"{key}: expected seconds >= {least:g}, got {value!r}")
         return float(value)
     if key in ("offload_prompt_only", "enable_events"):
         if not isinstance(value, bool):

@@ -7,22 +7,11 @@ from kvtier.scheduler.core import OffloadScheduler
 from kvtier.scheduler.params import OffloadParams, parse_kv_transfer_params
 from kvtier.scheduler.state import RequestGroupState, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
-from kvtier.scheduler.types import (
-    JobKind,
-    JobReport,
-    RequestView,
-    ScheduledRequest,
-    StepPlan,
-    StepView,
-    TransferJob,
-    TransferPart,
-)
+from kvtier.scheduler.types import RequestView, ScheduledRequest, StepView
 
 __all__ = [
     "GroupKind",
     "GroupSpec",
-    "JobKind",
-    "JobReport",
     "OffloadParams",
     "OffloadScheduler",
     "RequestGroupState",
@@ -31,9 +20,6 @@ __all__ = [
     "ScheduledRequest",
     "SchedulerOffloadConfig",
     "SchedulerStats",
-    "StepPlan",
     "StepView",
-    "TransferJob",
-    "TransferPart",
     "parse_kv_transfer_params",
 ]

@@ -25,12 +25,14 @@ class GroupSpec:
         tokens_per_block: the engine's block size for this group.
         blocks_per_chunk: engine blocks per offloaded chunk.
         sliding_window: window in tokens (SLIDING_WINDOW groups only).
+        reason: why kvtier cannot serve an UNSUPPORTED group (logged at start).
     """
 
     kind: GroupKind = GroupKind.FULL
     tokens_per_block: int = 16
     blocks_per_chunk: int = 1
     sliding_window: int | None = None
+    reason: str = ""  # UNSUPPORTED groups: why, for the warning at start
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0 or self.blocks_per_chunk <= 0:
@@ -64,8 +66,8 @@ class SchedulerOffloadConfig:
         offload_prompt_only: store prompt chunks only (not generated tokens).
         max_defer_s: a request waits at most this long for pending writes or probes.
         max_deferrals: and is asked again at most this many times.
-        load_async: loads finish in the background (the engine waits for a report)
-            instead of before the request's first forward pass.
+        job_timeout_s: a job's deadline after it is created: workers abandon it then, and
+            the scheduler fails it once as long again has passed without every report.
         num_workers: workers that must acknowledge each job.
         hash_block_size: tokens per engine block hash (default: the first group's block size).
     """
@@ -74,7 +76,7 @@ class SchedulerOffloadConfig:
     offload_prompt_only: bool = False
     max_defer_s: float = 2.0
     max_deferrals: int = 64
-    load_async: bool = False
+    job_timeout_s: float = 10.0
     num_workers: int = 1
     hash_block_size: int | None = None
 
@@ -88,6 +90,8 @@ class SchedulerOffloadConfig:
         if self.tokens_per_chunk % self.tokens_per_hash:
             raise ConfigError(f"a chunk ({self.tokens_per_chunk} tokens) must span whole hash blocks of "
                               f"{self.tokens_per_hash} tokens")
+        if not self.job_timeout_s > 0:
+            raise ConfigError(f"job_timeout_s must be > 0 seconds, got {self.job_timeout_s}")
         if self.num_workers < 1:
             raise ConfigError(f"num_workers must be >= 1, got {self.num_workers}")
 
@@ -106,4 +110,8 @@ class SchedulerOffloadConfig:
     @property
     def is_supported(self) -> bool:
         """False when a group cannot be offloaded: the whole model then gets no hits."""
-        return all(g.kind is not GroupKind.UNSUPPORTED for g in self.groups)
+        return not self.unsupported_groups()
+
+    def unsupported_groups(self) -> list[int]:
+        """Indices of the groups kvtier cannot serve."""
+        return [i for i, g in enumerate(self.groups) if g.kind is GroupKind.UNSUPPORTED]

@@ -3,16 +3,19 @@
 Engine-agnostic: an adapter (vLLM's connector, the fake engine of the tests and the
 simulator) calls it in the order of DESIGN.md's scheduler protocol:
 
-1. `get_num_new_matched_tokens(req, num_local)`   -> (tokens | None, load_async)
+1. `get_num_new_matched_tokens(req, num_local)`   -> (tokens | None, load_async=False)
 2. `update_state_after_alloc(req_id, block_ids, num_external_tokens)`
 3. `build_connector_meta(step)`                    -> StepPlan for the workers
-4. (workers run the plan and report)
-5. `update_connector_output(reports)`              -> block ids whose load failed
-6. `request_finished(req)`; `reset_cache()`
+4. (workers run the plan: `kvtier.worker.WorkerSide`)
+5. `request_finished(req)` for requests that ended in the step, then
+   `update_connector_output(results)` with the workers' job results (vLLM's order)
+6. `reset_cache()` at any time
 
 Waiting is bounded per request: a request that would wait for a pending write or a
 probe is asked again at most `max_deferrals` times and for at most `max_defer_s`
 seconds; then it proceeds with its confirmed hits and `deferral_timeouts` counts it.
+Jobs are bounded too: one that not every worker reported by its expiry is failed here
+(see `kvtier.scheduler.jobs`) — loads are recomputed, stores rolled back.
 
 Thread-safety: not thread-safe; the engine's scheduler calls it from one thread.
 """
@@ -26,12 +29,13 @@ from collections.abc import Callable, Iterable
 
 from kvtier.base import OffloadingManager
 from kvtier.errors import KVTierError
-from kvtier.scheduler.config import GroupKind, SchedulerOffloadConfig
+from kvtier.jobs import BlockIds, JobResult, StepPlan
+from kvtier.scheduler.config import SchedulerOffloadConfig
 from kvtier.scheduler.jobs import JobBook
-from kvtier.scheduler.lookup import scan_hits
-from kvtier.scheduler.state import PendingLoad, RequestOffloadState
+from kvtier.scheduler.lookup import may_defer, scan_hits
+from kvtier.scheduler.state import JobRecord, LookupAnswer, PendingLoad, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
-from kvtier.scheduler.types import BlockIds, JobReport, RequestView, StepPlan, StepView
+from kvtier.scheduler.types import RequestView, StepView
 
 __all__ = ["OffloadScheduler"]
 
@@ -58,9 +62,13 @@ class OffloadScheduler:
         self.stats = SchedulerStats()
         self._clock = clock
         self._requests: dict[str, RequestOffloadState] = {}
-        self._jobs = JobBook(config.num_workers)
+        self._jobs = JobBook(config.num_workers, config.job_timeout_s)
         self._loading_keys: Counter[bytes] = Counter()  # keys of in-flight loads
         self._next_plan = StepPlan()  # jobs created between two build_connector_meta calls
+        self._step = 0  # build_connector_meta calls so far
+        for g in config.unsupported_groups():
+            logger.warning("kvtier: KV-cache group %d cannot be offloaded (%s); this model gets no kvtier hits",
+                           g, config.groups[g].reason or "unsupported kind")
 
     # -- 1. lookup --------------------------------------------------------------------
 
@@ -68,7 +76,8 @@ class OffloadScheduler:
         """Tokens kvtier can load after the engine's own `num_local` hits.
 
         Returns:
-            (tokens, load_async); tokens is None for "ask again next step".
+            (tokens, load_async); tokens is None for "ask again next step". Loads are
+            synchronous (they end before the request's first forward pass): load_async is False.
         """
         state = self._state_for(req)
         state.pending_load = None
@@ -76,51 +85,26 @@ class OffloadScheduler:
         if not (self.config.is_supported and state.params.load):
             return self._answer(state, num_local, 0)
         if state.load_job_id is not None:  # its previous load is still in flight
-            return (None, False) if self._may_defer(state) else self._answer(state, num_local, 0)
+            return (None, False) if may_defer(state, self.config, self._clock(), self.stats) else \
+                self._answer(state, num_local, 0)
         size = self.config.tokens_per_chunk
         start = num_local // size
         max_chunks = min(state.num_hashed_chunks(), (req.num_tokens - 1) // size)
         if start >= max_chunks:
             return self._answer(state, num_local, 0)
         scan = scan_hits(state, self.manager, self._loading_keys, start, max_chunks)
-        if scan.must_wait and self._may_defer(state):
+        if scan.must_wait and may_defer(state, self.config, self._clock(), self.stats):
             return None, False
-        self._touch(state, scan.end_chunk)
+        # recency for every chunk the request reuses, also those the engine's cache served
+        self.manager.touch(state.chain_keys(scan.end_chunk), state.req_context)
         if scan.end_chunk <= start:
             return self._answer(state, num_local, 0)
         state.pending_load = PendingLoad(start, scan.end_chunk, num_local)
         return self._answer(state, num_local, scan.end_chunk * size - num_local)
 
-    def _touch(self, state: RequestOffloadState, end: int) -> None:
-        """Recency for every chunk the request reuses, also those the engine's cache served."""
-        keys = []
-        for gs in state.group_states:
-            if gs.spec.kind is not GroupKind.UNSUPPORTED:
-                keys.extend(state.keys(gs.group, gs.spec.first_needed_chunk(end), end))
-        self.manager.touch(keys, state.req_context)
-
     def _answer(self, state: RequestOffloadState, num_local: int, hit_tokens: int) -> tuple[int, bool]:
-        self.stats.requests += 1
-        self.stats.local_hit_tokens += num_local
-        self.stats.query_tokens += max(0, state.req.num_tokens - 1 - num_local)
-        self.stats.hit_tokens += hit_tokens
-        return hit_tokens, self.config.load_async and hit_tokens > 0
-
-    def _may_defer(self, state: RequestOffloadState) -> bool:
-        """Spend one deferral of the request's budget; False once it is exhausted."""
-        if state.deferral_expired:
-            return False
-        now = self._clock()
-        if state.first_deferred_at is None:
-            state.first_deferred_at = now
-        if state.num_deferrals >= self.config.max_deferrals or now - state.first_deferred_at >= self.config.max_defer_s:
-            state.deferral_expired = True
-            self.stats.deferral_timeouts += 1
-            logger.info("request %s stopped waiting after %d deferrals", state.req_id, state.num_deferrals)
-            return False
-        state.num_deferrals += 1
-        self.stats.deferrals += 1
-        return True
+        state.answer = LookupAnswer(num_local, max(0, state.req.num_tokens - 1 - num_local))
+        return hit_tokens, False
 
     # -- 2. allocation -> load job ----------------------------------------------------
 
@@ -131,25 +115,27 @@ class OffloadScheduler:
             return
         state.set_block_ids(block_ids, replace=True)
         pending, state.pending_load = state.pending_load, None
-        if pending is None or num_external_tokens <= 0:
-            return
-        expected = pending.end_chunk * self.config.tokens_per_chunk - pending.num_local_tokens
-        if num_external_tokens != expected:
-            logger.warning("request %s: engine accepted %d external tokens, kvtier offered %d; not loading",
-                           req_id, num_external_tokens, expected)
-            self._next_plan.failed_load_block_ids.update(self._external_blocks(state, pending))
-            return
-        self._start_load(state, pending)
+        loaded = 0
+        if pending is not None and num_external_tokens > 0:
+            expected = pending.end_chunk * self.config.tokens_per_chunk - pending.num_local_tokens
+            if num_external_tokens != expected:
+                logger.warning("request %s: engine accepted %d external tokens, kvtier offered %d; not loading",
+                               req_id, num_external_tokens, expected)
+                self._fail_offered_blocks(state, pending)
+            elif self._start_load(state, pending):
+                loaded = num_external_tokens
+        self.stats.count_admission(state.answer, loaded)
+        state.answer = None
 
-    def _start_load(self, state: RequestOffloadState, pending: PendingLoad) -> None:
+    def _start_load(self, state: RequestOffloadState, pending: PendingLoad) -> bool:
         keys, blocks = self._jobs.load_parts_for(state, pending)
         try:
             spec = self.manager.prepare_load([k for part in keys for k in part], state.req_context)
         except KVTierError as exc:  # a broken contract below: recompute, never crash
             logger.warning("request %s: prepare_load failed (%s); its blocks will be recomputed", state.req_id, exc)
             self.stats.load_prepare_failures += 1
-            self._next_plan.failed_load_block_ids.update(self._external_blocks(state, pending))
-            return
+            self._fail_offered_blocks(state, pending)
+            return False
         job = self._jobs.new_load(state, keys, blocks, spec.slot_ids)
         state.load_job_id = job.job_id
         self._loading_keys.update(self._jobs[job.job_id].keys)
@@ -159,17 +145,19 @@ class OffloadScheduler:
             gs.next_store_chunk = max(gs.next_store_chunk, pending.end_chunk)
         self.stats.load_jobs += 1
         self.stats.loaded_chunks += job.num_chunks
+        return True
 
-    def _external_blocks(self, state: RequestOffloadState, pending: PendingLoad) -> set[int]:
-        first = pending.num_local_tokens // state.group_states[0].spec.tokens_per_block
-        last = pending.end_chunk * self.config.blocks_per_chunk
-        return {b for gs in state.group_states for b in gs.block_ids[first:last]}
+    def _fail_offered_blocks(self, state: RequestOffloadState, pending: PendingLoad) -> None:
+        """The engine counts the offered tokens as computed: report their blocks failed (recompute)."""
+        self._next_plan.failed_load_block_ids |= state.blocks_between(pending.num_local_tokens, pending.end_chunk)
 
     # -- 3. the step plan -------------------------------------------------------------
 
     def build_connector_meta(self, step: StepView) -> StepPlan:
         """Plan this step's transfers: new loads, stores of newly computed chunks, flushes."""
+        self._step += 1
         plan, self._next_plan = self._next_plan, StepPlan()
+        self._expire_jobs(plan)
         for req_id in step.preempted_req_ids:
             self._on_preempted(req_id, plan)
         for sched in step.scheduled:
@@ -183,6 +171,7 @@ class OffloadScheduler:
                 self._plan_stores(state, sched.num_computed_tokens + sched.num_scheduled_tokens,
                                   sched.num_computed_tokens, plan)
         self.stats.flushed_jobs += len(plan.flush_job_ids)
+        self._jobs.dispatch(plan, self._clock())
         return plan
 
     def _on_preempted(self, req_id: str, plan: StepPlan) -> None:
@@ -195,6 +184,8 @@ class OffloadScheduler:
 
     def _plan_stores(self, state: RequestOffloadState, num_tokens: int, window_from: int, plan: StepPlan) -> None:
         """Offer every whole, computed chunk after the store cursor to the manager."""
+        if not self.config.is_supported:
+            return  # nothing stored could ever be loaded
         if self.config.offload_prompt_only:
             num_tokens = min(num_tokens, state.req.num_prompt_tokens)
         end = min(num_tokens // self.config.tokens_per_chunk, state.num_hashed_chunks(),
@@ -215,29 +206,47 @@ class OffloadScheduler:
 
     # -- 5. completions ---------------------------------------------------------------
 
-    def update_connector_output(self, reports: Iterable[JobReport]) -> set[int]:
-        """Record workers' reports; returns engine block ids whose load failed (recompute them)."""
-        invalid: set[int] = set()
-        for record in self._jobs.acknowledge(reports):
+    def update_connector_output(self, results: Iterable[JobResult]) -> None:
+        """Record the workers' results; a job completes once every worker reported it.
+
+        Failed loads need nothing here: each worker reports the blocks it could not load
+        to the engine itself (`WorkerSide.take_load_errors`), which recomputes them.
+        """
+        for record in self._jobs.acknowledge(results):
+            self._complete(record)
+
+    def _expire_jobs(self, plan: StepPlan) -> None:
+        """Fail jobs not every worker reported in time (see `kvtier.scheduler.jobs`)."""
+        for record in self._jobs.expire(self._clock()):
+            self.stats.expired_jobs += 1
+            logger.warning("kvtier: job %d of request %s was not reported by every worker in time; failed",
+                           record.job.job_id, record.job.req_id)
             state = self._requests[record.job.req_id]
-            state.transfer_jobs.discard(record.job.job_id)
-            ok, failed = self._jobs.split_keys(record)
-            stale = record.generation != self._jobs.generation
-            self.stats.stale_completions += stale
-            if record.is_load:
-                state.load_job_id = None
-                self._loading_keys.subtract(record.keys)
-                self._loading_keys = +self._loading_keys
-                self.manager.complete_load(record.keys, state.req_context)
-                self.stats.failed_load_chunks += len(failed)
-                invalid |= self._jobs.failed_load_blocks(record)
-            else:
-                self.manager.complete_store(ok, state.req_context, success=True)  # a stale one is freed
-                self.manager.complete_store(failed, state.req_context, success=False)
-                self.stats.stored_chunks += 0 if stale else len(ok)
-                self.stats.failed_store_chunks += len(failed)
-            self._release_if_done(state)
-        return invalid
+            blocks = self._jobs.failed_load_blocks(record) if record.is_load else set()
+            if not state.is_finished and blocks <= state.held_block_ids():
+                plan.failed_load_block_ids |= blocks  # the engine recomputes them
+            self._complete(record)
+
+    def _complete(self, record: JobRecord) -> None:
+        state = self._requests[record.job.req_id]
+        state.transfer_jobs.discard(record.job.job_id)
+        ok, failed = self._jobs.split_keys(record)
+        stale = record.generation != self._jobs.generation
+        self.stats.stale_completions += stale
+        if record.is_load:
+            state.load_job_id = None
+            self._loading_keys.subtract(record.keys)
+            self._loading_keys = +self._loading_keys
+            self.manager.complete_load(record.keys, state.req_context)
+            self.stats.failed_load_chunks += len(failed)
+            if state.is_finished and not failed:
+                self._store_final_chunks(state)
+        else:
+            self.manager.complete_store(ok, state.req_context, success=True)  # a stale one is freed
+            self.manager.complete_store(failed, state.req_context, success=False)
+            self.stats.stored_chunks += 0 if stale else len(ok)
+            self.stats.failed_store_chunks += len(failed)
+        self._release_if_done(state)
 
     # -- 6. request end, reset --------------------------------------------------------
 
@@ -245,15 +254,32 @@ class OffloadScheduler:
         """The request ended (finished, aborted): store its last chunks, then forget it.
 
         Its engine blocks may be freed at once: stores still reading them are flushed
-        before a new owner writes them (see `StepPlan.flush_job_ids`).
+        before a new owner writes them (see `StepPlan.flush_job_ids`). A request that ends
+        in the step its load ran stores once that load is reported (`_store_final_chunks`).
         """
         state = self._requests.get(req.req_id)
         if state is None:
             return
         state.req, state.is_finished, state.pending_load = req, True, None
-        if state.load_job_id is None and state.params.store and state.group_states[0].block_ids:
-            self._plan_stores(state, req.num_computed_tokens, req.num_computed_tokens, self._next_plan)
+        state.finished_at_step = self._step
+        if state.load_job_id is None:
+            self._store_final_chunks(state)
         self._release_if_done(state)
+
+    def _store_final_chunks(self, state: RequestOffloadState) -> None:
+        """Plan the last stores of a finished request, from blocks the engine has just freed.
+
+        Only before the next plan: until then no new owner can have written those blocks,
+        and that plan flushes the stores if it hands the blocks over (a load reported later
+        than that — never the case with vLLM's per-step reports — leaves them unstored).
+        """
+        if state.finished_at_step != self._step:
+            logger.debug("request %s: its load was reported after its blocks were freed; last chunks not stored",
+                         state.req_id)
+            return
+        if state.params.store and state.group_states[0].block_ids:
+            computed = state.req.num_computed_tokens
+            self._plan_stores(state, computed, computed, self._next_plan)
 
     def _release_if_done(self, state: RequestOffloadState) -> None:
         if state.is_finished and not state.transfer_jobs:

@@ -1,19 +1,28 @@
 """Transfer-job bookkeeping: ids, the chunks and blocks each job moves, acknowledgements,
-reset generations, and the fences that keep a freed block from being overwritten while
-a store still reads it.
+deadlines, reset generations, and the fences that keep a freed block from being
+overwritten while a store still reads it.
+
+Deadlines: a job's deadline is stamped when its plan goes to the workers (`dispatch`:
+then + `job_timeout_s`; a job waiting for the next step, e.g. the last store of a request,
+does not age while the engine idles). Workers abandon a job at its deadline
+(`kvtier.worker.side`). The book expires a job that not every worker reported by
+`deadline + job_timeout_s`: by then no worker copies it any more, so the scheduler may
+fail it and free what it held; a report that still comes later is ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterable
 
 import numpy as np
 
 from kvtier.base import PrepareStoreOutput
+from kvtier.jobs import Endpoint, JobResult, StepPlan, TransferJob, TransferPart
 from kvtier.keys import OffloadKey
 from kvtier.scheduler.config import GroupKind
 from kvtier.scheduler.state import JobRecord, PendingLoad, RequestOffloadState
-from kvtier.scheduler.types import JobKind, JobReport, TransferJob, TransferPart
 
 __all__ = ["JobBook"]
 
@@ -23,8 +32,9 @@ _Parts = list[tuple[int, list[int], int]]  # (group, block ids, skip_blocks) per
 class JobBook:
     """All in-flight jobs of one scheduler. Not thread-safe."""
 
-    def __init__(self, num_workers: int):
+    def __init__(self, num_workers: int, job_timeout_s: float):
         self.num_workers = num_workers
+        self.job_timeout_s = job_timeout_s
         self.generation = 0
         self._records: dict[int, JobRecord] = {}
         self._next_id = 1
@@ -58,25 +68,30 @@ class JobBook:
             slots = slot_ids[offset : offset + len(part_keys)]
             offset += len(part_keys)
             if len(part_keys):
-                built.append(TransferPart(group, np.asarray(slots, np.int64), np.asarray(blocks, np.int64), skip))
-        return self._register(state, JobKind.LOAD, built, [k for part in keys for k in part])
+                built.append(TransferPart(group=group, slot_ids=np.asarray(slots, np.int64),
+                                          block_ids=np.asarray(blocks, np.int64), skip_blocks=skip))
+        return self._register(state, Endpoint.SLAB, Endpoint.ENGINE, built, [k for part in keys for k in part])
 
     def store_candidates(self, state: RequestOffloadState, end: int, window_from: int
                          ) -> tuple[list[OffloadKey], list[tuple[int, int]]]:
-        """Keys of chunks after each group's cursor up to `end`, with their (group, chunk).
+        """Keys of chunks after each group's cursor up to `end`, with their (group, chunk),
+        chunk by chunk across groups (head first: see `RequestOffloadState.chain_keys`).
 
         A sliding-window group skips chunks that left the window before `window_from`:
         the engine may already have freed their blocks.
         """
-        keys, chunks = [], []
+        firsts = {}
         for gs in state.group_states:
             first = gs.next_store_chunk
             if gs.spec.kind is GroupKind.SLIDING_WINDOW:
                 first = max(first, gs.spec.first_needed_chunk(window_from // gs.spec.tokens_per_chunk))
             if first < end:
-                keys.extend(state.keys(gs.group, first, end))
-                chunks.extend((gs.group, c) for c in range(first, end))
-        return keys, chunks
+                firsts[gs.group] = first
+        if not firsts:
+            return [], []
+        group_keys = {g: state.keys(g, first, end) for g, first in firsts.items()}
+        chunks = [(g, c) for c in range(min(firsts.values()), end) for g in firsts if c >= firsts[g]]
+        return [group_keys[g][c - firsts[g]] for g, c in chunks], chunks
 
     def new_store(self, state: RequestOffloadState, keys: list[OffloadKey], chunks: list[tuple[int, int]],
                   out: PrepareStoreOutput) -> TransferJob:
@@ -89,22 +104,33 @@ class JobBook:
                 slots.append(slot_of[key])
                 blocks.extend(state.group_states[group].chunk_blocks(chunk))
         parts = [
-            TransferPart(group, np.asarray(slots, np.int64), np.asarray(blocks, np.int64))
+            TransferPart(group=group, slot_ids=np.asarray(slots, np.int64), block_ids=np.asarray(blocks, np.int64))
             for group, (_, slots, blocks) in per_group.items()
         ]
-        job = self._register(state, JobKind.STORE, parts, [k for ks, _, _ in per_group.values() for k in ks])
-        for part in parts:
-            for block in part.block_ids.tolist():
-                self._stores_by_block.setdefault(block, set()).add(job.job_id)
+        job = self._register(state, Endpoint.ENGINE, Endpoint.SLAB, parts,
+                             [k for ks, _, _ in per_group.values() for k in ks])
+        for block in job.read_blocks():
+            self._stores_by_block.setdefault(block, set()).add(job.job_id)
         return job
 
-    def _register(self, state: RequestOffloadState, kind: JobKind, parts: list[TransferPart],
+    def _register(self, state: RequestOffloadState, src: Endpoint, dst: Endpoint, parts: list[TransferPart],
                   keys: list[OffloadKey]) -> TransferJob:
-        job = TransferJob(self._next_id, state.req_id, kind, tuple(parts))
+        job = TransferJob(job_id=self._next_id, req_id=state.req_id, src=src, dst=dst, parts=tuple(parts),
+                          deadline=math.inf)  # stamped by `dispatch`
         self._next_id += 1
-        self._records[job.job_id] = JobRecord(job, keys, self.generation)
+        self._records[job.job_id] = JobRecord(job, keys, self.generation, expires_at=math.inf)
         state.transfer_jobs.add(job.job_id)
         return job
+
+    def dispatch(self, plan: StepPlan, now: float) -> None:
+        """`plan` goes to the workers now: its jobs' deadlines count from now."""
+        deadline = now + self.job_timeout_s
+        for jobs in (plan.load_jobs, plan.store_jobs):
+            for i, job in enumerate(jobs):
+                jobs[i] = dataclasses.replace(job, deadline=deadline)
+                record = self._records.get(job.job_id)
+                if record is not None:
+                    record.job, record.expires_at = jobs[i], deadline + self.job_timeout_s
 
     # -- fences, generations ----------------------------------------------------------
 
@@ -122,30 +148,39 @@ class JobBook:
 
     # -- completion -------------------------------------------------------------------
 
-    def acknowledge(self, reports: Iterable[JobReport]) -> list[JobRecord]:
-        """Count reports; returns the jobs every worker has now acknowledged (forgotten here)."""
+    def acknowledge(self, results: Iterable[JobResult]) -> list[JobRecord]:
+        """Count results; returns the jobs every worker has now reported (forgotten here).
+
+        A result for an unknown job (a duplicate, or one that expired) is ignored.
+        """
         done = []
-        for report in reports:
-            record = self._records.get(report.job_id)
+        for result in results:
+            record = self._records.get(result.job_id)
             if record is None:
-                continue  # unknown or already complete: a duplicate report
+                continue
             record.num_acks += 1
-            if not report.success:
-                record.failed_chunks |= set(report.failed_chunks) or set(range(len(record.keys)))
+            record.failed_chunks.update(c for c in result.failed_chunks if 0 <= c < len(record.keys))
             if record.num_acks >= self.num_workers:
                 done.append(self._forget(record))
         return done
 
+    def expire(self, now: float) -> list[JobRecord]:
+        """Jobs not every worker reported by their expiry: forgotten here, every chunk failed."""
+        expired = [r for r in self._records.values() if r.expires_at <= now]
+        for record in expired:
+            record.failed_chunks = set(range(len(record.keys)))
+            self._forget(record)
+        return expired
+
     def _forget(self, record: JobRecord) -> JobRecord:
         del self._records[record.job.job_id]
         if not record.is_load:
-            for part in record.job.parts:
-                for block in part.block_ids.tolist():
-                    jobs = self._stores_by_block.get(block)
-                    if jobs is not None:
-                        jobs.discard(record.job.job_id)
-                        if not jobs:
-                            del self._stores_by_block[block]
+            for block in record.job.read_blocks():
+                jobs = self._stores_by_block.get(block)
+                if jobs is not None:
+                    jobs.discard(record.job.job_id)
+                    if not jobs:
+                        del self._stores_by_block[block]
         return record
 
     @staticmethod
@@ -158,4 +193,4 @@ class JobBook:
     @staticmethod
     def failed_load_blocks(record: JobRecord) -> set[int]:
         """Engine blocks a failed load left invalid (never the blocks it had to skip)."""
-        return record.job.load_targets(record.failed_chunks)
+        return record.job.written_blocks(record.failed_chunks)

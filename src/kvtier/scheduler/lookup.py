@@ -1,4 +1,5 @@
-"""The hit scan: how many chunks after the engine's own hits kvtier can load now.
+"""The hit scan: how many chunks after the engine's own hits kvtier can load now; and the
+bounded wait of a request whose hits are not readable yet.
 
 Full-attention groups need every chunk of the prefix: a prefix scan where HIT counts,
 MISS stops, and HIT_PENDING / RETRY (or a chunk being loaded for another request)
@@ -8,15 +9,19 @@ boundary: a suffix scan lowers the boundary until that window is all HIT.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Container
 from dataclasses import dataclass
 
 from kvtier.base import LookupResult, OffloadingManager
 from kvtier.keys import OffloadKey
-from kvtier.scheduler.config import GroupKind
+from kvtier.scheduler.config import GroupKind, SchedulerOffloadConfig
 from kvtier.scheduler.state import RequestOffloadState
+from kvtier.scheduler.stats import SchedulerStats
 
-__all__ = ["ScanResult", "scan_hits"]
+__all__ = ["ScanResult", "may_defer", "scan_hits"]
+
+logger = logging.getLogger(__name__)
 
 _HIT = LookupResult.HIT
 
@@ -79,3 +84,23 @@ def _window_scan(state: RequestOffloadState, group: int, lookup: _Lookups, start
             return h, must_wait
         must_wait |= any(r is not _HIT and r is not LookupResult.MISS for r in results)
     return start, must_wait
+
+
+def may_defer(state: RequestOffloadState, config: SchedulerOffloadConfig, now: float, stats: SchedulerStats) -> bool:
+    """Spend one "ask again next step" of the request's budget; False once it is exhausted.
+
+    The budget is `max_deferrals` answers and `max_defer_s` seconds from the first one;
+    the request that runs out counts one `deferral_timeouts` and proceeds with what is HIT.
+    """
+    if state.deferral_expired:
+        return False
+    if state.first_deferred_at is None:
+        state.first_deferred_at = now
+    if state.num_deferrals >= config.max_deferrals or now - state.first_deferred_at >= config.max_defer_s:
+        state.deferral_expired = True
+        stats.deferral_timeouts += 1
+        logger.info("request %s stopped waiting after %d deferrals", state.req_id, state.num_deferrals)
+        return False
+    state.num_deferrals += 1
+    stats.deferrals += 1
+    return True

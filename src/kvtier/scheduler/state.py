@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.base import ReqContext
+from kvtier.jobs import TransferJob
 from kvtier.keys import OffloadKey, make_offload_key
-from kvtier.scheduler.config import GroupSpec, SchedulerOffloadConfig
+from kvtier.scheduler.config import GroupKind, GroupSpec, SchedulerOffloadConfig
 from kvtier.scheduler.params import OffloadParams, parse_kv_transfer_params
-from kvtier.scheduler.types import JobKind, RequestView, TransferJob
+from kvtier.scheduler.types import RequestView
 
-__all__ = ["JobRecord", "PendingLoad", "RequestGroupState", "RequestOffloadState"]
+__all__ = ["JobRecord", "LookupAnswer", "PendingLoad", "RequestGroupState", "RequestOffloadState"]
 
 
 @dataclass(slots=True)
@@ -52,6 +53,18 @@ class PendingLoad:
     num_local_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class LookupAnswer:
+    """The scheduler's latest answer to "how many tokens can kvtier add?" for a request.
+
+    Counted in the stats once, when the engine admits the request with it (an engine
+    re-asks a waiting request every step it cannot schedule it).
+    """
+
+    num_local_tokens: int
+    num_query_tokens: int  # tokens after the engine's own hits that kvtier was asked for
+
+
 @dataclass(slots=True)
 class JobRecord:
     """Scheduler-side bookkeeping of one in-flight job."""
@@ -59,12 +72,13 @@ class JobRecord:
     job: TransferJob
     keys: list[OffloadKey]  # one per chunk, in the job's part order
     generation: int  # the reset_cache() generation it was created in
+    expires_at: float  # the scheduler fails the job if not every worker reported it by then
     num_acks: int = 0
     failed_chunks: set[int] = field(default_factory=set)
 
     @property
     def is_load(self) -> bool:
-        return self.job.kind is JobKind.LOAD
+        return self.job.is_load
 
 
 @dataclass(slots=True)
@@ -80,10 +94,12 @@ class RequestOffloadState:
     transfer_jobs: set[int] = field(default_factory=set)  # in-flight job ids
     load_job_id: int | None = None  # the in-flight load, if any
     pending_load: PendingLoad | None = None
+    answer: LookupAnswer | None = None  # the latest lookup answer, not counted yet
     num_deferrals: int = 0
     first_deferred_at: float | None = None
     deferral_expired: bool = False
     is_finished: bool = False
+    finished_at_step: int | None = None  # the scheduler step in which request_finished came
 
     def __post_init__(self) -> None:
         self.group_states = [RequestGroupState(g, spec) for g, spec in enumerate(self.config.groups)]
@@ -97,6 +113,19 @@ class RequestOffloadState:
 
     def num_hashed_chunks(self) -> int:
         return len(self.req.block_hashes) // self.config.hashes_per_chunk
+
+    def chain_keys(self, end: int, start: int = 0) -> list[OffloadKey]:
+        """Keys of chunks [start, end) the request needs, chunk by chunk across groups, head first.
+
+        Sliding-window groups contribute only the chunks inside their window before `end`;
+        unsupported groups none. Head first across groups too, so a policy that ranks a
+        chain "tails before heads" never keeps one group's tail longer than another's head.
+        """
+        firsts = [max(start, gs.spec.first_needed_chunk(end)) if gs.spec.kind is not GroupKind.UNSUPPORTED else end
+                  for gs in self.group_states]
+        per_group = [self.keys(gs.group, first, end) for gs, first in zip(self.group_states, firsts, strict=True)]
+        return [per_group[g][chunk - firsts[g]] for chunk in range(start, end)
+                for g in range(len(per_group)) if chunk >= firsts[g]]
 
     def keys(self, group: int, start: int, end: int) -> list[OffloadKey]:
         """Offload keys of chunks [start, end) of `group` (end <= num_hashed_chunks())."""
@@ -122,6 +151,16 @@ class RequestOffloadState:
                 state.block_ids.extend(ids)
                 written.extend(ids)
         return written
+
+    def held_block_ids(self) -> set[int]:
+        return {b for gs in self.group_states for b in gs.block_ids}
+
+    def blocks_between(self, first_token: int, end_chunk: int) -> set[int]:
+        """Every group's blocks from the one holding `first_token` to the end of chunk `end_chunk - 1`."""
+        blocks: set[int] = set()
+        for gs in self.group_states:
+            blocks.update(gs.block_ids[first_token // gs.spec.tokens_per_block : end_chunk * gs.spec.blocks_per_chunk])
+        return blocks
 
     def clear_block_ids(self) -> None:
         for state in self.group_states:

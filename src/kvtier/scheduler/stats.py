@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.scheduler.state import LookupAnswer
 
 __all__ = ["SchedulerStats"]
 
 
 @dataclass(slots=True)
 class SchedulerStats:
-    requests: int = 0  # lookups answered with a number (not deferred)
+    requests: int = 0  # admissions: counted once per request, with the answer it was admitted with
     query_tokens: int = 0  # tokens after the engine's own hits that kvtier was asked for
-    hit_tokens: int = 0  # of those, tokens kvtier will load
+    hit_tokens: int = 0  # of those, tokens kvtier loads
     local_hit_tokens: int = 0  # tokens the engine's own prefix cache served
     deferrals: int = 0  # "ask again next step" answers
     deferral_timeouts: int = 0  # requests that stopped waiting at their deadline or cap
@@ -25,6 +29,15 @@ class SchedulerStats:
     store_alloc_failures: int = 0  # prepare_store found no room; retried next step
     flushed_jobs: int = 0
     stale_completions: int = 0  # jobs from before a reset_cache()
+    expired_jobs: int = 0  # jobs not every worker reported in time: failed by the scheduler
+
+    def count_admission(self, answer: LookupAnswer | None, num_loaded_tokens: int) -> None:
+        """Count a request's lookup once, when the engine admits it (not at every re-ask)."""
+        if answer is not None:
+            self.requests += 1
+            self.local_hit_tokens += answer.num_local_tokens
+            self.query_tokens += answer.num_query_tokens
+            self.hit_tokens += num_loaded_tokens
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

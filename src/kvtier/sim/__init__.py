@@ -1,6 +1,7 @@
-"""Simulation: a fake engine and worker that drive the real scheduler and tiers."""
+"""Simulation: a fake engine that drives the real scheduler, tiers and worker."""
 
-from kvtier.sim.fake_engine import ContentMismatch, FakeEngine, SimRequest
-from kvtier.sim.fake_worker import FakeWorker
+from kvtier.sim.fake_engine import FakeEngine, SimRequest
+from kvtier.sim.faults import Faults, SimTransferEngine
+from kvtier.sim.kv_cache import ContentMismatch, KVCache
 
-__all__ = ["ContentMismatch", "FakeEngine", "FakeWorker", "SimRequest"]
+__all__ = ["ContentMismatch", "FakeEngine", "Faults", "KVCache", "SimRequest", "SimTransferEngine"]

@@ -3,30 +3,35 @@ the simulator.
 
 It has a block pool with a local prefix cache, admits waiting requests (asking the
 `OffloadScheduler` for external hits after its own), schedules prefill chunks and
-decodes, supports preemption and `reset_prefix_cache`, and runs each step's
-`StepPlan` on a `FakeWorker`. Every block it computes gets a content token derived
-from the block's hash; before computing a token it checks that every block the token
-attends to holds the right content — so a wrong load, a missing fence or a stale
-completion shows up as `ContentMismatch`, not as a silently wrong number.
+decodes, supports preemption and `reset_prefix_cache`, and runs each step's `StepPlan`
+on the real worker — `kvtier.worker.WorkerSide` and a `TransferEngine` over small CPU
+tensors (`KVCache`) — in vLLM's order: flushes and loads, the forward pass, stores,
+then the finished requests, then the workers' results. Every block it computes gets
+a value derived from the block's hash; before computing a token it checks that every
+block the token attends to holds the right value — so a wrong load, a missing fence or
+a stale completion shows up as `ContentMismatch`, not as a silently wrong number.
+Stores start at step boundaries (`SimTransferEngine`), so runs are repeatable.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.jobs import StepPlan
 from kvtier.keys import BlockHasher
 from kvtier.scheduler.config import GroupKind, GroupSpec
 from kvtier.scheduler.core import OffloadScheduler
-from kvtier.scheduler.types import RequestView, ScheduledRequest, StepPlan, StepView
-from kvtier.sim.fake_worker import FakeWorker
+from kvtier.scheduler.types import RequestView, ScheduledRequest, StepView
+from kvtier.sim.block_pool import BlockPool
+from kvtier.sim.faults import Faults, SimTransferEngine
+from kvtier.sim.kv_cache import ContentMismatch, KVCache
+from kvtier.worker.side import WorkerSide
 
 __all__ = ["ContentMismatch", "FakeEngine", "SimRequest"]
-
-
-class ContentMismatch(AssertionError):
-    """A block held other KV than the tokens it stands for (a correctness bug)."""
 
 
 @dataclass
@@ -55,19 +60,37 @@ class SimRequest:
 
 
 class FakeEngine:
-    """Drives an `OffloadScheduler` (or none: the no-offload baseline) like vLLM does."""
+    """Drives an `OffloadScheduler` (or none: the no-offload baseline) like vLLM does.
+
+    Args:
+        scheduler: the scheduler under test (None: no offloading).
+        num_blocks, block_size: the engine's own KV cache.
+        groups: KV-cache groups (default: the scheduler's).
+        max_tokens_per_step: the step's token budget.
+        faults: injected into the worker's transfer engine (see `kvtier.sim.faults`).
+        clock: the clock the scheduler writes job deadlines in (the worker reads the same).
+    """
 
     def __init__(self, scheduler: OffloadScheduler | None, *, num_blocks: int = 64, block_size: int = 4,
-                 groups: tuple[GroupSpec, ...] | None = None, max_tokens_per_step: int = 64):
+                 groups: tuple[GroupSpec, ...] | None = None, max_tokens_per_step: int = 64,
+                 faults: Faults | None = None, clock: Callable[[], float] = time.monotonic):
         self.scheduler = scheduler
         self.block_size = block_size
         self.groups = groups or (scheduler.config.groups if scheduler else (GroupSpec(tokens_per_block=block_size),))
         self.max_tokens_per_step = max_tokens_per_step
         self.hasher = BlockHasher(block_size)
-        self.worker = FakeWorker([None] * num_blocks)
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self.refs = [0] * num_blocks
-        self.cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # hash -> block per group (LRU order)
+        self.kv = KVCache(len(self.groups), num_blocks, block_size)
+        self.faults = faults or Faults()
+        self.worker: WorkerSide | None = None
+        self.transfer: SimTransferEngine | None = None
+        if scheduler is not None:
+            bpc = self.groups[0].blocks_per_chunk
+            self.worker = WorkerSide(num_slots=scheduler.manager.stats().num_slots, blocks_per_chunk=bpc,
+                                     layer_groups=self.kv.layer_groups, clock=clock,
+                                     transfer_factory=functools.partial(SimTransferEngine, faults=self.faults))
+            self.worker.register_kv_caches(self.kv.tensors)
+            self.transfer = self.worker.transfer  # type: ignore[assignment]
+        self.pool = BlockPool(num_blocks, len(self.groups))
         self.requests: dict[str, SimRequest] = {}
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
@@ -100,9 +123,12 @@ class FakeEngine:
 
     def reset_prefix_cache(self) -> None:
         """Drop every unused cached block (vLLM's reset_prefix_cache(reset_connector=False))."""
-        for blocks in self.cache.values():
-            self.free_blocks.extend(b for b in blocks if self.refs[b] == 0)
-        self.cache = OrderedDict((h, bs) for h, bs in self.cache.items() if any(self.refs[b] for b in bs))
+        self.pool.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the worker's copy threads."""
+        if self.worker is not None:
+            self.worker.shutdown()
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
@@ -121,7 +147,7 @@ class FakeEngine:
             new = self._grow(req, req.num_computed + n) if n > 0 else None
             if n > 0 and new is not None:
                 budget -= n
-                scheduled.append((req, n, ScheduledRequest(req.req_id, new, False, req.num_computed, n)))
+                scheduled.append((req, n, _scheduled(req, new, False, n)))
         for req in list(self.waiting):
             if budget <= 0:
                 break
@@ -133,7 +159,7 @@ class FakeEngine:
         self.num_steps += 1
 
     def _admit(self, req: SimRequest, budget: int) -> tuple[SimRequest, int, ScheduledRequest] | None:
-        local = self._local_hit(req)
+        local = self.pool.cached_prefix(req.block_hashes[: (req.num_tokens - 1) // self.block_size])
         num_local = len(local) * self.block_size
         req.num_lookups += 1
         ext, _ = (self.scheduler.get_num_new_matched_tokens(self._view(req), num_local)
@@ -142,12 +168,11 @@ class FakeEngine:
             return None
         n = min(req.num_tokens - num_local - ext, budget)
         needed = -(-(num_local + ext + n) // self.block_size) - len(local)
-        new = self._allocate_groups(needed)
+        new = self.pool.allocate(needed)
         if new is None:
             return None
         for blocks in local:
-            for b in blocks:
-                self.refs[b] += 1
+            self.pool.reference(blocks)
         req.block_ids = [[bs[g] for bs in local] + new[g] for g in range(len(self.groups))]
         if self.scheduler:
             self.scheduler.update_state_after_alloc(req.req_id, tuple(list(ids) for ids in req.block_ids), ext)
@@ -157,46 +182,52 @@ class FakeEngine:
         self.waiting.remove(req)
         self.running.append(req)
         ids = tuple(list(ids) for ids in req.block_ids)
-        return req, n, ScheduledRequest(req.req_id, ids, True, req.num_computed, n)
+        return req, n, _scheduled(req, ids, True, n)
 
     def _execute(self, scheduled: list[tuple[SimRequest, int, ScheduledRequest]]) -> None:
+        """One step in vLLM's order: plan; worker before the forward pass; the forward pass;
+        worker after it; then the finished requests; then the workers' job results."""
         step = StepView([s for _, _, s in scheduled], self._preempted, self._finished)
         self._preempted, self._finished = set(), set()
-        if self.scheduler is None:
-            for req, n, _ in scheduled:
-                self._forward(req, n)
+        if self.scheduler is None or self.worker is None or self.transfer is None:
+            self._finish_all([req for req, n, _ in scheduled if self._forward(req, n)])
             return
         plan = self.scheduler.build_connector_meta(step)
         _check_plan(plan)
-        invalid = self.scheduler.update_connector_output(self.worker.before_forward(plan))
-        invalid |= plan.failed_load_block_ids
-        for req, n, _ in scheduled:
-            if not self._rewind_if_invalid(req, invalid):
-                self._forward(req, n)
-        self.scheduler.update_connector_output(self.worker.after_forward(plan))
+        self.worker.handle_preemptions(plan)
+        self.worker.start_load_kv(plan)
+        # vLLM reads load errors after the forward pass and drops those requests' outputs;
+        # skipping their forward here is the same, without computing on invalid blocks.
+        invalid = self.worker.take_load_errors()
+        done = [req for req, n, _ in scheduled if not self._rewind_if_invalid(req, invalid) and self._forward(req, n)]
+        self.worker.wait_for_save(plan)
+        self.transfer.end_step()
+        results = self.worker.take_results()
+        self._finish_all(done)
+        self.scheduler.update_connector_output(results)
 
     # -- the "model" ------------------------------------------------------------------
 
-    def expected(self, req: SimRequest, index: int, group: int) -> tuple:
-        return ("kv", req.block_hashes[index], group)
-
-    def _forward(self, req: SimRequest, n: int) -> None:
+    def _forward(self, req: SimRequest, n: int) -> bool:
+        """Compute `n` tokens of `req` after checking every block they attend to; True when
+        the request then has all its output tokens."""
         start, end = req.num_computed, req.num_computed + n
         for g, spec in enumerate(self.groups):
             window = spec.sliding_window if spec.kind is GroupKind.SLIDING_WINDOW else None
             first = 0 if window is None else max(0, start - window + 1) // self.block_size
-            for j in range(first, start // self.block_size):
-                got = self.worker.blocks[req.block_ids[g][j]]
-                if got != self.expected(req, j, g):
-                    raise ContentMismatch(f"{req.req_id}: block {j} of group {g} holds {got!r}")
-            for j in range(start // self.block_size, end // self.block_size):
-                self.worker.blocks[req.block_ids[g][j]] = self.expected(req, j, g)
+            self.kv.check(req.req_id, g, *self._blocks(req, g, range(first, start // self.block_size)))
+            self.kv.write(g, *self._blocks(req, g, range(start // self.block_size, end // self.block_size))[1:])
         req.num_computed = end
         self._cache_computed(req)
-        if end == req.num_tokens:
-            self._sample(req)
+        return end == req.num_tokens and self._sample(req)
 
-    def _sample(self, req: SimRequest) -> None:
+    def _blocks(self, req: SimRequest, group: int, positions: range) -> tuple[list[int], list[int], list[int]]:
+        """(positions, engine blocks, expected contents) of the request's blocks at `positions`."""
+        ids = req.block_ids[group]
+        return (list(positions), [ids[j] for j in positions],
+                [self.kv.content(req.block_hashes[j], group) for j in positions])
+
+    def _sample(self, req: SimRequest) -> bool:
         req.output.append((sum(req.tokens[-8:]) * 31 + req.num_tokens) % 997)
         full = req.num_tokens // self.block_size
         if full > len(req.block_hashes):
@@ -204,7 +235,10 @@ class FakeEngine:
             tail = req.tokens[len(req.block_hashes) * self.block_size : full * self.block_size]
             salt = req.cache_salt if not req.block_hashes else None
             req.block_hashes.extend(self.hasher.hash_blocks(tail, cache_salt=salt, parent=parent))
-        if len(req.output) >= req.max_new_tokens:
+        return len(req.output) >= req.max_new_tokens
+
+    def _finish_all(self, reqs: list[SimRequest]) -> None:
+        for req in reqs:
             self.running.remove(req)
             self._finish(req)
 
@@ -219,28 +253,11 @@ class FakeEngine:
 
     # -- blocks -----------------------------------------------------------------------
 
-    def _local_hit(self, req: SimRequest) -> list[tuple[int, ...]]:
-        hits = []
-        for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
-            if h not in self.cache:
-                break
-            self.cache.move_to_end(h)
-            hits.append(self.cache[h])
-        return hits
-
-    def _allocate(self, n: int) -> list[int] | None:
-        while len(self.free_blocks) < n:
-            victim = next((h for h, bs in self.cache.items() if not any(self.refs[b] for b in bs)), None)
-            if victim is None:
-                return None
-            self.free_blocks.extend(self.cache.pop(victim))
-        return [self.free_blocks.pop() for _ in range(n)]
-
     def _grow(self, req: SimRequest, num_tokens: int) -> tuple[list[int], ...] | None:
         needed = -(-num_tokens // self.block_size) - len(req.block_ids[0])
         if needed <= 0:
             return tuple([] for _ in self.groups)
-        new = self._allocate_groups(needed)
+        new = self.pool.allocate(needed)
         if new is None:
             self.preempt(req.req_id)
             return None
@@ -248,31 +265,11 @@ class FakeEngine:
             req.block_ids[g].extend(blocks)
         return tuple(new)
 
-    def _allocate_groups(self, n: int) -> list[list[int]] | None:
-        """`n` referenced blocks for every group, or None (and nothing taken)."""
-        new = [self._allocate(n) for _ in self.groups]
-        if any(blocks is None for blocks in new):
-            for blocks in new:
-                self.free_blocks.extend(blocks or [])
-            return None
-        for blocks in new:
-            for b in blocks:
-                self.refs[b] += 1
-        return new
-
     def _cache_computed(self, req: SimRequest) -> None:
-        """Like vLLM: full, computed blocks enter the prefix cache as soon as they exist."""
-        for j in range(min(req.num_computed // self.block_size, len(req.block_hashes))):
-            self.cache.setdefault(req.block_hashes[j], tuple(ids[j] for ids in req.block_ids))
+        self.pool.cache_blocks(req.block_hashes, req.block_ids, req.num_computed // self.block_size)
 
     def _release_blocks(self, req: SimRequest) -> None:
-        """Unreference the request's blocks; cached ones stay cached, the rest are freed."""
-        cached = {b for bs in self.cache.values() for b in bs}
-        for ids in req.block_ids:
-            for b in ids:
-                self.refs[b] -= 1
-                if self.refs[b] == 0 and b not in cached:
-                    self.free_blocks.append(b)
+        self.pool.release(req.block_ids)
         req.block_ids = []
 
     def _finish(self, req: SimRequest) -> None:
@@ -283,8 +280,14 @@ class FakeEngine:
         self._finished.add(req.req_id)
 
     def _view(self, req: SimRequest) -> RequestView:
-        return RequestView(req.req_id, req.block_hashes, req.num_tokens, len(req.prompt),
-                           req.num_computed, req.kv_transfer_params)
+        return RequestView(req_id=req.req_id, block_hashes=req.block_hashes, num_tokens=req.num_tokens,
+                           num_prompt_tokens=len(req.prompt), num_computed_tokens=req.num_computed,
+                           kv_transfer_params=req.kv_transfer_params)
+
+
+def _scheduled(req: SimRequest, new_block_ids: Any, is_new: bool, n: int) -> ScheduledRequest:
+    return ScheduledRequest(req_id=req.req_id, new_block_ids=new_block_ids, is_new_or_resumed=is_new,
+                            num_computed_tokens=req.num_computed, num_scheduled_tokens=n)
 
 
 def _check_plan(plan: StepPlan) -> None:

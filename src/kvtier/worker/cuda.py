@@ -1,15 +1,15 @@
-"""The CUDA path: pinned host slab, one stream per direction, events per job.
+"""The CUDA path: pinned host slab, one stream per direction, events per task.
 
 UNVERIFIED: written for a GPU and never run on one yet (the development machines have
 none); the CPU-only test suite covers the shared planning and validation code only.
 Importing this module needs no GPU: CUDA is touched only when a backend is built.
 
-How ordering is kept without a job thread:
-- every job first waits for the engine's current (compute) stream: a store reads KV the
+How ordering is kept without a task thread:
+- every task first waits for the engine's current (compute) stream: a store reads KV the
   forward pass wrote, a load overwrites blocks the compute stream may still read or zero;
-- each direction has its own stream, so jobs of one direction run first-in first-out;
-- a job whose slots or blocks conflict with an unfinished job of the other direction
-  (see `TransferJob.conflicts_with`) waits for that job's end event.
+- each direction has its own stream, so tasks of one direction run first-in first-out;
+- a task whose slots or blocks conflict with an unfinished task of the other direction
+  (see `CopyTask.conflicts_with`) waits for that task's end event.
 Copies are per byte run (`plan_copies`), `non_blocking` between the pinned slab and
 device memory; completion is seen by polling end events, never by blocking the caller.
 """
@@ -17,13 +17,13 @@ device memory; completion is seen by polling end events, never by blocking the c
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvtier.worker.jobs import DoneCallback, TransferJob, plan_copies
 from kvtier.worker.layouts import GroupLayout
+from kvtier.worker.tasks import CopyTask, DoneCallback, plan_copies
 
 __all__ = ["CudaBackend", "cuda_usable"]
 
@@ -35,14 +35,14 @@ def cuda_usable(device: torch.device) -> bool:
 
 @dataclass(slots=True)
 class _InFlight:
-    job: TransferJob
+    task: CopyTask
     start: torch.cuda.Event
     end: torch.cuda.Event
     num_bytes: int
 
 
 class CudaBackend:
-    """Enqueues each job's copies on a dedicated stream at submit time (unverified on GPU).
+    """Enqueues each task's copies on a dedicated stream at submit time (unverified on GPU).
 
     Thread-safety: call `submit`, `poll` and `shutdown` from one thread (the engine's worker
     thread, whose current stream is the compute stream).
@@ -65,33 +65,33 @@ class CudaBackend:
         self._in_flight: list[_InFlight] = []
         self._closed = False
 
-    def submit(self, job: TransferJob) -> bool:
-        """Enqueue `job`'s copies; False once shut down. Raises on a CUDA error (the job fails)."""
+    def submit(self, task: CopyTask) -> bool:
+        """Enqueue `task`'s copies; False once shut down. Raises on a CUDA error (the task fails)."""
         if self._closed:
             return False
-        layout = self._layouts[job.group]
-        runs = plan_copies(job.block_ids, job.slot_ids, layout, self._slot_bytes, job.first_pages())
+        layout = self._layouts[task.group]
+        runs = plan_copies(task.block_ids, task.slot_ids, layout, self._slot_bytes, task.first_pages())
         planes = layout.planes
-        stream = self._store_stream if job.is_store else self._load_stream
+        stream = self._store_stream if task.is_store else self._load_stream
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(self._device), torch.cuda.stream(stream):
             stream.wait_stream(torch.cuda.current_stream(self._device))  # see the module docstring
             for other in self._in_flight:
-                if other.job.conflicts_with(job):
+                if other.task.conflicts_with(task):
                     stream.wait_event(other.end)
             start.record(stream)
             columns = [runs.plane, runs.engine_offset, runs.slab_offset, runs.nbytes]
             for p, engine_at, slab_at, n in zip(*(c.tolist() for c in columns), strict=True):
                 engine = planes[p].storage[engine_at : engine_at + n]
                 slab = self._slab_bytes[slab_at : slab_at + n]
-                dst, src = (slab, engine) if job.is_store else (engine, slab)
+                dst, src = (slab, engine) if task.is_store else (engine, slab)
                 dst.copy_(src, non_blocking=True)
             end.record(stream)
-        self._in_flight.append(_InFlight(job, start, end, int(runs.nbytes.sum())))
+        self._in_flight.append(_InFlight(task, start, end, int(runs.nbytes.sum())))
         return True
 
     def poll(self) -> None:
-        """Report every job whose end event has completed."""
+        """Report every task whose end event has completed."""
         still, done = [], []
         for flight in self._in_flight:
             try:
@@ -99,22 +99,26 @@ class CudaBackend:
                     still.append(flight)
                     continue
                 seconds = flight.start.elapsed_time(flight.end) / 1000.0  # elapsed_time is in ms
-                done.append((flight.job, flight.job.result(flight.num_bytes, seconds)))
-            except Exception as e:  # a sticky CUDA error: the job failed, the engine goes on
-                done.append((flight.job, flight.job.result(0, 0.0, error=f"CUDA copy failed: {e!r}")))
+                done.append((flight.task, flight.task.outcome(flight.num_bytes, seconds)))
+            except Exception as e:  # a sticky CUDA error: the task failed, the engine goes on
+                done.append((flight.task, flight.task.outcome(0, 0.0, error=f"CUDA copy failed: {e!r}")))
         self._in_flight = still
         if done:
             self._on_done(done)
 
-    def shutdown(self) -> list[TransferJob]:
-        """Wait for in-flight jobs (reporting them) and refuse new ones; nothing is left unstarted."""
+    def cancel(self, job_ids: Container[int]) -> list[CopyTask]:
+        """Nothing waits in a queue here (tasks go to their stream at submit): returns []."""
+        return []
+
+    def shutdown(self) -> list[CopyTask]:
+        """Wait for in-flight tasks (reporting them) and refuse new ones; nothing is left unstarted."""
         self._closed = True
         for flight in self._in_flight:
-            with contextlib.suppress(Exception):  # poll() below reports it as a failed job
+            with contextlib.suppress(Exception):  # poll() below reports it as a failed task
                 flight.end.synchronize()
         self.poll()
         if self._in_flight:  # only after a CUDA error that query() did not raise
             error = "did not complete before shutdown"
-            self._on_done([(flight.job, flight.job.result(0, 0.0, error=error)) for flight in self._in_flight])
+            self._on_done([(flight.task, flight.task.outcome(0, 0.0, error=error)) for flight in self._in_flight])
         self._in_flight = []
         return []

@@ -1,9 +1,11 @@
-"""Transfer jobs: validation at submit time, and the byte runs each one copies.
+"""Copy tasks: one part of a `kvtier.jobs.TransferJob` (one KV-cache group), validated at
+submit time, and the byte runs each one copies.
 
-A job is validated in the caller's thread before anything is queued, so a bad id
-never reaches a copy: a chunk with an out-of-range or repeated id is dropped from
-the job and reported in `TransferResult.failed_chunks`; the job's other chunks still
-run. A malformed job (wrong lengths, unknown group, non-integer ids) fails whole.
+`TransferEngine` cuts every job into one `CopyTask` per part and reports the job once all of
+them ended. A task is validated in the caller's thread before anything is queued, so a bad
+id never reaches a copy: a chunk with an out-of-range or repeated id is dropped from the
+task and reported in `TaskOutcome.failed_chunks`; the task's other chunks still run. A
+malformed part (wrong lengths, unknown group, non-integer ids) fails whole.
 """
 
 from __future__ import annotations
@@ -13,42 +15,44 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.jobs import TransferPart
 from kvtier.worker.layouts import GroupLayout
 
-__all__ = ["CopyRuns", "DoneCallback", "TransferJob", "TransferResult", "make_job", "plan_copies"]
+__all__ = ["CopyRuns", "CopyTask", "DoneCallback", "TaskOutcome", "failed_outcome", "make_task", "plan_copies"]
 
 _MAX_REASONS = 3  # error strings name the first few bad chunks, not thousands
 
 
 @dataclass(frozen=True, slots=True)
-class TransferResult:
-    """The outcome of one job, reported exactly once by `TransferEngine.get_finished`.
+class TaskOutcome:
+    """How one task ended (internal to the worker; `TransferEngine` folds a job's tasks
+    into one `kvtier.jobs.JobResult`).
 
-    failed_chunks: indices into the job's `slot_ids` whose copy did not happen (all of
-        them when the whole job failed); empty on success.
+    failed_chunks: indices into the task's chunks whose copy did not happen (all of
+        them when the whole task failed); empty on success.
     num_bytes: bytes actually copied; seconds: time the copy took (not queueing).
     """
 
-    job_id: int
-    is_store: bool
-    success: bool
     num_bytes: int
     seconds: float
     failed_chunks: tuple[int, ...] = ()
     error: str | None = None
 
 
-@dataclass(slots=True)
-class TransferJob:
-    """A validated job: only its good chunks, in submission order.
+@dataclass(slots=True, kw_only=True, eq=False)
+class CopyTask:
+    """A validated part of a job: only its good chunks, in submission order.
+
+    job_id / part: the job and the index of its part this task copies.
 
     block_ids: (num_good_chunks, blocks_per_chunk) int64; slot_ids: (num_good_chunks,).
-    block_set / slot_set: what it touches, for the ordering rule (see `JobQueue`).
+    block_set / slot_set: what it touches, for the ordering rule (see `TaskQueue`).
     skip_blocks: a load leaves the first `skip_blocks` blocks of its first chunk alone
         (the engine's own prefix cache already holds them, shared and read-only).
     """
 
     job_id: int
+    part: int
     is_store: bool
     group: int
     block_ids: np.ndarray
@@ -69,7 +73,7 @@ class TransferJob:
             first[0] = self.skip_blocks
         return first
 
-    def conflicts_with(self, other: TransferJob) -> bool:
+    def conflicts_with(self, other: CopyTask) -> bool:
         """True when one of the two writes a slot or block the other touches.
 
         A store reads blocks and writes slots, a load the reverse; two stores conflict only on
@@ -80,22 +84,20 @@ class TransferJob:
             return not written.isdisjoint(others)
         return not (self.slot_set.isdisjoint(other.slot_set) and self.block_set.isdisjoint(other.block_set))
 
-    def result(self, num_bytes: int, seconds: float, error: str | None = None) -> TransferResult:
-        """The result of this job; `error` set means every remaining chunk failed."""
+    def outcome(self, num_bytes: int, seconds: float, error: str | None = None) -> TaskOutcome:
+        """How this task ended; `error` set means every chunk failed."""
         if error is not None:
-            return failed_result(self.job_id, self.is_store, self.num_chunks, error)
-        return TransferResult(
-            self.job_id, self.is_store, not self.failed_chunks, num_bytes, seconds, self.failed_chunks, self.error
-        )
+            return failed_outcome(self.num_chunks, error)
+        return TaskOutcome(num_bytes, seconds, self.failed_chunks, self.error)
 
 
-# How a backend reports finished jobs: one call per batch, so waiters wake once per batch.
-DoneCallback = Callable[[list[tuple[TransferJob, TransferResult]]], None]
+# How a backend reports finished tasks: one call per batch, so waiters wake once per batch.
+DoneCallback = Callable[[list[tuple[CopyTask, TaskOutcome]]], None]
 
 
-def failed_result(job_id: int, is_store: bool, num_chunks: int, error: str) -> TransferResult:
-    """A result saying no chunk of the job was copied."""
-    return TransferResult(job_id, is_store, False, 0, 0.0, tuple(range(num_chunks)), error)
+def failed_outcome(num_chunks: int, error: str) -> TaskOutcome:
+    """An outcome saying no chunk of the task was copied."""
+    return TaskOutcome(0, 0.0, tuple(range(num_chunks)), error)
 
 
 def _as_ids(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
@@ -132,60 +134,58 @@ def _bad_chunks(blocks: np.ndarray, slots: np.ndarray, is_store: bool, num_block
     return reasons
 
 
-def make_job(
+def make_task(
     job_id: int,
+    part_index: int,
     is_store: bool,
-    block_ids: Sequence[int] | np.ndarray,
-    slot_ids: Sequence[int] | np.ndarray,
-    group: int,
+    part: TransferPart,
     layouts: Sequence[GroupLayout],
     blocks_per_chunk: int,
     num_slots: int,
-    skip_blocks: int = 0,
-) -> TransferJob | TransferResult:
-    """Validate one submission (`skip_blocks`: see `TransferJob`; loads only).
+) -> CopyTask | TaskOutcome:
+    """Validate one part of a job (`part.skip_blocks`: loads only).
 
     Returns:
-        The job holding its good chunks, or a failed `TransferResult` when no chunk is good
-        (the caller reports it as finished at once).
+        The task holding its good chunks, or a failed `TaskOutcome` when no chunk is good
+        (the caller counts it as ended at once).
     """
+    slot_ids, block_ids, group, skip_blocks = part.slot_ids, part.block_ids, part.group, part.skip_blocks
     try:
         slots, blocks = _as_ids(slot_ids, "slot_ids"), _as_ids(block_ids, "block_ids")
     except ValueError as e:
-        return failed_result(job_id, is_store, _safe_len(slot_ids), str(e))
-    if not 0 <= group < len(layouts):
-        return failed_result(job_id, is_store, len(slots), f"group {group} out of range [0, {len(layouts)})")
+        return failed_outcome(_safe_len(slot_ids), str(e))
+    if not isinstance(group, int) or not 0 <= group < len(layouts):
+        return failed_outcome(len(slots), f"group {group} out of range [0, {len(layouts)})")
     if len(blocks) != len(slots) * blocks_per_chunk:
         error = f"{len(blocks)} block ids for {len(slots)} slots; need {blocks_per_chunk} per slot"
-        return failed_result(job_id, is_store, len(slots), error)
+        return failed_outcome(len(slots), error)
     if len(slots) == 0:
-        return TransferResult(job_id, is_store, True, 0, 0.0)
+        return TaskOutcome(0, 0.0)
     if not 0 <= skip_blocks < blocks_per_chunk or (is_store and skip_blocks):
         error = f"skip_blocks={skip_blocks}: loads may skip 0..{blocks_per_chunk - 1} blocks, stores none"
-        return failed_result(job_id, is_store, len(slots), error)
-    page_bytes = layouts[group].chunk_bytes // blocks_per_chunk
+        return failed_outcome(len(slots), error)
+    chunk_bytes = layouts[group].chunk_bytes
+    page_bytes = chunk_bytes // blocks_per_chunk
     blocks = blocks.reshape(len(slots), blocks_per_chunk)
     block_set, slot_set = frozenset(blocks.ravel().tolist()), frozenset(slots.tolist())
+    common = dict(job_id=job_id, part=part_index, is_store=is_store, group=group)
     if _all_good(blocks, slots, block_set, slot_set, is_store, layouts[group].num_blocks, num_slots):
-        # The common case, kept cheap: it runs in the engine's thread, once per job.
-        return TransferJob(
-            job_id, is_store, group, blocks, slots, len(slots), (), None, block_set, slot_set,
-            len(slots) * layouts[group].chunk_bytes - skip_blocks * page_bytes, skip_blocks=skip_blocks,
-        )  # fmt: skip
+        # The common case, kept cheap: it runs in the engine's thread, once per part.
+        return CopyTask(**common, block_ids=blocks, slot_ids=slots, num_chunks=len(slots), failed_chunks=(),
+                        error=None, block_set=block_set, slot_set=slot_set, skip_blocks=skip_blocks,
+                        num_bytes=len(slots) * chunk_bytes - skip_blocks * page_bytes)
     reasons = _bad_chunks(blocks, slots, is_store, layouts[group].num_blocks, num_slots)
     good = np.ones(len(slots), dtype=bool)
     good[list(reasons)] = False
     failed = tuple(sorted(reasons))
     error = "; ".join(f"chunk {c}: {reasons[c]}" for c in failed[:_MAX_REASONS])
     if len(failed) == len(slots):
-        return failed_result(job_id, is_store, len(slots), error)
+        return failed_outcome(len(slots), error)
     blocks, slots = blocks[good], slots[good]
     skip_blocks = skip_blocks if good[0] else 0  # the partial chunk itself failed
-    return TransferJob(
-        job_id, is_store, group, blocks, slots, len(good), failed, error,
-        frozenset(blocks.ravel().tolist()), frozenset(slots.tolist()),
-        len(slots) * layouts[group].chunk_bytes - skip_blocks * page_bytes, skip_blocks=skip_blocks,
-    )  # fmt: skip
+    return CopyTask(**common, block_ids=blocks, slot_ids=slots, num_chunks=len(good), failed_chunks=failed,
+                    error=error, block_set=frozenset(blocks.ravel().tolist()), slot_set=frozenset(slots.tolist()),
+                    skip_blocks=skip_blocks, num_bytes=len(slots) * chunk_bytes - skip_blocks * page_bytes)
 
 
 def _all_good(

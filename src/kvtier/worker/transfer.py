@@ -1,43 +1,83 @@
 """`TransferEngine`: moves chunks between the engine's KV tensors and the host slab.
 
-The worker side of kvtier. It makes no policy decision: the scheduler side says which
-blocks go to (or come from) which slots, names each job with an integer id, and later
-reads back exactly what succeeded. The primitives, in call order:
+The worker side of kvtier. It makes no policy decision: it runs `kvtier.jobs.TransferJob`s
+(engine blocks -> slab slots, or back) and reports each one exactly once, as a
+`kvtier.jobs.JobResult` with per-chunk success. The primitives, in call order:
 
-1. `submit_store(job_id, block_ids, slot_ids, group)`: copy chunks engine -> slab.
-2. `submit_load(job_id, slot_ids, block_ids, group)`: copy chunks slab -> engine.
-3. `get_finished()`: the results since the last call, each job exactly once.
-4. `wait(job_ids, timeout)`: block until those jobs finished (e.g. loads before a forward).
+1. `submit(job)`: start a job (one part per KV-cache group), asynchronously.
+2. `get_finished()`: the results since the last call, each job exactly once.
+3. `wait(job_ids, timeout)`: block until those jobs finished (e.g. loads before a forward).
+4. `cancel(job_ids)`: jobs past their deadline: what has not started never starts.
 5. `shutdown()`.
 
-Chunk i of a job is `block_ids[i*bpc:(i+1)*bpc]` <-> `slot_ids[i]` (bpc = blocks_per_chunk).
+Chunk i of a part is `block_ids[i*bpc:(i+1)*bpc]` <-> `slot_ids[i]` (bpc = blocks_per_chunk).
 Nothing here raises on a transfer failure: bad ids, a shape mismatch, an exception in a
-copy, a job submitted after shutdown all become failed `TransferResult`s.
+copy, a job submitted after shutdown all become failed chunks of a `JobResult`.
 
-Thread-safety: the submit methods, `get_finished`, `wait` and `shutdown` are meant to be
-called from the engine's worker thread; on CPU the copies run on the engine's own threads.
+Thread-safety: `submit`, `get_finished`, `wait`, `cancel` and `shutdown` are meant to be
+called from the engine's worker thread; on CPU the copies run on threads of their own.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.jobs import JobResult, TransferJob
 from kvtier.worker.cpu_copy import CpuBackend
 from kvtier.worker.cuda import CudaBackend, cuda_usable
-from kvtier.worker.jobs import TransferJob, TransferResult, failed_result, make_job
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
+from kvtier.worker.tasks import CopyTask, TaskOutcome, make_task
 
 __all__ = ["TransferEngine"]
 
 _CUDA_POLL_S = 0.0005  # CUDA completions are polled: events cannot wake a Condition
+# A cancelled job's running copy is one batch of memcpy (<= 32 MiB, milliseconds here): waiting
+# for it is bounded; this only caps how long a failing host can stall the caller.
+_CANCEL_WAIT_S = 5.0
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """Names a part that failed validation and so never became a task."""
+
+    job_id: int
+    part: int
+
+
+@dataclass(slots=True)
+class _OpenJob:
+    """A submitted job whose parts have not all ended; folded into one `JobResult`."""
+
+    offsets: list[int]  # job-wide index of each part's first chunk
+    parts_left: int
+    failed_chunks: set[int] = field(default_factory=set)
+    num_bytes: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, part: int, outcome: TaskOutcome) -> None:
+        self.failed_chunks.update(self.offsets[part] + c for c in outcome.failed_chunks)
+        self.num_bytes += outcome.num_bytes
+        self.seconds += outcome.seconds
+        if outcome.error is not None:
+            self.errors.append(outcome.error)
+        self.parts_left -= 1
+
+    def result(self, job_id: int) -> JobResult:
+        error = "; ".join(self.errors) if self.errors else None
+        return JobResult(job_id=job_id, failed_chunks=tuple(sorted(self.failed_chunks)), num_bytes=self.num_bytes,
+                         seconds=self.seconds, error=error)
 
 
 class TransferEngine:
@@ -74,8 +114,8 @@ class TransferEngine:
         device = next(iter(kv_caches.values())).device
         self.device = device
         self._cond = threading.Condition()
-        self._in_flight: set[int] = set()
-        self._finished: list[TransferResult] = []
+        self._open: dict[int, _OpenJob] = {}
+        self._finished: list[JobResult] = []
         self._closed = False
         self.slab = self._allocate_slab(device)
         self._backend = self._make_backend(device, num_copy_threads)
@@ -93,74 +133,62 @@ class TransferEngine:
             return CudaBackend(self._layouts, self.slab, self._on_done, device)
         raise ConfigError(f"KV caches on {device} are not supported; kvtier moves KV on cpu or cuda devices")
 
-    def submit_store(
-        self, job_id: int, block_ids: Sequence[int] | np.ndarray, slot_ids: Sequence[int] | np.ndarray, group: int = 0
-    ) -> None:
-        """Copy chunks from engine blocks into slots, asynchronously.
+    def submit(self, job: TransferJob) -> None:
+        """Start `job` asynchronously; its result comes back once, from `get_finished`.
 
-        Args:
-            job_id: a unique id; a duplicate of a job still in flight fails the new job.
-            block_ids: `len(slot_ids) * blocks_per_chunk` engine block ids, chunk by chunk.
-            slot_ids: one destination slot per chunk.
-            group: the KV-cache group the blocks belong to.
+        Bad parts or chunks fail alone (see `kvtier.worker.tasks`); a job id that is still
+        in flight, a direction other than engine <-> slab or a closed engine fail the job.
         Raises:
-            ConfigError: `job_id` is not an integer (a caller bug: there is no id to report).
+            ConfigError: `job.job_id` is not an integer (a caller bug: there is no id to report).
         """
-        self._submit(job_id, True, block_ids, slot_ids, group)
-
-    def submit_load(
-        self,
-        job_id: int,
-        slot_ids: Sequence[int] | np.ndarray,
-        block_ids: Sequence[int] | np.ndarray,
-        group: int = 0,
-        skip_blocks: int = 0,
-    ) -> None:
-        """Copy chunks from slots into engine blocks, asynchronously; same arguments as
-        `submit_store`, plus `skip_blocks`: leading blocks of the first chunk not to write
-        (the engine's own prefix cache already holds them)."""
-        self._submit(job_id, False, block_ids, slot_ids, group, skip_blocks)
-
-    def _submit(self, job_id: int, is_store: bool, block_ids, slot_ids, group: int, skip_blocks: int = 0) -> None:
         try:
-            job_id = operator.index(job_id)
+            job_id = operator.index(job.job_id)
         except TypeError:
-            raise ConfigError(f"job_id must be an int, got {type(job_id).__name__}") from None
-        job = make_job(
-            job_id, is_store, block_ids, slot_ids, group, self._layouts, self.blocks_per_chunk, self.num_slots,
-            skip_blocks,
-        )
-        if isinstance(job, TransferResult):
-            return self._report(job)
+            raise ConfigError(f"job_id must be an int, got {type(job.job_id).__name__}") from None
+        refusal = None if job.is_load or job.is_store else f"cannot move {job.src.value} -> {job.dst.value}"
         with self._cond:
-            refusal = "engine is shut down" if self._closed else None
-            if job_id in self._in_flight:
+            if refusal is None and self._closed:
+                refusal = "engine is shut down"
+            elif refusal is None and job_id in self._open:
                 refusal = f"job id {job_id} is already in flight"
-            if refusal is None:
-                self._in_flight.add(job_id)
-        if refusal is not None:
-            return self._report(failed_result(job_id, is_store, job.num_chunks, refusal))
-        try:
-            accepted = self._backend.submit(job)
-        except Exception as e:  # the CUDA path enqueues in this thread
-            accepted, refusal = False, f"submit failed: {e!r}"
-        if not accepted:
-            self._on_done([(job, job.result(0, 0.0, error=refusal or "engine is shut down"))])
+            if refusal is None and job.parts:
+                self._open[job_id] = _OpenJob([offset for offset, _ in job.chunk_offsets()], len(job.parts))
+        if refusal is not None or not job.parts:  # a job with no parts moves nothing: done now
+            return self._report(JobResult(job_id=job_id, failed_chunks=tuple(range(job.num_chunks)), error=refusal))
+        for index, part in enumerate(job.parts):
+            task = make_task(job_id, index, job.is_store, part, self._layouts, self.blocks_per_chunk, self.num_slots)
+            if isinstance(task, TaskOutcome):
+                self._on_done([(_Ended(job_id, index), task)])
+            else:
+                self._start_task(task)
         return None
 
-    def _report(self, result: TransferResult) -> None:
+    def _start_task(self, task: CopyTask) -> None:
+        try:
+            accepted, error = self._backend.submit(task), "engine is shut down"
+        except Exception as e:  # the CUDA path enqueues in this thread
+            accepted, error = False, f"submit failed: {e!r}"
+        if not accepted:
+            self._on_done([(task, task.outcome(0, 0.0, error=error))])
+
+    def _report(self, result: JobResult) -> None:
         with self._cond:
             self._finished.append(result)
             self._cond.notify_all()
 
-    def _on_done(self, done: list[tuple[TransferJob, TransferResult]]) -> None:
+    def _on_done(self, done: list[tuple[CopyTask | _Ended, TaskOutcome]]) -> None:
         with self._cond:
-            for job, result in done:
-                self._in_flight.discard(job.job_id)
-                self._finished.append(result)
+            for task, outcome in done:
+                job = self._open.get(task.job_id)
+                if job is None:
+                    continue  # cancelled and already reported
+                job.add(task.part, outcome)
+                if job.parts_left == 0:
+                    del self._open[task.job_id]
+                    self._finished.append(job.result(task.job_id))
             self._cond.notify_all()
 
-    def get_finished(self) -> list[TransferResult]:
+    def get_finished(self) -> list[JobResult]:
         """Results of the jobs finished since the last call (each job exactly once); never blocks."""
         self._backend.poll()
         with self._cond:
@@ -175,12 +203,12 @@ class TransferEngine:
             True if all finished, False if `timeout` seconds passed first.
         """
         wanted = set(job_ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + min(timeout, threading.TIMEOUT_MAX)
         poll_s = _CUDA_POLL_S if isinstance(self._backend, CudaBackend) else None
         while True:
             self._backend.poll()
             with self._cond:
-                if self._in_flight.isdisjoint(wanted):
+                if wanted.isdisjoint(self._open):
                     return True
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -189,6 +217,24 @@ class TransferEngine:
                     left = poll_s if left is None else min(poll_s, left)
                 self._cond.wait(left)
 
+    def cancel(self, job_ids: Iterable[int], timeout: float = _CANCEL_WAIT_S) -> bool:
+        """Give up on jobs (past their deadline): their tasks that have not started never start
+        and count as failed chunks; tasks already copying end with their copy, which this waits
+        for. Each job is still reported once, by `get_finished`.
+
+        Returns:
+            True when none of them copies any more; False if a running copy outlived `timeout`
+            (a host that cannot finish a batch of memcpy in that time is failing; logged).
+        """
+        wanted = set(job_ids)
+        never_run = self._backend.cancel(wanted)
+        self._on_done([(task, task.outcome(0, 0.0, error="cancelled: past its deadline")) for task in never_run])
+        if self.wait(wanted, timeout):
+            return True
+        logger.error("kvtier: %d cancelled transfer(s) still copying after %.0f s", len(wanted & set(self._open)),
+                     timeout)
+        return False
+
     def shutdown(self) -> None:
         """Stop accepting jobs, let the running ones finish, fail the queued ones (idempotent)."""
         with self._cond:
@@ -196,7 +242,7 @@ class TransferEngine:
                 return
             self._closed = True
         never_run = self._backend.shutdown()
-        self._on_done([(job, job.result(0, 0.0, error="engine shut down before the job ran")) for job in never_run])
+        self._on_done([(task, task.outcome(0, 0.0, error="engine shut down before the job ran")) for task in never_run])
 
     def __enter__(self) -> TransferEngine:
         return self

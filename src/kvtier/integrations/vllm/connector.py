@@ -6,8 +6,8 @@
         kv_connector_extra_config={"cpu_bytes": "4GiB"}))
 
 vLLM builds one instance per process: role SCHEDULER in the engine core (-> `SchedulerSide`,
-metadata only) and role WORKER in each worker (-> `WorkerSide`, the bytes). This class
-only routes calls; `kv_connector_extra_config` is validated here, at engine start.
+metadata only) and role WORKER in each worker (-> `kvtier.worker.WorkerSide`, the bytes).
+This class only routes calls; `kv_connector_extra_config` is validated here, at engine start.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.convert import num_slots_for, world_size
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
-from kvtier.integrations.vllm.worker_side import WorkerSide
+from kvtier.worker import TransferEngine, WorkerSide
 
 __all__ = ["KVTierConnector", "kv_transfer_config"]
 
@@ -44,16 +45,22 @@ class KVTierConnector(KVConnectorBase_V1):
     """Tiered KV-cache offloading for vLLM; see the module docstring for its configuration."""
 
     _cache_hit_source = CacheHitSource.HOST
+    transfer_factory = TransferEngine  # what the worker moves bytes with (tests inject faults here)
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.kvtier_config = KVTierConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        self.kvtier_config = cfg = KVTierConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._slots_reported = False
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.kvtier_config, vllm_config, kv_cache_config)
+            self._scheduler = SchedulerSide(cfg, vllm_config, kv_cache_config)
         else:
-            self._worker = WorkerSide(self.kvtier_config, kv_cache_config)
+            self._worker = WorkerSide(
+                num_slots=num_slots_for(cfg, kv_cache_config, world_size(vllm_config)),
+                blocks_per_chunk=cfg.blocks_per_chunk,
+                layer_groups=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups],
+                transfer_factory=type(self).transfer_factory)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -110,10 +117,14 @@ class KVTierConnector(KVConnectorBase_V1):
         return None, None  # loads are synchronous and blocks are never held back
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._work().get_block_ids_with_load_errors()
+        return self._work().take_load_errors()
 
-    def build_connector_worker_meta(self):
-        return self._work().build_worker_meta()
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        worker = self._work()
+        results = worker.take_results()
+        slots = () if self._slots_reported else (worker.num_slots,)  # checked by the scheduler, once
+        self._slots_reported = True
+        return KVTierWorkerMetadata(results, slots) if results or slots else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -124,7 +135,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVTierStats | None:
         if self._scheduler is not None:
             return self._scheduler.get_stats()
-        return self._worker.get_stats() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        stats = KVTierStats()
+        for name, value in self._worker.take_stats().items():
+            stats.add(name, value)
+        return None if stats.is_empty() else stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:

@@ -8,7 +8,8 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.scheduler import GroupKind, GroupSpec, RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
 
-__all__ = ["block_hash_bytes", "num_slots_for", "request_view", "scheduler_config", "step_view"]
+__all__ = ["block_hash_bytes", "group_spec", "num_slots_for", "request_view", "scheduler_config", "step_view",
+           "world_size"]
 
 # vLLM's prefix-caching hash algorithms -> digest bytes (sha256: 32; xxh3_128: 16)
 _HASH_BYTES = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
@@ -31,53 +32,75 @@ def step_view(scheduler_output: Any) -> StepView:
     scheduled = []
     counts = scheduler_output.num_scheduled_tokens
     for new in scheduler_output.scheduled_new_reqs:
-        scheduled.append(ScheduledRequest(new.req_id, tuple(list(ids) for ids in new.block_ids), True,
-                                          new.num_computed_tokens, counts.get(new.req_id, 0)))
+        scheduled.append(ScheduledRequest(
+            req_id=new.req_id, new_block_ids=tuple(list(ids) for ids in new.block_ids), is_new_or_resumed=True,
+            num_computed_tokens=new.num_computed_tokens, num_scheduled_tokens=counts.get(new.req_id, 0)))
     cached = scheduler_output.scheduled_cached_reqs
     resumed = getattr(cached, "resumed_req_ids", set()) or set()
     for i, req_id in enumerate(cached.req_ids):
         new_ids = cached.new_block_ids[i]
         scheduled.append(ScheduledRequest(
-            req_id, None if new_ids is None else tuple(list(ids) for ids in new_ids), req_id in resumed,
-            cached.num_computed_tokens[i], counts.get(req_id, 0)))
+            req_id=req_id, new_block_ids=None if new_ids is None else tuple(list(ids) for ids in new_ids),
+            is_new_or_resumed=req_id in resumed, num_computed_tokens=cached.num_computed_tokens[i],
+            num_scheduled_tokens=counts.get(req_id, 0)))
     return StepView(scheduled, set(scheduler_output.preempted_req_ids or ()),
                     set(scheduler_output.finished_req_ids or ()))
 
 
-def _group_spec(group: Any, blocks_per_chunk: int) -> GroupSpec:
+def group_spec(group: Any, blocks_per_chunk: int) -> GroupSpec:
+    """kvtier's view of one of vLLM's KV-cache groups.
+
+    A group is sliding-window only if every layer in it is, i.e. its spec is a
+    `SlidingWindowSpec`. A `FullAttentionSpec` that carries a `sliding_window` is what vLLM
+    makes of a model mixing both kinds when its hybrid KV-cache manager is off: one group
+    whose blocks are all kept, read by full-attention layers too — so kvtier loads it whole.
+    (Exact class names: subclasses such as MLA's lay KV out differently.)
+    """
     spec = group.kv_cache_spec
     kind_name = type(spec).__name__
-    window = getattr(spec, "sliding_window", None)
-    if kind_name == "FullAttentionSpec" and window is None:
+    if kind_name == "FullAttentionSpec":
         return GroupSpec(GroupKind.FULL, spec.block_size, blocks_per_chunk)
-    if kind_name in ("SlidingWindowSpec", "FullAttentionSpec") and window:
-        return GroupSpec(GroupKind.SLIDING_WINDOW, spec.block_size, blocks_per_chunk, sliding_window=window)
-    return GroupSpec(GroupKind.UNSUPPORTED, spec.block_size, blocks_per_chunk)
+    if kind_name == "SlidingWindowSpec" and getattr(spec, "sliding_window", None):
+        return GroupSpec(GroupKind.SLIDING_WINDOW, spec.block_size, blocks_per_chunk,
+                         sliding_window=spec.sliding_window)
+    layers = list(getattr(group, "layer_names", ()))
+    reason = f"{kind_name} (layers {layers[:3]}{'…' if len(layers) > 3 else ''}) is not a kind kvtier serves"
+    return GroupSpec(GroupKind.UNSUPPORTED, spec.block_size, blocks_per_chunk, reason=reason)
 
 
 def scheduler_config(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any) -> SchedulerOffloadConfig:
-    groups = tuple(_group_spec(g, cfg.blocks_per_chunk) for g in kv_cache_config.kv_cache_groups)
-    parallel = vllm_config.parallel_config
+    groups = tuple(group_spec(g, cfg.blocks_per_chunk) for g in kv_cache_config.kv_cache_groups)
     return SchedulerOffloadConfig(
         groups=groups,
         offload_prompt_only=cfg.offload_prompt_only,
         max_defer_s=cfg.max_defer_s,
         max_deferrals=cfg.max_deferrals,
-        num_workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+        job_timeout_s=cfg.job_timeout_s,
+        num_workers=world_size(vllm_config),
         hash_block_size=vllm_config.cache_config.block_size,
     )
 
 
-def num_slots_for(cfg: KVTierConfig, kv_cache_config: Any) -> int:
-    """Slots of the CPU tier: both sides compute it alike from the KV-cache config.
+def world_size(vllm_config: Any) -> int:
+    """Workers of one engine: each holds a slab and must report every job."""
+    parallel = vllm_config.parallel_config
+    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
-    A slot holds one chunk of one group: `blocks_per_chunk` pages of each of its layers.
+
+def num_slots_for(cfg: KVTierConfig, kv_cache_config: Any, num_workers: int) -> int:
+    """Slots of the CPU tier; the scheduler and every worker compute it alike.
+
+    `cpu_bytes` is the host RAM of the whole engine, as vLLM's own `cpu_bytes_to_use`:
+    every worker (tensor-parallel rank) keeps its shard of each chunk in a slab of its
+    own, so each slab gets `cpu_bytes / num_workers`. A slot holds one chunk of one group:
+    `blocks_per_chunk` pages of each of its layers. The scheduler checks at the first step
+    that every worker came to the same number.
     """
     slot_bytes = max(
         cfg.blocks_per_chunk * g.kv_cache_spec.page_size_bytes * len(g.layer_names)
         for g in kv_cache_config.kv_cache_groups
     )
-    return cfg.cpu_bytes // slot_bytes
+    return cfg.cpu_bytes // (slot_bytes * num_workers)
 
 
 def block_hash_bytes(vllm_config: Any) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvtier.scheduler import JobReport, StepPlan
+from kvtier.jobs import JobResult, StepPlan
 
 __all__ = ["KVTierMetadata", "KVTierWorkerMetadata"]
 
@@ -20,10 +20,13 @@ class KVTierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: one report per finished job per worker."""
+    """Workers -> scheduler: one result per finished job per worker; on a worker's first
+    report, the number of slots its host slab has (the scheduler checks they agree)."""
 
-    reports: list[JobReport] = field(default_factory=list)
+    results: list[JobResult] = field(default_factory=list)
+    slab_slots: tuple[int, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
-        extra = other.reports if isinstance(other, KVTierWorkerMetadata) else []
-        return KVTierWorkerMetadata(self.reports + extra)
+        if not isinstance(other, KVTierWorkerMetadata):
+            return self
+        return KVTierWorkerMetadata(self.results + other.results, self.slab_slots + other.slab_slots)

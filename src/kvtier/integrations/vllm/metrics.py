@@ -30,11 +30,14 @@ COUNTERS = {
     "store_seconds": "Seconds spent storing.",
     "failed_load_chunks": "Chunks whose load failed (the engine recomputed them).",
     "failed_store_chunks": "Chunks whose store failed (dropped, never served).",
+    "expired_jobs": "Transfer jobs not every worker reported by their deadline (failed by the scheduler).",
+    "cancelled_jobs": "Transfer jobs a worker cancelled at their deadline.",
 }
 GAUGES = {
     "num_slots": "Slots (chunks) of the CPU tier.",
     "used_slots": "Slots holding a chunk (readable, being written, or retired).",
     "pinned_slots": "Slots pinned by loads in flight.",
+    "unsupported_groups": "KV-cache groups kvtier cannot serve (the model then gets no kvtier hits).",
 }
 _DIRECTIONAL = {"bytes": ("load_bytes", "store_bytes"), "seconds": ("load_seconds", "store_seconds"),
                 "failed_chunks": ("failed_load_chunks", "failed_store_chunks")}
@@ -85,6 +88,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_kvtier_metrics()
         self._counters: dict[str, dict[int, Any]] = {}
         self._gauges: dict[str, dict[int, Any]] = {}
         directional = {n for names in _DIRECTIONAL.values() for n in names}
@@ -111,12 +115,23 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._gauges[name][engine_idx].set(value)
 
 
+def _unregister_kvtier_metrics() -> None:
+    """Drop the `kvtier:` metrics of an earlier engine in this process (a second `LLM`), as vLLM
+    does for its `vllm:` ones; registering them twice would stop the new engine at start."""
+    from prometheus_client import REGISTRY
+
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", "").startswith("kvtier:"):
+            REGISTRY.unregister(collector)
+
+
 def read_metric(name: str) -> float:
     """A kvtier metric as this process's Prometheus registry holds it, summed over labels.
 
-    vLLM's stat logger records into the registry of the process that runs `LLM`.
+    `name` is the sample name `/metrics` shows (counters end in `_total`, e.g.
+    `kvtier:hit_tokens_total`; gauges do not). vLLM's stat logger records into the
+    registry of the process that runs `LLM`.
     """
     from prometheus_client import REGISTRY
 
-    return sum(sample.value for metric in REGISTRY.collect() if metric.name == name
-               for sample in metric.samples if sample.name in (name, name + "_total"))
+    return sum(sample.value for metric in REGISTRY.collect() for sample in metric.samples if sample.name == name)

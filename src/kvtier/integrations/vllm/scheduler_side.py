@@ -6,16 +6,19 @@ import logging
 from typing import Any
 
 from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.convert import (
     block_hash_bytes,
     num_slots_for,
     request_view,
     scheduler_config,
     step_view,
+    world_size,
 )
 from kvtier.integrations.vllm.events import to_kv_events
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierStats
+from kvtier.jobs import check_slab_slots
 from kvtier.keys import GROUP_INDEX_BYTES
 from kvtier.scheduler import OffloadScheduler, SchedulerStats
 from kvtier.tiers.cpu import CPUTierManager
@@ -24,20 +27,27 @@ __all__ = ["SchedulerSide"]
 
 logger = logging.getLogger(__name__)
 
+_SCHEDULER_COUNTERS = ("deferrals", "deferral_timeouts", "store_alloc_failures", "failed_load_chunks",
+                       "failed_store_chunks", "expired_jobs")
+
 
 class SchedulerSide:
     """Owns the CPU tier's metadata and the scheduler; never touches tensors."""
 
     def __init__(self, cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any):
-        num_slots = num_slots_for(cfg, kv_cache_config)
-        self.manager = CPUTierManager(num_slots, policy=cfg.eviction_policy, store_threshold=cfg.store_threshold,
-                                      enable_events=cfg.enable_events,
+        num_workers = world_size(vllm_config)
+        self.num_slots = num_slots_for(cfg, kv_cache_config, num_workers)
+        if self.num_slots < 1:
+            raise ConfigError(f"cpu_bytes={cfg.cpu_bytes} holds no chunk: one chunk takes more "
+                              f"(x {num_workers} workers); raise cpu_bytes or lower blocks_per_chunk")
+        self.manager = CPUTierManager(self.num_slots, policy=cfg.eviction_policy,
+                                      store_threshold=cfg.store_threshold, enable_events=cfg.enable_events,
                                       key_bytes=block_hash_bytes(vllm_config) + GROUP_INDEX_BYTES)
         self.core = OffloadScheduler(scheduler_config(cfg, vllm_config, kv_cache_config), self.manager)
         self._reported = SchedulerStats()
         self._reported_evictions = 0
-        logger.info("kvtier: CPU tier of %d slots (%d bytes), chunks of %d block(s)",
-                    num_slots, cfg.cpu_bytes, cfg.blocks_per_chunk)
+        logger.info("kvtier: CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), chunks of %d block(s)",
+                    self.num_slots, cfg.cpu_bytes, num_workers, cfg.blocks_per_chunk)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.core.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
@@ -50,8 +60,11 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, KVTierWorkerMetadata) and meta.reports:
-            self.core.update_connector_output(meta.reports)
+        if not isinstance(meta, KVTierWorkerMetadata):
+            return
+        check_slab_slots(self.num_slots, meta.slab_slots)  # workers' first reports: a mismatch stops the engine
+        if meta.results:
+            self.core.update_connector_output(meta.results)
 
     def request_finished(self, request: Any) -> None:
         self.core.request_finished(request_view(request))
@@ -71,13 +84,13 @@ class SchedulerSide:
         stats = KVTierStats()
         stats.add("hit_tokens", now.hit_tokens - before.hit_tokens)
         stats.add("miss_tokens", (now.query_tokens - now.hit_tokens) - (before.query_tokens - before.hit_tokens))
-        for name in ("deferrals", "deferral_timeouts", "store_alloc_failures", "failed_load_chunks",
-                     "failed_store_chunks"):
+        for name in _SCHEDULER_COUNTERS:
             stats.add(name, getattr(now, name) - getattr(before, name))
         tier = self.manager.stats()
         stats.add("evictions", tier.evictions - self._reported_evictions)
         for name in ("num_slots", "used_slots", "pinned_slots"):
             stats.set_gauge(name, getattr(tier, name))
+        stats.set_gauge("unsupported_groups", len(self.core.config.unsupported_groups()))
         self._reported = SchedulerStats(**now.as_dict())
         self._reported_evictions = tier.evictions
         return stats

@@ -1,0 +1,77 @@
+"""The fake engine's block pool: free blocks, reference counts and its own prefix cache.
+
+Like vLLM's: full, computed blocks enter the prefix cache (keyed by block hash, one block
+per KV-cache group) as soon as they exist; a block whose last reference goes stays cached
+until it is evicted (least recently used first) to satisfy an allocation, or dropped by
+`reset_prefix_cache`. Freed blocks are handed out again at once, lowest id first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+__all__ = ["BlockPool"]
+
+
+class BlockPool:
+    """`num_blocks` block ids shared by `num_groups` KV-cache groups."""
+
+    def __init__(self, num_blocks: int, num_groups: int):
+        self.num_groups = num_groups
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.refs = [0] * num_blocks
+        self.cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # hash -> block per group (LRU order)
+
+    def cached_prefix(self, block_hashes: Sequence[bytes]) -> list[tuple[int, ...]]:
+        """Blocks (one per group) of the longest cached prefix of `block_hashes`."""
+        hits = []
+        for h in block_hashes:
+            if h not in self.cache:
+                break
+            self.cache.move_to_end(h)
+            hits.append(self.cache[h])
+        return hits
+
+    def allocate(self, n: int) -> list[list[int]] | None:
+        """`n` referenced blocks for every group, or None (and nothing taken)."""
+        new = [self._take(n) for _ in range(self.num_groups)]
+        if any(blocks is None for blocks in new):
+            for blocks in new:
+                self.free_blocks.extend(blocks or [])
+            return None
+        for blocks in new:
+            self.reference(blocks)
+        return new  # type: ignore[return-value]
+
+    def reference(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def cache_blocks(self, block_hashes: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_full: int) -> None:
+        """Enter the first `num_full` computed blocks (per group ids) into the prefix cache."""
+        for j in range(min(num_full, len(block_hashes))):
+            self.cache.setdefault(block_hashes[j], tuple(ids[j] for ids in block_ids))
+
+    def release(self, block_ids: Sequence[Sequence[int]]) -> None:
+        """Unreference a request's blocks; cached ones stay cached, the rest are freed."""
+        cached = {b for bs in self.cache.values() for b in bs}
+        for ids in block_ids:
+            for b in ids:
+                self.refs[b] -= 1
+                if self.refs[b] == 0 and b not in cached:
+                    self.free_blocks.append(b)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every unused cached block (vLLM's reset_prefix_cache(reset_connector=False))."""
+        for blocks in self.cache.values():
+            self.free_blocks.extend(b for b in blocks if self.refs[b] == 0)
+        self.cache = OrderedDict((h, bs) for h, bs in self.cache.items() if any(self.refs[b] for b in bs))
+
+    def _take(self, n: int) -> list[int] | None:
+        while len(self.free_blocks) < n:
+            victim = next((h for h, bs in self.cache.items() if not any(self.refs[b] for b in bs)), None)
+            if victim is None:
+                return None
+            self.free_blocks.extend(self.cache.pop(victim))
+        return [self.free_blocks.pop() for _ in range(n)]

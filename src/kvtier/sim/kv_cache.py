@@ -1,0 +1,59 @@
+"""The fake engine's KV cache: real CPU tensors whose blocks hold a value that names their KV.
+
+Each KV-cache group has `num_layers` tensors of shape `(num_blocks, block_size, 2)` int64
+(block dimension first, like vLLM's CPU layout). Computing block j of a request writes, in
+every element of the block's row of layer l, `content(block_hash_j, group) + l`. Reading
+checks the same value, so a block that holds another prefix's KV, another group's, another
+layer's, or nothing, is caught — whoever moved the bytes (the real `TransferEngine`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["ContentMismatch", "KVCache"]
+
+
+class ContentMismatch(AssertionError):
+    """A block held other KV than the tokens it stands for (a correctness bug)."""
+
+
+class KVCache:
+    """`num_groups` x `num_layers` tensors of `num_blocks` blocks."""
+
+    def __init__(self, num_groups: int, num_blocks: int, block_size: int, num_layers: int = 2):
+        self.tensors = {f"g{g}.l{layer}": torch.zeros((num_blocks, block_size, 2), dtype=torch.int64)
+                        for g in range(num_groups) for layer in range(num_layers)}
+        self.layer_groups = [[f"g{g}.l{layer}" for layer in range(num_layers)] for g in range(num_groups)]
+        self._names: dict[int, str] = {0: "nothing (never written)"}  # content -> what it stands for
+
+    def content(self, block_hash: bytes, group: int) -> int:
+        value = int.from_bytes(hashlib.blake2b(block_hash + group.to_bytes(4, "big"), digest_size=7).digest(), "big")
+        self._names.setdefault(value, f"block hash {block_hash.hex()[:12]}… of group {group}")
+        return value
+
+    def write(self, group: int, block_ids: Sequence[int], contents: Sequence[int]) -> None:
+        if block_ids:
+            index, values = torch.tensor(block_ids), torch.tensor(contents)
+            for layer, name in enumerate(self.layer_groups[group]):
+                self.tensors[name][index] = (values + layer)[:, None, None]
+
+    def check(self, req_id: str, group: int, positions: Sequence[int], block_ids: Sequence[int],
+              contents: Sequence[int]) -> None:
+        """Raise `ContentMismatch` unless block `block_ids[i]` holds `contents[i]` in every layer."""
+        if not block_ids:
+            return
+        index, values = torch.tensor(block_ids), torch.tensor(contents)
+        for layer, name in enumerate(self.layer_groups[group]):
+            rows = self.tensors[name].index_select(0, index).flatten(1)
+            bad = (rows != (values + layer)[:, None]).any(dim=1).nonzero().flatten().tolist()
+            if bad:
+                i = bad[0]
+                got = int(rows[i, 0]) - layer
+                raise ContentMismatch(
+                    f"{req_id}: block {positions[i]} of group {group} (engine block {block_ids[i]}, layer {layer}) "
+                    f"holds the KV of {self._names.get(got, f'unknown value {got}')}, "
+                    f"expected {self._names[contents[i]]}")

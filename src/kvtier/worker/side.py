@@ -1,0 +1,177 @@
+"""`WorkerSide`: the worker half of kvtier for one engine worker (one parallel rank).
+
+It runs each step's `StepPlan` on a `TransferEngine`, in the engine's order, and makes no
+policy decision. Per engine step:
+
+1. `handle_preemptions(plan)`: before the forward pass. Jobs past their deadline are
+   cancelled; the plan's flushed jobs end here — a store of this very plan that is flushed
+   (it reads blocks the step hands to a new owner) is started here first, so it copies the
+   old owner's KV before the new owner's forward pass overwrites it.
+2. `start_load_kv(plan)`: the loads run and end before the forward pass reads their blocks.
+3. (the engine's forward pass)
+4. `wait_for_save(plan)`: the plan's other stores start; they run in the background.
+5. `take_results()`, `take_load_errors()`, `take_stats()`: what goes back to the scheduler.
+
+Deadlines: a job is abandoned at `job.deadline`. Waiting for it (a load, a flush) stops
+there and the job is cancelled: a part that has not started never starts, so a late copy
+never writes blocks the engine recomputes nor reads blocks a new owner writes. Jobs running
+in the background are checked at each step. The scheduler fails a job itself only later
+(see `kvtier.scheduler.jobs`), after every worker had the chance to report it.
+
+Thread-safety: one engine thread calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.jobs import JobResult, StepPlan, TransferJob
+from kvtier.worker.transfer import TransferEngine
+
+__all__ = ["WorkerSide"]
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """Runs the scheduler's plans against this worker's KV tensors and host slab.
+
+    Args:
+        num_slots: slots of the host slab (must equal the scheduler's; reported in results).
+        blocks_per_chunk: engine blocks per chunk.
+        layer_groups: the layers of each KV-cache group (None: every layer in group 0).
+        clock: monotonic seconds, the clock job deadlines are written in.
+        transfer_factory: builds the `TransferEngine` (the simulator injects faults here).
+    """
+
+    def __init__(self, *, num_slots: int, blocks_per_chunk: int, layer_groups: Sequence[Sequence[str]] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 transfer_factory: Callable[..., TransferEngine] = TransferEngine):
+        if num_slots < 1:
+            raise ConfigError(f"the host slab needs at least one slot, got {num_slots}; raise cpu_bytes")
+        self.num_slots = num_slots
+        self.blocks_per_chunk = blocks_per_chunk
+        self.layer_groups = layer_groups
+        self.transfer: TransferEngine | None = None
+        self._clock = clock
+        self._transfer_factory = transfer_factory
+        self._running: dict[int, TransferJob] = {}  # submitted, result not taken yet
+        self._started_early: set[int] = set()  # this plan's flushed stores, started before the forward
+        self._results: list[JobResult] = []
+        self._load_errors: set[int] = set()
+        self._stats: Counter[str] = Counter()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        self.transfer = self._transfer_factory(kv_caches, self.blocks_per_chunk, self.num_slots,
+                                               layer_groups=self.layer_groups)
+        logger.info("kvtier: host slab of %d slots x %d bytes", self.num_slots, self.transfer.slot_bytes)
+
+    # -- the step ---------------------------------------------------------------------
+
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        """Before the forward pass: report failed loads, cancel expired jobs, end flushed jobs."""
+        self._load_errors |= plan.failed_load_block_ids
+        self._cancel_expired()
+        for job in plan.stores_to_flush():
+            self._submit(job)
+            self._started_early.add(job.job_id)
+        self._await([self._running[i] for i in plan.flush_job_ids if i in self._running])
+
+    def start_load_kv(self, plan: StepPlan) -> None:
+        """Run the plan's loads and wait for them (until their deadline)."""
+        for job in plan.load_jobs:
+            self._submit(job)
+        self._await([self._running[job.job_id] for job in plan.load_jobs if job.job_id in self._running])
+        self._collect()
+
+    def wait_for_save(self, plan: StepPlan) -> None:
+        """After the forward pass: start the plan's stores (in the background)."""
+        for job in plan.store_jobs:
+            if job.job_id not in self._started_early:
+                self._submit(job)
+        self._started_early.clear()
+
+    def take_results(self) -> list[JobResult]:
+        """Every job that ended since the last call, each once (expired ones cancelled first)."""
+        self._cancel_expired()
+        self._collect()
+        results, self._results = self._results, []
+        return results
+
+    def take_load_errors(self) -> set[int]:
+        """Engine blocks whose load failed since the last call: the engine recomputes them."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> dict[str, float]:
+        """Bytes and seconds per direction, and cancelled jobs, since the last call."""
+        stats, self._stats = dict(self._stats), Counter()
+        return stats
+
+    def has_jobs_running(self) -> bool:
+        return bool(self._running)
+
+    def shutdown(self) -> None:
+        if self.transfer is not None:
+            self.transfer.shutdown()
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _submit(self, job: TransferJob) -> None:
+        self._running[job.job_id] = job
+        if self.transfer is None:  # no KV caches registered: nothing can move, the job fails
+            self._end(job, JobResult(job_id=job.job_id, failed_chunks=tuple(range(job.num_chunks)),
+                                     error="no KV caches registered"))
+            return
+        self.transfer.submit(job)
+
+    def _await(self, jobs: Iterable[TransferJob]) -> None:
+        """Wait for `jobs`, each until its deadline; cancel those still running at it."""
+        left = list(jobs)
+        while left and self.transfer is not None:
+            now = self._clock()
+            first = min(job.deadline for job in left)
+            if self.transfer.wait([job.job_id for job in left], timeout=max(0.0, first - now)):
+                return
+            # the wait ran to `first`: every job due by then is abandoned
+            due = [job for job in left if job.deadline <= first]
+            self._cancel(due)
+            left = [job for job in left if job.deadline > first]
+
+    def _cancel_expired(self) -> None:
+        now = self._clock()
+        due = [job for job in self._running.values() if job.deadline <= now]
+        if due:
+            self._collect()  # those that did end in time are reported as they ended
+            self._cancel([job for job in due if job.job_id in self._running])
+
+    def _cancel(self, jobs: list[TransferJob]) -> None:
+        if jobs and self.transfer is not None:
+            logger.warning("kvtier: %d transfer job(s) past their deadline; cancelled (loads are recomputed, "
+                           "stores dropped)", len(jobs))
+            self._stats["cancelled_jobs"] += len(jobs)
+            self.transfer.cancel([job.job_id for job in jobs])
+
+    def _collect(self) -> None:
+        if self.transfer is None:
+            return
+        for result in self.transfer.get_finished():
+            job = self._running.get(result.job_id)
+            if job is not None:
+                self._end(job, result)
+
+    def _end(self, job: TransferJob, result: JobResult) -> None:
+        del self._running[job.job_id]
+        direction = "load" if job.is_load else "store"
+        self._stats[f"{direction}_bytes"] += result.num_bytes
+        self._stats[f"{direction}_seconds"] += result.seconds
+        if job.is_load and result.failed_chunks:
+            self._load_errors |= job.written_blocks(set(result.failed_chunks))
+        if result.error:
+            logger.debug("kvtier: job %d: %s", job.job_id, result.error)
+        self._results.append(result)
