@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 from pathlib import Path
 
+import pytest
+
 CACHE_DIR = Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier"))
 TESTS_DIR = Path(__file__).resolve().parent
+# vLLM on CPU is not bitwise reproducible across engines: two runs *without* kvtier differ by
+# 1 ulp (4.8e-7) in some logprobs (measured on the 2-core machine). Across engines a tolerance
+# far below any token-changing difference is asserted; within one engine, bit equality.
+LOGPROB_TOL = 1e-5  # ~20 ulp at the logprob magnitudes here (-7 .. -9)
 
 
 def engine_env() -> None:
     """Settings every test engine needs; set before the engine spawns its processes."""
+    from kvtier.integrations.vllm.binding import pin_reserved_cpus
+
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: a 20-40 s start instead of 90 s
+    pin_reserved_cpus()  # engines with and without kvtier compute on the same cores
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
 
 
@@ -25,8 +35,20 @@ def make_llm(model: Path, connector: str | None = None, module: str = "kvtier.in
     transfer = None
     if connector is not None:
         transfer = kv_transfer_config(connector, module, **(extra or {"cpu_bytes": "1GiB"}))
-    return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=4096, seed=0,
-               enforce_eager=True, kv_transfer_config=transfer, **kwargs)
+    kwargs.setdefault("max_model_len", 4096)
+    return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
+               kv_transfer_config=transfer, **kwargs)
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 8192) for _ in range(n)]
 
 
 def conversations(num_convs: int, system_tokens: int, seed: int = 0) -> tuple[list[int], list[list[list[int]]]]:
@@ -38,21 +60,27 @@ def conversations(num_convs: int, system_tokens: int, seed: int = 0) -> tuple[li
     return system, users
 
 
-def run_turns(llm, system, users, reset_between_turns: bool, max_tokens: int = 8):
-    """Greedy multi-turn chat; each turn's prompt is the whole history. Returns per-turn outputs."""
+def generate(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:
+    """Greedy outputs with the top-3 logprobs, in prompt order, from one `generate` call (one batch)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    return [summarize(o) for o in outs]
+
+
+def run_turns(llm, system, users, reset_between_turns: bool, max_tokens: int = 8):
+    """Greedy multi-turn chat; each turn's prompt is the whole history. Returns per-turn outputs."""
     histories = [list(system) for _ in users]
     turns = []
     for turn in range(len(users[0])):
         for history, convo in zip(histories, users, strict=True):
             history.extend(convo[turn])
-        outs = llm.generate([TokensPrompt(prompt_token_ids=list(h)) for h in histories], params, use_tqdm=False)
-        turns.append([summarize(o) for o in outs])
+        outs = generate(llm, histories, max_tokens)
+        turns.append(outs)
         for history, out in zip(histories, outs, strict=True):
-            history.extend(out.outputs[0].token_ids)
+            history.extend(out["token_ids"])
         if reset_between_turns:
             llm.reset_prefix_cache(reset_connector=False)
     return turns
@@ -66,3 +94,15 @@ def summarize(out) -> dict:
         "num_cached_tokens": out.num_cached_tokens,
         "num_prompt_tokens": len(out.prompt_token_ids),
     }
+
+
+def assert_same_outputs(expected: list[dict], got: list[dict], where: str, tol: float = LOGPROB_TOL) -> None:
+    """Same token ids, same top-3 tokens, logprobs within `tol` (0: bit for bit)."""
+    assert len(expected) == len(got), where
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        at = f"{where}, request {i}"
+        assert b["token_ids"] == a["token_ids"], at
+        for step_a, step_b in zip(a["logprobs"], b["logprobs"], strict=True):
+            assert [t for t, _ in step_b] == [t for t, _ in step_a], at
+            lp_a, lp_b = [lp for _, lp in step_a], [lp for _, lp in step_b]
+            assert lp_b == (lp_a if tol == 0 else pytest.approx(lp_a, abs=tol)), at

