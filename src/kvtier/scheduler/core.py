@@ -66,6 +66,7 @@ class OffloadScheduler:
         self._loading_keys: Counter[bytes] = Counter()  # keys of in-flight loads
         self._next_plan = StepPlan()  # jobs created between two build_connector_meta calls
         self._step = 0  # build_connector_meta calls so far
+        self._is_supported = config.is_supported
         for g in config.unsupported_groups():
             logger.warning("kvtier: KV-cache group %d cannot be offloaded (%s); this model gets no kvtier hits",
                            g, config.groups[g].reason or "unsupported kind")
@@ -82,7 +83,7 @@ class OffloadScheduler:
         state = self._state_for(req)
         state.pending_load = None
         state.num_locally_computed_tokens = num_local
-        if not (self.config.is_supported and state.params.load):
+        if not (self._is_supported and state.params.load):
             return self._answer(state, num_local, 0)
         if state.load_job_id is not None:  # its previous load is still in flight
             return (None, False) if may_defer(state, self.config, self._clock(), self.stats) else \
@@ -184,7 +185,7 @@ class OffloadScheduler:
 
     def _plan_stores(self, state: RequestOffloadState, num_tokens: int, window_from: int, plan: StepPlan) -> None:
         """Offer every whole, computed chunk after the store cursor to the manager."""
-        if not self.config.is_supported:
+        if not self._is_supported:
             return  # nothing stored could ever be loaded
         if self.config.offload_prompt_only:
             num_tokens = min(num_tokens, state.req.num_prompt_tokens)

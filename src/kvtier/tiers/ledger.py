@@ -37,8 +37,10 @@ class RequestLedger:
         if held is None or held[key] <= 0:
             return False
         held[key] -= 1
-        if not +held:
-            del self._pins[req_id]
+        if held[key] == 0:
+            del held[key]
+            if not held:
+                del self._pins[req_id]
         return True
 
     def extend_chain(self, req_id: str, keys: Iterable[OffloadKey]) -> None:
