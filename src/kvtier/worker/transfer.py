@@ -181,7 +181,7 @@ class TransferEngine:
             for task, outcome in done:
                 job = self._open.get(task.job_id)
                 if job is None:
-                    continue  # cancelled and already reported
+                    continue  # defensive: every task belongs to a job opened by `submit`
                 job.add(task.part, outcome)
                 if job.parts_left == 0:
                     del self._open[task.job_id]
