@@ -152,9 +152,6 @@ class StepPlan:
     flush_job_ids: set[int] = field(default_factory=set)
     failed_load_block_ids: set[int] = field(default_factory=set)
 
-    def is_empty(self) -> bool:
-        return not (self.load_jobs or self.store_jobs or self.flush_job_ids or self.failed_load_block_ids)
-
     def stores_to_flush(self) -> list[TransferJob]:
         """This plan's own store jobs that must end before its forward pass."""
         return [job for job in self.store_jobs if job.job_id in self.flush_job_ids]

@@ -113,9 +113,6 @@ class WorkerSide:
         stats, self._stats = dict(self._stats), Counter()
         return stats
 
-    def has_jobs_running(self) -> bool:
-        return bool(self._running)
-
     def shutdown(self) -> None:
         if self.transfer is not None:
             self.transfer.shutdown()
