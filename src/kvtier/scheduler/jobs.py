@@ -75,7 +75,7 @@ class JobBook:
     def store_candidates(self, state: RequestOffloadState, end: int, window_from: int
                          ) -> tuple[list[OffloadKey], list[tuple[int, int]]]:
         """Keys of chunks after each group's cursor up to `end`, with their (group, chunk),
-        chunk by chunk across groups (head first: see `RequestOffloadState.chain_keys`).
+        chunk by chunk across groups (`RequestOffloadState.chunk_major`).
 
         A sliding-window group skips chunks that left the window before `window_from`:
         the engine may already have freed their blocks.
@@ -85,13 +85,8 @@ class JobBook:
             first = gs.next_store_chunk
             if gs.spec.kind is GroupKind.SLIDING_WINDOW:
                 first = max(first, gs.spec.first_needed_chunk(window_from // gs.spec.tokens_per_chunk))
-            if first < end:
-                firsts[gs.group] = first
-        if not firsts:
-            return [], []
-        group_keys = {g: state.keys(g, first, end) for g, first in firsts.items()}
-        chunks = [(g, c) for c in range(min(firsts.values()), end) for g in firsts if c >= firsts[g]]
-        return [group_keys[g][c - firsts[g]] for g, c in chunks], chunks
+            firsts[gs.group] = first
+        return state.chunk_major(firsts, end)
 
     def new_store(self, state: RequestOffloadState, keys: list[OffloadKey], chunks: list[tuple[int, int]],
                   out: PrepareStoreOutput) -> TransferJob:

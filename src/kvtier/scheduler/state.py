@@ -114,18 +114,26 @@ class RequestOffloadState:
     def num_hashed_chunks(self) -> int:
         return len(self.req.block_hashes) // self.config.hashes_per_chunk
 
-    def chain_keys(self, end: int, start: int = 0) -> list[OffloadKey]:
-        """Keys of chunks [start, end) the request needs, chunk by chunk across groups, head first.
+    def chain_keys(self, end: int) -> list[OffloadKey]:
+        """Keys of the chunks before `end` the request needs, head first (see `chunk_major`).
 
         Sliding-window groups contribute only the chunks inside their window before `end`;
-        unsupported groups none. Head first across groups too, so a policy that ranks a
-        chain "tails before heads" never keeps one group's tail longer than another's head.
+        unsupported groups none.
         """
-        firsts = [max(start, gs.spec.first_needed_chunk(end)) if gs.spec.kind is not GroupKind.UNSUPPORTED else end
-                  for gs in self.group_states]
-        per_group = [self.keys(gs.group, first, end) for gs, first in zip(self.group_states, firsts, strict=True)]
-        return [per_group[g][chunk - firsts[g]] for chunk in range(start, end)
-                for g in range(len(per_group)) if chunk >= firsts[g]]
+        firsts = {gs.group: gs.spec.first_needed_chunk(end) for gs in self.group_states
+                  if gs.spec.kind is not GroupKind.UNSUPPORTED}
+        return self.chunk_major(firsts, end)[0]
+
+    def chunk_major(self, firsts: dict[int, int], end: int) -> tuple[list[OffloadKey], list[tuple[int, int]]]:
+        """Keys of chunks [firsts[g], end) of each group g, with their (group, chunk), chunk by chunk
+        across groups: head first across groups too, so a policy that ranks a chain "tails before
+        heads" never keeps one group's tail longer than another group's head."""
+        firsts = {g: first for g, first in firsts.items() if first < end}
+        if not firsts:
+            return [], []
+        group_keys = {g: self.keys(g, first, end) for g, first in firsts.items()}
+        chunks = [(g, c) for c in range(min(firsts.values()), end) for g in firsts if c >= firsts[g]]
+        return [group_keys[g][c - firsts[g]] for g, c in chunks], chunks
 
     def keys(self, group: int, start: int, end: int) -> list[OffloadKey]:
         """Offload keys of chunks [start, end) of `group` (end <= num_hashed_chunks())."""
