@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 
 from kvtier.base import OffloadingManager
@@ -63,7 +62,6 @@ class OffloadScheduler:
         self._clock = clock
         self._requests: dict[str, RequestOffloadState] = {}
         self._jobs = JobBook(config.num_workers, config.job_timeout_s)
-        self._loading_keys: Counter[bytes] = Counter()  # keys of in-flight loads
         self._next_plan = StepPlan()  # jobs created between two build_connector_meta calls
         self._step = 0  # build_connector_meta calls so far
         self._is_supported = config.is_supported
@@ -93,7 +91,7 @@ class OffloadScheduler:
         max_chunks = min(state.num_hashed_chunks(), (req.num_tokens - 1) // size)
         if start >= max_chunks:
             return self._answer(state, num_local, 0)
-        scan = scan_hits(state, self.manager, self._loading_keys, start, max_chunks)
+        scan = scan_hits(state, self.manager, self._jobs.loading_keys, start, max_chunks)
         if scan.must_wait and may_defer(state, self.config, self._clock(), self.stats):
             return None, False
         # recency for every chunk the request reuses, also those the engine's cache served
@@ -139,7 +137,6 @@ class OffloadScheduler:
             return False
         job = self._jobs.new_load(state, keys, blocks, spec.slot_ids)
         state.load_job_id = job.job_id
-        self._loading_keys.update(self._jobs[job.job_id].keys)
         self._next_plan.load_jobs.append(job)
         for gs in state.group_states:
             gs.num_hit_chunks = pending.end_chunk - pending.start_chunk
@@ -236,8 +233,6 @@ class OffloadScheduler:
         self.stats.stale_completions += stale
         if record.is_load:
             state.load_job_id = None
-            self._loading_keys.subtract(record.keys)
-            self._loading_keys = +self._loading_keys
             self.manager.complete_load(record.keys, state.req_context)
             self.stats.failed_load_chunks += len(failed)
             if state.is_finished and not failed:

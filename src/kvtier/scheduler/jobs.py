@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
@@ -39,6 +40,7 @@ class JobBook:
         self._records: dict[int, JobRecord] = {}
         self._next_id = 1
         self._stores_by_block: dict[int, set[int]] = {}  # engine block -> store jobs reading it
+        self.loading_keys: Counter[OffloadKey] = Counter()  # keys of in-flight loads
 
     def __getitem__(self, job_id: int) -> JobRecord:
         return self._records[job_id]
@@ -70,7 +72,9 @@ class JobBook:
             if len(part_keys):
                 built.append(TransferPart(group=group, slot_ids=np.asarray(slots, np.int64),
                                           block_ids=np.asarray(blocks, np.int64), skip_blocks=skip))
-        return self._register(state, Endpoint.SLAB, Endpoint.ENGINE, built, [k for part in keys for k in part])
+        job = self._register(state, Endpoint.SLAB, Endpoint.ENGINE, built, [k for part in keys for k in part])
+        self.loading_keys.update(self._records[job.job_id].keys)
+        return job
 
     def store_candidates(self, state: RequestOffloadState, end: int, window_from: int
                          ) -> tuple[list[OffloadKey], list[tuple[int, int]]]:
@@ -169,7 +173,12 @@ class JobBook:
 
     def _forget(self, record: JobRecord) -> JobRecord:
         del self._records[record.job.job_id]
-        if not record.is_load:
+        if record.is_load:
+            for key in record.keys:
+                self.loading_keys[key] -= 1
+                if self.loading_keys[key] <= 0:
+                    del self.loading_keys[key]
+        else:
             for block in record.job.read_blocks():
                 jobs = self._stores_by_block.get(block)
                 if jobs is not None:
