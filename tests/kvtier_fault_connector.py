@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from kvtier.integrations.vllm import KVTierConnector
-from kvtier.jobs import JobResult, TransferJob
+from kvtier.jobs import TransferJob
 from kvtier.worker import TransferEngine
 
 
@@ -24,8 +24,7 @@ class _LoadFailingTransferEngine(TransferEngine):
             return super().submit(job)
         seen = Path(flag).with_suffix(".seen")
         seen.write_text(str(int(seen.read_text() or 0) + 1) if seen.exists() else "1")
-        return self._report(JobResult(job_id=job.job_id, failed_chunks=tuple(range(job.num_chunks)),
-                                      error="injected load failure"))
+        return self._report(job.failed("injected load failure"))
 
 
 class FaultyKVTierConnector(KVTierConnector):

@@ -109,6 +109,10 @@ class TransferJob:
                     blocks.update(block for _, block in part.chunk_pages(c))
         return blocks
 
+    def failed(self, error: str) -> JobResult:
+        """The result of this job when none of its chunks moved."""
+        return JobResult(job_id=self.job_id, failed_chunks=tuple(range(self.num_chunks)), error=error)
+
     def read_blocks(self) -> set[int]:
         """Engine blocks a store reads."""
         return {int(b) for part in self.parts for b in part.block_ids.tolist()} if self.is_store else set()

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.jobs import JobResult, TransferJob
+from kvtier.jobs import TransferJob
 from kvtier.worker.transfer import TransferEngine
 
 __all__ = ["Faults", "SimTransferEngine"]
@@ -63,8 +63,7 @@ class SimTransferEngine(TransferEngine):
         if job.is_load:
             self.loads.append(job)
             if self.faults.fail_load(job):
-                self._report(JobResult(job_id=job.job_id, failed_chunks=tuple(range(job.num_chunks)),
-                                       error="injected load failure"))
+                self._report(job.failed("injected load failure"))
                 return
         if job.is_store:
             due = math.inf if self.faults.stuck_stores else self.step + self.faults.store_delay_steps
@@ -82,8 +81,7 @@ class SimTransferEngine(TransferEngine):
         wanted = set(job_ids)
         held = wanted & self._held.keys()
         for job_id in held:
-            job = self._held.pop(job_id).job
-            self._report(JobResult(job_id=job_id, failed_chunks=tuple(range(job.num_chunks)), error="cancelled"))
+            self._report(self._held.pop(job_id).job.failed("cancelled"))
         return super().cancel(wanted - held, timeout)
 
     def end_step(self) -> None:

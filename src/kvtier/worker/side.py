@@ -122,8 +122,7 @@ class WorkerSide:
     def _submit(self, job: TransferJob) -> None:
         self._running[job.job_id] = job
         if self.transfer is None:  # no KV caches registered: nothing can move, the job fails
-            self._end(job, JobResult(job_id=job.job_id, failed_chunks=tuple(range(job.num_chunks)),
-                                     error="no KV caches registered"))
+            self._end(job, job.failed("no KV caches registered"))
             return
         self.transfer.submit(job)
 

@@ -153,8 +153,10 @@ class TransferEngine:
                 refusal = f"job id {job_id} is already in flight"
             if refusal is None and job.parts:
                 self._open[job_id] = _OpenJob([offset for offset, _ in job.chunk_offsets()], len(job.parts))
-        if refusal is not None or not job.parts:  # a job with no parts moves nothing: done now
-            return self._report(JobResult(job_id=job_id, failed_chunks=tuple(range(job.num_chunks)), error=refusal))
+        if refusal is not None:
+            return self._report(job.failed(refusal))
+        if not job.parts:  # moves nothing: done now
+            return self._report(JobResult(job_id=job_id))
         for index, part in enumerate(job.parts):
             task = make_task(job_id, index, job.is_store, part, self._layouts, self.blocks_per_chunk, self.num_slots)
             if isinstance(task, TaskOutcome):

@@ -6,7 +6,6 @@ import logging
 from typing import Any
 
 from kvtier.config import KVTierConfig
-from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.convert import (
     block_hash_bytes,
     num_slots_for,
@@ -36,10 +35,7 @@ class SchedulerSide:
 
     def __init__(self, cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any):
         num_workers = world_size(vllm_config)
-        self.num_slots = num_slots_for(cfg, kv_cache_config, num_workers)
-        if self.num_slots < 1:
-            raise ConfigError(f"cpu_bytes={cfg.cpu_bytes} holds no chunk: one chunk takes more "
-                              f"(x {num_workers} workers); raise cpu_bytes or lower blocks_per_chunk")
+        self.num_slots = num_slots_for(cfg, kv_cache_config, num_workers)  # CPUTierManager rejects 0
         self.manager = CPUTierManager(self.num_slots, policy=cfg.eviction_policy,
                                       store_threshold=cfg.store_threshold, enable_events=cfg.enable_events,
                                       key_bytes=block_hash_bytes(vllm_config) + GROUP_INDEX_BYTES)
