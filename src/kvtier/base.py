@@ -14,7 +14,7 @@ touches tensors. The primitives, in call order:
    in state PENDING. None means "no room now", never an exception.
 6. `complete_store(keys, ctx, success)`: PENDING -> READY, or rollback on failure.
 7. `take_events()`: stored / removed events, each with its tier (`medium`).
-8. `on_request_finished(ctx)`, `reset()`, `stats()`.
+8. `on_request_finished(ctx)`, `reset()`, `stats()`, `close()`.
 
 Every call carries a `ReqContext`: its required `req_id` is what lets the layers
 below track a request (bounded waiting, pins released on finish).
@@ -103,11 +103,14 @@ class PrepareStoreOutput:
     keys_to_store: the keys the caller must write (absent and not in flight before).
     store_spec: one reserved slot per key of `keys_to_store`.
     evicted_keys: keys removed to make room (none of them belonged to the call).
+    evicted_slot_ids: the slot each evicted key had, in the same order; its bytes stay there
+        until the new keys are written (a tier that writes victims elsewhere copies them now).
     """
 
     keys_to_store: list[OffloadKey]
     store_spec: StoreSpec
     evicted_keys: list[OffloadKey]
+    evicted_slot_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +211,9 @@ class OffloadingManager(ABC):
     @abstractmethod
     def reset(self) -> None:
         """Forget every chunk; chunks still in transfer are freed when it ends."""
+
+    def close(self) -> None:  # noqa: B027 (an optional hook)
+        """The engine shuts down: finish or abandon background work (bounded) and stop threads."""
 
     @abstractmethod
     def stats(self) -> ManagerStats:

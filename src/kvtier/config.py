@@ -49,6 +49,16 @@ class KVTierConfig:
     max_defer_s / max_deferrals: the bound on how long a request waits for pending writes.
     job_timeout_s: a transfer job not done by then is abandoned (loads recomputed, stores dropped).
     enable_events: publish BlockStored / BlockRemoved KV events.
+    disk_path: directory of the disk tier (None: no disk tier); created if missing.
+    disk_bytes: capacity of the disk tier.
+    disk_fsync: fsync each chunk file (and its directory) before it counts as stored.
+    disk_direct_io: "auto" (O_DIRECT where the filesystem and buffers allow), true or false.
+    disk_write_mode: "write_through" (every stored chunk) or "on_evict" (chunks RAM evicts).
+    disk_min_offers: cascade to disk only chunks offered by at least this many requests.
+    disk_eviction_policy: the disk tier's eviction policy.
+    disk_max_queue_bytes / disk_max_store_s: backpressure: cascades to disk are dropped
+        while this many bytes are queued or recent writes took longer.
+    promotion_bytes: bytes of chunks being read back from secondary tiers at most.
     """
 
     cpu_bytes: int = 4 * 2**30
@@ -60,6 +70,16 @@ class KVTierConfig:
     max_deferrals: int = 64
     job_timeout_s: float = 10.0
     enable_events: bool = True
+    disk_path: str | None = None
+    disk_bytes: int = 16 * 2**30
+    disk_fsync: bool = False
+    disk_direct_io: str | bool = "auto"
+    disk_write_mode: str = "write_through"
+    disk_min_offers: int = 1
+    disk_eviction_policy: str = "lru"
+    disk_max_queue_bytes: int = 256 * 2**20
+    disk_max_store_s: float = 2.0
+    promotion_bytes: int = 256 * 2**20
 
     @classmethod
     def from_dict(cls, raw: Any) -> KVTierConfig:
@@ -79,25 +99,38 @@ class KVTierConfig:
         return [f.name for f in fields(cls)]
 
 
+_SIZES = ("cpu_bytes", "disk_bytes", "disk_max_queue_bytes", "promotion_bytes")
+_BOOLS = ("offload_prompt_only", "enable_events", "disk_fsync")
+_CHOICES = {"disk_direct_io": ("auto", True, False), "disk_write_mode": ("write_through", "on_evict")}
+
+
 def _check(key: str, value: Any) -> Any:
-    if key == "cpu_bytes":
+    if key in _SIZES:
         return parse_size(value, key)
-    if key in ("blocks_per_chunk", "store_threshold"):
+    if key in ("blocks_per_chunk", "store_threshold", "disk_min_offers"):
         return _int_at_least(key, value, 1)
     if key == "max_deferrals":
         return _int_at_least(key, value, 0)
-    if key in ("max_defer_s", "job_timeout_s"):
+    if key in ("max_defer_s", "job_timeout_s", "disk_max_store_s"):
         least = 0.0 if key == "max_defer_s" else 0.001
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < float("inf"):
             raise ConfigError(f"{key}: expected seconds >= {least:g}, got {value!r}")
         return float(value)
-    if key in ("offload_prompt_only", "enable_events"):
+    if key in _BOOLS:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
         return value
-    if key == "eviction_policy":
+    if key in _CHOICES:
+        if not any(value is c or (isinstance(c, str) and value == c) for c in _CHOICES[key]):
+            raise ConfigError(f"{key}: expected one of {list(_CHOICES[key])}, got {value!r}")
+        return value
+    if key in ("eviction_policy", "disk_eviction_policy"):
         if not isinstance(value, str) or (value not in policy_names() and ":" not in value):
             raise ConfigError(f"{key}: expected one of {policy_names()} or 'module:Class', got {value!r}")
+        return value
+    if key == "disk_path":
+        if value is not None and (not isinstance(value, str) or not value.strip() or "\x00" in value):
+            raise ConfigError(f"{key}: expected a directory path (a non-empty string) or null, got {value!r}")
         return value
     raise ConfigError(f"unknown kvtier config key {key!r}")
 

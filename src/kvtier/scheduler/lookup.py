@@ -3,7 +3,7 @@ bounded wait of a request whose hits are not readable yet.
 
 Full-attention groups need every chunk of the prefix: a prefix scan where HIT counts,
 MISS stops, and HIT_PENDING / RETRY (or a chunk being loaded for another request)
-mean "wait". Sliding-window groups only need the chunks inside the window before the
+mean "wait" (the scan still looks up the chunks after it, up to a MISS). Sliding-window groups only need the chunks inside the window before the
 boundary: a suffix scan lowers the boundary until that window is all HIT.
 """
 
@@ -61,17 +61,30 @@ def scan_hits(
     end, must_wait = max_chunks, False
     for gs in state.group_states:
         if gs.spec.kind is GroupKind.FULL and end > start:
-            for i, key in enumerate(state.keys(gs.group, start, end)):
-                result = lookup(key)
-                if result is not _HIT:
-                    must_wait |= result is not LookupResult.MISS
-                    end = start + i
-                    break
+            end, waits = _prefix_scan(state.keys(gs.group, start, end), lookup, start, end)
+            must_wait |= waits
     for gs in state.group_states:
         if gs.spec.kind is GroupKind.SLIDING_WINDOW:
             end, waits = _window_scan(state, gs.group, lookup, start, end)
             must_wait |= waits
     return ScanResult(end, must_wait)
+
+
+def _prefix_scan(keys: list[OffloadKey], lookup: _Lookups, start: int, end: int) -> tuple[int, bool]:
+    """Hits end at the first non-HIT. Past a chunk to wait for the scan goes on to the first MISS:
+    the later chunks' lookups start their tiers' probes and promotions now, all in this step,
+    instead of one chunk per step."""
+    must_wait = False
+    for i, key in enumerate(keys):
+        result = lookup(key)
+        if result is _HIT:
+            continue
+        if not must_wait:
+            end = start + i
+        if result is LookupResult.MISS:
+            break
+        must_wait = True
+    return end, must_wait
 
 
 def _window_scan(state: RequestOffloadState, group: int, lookup: _Lookups, start: int, end: int) -> tuple[int, bool]:

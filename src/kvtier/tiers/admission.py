@@ -45,6 +45,10 @@ class ReuseGate:
             self._offers.popitem(last=False)
         return len(offers) >= self.threshold
 
+    def has_admitted(self, key: OffloadKey) -> bool:
+        """Whether `key` reached the threshold (counts nothing)."""
+        return self.threshold == 1 or len(self._offers.get(key, ())) >= self.threshold
+
     def __len__(self) -> int:
         return len(self._offers)
 

@@ -17,7 +17,7 @@ Thread-safety: not thread-safe. The scheduler calls it from one thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -118,6 +118,11 @@ class CPUTierManager(OffloadingManager):
             return _HIT
         return _HIT_PENDING
 
+    def is_readable(self, key: OffloadKey) -> bool:
+        """Whether `key` is READY (counts no hit or miss)."""
+        chunk = self._chunks.get(key)
+        return chunk is not None and chunk.state is _READY
+
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
         chunks = self._chunks
         for key in keys:
@@ -147,20 +152,34 @@ class CPUTierManager(OffloadingManager):
     # -- stores ------------------------------------------------------------------------
 
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        return self._reserve(keys, ctx, admit=self._gate.admit, spare=())
+
+    def prepare_promotion(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        """`prepare_store` for keys read back from a secondary tier for the request `ctx`: no
+        admission rule applies (a chunk asked for again has proven its reuse), and no chunk of
+        the request's own chain is evicted for it (its prefix would thrash: promoting chunk
+        n+1 must not evict chunk 0 that the same request is about to load)."""
+        return self._reserve(keys, ctx, admit=None, spare=self._ledger.chain(ctx.req_id))
+
+    def _reserve(self, keys: Sequence[OffloadKey], ctx: ReqContext,
+                 admit: Callable[[OffloadKey, str], bool] | None,
+                 spare: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         for key in keys:
             if len(key) != self.key_bytes:
                 raise key_length_error(key, self.key_bytes)
-        chunks, admit, req_id = self._chunks, self._gate.admit, ctx.req_id
+        chunks, req_id = self._chunks, ctx.req_id
         self._ledger.extend_chain(req_id, keys)
-        new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and admit(k, req_id)]
+        new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and (admit is None or admit(k, req_id))]
         num_needed = len(new_keys) - self._slots.num_free
         evicted: list[OffloadKey] = []
+        evicted_slots: tuple[int, ...] = ()
         self._policy.prepare_insert(new_keys)  # before evicting: ARC's ghost hits
         if num_needed > 0:
-            victims = self._policy.evict(num_needed, _Protected(set(keys), chunks))
+            victims = self._policy.evict(num_needed, _Protected({*keys, *spare}, chunks))
             if victims is None:
                 self._rejected_stores += 1
                 return None
+            evicted_slots = tuple(chunks[key].slot for key in victims)
             evicted = self._drop_evicted(victims)
         slot_ids = self._slots.allocate(len(new_keys))
         if slot_ids is None:
@@ -168,9 +187,15 @@ class CPUTierManager(OffloadingManager):
         for key, slot in zip(new_keys, slot_ids, strict=False):
             chunks[key] = _Chunk(slot)
         self._num_pending += len(new_keys)
-        return PrepareStoreOutput(new_keys, SlotSpec(self.medium, np.array(slot_ids, dtype=np.int64)), evicted)
+        spec = SlotSpec(self.medium, np.array(slot_ids, dtype=np.int64))
+        return PrepareStoreOutput(new_keys, spec, evicted, evicted_slots)
 
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> list[OffloadKey]:
+        """See `OffloadingManager.complete_store`.
+
+        Returns:
+            The keys that became READY (a tiered manager cascades them).
+        """
         chunks = self._chunks
         ready: list[OffloadKey] = []
         for key in keys:
@@ -193,6 +218,7 @@ class CPUTierManager(OffloadingManager):
             self._num_evictable += len(ready)
             self._stores += len(ready)
             self._emit(ready, removed=False)
+        return ready
 
     # -- lifecycle ---------------------------------------------------------------------
 
