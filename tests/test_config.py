@@ -30,6 +30,15 @@ def test_defaults_and_a_full_config():
     assert (cfg.cpu_bytes, cfg.blocks_per_chunk, cfg.eviction_policy, cfg.max_defer_s) == (2**30, 4, "arc", 0.5)
 
 
+def test_a_disk_tier_config():
+    cfg = KVTierConfig.from_dict({"disk_path": "/var/cache/kvtier", "disk_bytes": "2TiB", "disk_fsync": True,
+                                  "disk_direct_io": False, "disk_write_mode": "on_evict", "disk_min_offers": 2,
+                                  "disk_max_queue_bytes": "64MiB", "promotion_bytes": "1GiB"})
+    assert (cfg.disk_path, cfg.disk_bytes, cfg.disk_direct_io, cfg.disk_write_mode) == (
+        "/var/cache/kvtier", 2 * 2**40, False, "on_evict")
+    assert KVTierConfig().disk_path is None  # no disk tier unless asked for
+
+
 def test_unknown_key_lists_the_valid_ones():
     with pytest.raises(ConfigError, match=r"unknown kvtier config key\(s\) \['cpu_byte'\]; valid keys: \['cpu_bytes'"):
         KVTierConfig.from_dict({"cpu_byte": "4GiB"})
@@ -41,6 +50,14 @@ def test_unknown_key_lists_the_valid_ones():
     ("eviction_policy", "fifo", r"eviction_policy: expected one of \['arc', 'lru'\]"),
     ("offload_prompt_only", "yes", "offload_prompt_only: expected true or false"),
     ("max_defer_s", -1, "max_defer_s: expected seconds >= 0"),
+    ("disk_path", "", "disk_path: expected a directory path"),
+    ("disk_path", 7, "disk_path: expected a directory path"),
+    ("disk_bytes", "lots", "disk_bytes: expected a size"),
+    ("disk_direct_io", "yes", r"disk_direct_io: expected one of \['auto', True, False\]"),
+    ("disk_write_mode", "later", r"disk_write_mode: expected one of \['write_through', 'on_evict'\]"),
+    ("disk_min_offers", 0, "disk_min_offers: expected an integer >= 1"),
+    ("disk_max_store_s", 0, "disk_max_store_s: expected seconds >= 0.001"),
+    ("promotion_bytes", -5, "promotion_bytes: "),
 ])
 def test_bad_values_name_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message):
