@@ -1,0 +1,319 @@
+"""`HostSlab`: the host slab as one POSIX shared-memory segment per worker rank.
+
+The CPU tier's slots live in shared memory that the scheduler-side process owns and every
+worker maps (DESIGN.md, "Who owns the bytes"): workers copy engine KV <-> slab, and the
+scheduler side's tiered manager copies slab <-> disk or a remote store on its own threads,
+without a round trip through the workers.
+
+One segment is one file in `/dev/shm`, `kvtier-<instance>-dp<dp rank>-r<rank>`
+(`slab_name`), of `num_slots x slot_bytes` bytes, mapped `MAP_SHARED`.
+
+- **Create or open**: whoever comes first creates and sizes it; the second checks that its
+  size is what it computed itself. Both sides open this way because vLLM builds the workers'
+  connectors (and registers their KV caches) *before* the scheduler's.
+- **Liveness**: every process that maps a segment holds `flock(LOCK_SH)` on it until it closes
+  it; `remove_stale_slabs` unlinks the segments nobody holds (a SIGKILLed engine's). A creator
+  holds `LOCK_EX` while it sizes and populates the segment, so nobody maps a half-made one.
+  Between open and lock a cleaner may unlink the file: after locking, the fd's inode must still
+  be the one at the path, or the open starts over.
+- **Unlink**: a slab opened with `owner=True` unlinks its name when closed, and at interpreter
+  exit if it never was (`weakref.finalize`). The mapping outlives the name: views keep working.
+- **Unmap**: `close` unmaps only when no view of it (`rows`, `tensor`, anything derived) is alive,
+  since unmapping under a live view would turn its next access into a crash; otherwise the
+  mapping goes with the last view.
+
+Thread-safety: opening and closing are for one thread; `rows` and `tensor` may be read and
+written from any thread and process, the slots' owner (the tier's bookkeeping) deciding who
+touches which slot when.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import time
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.errors import ConfigError
+
+__all__ = ["SHM_DIR", "SLAB_PREFIX", "HostSlab", "remove_stale_slabs", "shm_free_bytes", "slab_name"]
+
+SHM_DIR = "/dev/shm"
+SLAB_PREFIX = "kvtier-"
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.11 lacks the name
+_LOCK_WAIT_S = 60.0  # a creator populating cpu_bytes of pages holds LOCK_EX this long at most
+_OPEN_ATTEMPTS = 8  # a cleaner unlinking the file between our open and our lock: start over
+
+logger = logging.getLogger(__name__)
+
+
+def slab_name(instance_id: str, dp_rank: int, rank: int) -> str:
+    """The segment name of one worker rank of one engine instance (vLLM's `instance_id`)."""
+    if not instance_id:
+        raise ConfigError("the engine has no instance id, so its host slabs would have no unique name")
+    return f"{SLAB_PREFIX}{re.sub(r'[^A-Za-z0-9_.-]', '_', instance_id)}-dp{dp_rank}-r{rank}"
+
+
+def shm_free_bytes(directory: str = SHM_DIR) -> int:
+    """Bytes an unprivileged process can still allocate in `directory`'s filesystem."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
+
+
+@dataclass(slots=True)
+class _Segment:
+    """What closing needs, kept apart from `HostSlab` so a finalizer can hold it."""
+
+    path: str
+    fd: int
+    mm: mmap.mmap | None
+    unlink_on_close: bool
+    pid: int  # a forked child inherits the finalizer: only the opener's process unlinks
+    pinned_ptr: int = 0
+
+
+def _release(segment: _Segment) -> None:
+    """Unpin, unmap (unless views are alive), unlock, and unlink if this process owns the name."""
+    if segment.pinned_ptr:
+        with contextlib.suppress(Exception):
+            torch.cuda.cudart().cudaHostUnregister(segment.pinned_ptr)
+        segment.pinned_ptr = 0
+    if segment.mm is not None:
+        try:
+            segment.mm.close()
+        except BufferError:  # views still alive: the mapping ends with the last of them
+            logger.debug("kvtier: %s stays mapped until its views are gone", segment.path)
+        segment.mm = None
+    if segment.fd >= 0:
+        os.close(segment.fd)  # drops our LOCK_SH
+        segment.fd = -1
+    if segment.unlink_on_close and segment.pid == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment.path)
+
+
+class HostSlab:
+    """One rank's host slab in shared memory: `num_slots` rows of `slot_bytes` bytes.
+
+    Creates the segment or opens the existing one (see the module docstring).
+    Args:
+        name: the segment's file name in `directory` (`slab_name`).
+        num_slots, slot_bytes: the slab's shape; an existing segment must hold exactly their product.
+        owner: unlink the name on `close` (and at interpreter exit, as a fallback).
+        directory: where segments live (tests may use another tmpfs).
+    Raises:
+        ConfigError: bad sizes, an existing segment of another size, or no room in `directory`.
+    """
+
+    def __init__(self, name: str, num_slots: int, slot_bytes: int, *, owner: bool = False,
+                 directory: str = SHM_DIR) -> None:
+        if num_slots < 1 or slot_bytes < 1:
+            raise ConfigError(f"a host slab needs num_slots and slot_bytes >= 1, got {num_slots}, {slot_bytes}; "
+                              "raise cpu_bytes")
+        self.name, self.num_slots, self.slot_bytes = name, num_slots, slot_bytes
+        self.path = os.path.join(directory, name)
+        self.num_bytes = num_slots * slot_bytes
+        self.is_owner = owner
+        self.is_creator, fd, mm = self._open()
+        self._segment = _Segment(self.path, fd, mm, owner, os.getpid())
+        self._finalizer = weakref.finalize(self, _release, self._segment)
+        self.rows: np.ndarray = np.frombuffer(mm, dtype=np.uint8).reshape(num_slots, slot_bytes)
+        # through a memoryview: torch.frombuffer(mm) would not pin the mmap's buffer, so the mmap
+        # could be closed under the tensor; a memoryview makes close() refuse while it lives
+        self.tensor: torch.Tensor = torch.frombuffer(memoryview(mm), dtype=torch.int8).view(num_slots, slot_bytes)
+
+    # -- open -------------------------------------------------------------------------
+
+    def _open(self) -> tuple[bool, int, mmap.mmap]:
+        for _ in range(_OPEN_ATTEMPTS):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                created = True
+            except FileExistsError:
+                try:
+                    fd = os.open(self.path, os.O_RDWR)
+                except FileNotFoundError:  # unlinked between the two opens
+                    continue
+                created = False
+            try:
+                mm = self._create(fd) if created else self._join(fd)
+            except BaseException:
+                self._abandon(fd, created)
+                raise
+            if mm is not None:
+                return created, fd, mm
+            os.close(fd)  # a cleaner unlinked it before we held it: start over
+        raise ConfigError(f"could not open the host slab {self.path}: it kept disappearing while being opened")
+
+    def _create(self, fd: int) -> mmap.mmap | None:
+        """Size and populate a segment this process just created; None if it was unlinked meanwhile."""
+        _lock(fd, fcntl.LOCK_EX, self.path)
+        if not _is_at_path(fd, self.path):
+            return None
+        free = shm_free_bytes(os.path.dirname(self.path))
+        if self.num_bytes > free:
+            raise ConfigError(f"the host slab {self.path} needs {self.num_bytes} bytes ({self.num_slots} slots x "
+                              f"{self.slot_bytes} bytes) but {os.path.dirname(self.path)} has {free} free; lower "
+                              "cpu_bytes or enlarge it (docker: --shm-size)")
+        os.ftruncate(fd, self.num_bytes)
+        mm = mmap.mmap(fd, self.num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            _populate(mm, self.path)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # not atomic: a cleaner may slip in, hence the check below
+            if _is_at_path(fd, self.path):
+                return mm
+        except BaseException:
+            mm.close()
+            raise
+        mm.close()
+        return None
+
+    def _join(self, fd: int) -> mmap.mmap | None:
+        """Map a segment another process created (waiting while it is being sized)."""
+        _lock(fd, fcntl.LOCK_SH, self.path)
+        if not _is_at_path(fd, self.path):
+            return None
+        size = os.fstat(fd).st_size
+        if size != self.num_bytes:
+            raise ConfigError(f"the host slab {self.path} holds {size} bytes but this process computed "
+                              f"{self.num_slots} slots x {self.slot_bytes} bytes = {self.num_bytes}: the scheduler "
+                              "and the workers disagree on the slab's shape (same cpu_bytes, blocks_per_chunk and "
+                              "KV-cache layout everywhere?)")
+        return mmap.mmap(fd, self.num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def _abandon(self, fd: int, created: bool) -> None:
+        if created and _is_at_path(fd, self.path):  # never leave a half-made segment behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        os.close(fd)
+
+    # -- use --------------------------------------------------------------------------
+
+    @property
+    def is_closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def is_pinned(self) -> bool:
+        return bool(self._segment.pinned_ptr)
+
+    def pin_for_cuda(self) -> bool:
+        """Page-lock the mapping for fast, asynchronous CUDA copies (`cudaHostRegister`).
+
+        UNVERIFIED: no GPU on the development machines. Pinning only speeds copies up: on
+        failure (or without CUDA) the slab stays pageable and copies still work.
+        Returns:
+            True when the mapping is pinned (now or before).
+        """
+        if self._segment.pinned_ptr:
+            return True
+        if self.is_closed or not torch.cuda.is_available():
+            return False
+        ptr = self.tensor.data_ptr()
+        try:
+            code = int(torch.cuda.cudart().cudaHostRegister(ptr, self.num_bytes, 0))
+        except Exception as e:  # pinning is an optimization: say why it is off, go on
+            logger.warning("kvtier: could not pin the host slab %s (%r); copies use pageable memory", self.name, e)
+            return False
+        if code != 0:
+            logger.warning("kvtier: cudaHostRegister of the host slab %s failed (code %d); copies use pageable "
+                           "memory", self.name, code)
+            return False
+        self._segment.pinned_ptr = ptr
+        return True
+
+    def close(self) -> None:
+        """Unpin, unmap (once no view is alive), release the lock; unlink if owner (idempotent)."""
+        self.rows = self.tensor = None  # type: ignore[assignment] - our own views must not keep it mapped
+        self._finalizer()
+
+    def __enter__(self) -> HostSlab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        closed = ", closed" if self.is_closed else ""
+        return f"HostSlab({self.name!r}, {self.num_slots} x {self.slot_bytes} bytes{closed})"
+
+
+def remove_stale_slabs(prefix: str = SLAB_PREFIX, directory: str = SHM_DIR) -> list[str]:
+    """Unlink every segment under `prefix` that no live process maps (a crashed engine's).
+
+    A process that maps a segment holds a shared lock on it; one whose lock can be taken
+    exclusively has no such process left. Thread-safety: any thread, any process.
+    Returns:
+        The names removed.
+    """
+    removed = []
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.startswith(prefix))
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone already, or not ours to open
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _is_at_path(fd, path):
+                os.unlink(path)
+                removed.append(name)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.ENOENT):
+                logger.warning("kvtier: could not check the segment %s: %s", path, e)
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("kvtier: removed %d stale host slab(s) of engines that are gone: %s", len(removed), removed)
+    return removed
+
+
+def _lock(fd: int, operation: int, path: str) -> None:
+    """flock, waiting at most `_LOCK_WAIT_S` (a creator holds LOCK_EX while it populates)."""
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"the host slab {path} stayed locked for {_LOCK_WAIT_S:.0f} s: the process "
+                                  "creating it hangs") from None
+            time.sleep(0.005)
+
+
+def _is_at_path(fd: int, path: str) -> bool:
+    """True when `fd` is still the file named `path` (a cleaner may have unlinked it)."""
+    try:
+        at_path = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (at_path.st_dev, at_path.st_ino)
+
+
+def _populate(mm: mmap.mmap, path: str) -> None:
+    """Allocate every page now: a full /dev/shm then fails here, clearly, not as a SIGBUS mid-copy;
+    and copies do not pay first-touch faults (a third of the warm rate here)."""
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+        return
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EFAULT: the filesystem ran out of room
+            raise ConfigError(f"could not allocate the host slab {path} ({len(mm)} bytes): {e.strerror}; lower "
+                              "cpu_bytes or enlarge /dev/shm (docker: --shm-size)") from None
+    # kernels before 5.14: touch one byte per page (the segment is new, all zeros, and ours alone)
+    np.frombuffer(mm, dtype=np.uint8)[:: mmap.PAGESIZE] = 0

@@ -1,0 +1,179 @@
+"""The host slab in shared memory: one segment per rank, shared across processes, never leaked.
+
+Every segment here has a name unique to the test (`name` fixture), so a stale-segment sweep
+in one test only sees its own, and nothing of a real engine on the same host is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.tiers import slab as slab_module
+from kvtier.tiers.slab import SHM_DIR, HostSlab, remove_stale_slabs, shm_free_bytes, slab_name
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)")
+
+
+@pytest.fixture
+def prefix():
+    """A name prefix no other test or engine uses; whatever is left under it is removed afterwards."""
+    prefix = f"kvtier-test-{uuid.uuid4().hex[:8]}-"
+    yield prefix
+    for leftover in [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]:
+        os.unlink(os.path.join(SHM_DIR, leftover))
+
+
+def segments(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+
+
+def child(code: str) -> subprocess.Popen:
+    """A Python process running `code` (which prints "ready" once it holds what it should)."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "the child did not start"
+    return proc
+
+
+def finish(proc: subprocess.Popen, reply: str = "") -> str:
+    """Send `reply`, let the child end; its output after "ready"."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(reply)
+    proc.stdin.close()
+    out = proc.stdout.read()  # not communicate(): it would skip what readline() buffered
+    assert proc.wait(timeout=30) == 0, out
+    return out
+
+
+# -- sharing --------------------------------------------------------------------------------
+
+
+def test_a_second_process_maps_the_same_bytes_both_ways(prefix):
+    name = prefix + "dp0-r0"
+    with HostSlab(name, num_slots=4, slot_bytes=5000, owner=True) as slab:
+        assert slab.is_creator and os.path.getsize(slab.path) == 20_000
+        assert slab.rows.ctypes.data % os.sysconf("SC_PAGE_SIZE") == 0  # page-aligned base
+        slab.rows[1, :3] = [7, 8, 9]
+        # another process opens it by name (as a worker does), reads ours, writes its own
+        proc = child(f"""
+            from kvtier.tiers.slab import HostSlab
+            slab = HostSlab({name!r}, 4, 5000)
+            print("ready", flush=True)
+            assert not slab.is_creator and slab.tensor.shape == (4, 5000)
+            print(slab.tensor[1, :3].tolist())
+            slab.tensor[3, -2:] = 42
+            slab.close()
+        """)
+        assert finish(proc).strip() == "[7, 8, 9]"
+        assert slab.rows[3, -2:].tolist() == [42, 42]  # its write, seen here
+    assert not os.path.exists(slab.path)  # the owner unlinked it
+
+
+def test_both_roles_in_one_process_share_one_segment(prefix):
+    # the single-process engine: the worker maps what the scheduler side created
+    owner = HostSlab(prefix + "r0", 2, 4096, owner=True)
+    worker = HostSlab(prefix + "r0", 2, 4096)
+    worker.tensor[0, 0] = 5
+    assert owner.rows[0, 0] == 5 and owner.is_creator and not worker.is_creator
+    worker.close()
+    assert segments(prefix) == [prefix + "r0"]  # a non-owner leaves the name
+    owner.close()
+    assert segments(prefix) == []
+
+
+def test_an_existing_segment_of_another_size_is_a_config_error(prefix):
+    with HostSlab(prefix + "r0", 4, 1000, owner=True):
+        with pytest.raises(ConfigError, match=r"holds 4000 bytes but this process computed 4 slots x 1001 bytes"):
+            HostSlab(prefix + "r0", 4, 1001)
+        assert segments(prefix) == [prefix + "r0"]  # the creator's segment is untouched
+
+
+def test_a_segment_too_big_for_dev_shm_is_a_config_error_naming_cpu_bytes(prefix):
+    slot_bytes = 1 << 20
+    num_slots = shm_free_bytes() // slot_bytes + 16  # checked before anything is allocated
+    with pytest.raises(ConfigError, match="free; lower cpu_bytes"):
+        HostSlab(prefix + "r0", num_slots, slot_bytes, owner=True)
+    assert segments(prefix) == []
+
+
+def test_bad_shapes_and_names_are_config_errors(prefix):
+    with pytest.raises(ConfigError, match="raise cpu_bytes"):
+        HostSlab(prefix + "r0", 0, 4096)
+    with pytest.raises(ConfigError, match="no instance id"):
+        slab_name("", 0, 0)
+    assert slab_name("1234_dp1/x", 1, 3) == "kvtier-1234_dp1_x-dp1-r3"
+
+
+# -- unlinking and stale segments -----------------------------------------------------------
+
+
+def test_views_outlive_close_and_the_name_goes(prefix):
+    slab = HostSlab(prefix + "r0", 2, 4096, owner=True)
+    rows = slab.rows
+    rows[1, 7] = 3
+    slab.close()
+    assert segments(prefix) == [] and slab.is_closed
+    assert rows[1, 7] == 3  # still mapped: it is unmapped with its last view
+    slab.close()  # idempotent
+
+
+def test_an_owner_that_exits_without_closing_leaves_nothing(prefix):
+    # the interpreter's exit unlinks it (weakref.finalize), even with a view still alive
+    proc = child(f"""
+        from kvtier.tiers.slab import HostSlab
+        slab = HostSlab({prefix + "r0"!r}, 2, 4096, owner=True)
+        ROWS = slab.rows
+        print("ready", flush=True)
+        input()
+    """)
+    assert segments(prefix) == [prefix + "r0"]
+    finish(proc, "exit\n")
+    assert segments(prefix) == []
+
+
+def test_stale_cleanup_removes_a_killed_processs_segment_and_keeps_a_live_ones(prefix):
+    holder = """
+        from kvtier.tiers.slab import HostSlab
+        slab = HostSlab({name!r}, 2, 4096, owner=True)
+        print("ready", flush=True)
+        input()
+    """
+    killed = child(holder.format(name=prefix + "crashed"))
+    alive = child(holder.format(name=prefix + "alive"))
+    killed.send_signal(signal.SIGKILL)  # no finalizer runs: its segment stays behind
+    killed.wait(timeout=10)
+    assert segments(prefix) == [prefix + "alive", prefix + "crashed"]
+    assert remove_stale_slabs(prefix) == [prefix + "crashed"]
+    assert segments(prefix) == [prefix + "alive"]  # its process still maps it
+    finish(alive, "exit\n")
+    assert segments(prefix) == []
+
+
+def test_a_segment_this_process_maps_is_never_stale(prefix):
+    with HostSlab(prefix + "r0", 2, 4096):
+        assert remove_stale_slabs(prefix) == []
+        assert segments(prefix) == [prefix + "r0"]
+
+
+def test_a_cleaner_unlinking_a_new_segment_before_it_is_locked_makes_the_open_start_over(prefix, monkeypatch):
+    # the race between create and lock: a cleaner sees the new file unlocked and unlinks it
+    real_lock, swept = slab_module._lock, []
+
+    def lock_after_a_sweep(fd, operation, path):
+        if not swept:
+            swept.append(remove_stale_slabs(prefix))
+        real_lock(fd, operation, path)
+
+    monkeypatch.setattr(slab_module, "_lock", lock_after_a_sweep)
+    with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
+        assert swept == [[prefix + "r0"]]  # the first file was swept away...
+        assert os.stat(slab.path).st_ino == os.fstat(slab._segment.fd).st_ino  # ...this one is at the path
+        assert remove_stale_slabs(prefix) == []  # and held
