@@ -13,11 +13,18 @@ import sys
 import textwrap
 import uuid
 
+import numpy as np
 import pytest
+import torch
 
+from helpers import store_job
 from kvtier.errors import ConfigError
+from kvtier.jobs import StepPlan
+from kvtier.sim.kv_cache import KVCache
 from kvtier.tiers import slab as slab_module
 from kvtier.tiers.slab import SHM_DIR, HostSlab, remove_stale_slabs, shm_free_bytes, slab_name
+from kvtier.worker import TransferEngine, WorkerSide
+from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)")
 
@@ -177,3 +184,40 @@ def test_a_cleaner_unlinking_a_new_segment_before_it_is_locked_makes_the_open_st
         assert swept == [[prefix + "r0"]]  # the first file was swept away...
         assert os.stat(slab.path).st_ino == os.fstat(slab._segment.fd).st_ino  # ...this one is at the path
         assert remove_stale_slabs(prefix) == []  # and held
+
+
+# -- the worker maps its rank's slab ---------------------------------------------------------
+
+
+def test_a_worker_maps_the_slab_the_scheduler_side_made_and_stores_into_it(prefix):
+    kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
+    slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, 1, kv.layer_groups))
+    with HostSlab(prefix + "r0", 4, slot_bytes, owner=True) as owner:
+        worker = WorkerSide(num_slots=4, blocks_per_chunk=1, layer_groups=kv.layer_groups, slab_name=owner.name)
+        worker.register_kv_caches(kv.tensors)
+        kv.write(0, [5], [kv.content(b"block five", 0)])
+        # store block 5 into slot 2: the bytes land in the segment the scheduler side maps
+        worker.wait_for_save(StepPlan(store_jobs=[store_job(1, np.array([5]), np.array([2]))]))
+        assert worker.transfer.wait([1], timeout=5) and worker.take_results()[0].success
+        expected = torch.cat([kv.tensors[name][5].flatten().view(torch.int8) for name in kv.layer_groups[0]])
+        assert torch.equal(torch.from_numpy(owner.rows[2]).view(torch.int8), expected)
+        worker.shutdown()
+    assert segments(prefix) == []
+
+
+def test_a_worker_whose_kv_caches_need_another_slot_size_is_a_config_error(prefix):
+    kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
+    slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, 1, kv.layer_groups))
+    with HostSlab(prefix + "r0", 4, slot_bytes + 8, owner=True):
+        worker = WorkerSide(num_slots=4, blocks_per_chunk=1, layer_groups=kv.layer_groups, slab_name=prefix + "r0")
+        with pytest.raises(ConfigError, match="disagree on the slab's shape"):
+            worker.register_kv_caches(kv.tensors)
+        assert worker.transfer is None and segments(prefix) == [prefix + "r0"]
+
+
+def test_a_transfer_engine_refuses_a_slab_of_another_shape():
+    kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
+    slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, 1, kv.layer_groups))
+    with pytest.raises(ConfigError, match=rf"int8 CPU tensor of 4 slots x {slot_bytes} bytes"):
+        TransferEngine(kv.tensors, 1, 4, layer_groups=kv.layer_groups,
+                       slab=torch.zeros((4, slot_bytes + 1), dtype=torch.int8))

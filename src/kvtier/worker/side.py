@@ -31,6 +31,8 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.jobs import JobResult, StepPlan, TransferJob
+from kvtier.tiers.slab import HostSlab
+from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 from kvtier.worker.transfer import TransferEngine
 
 __all__ = ["WorkerSide"]
@@ -47,16 +49,20 @@ class WorkerSide:
         layer_groups: the layers of each KV-cache group (None: every layer in group 0).
         clock: monotonic seconds, the clock job deadlines are written in.
         transfer_factory: builds the `TransferEngine` (the simulator injects faults here).
+        slab_name: this rank's shared-memory slab (`kvtier.tiers.slab`), mapped when the KV
+            caches are registered (their layout gives the slot size); None: a private slab.
     """
 
     def __init__(self, *, num_slots: int, blocks_per_chunk: int, layer_groups: Sequence[Sequence[str]] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 transfer_factory: Callable[..., TransferEngine] = TransferEngine):
+                 transfer_factory: Callable[..., TransferEngine] = TransferEngine, slab_name: str | None = None):
         if num_slots < 1:
             raise ConfigError(f"the host slab needs at least one slot, got {num_slots}; raise cpu_bytes")
         self.num_slots = num_slots
         self.blocks_per_chunk = blocks_per_chunk
         self.layer_groups = layer_groups
+        self.slab_name = slab_name
+        self.slab: HostSlab | None = None
         self.transfer: TransferEngine | None = None
         self._clock = clock
         self._transfer_factory = transfer_factory
@@ -67,9 +73,24 @@ class WorkerSide:
         self._stats: Counter[str] = Counter()
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        self.transfer = self._transfer_factory(kv_caches, self.blocks_per_chunk, self.num_slots,
-                                               layer_groups=self.layer_groups)
-        logger.info("kvtier: host slab of %d slots x %d bytes", self.num_slots, self.transfer.slot_bytes)
+        """Map this rank's slab (creating it if the scheduler side has not yet) and start copying.
+
+        Raises:
+            ConfigError: the slab exists with another size than these KV caches need, or does not fit.
+        """
+        if self.slab_name is not None:
+            slot_bytes = slot_bytes_of(build_group_layouts(kv_caches, self.blocks_per_chunk, self.layer_groups))
+            # owner: the worker unlinks the name too when it shuts down, in case the scheduler side
+            # never came up to do it (an engine that failed to start); a second unlink is harmless
+            self.slab = HostSlab(self.slab_name, self.num_slots, slot_bytes, owner=True)
+        try:
+            self.transfer = self._transfer_factory(kv_caches, self.blocks_per_chunk, self.num_slots,
+                                                   layer_groups=self.layer_groups, slab=self.slab)
+        except BaseException:
+            self._close_slab()
+            raise
+        where = f"shared memory {self.slab.path}" if self.slab is not None else "private memory"
+        logger.info("kvtier: host slab of %d slots x %d bytes in %s", self.num_slots, self.transfer.slot_bytes, where)
 
     # -- the step ---------------------------------------------------------------------
 
@@ -114,10 +135,16 @@ class WorkerSide:
         return stats
 
     def shutdown(self) -> None:
+        """Stop the copies, then unmap the slab (idempotent)."""
         if self.transfer is not None:
             self.transfer.shutdown()
+        self._close_slab()
 
     # -- helpers ----------------------------------------------------------------------
+
+    def _close_slab(self) -> None:
+        if self.slab is not None:
+            self.slab.close()  # the transfer engine's view keeps the mapping until it is gone
 
     def _submit(self, job: TransferJob) -> None:
         self._running[job.job_id] = job

@@ -32,6 +32,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.jobs import JobResult, TransferJob
+from kvtier.tiers.slab import HostSlab
 from kvtier.worker.cpu_copy import CpuBackend
 from kvtier.worker.cuda import CudaBackend, cuda_usable
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
@@ -91,8 +92,12 @@ class TransferEngine:
             A slot holds one chunk of one group; `slot_bytes` is the largest group's chunk.
         kv_layout: "auto", "blocks_first" or "kv_first" (see `layouts.kv_planes`).
         num_copy_threads: CPU only: threads sharing each job's bytes (default min(2, cores)).
+        slab: the host slab, borrowed (the caller closes it after `shutdown`): a `HostSlab`
+            (shared memory, pinned here when the KV caches are on CUDA) or an int8 CPU tensor
+            `(num_slots, slot_bytes)`. None: a private one (unit tests, benchmarks).
     Raises:
-        ConfigError: bad sizes, or KV tensors whose layout cannot be viewed as byte pages.
+        ConfigError: bad sizes, a slab of another shape than these KV caches need, or KV
+            tensors whose layout cannot be viewed as byte pages.
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class TransferEngine:
         layer_groups: Sequence[Sequence[str]] | None = None,
         kv_layout: str = "auto",
         num_copy_threads: int | None = None,
+        slab: HostSlab | torch.Tensor | None = None,
     ) -> None:
         if blocks_per_chunk < 1 or num_slots < 1:
             raise ConfigError(f"blocks_per_chunk and num_slots must be >= 1, got {blocks_per_chunk}, {num_slots}")
@@ -117,13 +123,28 @@ class TransferEngine:
         self._open: dict[int, _OpenJob] = {}
         self._finished: list[JobResult] = []
         self._closed = False
-        self.slab = self._allocate_slab(device)
+        self.slab = self._adopt_slab(slab, device)
         self._backend = self._make_backend(device, num_copy_threads)
 
-    def _allocate_slab(self, device: torch.device) -> torch.Tensor:
-        # Allocated once, zero-filled so its pages are committed now rather than faulted in
-        # by the first stores (a first touch copies at a third of the warm rate here).
-        return torch.zeros((self.num_slots, self.slot_bytes), dtype=torch.int8, pin_memory=cuda_usable(device))
+    def _adopt_slab(self, slab: HostSlab | torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The caller's slab, checked against these KV caches' slot size; a private one if none."""
+        shape = (self.num_slots, self.slot_bytes)
+        if slab is None:
+            # Zero-filled so its pages are committed now rather than faulted in by the first
+            # stores (a first touch copies at a third of the warm rate here).
+            return torch.zeros(shape, dtype=torch.int8, pin_memory=cuda_usable(device))
+        if isinstance(slab, HostSlab):
+            if cuda_usable(device):
+                slab.pin_for_cuda()
+            slab = slab.tensor
+        if slab.dtype != torch.int8 or slab.device.type != "cpu" or tuple(slab.shape) != shape \
+                or not slab.is_contiguous():
+            raise ConfigError(f"the host slab must be a contiguous int8 CPU tensor of {shape[0]} slots x "
+                              f"{shape[1]} bytes (these KV caches' slot size), got {slab.dtype} "
+                              f"{tuple(slab.shape)} on {slab.device}")
+        if cuda_usable(device) and not slab.is_pinned():
+            logger.warning("kvtier: the host slab is not pinned; CUDA copies will be synchronous and slower")
+        return slab
 
     def _make_backend(self, device: torch.device, num_copy_threads: int | None) -> CpuBackend | CudaBackend:
         if device.type == "cpu":
