@@ -25,6 +25,7 @@ from kvtier.tiers import slab as slab_module
 from kvtier.tiers.slab import SHM_DIR, HostSlab, remove_stale_slabs, shm_free_bytes, slab_name
 from kvtier.worker import TransferEngine, WorkerSide
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
+from sched_helpers import make_engine
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)")
 
@@ -221,3 +222,16 @@ def test_a_transfer_engine_refuses_a_slab_of_another_shape():
     with pytest.raises(ConfigError, match=rf"int8 CPU tensor of 4 slots x {slot_bytes} bytes"):
         TransferEngine(kv.tensors, 1, 4, layer_groups=kv.layer_groups,
                        slab=torch.zeros((4, slot_bytes + 1), dtype=torch.int8))
+
+
+def test_the_fake_engine_keeps_its_slab_in_shared_memory_and_unlinks_it_on_close():
+    engine = make_engine(num_slots=8)
+    (slab,) = engine.slabs  # its "scheduler" made it; its worker mapped it by name
+    engine.add_request("A", list(range(20)))
+    engine.run()
+    assert slab.rows.any()  # the worker's stores landed in the segment the scheduler side maps
+    slab.rows[7, :4] = [1, 2, 3, 4]  # the other way: the worker's mapping sees the scheduler side's writes
+    assert engine.transfer.slab[7, :4].tolist() == [1, 2, 3, 4]
+    assert engine.transfer.slab.data_ptr() != slab.tensor.data_ptr()  # two mappings of one segment
+    engine.close()
+    assert not os.path.exists(slab.path)

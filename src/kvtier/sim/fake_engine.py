@@ -5,7 +5,7 @@ It has a block pool with a local prefix cache, admits waiting requests (asking t
 `OffloadScheduler` for external hits after its own), schedules prefill chunks and
 decodes, supports preemption and `reset_prefix_cache`, and runs each step's `StepPlan`
 on the real worker — `kvtier.worker.WorkerSide` and a `TransferEngine` over small CPU
-tensors (`KVCache`) — in vLLM's order: flushes and loads, the forward pass, stores,
+tensors (`KVCache`) and a shared-memory host slab — in vLLM's order: flushes and loads, the forward pass, stores,
 then the finished requests, then the workers' results. Every block it computes gets
 a value derived from the block's hash; before computing a token it checks that every
 block the token attends to holds the right value — so a wrong load, a missing fence or
@@ -16,6 +16,7 @@ Stores start at step boundaries (`SimTransferEngine`), so runs are repeatable.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from kvtier.scheduler.types import RequestView, ScheduledRequest, StepView
 from kvtier.sim.block_pool import BlockPool
 from kvtier.sim.faults import Faults, SimTransferEngine
 from kvtier.sim.kv_cache import ContentMismatch, KVCache
+from kvtier.tiers.slab import HostSlab, slab_name
+from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 from kvtier.worker.side import WorkerSide
 
 __all__ = ["ContentMismatch", "FakeEngine", "SimRequest"]
@@ -69,6 +72,9 @@ class FakeEngine:
         max_tokens_per_step: the step's token budget.
         faults: injected into the worker's transfer engine (see `kvtier.sim.faults`).
         clock: the clock the scheduler writes job deadlines in (the worker reads the same).
+
+    Like vLLM, its "scheduler" owns the host slab, in shared memory (`slabs`: one rank), and
+    its worker maps the same segment by name: both roles in one process. `close` unlinks it.
     """
 
     def __init__(self, scheduler: OffloadScheduler | None, *, num_blocks: int = 64, block_size: int = 4,
@@ -83,10 +89,12 @@ class FakeEngine:
         self.faults = faults or Faults()
         self.worker: WorkerSide | None = None
         self.transfer: SimTransferEngine | None = None
+        self.slabs: list[HostSlab] = []
         if scheduler is not None:
-            bpc = self.groups[0].blocks_per_chunk
-            self.worker = WorkerSide(num_slots=scheduler.manager.stats().num_slots, blocks_per_chunk=bpc,
-                                     layer_groups=self.kv.layer_groups, clock=clock,
+            bpc, num_slots = self.groups[0].blocks_per_chunk, scheduler.manager.stats().num_slots
+            self.slabs = [_owned_slab(self.kv, bpc, num_slots)]
+            self.worker = WorkerSide(num_slots=num_slots, blocks_per_chunk=bpc, layer_groups=self.kv.layer_groups,
+                                     clock=clock, slab_name=self.slabs[0].name,
                                      transfer_factory=functools.partial(SimTransferEngine, faults=self.faults))
             self.worker.register_kv_caches(self.kv.tensors)
             self.transfer = self.worker.transfer  # type: ignore[assignment]
@@ -126,9 +134,11 @@ class FakeEngine:
         self.pool.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the worker's copy threads."""
+        """Stop the worker's copy threads and unlink the host slab (idempotent)."""
         if self.worker is not None:
             self.worker.shutdown()
+        for slab in self.slabs:
+            slab.close()
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
@@ -283,6 +293,12 @@ class FakeEngine:
         return RequestView(req_id=req.req_id, block_hashes=req.block_hashes, num_tokens=req.num_tokens,
                            num_prompt_tokens=len(req.prompt), num_computed_tokens=req.num_computed,
                            kv_transfer_params=req.kv_transfer_params)
+
+
+def _owned_slab(kv: KVCache, blocks_per_chunk: int, num_slots: int) -> HostSlab:
+    """The engine's host slab, made by its scheduler part before its worker maps it by name."""
+    slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, blocks_per_chunk, kv.layer_groups))
+    return HostSlab(slab_name(f"sim{os.getpid()}-{time.time_ns()}", 0, 0), num_slots, slot_bytes, owner=True)
 
 
 def _scheduled(req: SimRequest, new_block_ids: Any, is_new: bool, n: int) -> ScheduledRequest:
