@@ -1,4 +1,7 @@
-"""The OffloadingManager contract, run against CPUTierManager with every policy.
+"""The OffloadingManager contract, run against CPUTierManager with every policy, and against
+a TieredManager (that CPU tier as primary, a real disk tier behind it, write-through).
+Where a scenario is about the CPU tier's eviction order, it asks the CPU tier itself
+(`cpu(m)`): a chunk it evicted is still on disk, so the tiered manager promotes it.
 
 Capacity 4 throughout; keys are numbered (see helpers.key) and every step says
 what must happen next.
@@ -11,21 +14,42 @@ import pytest
 from helpers import key, keys, make_req_context, nums
 from kvtier import CPUTierManager, LookupResult, NotReadyError, ReqContext
 from kvtier.errors import ConfigError
+from kvtier.tiers.tiered import TieredManager
+from tier_helpers import make_tiered, settle
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 CTX = make_req_context()
 
 
-@pytest.fixture(params=["lru", "arc"])
-def manager(request) -> CPUTierManager:
-    return CPUTierManager(num_slots=4, policy=request.param)
+@pytest.fixture(params=["lru", "arc", "tiered-lru", "tiered-arc"])
+def manager(request, tmp_path):
+    """The CPU tier alone, or as the primary of a TieredManager with a real disk tier."""
+    policy = request.param.removeprefix("tiered-")
+    if policy == request.param:
+        yield CPUTierManager(num_slots=4, policy=policy)
+        return
+    tiered, _ = make_tiered(tmp_path, num_slots=4, policy=policy)
+    yield tiered
+    tiered.close()
 
 
-def store(m: CPUTierManager, *ids: int, ctx: ReqContext = CTX) -> list[int]:
-    """prepare + complete a store; returns the slot ids it used."""
+def settled(m) -> None:
+    """With secondary tiers: wait until their cascades ended (the slots they pinned are free)."""
+    if isinstance(m, TieredManager):
+        settle(m)
+
+
+def cpu(m) -> CPUTierManager:
+    """The CPU tier itself: after an eviction a TieredManager still finds the chunk on disk."""
+    return m.primary if isinstance(m, TieredManager) else m
+
+
+def store(m, *ids: int, ctx: ReqContext = CTX) -> list[int]:
+    """prepare + complete a store (and, with secondary tiers, their cascades); returns the slots used."""
     out = m.prepare_store(keys(*ids), ctx)
     assert out is not None
     m.complete_store(out.keys_to_store, ctx)
+    settled(m)
     m.check()
     return out.store_spec.slot_ids.tolist()
 
@@ -156,6 +180,7 @@ def test_pinned_chunk_survives_until_complete_load(manager):
     out = manager.prepare_store(keys(5, 6, 7), make_req_context("b"))
     assert set(nums(out.evicted_keys)) == {2, 3, 4}
     manager.complete_store(out.keys_to_store, make_req_context("b"))
+    settled(manager)
     # the load completes → 1 is evictable again
     manager.complete_load(keys(1), CTX)
     out = manager.prepare_store(keys(8, 9, 10, 11), make_req_context("c"))
@@ -198,6 +223,7 @@ def store_as(m: CPUTierManager, req_id: str, *ids: int) -> None:
     ctx = make_req_context(req_id)
     out = m.prepare_store(keys(*ids), ctx)
     m.complete_store(out.keys_to_store, ctx)
+    settled(m)
 
 
 def test_a_prefix_stored_over_several_calls_loses_its_tail_first():
@@ -220,7 +246,7 @@ def test_a_prefix_reused_from_the_tier_keeps_its_head_when_the_request_stores_it
     store_as(manager, "A", 3, 4)
     # B needs two slots: A's tail [4, 3] goes first, never the head the tail stands on
     store_as(manager, "B", 5, 6)
-    assert manager.lookup_prefix(keys(1, 2, 3), CTX) == (2, MISS)
+    assert cpu(manager).lookup_prefix(keys(1, 2, 3), CTX) == (2, MISS)
 
 
 def test_tails_before_heads_across_kv_cache_groups(manager):
@@ -229,9 +255,10 @@ def test_tails_before_heads_across_kv_cache_groups(manager):
     first, second = [key(1, 0), key(1, 1)], [key(2, 0), key(2, 1)]
     for ks in (first, second):
         manager.complete_store(manager.prepare_store(ks, a).keys_to_store, a)
+        settled(manager)
     # B needs two slots: both groups' chunk 2 go; chunk 1 stays readable in both groups
     store_as(manager, "B", 7, 8)
-    assert [manager.lookup(k, CTX) for k in first + second] == [HIT, HIT, MISS, MISS]
+    assert [cpu(manager).lookup(k, CTX) for k in first + second] == [HIT, HIT, MISS, MISS]
 
 
 def test_stats_add_up(manager):

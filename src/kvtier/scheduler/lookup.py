@@ -3,8 +3,9 @@ bounded wait of a request whose hits are not readable yet.
 
 Full-attention groups need every chunk of the prefix: a prefix scan where HIT counts,
 MISS stops, and HIT_PENDING / RETRY (or a chunk being loaded for another request)
-mean "wait" (the scan still looks up the chunks after it, up to a MISS). Sliding-window groups only need the chunks inside the window before the
-boundary: a suffix scan lowers the boundary until that window is all HIT.
+mean "wait" (the scan still looks up the chunks after it, up to a MISS). Sliding-window
+groups only need the chunks inside the window before the boundary: a suffix scan lowers
+the boundary until that window is all HIT.
 """
 
 from __future__ import annotations

@@ -1,0 +1,327 @@
+"""`TieredManager`: the CPU tier as primary, an ordered list of secondary tiers behind it.
+
+It is the one owner of all chunk metadata (see DESIGN, "Who owns the bytes"). Workers only
+copy engine KV <-> host slab; this manager moves chunks host slab <-> secondary tiers, by
+handing `TierJob`s over rows of the shared slab to the tiers, whose I/O runs on threads of
+their own — never on the scheduler's thread, never inside the forward pass.
+
+- **lookup**: the CPU tier's HIT / HIT_PENDING as before; on its MISS the secondaries are
+  asked in order. RETRY (a probe runs) is a wait. A secondary HIT starts a **promotion**: a
+  CPU slot is reserved (PENDING: other requests see HIT_PENDING, nothing is read twice),
+  the tier reads the chunk into it in the background, and the chunk becomes READY when the
+  read is checked. A full CPU tier answers MISS, not a wait. Promotions in flight are capped
+  in bytes (`max_promotion_bytes`): past the cap a lookup answers RETRY until some end. The
+  scheduler bounds each request's wait; a promotion it stopped waiting for still completes,
+  for the next request.
+- **cascade**: a chunk that becomes READY in the CPU tier is written to every write-through
+  secondary that admits it, its slot pinned for reading until the write ends; `on_evict`
+  tiers get a chunk when the CPU tier evicts it (see `kvtier.tiers.cascade`). A tier that is
+  backed up gets no cascade (dropped, counted).
+- A failed promotion frees its slot; the tier forgets a key it could not serve. Events and
+  stats are per tier (`medium` "cpu", "disk", …).
+
+Thread-safety: not thread-safe; the scheduler calls it from one thread. Tiers report
+finished jobs through `get_finished`, which this manager polls at each call.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.base import (
+    LoadSpec,
+    LookupResult,
+    ManagerStats,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+)
+from kvtier.errors import ConfigError
+from kvtier.keys import OffloadKey
+from kvtier.tiers.cascade import SecondarySlot, StagingRows, TierRules
+from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
+
+__all__ = ["TieredManager"]
+
+logger = logging.getLogger(__name__)
+
+_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+_CASCADE_CTX = ReqContext("\x00kvtier:cascade")  # holds the pins of slots being written down
+_CLOSE_DRAIN_S = 10.0
+
+
+class _Kind(enum.Enum):
+    PROMOTION = "promotion"  # secondary -> a PENDING CPU slot
+    CASCADE = "cascade"  # a pinned READY CPU slot -> secondary
+    EVICTED = "evicted"  # a staging row (an evicted chunk's bytes) -> an on_evict secondary
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A tier job in flight, and what its end releases."""
+
+    kind: _Kind
+    tier: int
+    keys: tuple[OffloadKey, ...]
+    ctx: ReqContext
+    num_bytes: int
+    submitted_at: float
+    staging_rows: tuple[int, ...] = ()
+
+
+class TieredManager(OffloadingManager):
+    """Metadata of a CPU tier and its secondary tiers, and the jobs between them.
+
+    Args:
+        primary: the CPU tier's bookkeeping.
+        slabs: the host slab of every worker rank, rank order: uint8 arrays of shape
+            (primary.num_slots, slot_bytes) (numpy views of the shared segments).
+        secondaries: (tier, rules) pairs, searched in this order on a CPU miss.
+        max_promotion_bytes: bytes of promotions in flight at most.
+        staging_bytes: room for evicted chunks waiting for an `on_evict` tier.
+    """
+
+    medium = "cpu"
+
+    def __init__(self, primary: CPUTierManager, slabs: Sequence[np.ndarray],
+                 secondaries: Sequence[tuple[SecondaryTier, TierRules]], *,
+                 max_promotion_bytes: int = 256 * 2**20, staging_bytes: int = 64 * 2**20):
+        if not slabs or any(s.ndim != 2 or s.shape[0] != primary.num_slots or s.dtype != np.uint8 for s in slabs):
+            raise ConfigError(f"slabs must be uint8 arrays of {primary.num_slots} rows, one per worker rank")
+        if max_promotion_bytes <= 0:
+            raise ConfigError(f"max_promotion_bytes must be positive, got {max_promotion_bytes}")
+        self.primary = primary
+        self.num_slots = primary.num_slots
+        self.key_bytes = primary.key_bytes
+        self.max_promotion_bytes = max_promotion_bytes
+        self.payload_bytes = sum(s.shape[1] for s in slabs)
+        self._slabs = list(slabs)
+        self._tiers = [SecondarySlot(t, r, max_tracked=max(4 * primary.num_slots, 1024)) for t, r in secondaries]
+        num_staging = max(1, staging_bytes // self.payload_bytes)
+        has_on_evict = any(not t.is_write_through for t in self._tiers)
+        self._staging = StagingRows(num_staging, [s.shape[1] for s in slabs]) if has_on_evict else None
+        self._flights: dict[int, _Flight] = {}
+        self._job_ids = itertools.count(1)
+        self._promoting_bytes = 0
+
+    @property
+    def tiers(self) -> list[SecondaryTier]:
+        return [t.tier for t in self._tiers]
+
+    # -- lookups and loads -------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        self._poll()
+        result = self.primary.lookup(key, ctx)
+        if result is not _MISS:
+            return result
+        for index, slot in enumerate(self._tiers):
+            found = slot.tier.lookup(key)
+            if found is _RETRY:
+                return _RETRY
+            if found is _HIT:
+                return self._promote(key, index, ctx)
+        return _MISS
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
+        return self.primary.prepare_load(keys, ctx)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.primary.touch(keys, ctx)
+        for slot in self._tiers:
+            slot.tier.touch(keys)
+        self._count_offers(keys, ctx)
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.primary.complete_load(keys, ctx)
+
+    # -- stores ------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        self._poll()
+        self._count_offers(keys, ctx)
+        out = self.primary.prepare_store(keys, ctx)
+        if out is not None:
+            self._write_evicted(out)
+        return out
+
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        self._poll()
+        ready = self.primary.complete_store(keys, ctx, success)
+        if ready:
+            self._cascade(ready)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def take_events(self) -> list[OffloadingEvent]:
+        self._poll()
+        events = self.primary.take_events()
+        for slot in self._tiers:
+            events.extend(slot.tier.take_events())
+        return events
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        self.primary.on_request_finished(ctx)
+
+    def reset(self) -> None:
+        """Forget every chunk in every tier; jobs in flight free what they hold when they end."""
+        self.primary.reset()
+        for slot in self._tiers:
+            slot.tier.reset()
+            if slot.gate is not None:
+                slot.gate.clear()
+
+    def stats(self) -> ManagerStats:
+        self._poll()
+        stats = self.primary.stats()
+        stats.extra["promoting_bytes"] = self._promoting_bytes
+        stats.extra["tier_jobs_in_flight"] = len(self._flights)
+        return stats
+
+    def tier_stats(self) -> list[TierStats]:
+        """Each secondary tier's stats, with the manager's counters for it added."""
+        self._poll()
+        out = []
+        for slot in self._tiers:
+            stats = slot.tier.stats()
+            stats.counters.update(slot.counters)
+            out.append(stats)
+        return out
+
+    def close(self) -> None:
+        """Wait (bounded) for the tiers' jobs, release what they held, stop the tiers."""
+        deadline = time.monotonic() + _CLOSE_DRAIN_S
+        for slot in self._tiers:
+            if not slot.tier.drain(max(0.0, deadline - time.monotonic())):
+                logger.warning("kvtier: %s tier still had jobs in flight at shutdown", slot.tier.medium)
+        self._poll()
+        for slot in self._tiers:
+            slot.tier.close()
+
+    # -- promotions --------------------------------------------------------------------
+
+    def _promote(self, key: OffloadKey, index: int, ctx: ReqContext) -> LookupResult:
+        slot = self._tiers[index]
+        if self._promoting_bytes and self._promoting_bytes + self.payload_bytes > self.max_promotion_bytes:
+            slot.counters["promotions_capped"] += 1
+            return _RETRY  # the promotions in flight end soon and free the budget
+        out = self.primary.prepare_promotion([key], ctx)
+        if out is None or not out.keys_to_store:
+            slot.counters["promotions_no_room"] += 1
+            return _MISS  # a full CPU tier: recompute rather than wait
+        self._write_evicted(out)
+        row = int(out.store_spec.slot_ids[0])
+        self._submit(_Kind.PROMOTION, index, (key,), ctx, (self._rows(row),), ())
+        slot.counters["promotions"] += 1
+        return LookupResult.HIT_PENDING
+
+    def _end_promotion(self, slot: SecondarySlot, flight: _Flight, result: TierResult) -> None:
+        self._promoting_bytes -= flight.num_bytes
+        ok = [k for k in flight.keys if k not in result.failed_keys]
+        failed = [k for k in flight.keys if k in result.failed_keys]
+        self.primary.complete_store(ok, flight.ctx, success=True)
+        if failed:
+            self.primary.complete_store(failed, flight.ctx, success=False)  # frees the slot
+            slot.counters["promotion_failures"] += len(failed)
+            logger.info("kvtier: %d promotion(s) from %s failed: %s", len(failed), slot.tier.medium, result.error)
+
+    # -- cascades ----------------------------------------------------------------------
+
+    def _count_offers(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """A request storing or reusing a chunk is one offer of it to each gated tier. A chunk
+        already READY in the CPU tier cascades when its offers reach the tier's threshold."""
+        for index, slot in enumerate(self._tiers):
+            if slot.gate is None:
+                continue
+            newly = [k for k in keys if not slot.gate.has_admitted(k) and slot.gate.admit(k, ctx.req_id)]
+            ready = [k for k in newly if self.primary.is_readable(k)]
+            if ready and slot.is_write_through:
+                self._cascade_to(index, ready)
+
+    def _cascade(self, ready: list[OffloadKey]) -> None:
+        for index, slot in enumerate(self._tiers):
+            if not slot.is_write_through:
+                continue
+            keys = [k for k in ready if slot.admits(k)]
+            slot.counters["admission_skips"] += len(ready) - len(keys)
+            if keys:
+                self._cascade_to(index, keys)
+
+    def _cascade_to(self, index: int, keys: list[OffloadKey]) -> None:
+        slot = self._tiers[index]
+        if slot.is_backed_up(len(keys) * self.payload_bytes):
+            slot.counters["backpressure_drops"] += len(keys)
+            return
+        spec = self.primary.prepare_load(keys, _CASCADE_CTX)  # pinned while the tier reads them
+        buffers = tuple(self._rows(int(s)) for s in spec.slot_ids)
+        self._submit(_Kind.CASCADE, index, tuple(keys), _CASCADE_CTX, buffers, ())
+
+    def _write_evicted(self, out: PrepareStoreOutput) -> None:
+        """Copy victims bound for `on_evict` tiers out of their slots before new chunks land there."""
+        targets = [i for i, slot in enumerate(self._tiers) if not slot.is_write_through]
+        if not targets or not out.evicted_keys or self._staging is None:
+            return
+        for key, row in zip(out.evicted_keys, out.evicted_slot_ids, strict=True):
+            wanted = [i for i in targets if self._tiers[i].admits(key)
+                      and not self._tiers[i].is_backed_up(self.payload_bytes)]
+            for i in set(targets) - set(wanted):
+                self._tiers[i].counters["backpressure_drops"] += 1
+            staged = self._staging.take([s[row] for s in self._slabs], len(wanted)) if wanted else None
+            if wanted and staged is None:
+                for i in wanted:
+                    self._tiers[i].counters["staging_drops"] += 1
+                continue
+            for i in wanted:
+                self._submit(_Kind.EVICTED, i, (key,), _CASCADE_CTX, (self._staging.buffers(staged),), (staged,))
+
+    def _end_store(self, slot: SecondarySlot, flight: _Flight, result: TierResult) -> None:
+        slot.record_store(time.monotonic() - flight.submitted_at)
+        if flight.kind is _Kind.CASCADE:
+            self.primary.complete_load(flight.keys, _CASCADE_CTX)  # unpin (a retired slot is freed)
+        elif self._staging is not None:
+            for row in flight.staging_rows:
+                self._staging.release(row)
+        slot.counters["cascade_failures"] += len(result.failed_keys)
+        slot.counters["cascaded_chunks"] += len(flight.keys) - len(result.failed_keys)
+
+    # -- jobs --------------------------------------------------------------------------
+
+    def _submit(self, kind: _Kind, index: int, keys: tuple[OffloadKey, ...], ctx: ReqContext,
+                buffers: tuple[tuple[memoryview, ...], ...], staging_rows: tuple[int, ...]) -> None:
+        job = TierJob(job_id=next(self._job_ids), is_store=kind is not _Kind.PROMOTION, keys=keys, buffers=buffers)
+        self._flights[job.job_id] = _Flight(kind, index, keys, ctx, job.num_bytes, time.monotonic(), staging_rows)
+        if kind is _Kind.PROMOTION:
+            self._promoting_bytes += job.num_bytes
+            self._tiers[index].tier.submit_load(job)
+        else:
+            self._tiers[index].tier.submit_store(job)
+
+    def _poll(self) -> None:
+        """Apply the results of every tier job that ended since the last call."""
+        if not self._flights:
+            return
+        for slot in self._tiers:
+            for result in slot.tier.get_finished():
+                flight = self._flights.pop(result.job_id, None)
+                if flight is None:
+                    continue  # not ours (a tier reports each job once; defensive)
+                if flight.kind is _Kind.PROMOTION:
+                    self._end_promotion(slot, flight, result)
+                else:
+                    self._end_store(slot, flight, result)
+
+    def _rows(self, slot_id: int) -> tuple[memoryview, ...]:
+        return tuple(memoryview(slab[slot_id]) for slab in self._slabs)
+
+    def check(self) -> None:
+        """The CPU tier's invariants (for tests)."""
+        self.primary.check()
