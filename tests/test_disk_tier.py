@@ -171,6 +171,28 @@ def test_touch_changes_the_victim(make_tier):
     assert [tier.lookup(k) for k in keys(1, 2, 3, 4)] == [HIT, MISS, HIT, HIT]
 
 
+def test_an_evicted_file_is_rewritten_in_place_for_the_next_store(make_tier):
+    tier, slab = make_tier(capacity_files=1, num_write_threads=1), Slab(1, namespace())
+    store(tier, slab, keys(1))
+    inode = chunk_path(tier, key(1)).stat().st_ino
+    # store 2 -> evicts 1, whose file becomes a spare (one writer: in that order) and is
+    # overwritten whole as 2's file: no new inode, no fresh blocks
+    store(tier, slab, keys(2))
+    assert chunk_path(tier, key(2)).stat().st_ino == inode and files_on_disk(tier) == set(keys(2))
+    assert load(tier, slab, keys(2)).failed_keys == frozenset() and slab.holds(0, key(2))
+
+
+def test_arc_orders_the_disk_tier_too(make_tier):
+    tier, slab = make_tier(capacity_files=2, policy="arc"), Slab(1, namespace())
+    for i in (1, 2):
+        store(tier, slab, keys(i))
+    # 1 is used again (ARC's T2), so storing 3 evicts 2, the key seen once
+    tier.touch(keys(1))
+    store(tier, slab, keys(3))
+    assert [tier.lookup(k) for k in keys(1, 2, 3)] == [HIT, MISS, HIT]
+    assert tier.drain(5) and files_on_disk(tier) == set(keys(1, 3))
+
+
 def test_a_key_being_loaded_is_not_evicted_and_a_full_tier_rejects(make_tier, monkeypatch):
     tier, slab = make_tier(capacity_files=1), Slab(2, namespace())
     store(tier, slab, keys(1))
@@ -293,6 +315,19 @@ def test_stores_during_the_start_up_scan_are_merged(make_tier, tmp_path, monkeyp
         assert files_on_disk(second) == set(keys(2, 3, 4))
     finally:
         second.close()
+
+
+def test_rescans_adopt_files_another_engine_wrote(make_tier):
+    ns = namespace()
+    writer, slab = make_tier(ns=ns), Slab(1, ns)
+    reader = make_tier(ns=ns, rescan_s=0.02)
+    # the writer stores 1 -> the reader, sharing the directory, finds it at a rescan
+    store(writer, slab, keys(1))
+    deadline = time.monotonic() + 5
+    while reader.lookup(key(1)) is MISS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reader.lookup(key(1)) is HIT
+    assert load(reader, slab, keys(1)).failed_keys == frozenset() and slab.holds(0, key(1))
 
 
 def test_a_tier_killed_mid_write_leaves_no_torn_chunk(tmp_path):
