@@ -121,8 +121,10 @@ class DiskTier(SecondaryTier):
         directory = _make_directory(Path(root), namespace)
         self._files = ChunkFiles(directory, namespace.id, namespace.payload_bytes,
                                  direct_io=_choose_direct_io(directory, direct_io), fsync=fsync)
+        self.directory, self.file_bytes = directory, self._files.file_bytes
+        self.uses_direct_io = self._files.direct_io  # for aligned buffers; stats count *_direct_chunks
         self.capacity_bytes = capacity_bytes
-        self.capacity_files = capacity_bytes // self._files.file_bytes
+        self.capacity_files = capacity_bytes // self.file_bytes
         if self.capacity_files <= 0:
             raise ConfigError(f"disk capacity {capacity_bytes} bytes holds no chunk file of "
                               f"{self._files.file_bytes} bytes; raise capacity_bytes")
@@ -141,7 +143,7 @@ class DiskTier(SecondaryTier):
         self._last_logged: dict[str, float] = {}
         self._tickets = itertools.count(1)
         self._generation = self._num_tasks = self._queued_store_bytes = 0
-        self._is_scanned = self._is_closed = self._is_rescanning = False
+        self.is_scanned = self._is_closed = self._is_rescanning = False  # is_scanned: the index is built
         self._scanned = threading.Event()
         self._stop = threading.Event()
         self._readers = ThreadPoolExecutor(num_read_threads, "kvtier-disk-read")
@@ -156,30 +158,13 @@ class DiskTier(SecondaryTier):
 
     # -- what the manager asks --------------------------------------------------------------
 
-    @property
-    def directory(self) -> str:
-        return self._files.directory
-
-    @property
-    def file_bytes(self) -> int:
-        return self._files.file_bytes
-
-    @property
-    def uses_direct_io(self) -> bool:
-        """Whether aligned chunks go through O_DIRECT (see stats: direct_chunks, buffered_chunks)."""
-        return self._files.direct_io
-
-    @property
-    def is_scanned(self) -> bool:
-        return self._is_scanned
-
     def wait_scanned(self, timeout: float | None = None) -> bool:
         """Wait until the start-up scan has built the index; True when it has."""
         return self._scanned.wait(timeout)
 
     def lookup(self, key: OffloadKey) -> LookupResult:
         with self._lock:
-            hit = self._is_scanned and key in self._policy
+            hit = self.is_scanned and key in self._policy
             self._counters["hits" if hit else "misses"] += 1
         return _HIT if hit else _MISS
 
@@ -213,7 +198,7 @@ class DiskTier(SecondaryTier):
             state = _Job(job, self._generation)
             tasks = []
             for key, bufs in zip(job.keys, job.buffers, strict=True):
-                if self._is_scanned and key in self._policy and self._fits(key, bufs) and not self._is_closed:
+                if self.is_scanned and key in self._policy and self._fits(key, bufs) and not self._is_closed:
                     self._pinned[key] = self._pinned.get(key, 0) + 1
                     tasks.append((key, bufs))
                 else:
@@ -269,14 +254,16 @@ class DiskTier(SecondaryTier):
             for key, bufs in zip(job.keys, job.buffers, strict=True):
                 if key in self._policy or key in self._pending:
                     continue  # present or being written: success without rewriting
-                refusal = self._refusal(key, bufs, spared, victims)
-                if refusal is not None:
-                    self._counters[refusal] += 1
-                    state.failed.add(key)
+                if self._is_closed or not self._fits(key, bufs):
+                    self._counters["store_failures"] += 1
+                elif not self._make_room(spared, victims):
+                    self._counters["rejected"] += 1  # everything else is being read: "no room now"
+                else:
+                    self._pending[key] = next(self._tickets)
+                    self._queued_store_bytes += sum(b.nbytes for b in bufs)
+                    tasks.append((key, bufs, self._pending[key]))
                     continue
-                self._pending[key] = next(self._tickets)
-                self._queued_store_bytes += sum(b.nbytes for b in bufs)
-                tasks.append((key, bufs, self._pending[key]))
+                state.failed.add(key)
             self._emit(victims, removed=True)
             state.remaining = len(tasks)
             self._finish_if_done(state)
@@ -284,15 +271,6 @@ class DiskTier(SecondaryTier):
             self._spawn(self._writers, self._unlink_if_absent, key, True)
         for task in tasks:
             self._spawn(self._writers, self._store_one, state, *task)
-
-    def _refusal(self, key: OffloadKey, bufs: Sequence[memoryview], spared: _Spared,
-                 victims: list[OffloadKey]) -> str | None:
-        """Why `key` cannot be written now (the counter to bump), or None once it has room."""
-        if self._is_closed:
-            return "store_failures"
-        if not self._fits(key, bufs):
-            return "store_failures"
-        return None if self._make_room(spared, victims) else "rejected"
 
     def _make_room(self, spared: _Spared, victims: list[OffloadKey]) -> bool:
         if len(self._policy) + len(self._pending) < self.capacity_files:
@@ -338,7 +316,7 @@ class DiskTier(SecondaryTier):
             if self._pending.get(key) == ticket:
                 del self._pending[key]
                 self._policy.insert([key])
-                if not self._is_scanned:
+                if not self.is_scanned:
                     self._fresh.append(key)
                 self._emit([key], removed=False)
                 self._busy.discard(key)
@@ -398,7 +376,7 @@ class DiskTier(SecondaryTier):
             self._count_scan(found)
             if generation == self._generation:
                 dropped += self._merge_scanned(index, kept)
-            self._is_scanned, self._fresh = True, []
+            self.is_scanned, self._fresh = True, []
         self._scanned.set()
         for key in dropped:
             self._unlink_if_absent(key, True)
@@ -418,7 +396,7 @@ class DiskTier(SecondaryTier):
 
     def _rescan_loop(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
-            if self._is_scanned and not self._is_rescanning:
+            if self.is_scanned and not self._is_rescanning:
                 self._is_rescanning = True
                 self._spawn(self._housekeeper, self._rescan, self._generation)
 
