@@ -6,7 +6,9 @@
         kv_connector_extra_config={"cpu_bytes": "4GiB"}))
 
 vLLM builds one instance per process: role SCHEDULER in the engine core (-> `SchedulerSide`,
-metadata only) and role WORKER in each worker (-> `kvtier.worker.WorkerSide`, the bytes).
+metadata and the host slabs' ownership) and role WORKER in each worker (-> `kvtier.worker.WorkerSide`,
+the copies). Each worker rank's host slab is shared memory both map (`kvtier.tiers.slab`); the
+workers' connectors come first (vLLM registers KV caches before it builds the scheduler).
 This class only routes calls; `kv_connector_extra_config` is validated here, at engine start.
 """
 
@@ -19,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.convert import num_slots_for, world_size
+from kvtier.integrations.vllm.convert import num_slots_for, worker_rank, worker_slab_name, world_size
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
@@ -60,7 +62,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 num_slots=num_slots_for(cfg, kv_cache_config, world_size(vllm_config)),
                 blocks_per_chunk=cfg.blocks_per_chunk,
                 layer_groups=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups],
-                transfer_factory=type(self).transfer_factory)
+                transfer_factory=type(self).transfer_factory,
+                slab_name=worker_slab_name(vllm_config, worker_rank(vllm_config)))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -129,6 +132,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()  # vLLM's Scheduler.shutdown: the host slabs are unlinked
 
     # -- stats ------------------------------------------------------------------------
 

@@ -7,9 +7,10 @@ from typing import Any
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.scheduler import GroupKind, GroupSpec, RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
+from kvtier.tiers.slab import slab_name
 
-__all__ = ["block_hash_bytes", "group_spec", "num_slots_for", "request_view", "scheduler_config", "step_view",
-           "world_size"]
+__all__ = ["block_hash_bytes", "group_spec", "num_slots_for", "request_view", "scheduler_config", "slab_names",
+           "slot_bytes_for", "step_view", "worker_rank", "worker_slab_name", "world_size"]
 
 # vLLM's prefix-caching hash algorithms -> digest bytes (sha256: 32; xxh3_128: 16)
 _HASH_BYTES = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
@@ -96,11 +97,47 @@ def num_slots_for(cfg: KVTierConfig, kv_cache_config: Any, num_workers: int) -> 
     `blocks_per_chunk` pages of each of its layers. The scheduler checks at the first step
     that every worker came to the same number.
     """
-    slot_bytes = max(
+    return cfg.cpu_bytes // (slot_bytes_for(cfg, kv_cache_config) * num_workers)
+
+
+def slot_bytes_for(cfg: KVTierConfig, kv_cache_config: Any) -> int:
+    """Bytes of one slot, as the workers' layouts give it (`kvtier.worker.layouts.slot_bytes_of`):
+    `blocks_per_chunk` pages of every layer of the largest group. The scheduler side sizes the
+    shared slabs with it before or after the workers do; a slab's size check catches a difference.
+    """
+    return max(
         cfg.blocks_per_chunk * g.kv_cache_spec.page_size_bytes * len(g.layer_names)
         for g in kv_cache_config.kv_cache_groups
     )
-    return cfg.cpu_bytes // (slot_bytes * num_workers)
+
+
+def slab_names(vllm_config: Any) -> list[str]:
+    """The shared-memory slab of each worker rank of this engine, in rank order."""
+    return [worker_slab_name(vllm_config, rank) for rank in range(world_size(vllm_config))]
+
+
+def worker_slab_name(vllm_config: Any, rank: int) -> str:
+    """Rank `rank`'s slab: named by the engine instance (`VllmConfig.instance_id`, set once where
+    the config is made and pickled to the engine core and its workers alike) and its DP rank."""
+    parallel = vllm_config.parallel_config
+    dp_rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+    return slab_name(vllm_config.instance_id, dp_rank, rank)
+
+
+def worker_rank(vllm_config: Any) -> int:
+    """This worker's rank among the engine's `world_size` workers: tp rank + pp rank x tp size.
+
+    Read from vLLM's parallel state, which exists in a worker once its distributed
+    environment is up (before its connector is built).
+    """
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        if world_size(vllm_config) == 1:
+            return 0
+        raise ConfigError("kvtier cannot tell this worker's rank: vLLM's model-parallel groups are not initialized")
+    tp = parallel_state.get_tp_group()
+    return tp.rank_in_group + parallel_state.get_pp_group().rank_in_group * tp.world_size
 
 
 def block_hash_bytes(vllm_config: Any) -> int:

@@ -11,6 +11,8 @@ from kvtier.integrations.vllm.convert import (
     num_slots_for,
     request_view,
     scheduler_config,
+    slab_names,
+    slot_bytes_for,
     step_view,
     world_size,
 )
@@ -21,6 +23,7 @@ from kvtier.jobs import check_slab_slots
 from kvtier.keys import GROUP_INDEX_BYTES
 from kvtier.scheduler import OffloadScheduler, SchedulerStats
 from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.slab import HostSlab, remove_stale_slabs
 
 __all__ = ["SchedulerSide"]
 
@@ -31,11 +34,26 @@ _SCHEDULER_COUNTERS = ("deferrals", "deferral_timeouts", "store_alloc_failures",
 
 
 class SchedulerSide:
-    """Owns the CPU tier's metadata and the scheduler; never touches tensors."""
+    """Owns the CPU tier's metadata, the scheduler and the host slabs; copies no KV itself.
+
+    The host slabs (one shared-memory segment per worker rank, `self.slabs` in rank order)
+    are created or opened here at construction — vLLM's workers usually came first and made
+    them already — after removing the segments of engines that died without unlinking
+    theirs; `shutdown` unlinks them. Thread-safety: vLLM's scheduler thread calls it.
+    """
 
     def __init__(self, cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any):
         num_workers = world_size(vllm_config)
-        self.num_slots = num_slots_for(cfg, kv_cache_config, num_workers)  # CPUTierManager rejects 0
+        self.num_slots = num_slots_for(cfg, kv_cache_config, num_workers)  # HostSlab rejects 0
+        slot_bytes = slot_bytes_for(cfg, kv_cache_config)
+        remove_stale_slabs()
+        self.slabs: list[HostSlab] = []
+        try:
+            for name in slab_names(vllm_config):
+                self.slabs.append(HostSlab(name, self.num_slots, slot_bytes, owner=True))
+        except BaseException:
+            self.shutdown()
+            raise
         self.manager = CPUTierManager(self.num_slots, policy=cfg.eviction_policy,
                                       store_threshold=cfg.store_threshold, enable_events=cfg.enable_events,
                                       key_bytes=block_hash_bytes(vllm_config) + GROUP_INDEX_BYTES)
@@ -73,6 +91,11 @@ class SchedulerSide:
 
     def reset_cache(self) -> bool:
         return self.core.reset_cache()
+
+    def shutdown(self) -> None:
+        """Unlink the host slabs (their mappings end with their last views; idempotent)."""
+        for slab in self.slabs:
+            slab.close()
 
     def get_stats(self) -> KVTierStats:
         """Deltas of the scheduler's counters since the last call, plus occupancy gauges."""

