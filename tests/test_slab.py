@@ -173,18 +173,39 @@ def test_a_segment_this_process_maps_is_never_stale(prefix):
 
 def test_a_cleaner_unlinking_a_new_segment_before_it_is_locked_makes_the_open_start_over(prefix, monkeypatch):
     # the race between create and lock: a cleaner sees the new file unlocked and unlinks it
-    real_lock, swept = slab_module._lock, []
+    real_lock, swept = slab_module._lock_shared, []
 
-    def lock_after_a_sweep(fd, operation, path):
+    def lock_after_a_sweep(fd):
         if not swept:
-            swept.append(remove_stale_slabs(prefix))
-        real_lock(fd, operation, path)
+            swept.extend(remove_stale_slabs(prefix))
+        real_lock(fd)
 
-    monkeypatch.setattr(slab_module, "_lock", lock_after_a_sweep)
+    monkeypatch.setattr(slab_module, "_lock_shared", lock_after_a_sweep)
     with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
-        assert swept == [[prefix + "r0"]]  # the first file was swept away...
+        assert len(swept) == 1 and swept[0].startswith(prefix + "r0.new-")  # the first attempt was swept away...
         assert os.stat(slab.path).st_ino == os.fstat(slab._segment.fd).st_ino  # ...this one is at the path
-        assert remove_stale_slabs(prefix) == []  # and held
+        assert remove_stale_slabs(prefix) == [] and segments(prefix) == [prefix + "r0"]  # held, temp gone
+
+
+def test_of_two_racing_creators_the_first_to_publish_wins_and_the_other_joins(prefix, monkeypatch):
+    # another process publishes the segment while this one is still populating its own
+    real_populate, rival = slab_module._populate, []
+
+    def populate_while_a_rival_publishes(mm, path):
+        real_populate(mm, path)
+        rival.append(child(f"""
+            from kvtier.tiers.slab import HostSlab
+            slab = HostSlab({prefix + "r0"!r}, 2, 4096)
+            slab.rows[1, 0] = 9
+            print("ready", flush=True)
+            input()
+        """))
+
+    monkeypatch.setattr(slab_module, "_populate", populate_while_a_rival_publishes)
+    with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
+        assert not slab.is_creator and slab.rows[1, 0] == 9  # we mapped the rival's
+        assert segments(prefix) == [prefix + "r0"]  # our temporary is gone
+        finish(rival[0], "exit\n")
 
 
 # -- the worker maps its rank's slab ---------------------------------------------------------

@@ -8,14 +8,15 @@ without a round trip through the workers.
 One segment is one file in `/dev/shm`, `kvtier-<instance>-dp<dp rank>-r<rank>`
 (`slab_name`), of `num_slots x slot_bytes` bytes, mapped `MAP_SHARED`.
 
-- **Create or open**: whoever comes first creates and sizes it; the second checks that its
-  size is what it computed itself. Both sides open this way because vLLM builds the workers'
-  connectors (and registers their KV caches) *before* the scheduler's.
+- **Create or open**: whoever comes first creates it; the second checks that its size is what
+  it computed itself. Both sides open this way because vLLM builds the workers' connectors
+  (and registers their KV caches) *before* the scheduler's. A creator sizes and populates the
+  segment under a temporary name and publishes it with a hard link, so nobody ever maps one
+  half made; if two race, the first link wins and the other joins it.
 - **Liveness**: every process that maps a segment holds `flock(LOCK_SH)` on it until it closes
-  it; `remove_stale_slabs` unlinks the segments nobody holds (a SIGKILLed engine's). A creator
-  holds `LOCK_EX` while it sizes and populates the segment, so nobody maps a half-made one.
-  Between open and lock a cleaner may unlink the file: after locking, the fd's inode must still
-  be the one at the path, or the open starts over.
+  it; `remove_stale_slabs` unlinks the segments nobody holds (a SIGKILLed engine's, a crashed
+  creator's temporary file). Between open and lock a cleaner may unlink the file: after
+  locking, the fd's inode must still be the one at the path, or the open starts over.
 - **Unlink**: a slab opened with `owner=True` unlinks its name when closed, and at interpreter
   exit if it never was (`weakref.finalize`). The mapping outlives the name: views keep working.
 - **Unmap**: `close` unmaps only when no view of it (`rows`, `tensor`, anything derived) is alive,
@@ -36,7 +37,7 @@ import logging
 import mmap
 import os
 import re
-import time
+import stat
 import weakref
 from dataclasses import dataclass
 
@@ -50,8 +51,7 @@ __all__ = ["SHM_DIR", "SLAB_PREFIX", "HostSlab", "remove_stale_slabs", "shm_free
 SHM_DIR = "/dev/shm"
 SLAB_PREFIX = "kvtier-"
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.11 lacks the name
-_LOCK_WAIT_S = 60.0  # a creator populating cpu_bytes of pages holds LOCK_EX this long at most
-_OPEN_ATTEMPTS = 8  # a cleaner unlinking the file between our open and our lock: start over
+_OPEN_ATTEMPTS = 8  # each one lost only to a cleaner or a rival creator in between: start over
 
 logger = logging.getLogger(__name__)
 
@@ -134,30 +134,60 @@ class HostSlab:
     # -- open -------------------------------------------------------------------------
 
     def _open(self) -> tuple[bool, int, mmap.mmap]:
+        """Join the published segment, or create and publish one; again if a cleaner or a rival
+        creator got in between."""
         for _ in range(_OPEN_ATTEMPTS):
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                created = True
-            except FileExistsError:
-                try:
-                    fd = os.open(self.path, os.O_RDWR)
-                except FileNotFoundError:  # unlinked between the two opens
-                    continue
-                created = False
-            try:
-                mm = self._create(fd) if created else self._join(fd)
-            except BaseException:
-                self._abandon(fd, created)
-                raise
-            if mm is not None:
-                return created, fd, mm
-            os.close(fd)  # a cleaner unlinked it before we held it: start over
+            joined = self._join()
+            if joined is not None:
+                return False, *joined
+            created = self._create()
+            if created is not None:
+                return True, *created
         raise ConfigError(f"could not open the host slab {self.path}: it kept disappearing while being opened")
 
-    def _create(self, fd: int) -> mmap.mmap | None:
-        """Size and populate a segment this process just created; None if it was unlinked meanwhile."""
-        _lock(fd, fcntl.LOCK_EX, self.path)
-        if not _is_at_path(fd, self.path):
+    def _join(self) -> tuple[int, mmap.mmap] | None:
+        """Map the segment at the path; None if there is none (or it was swept before we held it)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            _lock_shared(fd)
+            if not _is_at_path(fd, self.path):
+                os.close(fd)
+                return None
+            size = os.fstat(fd).st_size
+            if size != self.num_bytes:
+                raise ConfigError(f"the host slab {self.path} holds {size} bytes but this process computed "
+                                  f"{self.num_slots} slots x {self.slot_bytes} bytes = {self.num_bytes}: the "
+                                  "scheduler and the workers disagree on the slab's shape (same cpu_bytes, "
+                                  "blocks_per_chunk and KV-cache layout everywhere?)")
+            return fd, mmap.mmap(fd, self.num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _create(self) -> tuple[int, mmap.mmap] | None:
+        """Make the segment under a temporary name, then publish it whole, so nobody ever maps
+        one half made; None if a rival published first or a cleaner swept ours."""
+        temp = f"{self.path}.new-{os.getpid()}-{os.urandom(4).hex()}"  # under the prefix: swept if we crash
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            mm = self._build(fd, temp)
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        if mm is None:
+            os.close(fd)
+            return None
+        return fd, mm
+
+    def _build(self, fd: int, temp: str) -> mmap.mmap | None:
+        _lock_shared(fd)
+        if not _is_at_path(fd, temp):
             return None
         free = shm_free_bytes(os.path.dirname(self.path))
         if self.num_bytes > free:
@@ -168,33 +198,14 @@ class HostSlab:
         mm = mmap.mmap(fd, self.num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             _populate(mm, self.path)
-            fcntl.flock(fd, fcntl.LOCK_SH)  # not atomic: a cleaner may slip in, hence the check below
-            if _is_at_path(fd, self.path):
-                return mm
+            os.link(temp, self.path)  # published; the lock we took before keeps cleaners off it
+        except FileExistsError:  # a rival published first: we join theirs
+            mm.close()
+            return None
         except BaseException:
             mm.close()
             raise
-        mm.close()
-        return None
-
-    def _join(self, fd: int) -> mmap.mmap | None:
-        """Map a segment another process created (waiting while it is being sized)."""
-        _lock(fd, fcntl.LOCK_SH, self.path)
-        if not _is_at_path(fd, self.path):
-            return None
-        size = os.fstat(fd).st_size
-        if size != self.num_bytes:
-            raise ConfigError(f"the host slab {self.path} holds {size} bytes but this process computed "
-                              f"{self.num_slots} slots x {self.slot_bytes} bytes = {self.num_bytes}: the scheduler "
-                              "and the workers disagree on the slab's shape (same cpu_bytes, blocks_per_chunk and "
-                              "KV-cache layout everywhere?)")
-        return mmap.mmap(fd, self.num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-    def _abandon(self, fd: int, created: bool) -> None:
-        if created and _is_at_path(fd, self.path):  # never leave a half-made segment behind
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-        os.close(fd)
+        return mm
 
     # -- use --------------------------------------------------------------------------
 
@@ -268,7 +279,7 @@ def remove_stale_slabs(prefix: str = SLAB_PREFIX, directory: str = SHM_DIR) -> l
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if _is_at_path(fd, path):
+            if stat.S_ISREG(os.fstat(fd).st_mode) and _is_at_path(fd, path):
                 os.unlink(path)
                 removed.append(name)
         except OSError as e:
@@ -281,18 +292,9 @@ def remove_stale_slabs(prefix: str = SLAB_PREFIX, directory: str = SHM_DIR) -> l
     return removed
 
 
-def _lock(fd: int, operation: int, path: str) -> None:
-    """flock, waiting at most `_LOCK_WAIT_S` (a creator holds LOCK_EX while it populates)."""
-    deadline = time.monotonic() + _LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, operation | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise ConfigError(f"the host slab {path} stayed locked for {_LOCK_WAIT_S:.0f} s: the process "
-                                  "creating it hangs") from None
-            time.sleep(0.005)
+def _lock_shared(fd: int) -> None:
+    """Mark the segment live for as long as `fd` is open (a cleaner holds LOCK_EX only for a moment)."""
+    fcntl.flock(fd, fcntl.LOCK_SH)
 
 
 def _is_at_path(fd: int, path: str) -> bool:
