@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -249,6 +250,43 @@ def test_reset_with_a_store_in_flight_never_yields_a_readable_key(make_tier, mon
     # after the reset the tier works as before
     monkeypatch.undo()
     assert store(tier, slab, keys(2)).failed_keys == frozenset() and tier.lookup(key(2)) is HIT
+
+
+def test_interleaved_jobs_evictions_and_resets_never_serve_wrong_bytes(make_tier):
+    ns = namespace()
+    tier, slab = make_tier(capacity_files=6), Slab(48, ns)
+    rng = random.Random(7)
+    free_rows, jobs = list(range(48)), {}  # job id -> (job, rows)
+    for _ in range(400):
+        # each step: a store of 1-4 keys out of 20, a load of some HITs, or (rarely) a reset
+        is_store = len(free_rows) >= 4 and rng.random() < 0.5
+        if is_store:
+            ks = rng.sample(keys(*range(20)), rng.randint(1, 4))
+        else:
+            ks = [k for k in rng.sample(keys(*range(20)), 4) if tier.lookup(k) is HIT][: len(free_rows)]
+        rows = [free_rows.pop() for _ in ks]
+        for row, k in zip(rows, ks, strict=True):
+            slab.fill(row, k) if is_store else slab.rows[row].fill(0)
+        job = slab.job(is_store, ks, rows)
+        (tier.submit_store if is_store else tier.submit_load)(job)
+        jobs[job.job_id] = (job, rows)
+        if rng.random() < 0.02:
+            tier.reset()
+        tier.touch(rng.sample(keys(*range(20)), 2))
+        # finished loads hold exactly their keys' bytes, for every key not reported failed
+        for result in tier.get_finished():
+            done, rows = jobs.pop(result.job_id)
+            for row, k in zip(rows, done.keys, strict=True):
+                assert done.is_store or k in result.failed_keys or slab.holds(row, k)
+            free_rows += rows
+    assert tier.drain(10)
+    tier.get_finished()
+    # settled: the index and the directory agree, and every indexed chunk loads its own bytes
+    indexed = [k for k in keys(*range(20)) if tier.lookup(k) is HIT]
+    assert files_on_disk(tier) == set(indexed) and len(indexed) <= 6
+    assert load(tier, slab, indexed).failed_keys == frozenset()
+    assert all(slab.holds(row, k) for row, k in enumerate(indexed))
+    assert tier.stats().counters["corrupt"] == 0
 
 
 # -- restart, and engines sharing a directory -------------------------------------------------

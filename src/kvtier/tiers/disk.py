@@ -3,9 +3,10 @@
 The file layout and format are `kvtier.tiers.disk_files`; this module owns what is where.
 
 - The index IS the `CachePolicy`: it holds exactly the READY keys (complete files under
-  their final names), nothing else per key (about 170 bytes a chunk with LRU). Two small
-  side tables: `_pending` (key -> ticket of the store writing it) and `_pinned` (key ->
-  number of loads reading it). Capacity, in files, counts READY + pending keys.
+  their final names), nothing else per key (LRU: 160 bytes a chunk at 1 M chunks, key
+  included; benchmarks/bench_disk.py). Two small side tables: `_pending` (key -> ticket of
+  the store writing it) and `_pinned` (key -> number of loads reading it). Capacity, in
+  files, counts READY + pending keys.
 - The manager's thread only does bookkeeping (lookups, reservations, evictions); a read
   pool and a write pool do the I/O, one task per chunk, and finished jobs queue up for
   `get_finished`. A housekeeping thread rebuilds the index from the directory at start
@@ -15,6 +16,8 @@ The file layout and format are `kvtier.tiers.disk_files`; this module owns what 
   a file is unlinked only if its key is neither READY nor pending at that moment. So the
   late unlink of an evicted key never deletes the newer file of the same key, and a store
   in flight at `reset()` (its ticket is gone) deletes its own file instead of publishing.
+  Evicted files become spares that later stores overwrite (see `disk_files`); lost or
+  corrupt files are unlinked.
 
 Thread-safety: the public methods are called from one thread (the manager's). Pool
 threads touch the shared state only under `_lock`, which is never held across I/O;
@@ -57,12 +60,11 @@ _MAX_KEY_BYTES = 64  # what ValueHeader can hold
 class _Job:
     """One submitted TierJob while its chunks are in flight."""
 
-    __slots__ = ("error", "failed", "generation", "job", "num_bytes", "remaining", "started")
+    __slots__ = ("failed", "generation", "job", "num_bytes", "remaining", "started")
 
     def __init__(self, job: TierJob, generation: int):
         self.job, self.generation = job, generation
         self.failed: set[OffloadKey] = set()
-        self.error: str | None = None
         self.num_bytes = self.remaining = 0
         self.started = time.perf_counter()
 
