@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,6 +96,25 @@ def test_both_roles_in_one_process_share_one_segment(prefix):
     assert segments(prefix) == [prefix + "r0"]  # a non-owner leaves the name
     owner.close()
     assert segments(prefix) == []
+
+
+def resident_kib(address: int) -> int:
+    """Rss of the mapping of this process that starts at `address` (from /proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    start = lines.index(next(line for line in lines if line.startswith(f"{address:x}-")))
+    return int(next(line.split()[1] for line in lines[start + 1 :] if line.startswith("Rss:")))
+
+
+def test_a_new_segment_is_allocated_at_once_and_a_populating_opener_maps_every_page(prefix):
+    # the scheduler side creates without populating its own mapping; the pages exist all the same
+    owner = HostSlab(prefix + "r0", 64, 4096, owner=True, populate=False)
+    assert os.stat(owner.path).st_blocks * 512 >= 64 * 4096  # allocated: a full /dev/shm fails here
+    assert resident_kib(owner.tensor.data_ptr()) == 0  # not mapped into this process yet
+    # a worker populates its mapping: its copies never fault on first touch
+    worker = HostSlab(prefix + "r0", 64, 4096)
+    assert resident_kib(worker.tensor.data_ptr()) == 64 * 4
+    worker.close()
+    owner.close()
 
 
 def test_an_existing_segment_of_another_size_is_a_config_error(prefix):
@@ -188,11 +208,11 @@ def test_a_cleaner_unlinking_a_new_segment_before_it_is_locked_makes_the_open_st
 
 
 def test_of_two_racing_creators_the_first_to_publish_wins_and_the_other_joins(prefix, monkeypatch):
-    # another process publishes the segment while this one is still populating its own
-    real_populate, rival = slab_module._populate, []
+    # another process publishes the segment while this one is still allocating its own
+    real_allocate, rival = HostSlab._allocate, []
 
-    def populate_while_a_rival_publishes(mm, path):
-        real_populate(mm, path)
+    def allocate_while_a_rival_publishes(self, fd):
+        real_allocate(self, fd)
         rival.append(child(f"""
             from kvtier.tiers.slab import HostSlab
             slab = HostSlab({prefix + "r0"!r}, 2, 4096)
@@ -201,7 +221,7 @@ def test_of_two_racing_creators_the_first_to_publish_wins_and_the_other_joins(pr
             input()
         """))
 
-    monkeypatch.setattr(slab_module, "_populate", populate_while_a_rival_publishes)
+    monkeypatch.setattr(HostSlab, "_allocate", allocate_while_a_rival_publishes)
     with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
         assert not slab.is_creator and slab.rows[1, 0] == 9  # we mapped the rival's
         assert segments(prefix) == [prefix + "r0"]  # our temporary is gone

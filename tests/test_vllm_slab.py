@@ -10,6 +10,7 @@ Three engines start here (~30 s each): the one killed, the new one, the baseline
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -58,12 +59,16 @@ def mapped_shm(pid: int, prefix: str = "") -> set[str]:
     return {Path(line.split()[-1]).name for line in lines if f" {SHM}/{prefix}" in line}
 
 
-def remove_unused_shm(created_since: set[str]) -> None:
-    """Unlink the /dev/shm files (kvtier's aside) made since `created_since` that no live process maps."""
+def remove_crash_leftovers(existing_before: set[str], killed_at: float) -> None:
+    """Unlink vLLM's own /dev/shm files that the killed engine left: made after `existing_before`
+    was listed and before the kill, and mapped by no live process (another engine's are)."""
     mapped = set().union(*(mapped_shm(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()))
     for path in SHM.iterdir():
-        if path.name not in created_since | mapped and not path.name.startswith("kvtier-"):
-            path.unlink(missing_ok=True)
+        if path.name in existing_before | mapped or path.name.startswith("kvtier-"):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_ctime <= killed_at:
+                path.unlink()
 
 
 def engine_processes(root: int) -> dict[str, int]:
@@ -109,7 +114,7 @@ def crashed(model, tmp_path_factory):
     """An engine with kvtier, SIGKILLed (its whole process group) while it serves."""
     import psutil
 
-    before, before_all = kvtier_segments(), {p.name for p in SHM.iterdir()}
+    existing = {p.name for p in SHM.iterdir()}
     workdir = tmp_path_factory.mktemp("engine")
     (workdir / "serve_until_killed.py").write_text(ENGINE_SCRIPT)
     log = workdir / "engine.log"
@@ -119,16 +124,17 @@ def crashed(model, tmp_path_factory):
     processes: dict[str, int] = {}
     try:
         wait_until_serving(proc, log)
-        segments = kvtier_segments() - before
         processes = engine_processes(proc.pid)
         maps = {role: mapped_shm(pid, "kvtier-") for role, pid in processes.items()}
+        segments = set().union(*maps.values())  # by what it maps: other engines may run beside it
         sizes = {name: (SHM / name).stat().st_size for name in segments}
     finally:
+        killed_at = time.time()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     gone, alive = psutil.wait_procs([psutil.Process(p) for p in processes.values() if psutil.pid_exists(p)], 30)
     assert not alive, f"engine processes outlived SIGKILL: {alive}"
-    remove_unused_shm(created_since=before_all)  # vLLM's own leftovers of the crash: not under test
+    remove_crash_leftovers(existing, killed_at)  # vLLM's own: not under test
     return {"segments": segments, "processes": processes, "maps": maps, "sizes": sizes,
             "left_behind": kvtier_segments() & segments}
 
@@ -140,8 +146,8 @@ def restarted(model, crashed):
 
     llm = make_llm(model, "KVTierConnector", extra=EXTRA, disable_log_stats=False)
     try:
-        out = {"stale_after_start": kvtier_segments() & crashed["segments"],
-               "own": kvtier_segments() - crashed["segments"]}
+        own = set().union(*(mapped_shm(pid, "kvtier-") for pid in engine_processes(os.getpid()).values()))
+        out = {"stale_after_start": kvtier_segments() & crashed["segments"], "own": own}
         out["first"] = generate(llm, [PROMPT], max_tokens=4)  # stored by kvtier
         llm.reset_prefix_cache(reset_connector=False)  # vLLM's own cache emptied: hits are kvtier's
         hits = read_metric("kvtier:hit_tokens_total")

@@ -298,7 +298,8 @@ class FakeEngine:
 def _owned_slab(kv: KVCache, blocks_per_chunk: int, num_slots: int) -> HostSlab:
     """The engine's host slab, made by its scheduler part before its worker maps it by name."""
     slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, blocks_per_chunk, kv.layer_groups))
-    return HostSlab(slab_name(f"sim{os.getpid()}-{time.time_ns()}", 0, 0), num_slots, slot_bytes, owner=True)
+    name = slab_name(f"sim{os.getpid()}-{time.time_ns()}", 0, 0)
+    return HostSlab(name, num_slots, slot_bytes, owner=True, populate=False)  # the worker populates its mapping
 
 
 def _scheduled(req: SimRequest, new_block_ids: Any, is_new: bool, n: int) -> ScheduledRequest:

@@ -49,8 +49,8 @@ class SchedulerSide:
         remove_stale_slabs()
         self.slabs: list[HostSlab] = []
         try:
-            for name in slab_names(vllm_config):
-                self.slabs.append(HostSlab(name, self.num_slots, slot_bytes, owner=True))
+            for name in slab_names(vllm_config):  # populate=False: its rows are touched off the hot path
+                self.slabs.append(HostSlab(name, self.num_slots, slot_bytes, owner=True, populate=False))
         except BaseException:
             self.shutdown()
             raise
