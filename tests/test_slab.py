@@ -117,6 +117,12 @@ def test_a_new_segment_is_allocated_at_once_and_a_populating_opener_maps_every_p
     owner.close()
 
 
+def test_pinning_for_cuda_is_skipped_without_cuda_and_never_fails(prefix):
+    # the pinned path (cudaHostRegister) is unverified: no GPU on the development machines
+    with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
+        assert slab.pin_for_cuda() == torch.cuda.is_available()
+
+
 def test_an_existing_segment_of_another_size_is_a_config_error(prefix):
     with HostSlab(prefix + "r0", 4, 1000, owner=True):
         with pytest.raises(ConfigError, match=r"holds 4000 bytes but this process computed 4 slots x 1001 bytes"):

@@ -225,10 +225,6 @@ class HostSlab:
     def is_closed(self) -> bool:
         return not self._finalizer.alive
 
-    @property
-    def is_pinned(self) -> bool:
-        return bool(self._segment.pinned_ptr)
-
     def pin_for_cuda(self) -> bool:
         """Page-lock the mapping for fast, asynchronous CUDA copies (`cudaHostRegister`).
 
@@ -243,13 +239,12 @@ class HostSlab:
             return False
         ptr = self.tensor.data_ptr()
         try:
-            code = int(torch.cuda.cudart().cudaHostRegister(ptr, self.num_bytes, 0))
+            error: object = int(torch.cuda.cudart().cudaHostRegister(ptr, self.num_bytes, 0))
         except Exception as e:  # pinning is an optimization: say why it is off, go on
-            logger.warning("kvtier: could not pin the host slab %s (%r); copies use pageable memory", self.name, e)
-            return False
-        if code != 0:
-            logger.warning("kvtier: cudaHostRegister of the host slab %s failed (code %d); copies use pageable "
-                           "memory", self.name, code)
+            error = repr(e)
+        if error != 0:
+            logger.warning("kvtier: could not pin the host slab %s (cudaHostRegister: %s); copies use pageable "
+                           "memory", self.name, error)
             return False
         self._segment.pinned_ptr = ptr
         return True
