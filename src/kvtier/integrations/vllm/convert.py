@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.scheduler import GroupKind, GroupSpec, RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
+from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.slab import slab_name
 
-__all__ = ["block_hash_bytes", "group_spec", "num_slots_for", "request_view", "scheduler_config", "slab_names",
-           "slot_bytes_for", "step_view", "worker_rank", "worker_slab_name", "world_size"]
+__all__ = ["block_hash_bytes", "group_spec", "namespace_for", "num_slots_for", "request_view", "scheduler_config",
+           "slab_names", "slot_bytes_for", "step_view", "worker_rank", "worker_slab_name", "world_size"]
 
 # vLLM's prefix-caching hash algorithms -> digest bytes (sha256: 32; xxh3_128: 16)
 _HASH_BYTES = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
@@ -138,6 +140,30 @@ def worker_rank(vllm_config: Any) -> int:
         raise ConfigError("kvtier cannot tell this worker's rank: vLLM's model-parallel groups are not initialized")
     tp = parallel_state.get_tp_group()
     return tp.rank_in_group + parallel_state.get_pp_group().rank_in_group * tp.world_size
+
+
+def namespace_for(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any) -> Namespace:
+    """What makes this engine's chunk bytes incompatible with another's (see `kvtier.tiers.namespace`).
+
+    The model is named by its path or hub id and revision: two engines that load different
+    weights under one name would share chunks — as they would share vLLM's own prefix cache
+    across a restart. The KV-cache groups (spec class, page bytes, layers) pin the layout.
+    """
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    groups = [[type(g.kv_cache_spec).__name__, g.kv_cache_spec.page_size_bytes, list(g.layer_names)]
+              for g in kv_cache_config.kv_cache_groups]
+    parallel = vllm_config.parallel_config
+    return Namespace(
+        model=f"{model.model}@{model.revision or ''}",
+        dtype=f"{model.dtype}/{cache.cache_dtype}",
+        kv_layout=f"{vllm_config.device_config.device_type}:{json.dumps(groups, separators=(',', ':'))}",
+        block_size=cache.block_size,
+        blocks_per_chunk=cfg.blocks_per_chunk,
+        hash_algo=getattr(cache, "prefix_caching_hash_algo", "sha256"),
+        world_size=world_size(vllm_config),
+        slot_bytes=slot_bytes_for(cfg, kv_cache_config),
+        extra=f"tp={parallel.tensor_parallel_size},pp={parallel.pipeline_parallel_size}",
+    )
 
 
 def block_hash_bytes(vllm_config: Any) -> int:

@@ -14,7 +14,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["COUNTERS", "GAUGES", "KVTierPromMetrics", "KVTierStats", "read_metric"]
+__all__ = ["COUNTERS", "GAUGES", "TIER_COUNTERS", "TIER_GAUGES", "KVTierPromMetrics", "KVTierStats", "read_metric",
+           "tier_stat_name"]
 
 # name -> documentation; counters are deltas, gauges the latest value
 COUNTERS = {
@@ -39,6 +40,34 @@ GAUGES = {
     "pinned_slots": "Slots pinned by loads in flight.",
     "unsupported_groups": "KV-cache groups kvtier cannot serve (the model then gets no kvtier hits).",
 }
+# Per tier (label `tier`: cpu, disk, …), reported as "tier.<medium>.<name>". The directional ones
+# (`<direction>_<what>`) become one metric with a `direction` label (load, store).
+TIER_COUNTERS = {
+    "chunks": "Chunks a tier read (load, promotions included) or wrote (store, cascades included).",
+    "bytes": "Bytes a tier read or wrote.",
+    "seconds": "Seconds a tier's reads or writes took, summed over its I/O threads.",
+    "failures": "Chunks a tier failed to read or write (I/O error, full disk, corrupt value).",
+    "evictions": "Chunks a tier evicted for room.",
+    "corrupt": "Values that failed a check on read (header, length, checksum): deleted, never served.",
+    "backpressure_drops": "Chunks not written to a tier because its queue or latency was over its limit.",
+    "promotions": "Chunks read back from a tier into the CPU tier for a request.",
+    "promotion_failures": "Promotions that failed (the slot was freed, the request recomputes).",
+    "admission_skips": "Chunks a tier's admission rule kept out.",
+    "staging_drops": "Evicted chunks an on_evict tier lost because the staging pool was full.",
+}
+TIER_GAUGES = {
+    "used_bytes": "Bytes of chunks a tier holds.",
+    "capacity_bytes": "A tier's capacity in bytes.",
+}
+_DIRECTIONS = ("load", "store")
+
+
+def tier_stat_name(medium: str, name: str) -> str:
+    """The `KVTierStats` name of one tier's counter or gauge."""
+    return f"tier.{medium}.{name}"
+
+
+_TIER_DIRECTIONAL = ("chunks", "bytes", "seconds", "failures")
 _DIRECTIONAL = {"bytes": ("load_bytes", "store_bytes"), "seconds": ("load_seconds", "store_seconds"),
                 "failed_chunks": ("failed_load_chunks", "failed_store_chunks")}
 
@@ -105,14 +134,41 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         for name, doc in GAUGES.items():
             metric = self._gauge_cls(name=f"kvtier:{name}", documentation=doc, labelnames=labelnames)
             self._gauges[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+        self._engine_labels = per_engine_labelvalues
+        self._tier_families = {
+            name: self._counter_cls(name=f"kvtier:tier_{name}", documentation=doc,
+                                    labelnames=[*labelnames, "tier", "direction"] if name in _TIER_DIRECTIONAL
+                                    else [*labelnames, "tier"])
+            for name, doc in TIER_COUNTERS.items()}
+        self._tier_families.update({
+            name: self._gauge_cls(name=f"kvtier:tier_{name}", documentation=doc, labelnames=[*labelnames, "tier"])
+            for name, doc in TIER_GAUGES.items()})
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.get("counters", {}).items():
-            if name in self._counters and value > 0:
+            if name.startswith("tier."):
+                self._observe_tier(name, value, engine_idx, is_gauge=False)
+            elif name in self._counters and value > 0:
                 self._counters[name][engine_idx].inc(value)
         for name, value in transfer_stats_data.get("gauges", {}).items():
-            if name in self._gauges:
+            if name.startswith("tier."):
+                self._observe_tier(name, value, engine_idx, is_gauge=True)
+            elif name in self._gauges:
                 self._gauges[name][engine_idx].set(value)
+
+    def _observe_tier(self, name: str, value: float, engine_idx: int, is_gauge: bool) -> None:
+        _, medium, what = name.split(".", 2)
+        labels = [*self._engine_labels[engine_idx], medium]
+        direction, _, base = what.partition("_")
+        if direction in _DIRECTIONS and base in _TIER_DIRECTIONAL:
+            what, labels = base, [*labels, direction]
+        family = self._tier_families.get(what)
+        if family is None or (what in _TIER_DIRECTIONAL) != (len(labels) == len(self._engine_labels[engine_idx]) + 2):
+            return  # a tier-specific counter without a metric: in the log line only
+        if is_gauge:
+            family.labels(*labels).set(value)
+        elif value > 0:
+            family.labels(*labels).inc(value)
 
 
 def _unregister_kvtier_metrics() -> None:

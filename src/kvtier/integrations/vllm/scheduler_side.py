@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
+from kvtier.base import ManagerStats, OffloadingManager
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.convert import (
     block_hash_bytes,
+    namespace_for,
     num_slots_for,
     request_view,
     scheduler_config,
@@ -18,12 +21,13 @@ from kvtier.integrations.vllm.convert import (
 )
 from kvtier.integrations.vllm.events import to_kv_events
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.metrics import KVTierStats
+from kvtier.integrations.vllm.metrics import KVTierStats, tier_stat_name
 from kvtier.jobs import check_slab_slots
 from kvtier.keys import GROUP_INDEX_BYTES
 from kvtier.scheduler import OffloadScheduler, SchedulerStats
-from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.build import build_manager
 from kvtier.tiers.slab import HostSlab, remove_stale_slabs
+from kvtier.tiers.tiered import TieredManager
 
 __all__ = ["SchedulerSide"]
 
@@ -54,14 +58,20 @@ class SchedulerSide:
         except BaseException:
             self.shutdown()
             raise
-        self.manager = CPUTierManager(self.num_slots, policy=cfg.eviction_policy,
-                                      store_threshold=cfg.store_threshold, enable_events=cfg.enable_events,
-                                      key_bytes=block_hash_bytes(vllm_config) + GROUP_INDEX_BYTES)
+        self.payload_bytes = slot_bytes * num_workers  # one chunk across every rank
+        self.manager: OffloadingManager | None = None
+        try:
+            self.manager = build_manager(cfg, self.num_slots, block_hash_bytes(vllm_config) + GROUP_INDEX_BYTES,
+                                         [s.rows for s in self.slabs], namespace_for(cfg, vllm_config, kv_cache_config))
+        except BaseException:
+            self.shutdown()
+            raise
         self.core = OffloadScheduler(scheduler_config(cfg, vllm_config, kv_cache_config), self.manager)
         self._reported = SchedulerStats()
-        self._reported_evictions = 0
-        logger.info("kvtier: CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), chunks of %d block(s)",
-                    self.num_slots, cfg.cpu_bytes, num_workers, cfg.blocks_per_chunk)
+        self._reported_tiers: dict[str, Counter[str]] = {}
+        logger.info("kvtier: CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), chunks of %d block(s)%s",
+                    self.num_slots, cfg.cpu_bytes, num_workers, cfg.blocks_per_chunk,
+                    f"; disk tier at {cfg.disk_path} ({cfg.disk_bytes} bytes)" if cfg.disk_path else "")
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.core.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
@@ -93,7 +103,10 @@ class SchedulerSide:
         return self.core.reset_cache()
 
     def shutdown(self) -> None:
-        """Unlink the host slabs (their mappings end with their last views; idempotent)."""
+        """Stop the tiers (their writes in flight end first, bounded), then unlink the host slabs
+        (their mappings end with their last views); idempotent."""
+        if self.manager is not None:
+            self.manager.close()
         for slab in self.slabs:
             slab.close()
 
@@ -105,11 +118,29 @@ class SchedulerSide:
         stats.add("miss_tokens", (now.query_tokens - now.hit_tokens) - (before.query_tokens - before.hit_tokens))
         for name in _SCHEDULER_COUNTERS:
             stats.add(name, getattr(now, name) - getattr(before, name))
-        tier = self.manager.stats()
-        stats.add("evictions", tier.evictions - self._reported_evictions)
+        cpu = self.core.manager.stats()
         for name in ("num_slots", "used_slots", "pinned_slots"):
-            stats.set_gauge(name, getattr(tier, name))
+            stats.set_gauge(name, getattr(cpu, name))
         stats.set_gauge("unsupported_groups", len(self.core.config.unsupported_groups()))
         self._reported = SchedulerStats(**now.as_dict())
-        self._reported_evictions = tier.evictions
+        self._add_tier_stats(stats, cpu)
         return stats
+
+    def _add_tier_stats(self, stats: KVTierStats, cpu: ManagerStats) -> None:
+        """Per tier: counter deltas since the last report, used and capacity bytes."""
+        tiers = [("cpu", Counter(evictions=cpu.evictions), cpu.used_slots * self.payload_bytes,
+                  cpu.num_slots * self.payload_bytes)]
+        if isinstance(self.manager, TieredManager):
+            tiers += [(t.medium, t.counters, t.used_bytes, t.capacity_bytes) for t in self.manager.tier_stats()]
+        for medium, counters, used, capacity in tiers:
+            before = self._reported_tiers.get(medium, Counter())
+            for name, value in counters.items():
+                delta = value - before.get(name, 0)
+                if name.endswith("_seconds_us"):
+                    name, delta = name.removesuffix("_us"), delta / 1e6
+                if name == "evictions" and medium == "cpu":
+                    stats.add("evictions", delta)  # the CPU tier's, under its historical name too
+                stats.add(tier_stat_name(medium, name), delta)
+            stats.set_gauge(tier_stat_name(medium, "used_bytes"), used)
+            stats.set_gauge(tier_stat_name(medium, "capacity_bytes"), capacity)
+            self._reported_tiers[medium] = Counter(counters)
