@@ -34,7 +34,7 @@ from kvtier.tiers.slab import HostSlab, slab_name
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 from kvtier.worker.side import WorkerSide
 
-__all__ = ["ContentMismatch", "FakeEngine", "SimRequest"]
+__all__ = ["ContentMismatch", "FakeEngine", "SimRequest", "make_slab"]
 
 
 @dataclass
@@ -72,6 +72,7 @@ class FakeEngine:
         max_tokens_per_step: the step's token budget.
         faults: injected into the worker's transfer engine (see `kvtier.sim.faults`).
         clock: the clock the scheduler writes job deadlines in (the worker reads the same).
+        slab: the host slab, if the caller made it (see `make_slab`); owned (unlinked) here.
 
     Like vLLM, its "scheduler" owns the host slab, in shared memory (`slabs`: one rank), and
     its worker maps the same segment by name: both roles in one process. `close` unlinks it.
@@ -79,7 +80,8 @@ class FakeEngine:
 
     def __init__(self, scheduler: OffloadScheduler | None, *, num_blocks: int = 64, block_size: int = 4,
                  groups: tuple[GroupSpec, ...] | None = None, max_tokens_per_step: int = 64,
-                 faults: Faults | None = None, clock: Callable[[], float] = time.monotonic):
+                 faults: Faults | None = None, clock: Callable[[], float] = time.monotonic,
+                 slab: HostSlab | None = None):
         self.scheduler = scheduler
         self.block_size = block_size
         self.groups = groups or (scheduler.config.groups if scheduler else (GroupSpec(tokens_per_block=block_size),))
@@ -92,7 +94,7 @@ class FakeEngine:
         self.slabs: list[HostSlab] = []
         if scheduler is not None:
             bpc, num_slots = self.groups[0].blocks_per_chunk, scheduler.manager.stats().num_slots
-            self.slabs = [_owned_slab(self.kv, bpc, num_slots)]
+            self.slabs = [slab or make_slab(self.kv, bpc, num_slots)]
             self.worker = WorkerSide(num_slots=num_slots, blocks_per_chunk=bpc, layer_groups=self.kv.layer_groups,
                                      clock=clock, slab_name=self.slabs[0].name,
                                      transfer_factory=functools.partial(SimTransferEngine, faults=self.faults))
@@ -295,8 +297,12 @@ class FakeEngine:
                            kv_transfer_params=req.kv_transfer_params)
 
 
-def _owned_slab(kv: KVCache, blocks_per_chunk: int, num_slots: int) -> HostSlab:
-    """The engine's host slab, made by its scheduler part before its worker maps it by name."""
+def make_slab(kv: KVCache, blocks_per_chunk: int, num_slots: int) -> HostSlab:
+    """The engine's host slab, made by its scheduler part before its worker maps it by name.
+
+    A test that gives the scheduler a `TieredManager` makes it first (over a `KVCache` of the
+    engine's shape) and passes it as `FakeEngine(slab=...)`: the manager needs its rows.
+    """
     slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, blocks_per_chunk, kv.layer_groups))
     name = slab_name(f"sim{os.getpid()}-{time.time_ns()}", 0, 0)
     return HostSlab(name, num_slots, slot_bytes, owner=True, populate=False)  # the worker populates its mapping
