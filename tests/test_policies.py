@@ -153,6 +153,43 @@ def test_arc_evict_is_atomic():
     assert len(p) == 2 and not p.b1
 
 
+# -- discard: keys lost outside the policy's choice (a corrupt file) ---------------------
+
+
+class BaseDiscardLRU(LRUPolicy):
+    """An out-of-tree policy that keeps the base class's discard (one pass through evict)."""
+
+    name = "base-discard-test"
+    discard = CachePolicy.discard
+
+
+@pytest.mark.parametrize("policy_cls", [LRUPolicy, ARCPolicy, BaseDiscardLRU])
+def test_discard_forgets_held_keys_and_keeps_the_order_of_the_rest(policy_cls):
+    p = policy_cls(4)
+    p.insert(keys(1, 2, 3, 4))  # eviction order: 4, 3, 2, 1
+    # discard [3, 9, 1]: 3 and 1 are held and returned, 9 never was and is ignored
+    assert p.discard(keys(3, 9, 1)) == keys(3, 1)
+    assert len(p) == 2 and key(3) not in p and key(1) not in p
+    # discarding them again finds nothing
+    assert p.discard(keys(1, 3)) == []
+    # the survivors keep their order: 4 goes before 2, and no discarded key comes back
+    assert nums(p.evict(2, set())) == [4, 2]
+    assert len(p) == 0
+
+
+def test_arc_discard_leaves_no_ghost_and_keeps_the_target():
+    p = ARCPolicy(4)
+    p.insert(keys(1, 2))
+    p.touch(keys(2))  # 1 in T1, 2 in T2
+    # both files are lost: they leave T1 and T2 without entering B1 or B2
+    assert p.discard(keys(1, 2)) == keys(1, 2)
+    assert not (p.t1 or p.t2 or p.b1 or p.b2)
+    # stored again: no ghost hit, so the target does not move and 2 starts over in T1
+    p.prepare_insert(keys(2))
+    p.insert(keys(2))
+    assert p.target_t1 == 0.0 and list(p.t1) == keys(2) and not p.t2
+
+
 # -- the reuse gate ----------------------------------------------------------------------
 
 

@@ -10,6 +10,9 @@ As in ARC itself, a ghost hit is taken when a key is about to be stored
 (`prepare_insert`), before the evictions that make room for it — those push older keys
 into the ghost lists and trim the oldest ghosts, which are often the very keys being
 stored again. The key then enters T2 when its store completes.
+
+A key the tier lost (`discard`: a corrupt or deleted file) leaves T1 or T2 without becoming
+a ghost: ARC did not choose it, so storing it again says nothing about the size of T1.
 """
 
 from __future__ import annotations
@@ -101,6 +104,15 @@ class ARCPolicy(CachePolicy):
         for key, is_t1 in plan:
             self._to_ghost(key, self.t1 if is_t1 else self.t2, self.b1 if is_t1 else self.b2)
         return [key for key, _ in plan]
+
+    def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        held = []
+        for key in keys:
+            live = self.t1 if key in self.t1 else self.t2 if key in self.t2 else None
+            if live is not None:
+                del live[key]
+                held.append(key)
+        return held
 
     def clear(self) -> None:
         for d in (self.t1, self.t2, self.b1, self.b2, self._returning):

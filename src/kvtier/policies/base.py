@@ -2,8 +2,8 @@
 
 A `CachePolicy` only orders the READY keys of one tier. Slots, states and pins
 belong to the tier manager, which tells the policy what happened (prepare_insert,
-insert, touch, order_chain, clear) and asks it for victims (`evict`). Each policy
-overrides these few hooks; none of them re-implements accounting.
+insert, touch, order_chain, discard, clear) and asks it for victims (`evict`). Each
+policy overrides these few hooks; none of them re-implements accounting.
 
 Thread-safety: not thread-safe; the owning tier serializes calls.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Container, Sequence
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InvariantError
 from kvtier.keys import OffloadKey
 
 __all__ = ["CachePolicy"]
@@ -66,6 +66,22 @@ class CachePolicy(ABC):
             The victims in eviction order, or None when there are not `n` candidates.
         """
 
+    def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """Forget `keys` if held: they were lost outside the policy's choice (a corrupt or
+        deleted file), so this is no eviction and leaves no history behind.
+
+        O(1) per key in the built-in policies. This default, for out-of-tree policies that do
+        not override it, is one O(n) pass through `evict` (and leaves whatever history an
+        eviction leaves).
+
+        Returns:
+            The keys that were held, in the order given (each once).
+        """
+        held = [key for key in dict.fromkeys(keys) if key in self]
+        if held and self.evict(len(held), _AllBut(held)) is None:
+            raise InvariantError(f"policy {self.name!r} could not evict {len(held)} keys it holds")
+        return held
+
     @abstractmethod
     def clear(self) -> None:
         """Forget every key (and any history)."""
@@ -77,3 +93,15 @@ class CachePolicy(ABC):
     @abstractmethod
     def __contains__(self, key: object) -> bool:
         """Whether the policy holds `key`."""
+
+
+class _AllBut:
+    """Protects every key but `keys`: makes `evict` take exactly those."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: Sequence[OffloadKey]):
+        self.keys = set(keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key not in self.keys

@@ -45,6 +45,14 @@ class LRUPolicy(CachePolicy):
             del self._order[key]
         return victims
 
+    def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        order, held = self._order, []
+        for key in keys:
+            if key in order:
+                del order[key]
+                held.append(key)
+        return held
+
     def clear(self) -> None:
         self._order.clear()
 

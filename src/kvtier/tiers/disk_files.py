@@ -1,19 +1,11 @@
-"""How one chunk lives in one file: names, the on-disk format, aligned positional I/O.
+"""Which file holds a chunk: names, the directory layout, temporary files, spares, scans.
 
 A chunk of namespace N is the file `<root>/<N.id_hex>/<hh>/<key-hex>.kv` (`hh`: the first
-two hex characters of the key, so no directory holds more than 1/256 of the files):
-
-    [0, 4096)            `ValueHeader.pack()`, zero padded to one alignment block
-    [4096, 4096 + P)     the payload: the chunk's buffers back to back, in rank order
-    [4096 + P, end)      zeros up to a multiple of 4096
-
-Every file of a namespace has the same size, and a page-aligned slab row goes to and
-from its file with `O_DIRECT` (no page cache, no bounce copy). Durability protocol: a
-file is written whole under a temporary name `<key-hex>.kv.tmp.<pid>.<n>` in the same
-directory, then renamed; a rename within a directory is atomic, so only a complete file
-ever carries a final name, even when the writer is killed mid-write. A reader trusts
-nothing: size, header, namespace, key, length and payload checksum are checked on every
-read, and anything wrong is reported as a reason, never served.
+two hex characters of the key, so no directory holds more than 1/256 of the files); what a
+file holds is `kvtier.tiers.disk_format`. Durability protocol: a file is written whole
+under a temporary name `<key-hex>.kv.tmp.<pid>.<n>` in the same directory, then renamed; a
+rename within a directory is atomic, so only a complete file ever carries a final name,
+even when the writer is killed mid-write.
 
 An evicted file is not unlinked but renamed into `spare/` and later overwritten whole under
 a new temporary name: on the ext4 disks measured (benchmarks/README.md) creating an inode
@@ -24,7 +16,7 @@ rewrite fails the header or checksum check.
 
 `ChunkFiles` keeps no index and starts no thread; `kvtier.tiers.disk.DiskTier` decides
 what to read, write and delete. Thread-safety: any method may run on any number of
-threads at once (each thread has its own aligned header block).
+threads at once.
 """
 
 from __future__ import annotations
@@ -32,9 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import mmap
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -42,50 +32,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
-from kvtier.tiers.secondary import HEADER_BYTES, ValueHeader, checksum
+from kvtier.tiers.disk_format import BLOCK, O_DIRECT, ChunkFormat, is_aligned, probe_direct_io
+from kvtier.tiers.namespace import Namespace
 
-__all__ = ["BLOCK", "ChunkFiles", "ScanResult", "is_aligned", "probe_direct_io", "write_namespace_json"]
+__all__ = ["BLOCK", "ChunkFiles", "ScanResult", "is_aligned", "make_directory", "probe_direct_io",
+           "write_namespace_json"]
 
-BLOCK = 4096  # the alignment unit of O_DIRECT on every Linux filesystem we target
 MAX_SPARES = 64  # files kept for reuse; the directory exceeds the byte budget by at most this many
 TMP_MAX_AGE_S = 600.0  # a temp file this old is abandoned even if a process with its pid lives
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_ZERO_TAIL = bytes(BLOCK - HEADER_BYTES)
 _MAX_KEY_HEX = 128  # ValueHeader holds keys of at most 64 bytes
-_local = threading.local()
 
 
-def round_up(num_bytes: int) -> int:
-    return -(-num_bytes // BLOCK) * BLOCK
+def make_directory(root: Path, namespace: Namespace) -> str:
+    """Create `<root>/<namespace id hex>` with its `namespace.json`; returns its path.
 
-
-def is_aligned(buffers: Sequence[memoryview]) -> bool:
-    """Whether every buffer starts on and spans whole alignment blocks (what O_DIRECT needs)."""
-    return all(buf.nbytes % BLOCK == 0 and np.frombuffer(buf, np.uint8).ctypes.data % BLOCK == 0 for buf in buffers)
-
-
-def probe_direct_io(directory: str) -> bool:
-    """Whether the filesystem of `directory` accepts an O_DIRECT write (tmpfs before Linux 6.6,
-    some FUSE and network filesystems refuse it at open or at the first write)."""
-    if not _O_DIRECT:
-        return False
-    path = os.path.join(directory, f".direct-probe.{os.getpid()}")
+    Raises:
+        ConfigError: `root` is not a directory kvtier may create and write.
+    """
+    directory = root / namespace.id_hex
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o600)
-    except OSError:
-        return False
-    try:
-        os.pwrite(fd, _header_block(), 0)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        directory.mkdir(parents=True, exist_ok=True)
+        write_namespace_json(str(directory), namespace.describe())
+    except OSError as exc:
+        raise ConfigError(f"disk tier root {str(root)!r} is not a writable directory ({exc}); "
+                          f"point the disk tier at a directory kvtier may create and write") from exc
+    return str(directory)
 
 
 def write_namespace_json(directory: str, description: dict[str, Any]) -> None:
@@ -117,12 +90,10 @@ class ChunkFiles:
 
     def __init__(self, directory: str, namespace_id: bytes, payload_bytes: int, *, direct_io: bool, fsync: bool):
         self.directory = directory
-        self.namespace_id = namespace_id
-        self.payload_bytes = payload_bytes
-        self.file_bytes = BLOCK + round_up(payload_bytes)
+        self.format = ChunkFormat(namespace_id, payload_bytes)
+        self.file_bytes = self.format.file_bytes
         self.direct_io = direct_io
         self.fsync = fsync
-        self._pad = memoryview(bytes(round_up(payload_bytes) - payload_bytes))
         self._tmp_ids = itertools.count()  # next() is atomic under the GIL
         self._started_ns = time.time_ns()
         self._spare_dir = os.path.join(directory, "spare")
@@ -143,17 +114,10 @@ class ChunkFiles:
         """
         views = [memoryview(buf).cast("B") for buf in buffers]
         direct = self.direct_io and is_aligned(views)
-        header = ValueHeader(self.namespace_id, key, self.payload_bytes, checksum(views)).pack()
-        block = _header_block()
-        block[:HEADER_BYTES] = header
-        block[HEADER_BYTES:] = _ZERO_TAIL
-        iov = [memoryview(block), *views]
-        if not direct and self._pad.nbytes:
-            iov.append(self._pad)
         tmp = f"{self.path(key)}.tmp.{os.getpid()}.{next(self._tmp_ids)}"
         fd = self._open_tmp(tmp, direct)
         try:
-            _pwritev_all(fd, iov)
+            self.format.write(fd, key, views, direct)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -184,29 +148,11 @@ class ChunkFiles:
         """
         views = [memoryview(buf).cast("B") for buf in buffers]
         direct = self.direct_io and is_aligned(views)
-        fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0))
+        fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
         try:
-            size = os.fstat(fd).st_size
-            if size != self.file_bytes:
-                return f"file of {size} bytes, expected {self.file_bytes}", direct
-            block = _header_block()
-            expected = BLOCK + self.payload_bytes
-            if _preadv_all(fd, [memoryview(block), *views]) < expected:
-                return "short read", direct
+            return self.format.read(fd, key, views), direct
         finally:
             os.close(fd)
-        return self._check(block, key, views), direct
-
-    def _check(self, block: mmap.mmap, key: OffloadKey, views: list[memoryview]) -> str | None:
-        header = ValueHeader.unpack(memoryview(block)[:HEADER_BYTES])
-        if isinstance(header, str):
-            return header
-        wrong = header.mismatch(self.namespace_id, key, self.payload_bytes)
-        if wrong is not None:
-            return wrong
-        if checksum(views) != header.payload_checksum:
-            return "payload checksum mismatch"
-        return None
 
     def unlink(self, key: OffloadKey) -> None:
         self.discard(self.path(key))
@@ -292,7 +238,7 @@ class ChunkFiles:
 
     def _open_tmp(self, path: str, direct: bool) -> int:
         """A file named `path` to write: a spare renamed there, else a new file."""
-        flags = os.O_WRONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+        flags = os.O_WRONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0)
         if self._take_spare(path):
             try:
                 fd = os.open(path, flags)
@@ -307,47 +253,6 @@ class ChunkFiles:
         except FileNotFoundError:  # first file of its hh directory (or someone removed it)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
-
-
-def _header_block() -> mmap.mmap:
-    """This thread's page-aligned, page-sized buffer for a header (O_DIRECT needs alignment)."""
-    block = getattr(_local, "block", None)
-    if block is None:
-        block = _local.block = mmap.mmap(-1, BLOCK)
-    return block
-
-
-def _pwritev_all(fd: int, views: list[memoryview]) -> None:
-    offset = 0
-    while views:
-        done = os.pwritev(fd, views, offset)
-        if done <= 0:
-            raise OSError(f"pwritev wrote nothing at offset {offset}")
-        offset += done
-        views = _advance(views, done)
-
-
-def _preadv_all(fd: int, views: list[memoryview]) -> int:
-    offset = 0
-    while views:
-        done = os.preadv(fd, views, offset)
-        if done <= 0:
-            break
-        offset += done
-        views = _advance(views, done)
-    return offset
-
-
-def _advance(views: list[memoryview], num_bytes: int) -> list[memoryview]:
-    """`views` without their first `num_bytes` bytes (after a short positional read or write)."""
-    i = 0
-    while i < len(views) and num_bytes >= views[i].nbytes:
-        num_bytes -= views[i].nbytes
-        i += 1
-    rest = views[i:]
-    if rest and num_bytes:
-        rest[0] = rest[0][num_bytes:]
-    return rest
 
 
 def _entries(directory: str) -> list[os.DirEntry]:
