@@ -33,9 +33,10 @@ def test_defaults_and_a_full_config():
 def test_a_disk_tier_config():
     cfg = KVTierConfig.from_dict({"disk_path": "/var/cache/kvtier", "disk_bytes": "2TiB", "disk_fsync": True,
                                   "disk_direct_io": False, "disk_write_mode": "on_evict", "disk_min_offers": 2,
-                                  "disk_max_queue_bytes": "64MiB", "promotion_bytes": "1GiB"})
+                                  "disk_max_queue_bytes": "64MiB", "promotion_bytes": "1GiB", "disk_rescan_s": 30})
     assert (cfg.disk_path, cfg.disk_bytes, cfg.disk_direct_io, cfg.disk_write_mode) == (
         "/var/cache/kvtier", 2 * 2**40, False, "on_evict")
+    assert cfg.disk_rescan_s == 30.0
     assert KVTierConfig().disk_path is None  # no disk tier unless asked for
 
 
@@ -58,6 +59,7 @@ def test_unknown_key_lists_the_valid_ones():
     ("disk_min_offers", 0, "disk_min_offers: expected an integer >= 1"),
     ("disk_max_store_s", 0, "disk_max_store_s: expected seconds >= 0.001"),
     ("promotion_bytes", -5, "promotion_bytes: "),
+    ("disk_rescan_s", "often", "disk_rescan_s: expected seconds"),
 ])
 def test_bad_values_name_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message):

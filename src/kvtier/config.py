@@ -56,6 +56,8 @@ class KVTierConfig:
     disk_write_mode: "write_through" (every stored chunk) or "on_evict" (chunks RAM evicts).
     disk_min_offers: cascade to disk only chunks offered by at least this many requests.
     disk_eviction_policy: the disk tier's eviction policy.
+    disk_rescan_s: every so many seconds, adopt chunk files other engines sharing the directory
+        wrote since this one started (None: only the scan at start).
     disk_max_queue_bytes / disk_max_store_s: backpressure: cascades to disk are dropped
         while this many bytes are queued or recent writes took longer.
     promotion_bytes: bytes of chunks being read back from secondary tiers at most.
@@ -77,6 +79,7 @@ class KVTierConfig:
     disk_write_mode: str = "write_through"
     disk_min_offers: int = 1
     disk_eviction_policy: str = "lru"
+    disk_rescan_s: float | None = None
     disk_max_queue_bytes: int = 256 * 2**20
     disk_max_store_s: float = 2.0
     promotion_bytes: int = 256 * 2**20
@@ -111,7 +114,9 @@ def _check(key: str, value: Any) -> Any:
         return _int_at_least(key, value, 1)
     if key == "max_deferrals":
         return _int_at_least(key, value, 0)
-    if key in ("max_defer_s", "job_timeout_s", "disk_max_store_s"):
+    if key == "disk_rescan_s" and value is None:
+        return None
+    if key in ("max_defer_s", "job_timeout_s", "disk_max_store_s", "disk_rescan_s"):
         least = 0.0 if key == "max_defer_s" else 0.001
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < float("inf"):
             raise ConfigError(f"{key}: expected seconds >= {least:g}, got {value!r}")
