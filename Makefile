@@ -38,6 +38,7 @@ bench: $(VENV)/.stamp-core
 	$(PY) benchmarks/bench_manager.py --quick
 	$(PY) benchmarks/bench_scheduler.py --quick
 	$(PY) benchmarks/bench_transfer.py --quick
+	$(PY) benchmarks/bench_disk.py --quick
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info src/kvtier/worker/*.so .pytest_cache
