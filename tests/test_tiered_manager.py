@@ -22,6 +22,14 @@ from tier_helpers import CTX, content, counters, make_slabs, make_tiered, put, r
 HIT, MISS, PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING, LookupResult.RETRY
 
 
+def evict_1_to_4_to_disk(manager, slabs) -> None:
+    """Store 1..4 (written through to disk), then 5..8: RAM evicts 1..4, disk keeps them."""
+    put(manager, slabs, keys(1, 2, 3, 4))
+    settle(manager)  # written down: the slots are unpinned
+    put(manager, slabs, keys(5, 6, 7, 8))
+    settle(manager)
+
+
 def disk_of(manager):
     tier = manager.tiers[0]
     return getattr(tier, "inner", tier)
@@ -43,11 +51,7 @@ def test_write_through_cascades_every_ready_chunk_to_disk(tmp_path):
 def test_a_chunk_evicted_from_ram_is_promoted_back_from_disk_with_its_bytes(tmp_path):
     manager, slabs = make_tiered(tmp_path, held=True)
     manager.tiers[0].hold_stores = False
-    put(manager, slabs, keys(1, 2, 3, 4))
-    settle(manager)
-    # store [5,6,7,8] → the CPU tier evicts 1..4; they stay on disk
-    put(manager, slabs, keys(5, 6, 7, 8))
-    settle(manager)
+    evict_1_to_4_to_disk(manager, slabs)
     # lookup 1 → a promotion starts (its read held): HIT_PENDING, and asking again reads nothing twice
     assert manager.lookup(key(1), CTX) is PENDING
     assert manager.lookup(key(1), make_req_context("other")) is PENDING
@@ -74,10 +78,7 @@ def test_two_ranks_promote_each_ranks_shard_into_its_own_slab(tmp_path):
 
 def test_a_full_cpu_tier_answers_miss_not_a_wait(tmp_path):
     manager, slabs = make_tiered(tmp_path)
-    put(manager, slabs, keys(1, 2, 3, 4))
-    settle(manager)  # written down: the slots are unpinned
-    put(manager, slabs, keys(5, 6, 7, 8))
-    settle(manager)
+    evict_1_to_4_to_disk(manager, slabs)
     # every CPU slot pinned by loads → 1 is on disk but has nowhere to go: MISS
     manager.prepare_load(keys(5, 6, 7, 8), CTX)
     assert manager.lookup(key(1), CTX) is MISS
@@ -92,10 +93,7 @@ def test_a_full_cpu_tier_answers_miss_not_a_wait(tmp_path):
 def test_promotions_in_flight_are_capped_in_bytes(tmp_path):
     manager, slabs = make_tiered(tmp_path, held=True, max_promotion_bytes=4096)
     manager.tiers[0].hold_stores = False
-    put(manager, slabs, keys(1, 2, 3, 4))
-    settle(manager)  # written down: the slots are unpinned
-    put(manager, slabs, keys(5, 6, 7, 8))
-    settle(manager)
+    evict_1_to_4_to_disk(manager, slabs)
     # 1 starts a promotion (held); 2 would pass the cap → RETRY, not MISS
     assert manager.lookup(key(1), CTX) is PENDING
     assert manager.lookup(key(2), CTX) is RETRY
@@ -111,10 +109,7 @@ def test_promotions_in_flight_are_capped_in_bytes(tmp_path):
 
 def test_a_failed_promotion_frees_its_slot_and_the_tier_forgets_the_key(tmp_path):
     manager, slabs = make_tiered(tmp_path)
-    put(manager, slabs, keys(1, 2, 3, 4))
-    settle(manager)  # written down: the slots are unpinned
-    put(manager, slabs, keys(5, 6, 7, 8))
-    settle(manager)
+    evict_1_to_4_to_disk(manager, slabs)
     # flip one payload byte of 1's file on disk
     path = next((tmp_path / "disk").rglob(f"{key(1).hex()}.kv"))
     raw = bytearray(path.read_bytes())
@@ -190,10 +185,7 @@ def test_on_evict_writes_what_ram_evicts_with_the_bytes_it_had(tmp_path):
 def test_a_promotion_in_flight_is_never_evicted_by_stores(tmp_path):
     manager, slabs = make_tiered(tmp_path, held=True)
     manager.tiers[0].hold_stores = False
-    put(manager, slabs, keys(1, 2, 3, 4))
-    settle(manager)  # written down: the slots are unpinned
-    put(manager, slabs, keys(5, 6, 7, 8))
-    settle(manager)
+    evict_1_to_4_to_disk(manager, slabs)
     # a promotion of 1 is in flight (held) in a PENDING slot
     assert manager.lookup(key(1), CTX) is PENDING
     # a store of 4 new chunks needs 4 slots: only 3 are evictable → "no room now"
