@@ -15,7 +15,12 @@ from kvtier.base import (
 from kvtier.errors import ConfigError, InvariantError, KVTierError, NotReadyError
 from kvtier.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key, split_offload_key
 from kvtier.policies import CachePolicy, make_policy, register_policy
+from kvtier.tiers.cascade import TierRules
 from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult
+from kvtier.tiers.tiered import TieredManager
 
 __version__ = "0.1.0"
 
@@ -26,19 +31,26 @@ __all__ = [
     "CachePolicy",
     "ChunkState",
     "ConfigError",
+    "DiskTier",
     "InvariantError",
     "KVTierError",
     "LoadSpec",
     "LookupResult",
     "ManagerStats",
+    "Namespace",
     "NotReadyError",
     "OffloadKey",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
     "ReqContext",
+    "SecondaryTier",
     "SlotSpec",
     "StoreSpec",
+    "TierJob",
+    "TierResult",
+    "TierRules",
+    "TieredManager",
     "make_offload_key",
     "make_policy",
     "register_policy",
