@@ -182,6 +182,23 @@ def test_on_evict_writes_what_ram_evicts_with_the_bytes_it_had(tmp_path):
     manager.check()
 
 
+def test_a_request_s_promotions_never_evict_the_chunks_it_is_about_to_load(tmp_path):
+    manager, slabs = make_tiered(tmp_path)
+    evict_1_to_4_to_disk(manager, slabs)
+    put(manager, slabs, keys(9, 10, 11, 12))  # RAM: 9..12; disk: 1..12
+    settle(manager)
+    # request r scans its prefix 1..5: 1..4 are promoted into the 4 CPU slots
+    assert [manager.lookup(k, CTX) for k in keys(1, 2, 3, 4)] == [PENDING] * 4
+    settle(manager)
+    assert [manager.lookup(k, CTX) for k in keys(1, 2, 3, 4)] == [HIT] * 4
+    # 5 would have to evict one of r's own chunks: a MISS for r (its prefix would thrash otherwise)
+    assert manager.lookup(key(5), CTX) is MISS
+    # another request may evict them: they are r's, not pinned
+    assert manager.lookup(key(5), make_req_context("q")) is PENDING
+    settle(manager)
+    manager.check()
+
+
 def test_a_promotion_in_flight_is_never_evicted_by_stores(tmp_path):
     manager, slabs = make_tiered(tmp_path, held=True)
     manager.tiers[0].hold_stores = False
