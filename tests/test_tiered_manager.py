@@ -167,16 +167,17 @@ def test_slow_stores_trip_backpressure_only_while_a_queue_exists():
 
 
 def test_on_evict_writes_what_ram_evicts_with_the_bytes_it_had(tmp_path):
-    manager, slabs = make_tiered(tmp_path, rules=TierRules(write_mode="on_evict"))
+    manager, slabs = make_tiered(tmp_path, held=True, rules=TierRules(write_mode="on_evict"))
     put(manager, slabs, keys(1, 2, 3, 4))
-    settle(manager)
     assert disk_of(manager).stats().used_bytes == 0  # nothing written while RAM holds it
-    # store 5 → evicts 4 (a prefix's tail goes first); 4's bytes are staged before 5's land in
-    # its slot, then written
+    # store 5 → evicts 4 (a prefix's tail goes first): 4's bytes are staged before 5's land in
+    # its slot; the write to disk runs only after that (held until now)
     put(manager, slabs, keys(5))
+    manager.tiers[0].release()
     settle(manager)
     assert [disk_of(manager).lookup(k) for k in keys(1, 4, 5)] == [MISS, HIT, MISS]
     assert manager.lookup(key(4), CTX) is PENDING
+    manager.tiers[0].release()
     settle(manager)
     assert np.array_equal(read_back(manager, slabs, key(4))[0], content(key(4)))
     manager.check()

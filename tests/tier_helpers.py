@@ -4,6 +4,7 @@ jobs (a slow disk or server) without re-implementing any of it."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,7 +30,7 @@ def namespace(world_size: int = 1) -> Namespace:
 
 def content(key: OffloadKey, rank: int = 0) -> np.ndarray:
     """The bytes rank `rank` holds for `key` (derived from both, so a mix-up shows)."""
-    seed = int.from_bytes(key[:8], "big") ^ (rank * 0x9E3779B97F4A7C15 % 2**64)
+    seed = int.from_bytes(hashlib.sha256(key + bytes([rank])).digest()[:8], "big")
     return np.random.default_rng(seed).integers(0, 256, SLOT_BYTES, dtype=np.uint8)
 
 
