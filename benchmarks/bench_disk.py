@@ -2,8 +2,12 @@
 index's memory per chunk and the start-up scan rate.
 
 For chunks of 1, 2 and 4 MiB (world size 1), a DiskTier stores N chunks from the rows of a
-page-aligned (mmap-backed) slab, in jobs of 8 chunks with up to 8 jobs in flight as the
-tiered manager submits them, then loads them all back; every byte is checksummed both ways.
+real host slab (`HostSlab`: a populated MAP_SHARED segment in /dev/shm, what the tier serves in
+an engine), in jobs of 8 chunks with up to 8 jobs in flight as the tiered manager submits them,
+then loads them all back; every byte is checksummed both ways. (O_DIRECT throughput depends on
+the destination memory: the slab's pages come in ~2x longer physically contiguous runs than
+anonymous memory faulted in by numpy, so each request carries fewer segments; see
+benchmarks/README.md.)
 The baseline, in the same round on the same filesystem, is
 
     dd if=/dev/zero of=F bs=<chunk> count=N oflag=direct     (write)
@@ -18,13 +22,14 @@ Also: bytes of memory per chunk of the tier's index at 1 M chunks (tracemalloc a
 inserting 1 M 36-byte keys into the policy one at a time, as stores do), and files per second
 of the start-up scan over 10,000 files (names only, as the scan reads no contents).
 
-Usage: python benchmarks/bench_disk.py [--quick] [--dir DIR] [--rounds R]
+Usage: python benchmarks/bench_disk.py [--quick] [--dir DIR] [--rounds R] [--anon-rows]
 Last line: RESULT disk_store_ratio=<x> disk_load_ratio=<y> index_bytes_per_chunk=<z> scan_files_per_s=<w>
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import mmap
 import os
@@ -43,6 +48,7 @@ from kvtier.policies import make_policy
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import TierJob
+from kvtier.tiers.slab import HostSlab
 
 CHUNK_SIZES = (1 << 20, 2 << 20, 4 << 20)
 KEYS_PER_JOB, JOBS_IN_FLIGHT = 8, 8
@@ -109,12 +115,20 @@ def one_round(work: Path, chunk: int, num_chunks: int, rows: np.ndarray) -> dict
     return out
 
 
-def bench_chunk_size(work: Path, chunk: int, total_bytes: int, rounds: int) -> tuple[float, float]:
+def bench_chunk_size(work: Path, chunk: int, total_bytes: int, rounds: int,
+                     anon_rows: bool = False) -> tuple[float, float]:
     num_chunks = max(total_bytes // chunk, 2 * KEYS_PER_JOB * JOBS_IN_FLIGHT)
-    rows = np.frombuffer(mmap.mmap(-1, KEYS_PER_JOB * JOBS_IN_FLIGHT * chunk), np.uint8)
-    rows = rows.reshape(KEYS_PER_JOB * JOBS_IN_FLIGHT, chunk)  # page-aligned rows, as the host slab's
-    rows[:] = np.random.default_rng(0).integers(0, 256, rows.shape, dtype=np.uint8)
-    results = [one_round(work, chunk, num_chunks, rows) for _ in range(rounds)]
+    num_rows = KEYS_PER_JOB * JOBS_IN_FLIGHT
+    if anon_rows:  # the method before: anonymous memory, faulted in by numpy's fill
+        slab, rows = contextlib.nullcontext(), np.frombuffer(mmap.mmap(-1, num_rows * chunk), np.uint8)
+        rows = rows.reshape(num_rows, chunk)
+    else:  # the memory the tier reads into and writes from in an engine
+        slab = HostSlab(f"kvtier-bench-disk-{os.getpid()}-{chunk}", num_rows, chunk, owner=True)
+        rows = slab.rows
+    with slab:
+        rows[:] = np.random.default_rng(0).integers(0, 256, rows.shape, dtype=np.uint8)
+        results = [one_round(work, chunk, num_chunks, rows) for _ in range(rounds)]
+        del rows  # a live view would keep the mapping after close
     best = {name: max(r[name] for r in results) for name in ("dd_write", "fill", "store", "dd_read", "load")}
     fill_ratio, store_ratio, load_ratio = (statistics.median(r[side] / r[base] for r in results)
                                            for side, base in (("fill", "dd_write"), ("store", "dd_write"),
@@ -162,6 +176,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="256 MiB per chunk size, 3 rounds")
     parser.add_argument("--dir", type=Path, default=Path("."), help="where to write (the filesystem measured)")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--anon-rows", action="store_true",
+                        help="anonymous-memory rows instead of a host slab (the method before; loads run slower)")
     args = parser.parse_args()
     total_bytes = (256 if args.quick else 2048) << 20
     rounds = args.rounds or (3 if args.quick else 5)
@@ -169,8 +185,8 @@ def main() -> None:
     try:
         print(f"writing under {work} ({total_bytes >> 20} MiB per chunk size and round, {rounds} rounds, "
               f"{os.cpu_count()} CPUs; tier: 4 read + 4 write threads, jobs of {KEYS_PER_JOB}, "
-              f"{JOBS_IN_FLIGHT} in flight)")
-        ratios = [bench_chunk_size(work, chunk, total_bytes, rounds) for chunk in CHUNK_SIZES]
+              f"{JOBS_IN_FLIGHT} in flight; rows: {'anonymous memory' if args.anon_rows else 'host slab'})")
+        ratios = [bench_chunk_size(work, chunk, total_bytes, rounds, args.anon_rows) for chunk in CHUNK_SIZES]
         index_bytes = index_bytes_per_chunk(1_000_000)
         print(f"index: {index_bytes:.0f} bytes per chunk at 1,000,000 chunks (36-byte keys, LRU)")
         scan_rate = scan_files_per_s(work, 10_000)
