@@ -98,6 +98,7 @@ def test_a_small_cpu_tier_serves_reused_prefixes_from_disk_with_identical_output
     for turn, (expected, got) in enumerate(zip(baseline["turns"], first_engine["turns"], strict=True)):
         assert_same_outputs(expected, got, f"turn {turn}")
     m = first_engine["metrics"]
+    print("first engine:", m)  # for the record (pytest -s)
     # turns 2 and 3 re-send histories far larger than the 8-chunk CPU tier: hits came from disk
     assert m["kvtier:tier_promotions_total"] > 0, m
     assert m["kvtier:hit_tokens_total"] >= 2 * 600, m
@@ -108,5 +109,6 @@ def test_a_restarted_engine_gets_its_first_prefix_from_disk(baseline, second_eng
     assert_same_outputs(baseline["restart"], second_engine["outs"], "after restart")
     # each query's 7-block prefix was stored by the first engine: loaded, not recomputed
     cached = [out["num_cached_tokens"] for out in second_engine["outs"]]
+    print("second engine: cached tokens", cached, second_engine["metrics"], "files", second_engine["num_files"])
     assert all(n >= 7 * 128 for n in cached), (cached, second_engine["metrics"], second_engine["num_files"])
     assert second_engine["metrics"]["kvtier:tier_promotions_total"] >= 2 * 7, second_engine["metrics"]
