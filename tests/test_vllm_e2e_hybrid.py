@@ -1,10 +1,12 @@
 """kvtier inside real vLLM on CPU with a model that mixes sliding-window and full attention.
 
 A seeded random-weight Gemma 3 (layers alternate sliding-window, 256 tokens, and full
-attention). With a connector that does not implement `SupportsHMA`, vLLM turns its hybrid
-KV-cache manager off and puts every layer in one group whose spec is a `FullAttentionSpec`
-carrying `sliding_window`: its full-attention layers read every block, so kvtier must load
-every block (issue #8 defect 10: loading only the window's blocks changed the outputs).
+attention). kvtier implements `SupportsHMA`, so vLLM keeps its hybrid KV-cache manager on:
+two KV-cache groups, a `FullAttentionSpec` one (prefix scan, every chunk loaded) and a
+`SlidingWindowSpec` one (only the chunks inside the window before the boundary loaded).
+(Without `SupportsHMA` vLLM would turn the hybrid manager off and put every layer in one
+`FullAttentionSpec` group carrying `sliding_window`, which kvtier loads whole — issue #8
+defect 10; `test_vllm_convert.py` keeps that case.)
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def baseline(gemma):
 def with_kvtier(gemma):
     llm = make_llm(gemma, "KVTierConnector", extra={"cpu_bytes": "256MiB"})
     try:
+        # the hybrid KV-cache manager stays on with kvtier: one group per attention kind
+        assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
         computed = generate(llm, PROMPTS, max_tokens=4)
         from_prefix_cache = generate(llm, PROMPTS, max_tokens=4)
         llm.reset_prefix_cache(reset_connector=False)

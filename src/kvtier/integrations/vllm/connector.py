@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
@@ -43,7 +43,7 @@ def kv_transfer_config(connector: str = "KVTierConnector", module: str = "kvtier
                             kv_load_failure_policy="recompute", kv_connector_extra_config=extra_config)
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered KV-cache offloading for vLLM; see the module docstring for its configuration."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -86,6 +86,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._sched().request_finished(request)
         return False, None  # blocks may be freed now: stores still reading them are fenced
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """vLLM's hybrid KV-cache manager stays on with kvtier (`SupportsHMA`): one call per request
+        for every group; kvtier's scheduler already tracks each group's blocks itself."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> Iterable[Any]:
         return self._sched().take_events()
