@@ -6,6 +6,26 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+@pytest.fixture(scope="session")
+def model() -> Path:
+    """The seeded random-weight Llama the vLLM tests serve (generated once, then cached)."""
+    from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
+    from vllm_helpers import CACHE_DIR, engine_env
+
+    engine_env()
+    return ensure_tiny_llama(CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def gemma() -> Path:
+    """The seeded random-weight Gemma 3 (sliding-window and full-attention layers)."""
+    from kvtier.integrations.vllm.tiny_model import ensure_tiny_gemma3
+    from vllm_helpers import CACHE_DIR, engine_env
+
+    engine_env()
+    return ensure_tiny_gemma3(CACHE_DIR)
+
+
 @pytest.fixture(autouse=True)
 def _close_fake_engines():
     """Every fake engine a test made stops its copy threads when the test ends."""

@@ -13,15 +13,12 @@ the same cores (`vllm_helpers.engine_env`).
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
 from vllm_helpers import (
-    CACHE_DIR,
     assert_same_outputs,
     conversations,
-    engine_env,
     generate,
     make_llm,
     run_turns,
@@ -44,14 +41,6 @@ FINALS = [tail + tokens(50, seed=300 + i) for i, tail in enumerate(TAILS)]
 CHUNK_TOKENS = 4 * 128
 TIGHT_ENGINE = {"num_gpu_blocks_override": 20, "max_model_len": 2048}
 TIGHT_KVTIER = {"cpu_bytes": "128MiB", "blocks_per_chunk": 4}  # 2 MiB blocks: 16 chunks
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
-
-    engine_env()
-    return ensure_tiny_llama(CACHE_DIR)
 
 
 @pytest.fixture(scope="module")

