@@ -49,8 +49,7 @@ def test_write_through_cascades_every_ready_chunk_to_disk(tmp_path):
 
 
 def test_a_chunk_evicted_from_ram_is_promoted_back_from_disk_with_its_bytes(tmp_path):
-    manager, slabs = make_tiered(tmp_path, held=True)
-    manager.tiers[0].hold_stores = False
+    manager, slabs = make_tiered(tmp_path, held="loads")
     evict_1_to_4_to_disk(manager, slabs)
     # lookup 1 → a promotion starts (its read held): HIT_PENDING, and asking again reads nothing twice
     assert manager.lookup(key(1), CTX) is PENDING
@@ -91,8 +90,7 @@ def test_a_full_cpu_tier_answers_miss_not_a_wait(tmp_path):
 
 
 def test_promotions_in_flight_are_capped_in_bytes(tmp_path):
-    manager, slabs = make_tiered(tmp_path, held=True, max_promotion_bytes=4096)
-    manager.tiers[0].hold_stores = False
+    manager, slabs = make_tiered(tmp_path, held="loads", max_promotion_bytes=4096)
     evict_1_to_4_to_disk(manager, slabs)
     # 1 starts a promotion (held); 2 would pass the cap → RETRY, not MISS
     assert manager.lookup(key(1), CTX) is PENDING
@@ -201,8 +199,7 @@ def test_a_request_s_promotions_never_evict_the_chunks_it_is_about_to_load(tmp_p
 
 
 def test_a_promotion_in_flight_is_never_evicted_by_stores(tmp_path):
-    manager, slabs = make_tiered(tmp_path, held=True)
-    manager.tiers[0].hold_stores = False
+    manager, slabs = make_tiered(tmp_path, held="loads")
     evict_1_to_4_to_disk(manager, slabs)
     # a promotion of 1 is in flight (held) in a PENDING slot
     assert manager.lookup(key(1), CTX) is PENDING

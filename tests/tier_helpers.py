@@ -39,10 +39,13 @@ def make_slabs(num_slots: int, world_size: int = 1) -> list[np.ndarray]:
 
 
 def make_tiered(tmp_path, num_slots: int = 4, disk_chunks: int = 16, world_size: int = 1, policy: str = "lru",
-                rules: TierRules | None = None, held: bool = False, **kwargs) -> tuple[TieredManager, list[np.ndarray]]:
+                rules: TierRules | None = None, held: bool | str = False,
+                **kwargs) -> tuple[TieredManager, list[np.ndarray]]:
+    """A TieredManager over a real disk tier; `held`: True holds the tier's jobs (see `HeldTier`),
+    "loads" only its reads."""
     disk = DiskTier(tmp_path / "disk", namespace(world_size), disk_chunks * (SLOT_BYTES * world_size + 4096))
     assert disk.wait_scanned(5.0)
-    tier: SecondaryTier = HeldTier(disk) if held else disk
+    tier: SecondaryTier = HeldTier(disk, hold_stores=held != "loads") if held else disk
     slabs = make_slabs(num_slots, world_size)
     manager = TieredManager(CPUTierManager(num_slots, policy=policy), slabs, [(tier, rules or TierRules())],
                             **kwargs)
@@ -87,9 +90,9 @@ def counters(manager: TieredManager, index: int = 0) -> dict[str, int]:
 class HeldTier(SecondaryTier):
     """A real tier whose jobs wait until `release()` (loads and/or stores, as chosen)."""
 
-    def __init__(self, inner: SecondaryTier):
+    def __init__(self, inner: SecondaryTier, hold_stores: bool = True):
         self.inner, self.medium = inner, inner.medium
-        self.hold_loads = self.hold_stores = True
+        self.hold_loads, self.hold_stores = True, hold_stores
         self._held: list[TierJob] = []
         self._dropped: list[TierResult] = []
 

@@ -120,7 +120,3 @@ class StagingRows:
         self._holds[row] -= 1
         if self._holds[row] == 0:
             self._free.append(row)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
