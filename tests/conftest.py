@@ -5,6 +5,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# fixtures that start real servers for the remote tiers (never a server assumed to be running)
+pytest_plugins = ["redis_servers", "s3_server"]
+
 
 @pytest.fixture(scope="session")
 def model() -> Path:

