@@ -51,8 +51,8 @@ def test_unknown_key_lists_the_valid_ones():
     ("eviction_policy", "fifo", r"eviction_policy: expected one of \['arc', 'lru'\]"),
     ("offload_prompt_only", "yes", "offload_prompt_only: expected true or false"),
     ("max_defer_s", -1, "max_defer_s: expected seconds >= 0"),
-    ("disk_path", "", "disk_path: expected a directory path"),
-    ("disk_path", 7, "disk_path: expected a directory path"),
+    ("disk_path", "", "disk_path: expected a non-empty string"),
+    ("disk_path", 7, "disk_path: expected a non-empty string"),
     ("disk_bytes", "lots", "disk_bytes: expected a size"),
     ("disk_direct_io", "yes", r"disk_direct_io: expected one of \['auto', True, False\]"),
     ("disk_write_mode", "later", r"disk_write_mode: expected one of \['write_through', 'on_evict'\]"),
@@ -60,6 +60,18 @@ def test_unknown_key_lists_the_valid_ones():
     ("disk_max_store_s", 0, "disk_max_store_s: expected seconds >= 0.001"),
     ("promotion_bytes", -5, "promotion_bytes: "),
     ("disk_rescan_s", "often", "disk_rescan_s: expected seconds"),
+    ("redis_url", "http://localhost:6379", "redis_url: expected the scheme redis:// or rediss://"),
+    ("redis_url", "redis://host:notaport", "redis_url: not a valid URL"),
+    ("redis_url", 6379, "redis_url: expected a URL"),
+    ("redis_timeout_ms", 0, "redis_timeout_ms: expected an integer >= 1"),
+    ("redis_ttl_s", 0.5, "redis_ttl_s: expected seconds >= 1"),
+    ("redis_write_mode", "eager", r"redis_write_mode: expected one of \['write_through', 'on_evict'\]"),
+    ("s3_bucket", "Bad_Bucket", "s3_bucket: expected a string matching"),
+    ("s3_endpoint", "ftp://host", "s3_endpoint: expected a string matching"),
+    ("remote_prefix", "a:b", "remote_prefix: expected a string matching"),
+    ("remote_key_mode", "hmac", r"remote_key_mode: expected one of \['plain', 'keyed'\]"),
+    ("remote_breaker_failures", 0, "remote_breaker_failures: expected an integer >= 1"),
+    ("redis_password_file", "", "redis_password_file: expected a non-empty string"),
 ])
 def test_bad_values_name_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message):
@@ -69,3 +81,23 @@ def test_bad_values_name_the_key(key, value, message):
 def test_not_a_dict():
     with pytest.raises(ConfigError, match="must be a dict"):
         KVTierConfig.from_dict(["cpu_bytes"])
+
+
+def test_a_password_in_redis_url_is_refused_without_repeating_it():
+    # the URL is the one place a user might paste a secret: the error says where it belongs instead
+    with pytest.raises(ConfigError, match="KVTIER_REDIS_PASSWORD") as err:
+        KVTierConfig.from_dict({"redis_url": "redis://app:hunter2-planted@127.0.0.1:6379/0"})
+    assert "hunter2-planted" not in str(err.value)
+
+
+def test_shared_tier_keys_are_accepted():
+    cfg = KVTierConfig.from_dict({"redis_url": "rediss://cache.internal:6380/0", "redis_cluster": True,
+                                  "redis_username": "kvtier", "redis_password_file": "/run/secrets/redis",
+                                  "redis_ttl_s": 3600, "s3_endpoint": "https://s3.internal:9000", "s3_bucket": "kv-cache",
+                                  "remote_key_mode": "keyed", "key_secret_file": "/run/secrets/kvtier-key"})
+    assert cfg.redis_ttl_s == 3600.0 and cfg.s3_bucket == "kv-cache" and cfg.remote_key_mode == "keyed"
+
+
+def test_s3_endpoint_and_bucket_go_together():
+    with pytest.raises(ConfigError, match="s3_endpoint and s3_bucket go together"):
+        KVTierConfig.from_dict({"s3_endpoint": "http://127.0.0.1:8333"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError
 from kvtier.policies import policy_names
@@ -61,6 +62,14 @@ class KVTierConfig:
     disk_max_queue_bytes / disk_max_store_s: backpressure: cascades to disk are dropped
         while this many bytes are queued or recent writes took longer.
     promotion_bytes: bytes of chunks being read back from secondary tiers at most.
+    redis_* / s3_*: the shared tiers (see README, "Shared tiers"); no secret is ever a config
+        value: passwords, S3 keys and the key secret come from files named here or the environment.
+    remote_prefix: the first part of every Redis key and S3 object name.
+    remote_key_mode: "keyed" names values by HMAC(secret, key) (`key_secret_file` or
+        KVTIER_KEY_SECRET), so listing a store reveals no prompt; "plain" by the key itself.
+    remote_breaker_failures / remote_breaker_retry_s: failures in a row that open a shared tier's
+        circuit breaker, and the first interval between pings while it is open.
+    remote_max_queue_bytes: backpressure for each shared tier (as disk_max_queue_bytes).
     """
 
     cpu_bytes: int = 4 * 2**30
@@ -83,6 +92,37 @@ class KVTierConfig:
     disk_max_queue_bytes: int = 256 * 2**20
     disk_max_store_s: float = 2.0
     promotion_bytes: int = 256 * 2**20
+    redis_url: str | None = None
+    redis_cluster: bool = False
+    redis_username: str | None = None
+    redis_password_file: str | None = None
+    redis_ca_file: str | None = None
+    redis_ttl_s: float | None = None
+    redis_timeout_ms: int = 1000
+    redis_connect_timeout_ms: int = 500
+    redis_required: bool = False
+    redis_write_mode: str = "write_through"
+    redis_min_offers: int = 1
+    s3_endpoint: str | None = None
+    s3_bucket: str | None = None
+    s3_region: str = "us-east-1"
+    s3_credentials_file: str | None = None
+    s3_ca_file: str | None = None
+    s3_timeout_ms: int = 5000
+    s3_connect_timeout_ms: int = 1000
+    s3_required: bool = False
+    s3_write_mode: str = "write_through"
+    s3_min_offers: int = 1
+    remote_prefix: str = "kvtier"
+    remote_key_mode: str = "plain"
+    key_secret_file: str | None = None
+    remote_breaker_failures: int = 5
+    remote_breaker_retry_s: float = 1.0
+    remote_max_queue_bytes: int = 256 * 2**20
+
+    def __post_init__(self) -> None:
+        if (self.s3_endpoint is None) != (self.s3_bucket is None):
+            raise ConfigError("s3_endpoint and s3_bucket go together: set both for an S3 tier, or neither")
 
     @classmethod
     def from_dict(cls, raw: Any) -> KVTierConfig:
@@ -102,22 +142,34 @@ class KVTierConfig:
         return [f.name for f in fields(cls)]
 
 
-_SIZES = ("cpu_bytes", "disk_bytes", "disk_max_queue_bytes", "promotion_bytes")
-_BOOLS = ("offload_prompt_only", "enable_events", "disk_fsync")
-_CHOICES = {"disk_direct_io": ("auto", True, False), "disk_write_mode": ("write_through", "on_evict")}
+_SIZES = ("cpu_bytes", "disk_bytes", "disk_max_queue_bytes", "promotion_bytes", "remote_max_queue_bytes")
+_BOOLS = ("offload_prompt_only", "enable_events", "disk_fsync", "redis_cluster", "redis_required", "s3_required")
+_WRITE_MODES = ("write_through", "on_evict")
+_CHOICES = {"disk_direct_io": ("auto", True, False), "disk_write_mode": _WRITE_MODES, "redis_write_mode": _WRITE_MODES,
+            "s3_write_mode": _WRITE_MODES, "remote_key_mode": ("plain", "keyed")}
+_INTS = {"blocks_per_chunk": 1, "store_threshold": 1, "disk_min_offers": 1, "max_deferrals": 0, "redis_min_offers": 1,
+         "s3_min_offers": 1, "redis_timeout_ms": 1, "redis_connect_timeout_ms": 1, "s3_timeout_ms": 1,
+         "s3_connect_timeout_ms": 1, "remote_breaker_failures": 1}
+_SECONDS = {"max_defer_s": 0.0, "job_timeout_s": 0.001, "disk_max_store_s": 0.001, "disk_rescan_s": 0.001,
+            "redis_ttl_s": 1.0, "remote_breaker_retry_s": 0.01}
+_OPTIONAL = ("disk_rescan_s", "redis_ttl_s")  # seconds or null
+# paths and names: a non-empty string or null (a file's content is read at engine start, never here)
+_STRINGS = ("disk_path", "redis_username", "redis_password_file", "redis_ca_file", "s3_credentials_file",
+            "s3_ca_file", "key_secret_file", "s3_region")
+_PATTERNS = {"s3_bucket": re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"),
+             "remote_prefix": re.compile(r"^[A-Za-z0-9_.-]{1,64}$"),
+             "s3_endpoint": re.compile(r"^https?://[^\s/@]+(/[^\s@]*)?$")}
 
 
 def _check(key: str, value: Any) -> Any:
     if key in _SIZES:
         return parse_size(value, key)
-    if key in ("blocks_per_chunk", "store_threshold", "disk_min_offers"):
-        return _int_at_least(key, value, 1)
-    if key == "max_deferrals":
-        return _int_at_least(key, value, 0)
-    if key == "disk_rescan_s" and value is None:
+    if key in _INTS:
+        return _int_at_least(key, value, _INTS[key])
+    if key in _OPTIONAL and value is None:
         return None
-    if key in ("max_defer_s", "job_timeout_s", "disk_max_store_s", "disk_rescan_s"):
-        least = 0.0 if key == "max_defer_s" else 0.001
+    if key in _SECONDS:
+        least = _SECONDS[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < float("inf"):
             raise ConfigError(f"{key}: expected seconds >= {least:g}, got {value!r}")
         return float(value)
@@ -133,11 +185,36 @@ def _check(key: str, value: Any) -> Any:
         if not isinstance(value, str) or (value not in policy_names() and ":" not in value):
             raise ConfigError(f"{key}: expected one of {policy_names()} or 'module:Class', got {value!r}")
         return value
-    if key == "disk_path":
-        if value is not None and (not isinstance(value, str) or not value.strip() or "\x00" in value):
-            raise ConfigError(f"{key}: expected a directory path (a non-empty string) or null, got {value!r}")
+    if value is None and (key in _STRINGS or key in _PATTERNS or key == "redis_url"):
+        return None
+    if key in _STRINGS:
+        if not isinstance(value, str) or not value.strip() or "\x00" in value:
+            raise ConfigError(f"{key}: expected a non-empty string or null, got {type(value).__name__}")
         return value
+    if key in _PATTERNS:
+        if not isinstance(value, str) or not _PATTERNS[key].match(value):
+            raise ConfigError(f"{key}: expected a string matching {_PATTERNS[key].pattern}")
+        return value
+    if key == "redis_url":
+        return _redis_url(value)
     raise ConfigError(f"unknown kvtier config key {key!r}")
+
+
+def _redis_url(value: Any) -> str:
+    """A redis:// or rediss:// URL without a password (the message never repeats the URL: it may hold one)."""
+    if not isinstance(value, str):
+        raise ConfigError(f"redis_url: expected a URL like 'redis://host:6379/0', got {type(value).__name__}")
+    try:
+        url = urlsplit(value)
+        url.port  # noqa: B018 (raises on a bad port)
+    except ValueError:
+        raise ConfigError("redis_url: not a valid URL; expected 'redis://host:6379/0' or 'rediss://…'") from None
+    if url.scheme not in ("redis", "rediss") or not url.hostname:
+        raise ConfigError("redis_url: expected the scheme redis:// or rediss:// (TLS) and a host")
+    if url.password is not None:
+        raise ConfigError("redis_url must not contain a password: set the KVTIER_REDIS_PASSWORD environment variable "
+                          "or name a file holding it in redis_password_file (and the ACL user in redis_username)")
+    return value
 
 
 def _int_at_least(key: str, value: Any, minimum: int) -> int:

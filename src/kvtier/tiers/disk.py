@@ -2,7 +2,7 @@
 
 `DiskTier` drives one module per concept: `disk_index` (what is where, and the room),
 `disk_files` (which file holds a chunk), `disk_format` (what a file holds), `disk_jobs`
-(results, events, counters), `disk_workers` (the threads).
+(results, events, counters), and `workers` (the threads).
 
 - The manager's thread only does bookkeeping (lookups, reservations, evictions); a read
   pool and a write pool do the I/O, one task per chunk, and finished jobs queue up for
@@ -33,9 +33,9 @@ from kvtier.tiers.disk_files import ChunkFiles, ScanResult, make_directory
 from kvtier.tiers.disk_format import choose_direct_io
 from kvtier.tiers.disk_index import DiskIndex, Spared
 from kvtier.tiers.disk_jobs import DiskJob, FailureLog, JobBook
-from kvtier.tiers.disk_workers import Workers
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
+from kvtier.tiers.workers import Workers
 
 __all__ = ["DiskTier"]
 
@@ -88,7 +88,7 @@ class DiskTier(SecondaryTier):
         self._generation = self._queued_store_bytes = 0
         self.is_scanned = self._is_rescanning = False  # is_scanned: the index is built
         self._scanned = threading.Event()
-        self._workers = Workers(self._cond, num_read_threads, num_write_threads, logger)
+        self._workers = Workers(self._cond, num_read_threads, num_write_threads, logger, "disk")
         self._workers.housekeep(self._scan_at_start, 0)
         if rescan_s is not None:
             self._workers.every(rescan_s, self._rescan_soon)

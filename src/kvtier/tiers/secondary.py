@@ -147,7 +147,7 @@ class TierStats:
 
     `counters` names: load_chunks, load_bytes, load_seconds_us, load_failures,
     store_chunks, store_bytes, store_seconds_us, store_failures, evictions, corrupt,
-    hits, misses (tiers may add their own).
+    hits, misses (tiers may add their own). `gauges`: states a tier reports as they are now.
     """
 
     medium: str
@@ -155,6 +155,7 @@ class TierStats:
     used_bytes: int = 0
     queued_store_bytes: int = 0
     counters: Counter[str] = field(default_factory=Counter)
+    gauges: dict[str, float] = field(default_factory=dict)  # tier-specific states (e.g. breaker_open)
 
 
 class SecondaryTier(ABC):

@@ -54,10 +54,15 @@ TIER_COUNTERS = {
     "promotion_failures": "Promotions that failed (the slot was freed, the request recomputes).",
     "admission_skips": "Chunks a tier's admission rule kept out.",
     "staging_drops": "Evicted chunks an on_evict tier lost because the staging pool was full.",
+    "timeouts": "Operations of a shared tier (Redis, S3) that timed out.",
+    "errors": "Operations of a shared tier that failed otherwise (connection refused, server or auth error).",
+    "breaker_opens": "Times a shared tier's circuit breaker opened (the tier then answers misses at once).",
+    "breaker_rejects": "Chunks not read or written because a shared tier's breaker was open.",
 }
 TIER_GAUGES = {
     "used_bytes": "Bytes of chunks a tier holds.",
-    "capacity_bytes": "A tier's capacity in bytes.",
+    "capacity_bytes": "A tier's capacity in bytes (0: set by the server, e.g. Redis maxmemory).",
+    "breaker_open": "1 while a shared tier's circuit breaker is open (the server failed; being retried), else 0.",
 }
 _DIRECTIONS = ("load", "store")
 

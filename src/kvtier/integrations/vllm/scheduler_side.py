@@ -129,10 +129,13 @@ class SchedulerSide:
     def _add_tier_stats(self, stats: KVTierStats, cpu: ManagerStats) -> None:
         """Per tier: counter deltas since the last report, used and capacity bytes."""
         tiers = [("cpu", Counter(evictions=cpu.evictions), cpu.used_slots * self.payload_bytes,
-                  cpu.num_slots * self.payload_bytes)]
+                  cpu.num_slots * self.payload_bytes, {})]
         if isinstance(self.manager, TieredManager):
-            tiers += [(t.medium, t.counters, t.used_bytes, t.capacity_bytes) for t in self.manager.tier_stats()]
-        for medium, counters, used, capacity in tiers:
+            tiers += [(t.medium, t.counters, t.used_bytes, t.capacity_bytes, t.gauges)
+                      for t in self.manager.tier_stats()]
+        for medium, counters, used, capacity, gauges in tiers:
+            for name, value in gauges.items():
+                stats.set_gauge(tier_stat_name(medium, name), value)
             before = self._reported_tiers.get(medium, Counter())
             for name, value in counters.items():
                 delta = value - before.get(name, 0)

@@ -1,9 +1,9 @@
-"""The disk tier's threads: a read pool, a write pool, a housekeeper, an optional timer.
+"""A secondary tier's threads: a read pool, a write pool, a housekeeper, an optional timer.
 
 `Workers` runs each task on its pool, counts the tasks in flight so that `drain` can wait
 for them, turns a task's unexpected exception into a log line (a bug, not an I/O failure:
-the tier stays alive), and refuses new tasks once closed. What the tasks do is
-`kvtier.tiers.disk.DiskTier`'s.
+the tier stays alive), and refuses new tasks once closed. What the tasks do is the tier's
+(`kvtier.tiers.disk.DiskTier`, `kvtier.tiers.remote.RemoteTier`).
 
 Thread-safety: `read`, `write` and `housekeep` may be called from any thread, `every` and `close` from the
 tier's owner. The task count and `is_closed` change only under `cond`'s lock, which is the
@@ -28,13 +28,15 @@ class Workers:
         cond: the tier's condition; its lock guards the task count and `is_closed`.
         num_read_threads, num_write_threads: sizes of the read and write pools.
         logger: where a task's unexpected exception is logged.
+        medium: the tier's name, in thread names and log lines.
     """
 
     def __init__(self, cond: threading.Condition, num_read_threads: int, num_write_threads: int,
-                 logger: logging.Logger):
-        self._readers = ThreadPoolExecutor(num_read_threads, "kvtier-disk-read")
-        self._writers = ThreadPoolExecutor(num_write_threads, "kvtier-disk-write")
-        self._housekeeper = ThreadPoolExecutor(1, "kvtier-disk-scan")
+                 logger: logging.Logger, medium: str):
+        self._readers = ThreadPoolExecutor(num_read_threads, f"kvtier-{medium}-read")
+        self._writers = ThreadPoolExecutor(num_write_threads, f"kvtier-{medium}-write")
+        self._housekeeper = ThreadPoolExecutor(1, f"kvtier-{medium}-housekeep")
+        self.medium = medium
         self.is_closed = False
         self._cond, self._logger = cond, logger
         self._num_tasks = 0
@@ -47,7 +49,7 @@ class Workers:
             while not self._stop.wait(period_s):
                 fn()
 
-        self._timer = threading.Thread(target=loop, daemon=True, name="kvtier-disk-rescan")
+        self._timer = threading.Thread(target=loop, daemon=True, name=f"kvtier-{self.medium}-timer")
         self._timer.start()
 
     def read(self, fn: Callable[..., None], *args: Any) -> None:
@@ -73,7 +75,7 @@ class Workers:
         try:
             fn(*args)
         except Exception:  # a bug, not an I/O failure: say so, keep the tier alive
-            self._logger.exception("disk tier: %s failed", fn.__name__)
+            self._logger.exception("%s tier: %s failed", self.medium, fn.__name__)
         finally:
             with self._cond:
                 self._num_tasks -= 1

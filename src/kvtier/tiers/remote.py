@@ -1,0 +1,394 @@
+"""`RemoteTier`: a secondary tier on a shared remote store (Redis / Valkey, S3), shared by every
+engine replica that uses the same store and namespace.
+
+Only the tier decides; the `RemoteStore` it wraps only moves bytes (`kvtier.tiers.remote_store`).
+
+- **Lookups never block.** The tier remembers which keys it knows to be present (its own
+  stores, answered probes) and which were absent a moment ago (`absent_ttl_s`, so that what
+  another replica stores becomes visible soon). Anything else is queued for the probe thread,
+  which asks the store about up to `probe_batch` keys in one round trip; the lookup answers
+  RETRY meanwhile (the scheduler bounds the request's wait). Capacity is the server's
+  (`maxmemory` and its eviction policy, an optional TTL): a known key the server has dropped
+  is a failed load, and is forgotten.
+- **Jobs** run on a read pool and a write pool. A store skips keys known present and writes the
+  others only where their names do not exist yet (a value is never rewritten); a load checks
+  every value (`kvtier.tiers.remote_values`) before a byte reaches the slab: a value that is
+  short, long, foreign or corrupt is a failed key, counted as `corrupt`, and deleted.
+- **Circuit breaker** (`kvtier.tiers.breaker`): failed operations in a row open it; while
+  open, lookups answer MISS and jobs fail at once, and the probe thread pings the store
+  until it answers. No request waits on a dead server beyond the store's timeouts.
+- **reset()** forgets everything and deletes the namespace's values in the background;
+  lookups answer MISS until that sweep has finished, and a store in flight at the reset
+  deletes what it wrote. It deletes for every replica sharing the namespace: after a reset
+  (e.g. new weights) the old values are wrong for all of them.
+
+Thread-safety: the public methods are called from one thread (the manager's). The probe
+thread and the pools share state with it only under `_lock`, never held across I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+from kvtier.base import LookupResult, OffloadingEvent
+from kvtier.credentials import redact
+from kvtier.keys import OffloadKey
+from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.remote_store import RemoteStore
+from kvtier.tiers.remote_values import ValueCodec
+from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
+from kvtier.tiers.workers import Workers
+
+__all__ = ["RemoteTier"]
+
+logger = logging.getLogger(__name__)
+
+_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+_LOG_EVERY_S = 60.0
+_DELETE_BATCH = 512
+
+
+class RemoteTier(SecondaryTier):
+    """Args:
+        store: the remote store's byte operations.
+        namespace: what the values' bytes mean.
+        prefix: the first part of every name.
+        key_secret: the keyed mode's deployment secret (None: plain names; see `remote_values`).
+        io_threads: size of the read pool and of the write pool.
+        probe_batch: keys per existence round trip at most.
+        absent_ttl_s: how long a key found absent is answered MISS without asking again.
+        max_known: keys remembered as present at most (the oldest are forgotten first).
+        breaker: the circuit breaker (default: 5 failures, retry every 1 s).
+        enable_events: record stored/removed events for `take_events`.
+        start_open: the store did not answer at start: begin with the breaker open.
+    """
+
+    def __init__(self, store: RemoteStore, namespace: Namespace, *, prefix: str = "kvtier",
+                 key_secret: bytes | None = None, io_threads: int = 4, probe_batch: int = 256,
+                 absent_ttl_s: float = 0.5, max_known: int = 1 << 18, breaker: CircuitBreaker | None = None,
+                 enable_events: bool = True, start_open: bool = False):
+        self.store, self.medium = store, store.medium
+        self.codec = ValueCodec(namespace, prefix, store.separator, key_secret)
+        self.breaker = breaker or CircuitBreaker()
+        self.probe_batch, self.absent_ttl_s, self.max_known = probe_batch, absent_ttl_s, max_known
+        self.enable_events = enable_events
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._known: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._absent: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> when to ask again
+        self._probe_queue: list[OffloadKey] = []
+        self._probing: set[OffloadKey] = set()
+        self._finished: list[TierResult] = []
+        self._events: list[OffloadingEvent] = []
+        self._counters: Counter[str] = Counter()
+        self._generation = self._queued_store_bytes = 0
+        self._is_sweeping = False
+        self._last_logged: dict[str, float] = {}
+        self._workers = Workers(self._cond, io_threads, io_threads, logger, self.medium)
+        if start_open:
+            self.breaker.open_now()
+        self._stop = False
+        self._probe_thread = threading.Thread(target=self._probe_loop, daemon=True, name=f"kvtier-{self.medium}-probe")
+        self._probe_thread.start()
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def probe(self, keys: Sequence[OffloadKey]) -> None:
+        with self._cond:
+            for key in keys:
+                self._answer_locked(key)
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        with self._cond:
+            result = self._answer_locked(key)
+            self._counters[{_HIT: "hits", _MISS: "misses", _RETRY: "retries"}[result]] += 1
+            return result
+
+    def _answer_locked(self, key: OffloadKey) -> LookupResult:
+        if self.breaker.is_open or self._is_sweeping:
+            return _MISS
+        if key in self._known:
+            self._known.move_to_end(key)
+            return _HIT
+        now = time.monotonic()
+        while self._absent and next(iter(self._absent.values())) <= now:
+            self._absent.popitem(last=False)  # oldest first: every entry lives absent_ttl_s
+        if key in self._absent:
+            return _MISS
+        if key not in self._probing:
+            self._probing.add(key)
+            self._probe_queue.append(key)
+            self._cond.notify_all()
+        return _RETRY
+
+    def _probe_loop(self) -> None:
+        while True:
+            with self._cond:
+                if self.breaker.is_open:  # sleep until the next ping is due
+                    self._cond.wait_for(lambda: self._stop, timeout=self.breaker.seconds_to_next_probe())
+                else:
+                    self._cond.wait_for(lambda: self._stop or self._probe_queue or self.breaker.is_open, timeout=1.0)
+                if self._stop:
+                    return
+                batch = self._probe_queue[:self.probe_batch]
+                del self._probe_queue[:len(batch)]
+                generation = self._generation
+            if self.breaker.is_open:
+                self._forget_probes(batch)
+                self._ping_if_due()
+            elif batch:
+                self._probe(batch, generation)
+
+    def _probe(self, keys: list[OffloadKey], generation: int) -> None:
+        try:
+            found = self.store.exists([self.codec.name(k) for k in keys])
+        except Exception as exc:
+            self._failed(exc, "existence probe")
+            self._forget_probes(keys)
+            return
+        self.breaker.record_success()
+        expires = time.monotonic() + self.absent_ttl_s
+        with self._cond:
+            self._counters["probed_keys"] += len(keys)
+            for key, is_present in zip(keys, found, strict=True):
+                self._probing.discard(key)
+                if generation != self._generation:
+                    continue  # a reset came: the answer may name values being deleted
+                if is_present:
+                    self._remember_locked(key)
+                else:
+                    self._absent[key] = expires
+                    self._absent.move_to_end(key)
+
+    def _forget_probes(self, keys: list[OffloadKey]) -> None:
+        with self._cond:
+            self._probing.difference_update(keys)
+
+    def _ping_if_due(self) -> None:
+        if not self.breaker.should_probe():
+            return
+        try:
+            self.store.ping()
+        except Exception as exc:
+            self._log_once("ping", f"{self.medium} tier: {self.store.describe()} still unreachable: {redact(str(exc))}")
+            return
+        if self.breaker.probe_succeeded():
+            logger.warning("kvtier: %s tier at %s answers again; serving from it", self.medium, self.store.describe())
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """The server's eviction policy orders a shared store's values; nothing to record here."""
+
+    # -- jobs ---------------------------------------------------------------------------------
+
+    def submit_load(self, job: TierJob) -> None:
+        with self._cond:
+            generation = self._generation
+            if self.breaker.is_open or self._workers.is_closed:
+                self._counters["breaker_rejects"] += len(job.keys)
+                self._finish_locked(job, set(job.keys), 0, 0.0, "tier unavailable (breaker open)")
+                return
+        self._workers.read(self._load, job, generation, time.perf_counter())
+
+    def _load(self, job: TierJob, generation: int, started: float) -> None:
+        failed: set[OffloadKey] = set()
+        corrupt: list[str] = []
+        error = None
+        try:
+            values = self.store.get([self.codec.name(k) for k in job.keys])
+            self.breaker.record_success()
+        except Exception as exc:
+            values, failed, error = [None] * len(job.keys), set(job.keys), self._failed(exc, "load")
+        for key, value, bufs in zip(job.keys, values, job.buffers, strict=True):
+            if key in failed:
+                continue
+            why = "absent" if value is None else self.codec.unpack_into(key, value, bufs)
+            if why is not None:
+                failed.add(key)
+                if value is not None:
+                    corrupt.append(self.codec.name(key))
+                    self._log_once("corrupt", f"{self.medium} tier: dropped a bad value of {key.hex()[:16]}…: {why}")
+        if corrupt:
+            self._delete(corrupt)
+        num_bytes = self.codec.payload_bytes * (len(job.keys) - len(failed))
+        with self._cond:
+            self._counters["corrupt"] += len(corrupt)
+            self._counters["load_missing"] += len(failed) - len(corrupt) if error is None else 0
+            if error is None:  # absent or bad values: forget them (a server error says nothing about a key)
+                for key in failed:
+                    self._known.pop(key, None)
+            if generation != self._generation:
+                failed, error = set(job.keys), "reset while in flight"
+            self._count_locked("load", len(job.keys) - len(failed), len(failed), num_bytes, started)
+            self._finish_locked(job, failed, num_bytes, time.perf_counter() - started, error)
+
+    def submit_store(self, job: TierJob) -> None:
+        with self._cond:
+            generation = self._generation
+            if self.breaker.is_open or self._workers.is_closed:
+                self._counters["breaker_rejects"] += len(job.keys)
+                self._finish_locked(job, set(job.keys), 0, 0.0, "tier unavailable (breaker open)")
+                return
+            bad = {k for k, bufs in zip(job.keys, job.buffers, strict=True) if not self.codec.fits(k, bufs)}
+            self._counters["bad_jobs"] += len(bad)
+            todo = [(k, bufs) for k, bufs in zip(job.keys, job.buffers, strict=True)
+                    if k not in self._known and k not in bad]
+            self._queued_store_bytes += len(todo) * self.codec.payload_bytes
+        self._workers.write(self._store, job, todo, bad, generation, time.perf_counter())
+
+    def _store(self, job: TierJob, todo: list[tuple[OffloadKey, tuple[memoryview, ...]]], bad: set[OffloadKey],
+               generation: int, started: float) -> None:
+        failed, error, written = set(bad), None, [False] * len(todo)
+        try:
+            if todo:
+                written = self.store.put([(self.codec.name(k), self.codec.pack(k, bufs)) for k, bufs in todo])
+                self.breaker.record_success()
+        except Exception as exc:
+            failed.update(k for k, _ in todo)
+            error = self._failed(exc, "store")
+        new_keys = [k for (k, _), is_new in zip(todo, written, strict=True) if is_new and k not in failed]
+        with self._cond:
+            self._queued_store_bytes -= len(todo) * self.codec.payload_bytes
+            is_stale = generation != self._generation
+            if is_stale:
+                failed, error = set(job.keys), "reset while in flight"
+            else:
+                for key in job.keys:
+                    if key not in failed:
+                        self._remember_locked(key)
+                self._emit_locked(new_keys, removed=False)
+            self._counters["store_existing"] += len(todo) - len(new_keys) - len(failed & {k for k, _ in todo})
+            self._count_locked("store", len(new_keys), len(failed), len(new_keys) * self.codec.payload_bytes, started)
+            self._finish_locked(job, failed, len(new_keys) * self.codec.payload_bytes, time.perf_counter() - started,
+                                error)
+        if is_stale and new_keys:
+            self._delete([self.codec.name(k) for k in new_keys])  # the reset must not leave them behind
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _remember_locked(self, key: OffloadKey) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        self._absent.pop(key, None)
+        if len(self._known) > self.max_known:
+            self._known.popitem(last=False)
+
+    def _count_locked(self, direction: str, num_ok: int, num_failed: int, num_bytes: int, started: float) -> None:
+        self._counters[f"{direction}_chunks"] += num_ok
+        self._counters[f"{direction}_failures"] += num_failed
+        self._counters[f"{direction}_bytes"] += num_bytes
+        self._counters[f"{direction}_seconds_us"] += int((time.perf_counter() - started) * 1e6)
+
+    def _finish_locked(self, job: TierJob, failed: set[OffloadKey], num_bytes: int, seconds: float,
+                       error: str | None) -> None:
+        if failed and error is None:
+            error = f"{len(failed)} of {len(job.keys)} keys failed (see the tier's counters)"
+        self._finished.append(TierResult(job_id=job.job_id, failed_keys=frozenset(failed), num_bytes=num_bytes,
+                                         seconds=seconds, error=error))
+
+    def _emit_locked(self, keys: list[OffloadKey], removed: bool) -> None:
+        if self.enable_events and keys:
+            self._events.append(OffloadingEvent(keys, self.medium, removed))
+
+    def _failed(self, exc: Exception, what: str) -> str:
+        """Count a failed operation (timeouts apart), feed the breaker; the message to report."""
+        is_timeout = self.store.is_timeout(exc)
+        message = f"{what} failed ({'timeout' if is_timeout else type(exc).__name__}): {redact(str(exc))}"
+        with self._cond:
+            self._counters["timeouts" if is_timeout else "errors"] += 1
+        if self.breaker.record_failure():
+            logger.warning("kvtier: %s tier at %s is failing (%s); answering misses and retrying in the background",
+                           self.medium, self.store.describe(), message)
+            with self._cond:
+                self._cond.notify_all()
+        else:
+            self._log_once(what, f"{self.medium} tier: {message}")
+        return message
+
+    def _log_once(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_logged.get(kind, -_LOG_EVERY_S) < _LOG_EVERY_S:
+                return
+            self._last_logged[kind] = now
+        logger.warning("kvtier: %s (logged once a minute; counted in stats())", message)
+
+    def _delete(self, names: list[str]) -> None:
+        try:
+            self.store.delete(names)
+        except Exception as exc:
+            self._log_once("delete", f"{self.medium} tier: delete failed: {redact(str(exc))}")
+
+    # -- what the manager reads -------------------------------------------------------------------
+
+    @property
+    def queued_store_bytes(self) -> int:
+        return self._queued_store_bytes
+
+    def get_finished(self) -> list[TierResult]:
+        with self._cond:
+            finished, self._finished = self._finished, []
+            return finished
+
+    def take_events(self) -> list[OffloadingEvent]:
+        with self._cond:
+            events, self._events = self._events, []
+            return events
+
+    def stats(self) -> TierStats:
+        with self._cond:
+            counters = Counter(self._counters)
+            counters["breaker_opens"], counters["breaker_closes"] = self.breaker.num_opens, self.breaker.num_closes
+            return TierStats(self.medium, 0, used_bytes=len(self._known) * self.codec.value_bytes,
+                             queued_store_bytes=self._queued_store_bytes, counters=counters,
+                             gauges={"breaker_open": float(self.breaker.is_open)})
+
+    # -- reset and lifecycle ------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        with self._cond:
+            self._generation += 1
+            self._known.clear()
+            self._absent.clear()
+            self._probe_queue.clear()
+            self._probing.clear()
+            self._is_sweeping = True
+            self._counters["resets"] += 1
+            generation = self._generation
+        self._workers.housekeep(self._sweep, generation)
+
+    def _sweep(self, generation: int) -> None:
+        """Delete every value of the namespace; retried until it succeeds or the tier closes."""
+        while not self._workers.is_closed:
+            try:
+                names: list[str] = []
+                for name in self.store.list_names(self.codec.name_prefix):
+                    names.append(name)
+                    if len(names) >= _DELETE_BATCH:
+                        self.store.delete(names)
+                        names = []
+                self.store.delete(names)
+                break
+            except Exception as exc:
+                self._log_once("reset", f"{self.medium} tier: reset could not delete values yet: {redact(str(exc))}")
+                time.sleep(self.breaker.retry_s)
+        with self._cond:
+            if generation == self._generation:
+                self._is_sweeping = False
+
+    def drain(self, timeout: float) -> bool:
+        return self._workers.drain(timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            if self._stop:
+                return
+            self._stop = True
+            self._cond.notify_all()
+        self._probe_thread.join()
+        self._workers.close()
+        self.store.close()
