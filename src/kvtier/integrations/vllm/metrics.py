@@ -57,6 +57,7 @@ TIER_COUNTERS = {
     "timeouts": "Operations of a shared tier (Redis, S3) that timed out.",
     "errors": "Operations of a shared tier that failed otherwise (connection refused, server or auth error).",
     "breaker_opens": "Times a shared tier's circuit breaker opened (the tier then answers misses at once).",
+    "breaker_closes": "Times a shared tier's circuit breaker closed again (its server answered a ping).",
     "breaker_rejects": "Chunks not read or written because a shared tier's breaker was open.",
 }
 TIER_GAUGES = {
