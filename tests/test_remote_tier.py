@@ -50,7 +50,8 @@ def backend(request):
                                             secret_access_key=server.secret_access_key, **kw)
     from kvtier.tiers.redis import RedisStore
 
-    server = request.getfixturevalue({"redis": "redis_server"}.get(request.param, request.param)).ready()  # running (after a fault test) and empty
+    fixture = {"redis": "redis_server"}.get(request.param, request.param)
+    server = request.getfixturevalue(fixture).ready()  # running (after a fault test) and empty
     return server, lambda **kw: RedisStore(server.url, cluster=request.param == "redis_cluster", **kw)
 
 

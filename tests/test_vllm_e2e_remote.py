@@ -71,11 +71,13 @@ def first_engine(model, baseline, redis_server):
         closed = _wait_for_breaker_to_close(llm)
         for prompt in SHARED_PROMPTS:  # what the second engine will find in Redis
             generate(llm, [prompt], max_tokens=1)
-        stored = sum(1 for _ in redis_server.client().scan_iter(match="kvtier:*", count=1000))
-        return {"turns": turns, "seconds": seconds, "metrics": metrics, "closed": closed, "stored": stored}
     finally:
-        redis_server.start()
-        shutdown(llm)
+        if not redis_server.is_running():
+            redis_server.start()
+        shutdown(llm)  # waits (bounded) for the writes in flight
+    with redis_server.client() as client:
+        stored = sum(1 for _ in client.scan_iter(match="kvtier:*", count=1000))
+    return {"turns": turns, "seconds": seconds, "metrics": metrics, "closed": closed, "stored": stored}
 
 
 def _turn(llm, histories: list[list[int]], turn: int) -> list[dict]:

@@ -198,18 +198,20 @@ class RemoteTier(SecondaryTier):
         failed: set[OffloadKey] = set()
         corrupt: list[str] = []
         error = None
-        try:
-            values = self.store.get([self.codec.name(k) for k in job.keys])
+        headers = [self.codec.header_buffer() for _ in job.keys]
+        try:  # each value's header into its own buffer, its payload straight into the slab rows
+            sizes = self.store.get_into([self.codec.name(k) for k in job.keys],
+                                        [(h, *bufs) for h, bufs in zip(headers, job.buffers, strict=True)])
             self.breaker.record_success()
         except Exception as exc:
-            values, failed, error = [None] * len(job.keys), set(job.keys), self._failed(exc, "load")
-        for key, value, bufs in zip(job.keys, values, job.buffers, strict=True):
+            sizes, failed, error = [None] * len(job.keys), set(job.keys), self._failed(exc, "load")
+        for key, size, header, bufs in zip(job.keys, sizes, headers, job.buffers, strict=True):
             if key in failed:
                 continue
-            why = "absent" if value is None else self.codec.unpack_into(key, value, bufs)
+            why = "absent" if size is None else self.codec.check(key, size, header, bufs)
             if why is not None:
                 failed.add(key)
-                if value is not None:
+                if size is not None:
                     corrupt.append(self.codec.name(key))
                     self._log_once("corrupt", f"{self.medium} tier: dropped a bad value of {key.hex()[:16]}…: {why}")
         if corrupt:

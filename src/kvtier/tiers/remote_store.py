@@ -6,7 +6,8 @@ its checks, key names — lives in `kvtier.tiers.remote.RemoteTier`, which calls
 from its own threads. The primitives:
 
 1. `exists(names)`: which names are present, one batched round trip where the store allows.
-2. `get(names)`: the whole value of each name (None when absent), batched.
+2. `get(names)`: the whole value of each name (None when absent), batched; `get_into(names,
+   buffers)` the same, received into the caller's buffers (the tier's load path).
 3. `put(items)`: write each value (its parts back to back) unless the name already exists.
 4. `delete(names)`, `list_names(prefix)` (for reset), `ping()`, `close()`.
 
@@ -45,6 +46,25 @@ class RemoteStore(ABC):
     @abstractmethod
     def get(self, names: Sequence[str]) -> list[bytes | memoryview | None]:
         """Each name's whole value (None when absent), in order."""
+
+    def get_into(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        """Each name's value written into `buffers[i]` (back to back); returns each value's size
+        (None when absent). Where the size is not the bytes of `buffers[i]` they are left
+        unspecified. Stores that can receive straight into the buffers override this (it
+        saves a fresh buffer per value, whose page faults cost more than the copy)."""
+        sizes: list[int | None] = []
+        for value, bufs in zip(self.get(names), buffers, strict=True):
+            if value is None:
+                sizes.append(None)
+                continue
+            view = memoryview(value).cast("B")
+            sizes.append(view.nbytes)
+            if view.nbytes == sum(buf.nbytes for buf in bufs):
+                offset = 0
+                for buf in bufs:
+                    buf.cast("B")[:] = view[offset:offset + buf.nbytes]
+                    offset += buf.nbytes
+        return sizes
 
     @abstractmethod
     def put(self, items: Sequence[tuple[str, ValueParts]]) -> list[bool]:

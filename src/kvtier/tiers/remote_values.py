@@ -8,8 +8,9 @@
   guessed prompt and test whether it was served; with it, names are unpredictable without the
   secret (and a store without the secret cannot be read by an engine that has it, or back).
 - **Values**: `ValueHeader` (see `kvtier.tiers.secondary`) + the payload (every rank's buffer,
-  back to back). `unpack_into` checks length, header, namespace, key, payload length and
-  checksum before it copies a byte into the slab: a value that fails any check is refused.
+  back to back). A load receives the header into a buffer of its own and the payload straight
+  into the slab rows; `check` then verifies length, header, namespace, key, payload length and
+  checksum, and a value that fails any of them is refused (its slot was never readable).
 
 Thread-safety: immutable; every method may be called from any thread.
 """
@@ -63,21 +64,22 @@ class ValueCodec:
         header = ValueHeader(self.namespace_id, self.stored_key(key), self.payload_bytes, checksum(buffers))
         return [header.pack(), *buffers]
 
-    def unpack_into(self, key: OffloadKey, value: bytes | memoryview, buffers: Sequence[memoryview]) -> str | None:
-        """Check `value` and copy its payload into `buffers`; the reason it is refused, or None."""
-        view = memoryview(value)
-        if view.nbytes != self.value_bytes:
-            return f"{view.nbytes} bytes, expected {self.value_bytes}"
-        header = ValueHeader.unpack(view[:HEADER_BYTES])
-        if isinstance(header, str):
-            return header
-        if (why := header.mismatch(self.namespace_id, self.stored_key(key), self.payload_bytes)) is not None:
+    def header_buffer(self) -> memoryview:
+        """Room for a value's header, received before its payload (see `check`)."""
+        return memoryview(bytearray(HEADER_BYTES))
+
+    def check(self, key: OffloadKey, size: int, header: memoryview, payload: Sequence[memoryview]) -> str | None:
+        """Why a value of `size` bytes received into `header` + `payload` must be refused, or None.
+
+        The payload buffers are only trusted once this returns None: until then they hold
+        bytes nobody may read (a PENDING slot)."""
+        if size != self.value_bytes:
+            return f"{size} bytes, expected {self.value_bytes}"
+        unpacked = ValueHeader.unpack(header)
+        if isinstance(unpacked, str):
+            return unpacked
+        if (why := unpacked.mismatch(self.namespace_id, self.stored_key(key), self.payload_bytes)) is not None:
             return why
-        payload = view[HEADER_BYTES:]
-        if checksum([payload]) != header.payload_checksum:
+        if checksum(payload) != unpacked.payload_checksum:
             return "payload checksum mismatch"
-        offset = 0
-        for buf in buffers:
-            memoryview(buf).cast("B")[:] = payload[offset:offset + buf.nbytes]
-            offset += buf.nbytes
         return None

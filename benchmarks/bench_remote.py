@@ -1,0 +1,287 @@
+"""Redis tier GB/s against `redis-benchmark` on the same server in the same run, and the S3
+tier's ratios (from benchmarks/s3_bench.py, when there).
+
+For values of 1, 2 and 4 MiB, on one `redis-server` started here (loopback, no persistence):
+
+- baseline: `redis-benchmark -d <size> -c <threads>` at `-P 1` and at `-P <batch>`, the
+  better of the two per direction; GB/s = requests/s x size. SET: `-t set -r 10^9`, every
+  key new (as the store writes new names: the server faults in fresh memory for each value,
+  which SETs over existing keys avoid; those are printed too). GET: `-t set,get -r <keys>
+  -n <8 x keys>`, keys spanning 64 MiB (twice this machine's L3: no value is read from cache).
+- RedisStore: `put` (SET NX of new names), `get` and `get_into` (into the caller's buffers)
+  of values of <size> bytes (a 128-byte header part and a payload part, as the tier sends),
+  <batch> names per call from <threads> threads. `get` receives each value into new memory,
+  and faulting it in bounds it (1 MiB: 1.1-2.7 GB/s, as the allocator happens to reuse
+  pages or not); `get_into` receives into memory already faulted in (as a slab's rows are).
+- RemoteTier on a RedisStore: store and load jobs of <batch> keys (payload <size> - 128
+  bytes, so a value is <size> bytes) from / into numpy rows, 2 x <threads> jobs in flight,
+  `io_threads=<threads>`: with the value header, the xxh3 checksums, the slab copies.
+- `--clients`: also redis-py's own pipeline (`set(name, b"".join(parts), nx=True)`, `get`),
+  and valkey-glide's sync client when importable (`pip install valkey-glide-sync`).
+
+Each GB/s figure is the best over rounds; each ratio is the median over rounds of that
+round's side / baseline. The RESULT ratios are the tier's (the store's where RemoteTier is
+missing), the lowest over the sizes.
+
+Usage: python benchmarks/bench_remote.py [--quick] [--rounds R] [--threads T] [--batch B] [--clients] [--no-s3]
+Last line: RESULT redis_store_ratio=<x> redis_load_ratio=<y> s3_store_ratio=<z> s3_load_ratio=<w>
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import hashlib
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import redis
+
+from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.redis import RedisStore
+from kvtier.tiers.secondary import HEADER_BYTES, TierJob
+from servers import redis_server
+
+SIZES = (1 << 20, 2 << 20, 4 << 20)
+WORKING_SET = 64 << 20  # redis-benchmark's keys x size (--quick: half)
+NEW_KEYS = 10**9  # redis-benchmark -r for "every SET a new key" (an int: 2^40 wraps, and every SET hits one key)
+GB = 1e9
+
+
+def redis_benchmark(port: int, size: int, clients: int, pipeline: int, working_set: int) -> dict[str, float]:
+    """GB/s that redis-benchmark reaches: SET of new keys; SET over and GET of `working_set` bytes of keys."""
+    keys = max(8, working_set // size)
+    new = _redis_benchmark(port, size, clients, pipeline, "set", NEW_KEYS, 4 * keys)
+    redis.Redis(port=port).flushall()
+    # 8 requests per key: nearly every key is set before the GETs start (e^-8 are not)
+    reused = _redis_benchmark(port, size, clients, pipeline, "set,get", keys, 8 * keys)
+    redis.Redis(port=port).flushall()
+    return {"set": new["SET"], "set over": reused["SET"], "get": reused["GET"]}
+
+
+def _redis_benchmark(port: int, size: int, clients: int, pipeline: int, tests: str, keys: int,
+                     requests: int) -> dict[str, float]:
+    done = subprocess.run(["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-d", str(size), "-t", tests,
+                           "-c", str(clients), "-P", str(pipeline), "-r", str(keys), "-n", str(requests), "--csv"],
+                          capture_output=True, text=True, check=True)
+    return {row[0]: float(row[1]) * size / GB for row in csv.reader(done.stdout.splitlines()[1:]) if row}
+
+
+def in_threads(threads: int, batch: int, count: int, work: Callable[[int, range], None]) -> float:
+    """Seconds for `threads` threads to run work(thread, batch of indices) over range(count)."""
+    def run(thread: int) -> None:
+        for start in range(thread * batch, count, threads * batch):
+            work(thread, range(start, min(start + batch, count)))
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return time.perf_counter() - start
+
+
+def store_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str) -> dict[str, float]:
+    """RedisStore put / get / get_into GB/s."""
+    store = RedisStore(url, max_connections=threads)
+    names = [f"bench:{tag}:{i}" for i in range(count)]
+    parts = [os.urandom(HEADER_BYTES), memoryview(np.random.default_rng(0).integers(0, 256, size - HEADER_BYTES,
+                                                                                  np.uint8))]
+    # each thread's destinations, faulted in (as an engine's slab rows are)
+    dests = [[[memoryview(np.ones(HEADER_BYTES, np.uint8)), memoryview(np.ones(size - HEADER_BYTES, np.uint8))]
+              for _ in range(batch)] for _ in range(threads)]
+
+    def put(_: int, idx: range) -> None:
+        if not all(store.put([(names[i], parts) for i in idx])):
+            raise RuntimeError("a name existed")
+
+    def get(_: int, idx: range) -> None:
+        if any(value is None or len(value) != size for value in store.get([names[i] for i in idx])):
+            raise RuntimeError("a value is missing or of another size")
+
+    def get_into(thread: int, idx: range) -> None:
+        if store.get_into([names[i] for i in idx], dests[thread][:len(idx)]) != [size] * len(idx):
+            raise RuntimeError("a value is missing or of another size")
+
+    out = {side: count * size / in_threads(threads, batch, count, fn) / GB
+           for side, fn in (("put", put), ("get", get), ("get_into", get_into))}
+    if bytes(dests[0][0][1]) != bytes(parts[1]):
+        raise RuntimeError("get_into received other bytes")
+    store.close()
+    return out
+
+
+def bench_key(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(8, "big")).digest() + bytes(4)
+
+
+def tier_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str) -> dict[str, float]:
+    """RemoteTier store / load GB/s (bytes of values, header included, as the other sides)."""
+    from kvtier.tiers.remote import RemoteTier
+
+    namespace = Namespace("bench", "bfloat16", "blocks", 16, 4, "sha256_cbor", 1, size - HEADER_BYTES)
+    tier = RemoteTier(RedisStore(url, max_connections=2 * threads), namespace, prefix=f"bench-tier-{tag}",
+                      io_threads=threads, enable_events=False)
+    in_flight = 2 * threads
+    rows = np.random.default_rng(1).integers(0, 256, (batch * in_flight, size - HEADER_BYTES), np.uint8)
+    try:
+        return {side: count * size / run_jobs(tier, rows, count, batch, in_flight, side == "store") / GB
+                for side in ("store", "load")}
+    finally:
+        tier.close()
+
+
+def run_jobs(tier, rows: np.ndarray, count: int, batch: int, in_flight: int, is_store: bool) -> float:
+    """Seconds to store (or load) keys 0..count-1 through `rows`, `in_flight` jobs of `batch` at once."""
+    free_sets = [list(range(i, i + batch)) for i in range(0, len(rows), batch)]
+    running: dict[int, list[int]] = {}
+    next_key = job_id = 0
+    start = time.perf_counter()
+    while next_key < count or running:
+        while free_sets and next_key < count:
+            row_ids, num = free_sets.pop(), min(batch, count - next_key)
+            job = TierJob(job_id=job_id, is_store=is_store, keys=tuple(bench_key(next_key + i) for i in range(num)),
+                          buffers=tuple((memoryview(rows[r]),) for r in row_ids[:num]))
+            (tier.submit_store if is_store else tier.submit_load)(job)
+            running[job_id] = row_ids
+            next_key, job_id = next_key + num, job_id + 1
+        for result in tier.get_finished():
+            if result.failed_keys:
+                raise RuntimeError(f"job {result.job_id}: {len(result.failed_keys)} keys failed ({result.error})")
+            free_sets.append(running.pop(result.job_id))
+        time.sleep(0.0002)  # the manager polls once per engine step; this is far more often
+    return time.perf_counter() - start
+
+
+def client_rates(port: int, size: int, count: int, threads: int, batch: int) -> dict[str, float]:
+    """redis-py's own pipeline, and glide-sync when importable: put (joined value) / get GB/s."""
+    parts = [os.urandom(HEADER_BYTES), os.urandom(size - HEADER_BYTES)]
+    names = [f"bench:client:{i}" for i in range(count)]
+    client = redis.Redis(port=port, max_connections=threads)
+
+    def put(_: int, idx: range) -> None:
+        pipe = client.pipeline(transaction=False)
+        for i in idx:
+            pipe.set(names[i], b"".join(parts), nx=True)
+        pipe.execute()
+
+    def get(_: int, idx: range) -> None:
+        pipe = client.pipeline(transaction=False)
+        for i in idx:
+            pipe.get(names[i])
+        pipe.execute()
+
+    out = {f"redis-py {side}": count * size / in_threads(threads, batch, count, fn) / GB
+           for side, fn in (("put", put), ("get", get))}
+    client.flushall()
+    try:
+        from glide_sync import Batch, ConditionalChange, GlideClient, GlideClientConfiguration, NodeAddress
+    except ImportError:
+        return out
+    glide = GlideClient.create(GlideClientConfiguration([NodeAddress("127.0.0.1", port)], request_timeout=10_000))
+
+    def glide_put(_: int, idx: range) -> None:
+        batch_ = Batch(is_atomic=False)
+        for i in idx:
+            batch_.set(names[i], b"".join(parts), conditional_set=ConditionalChange.ONLY_IF_DOES_NOT_EXIST)
+        glide.exec(batch_, raise_on_error=True)
+
+    def glide_get(_: int, idx: range) -> None:
+        glide.mget([names[i] for i in idx])
+
+    out.update({f"glide-sync {side}": count * size / in_threads(threads, batch, count, fn) / GB
+                for side, fn in (("put", glide_put), ("get", glide_get))})
+    glide.close()
+    client.flushall()
+    return out
+
+
+def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: str) -> dict[str, float]:
+    """Every side once, the baseline first."""
+    url, threads, batch = f"redis://127.0.0.1:{port}", args.threads, args.batch
+    working_set = WORKING_SET // 2 if args.quick else WORKING_SET
+    by_pipeline = {pipeline: redis_benchmark(port, size, threads, pipeline, working_set) for pipeline in (1, batch)}
+    out = {f"bench {test}": max(rates[test] for rates in by_pipeline.values()) for test in ("set", "set over", "get")}
+    out.update({f"bench {test} -P{pipeline}": rate for pipeline, rates in by_pipeline.items()
+                for test, rate in rates.items()})
+    flush = redis.Redis(port=port).flushall
+    out.update({f"store {k}": v for k, v in store_rates(url, size, count, threads, batch, tag).items()})
+    flush()
+    with contextlib.suppress(ImportError):  # kvtier.tiers.remote not there yet
+        out.update({f"tier {k}": v for k, v in tier_rates(url, size, count, threads, batch, tag).items()})
+    flush()
+    if args.clients:
+        out.update(client_rates(port, size, count, threads, batch))
+    return out
+
+
+def report(size: int, results: list[dict[str, float]]) -> dict[str, float]:
+    """Print one size's figures; its ratios (median over rounds)."""
+    best = {name: max(r[name] for r in results) for name in results[0]}
+    ratio = {side: statistics.median(r[side] / r[f"bench {base}"] for r in results)
+             for side, base in (("store put", "set"), ("store get", "get"), ("store get_into", "get"),
+                                ("tier store", "set"), ("tier load", "get")) if side in best}
+    print(f"{size >> 20} MiB  redis-benchmark SET (new keys) {best['bench set']:.2f}, GET {best['bench get']:.2f} "
+          f"GB/s; SET over existing keys {best['bench set over']:.2f}")
+    print(f"      ({', '.join(f'{k[6:]} {v:.2f}' for k, v in best.items() if k.startswith('bench ') and '-P' in k)})")
+    for side, value in best.items():
+        if not side.startswith("bench"):
+            extra = f"  ({ratio[side]:.2f}x)" if side in ratio else ""
+            print(f"      {side:16s} {value:5.2f} GB/s{extra}")
+    return ratio
+
+
+def s3_ratios(quick: bool) -> dict[str, float]:
+    """benchmarks/s3_bench.py's ratios, or nan while that module is not there."""
+    try:
+        import s3_bench
+    except ModuleNotFoundError as exc:
+        if exc.name != "s3_bench":
+            raise
+        print("s3: benchmarks/s3_bench.py is not there yet")
+        return {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan}
+    return s3_bench.measure(quick)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 MiB per size and round, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=2, help="client threads (redis-benchmark -c)")
+    parser.add_argument("--batch", type=int, default=8, help="names per call (redis-benchmark -P)")
+    parser.add_argument("--clients", action="store_true", help="also redis-py's pipeline and glide-sync")
+    parser.add_argument("--no-s3", action="store_true", help="skip benchmarks/s3_bench.py (its ratios: nan)")
+    args = parser.parse_args()
+    if shutil.which("redis-benchmark") is None:
+        raise SystemExit("redis-benchmark not found on PATH: apt-get install -y redis-server (or `make test`)")
+    total, rounds = (64 << 20, args.rounds or 2) if args.quick else (256 << 20, args.rounds or 4)
+    ratios: dict[str, list[float]] = {}
+    with redis_server() as port:
+        version = redis.Redis(port=port).info("server")["redis_version"]
+        print(f"redis-server {version} on 127.0.0.1:{port}; {args.threads} threads, {args.batch} names per call; "
+              f"{total >> 20} MiB per size and round, {rounds} rounds")
+        for size in SIZES:
+            count = max(total // size, args.threads * args.batch * 2)
+            results = [one_round(port, size, count, args, f"{size}-{r}") for r in range(rounds)]
+            for side, value in report(size, results).items():
+                ratios.setdefault(side, []).append(value)
+    sides = ("tier store", "tier load") if "tier store" in ratios else ("store put", "store get")
+    if sides[0] == "store put":
+        print("TODO: kvtier.tiers.remote.RemoteTier not importable: RESULT ratios are the store's")
+    redis_store, redis_load = (min(ratios[side]) for side in sides)
+    s3 = {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan} if args.no_s3 else s3_ratios(args.quick)
+    print(f"RESULT redis_store_ratio={redis_store:.2f} redis_load_ratio={redis_load:.2f} "
+          f"s3_store_ratio={s3['s3_store_ratio']:.2f} s3_load_ratio={s3['s3_load_ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

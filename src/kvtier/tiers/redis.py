@@ -1,0 +1,280 @@
+"""`RedisStore`: the remote-store operations on one Redis / Valkey server or a Redis Cluster.
+
+redis-py owns the connections: the pool, AUTH (password or ACL user), TLS, the connect and
+read timeouts, and in cluster mode the slot map. The four hot commands (EXISTS, GET,
+SET NX, UNLINK) are framed and parsed here (`redis_wire`) on redis-py's connections instead,
+because redis-py copies a value several times on its way (benchmarks/bench_remote.py
+--clients, same server, same run; figures in benchmarks/README.md):
+
+- put: redis-py with hiredis turns a memoryview into bytes and packs the whole command into
+  one new buffer, after the caller has joined the parts: three copies of each value. Here
+  only each SET's RESP header is packed; the parts go to `sendall` as they are. One thread,
+  4 MiB: 0.55 GB/s with `pipeline().set(name, b"".join(parts))`, 1.75 GB/s here; with two
+  threads both meet the server's own limit at 1 MiB (it faults in fresh memory for each new
+  value: `redis-benchmark` SET of new keys reaches the same), and at 4 MiB 0.8 vs 1.8 GB/s.
+- get: redis-py reads 64 KiB at a time into hiredis, which copies into its own buffer and
+  then into a new bytes object; here each value is received straight into a buffer of its
+  own (1 MiB, two threads: 2.3 GB/s vs 2.8), or with `get_into` into the caller's (3.4).
+- valkey-glide's sync client (`valkey-glide-sync`, a separate package) was slower on both
+  (1 MiB: put 1.5, get 2.0 GB/s) and cannot send a value as parts.
+
+Pipelining: a call's commands to one node go out in windows of at most `_WINDOW_BYTES` of
+values; every node's window is sent before any reply is read. A name goes to the primary
+that owns its hash slot (redis-py's cached slot map); a MOVED or ASK reply (a slot being
+moved) sends that one command again through redis-py's cluster client, which follows the
+redirect and refreshes the map for the next calls.
+
+Thread-safety: every method may be called from several threads at once. A call holds at
+most one connection per node, and at most `max_connections` calls run at once (the others
+wait); `ping` and `list_names` use redis-py's client (two more connections per node at most).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.connection import ConnectionPool
+from redis.exceptions import ResponseError
+from redis.retry import Retry
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.redis_wire import Reply, ServerError, command, nbytes, read_replies, send_pieces, set_command
+from kvtier.tiers.remote_store import RemoteStore, ValueParts
+
+__all__ = ["RedisStore"]
+
+_SCAN_COUNT = 1000  # names per SCAN page
+# Value bytes one connection has in flight at most (at least one command): past ~8 MiB the server
+# slows down (2 threads, GET of 4 MiB values: 3.4 GB/s two at a time, 2.4 four, 1.6 eight; 1 MiB
+# values: 3.6 GB/s eight at a time); smaller values are pipelined up to that much.
+_WINDOW_BYTES = 8 << 20
+_REDIRECTS = ("MOVED ", "ASK ")
+
+
+class RedisStore(RemoteStore):
+    """Byte operations on a Redis / Valkey server (`redis://`, `rediss://` for TLS) or cluster.
+
+    Args:
+        url: `redis[s]://host:port[/db]`, without a password (cluster: any one node, db 0).
+        cluster: the url names a node of a Redis Cluster; names spread over its primaries.
+        username, password: an ACL user and its password (or only a password: `requirepass`).
+        ca_file: the CA bundle that signs the server's certificate (`rediss://` only).
+        connect_timeout_ms, timeout_ms: for opening a connection; for each send or receive.
+        ttl_s: every value written expires after this many seconds (None: never).
+        max_connections: the most calls running at once, so the most connections per node.
+    """
+
+    medium = "redis"
+    separator = ":"
+
+    def __init__(self, url: str, *, cluster: bool = False, username: str | None = None,
+                 password: str | None = None, ca_file: str | None = None, connect_timeout_ms: int = 500,
+                 timeout_ms: int = 2000, ttl_s: float | None = None, max_connections: int = 16) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            raise ConfigError(f"redis url must look like redis://host:port or rediss://host:port, got {parts.scheme}://…")
+        if parts.password:
+            raise ConfigError("redis url must not hold a password: give it in a file (redis_password_file)")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ConfigError(f"redis ttl_s must be > 0 seconds or None, got {ttl_s}")
+        db_text = parts.path.strip("/") or "0"
+        if not db_text.isdigit() or (cluster and db_text != "0"):
+            raise ConfigError(f"redis url path must be a database number (0 for a cluster), got /{db_text}")
+        db = int(db_text)
+        port = parts.port or 6379
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # an IPv6 address
+        self._endpoint = f"{parts.scheme}://{host}:{port}/{db}" + (" (cluster)" if cluster else "")
+        self._kwargs: dict = dict(
+            host=parts.hostname, port=port, username=username or parts.username, password=password,
+            socket_connect_timeout=connect_timeout_ms / 1000, socket_timeout=timeout_ms / 1000,
+            # two more than the calls that may run at once: for ping() and a list_names() beside them
+            max_connections=max_connections + 2, retry=Retry(NoBackoff(), 0),  # no retries: the tier decides
+            protocol=2,  # redis-py 8 speaks RESP3 by default; redis_wire parses RESP2 replies
+        )
+        if parts.scheme == "rediss":
+            self._kwargs.update(ssl=True, ssl_ca_certs=ca_file)
+        self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._expiry = () if self._ttl_ms is None else (b"PX", b"%d" % self._ttl_ms)
+        self._calls = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._cluster: RedisCluster | None = None
+        self._value_hint = 0  # bytes of the largest value the last get() read
+        # A cluster client reads the slot map when made: made on first use, so that a store
+        # (and the engine holding it) can start while the cluster is down.
+        self._single = None if cluster else redis.Redis(db=db, **self._kwargs)
+
+    def describe(self) -> str:
+        """The endpoint, e.g. `rediss://10.0.0.5:6379/0 (cluster)`: never a user or password."""
+        return self._endpoint
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        """Whether each name is present: one pipelined EXISTS per name, per node."""
+        replies = self._run(names, [[command(b"EXISTS", name.encode())] for name in names],
+                            lambda i: self._client().exists(names[i]))
+        return [reply == 1 for reply in replies]
+
+    def get(self, names: Sequence[str]) -> list[bytes | memoryview | None]:
+        """Each name's value (None when absent): one pipelined GET per name, per node."""
+        replies = self._run(names, [[command(b"GET", name.encode())] for name in names],
+                            lambda i: self._client().get(names[i]), weights=[self._value_hint] * len(names))
+        sizes = [len(value) for value in replies if isinstance(value, (bytes, memoryview))]
+        if sizes:
+            self._value_hint = max(sizes)  # a GET's reply size is known only once read: the last is the guess
+        return replies  # type: ignore[return-value]  (GET answers a bulk value or nil)
+
+    def get_into(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        """Each name's value received straight into `buffers[i]` (back to back), without a new buffer.
+
+        Returns each value's size, None when absent. Where the size equals the bytes of
+        `buffers[i]` the value fills them; any other size leaves them unspecified (a value
+        that is not what the caller expects). Not part of `RemoteStore` yet: the load path
+        copies every `get` value into the slab, and a fresh value costs its page faults.
+        """
+
+        def get_one(i: int) -> int | None:
+            value = self._client().get(names[i])
+            if value is not None and len(value) == sum(buf.nbytes for buf in buffers[i]):
+                offset = 0
+                for buf in buffers[i]:
+                    buf.cast("B")[:] = value[offset:offset + buf.nbytes]
+                    offset += buf.nbytes
+            return None if value is None else len(value)
+
+        return self._run(names, [[command(b"GET", name.encode())] for name in names], get_one,  # type: ignore[return-value]
+                         into=buffers, weights=[sum(buf.nbytes for buf in bufs) for bufs in buffers])
+
+    def put(self, items: Sequence[tuple[str, ValueParts]]) -> list[bool]:
+        """SET NX (with PX when the store has a TTL) per item; the parts are sent without copying."""
+        names = [name for name, _ in items]
+        commands = [set_command(name.encode(), parts, self._expiry) for name, parts in items]
+
+        def put_one(i: int) -> object:
+            return self._client().set(names[i], b"".join(items[i][1]), nx=True, px=self._ttl_ms)
+
+        weights = [sum(map(nbytes, parts)) for _, parts in items]
+        return [reply is not None for reply in self._run(names, commands, put_one, weights=weights)]
+
+    def delete(self, names: Sequence[str]) -> None:
+        """UNLINK each name (the server frees large values off its main thread)."""
+        self._run(names, [[command(b"UNLINK", name.encode())] for name in names],
+                  lambda i: self._client().unlink(names[i]))
+
+    def list_names(self, prefix: str) -> Iterator[str]:
+        """Every name starting with `prefix`: SCAN MATCH on every primary, page by page."""
+        pattern = _glob_escape(prefix) + "*"
+        for client in self._node_clients():
+            for name in client.scan_iter(match=pattern, count=_SCAN_COUNT):
+                yield name.decode()
+
+    def ping(self) -> None:
+        """PING every primary; raises when any cannot serve."""
+        for client in self._node_clients():
+            client.ping()
+
+    def is_timeout(self, exc: BaseException) -> bool:
+        """redis-py's TimeoutError (connect, send, receive) or a bare socket timeout."""
+        return isinstance(exc, (redis.exceptions.TimeoutError, TimeoutError))
+
+    def close(self) -> None:
+        """Close every pooled connection; idempotent (a later call would connect again)."""
+        with self._lock:
+            clients, self._cluster = [self._single, self._cluster], None
+        for client in clients:
+            if client is not None:
+                client.close()
+
+    # --- routing and pipelining ---
+
+    def _client(self) -> redis.Redis | RedisCluster:
+        """redis-py's client for everything not on the hot path (and for redirected commands)."""
+        if self._single is not None:
+            return self._single
+        with self._lock:
+            if self._cluster is None:
+                self._cluster = RedisCluster(require_full_coverage=True, **self._kwargs)
+            return self._cluster
+
+    def _node_clients(self) -> list[redis.Redis]:
+        """One client per primary (the single server's client when not a cluster)."""
+        client = self._client()
+        if isinstance(client, redis.Redis):
+            return [client]
+        return [client.get_redis_connection(node) for node in client.get_primaries()]
+
+    def _pools(self, names: Sequence[str]) -> dict[ConnectionPool, list[int]]:
+        """The indices of `names` grouped by the connection pool of the node that owns them."""
+        client = self._client()
+        if isinstance(client, redis.Redis):
+            return {client.connection_pool: list(range(len(names)))}
+        groups: dict[ConnectionPool, list[int]] = {}
+        for i, name in enumerate(names):
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(name))
+            groups.setdefault(client.get_redis_connection(node).connection_pool, []).append(i)
+        return groups
+
+    def _run(self, names: Sequence[str], commands: Sequence[list[bytes | memoryview]],
+             redirected: Callable[[int], object], *, into: Sequence[Sequence[memoryview]] | None = None,
+             weights: Sequence[int] | None = None) -> list[Reply]:
+        """Send command i (its pieces) for names[i] to the node owning it, and read its reply.
+
+        Each node gets its commands in windows of at most `_WINDOW_BYTES` of `weights` (the
+        value bytes each command moves); every node's window is sent before any reply is
+        read, so the nodes work at once. A server error raises `ResponseError` (after every
+        reply of the window has been read, so that the connections stay usable); a redirect
+        runs `redirected(i)` instead. `into`: see `redis_wire.read_replies`.
+        """
+        if not names:
+            return []
+        replies: list[Reply] = [None] * len(names)
+        with self._calls:
+            held = []
+            try:
+                for pool, indices in self._pools(names).items():
+                    held.append((pool, pool.get_connection(), _windows(indices, weights)))
+                for step in range(max(len(windows) for _, _, windows in held)):
+                    sent = [(conn, windows[step]) for _, conn, windows in held if step < len(windows)]
+                    for conn, window in sent:
+                        send_pieces(conn, [piece for i in window for piece in commands[i]])
+                    for conn, window in sent:
+                        dests = None if into is None else [into[i] for i in window]
+                        for i, reply in zip(window, read_replies(conn, len(window), dests), strict=True):
+                            replies[i] = reply
+            except BaseException:
+                for _, conn, _ in held:
+                    conn.disconnect()  # a half-read pipeline must never serve another call
+                raise
+            finally:
+                for pool, conn, _ in held:
+                    pool.release(conn)
+        for i, reply in enumerate(replies):
+            if isinstance(reply, ServerError):
+                if not reply.startswith(_REDIRECTS):
+                    raise ResponseError(f"{self._endpoint}: {reply}")
+                replies[i] = redirected(i)
+        return replies
+
+
+def _windows(indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
+    """`indices` cut into runs of at most `_WINDOW_BYTES` of weight (at least one index each)."""
+    if weights is None:
+        return [indices]
+    windows: list[list[int]] = [[]]
+    load = 0
+    for i in indices:
+        if windows[-1] and load + weights[i] > _WINDOW_BYTES:
+            windows.append([])
+            load = 0
+        windows[-1].append(i)
+        load += weights[i]
+    return windows
+
+
+def _glob_escape(text: str) -> str:
+    """`text` as a literal in a SCAN MATCH pattern."""
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
