@@ -1,0 +1,236 @@
+"""S3Store against a real SeaweedFS (the `s3_server` fixture): no-overwrite puts, values made of
+parts, batches, delete, paged listings by prefix, a hung server, a wrong secret, a restart,
+HTTPS with a private CA, and an endpoint description that never shows a secret.
+
+Every test writes under a prefix of its own (the bucket is shared by the session).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.s3 import S3Store, S3StoreError
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture
+def prefix(request: pytest.FixtureRequest) -> str:
+    """Names of this test start with it: `<test name>-<n>/`."""
+    return f"{request.node.name.replace('[', '-').rstrip(']')}-{next(_prefixes)}/"
+
+
+@pytest.fixture
+def make_store(s3_server):
+    stores: list[S3Store] = []
+
+    def make(endpoint: str | None = None, bucket: str | None = None, **kwargs) -> S3Store:
+        args = dict(access_key_id=s3_server.access_key_id, secret_access_key=s3_server.secret_access_key,
+                    timeout_ms=5000)
+        store = S3Store(endpoint or s3_server.endpoint, bucket or s3_server.bucket, **(args | kwargs))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+@pytest.fixture
+def store(make_store) -> S3Store:
+    return make_store()
+
+
+def values(store: S3Store, names: list[str]) -> list[bytes | None]:
+    return [None if v is None else bytes(v) for v in store.get(names)]
+
+
+def test_put_writes_new_names_and_never_overwrites(store, prefix):
+    a, b = prefix + "a", prefix + "b"
+    # two new names → both written
+    assert store.put([(a, [b"first a"]), (b, [b"first b"])]) == [True, True]
+    # a again with other bytes, c new → a is left as it was, c is written
+    assert store.put([(a, [b"second a"]), (prefix + "c", [b"c"])]) == [False, True]
+    assert values(store, [a, b, prefix + "c"]) == [b"first a", b"first b", b"c"]
+    # a single item takes the same path (it runs in the calling thread)
+    assert store.put([(b, [b"second b"])]) == [False]
+    assert values(store, [b]) == [b"first b"]
+
+
+def test_a_value_is_its_parts_back_to_back(store, prefix):
+    header = b"H" * 128
+    rank0 = np.arange(1 << 19, dtype=np.uint16)  # 1 MiB, a buffer of 2-byte items (cast, not copied)
+    rank1 = bytearray(b"\x07" * 3000)
+    # header + two ranks' buffers + an empty part → one object, exactly their concatenation
+    assert store.put([(prefix + "v", [header, memoryview(rank0), memoryview(rank1), b""])]) == [True]
+    (value,) = store.get([prefix + "v"])
+    assert isinstance(value, memoryview)
+    assert value.nbytes == 128 + rank0.nbytes + 3000
+    assert bytes(value) == header + rank0.tobytes() + bytes(rank1)
+    # the parts were read, not kept: changing them now changes nothing stored
+    rank1[:] = b"\x00" * 3000
+    assert bytes(store.get([prefix + "v"])[0])[-3000:] == b"\x07" * 3000
+
+
+def test_exists_and_get_answer_in_order_with_absent_names(store, prefix):
+    store.put([(prefix + "2", [b"two"]), (prefix + "4", [b"four"])])
+    names = [prefix + str(i) for i in range(1, 6)]
+    # 1, 3, 5 were never written → False / None in their places
+    assert store.exists(names) == [False, True, False, True, False]
+    assert values(store, names) == [None, b"two", None, b"four", None]
+    assert store.exists([]) == [] and store.get([]) == [] and store.put([]) == []
+
+
+def test_many_names_at_once(store, prefix):
+    # 48 values of 64 KiB in one batch → all written, all present, each its own bytes
+    items = [(f"{prefix}{i:03d}", [bytes([i]) * (64 << 10)]) for i in range(48)]
+    assert store.put(items) == [True] * 48
+    names = [name for name, _ in items]
+    assert store.exists(names) == [True] * 48
+    assert values(store, names) == [parts[0] for _, parts in items]
+
+
+def test_delete_removes_names_and_ignores_absent_ones(store, prefix):
+    store.put([(prefix + n, [n.encode()]) for n in "abc"])
+    # delete a, c and a name never written → only b is left
+    store.delete([prefix + "a", prefix + "c", prefix + "never"])
+    assert store.exists([prefix + n for n in "abc"]) == [False, True, False]
+    store.delete([])  # nothing to do, no request
+    # a deleted name can be written again
+    assert store.put([(prefix + "a", [b"again"])]) == [True]
+
+
+def test_list_names_by_prefix(store, prefix):
+    names = [prefix + n for n in ("a/1", "a/2", "ab/3", "b/4")]
+    store.put([(name, [b"x"]) for name in names])
+    # a whole segment → what is under it
+    assert sorted(store.list_names(prefix + "a/")) == names[:2]
+    # a prefix that ends mid-segment → "a/…" and "ab/…" both start with it
+    assert sorted(store.list_names(prefix + "a")) == names[:3]
+    assert sorted(store.list_names(prefix)) == names
+    assert list(store.list_names(prefix + "zzz")) == []
+
+
+def test_list_names_pages_through_more_names_than_one_page(store, prefix):
+    # 1,050 names: S3 lists 1,000 a page → two pages, every name once
+    names = [f"{prefix}{i:04d}" for i in range(1050)]
+    assert all(store.put([(name, [b""]) for name in names]))
+    assert sorted(store.list_names(prefix)) == names
+    # one delete call for all of them (DeleteObjects takes 1,000 a request)
+    store.delete(names)
+    assert list(store.list_names(prefix)) == []
+
+
+def test_a_hung_server_times_out_within_the_timeout(make_store, s3_server, prefix):
+    store = make_store(timeout_ms=300)
+    store.put([(prefix + "a", [b"a"])])
+    s3_server.pause()
+    try:
+        # a batch of 8 → its requests wait side by side: one timeout (0.3 s), not eight, and no retry
+        started = time.perf_counter()
+        with pytest.raises(S3StoreError) as caught:
+            store.get([prefix + str(i) for i in range(8)])
+        assert time.perf_counter() - started < 1.0
+        assert store.is_timeout(caught.value) and "timed out" in str(caught.value)
+        # ping and put time out the same way
+        for call in (store.ping, lambda: store.put([(prefix + "b", [b"b"])])):
+            with pytest.raises(S3StoreError) as caught:
+                call()
+            assert store.is_timeout(caught.value)
+    finally:
+        s3_server.resume()
+    # the server answers again → so does the store, on fresh connections
+    assert values(store, [prefix + "a"]) == [b"a"]
+
+
+def test_a_refused_connection_raises_at_once_and_is_no_timeout(s3_server):
+    with socket.socket() as sock:  # a port with nothing listening on it
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = S3Store(f"http://127.0.0.1:{port}", "kvtier", access_key_id="k", secret_access_key="s")
+    started = time.perf_counter()
+    with pytest.raises(S3StoreError) as caught:
+        store.exists(["x"])
+    assert time.perf_counter() - started < 1.0
+    assert not store.is_timeout(caught.value)
+    store.close()
+
+
+def test_a_wrong_secret_is_refused(make_store, store, prefix):
+    store.put([(prefix + "a", [b"a"])])
+    intruder = make_store(secret_access_key="not-the-secret")
+    # every operation raises (a refused get is not a miss), and none of it is a timeout
+    for call in (intruder.ping, lambda: intruder.get([prefix + "a"]), lambda: intruder.exists([prefix + "a"]),
+                 lambda: intruder.put([(prefix + "b", [b"b"])]), lambda: list(intruder.list_names(prefix))):
+        with pytest.raises(S3StoreError) as caught:
+            call()
+        assert not intruder.is_timeout(caught.value)
+    assert "SignatureDoesNotMatch" in str(caught.value)
+    assert store.exists([prefix + "b"]) == [False]
+
+
+def test_a_missing_bucket_is_an_error_not_a_miss(make_store):
+    store = make_store(bucket="no-such-bucket")
+    # ping, get and list say so (exists cannot: a HEAD's 404 has no body, so it answers False)
+    for call in (store.ping, lambda: store.get(["a"]), lambda: list(store.list_names("a/"))):
+        with pytest.raises(S3StoreError, match="NoSuchBucket"):
+            call()
+
+
+def test_describe_and_errors_never_show_the_secret(s3_server, make_store):
+    planted = "PLANTED-secret-7f3a9c"
+    store = make_store(secret_access_key=planted)
+    # the endpoint and the bucket, nothing else
+    assert store.describe() == f"{s3_server.endpoint}/{s3_server.bucket}"
+    assert planted not in repr(store) and planted not in repr(vars(store))
+    # the server refuses the planted secret: its error message does not carry it either
+    with pytest.raises(S3StoreError) as caught:
+        store.ping()
+    assert planted not in str(caught.value) and planted not in repr(caught.value.__cause__)
+
+
+def test_the_store_survives_a_server_restart(store, s3_server, prefix):
+    store.put([(prefix + "a", [b"kept"])])
+    # SIGKILL and start again (same ports and data) → the value is still there, read on new connections
+    s3_server.restart()
+    assert values(store, [prefix + "a"]) == [b"kept"]
+    assert store.put([(prefix + "b", [b"b"])]) == [True]
+
+
+def test_https_trusts_the_ca_file_and_nothing_else(s3_server, make_store, prefix):
+    if s3_server.https_endpoint is None:
+        pytest.skip("no `openssl` command to make a certificate with")
+    # the CA that signed the server's certificate → served over TLS
+    trusting = make_store(endpoint=s3_server.https_endpoint, ca_file=s3_server.ca_file)
+    assert trusting.put([(prefix + "a", [b"over tls"])]) == [True]
+    assert values(trusting, [prefix + "a"]) == [b"over tls"]
+    # the system's roots alone → the certificate is refused, and the error says why
+    doubting = make_store(endpoint=s3_server.https_endpoint)
+    with pytest.raises(S3StoreError, match="InvalidCertificate"):
+        doubting.exists([prefix + "a"])
+
+
+@pytest.mark.parametrize(("endpoint", "kwargs", "message"), [
+    ("ftp://host", {}, "must look like"),
+    ("http://user:pw@host:9000", {}, "must not hold credentials"),
+    ("http://host:9000", {"access_key_id": "k"}, "both"),
+    ("http://host:9000", {"timeout_ms": 0}, "> 0"),
+    ("https://host", {"ca_file": "/nonexistent/ca.pem"}, "ca_file"),
+])
+def test_bad_arguments_say_what_to_change(endpoint, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        S3Store(endpoint, "bucket", **kwargs)
+
+
+def test_close_is_idempotent_and_final(make_store, prefix):
+    store = make_store()
+    store.close()
+    store.close()
+    with pytest.raises(S3StoreError, match="closed"):
+        store.get([prefix + "a", prefix + "b"])
