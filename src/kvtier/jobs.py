@@ -148,10 +148,13 @@ class StepPlan:
     very plan that is flushed is started then, not after the forward), then `load_jobs` run
     and end. After the forward pass the other `store_jobs` start (they read KV this step
     wrote). At most one load job per request, or any number of store jobs.
+    `async_load_jobs` start with the step and nobody waits for them: their requests are
+    parked by the engine (vLLM's WAITING_FOR_REMOTE_KVS) until the workers report them.
     `failed_load_block_ids`: blocks the workers report as load errors at once (recomputed).
     """
 
     load_jobs: list[TransferJob] = field(default_factory=list)
+    async_load_jobs: list[TransferJob] = field(default_factory=list)
     store_jobs: list[TransferJob] = field(default_factory=list)
     flush_job_ids: set[int] = field(default_factory=set)
     failed_load_block_ids: set[int] = field(default_factory=set)

@@ -70,6 +70,9 @@ class SchedulerOffloadConfig:
             the scheduler fails it once as long again has passed without every report.
         num_workers: workers that must acknowledge each job.
         hash_block_size: tokens per engine block hash (default: the first group's block size).
+        load_mode: "sync": a load ends before its request's first forward pass (the engine
+            waits for it inside the step); "async": the engine parks the request while its load
+            runs and the rest of the batch keeps stepping (the engine must support it).
     """
 
     groups: tuple[GroupSpec, ...] = (GroupSpec(),)
@@ -79,8 +82,11 @@ class SchedulerOffloadConfig:
     job_timeout_s: float = 10.0
     num_workers: int = 1
     hash_block_size: int | None = None
+    load_mode: str = "sync"
 
     def __post_init__(self) -> None:
+        if self.load_mode not in ("sync", "async"):
+            raise ConfigError(f"load_mode: expected 'sync' or 'async', got {self.load_mode!r}")
         if not self.groups:
             raise ConfigError("at least one KV-cache group is required")
         if len({g.tokens_per_chunk for g in self.groups}) != 1:

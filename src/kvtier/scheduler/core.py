@@ -3,7 +3,7 @@
 Engine-agnostic: an adapter (vLLM's connector, the fake engine of the tests and the
 simulator) calls it in the order of DESIGN.md's scheduler protocol:
 
-1. `get_num_new_matched_tokens(req, num_local)`   -> (tokens | None, load_async=False)
+1. `get_num_new_matched_tokens(req, num_local)`   -> (tokens | None, load_async)
 2. `update_state_after_alloc(req_id, block_ids, num_external_tokens)`
 3. `build_connector_meta(step)`                    -> StepPlan for the workers
 4. (workers run the plan: `kvtier.worker.WorkerSide`)
@@ -14,6 +14,9 @@ simulator) calls it in the order of DESIGN.md's scheduler protocol:
 Waiting is bounded per request: a request that would wait for a pending write or a
 probe is asked again at most `max_deferrals` times and for at most `max_defer_s`
 seconds; then it proceeds with its confirmed hits and `deferral_timeouts` counts it.
+An asynchronous load (`load_mode="async"`) parks its request too: its deadline is what is
+left of that budget (at least `_MIN_ASYNC_LOAD_S`), so waiting for a probe and then for the
+load never adds up to more than the request was allowed.
 Jobs are bounded too: one that not every worker reported by its expiry is failed here
 (see `kvtier.scheduler.jobs`) — loads are recomputed, stores rolled back.
 
@@ -39,6 +42,8 @@ from kvtier.scheduler.types import RequestView, StepView
 __all__ = ["OffloadScheduler"]
 
 logger = logging.getLogger(__name__)
+
+_MIN_ASYNC_LOAD_S = 0.25  # a load started after the budget was spent on waits still gets this long
 
 
 class OffloadScheduler:
@@ -75,13 +80,16 @@ class OffloadScheduler:
         """Tokens kvtier can load after the engine's own `num_local` hits.
 
         Returns:
-            (tokens, load_async); tokens is None for "ask again next step". Loads are
-            synchronous (they end before the request's first forward pass): load_async is False.
+            (tokens, load_async); tokens is None for "ask again next step". load_async is
+            True when tokens are offered and `load_mode` is "async": the engine parks the
+            request until the workers report its load (else it ends before its first forward).
         """
         state = self._state_for(req)
         state.pending_load = None
         state.num_locally_computed_tokens = num_local
-        if not (self._is_supported and state.params.load):
+        if not (self._is_supported and state.params.load) or state.had_failed_load:
+            # after a failed load the engine asks again (an asynchronous one restarts the request
+            # from its last valid block): offering the same load again could fail forever
             return self._answer(state, num_local, 0)
         if state.load_job_id is not None:  # its previous load is still in flight
             return (None, False) if may_defer(state, self.config, self._clock(), self.stats) else \
@@ -103,7 +111,7 @@ class OffloadScheduler:
 
     def _answer(self, state: RequestOffloadState, num_local: int, hit_tokens: int) -> tuple[int, bool]:
         state.answer = LookupAnswer(num_local, max(0, state.req.num_tokens - 1 - num_local))
-        return hit_tokens, False
+        return hit_tokens, hit_tokens > 0 and self.config.load_mode == "async"
 
     # -- 2. allocation -> load job ----------------------------------------------------
 
@@ -137,13 +145,23 @@ class OffloadScheduler:
             return False
         job = self._jobs.new_load(state, keys, blocks, spec.slot_ids)
         state.load_job_id = job.job_id
-        self._next_plan.load_jobs.append(job)
+        if self.config.load_mode == "async":
+            self._next_plan.async_load_jobs.append(job)
+            self._jobs.cap_deadline(job.job_id, self._budget_end(state))
+        else:
+            self._next_plan.load_jobs.append(job)
         for gs in state.group_states:
             gs.num_hit_chunks = pending.end_chunk - pending.start_chunk
             gs.next_store_chunk = max(gs.next_store_chunk, pending.end_chunk)
         self.stats.load_jobs += 1
         self.stats.loaded_chunks += job.num_chunks
         return True
+
+    def _budget_end(self, state: RequestOffloadState) -> float:
+        """When the request's waiting budget ends (for an asynchronous load's deadline)."""
+        now = self._clock()
+        waited = 0.0 if state.first_deferred_at is None else now - state.first_deferred_at
+        return now + max(self.config.max_defer_s - waited, _MIN_ASYNC_LOAD_S)
 
     def _fail_offered_blocks(self, state: RequestOffloadState, pending: PendingLoad) -> None:
         """The engine counts the offered tokens as computed: report their blocks failed (recompute)."""
@@ -220,7 +238,9 @@ class OffloadScheduler:
             logger.warning("kvtier: job %d of request %s was not reported by every worker in time; failed",
                            record.job.job_id, record.job.req_id)
             state = self._requests[record.job.req_id]
-            blocks = self._jobs.failed_load_blocks(record) if record.is_load else set()
+            # an asynchronous load's request is parked until its workers report it (they fail
+            # it themselves at its deadline); blocks reported here would reach nobody
+            blocks = self._jobs.failed_load_blocks(record) if record.is_load and not record.is_async else set()
             if not state.is_finished and blocks <= state.held_block_ids():
                 plan.failed_load_block_ids |= blocks  # the engine recomputes them
             self._complete(record)
@@ -235,6 +255,7 @@ class OffloadScheduler:
             state.load_job_id = None
             self.manager.complete_load(record.keys, state.req_context)
             self.stats.failed_load_chunks += len(failed)
+            state.had_failed_load |= bool(failed)
             if state.is_finished and not failed:
                 self._store_final_chunks(state)
         else:

@@ -121,13 +121,18 @@ class JobBook:
         state.transfer_jobs.add(job.job_id)
         return job
 
+    def cap_deadline(self, job_id: int, latest: float) -> None:
+        """An asynchronous load: its deadline is at most `latest` (its request's waiting budget)."""
+        record = self._records[job_id]
+        record.deadline_cap, record.is_async = latest, True
+
     def dispatch(self, plan: StepPlan, now: float) -> None:
         """`plan` goes to the workers now: its jobs' deadlines count from now."""
-        deadline = now + self.job_timeout_s
-        for jobs in (plan.load_jobs, plan.store_jobs):
+        for jobs in (plan.load_jobs, plan.async_load_jobs, plan.store_jobs):
             for i, job in enumerate(jobs):
-                jobs[i] = dataclasses.replace(job, deadline=deadline)
                 record = self._records.get(job.job_id)
+                deadline = min(now + self.job_timeout_s, record.deadline_cap if record else math.inf)
+                jobs[i] = dataclasses.replace(job, deadline=deadline)
                 if record is not None:
                     record.job, record.expires_at = jobs[i], deadline + self.job_timeout_s
 

@@ -7,6 +7,7 @@ the load it is about to start, the jobs it has in flight, and its deferral budge
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvtier.base import ReqContext
@@ -75,6 +76,8 @@ class JobRecord:
     expires_at: float  # the scheduler fails the job if not every worker reported it by then
     num_acks: int = 0
     failed_chunks: set[int] = field(default_factory=set)
+    deadline_cap: float = math.inf  # an asynchronous load's: the end of its request's waiting budget
+    is_async: bool = False  # a load its request is parked for (nobody waits for it in a step)
 
     @property
     def is_load(self) -> bool:
@@ -98,6 +101,7 @@ class RequestOffloadState:
     num_deferrals: int = 0
     first_deferred_at: float | None = None
     deferral_expired: bool = False
+    had_failed_load: bool = False  # a load of it failed: it recomputes, kvtier offers it nothing more
     is_finished: bool = False
     finished_at_step: int | None = None  # the scheduler step in which request_finished came
 

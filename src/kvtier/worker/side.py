@@ -7,10 +7,18 @@ policy decision. Per engine step:
    cancelled; the plan's flushed jobs end here — a store of this very plan that is flushed
    (it reads blocks the step hands to a new owner) is started here first, so it copies the
    old owner's KV before the new owner's forward pass overwrites it.
-2. `start_load_kv(plan)`: the loads run and end before the forward pass reads their blocks.
+2. `start_load_kv(plan)`: the loads run and end before the forward pass reads their blocks;
+   the asynchronous loads start and run in the background (their requests are parked).
 3. (the engine's forward pass)
 4. `wait_for_save(plan)`: the plan's other stores start; they run in the background.
-5. `take_results()`, `take_load_errors()`, `take_stats()`: what goes back to the scheduler.
+5. `take_finished_loads()`: requests whose asynchronous load ended (and those of them that
+   failed); `take_results()`, `take_load_errors()`, `take_stats()`: what goes back to the
+   scheduler.
+
+A failed load's blocks are reported as load errors (the engine recomputes from the first
+one), except for an asynchronous load of a model with several KV-cache groups: block ids
+repeat across groups there, so the whole request is reported failed instead (vLLM refuses
+block-level errors for such models).
 
 Deadlines: a job is abandoned at `job.deadline`. Waiting for it (a load, a flush) stops
 there and the job is cancelled: a part that has not started never starts, so a late copy
@@ -70,6 +78,9 @@ class WorkerSide:
         self._started_early: set[int] = set()  # this plan's flushed stores, started before the forward
         self._results: list[JobResult] = []
         self._load_errors: set[int] = set()
+        self._async_load_ids: set[int] = set()
+        self._finished_loads: set[str] = set()  # requests whose asynchronous load ended
+        self._failed_loads: set[str] = set()  # ... and failed (reported whole)
         self._stats: Counter[str] = Counter()
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -104,11 +115,23 @@ class WorkerSide:
         self._await([self._running[i] for i in plan.flush_job_ids if i in self._running])
 
     def start_load_kv(self, plan: StepPlan) -> None:
-        """Run the plan's loads and wait for them (until their deadline)."""
+        """Run the plan's loads and wait for them (until their deadline); start its asynchronous ones."""
+        for job in plan.async_load_jobs:
+            self._async_load_ids.add(job.job_id)
+            self._submit(job)
         for job in plan.load_jobs:
             self._submit(job)
         self._await([self._running[job.job_id] for job in plan.load_jobs if job.job_id in self._running])
         self._collect()
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """(requests whose asynchronous load ended since the last call, those of them that failed
+        whole); a load past its deadline is cancelled first, so a parked request is always released."""
+        self._cancel_expired()
+        self._collect()
+        finished, failed = self._finished_loads, self._failed_loads
+        self._finished_loads, self._failed_loads = set(), set()
+        return finished, failed
 
     def wait_for_save(self, plan: StepPlan) -> None:
         """After the forward pass: start the plan's stores (in the background)."""
@@ -193,8 +216,15 @@ class WorkerSide:
         direction = "load" if job.is_load else "store"
         self._stats[f"{direction}_bytes"] += result.num_bytes
         self._stats[f"{direction}_seconds"] += result.seconds
+        is_async = job.job_id in self._async_load_ids
+        if is_async:
+            self._async_load_ids.discard(job.job_id)
+            self._finished_loads.add(job.req_id)
         if job.is_load and result.failed_chunks:
-            self._load_errors |= job.written_blocks(set(result.failed_chunks))
+            if is_async and len(self.layer_groups or ()) > 1:
+                self._failed_loads.add(job.req_id)
+            else:
+                self._load_errors |= job.written_blocks(set(result.failed_chunks))
         if result.error:
             logger.debug("kvtier: job %d: %s", job.job_id, result.error)
         self._results.append(result)

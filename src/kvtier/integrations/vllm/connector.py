@@ -18,6 +18,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+
+try:  # vLLM >= 0.32: request-level load failures (models with several KV-cache groups need them)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover (older vLLM)
+    KVConnectorTransferResults = None
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
@@ -113,7 +118,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # start_load_kv already waited for the step's loads
+        pass  # start_load_kv already waited for the step's synchronous loads
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # whole chunks are stored after the forward pass (wait_for_save)
@@ -122,7 +127,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().wait_for_save(self._plan())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads are synchronous and blocks are never held back
+        """(None: blocks are never held back, requests whose asynchronous load ended)."""
+        finished, _ = self._work().take_finished_loads()
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """As `get_finished`, with the requests whose asynchronous load failed whole (recomputed)."""
+        if KVConnectorTransferResults is None:  # pragma: no cover
+            return super().get_transfer_results(finished_req_ids)
+        finished, failed = self._work().take_finished_loads()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from kvtier.config import KVTierConfig
@@ -13,6 +14,8 @@ from kvtier.tiers.slab import slab_name
 
 __all__ = ["block_hash_bytes", "group_spec", "namespace_for", "num_slots_for", "request_view", "scheduler_config",
            "slab_names", "slot_bytes_for", "step_view", "worker_rank", "worker_slab_name", "world_size"]
+
+logger = logging.getLogger(__name__)
 
 # vLLM's prefix-caching hash algorithms -> digest bytes (sha256: 32; xxh3_128: 16)
 _HASH_BYTES = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
@@ -71,9 +74,21 @@ def group_spec(group: Any, blocks_per_chunk: int) -> GroupSpec:
     return GroupSpec(GroupKind.UNSUPPORTED, spec.block_size, blocks_per_chunk, reason=reason)
 
 
+def load_mode_for(cfg: KVTierConfig, num_groups: int) -> str:
+    """`cfg.load_mode`, except that a model with several KV-cache groups always loads
+    asynchronously: a failed synchronous load can only be reported as engine block ids, which
+    repeat across groups, and vLLM stops the engine on such a report."""
+    if cfg.load_mode == "sync" and num_groups > 1:
+        logger.warning("kvtier: load_mode 'sync' is not possible with %d KV-cache groups (a failed load could "
+                       "not be reported); loading asynchronously", num_groups)
+        return "async"
+    return cfg.load_mode
+
+
 def scheduler_config(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any) -> SchedulerOffloadConfig:
     groups = tuple(group_spec(g, cfg.blocks_per_chunk) for g in kv_cache_config.kv_cache_groups)
     return SchedulerOffloadConfig(
+        load_mode=load_mode_for(cfg, len(groups)),
         groups=groups,
         offload_prompt_only=cfg.offload_prompt_only,
         max_defer_s=cfg.max_defer_s,
