@@ -51,3 +51,21 @@ def test_a_mixed_window_model_gives_the_same_outputs_with_kvtier(baseline, with_
     assert_same_outputs(baseline, computed, "computed")
     assert_same_outputs(baseline, from_kvtier, "served by kvtier")
     assert_same_outputs(from_prefix_cache, from_kvtier, "kvtier vs vLLM's prefix cache, bit for bit", tol=0)
+
+
+def test_a_failed_load_of_a_hybrid_model_is_recomputed_whole(gemma, baseline, tmp_path, monkeypatch):
+    # block ids repeat across the two groups, so a failed load is reported per request
+    # (vLLM's failed_recving) and vLLM recomputes the request: the engine must not stop
+    flag = tmp_path / "fail-loads"
+    monkeypatch.setenv("KVTIER_TEST_FAIL_LOADS", str(flag))
+    llm = make_llm(gemma, "FaultyKVTierConnector", module="kvtier_fault_connector", extra={"cpu_bytes": "256MiB"})
+    try:
+        generate(llm, PROMPTS[:1], max_tokens=4)
+        llm.reset_prefix_cache(reset_connector=False)
+        flag.touch()  # the next loads fail in the worker
+        out = generate(llm, PROMPTS[:1], max_tokens=4)
+        assert flag.with_suffix(".seen").exists(), "no load was attempted"
+        assert out[0]["num_cached_tokens"] == 0  # recomputed, not served
+        assert_same_outputs(baseline[:1], out, "recomputed after a failed load")
+    finally:
+        shutdown(llm)
