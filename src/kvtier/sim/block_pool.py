@@ -22,6 +22,7 @@ class BlockPool:
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.refs = [0] * num_blocks
         self.cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # hash -> block per group (LRU order)
+        self._cached_blocks: set[int] = set()  # every block id in `cache`
 
     def cached_prefix(self, block_hashes: Sequence[bytes]) -> list[tuple[int, ...]]:
         """Blocks (one per group) of the longest cached prefix of `block_hashes`."""
@@ -50,12 +51,14 @@ class BlockPool:
 
     def cache_blocks(self, block_hashes: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_full: int) -> None:
         """Enter the first `num_full` computed blocks (per group ids) into the prefix cache."""
-        for j in range(min(num_full, len(block_hashes))):
-            self.cache.setdefault(block_hashes[j], tuple(ids[j] for ids in block_ids))
+        cache, cached_blocks = self.cache, self._cached_blocks
+        for block_hash, blocks in zip(block_hashes[:num_full], zip(*block_ids, strict=True), strict=False):
+            if cache.setdefault(block_hash, blocks) is blocks:
+                cached_blocks.update(blocks)
 
     def release(self, block_ids: Sequence[Sequence[int]]) -> None:
         """Unreference a request's blocks; cached ones stay cached, the rest are freed."""
-        cached = {b for bs in self.cache.values() for b in bs}
+        cached = self._cached_blocks
         for ids in block_ids:
             for b in ids:
                 self.refs[b] -= 1
@@ -67,11 +70,14 @@ class BlockPool:
         for blocks in self.cache.values():
             self.free_blocks.extend(b for b in blocks if self.refs[b] == 0)
         self.cache = OrderedDict((h, bs) for h, bs in self.cache.items() if any(self.refs[b] for b in bs))
+        self._cached_blocks = {b for bs in self.cache.values() for b in bs}
 
     def _take(self, n: int) -> list[int] | None:
         while len(self.free_blocks) < n:
             victim = next((h for h, bs in self.cache.items() if not any(self.refs[b] for b in bs)), None)
             if victim is None:
                 return None
-            self.free_blocks.extend(self.cache.pop(victim))
+            blocks = self.cache.pop(victim)
+            self._cached_blocks.difference_update(blocks)
+            self.free_blocks.extend(blocks)
         return [self.free_blocks.pop() for _ in range(n)]

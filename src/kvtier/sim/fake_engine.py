@@ -73,6 +73,9 @@ class FakeEngine:
         faults: injected into the worker's transfer engine (see `kvtier.sim.faults`).
         clock: the clock the scheduler writes job deadlines in (the worker reads the same).
         slab: the host slab, if the caller made it (see `make_slab`); owned (unlinked) here.
+        check_content: write each computed block's value and check every block a token
+            attends to (default). Off, the KV tensors are neither written nor read by the
+            "model" — the simulator's fast path; the transfers still copy them.
 
     Like vLLM, its "scheduler" owns the host slab, in shared memory (`slabs`: one rank), and
     its worker maps the same segment by name: both roles in one process. `close` unlinks it.
@@ -81,8 +84,9 @@ class FakeEngine:
     def __init__(self, scheduler: OffloadScheduler | None, *, num_blocks: int = 64, block_size: int = 4,
                  groups: tuple[GroupSpec, ...] | None = None, max_tokens_per_step: int = 64,
                  faults: Faults | None = None, clock: Callable[[], float] = time.monotonic,
-                 slab: HostSlab | None = None):
+                 slab: HostSlab | None = None, check_content: bool = True):
         self.scheduler = scheduler
+        self.check_content = check_content
         self.block_size = block_size
         self.groups = groups or (scheduler.config.groups if scheduler else (GroupSpec(tokens_per_block=block_size),))
         self.max_tokens_per_step = max_tokens_per_step
@@ -180,12 +184,14 @@ class FakeEngine:
             return None
         n = min(req.num_tokens - num_local - ext, budget)
         needed = -(-(num_local + ext + n) // self.block_size) - len(local)
+        local_ids = [[bs[g] for bs in local] for g in range(len(self.groups))]
+        for blocks in local:  # first: making room for the new blocks must not evict the hits (as in vLLM)
+            self.pool.reference(blocks)
         new = self.pool.allocate(needed)
         if new is None:
+            self.pool.release(local_ids)
             return None
-        for blocks in local:
-            self.pool.reference(blocks)
-        req.block_ids = [[bs[g] for bs in local] + new[g] for g in range(len(self.groups))]
+        req.block_ids = [local_ids[g] + new[g] for g in range(len(self.groups))]
         if self.scheduler:
             self.scheduler.update_state_after_alloc(req.req_id, tuple(list(ids) for ids in req.block_ids), ext)
         req.num_computed = num_local + ext
@@ -224,7 +230,7 @@ class FakeEngine:
         """Compute `n` tokens of `req` after checking every block they attend to; True when
         the request then has all its output tokens."""
         start, end = req.num_computed, req.num_computed + n
-        for g, spec in enumerate(self.groups):
+        for g, spec in enumerate(self.groups if self.check_content else ()):
             window = spec.sliding_window if spec.kind is GroupKind.SLIDING_WINDOW else None
             first = 0 if window is None else max(0, start - window + 1) // self.block_size
             self.kv.check(req.req_id, g, *self._blocks(req, g, range(first, start // self.block_size)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["ContentMismatch", "KVCache"]
@@ -28,30 +29,36 @@ class KVCache:
         self.tensors = {f"g{g}.l{layer}": torch.zeros((num_blocks, block_size, 2), dtype=torch.int64)
                         for g in range(num_groups) for layer in range(num_layers)}
         self.layer_groups = [[f"g{g}.l{layer}" for layer in range(num_layers)] for g in range(num_groups)]
+        self._arrays = {name: t.numpy() for name, t in self.tensors.items()}  # views: numpy indexing costs less
         self._names: dict[int, str] = {0: "nothing (never written)"}  # content -> what it stands for
+        self._values: dict[tuple[bytes, int], int] = {}  # (block hash, group) -> content, computed once
 
     def content(self, block_hash: bytes, group: int) -> int:
-        value = int.from_bytes(hashlib.blake2b(block_hash + group.to_bytes(4, "big"), digest_size=7).digest(), "big")
-        self._names.setdefault(value, f"block hash {block_hash.hex()[:12]}… of group {group}")
+        value = self._values.get((block_hash, group))
+        if value is None:
+            value = int.from_bytes(hashlib.blake2b(block_hash + group.to_bytes(4, "big"), digest_size=7).digest(),
+                                   "big")
+            self._values[block_hash, group] = value
+            self._names.setdefault(value, f"block hash {block_hash.hex()[:12]}… of group {group}")
         return value
 
     def write(self, group: int, block_ids: Sequence[int], contents: Sequence[int]) -> None:
         if block_ids:
-            index, values = torch.tensor(block_ids), torch.tensor(contents)
+            index, values = np.asarray(block_ids, dtype=np.int64), np.asarray(contents, dtype=np.int64)
             for layer, name in enumerate(self.layer_groups[group]):
-                self.tensors[name][index] = (values + layer)[:, None, None]
+                self._arrays[name][index] = (values + layer)[:, None, None]
 
     def check(self, req_id: str, group: int, positions: Sequence[int], block_ids: Sequence[int],
               contents: Sequence[int]) -> None:
         """Raise `ContentMismatch` unless block `block_ids[i]` holds `contents[i]` in every layer."""
         if not block_ids:
             return
-        index, values = torch.tensor(block_ids), torch.tensor(contents)
+        index, values = np.asarray(block_ids, dtype=np.int64), np.asarray(contents, dtype=np.int64)
         for layer, name in enumerate(self.layer_groups[group]):
-            rows = self.tensors[name].index_select(0, index).flatten(1)
-            bad = (rows != (values + layer)[:, None]).any(dim=1).nonzero().flatten().tolist()
-            if bad:
-                i = bad[0]
+            rows = self._arrays[name][index].reshape(len(index), -1)
+            bad = np.flatnonzero((rows != (values + layer)[:, None]).any(axis=1))
+            if len(bad):
+                i = int(bad[0])
                 got = int(rows[i, 0]) - layer
                 raise ContentMismatch(
                     f"{req_id}: block {positions[i]} of group {group} (engine block {block_ids[i]}, layer {layer}) "

@@ -1,0 +1,136 @@
+"""Conversation-depth eviction: the more turns a prefix has lived through, the longer it stays.
+
+In chat and agent traffic a prompt's prefix is reused when its conversation sends another
+turn, and a conversation that already came back is likelier to come back again (Mooncake's
+conversation trace: 25 % of first turns get a next turn, 39 % of second turns, 56 % of
+fourth turns, 78 % of seventh and later). LRU and ARC treat a first turn and a tenth turn
+alike. This policy gives each chunk a level — the depth of the deepest conversation that
+used it — and scores it last use + capacity x `bonus` x (level - 1) (level capped at
+`max_turns`), in key time (see `kvtier.policies.scored`); the lowest score is evicted
+first, tails before heads.
+
+How a request's depth is known, with nothing but the keys the tier sees: each chunk keeps
+the depth of the request that wrote it. A request's chain (`order_chain`: the keys it reused
+and stored, head first) is one deeper than the last chunk of it written before — found among
+the chunks the tier holds or, for chunks it evicted and the request stores again, among the
+last 2 x capacity evictions (their depth is remembered, as ARC remembers its ghosts). A
+shared system prompt is used by every request and so is kept, but it keeps the depth it was
+written with, so it does not deepen the conversations that merely start with it.
+
+How much a level is worth depends on the traffic and the capacity (with room for most
+reuse, plain LRU is best), so `bonus` is chosen online among `bonuses` by miniature
+simulations of the policy over a sample of the keys (`kvtier.policies.minisim`).
+
+Thread-safety: not thread-safe; the owning tier serializes calls.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvtier.keys import OffloadKey
+from kvtier.policies.minisim import SettingSelector
+from kvtier.policies.scored import ScoredPolicy
+
+__all__ = ["TurnsPolicy"]
+
+_CHAIN_STEP = 1e-6  # a head's last use is at least this much after its tail's
+
+
+class TurnsPolicy(ScoredPolicy):
+    """Score = last use + capacity x bonus x (level - 1); see the module docstring."""
+
+    name = "turns"
+    bonuses: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)  # candidates; the first until measured
+    max_turns = 8
+    ghosts_per_slot, max_ghosts = 8, 1 << 20  # evicted keys whose depth is remembered: per slot, at most
+    sample, period = 4, 1  # the miniatures' key sample (1 in n) and how often they choose (x capacity)
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.depth: dict[OffloadKey, int] = {}  # depth of the request that wrote the key
+        self.level: dict[OffloadKey, int] = {}  # depth of the deepest request that used it
+        self.last_use: dict[OffloadKey, float] = {}
+        self._fresh: dict[OffloadKey, int | None] = {}  # inserted, not yet ranked: key -> depth as a ghost
+        self._ghosts: OrderedDict[OffloadKey, int] = OrderedDict()  # evicted key -> its depth
+        self._max_ghosts = min(self.ghosts_per_slot * capacity, self.max_ghosts)
+        self.selector = SettingSelector(capacity, self.bonuses, self._bonus_for, sample=self.sample,
+                                        period=self.period)
+
+    @property
+    def bonus(self) -> float:
+        """The bonus per level in use (in capacities)."""
+        return self.selector.best
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        held = [key for key in keys if key in self.scores]
+        depth = 1 + self.depth[held[-1]] if held else 1
+        for key in reversed(keys):
+            self.clock += 1.0
+            if key in self.scores:
+                self._use(key, depth)
+            self._sample(key, self.level.get(key, depth), self.clock)
+
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        for key in reversed(keys):
+            self.clock += 1.0
+            if key in self.scores:
+                self._use(key, 0)
+                continue
+            self._fresh[key] = self._ghosts.pop(key, None)
+            self.depth[key] = self.level[key] = 1
+            self.last_use[key] = self.clock
+            self._set(key, self.clock)
+
+    def order_chain(self, keys: Sequence[OffloadKey]) -> None:
+        depth = 1
+        for key in keys:
+            known = self.depth[key] if key not in self._fresh else self._fresh[key]
+            if known is not None:
+                depth = 1 + known
+        latest = float("-inf")
+        for key in reversed(keys):  # a head is as recent as its tail, and at least as deep
+            if key in self._fresh:
+                ghost = self._fresh.pop(key)
+                self.depth[key] = depth if ghost is None else ghost
+                self._sample(key, depth, self.last_use[key])
+            self.level[key] = max(self.level[key], depth)
+            latest = self.last_use[key] = max(self.last_use[key], latest + _CHAIN_STEP)
+            self._rescore(key)
+
+    def clear(self) -> None:
+        super().clear()
+        for d in (self.depth, self.level, self.last_use, self._fresh, self._ghosts):
+            d.clear()
+        self.selector.clear()
+
+    def _use(self, key: OffloadKey, depth: int) -> None:
+        self.last_use[key] = self.clock
+        self.level[key] = max(self.level[key], depth)
+        self._rescore(key)
+
+    def _rescore(self, key: OffloadKey) -> None:
+        score = self.last_use[key] + self._bonus(self.level[key])
+        if self.scores[key] != score:
+            self._set(key, score)
+
+    def _sample(self, key: OffloadKey, level: int, now: float) -> None:
+        """Show a use to the miniatures; when they pick another bonus, rescore every key."""
+        if self.selector.access(key, level, now):
+            self.rescore_all({key: self.last_use[key] + self._bonus(self.level[key]) for key in self.scores})
+
+    def _bonus(self, level: int) -> float:
+        return self._bonus_for(self.selector.best, level)
+
+    def _bonus_for(self, bonus: float, level: int) -> float:
+        return self.capacity * bonus * (min(level, self.max_turns) - 1)
+
+    def _forget(self, key: OffloadKey, evicted: bool) -> None:
+        for d in (self.level, self.last_use, self._fresh):
+            d.pop(key, None)
+        depth = self.depth.pop(key, None)
+        if evicted and depth is not None:
+            self._ghosts[key] = depth
+            if len(self._ghosts) > self._max_ghosts:
+                self._ghosts.popitem(last=False)
