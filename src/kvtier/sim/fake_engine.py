@@ -3,7 +3,9 @@ the simulator.
 
 It has a block pool with a local prefix cache, admits waiting requests (asking the
 `OffloadScheduler` for external hits after its own), schedules prefill chunks and
-decodes, supports preemption and `reset_prefix_cache`, and runs each step's `StepPlan`
+decodes, supports preemption and `reset_prefix_cache`, parks a request whose load is
+asynchronous until the worker reports it (vLLM's WAITING_FOR_REMOTE_KVS: a request
+aborted meanwhile keeps its blocks until then), and runs each step's `StepPlan`
 on the real worker — `kvtier.worker.WorkerSide` and a `TransferEngine` over small CPU
 tensors (`KVCache`) and a shared-memory host slab — in vLLM's order: flushes and loads, the forward pass, stores,
 then the finished requests, then the workers' results. Every block it computes gets
@@ -108,6 +110,8 @@ class FakeEngine:
         self.requests: dict[str, SimRequest] = {}
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
+        self.parked: dict[str, SimRequest] = {}  # loading asynchronously (not scheduled)
+        self._late_invalid: set[int] = set()  # load errors reported after the forward pass
         self._preempted: set[str] = set()
         self._finished: set[str] = set()
         self.num_steps = 0
@@ -125,7 +129,9 @@ class FakeEngine:
         req = self.requests[req_id]
         if req in self.waiting:
             self.waiting.remove(req)
-        self._finish(req)
+        if req in self.running:
+            self.running.remove(req)
+        self._finish(req, keep_blocks=req_id in self.parked)  # a load still writes them: freed when it ends
 
     def preempt(self, req_id: str) -> None:
         req = self.requests[req_id]
@@ -148,7 +154,7 @@ class FakeEngine:
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
-            if not (self.waiting or self.running):
+            if not (self.waiting or self.running or self.parked):
                 return
             self.step()
         raise RuntimeError(f"requests still unfinished after {max_steps} steps")
@@ -178,11 +184,11 @@ class FakeEngine:
         local = self.pool.cached_prefix(req.block_hashes[: (req.num_tokens - 1) // self.block_size])
         num_local = len(local) * self.block_size
         req.num_lookups += 1
-        ext, _ = (self.scheduler.get_num_new_matched_tokens(self._view(req), num_local)
-                  if self.scheduler else (0, False))
+        ext, load_async = (self.scheduler.get_num_new_matched_tokens(self._view(req), num_local)
+                           if self.scheduler else (0, False))
         if ext is None:
             return None
-        n = min(req.num_tokens - num_local - ext, budget)
+        n = 0 if load_async else min(req.num_tokens - num_local - ext, budget)
         needed = -(-(num_local + ext + n) // self.block_size) - len(local)
         local_ids = [[bs[g] for bs in local] for g in range(len(self.groups))]
         for blocks in local:  # first: making room for the new blocks must not evict the hits (as in vLLM)
@@ -198,6 +204,9 @@ class FakeEngine:
         if req.num_cached_tokens is None:
             req.num_cached_tokens, req.num_external_tokens = num_local + ext, ext
         self.waiting.remove(req)
+        if load_async:
+            self.parked[req.req_id] = req
+            return None
         self.running.append(req)
         ids = tuple(list(ids) for ids in req.block_ids)
         return req, n, _scheduled(req, ids, True, n)
@@ -216,13 +225,32 @@ class FakeEngine:
         self.worker.start_load_kv(plan)
         # vLLM reads load errors after the forward pass and drops those requests' outputs;
         # skipping their forward here is the same, without computing on invalid blocks.
-        invalid = self.worker.take_load_errors()
+        invalid, self._late_invalid = self.worker.take_load_errors() | self._late_invalid, set()
         done = [req for req, n, _ in scheduled if not self._rewind_if_invalid(req, invalid) and self._forward(req, n)]
         self.worker.wait_for_save(plan)
         self.transfer.end_step()
+        loaded, failed = self.worker.take_finished_loads()
         results = self.worker.take_results()
         self._finish_all(done)
         self.scheduler.update_connector_output(results)
+        self._late_invalid = self.worker.take_load_errors()  # reported with the loads that just ended
+        self._unpark(loaded, failed, invalid | self._late_invalid)
+
+    def _unpark(self, loaded: set[str], failed: set[str], invalid: set[int]) -> None:
+        """Requests whose asynchronous load ended run from the next step (as vLLM promotes them);
+        a failed one recomputes from its first invalid block, or whole; an aborted one frees its blocks."""
+        for req_id in loaded:
+            req = self.parked.pop(req_id)
+            if req.is_finished:
+                self._release_blocks(req)
+                continue
+            self._rewind_if_invalid(req, invalid)
+            if req_id in failed:
+                req.num_computed = 0
+                self._release_blocks(req)
+                self.waiting.insert(0, req)
+            else:
+                self.running.append(req)
 
     # -- the "model" ------------------------------------------------------------------
 
@@ -290,11 +318,12 @@ class FakeEngine:
         self.pool.release(req.block_ids)
         req.block_ids = []
 
-    def _finish(self, req: SimRequest) -> None:
+    def _finish(self, req: SimRequest, keep_blocks: bool = False) -> None:
         req.is_finished = True
         if self.scheduler:
             self.scheduler.request_finished(self._view(req))
-        self._release_blocks(req)
+        if not keep_blocks:
+            self._release_blocks(req)
         self._finished.add(req.req_id)
 
     def _view(self, req: SimRequest) -> RequestView:
@@ -321,6 +350,6 @@ def _scheduled(req: SimRequest, new_block_ids: Any, is_new: bool, n: int) -> Sch
 
 def _check_plan(plan: StepPlan) -> None:
     """One load job XOR any number of store jobs per request, in every step."""
-    loading = [j.req_id for j in plan.load_jobs]
+    loading = [j.req_id for j in plan.load_jobs + plan.async_load_jobs]
     if len(loading) != len(set(loading)) or set(loading) & {j.req_id for j in plan.store_jobs}:
         raise AssertionError(f"a request got a load and another job in one step: {plan}")

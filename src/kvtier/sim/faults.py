@@ -13,6 +13,8 @@ Faults (`Faults`, mutable while a simulation runs):
 - `stuck_stores`: stores never start; a flush waits for them in vain (its timeout, i.e.
   the job's deadline, passes at once in simulated time) and the worker cancels them.
 - `fail_load(job)`: loads for which it returns True copy nothing and fail every chunk.
+- `load_delay_steps`: a load starts `n` steps late (a slow tier or device); an asynchronous
+  one keeps its request parked that long, a synchronous one starts when the step awaits it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def _never(job: TransferJob) -> bool:
 @dataclass
 class Faults:
     store_delay_steps: int = 0
+    load_delay_steps: int = 0  # a load starts this many steps late (a synchronous one: when awaited)
     stuck_stores: bool = False
     fail_load: Callable[[TransferJob], bool] = _never
 
@@ -64,6 +67,9 @@ class SimTransferEngine(TransferEngine):
             self.loads.append(job)
             if self.faults.fail_load(job):
                 self._report(job.failed("injected load failure"))
+                return
+            if self.faults.load_delay_steps:
+                self._held[job.job_id] = _Held(job, self.step + self.faults.load_delay_steps)
                 return
         if job.is_store:
             due = math.inf if self.faults.stuck_stores else self.step + self.faults.store_delay_steps
