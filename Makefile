@@ -38,8 +38,9 @@ test: $(VENV)/.stamp-vllm servers
 	$(PY) -m ruff check src tests benchmarks
 	$(ENGINE_ENV) $(PY) -m pytest
 
+# vLLM's own log goes to out/demo/vllm.log (`$(VENV)/bin/kvtier demo --verbose` shows it too)
 demo: $(VENV)/.stamp-vllm
-	$(ENGINE_ENV) $(PY) -m kvtier.demo
+	$(ENGINE_ENV) $(VENV)/bin/kvtier demo
 
 lint: $(VENV)/.stamp-core
 	$(PY) -m ruff check src tests benchmarks

@@ -39,16 +39,21 @@ class CoreBindingLog:
 
     Construct it before the first engine starts: vLLM's processes read the logging config
     (`VLLM_LOGGING_CONFIG_PATH`) when they import vllm. The console output stays as it was.
+    With `install=False` it only reads `path`, a log that the caller captures itself (e.g.
+    every process's stdout and stderr, as `kvtier demo` does), from its current end on.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, install: bool = True):
         self.path = Path(path)
+        self._read = 0
+        if not install:
+            self._read = len(self.path.read_text(errors="replace")) if self.path.exists() else 0
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("")
         config_path = self.path.with_suffix(".logging.json")
         config_path.write_text(json.dumps(self._config()))
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(config_path)
-        self._read = 0
 
     def _config(self) -> dict:
         from vllm.logger import DEFAULT_LOGGING_CONFIG
@@ -65,7 +70,7 @@ class CoreBindingLog:
         Raises:
             RuntimeError: no binding was logged (nothing to compare: the check cannot pass).
         """
-        text = self.path.read_text()
+        text = self.path.read_text(errors="replace")
         new, self._read = text[self._read :], len(text)
         ranks: dict[int, list[int]] = {}
         for rank, ids in _CORE_IDS.findall(new):
