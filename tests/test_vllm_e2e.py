@@ -186,10 +186,13 @@ def test_cache_salt_isolates_tenants(with_kvtier):
 # -- failures -----------------------------------------------------------------------------
 
 
-def test_a_failed_load_is_recomputed_with_identical_output(model, baseline, tmp_path, monkeypatch):
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_a_failed_load_is_recomputed_with_identical_output(model, baseline, tmp_path, monkeypatch, load_mode):
+    # sync: the step's load errors; async: the parked request restarts from its first invalid block
     flag = tmp_path / "fail-loads"
     monkeypatch.setenv("KVTIER_TEST_FAIL_LOADS", str(flag))
-    llm = make_llm(model, "FaultyKVTierConnector", module="kvtier_fault_connector")
+    llm = make_llm(model, "FaultyKVTierConnector", module="kvtier_fault_connector",
+                   extra={"cpu_bytes": "1GiB", "load_mode": load_mode})
     try:
         first = SYSTEM + USERS[0][0]
         generate(llm, [first])

@@ -43,7 +43,8 @@ def slow_engine(model, tmp_path_factory):
 
     flag = tmp_path_factory.mktemp("slow") / "slow-loads"
     os.environ["KVTIER_TEST_SLOW_LOADS"] = str(flag)  # inherited by the worker process
-    llm = make_llm(model, "SlowLoadKVTierConnector", module="kvtier_fault_connector", disable_log_stats=False)
+    llm = make_llm(model, "SlowLoadKVTierConnector", module="kvtier_fault_connector", disable_log_stats=False,
+                   extra={"cpu_bytes": "1GiB", "load_mode": "async"})
     try:
         yield llm, flag
     finally:

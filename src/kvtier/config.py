@@ -94,7 +94,7 @@ class KVTierConfig:
     disk_max_queue_bytes: int = 256 * 2**20
     disk_max_store_s: float = 2.0
     promotion_bytes: int = 256 * 2**20
-    load_mode: str = "async"
+    load_mode: str = "sync"  # measured better on vLLM CPU (benchmarks/bench_overlap.py); hybrid models: async
     redis_url: str | None = None
     redis_cluster: bool = False
     redis_username: str | None = None
