@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import hashlib
 import math
 import os
 import shutil
@@ -47,8 +46,9 @@ import redis
 
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.redis import RedisStore
-from kvtier.tiers.secondary import HEADER_BYTES, TierJob
+from kvtier.tiers.secondary import HEADER_BYTES
 from servers import redis_server
+from tier_driver import run_jobs
 
 SIZES = (1 << 20, 2 << 20, 4 << 20)
 WORKING_SET = 64 << 20  # redis-benchmark's keys x size (--quick: half)
@@ -120,10 +120,6 @@ def store_rates(url: str, size: int, count: int, threads: int, batch: int, tag: 
     return out
 
 
-def bench_key(i: int) -> bytes:
-    return hashlib.sha256(i.to_bytes(8, "big")).digest() + bytes(4)
-
-
 def tier_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str) -> dict[str, float]:
     """RemoteTier store / load GB/s (bytes of values, header included, as the other sides)."""
     from kvtier.tiers.remote import RemoteTier
@@ -134,32 +130,10 @@ def tier_rates(url: str, size: int, count: int, threads: int, batch: int, tag: s
     in_flight = 2 * threads
     rows = np.random.default_rng(1).integers(0, 256, (batch * in_flight, size - HEADER_BYTES), np.uint8)
     try:
-        return {side: count * size / run_jobs(tier, rows, count, batch, in_flight, side == "store") / GB
+        return {side: count * size / run_jobs(tier, rows, count, batch, side == "store", poll_s=0.0002) / GB
                 for side in ("store", "load")}
     finally:
         tier.close()
-
-
-def run_jobs(tier, rows: np.ndarray, count: int, batch: int, in_flight: int, is_store: bool) -> float:
-    """Seconds to store (or load) keys 0..count-1 through `rows`, `in_flight` jobs of `batch` at once."""
-    free_sets = [list(range(i, i + batch)) for i in range(0, len(rows), batch)]
-    running: dict[int, list[int]] = {}
-    next_key = job_id = 0
-    start = time.perf_counter()
-    while next_key < count or running:
-        while free_sets and next_key < count:
-            row_ids, num = free_sets.pop(), min(batch, count - next_key)
-            job = TierJob(job_id=job_id, is_store=is_store, keys=tuple(bench_key(next_key + i) for i in range(num)),
-                          buffers=tuple((memoryview(rows[r]),) for r in row_ids[:num]))
-            (tier.submit_store if is_store else tier.submit_load)(job)
-            running[job_id] = row_ids
-            next_key, job_id = next_key + num, job_id + 1
-        for result in tier.get_finished():
-            if result.failed_keys:
-                raise RuntimeError(f"job {result.job_id}: {len(result.failed_keys)} keys failed ({result.error})")
-            free_sets.append(running.pop(result.job_id))
-        time.sleep(0.0002)  # the manager polls once per engine step; this is far more often
-    return time.perf_counter() - start
 
 
 def client_rates(port: int, size: int, count: int, threads: int, batch: int) -> dict[str, float]:

@@ -29,7 +29,6 @@ Last line: RESULT s3_store_ratio=<x> s3_load_ratio=<y> s3_put_ratio=<z> s3_get_r
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shutil
 import statistics
 import sys
@@ -47,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.s3 import S3Store
-from kvtier.tiers.secondary import HEADER_BYTES, TierJob
+from kvtier.tiers.secondary import HEADER_BYTES
 from s3_server_bench import SeaweedFS  # benchmarks/ is not a package: on sys.path above
+from tier_driver import run_jobs
 
 __all__ = ["measure"]
 
@@ -178,31 +178,11 @@ def tier_rates(server: SeaweedFS, size: int, count: int, prefix: str) -> dict[st
     out: dict[str, float] = {}
     try:
         for side in ("store", "load"):
-            timed(out, f"tier {side}", count * size, lambda side=side: run_jobs(tier, rows, count, side == "store"))
+            timed(out, f"tier {side}", count * size,
+                  lambda side=side: run_jobs(tier, rows, count, KEYS_PER_JOB, side == "store", poll_s=0.001))
         return out
     finally:
         tier.close()
-
-
-def run_jobs(tier, rows: np.ndarray, count: int, is_store: bool) -> None:
-    """Store (or load) keys 0..count-1 through `rows`, JOBS_IN_FLIGHT jobs of KEYS_PER_JOB at once."""
-    free_sets = [list(range(i, i + KEYS_PER_JOB)) for i in range(0, len(rows), KEYS_PER_JOB)]
-    running: dict[int, list[int]] = {}
-    next_key = job_id = 0
-    while next_key < count or running:
-        while free_sets and next_key < count:
-            row_ids, num = free_sets.pop(), min(KEYS_PER_JOB, count - next_key)
-            keys = tuple(hashlib.sha256((next_key + i).to_bytes(8, "big")).digest() + bytes(4) for i in range(num))
-            job = TierJob(job_id=job_id, is_store=is_store, keys=keys,
-                          buffers=tuple((memoryview(rows[r]),) for r in row_ids[:num]))
-            (tier.submit_store if is_store else tier.submit_load)(job)
-            running[job_id] = row_ids
-            next_key, job_id = next_key + num, job_id + 1
-        for result in tier.get_finished():
-            if result.failed_keys:
-                raise RuntimeError(f"job {result.job_id}: {len(result.failed_keys)} keys failed ({result.error})")
-            free_sets.append(running.pop(result.job_id))
-        time.sleep(0.001)  # a job takes ~100 ms; polling faster only takes CPU from the server (2 cores)
 
 
 def report(size: int, count: int, results: list[dict[str, float]]) -> dict[str, float]:

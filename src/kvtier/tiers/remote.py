@@ -4,8 +4,8 @@ engine replica that uses the same store and namespace.
 Only the tier decides; the `RemoteStore` it wraps only moves bytes (`kvtier.tiers.remote_store`).
 
 - **Lookups never block.** The tier remembers which keys it knows to be present (its own
-  stores, answered probes) and which were absent a moment ago (`absent_ttl_s`, so that what
-  another replica stores becomes visible soon). Anything else is queued for the probe thread,
+  stores, answered probes) and which were absent a moment ago (`kvtier.tiers.remote_keys`).
+  Anything else is queued for the probe thread,
   which asks the store about up to `probe_batch` keys in one round trip; the lookup answers
   RETRY meanwhile (the scheduler bounds the request's wait). Capacity is the server's
   (`maxmemory` and its eviction policy, an optional TTL): a known key the server has dropped
@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 
 from kvtier.base import LookupResult, OffloadingEvent
@@ -39,6 +39,7 @@ from kvtier.credentials import redact
 from kvtier.keys import OffloadKey
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.remote_keys import KnownKeys
 from kvtier.tiers.remote_store import RemoteStore
 from kvtier.tiers.remote_values import ValueCodec
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
@@ -75,14 +76,11 @@ class RemoteTier(SecondaryTier):
         self.store, self.medium = store, store.medium
         self.codec = ValueCodec(namespace, prefix, store.separator, key_secret)
         self.breaker = breaker or CircuitBreaker()
-        self.probe_batch, self.absent_ttl_s, self.max_known = probe_batch, absent_ttl_s, max_known
+        self.probe_batch = probe_batch
         self.enable_events = enable_events
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._known: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._absent: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> when to ask again
-        self._probe_queue: list[OffloadKey] = []
-        self._probing: set[OffloadKey] = set()
+        self._keys = KnownKeys(max_known, absent_ttl_s)  # under _lock
         self._finished: list[TierResult] = []
         self._events: list[OffloadingEvent] = []
         self._counters: Counter[str] = Counter()
@@ -112,19 +110,10 @@ class RemoteTier(SecondaryTier):
     def _answer_locked(self, key: OffloadKey) -> LookupResult:
         if self.breaker.is_open or self._is_sweeping:
             return _MISS
-        if key in self._known:
-            self._known.move_to_end(key)
-            return _HIT
-        now = time.monotonic()
-        while self._absent and next(iter(self._absent.values())) <= now:
-            self._absent.popitem(last=False)  # oldest first: every entry lives absent_ttl_s
-        if key in self._absent:
-            return _MISS
-        if key not in self._probing:
-            self._probing.add(key)
-            self._probe_queue.append(key)
-            self._cond.notify_all()
-        return _RETRY
+        result = self._keys.answer(key)
+        if result is _RETRY and self._keys.has_queued:
+            self._cond.notify_all()  # the probe thread
+        return result
 
     def _probe_loop(self) -> None:
         while True:
@@ -132,11 +121,11 @@ class RemoteTier(SecondaryTier):
                 if self.breaker.is_open:  # sleep until the next ping is due
                     self._cond.wait_for(lambda: self._stop, timeout=self.breaker.seconds_to_next_probe())
                 else:
-                    self._cond.wait_for(lambda: self._stop or self._probe_queue or self.breaker.is_open, timeout=1.0)
+                    self._cond.wait_for(lambda: self._stop or self._keys.has_queued or self.breaker.is_open,
+                                        timeout=1.0)
                 if self._stop:
                     return
-                batch = self._probe_queue[:self.probe_batch]
-                del self._probe_queue[:len(batch)]
+                batch = self._keys.take_queued(self.probe_batch)
                 generation = self._generation
             if self.breaker.is_open:
                 self._forget_probes(batch)
@@ -152,22 +141,13 @@ class RemoteTier(SecondaryTier):
             self._forget_probes(keys)
             return
         self.breaker.record_success()
-        expires = time.monotonic() + self.absent_ttl_s
         with self._cond:
             self._counters["probed_keys"] += len(keys)
-            for key, is_present in zip(keys, found, strict=True):
-                self._probing.discard(key)
-                if generation != self._generation:
-                    continue  # a reset came: the answer may name values being deleted
-                if is_present:
-                    self._remember_locked(key)
-                else:
-                    self._absent[key] = expires
-                    self._absent.move_to_end(key)
+            self._keys.record_probe(keys, found, is_current=generation == self._generation)
 
     def _forget_probes(self, keys: list[OffloadKey]) -> None:
         with self._cond:
-            self._probing.difference_update(keys)
+            self._keys.unprobe(keys)
 
     def _ping_if_due(self) -> None:
         if not self.breaker.should_probe():
@@ -187,12 +167,18 @@ class RemoteTier(SecondaryTier):
 
     def submit_load(self, job: TierJob) -> None:
         with self._cond:
-            generation = self._generation
-            if self.breaker.is_open or self._workers.is_closed:
-                self._counters["breaker_rejects"] += len(job.keys)
-                self._finish_locked(job, set(job.keys), 0, 0.0, "tier unavailable (breaker open)")
+            if self._rejected_locked(job):
                 return
+            generation = self._generation
         self._workers.read(self._load, job, generation, time.perf_counter())
+
+    def _rejected_locked(self, job: TierJob) -> bool:
+        """Fail `job` at once, without I/O, while the breaker is open (or the tier closed)."""
+        if not (self.breaker.is_open or self._workers.is_closed):
+            return False
+        self._counters["breaker_rejects"] += len(job.keys)
+        self._finish_locked(job, set(job.keys), 0, 0.0, "tier unavailable (breaker open)")
+        return True
 
     def _load(self, job: TierJob, generation: int, started: float) -> None:
         failed: set[OffloadKey] = set()
@@ -221,8 +207,7 @@ class RemoteTier(SecondaryTier):
             self._counters["corrupt"] += len(corrupt)
             self._counters["load_missing"] += len(failed) - len(corrupt) if error is None else 0
             if error is None:  # absent or bad values: forget them (a server error says nothing about a key)
-                for key in failed:
-                    self._known.pop(key, None)
+                self._keys.forget(list(failed))
             if generation != self._generation:
                 failed, error = set(job.keys), "reset while in flight"
             self._count_locked("load", len(job.keys) - len(failed), len(failed), num_bytes, started)
@@ -230,15 +215,13 @@ class RemoteTier(SecondaryTier):
 
     def submit_store(self, job: TierJob) -> None:
         with self._cond:
-            generation = self._generation
-            if self.breaker.is_open or self._workers.is_closed:
-                self._counters["breaker_rejects"] += len(job.keys)
-                self._finish_locked(job, set(job.keys), 0, 0.0, "tier unavailable (breaker open)")
+            if self._rejected_locked(job):
                 return
+            generation = self._generation
             bad = {k for k, bufs in zip(job.keys, job.buffers, strict=True) if not self.codec.fits(k, bufs)}
             self._counters["bad_jobs"] += len(bad)
             todo = [(k, bufs) for k, bufs in zip(job.keys, job.buffers, strict=True)
-                    if k not in self._known and k not in bad]
+                    if k not in self._keys and k not in bad]
             self._queued_store_bytes += len(todo) * self.codec.payload_bytes
         self._workers.write(self._store, job, todo, bad, generation, time.perf_counter())
 
@@ -261,7 +244,7 @@ class RemoteTier(SecondaryTier):
             else:
                 for key in job.keys:
                     if key not in failed:
-                        self._remember_locked(key)
+                        self._keys.remember(key)
                 self._emit_locked(new_keys, removed=False)
             self._counters["store_existing"] += len(todo) - len(new_keys) - len(failed & {k for k, _ in todo})
             self._count_locked("store", len(new_keys), len(failed), len(new_keys) * self.codec.payload_bytes, started)
@@ -271,13 +254,6 @@ class RemoteTier(SecondaryTier):
             self._delete([self.codec.name(k) for k in new_keys])  # the reset must not leave them behind
 
     # -- bookkeeping ----------------------------------------------------------------------------
-
-    def _remember_locked(self, key: OffloadKey) -> None:
-        self._known[key] = None
-        self._known.move_to_end(key)
-        self._absent.pop(key, None)
-        if len(self._known) > self.max_known:
-            self._known.popitem(last=False)
 
     def _count_locked(self, direction: str, num_ok: int, num_failed: int, num_bytes: int, started: float) -> None:
         self._counters[f"{direction}_chunks"] += num_ok
@@ -345,7 +321,7 @@ class RemoteTier(SecondaryTier):
         with self._cond:
             counters = Counter(self._counters)
             counters["breaker_opens"], counters["breaker_closes"] = self.breaker.num_opens, self.breaker.num_closes
-            return TierStats(self.medium, 0, used_bytes=len(self._known) * self.codec.value_bytes,
+            return TierStats(self.medium, 0, used_bytes=len(self._keys) * self.codec.value_bytes,
                              queued_store_bytes=self._queued_store_bytes, counters=counters,
                              gauges={"breaker_open": float(self.breaker.is_open)})
 
@@ -354,10 +330,7 @@ class RemoteTier(SecondaryTier):
     def reset(self) -> None:
         with self._cond:
             self._generation += 1
-            self._known.clear()
-            self._absent.clear()
-            self._probe_queue.clear()
-            self._probing.clear()
+            self._keys.clear()
             self._is_sweeping = True
             self._counters["resets"] += 1
             generation = self._generation
