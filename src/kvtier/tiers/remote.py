@@ -236,8 +236,10 @@ class RemoteTier(SecondaryTier):
             failed.update(k for k, _ in todo)
             error = self._failed(exc, "store")
         new_keys = [k for (k, _), is_new in zip(todo, written, strict=True) if is_new and k not in failed]
+        num_existing = sum(1 for (k, _), is_new in zip(todo, written, strict=True) if not is_new and k not in failed)
         with self._cond:
             self._queued_store_bytes -= len(todo) * self.codec.payload_bytes
+            self._counters["store_existing"] += num_existing  # written by another replica: never rewritten
             is_stale = generation != self._generation
             if is_stale:
                 failed, error = set(job.keys), "reset while in flight"
@@ -246,7 +248,6 @@ class RemoteTier(SecondaryTier):
                     if key not in failed:
                         self._keys.remember(key)
                 self._emit_locked(new_keys, removed=False)
-            self._counters["store_existing"] += len(todo) - len(new_keys) - len(failed & {k for k, _ in todo})
             self._count_locked("store", len(new_keys), len(failed), len(new_keys) * self.codec.payload_bytes, started)
             self._finish_locked(job, failed, len(new_keys) * self.codec.payload_bytes, time.perf_counter() - started,
                                 error)
