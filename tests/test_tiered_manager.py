@@ -192,8 +192,31 @@ def test_a_request_s_promotions_never_evict_the_chunks_it_is_about_to_load(tmp_p
     assert [manager.lookup(k, CTX) for k in keys(1, 2, 3, 4)] == [HIT] * 4
     # 5 would have to evict one of r's own chunks: a MISS for r (its prefix would thrash otherwise)
     assert manager.lookup(key(5), CTX) is MISS
-    # another request may evict them: they are r's, not pinned
-    assert manager.lookup(key(5), make_req_context("q")) is PENDING
+    # nor may another request's promotion evict them before r has loaded them (promotions
+    # evicting each other's chunks read many times the bytes they serve)
+    q = make_req_context("q")
+    assert manager.lookup(key(5), q) is MISS
+    # once r has loaded them they are ordinary chunks again: q's promotion may evict one
+    manager.prepare_load(keys(1, 2, 3, 4), CTX)
+    manager.complete_load(keys(1, 2, 3, 4), CTX)
+    assert manager.lookup(key(5), q) is PENDING
+    settle(manager)
+    manager.check()
+
+
+def test_promoted_chunks_are_spared_until_their_request_ends(tmp_path):
+    manager, slabs = make_tiered(tmp_path)
+    evict_1_to_4_to_disk(manager, slabs)
+    put(manager, slabs, keys(9, 10, 11, 12))
+    settle(manager)
+    # r's prefix 1..4 is promoted; r then stops waiting (its budget) and never loads them
+    assert [manager.lookup(k, CTX) for k in keys(1, 2, 3, 4)] == [PENDING] * 4
+    settle(manager)
+    q = make_req_context("q")
+    assert manager.lookup(key(5), q) is MISS
+    # r ends: its promoted chunks no longer hold room against other promotions
+    manager.on_request_finished(CTX)
+    assert manager.lookup(key(5), q) is PENDING
     settle(manager)
     manager.check()
 

@@ -17,7 +17,7 @@ Thread-safety: not thread-safe. The scheduler calls it from one thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -154,12 +154,14 @@ class CPUTierManager(OffloadingManager):
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         return self._reserve(keys, ctx, admit=self._gate.admit, spare=())
 
-    def prepare_promotion(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_promotion(self, keys: Sequence[OffloadKey], ctx: ReqContext,
+                          spare: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
         """`prepare_store` for keys read back from a secondary tier for the request `ctx`: no
         admission rule applies (a chunk asked for again has proven its reuse), and no chunk of
         the request's own chain is evicted for it (its prefix would thrash: promoting chunk
-        n+1 must not evict chunk 0 that the same request is about to load)."""
-        return self._reserve(keys, ctx, admit=None, spare=self._ledger.chain(ctx.req_id))
+        n+1 must not evict chunk 0 that the same request is about to load), nor any of `spare`
+        (chunks promoted for other requests that have not loaded them yet)."""
+        return self._reserve(keys, ctx, admit=None, spare=[*self._ledger.chain(ctx.req_id), *spare])
 
     def _reserve(self, keys: Sequence[OffloadKey], ctx: ReqContext,
                  admit: Callable[[OffloadKey, str], bool] | None,

@@ -9,7 +9,10 @@ their own — never on the scheduler's thread, never inside the forward pass.
   asked in order. RETRY (a probe runs) is a wait. A secondary HIT starts a **promotion**: a
   CPU slot is reserved (PENDING: other requests see HIT_PENDING, nothing is read twice),
   the tier reads the chunk into it in the background, and the chunk becomes READY when the
-  read is checked. A full CPU tier answers MISS, not a wait. Promotions in flight are capped
+  read is checked. A full CPU tier answers MISS, not a wait. A promoted chunk is not evicted
+  for another promotion before the request it was read for has loaded it (or ended):
+  concurrent promotions evicting each other read ~12x the bytes they served in a replay
+  with a small CPU tier. Promotions in flight are capped
   in bytes (`max_promotion_bytes`): past the cap a lookup answers RETRY until some end. The
   scheduler bounds each request's wait; a promotion it stopped waiting for still completes,
   for the next request.
@@ -110,6 +113,7 @@ class TieredManager(OffloadingManager):
         has_on_evict = any(not t.is_write_through for t in self._tiers)
         self._staging = StagingRows(num_staging, [s.shape[1] for s in slabs]) if has_on_evict else None
         self._flights: dict[int, _Flight] = {}
+        self._awaited: dict[str, set[OffloadKey]] = {}  # req_id -> chunks promoted for it, not loaded yet
         self._job_ids = itertools.count(1)
         self._promoting_bytes = 0
 
@@ -133,7 +137,13 @@ class TieredManager(OffloadingManager):
         return _MISS
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
-        return self.primary.prepare_load(keys, ctx)
+        spec = self.primary.prepare_load(keys, ctx)
+        awaited = self._awaited.get(ctx.req_id)
+        if awaited is not None:
+            awaited.difference_update(keys)
+            if not awaited:
+                del self._awaited[ctx.req_id]
+        return spec
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.primary.touch(keys, ctx)
@@ -170,11 +180,13 @@ class TieredManager(OffloadingManager):
         return events
 
     def on_request_finished(self, ctx: ReqContext) -> None:
+        self._awaited.pop(ctx.req_id, None)
         self.primary.on_request_finished(ctx)
 
     def reset(self) -> None:
         """Forget every chunk in every tier; jobs in flight free what they hold when they end."""
         self.primary.reset()
+        self._awaited.clear()
         for slot in self._tiers:
             slot.tier.reset()
             if slot.gate is not None:
@@ -214,13 +226,15 @@ class TieredManager(OffloadingManager):
         if self._promoting_bytes and self._promoting_bytes + self.payload_bytes > self.max_promotion_bytes:
             slot.counters["promotions_capped"] += 1
             return _RETRY  # the promotions in flight end soon and free the budget
-        out = self.primary.prepare_promotion([key], ctx)
+        others = [k for req_id, keys in self._awaited.items() if req_id != ctx.req_id for k in keys]
+        out = self.primary.prepare_promotion([key], ctx, spare=others)
         if out is None or not out.keys_to_store:
             slot.counters["promotions_no_room"] += 1
             return _MISS  # a full CPU tier: recompute rather than wait
         self._write_evicted(out)
         row = int(out.store_spec.slot_ids[0])
         self._submit(_Kind.PROMOTION, index, (key,), ctx, (self._rows(row),), ())
+        self._awaited.setdefault(ctx.req_id, set()).add(key)
         slot.counters["promotions"] += 1
         return LookupResult.HIT_PENDING
 
