@@ -39,6 +39,7 @@ from kvtier.credentials import redact
 from kvtier.keys import OffloadKey
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.remote_jobs import RemoteJobBook
 from kvtier.tiers.remote_keys import KnownKeys
 from kvtier.tiers.remote_store import RemoteStore
 from kvtier.tiers.remote_values import ValueCodec
@@ -81,9 +82,8 @@ class RemoteTier(SecondaryTier):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._keys = KnownKeys(max_known, absent_ttl_s)  # under _lock
-        self._finished: list[TierResult] = []
-        self._events: list[OffloadingEvent] = []
-        self._counters: Counter[str] = Counter()
+        self._book = RemoteJobBook(self.medium, enable_events)  # under _lock
+        self._counters = self._book.counters
         self._generation = self._queued_store_bytes = 0
         self._is_sweeping = False
         self._last_logged: dict[str, float] = {}
@@ -177,7 +177,7 @@ class RemoteTier(SecondaryTier):
         if not (self.breaker.is_open or self._workers.is_closed):
             return False
         self._counters["breaker_rejects"] += len(job.keys)
-        self._finish_locked(job, set(job.keys), 0, 0.0, "tier unavailable (breaker open)")
+        self._book.finish(job, set(job.keys), 0, 0.0, "tier unavailable (breaker open)")
         return True
 
     def _load(self, job: TierJob, generation: int, started: float) -> None:
@@ -210,8 +210,8 @@ class RemoteTier(SecondaryTier):
                 self._keys.forget(list(failed))
             if generation != self._generation:
                 failed, error = set(job.keys), "reset while in flight"
-            self._count_locked("load", len(job.keys) - len(failed), len(failed), num_bytes, started)
-            self._finish_locked(job, failed, num_bytes, time.perf_counter() - started, error)
+            self._book.count("load", len(job.keys) - len(failed), len(failed), num_bytes, started)
+            self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
 
     def submit_store(self, job: TierJob) -> None:
         with self._cond:
@@ -247,31 +247,14 @@ class RemoteTier(SecondaryTier):
                 for key in job.keys:
                     if key not in failed:
                         self._keys.remember(key)
-                self._emit_locked(new_keys, removed=False)
-            self._count_locked("store", len(new_keys), len(failed), len(new_keys) * self.codec.payload_bytes, started)
-            self._finish_locked(job, failed, len(new_keys) * self.codec.payload_bytes, time.perf_counter() - started,
+                self._book.emit(new_keys, removed=False)
+            self._book.count("store", len(new_keys), len(failed), len(new_keys) * self.codec.payload_bytes, started)
+            self._book.finish(job, failed, len(new_keys) * self.codec.payload_bytes, time.perf_counter() - started,
                                 error)
         if is_stale and new_keys:
             self._delete([self.codec.name(k) for k in new_keys])  # the reset must not leave them behind
 
     # -- bookkeeping ----------------------------------------------------------------------------
-
-    def _count_locked(self, direction: str, num_ok: int, num_failed: int, num_bytes: int, started: float) -> None:
-        self._counters[f"{direction}_chunks"] += num_ok
-        self._counters[f"{direction}_failures"] += num_failed
-        self._counters[f"{direction}_bytes"] += num_bytes
-        self._counters[f"{direction}_seconds_us"] += int((time.perf_counter() - started) * 1e6)
-
-    def _finish_locked(self, job: TierJob, failed: set[OffloadKey], num_bytes: int, seconds: float,
-                       error: str | None) -> None:
-        if failed and error is None:
-            error = f"{len(failed)} of {len(job.keys)} keys failed (see the tier's counters)"
-        self._finished.append(TierResult(job_id=job.job_id, failed_keys=frozenset(failed), num_bytes=num_bytes,
-                                         seconds=seconds, error=error))
-
-    def _emit_locked(self, keys: list[OffloadKey], removed: bool) -> None:
-        if self.enable_events and keys:
-            self._events.append(OffloadingEvent(keys, self.medium, removed))
 
     def _failed(self, exc: Exception, what: str) -> str:
         """Count a failed operation (timeouts apart), feed the breaker; the message to report."""
@@ -310,13 +293,11 @@ class RemoteTier(SecondaryTier):
 
     def get_finished(self) -> list[TierResult]:
         with self._cond:
-            finished, self._finished = self._finished, []
-            return finished
+            return self._book.take_finished()
 
     def take_events(self) -> list[OffloadingEvent]:
         with self._cond:
-            events, self._events = self._events, []
-            return events
+            return self._book.take_events()
 
     def stats(self) -> TierStats:
         with self._cond:
