@@ -20,8 +20,7 @@ For values of 1, 2 and 4 MiB, on one `redis-server` started here (loopback, no p
   and valkey-glide's sync client when importable (`pip install valkey-glide-sync`).
 
 Each GB/s figure is the best over rounds; each ratio is the median over rounds of that
-round's side / baseline. The RESULT ratios are the tier's (the store's where RemoteTier is
-missing), the lowest over the sizes.
+round's side / baseline. The RESULT ratios are the tier's, the lowest over the sizes.
 
 Usage: python benchmarks/bench_remote.py [--quick] [--rounds R] [--threads T] [--batch B] [--clients] [--no-s3]
 Last line: RESULT redis_store_ratio=<x> redis_load_ratio=<y> s3_store_ratio=<z> s3_load_ratio=<w>
@@ -30,7 +29,6 @@ Last line: RESULT redis_store_ratio=<x> redis_load_ratio=<y> s3_store_ratio=<z> 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import math
 import os
@@ -46,6 +44,7 @@ import redis
 
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.redis import RedisStore
+from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.secondary import HEADER_BYTES
 from servers import redis_server
 from tier_driver import run_jobs
@@ -122,7 +121,6 @@ def store_rates(url: str, size: int, count: int, threads: int, batch: int, tag: 
 
 def tier_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str) -> dict[str, float]:
     """RemoteTier store / load GB/s (bytes of values, header included, as the other sides)."""
-    from kvtier.tiers.remote import RemoteTier
 
     namespace = Namespace("bench", "bfloat16", "blocks", 16, 4, "sha256_cbor", 1, size - HEADER_BYTES)
     tier = RemoteTier(RedisStore(url, max_connections=2 * threads), namespace, prefix=f"bench-tier-{tag}",
@@ -190,8 +188,7 @@ def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: s
     flush = redis.Redis(port=port).flushall
     out.update({f"store {k}": v for k, v in store_rates(url, size, count, threads, batch, tag).items()})
     flush()
-    with contextlib.suppress(ImportError):  # kvtier.tiers.remote not there yet
-        out.update({f"tier {k}": v for k, v in tier_rates(url, size, count, threads, batch, tag).items()})
+    out.update({f"tier {k}": v for k, v in tier_rates(url, size, count, threads, batch, tag).items()})
     flush()
     if args.clients:
         out.update(client_rates(port, size, count, threads, batch))
@@ -248,10 +245,7 @@ def main() -> None:
             results = [one_round(port, size, count, args, f"{size}-{r}") for r in range(rounds)]
             for side, value in report(size, results).items():
                 ratios.setdefault(side, []).append(value)
-    sides = ("tier store", "tier load") if "tier store" in ratios else ("store put", "store get")
-    if sides[0] == "store put":
-        print("TODO: kvtier.tiers.remote.RemoteTier not importable: RESULT ratios are the store's")
-    redis_store, redis_load = (min(ratios[side]) for side in sides)
+    redis_store, redis_load = min(ratios["tier store"]), min(ratios["tier load"])
     s3 = {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan} if args.no_s3 else s3_ratios(args.quick)
     print(f"RESULT redis_store_ratio={redis_store:.2f} redis_load_ratio={redis_load:.2f} "
           f"s3_store_ratio={s3['s3_store_ratio']:.2f} s3_load_ratio={s3['s3_load_ratio']:.2f}")

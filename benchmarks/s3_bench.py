@@ -19,8 +19,7 @@ which landed on whichever side happened to fill a volume.
 
 Each GB/s figure is the best over rounds; each ratio is the median over rounds of that
 round's side / baseline (paired: the server's drift cancels). `s3_store_ratio` and
-`s3_load_ratio` are the tier's (the store's while RemoteTier is missing), the lowest over the
-sizes; `s3_put_ratio` / `s3_get_ratio` are the S3Store's alone.
+`s3_load_ratio` are the tier's, the lowest over the sizes; `s3_put_ratio` / `s3_get_ratio` are the S3Store's alone.
 
 Usage: python benchmarks/s3_bench.py [--quick] [--rounds R] [--boto3] [--dir DIR]
 Last line: RESULT s3_store_ratio=<x> s3_load_ratio=<y> s3_put_ratio=<z> s3_get_ratio=<w>
@@ -45,6 +44,7 @@ from obstore.store import S3Store as ObjectStore
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.s3 import S3Store
 from kvtier.tiers.secondary import HEADER_BYTES
 from s3_server_bench import SeaweedFS  # benchmarks/ is not a package: on sys.path above
@@ -78,11 +78,7 @@ def measure(quick: bool, rounds: int | None = None, with_boto3: bool = False,
                 figures.update(report(size, count, results))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    tier = "tier" if "tier_store_ratio_1mib" in figures else "store"
-    if tier == "store":
-        print("TODO: kvtier.tiers.remote.RemoteTier not importable: s3_store_ratio / s3_load_ratio are the store's")
-    for name, side in (("s3_store_ratio", f"{tier}_{'store' if tier == 'tier' else 'put'}"),
-                       ("s3_load_ratio", f"{tier}_{'load' if tier == 'tier' else 'get'}"),
+    for name, side in (("s3_store_ratio", "tier_store"), ("s3_load_ratio", "tier_load"),
                        ("s3_put_ratio", "store_put"), ("s3_get_ratio", "store_get")):
         figures[name] = min(figures[f"{side}_ratio_{size >> 20}mib"] for size in SIZES)
     return figures
@@ -165,11 +161,7 @@ def boto3_rates(server: SeaweedFS, names: list[str], values: np.ndarray) -> dict
 
 
 def tier_rates(server: SeaweedFS, size: int, count: int, prefix: str) -> dict[str, float]:
-    """RemoteTier store / load GB/s (bytes of values, header included, as the other sides); {} without it."""
-    try:
-        from kvtier.tiers.remote import RemoteTier
-    except ImportError:
-        return {}
+    """RemoteTier store / load GB/s (bytes of values, header included, as the other sides)."""
     namespace = Namespace("bench", "bfloat16", "blocks", 16, 4, "sha256_cbor", 1, size - HEADER_BYTES)
     store = S3Store(server.endpoint, server.bucket, access_key_id=server.access_key_id,
                     secret_access_key=server.secret_access_key, max_connections=CONCURRENCY, timeout_ms=30_000)
