@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import mmap
 import os
 import re
@@ -47,8 +46,8 @@ import numpy as np
 from kvtier.policies import make_policy
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.secondary import TierJob
 from kvtier.tiers.slab import HostSlab
+from tier_driver import bench_key, run_jobs
 
 CHUNK_SIZES = (1 << 20, 2 << 20, 4 << 20)
 KEYS_PER_JOB, JOBS_IN_FLIGHT = 8, 8
@@ -57,10 +56,6 @@ GB = 1e9
 
 def namespace(slot_bytes: int) -> Namespace:
     return Namespace("bench", "bfloat16", "blocks", 16, 4, "sha256_cbor", 1, slot_bytes)
-
-
-def bench_key(i: int) -> bytes:
-    return hashlib.sha256(i.to_bytes(8, "big")).digest() + bytes(4)
 
 
 def dd(args: list[str]) -> float:
@@ -73,27 +68,10 @@ def dd(args: list[str]) -> float:
     return int(match[1]) / float(match[2]) / GB
 
 
-def run_jobs(tier: DiskTier, rows: np.ndarray, chunks: range, is_store: bool) -> float:
-    """Store (or load) `chunks` through `rows`, 8 jobs of 8 in flight; GB/s."""
-    free_sets = [list(range(i, i + KEYS_PER_JOB)) for i in range(0, len(rows), KEYS_PER_JOB)]
-    in_flight: dict[int, list[int]] = {}
-    next_chunk, num_chunks, job_id = chunks.start, chunks.stop, 0
-    start = time.perf_counter()
-    while next_chunk < num_chunks or in_flight:
-        while free_sets and next_chunk < num_chunks:
-            row_ids, count = free_sets.pop(), min(KEYS_PER_JOB, num_chunks - next_chunk)
-            keys = tuple(bench_key(i) for i in range(next_chunk, next_chunk + count))
-            job = TierJob(job_id=job_id, is_store=is_store, keys=keys,
-                          buffers=tuple((memoryview(rows[r]),) for r in row_ids[:count]))
-            (tier.submit_store if is_store else tier.submit_load)(job)
-            in_flight[job_id] = row_ids
-            next_chunk, job_id = next_chunk + count, job_id + 1
-        for result in tier.get_finished():
-            if result.failed_keys:
-                raise RuntimeError(f"job {result.job_id}: {len(result.failed_keys)} keys failed ({result.error})")
-            free_sets.append(in_flight.pop(result.job_id))
-        time.sleep(0.0002)  # the manager polls once per engine step; this is far more often
-    return len(chunks) * rows.shape[1] / (time.perf_counter() - start) / GB
+def disk_gbps(tier: DiskTier, rows: np.ndarray, chunks: range, is_store: bool) -> float:
+    """Store (or load) `chunks` through `rows`, jobs of KEYS_PER_JOB, as many in flight as `rows` holds; GB/s."""
+    seconds = run_jobs(tier, rows, len(chunks), KEYS_PER_JOB, is_store, poll_s=0.0002, first_key=chunks.start)
+    return len(chunks) * rows.shape[1] / seconds / GB
 
 
 def one_round(work: Path, chunk: int, num_chunks: int, rows: np.ndarray) -> dict[str, float]:
@@ -103,11 +81,11 @@ def one_round(work: Path, chunk: int, num_chunks: int, rows: np.ndarray) -> dict
     ns = namespace(chunk)
     with DiskTier(root, ns, capacity_bytes=num_chunks * (chunk + 4096)) as tier:
         tier.wait_scanned(10)
-        out = {"fill": run_jobs(tier, rows, range(num_chunks), is_store=True)}  # an empty tier: new files
+        out = {"fill": disk_gbps(tier, rows, range(num_chunks), is_store=True)}  # an empty tier: new files
         out["dd_write"] = dd(["if=/dev/zero", f"of={data}", f"bs={chunk}", f"count={num_chunks}", "oflag=direct"])
-        out["store"] = run_jobs(tier, rows, range(num_chunks, 2 * num_chunks), is_store=True)  # each evicts one
+        out["store"] = disk_gbps(tier, rows, range(num_chunks, 2 * num_chunks), is_store=True)  # each evicts one
         out["dd_read"] = dd([f"if={data}", "of=/dev/null", f"bs={chunk}", "iflag=direct"])
-        out["load"] = run_jobs(tier, rows, range(num_chunks, 2 * num_chunks), is_store=False)
+        out["load"] = disk_gbps(tier, rows, range(num_chunks, 2 * num_chunks), is_store=False)
         c = tier.stats().counters
         out["direct"] = float(c["store_direct_chunks"] == c["store_chunks"] and c["load_buffered_chunks"] == 0)
     data.unlink()
@@ -146,7 +124,7 @@ def index_bytes_per_chunk(num_keys: int) -> float:
     before = tracemalloc.get_traced_memory()[0]
     index = make_policy("lru", num_keys)
     for i in range(num_keys):
-        index.insert([hashlib.sha256(i.to_bytes(8, "big")).digest() + bytes(4)])
+        index.insert([bench_key(i)])
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert len(index) == num_keys

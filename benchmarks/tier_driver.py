@@ -1,4 +1,4 @@
-"""Driving a secondary tier with jobs at full speed (shared by bench_remote.py and s3_bench.py)."""
+"""Driving a secondary tier with jobs at full speed (shared by bench_disk.py, bench_remote.py, s3_bench.py)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ def bench_key(i: int) -> bytes:
     return hashlib.sha256(i.to_bytes(8, "big")).digest() + bytes(4)
 
 
-def run_jobs(tier, rows: np.ndarray, count: int, batch: int, is_store: bool, poll_s: float) -> float:
-    """Seconds to store (or load) keys 0..count-1 through `rows`: jobs of `batch` keys, as many in
-    flight as `rows` holds, polling the tier's results every `poll_s` (the manager polls once per step)."""
+def run_jobs(tier, rows: np.ndarray, count: int, batch: int, is_store: bool, poll_s: float,
+             first_key: int = 0) -> float:
+    """Seconds to store (or load) keys first_key..first_key+count-1 through `rows`: jobs of `batch`
+    keys, as many in flight as `rows` holds, polling the tier's results every `poll_s` (the manager
+    polls once per engine step)."""
     free_sets = [list(range(i, i + batch)) for i in range(0, len(rows), batch)]
     running: dict[int, list[int]] = {}
-    next_key = job_id = 0
+    next_key, end, job_id = first_key, first_key + count, 0
     start = time.perf_counter()
-    while next_key < count or running:
-        while free_sets and next_key < count:
-            row_ids, num = free_sets.pop(), min(batch, count - next_key)
+    while next_key < end or running:
+        while free_sets and next_key < end:
+            row_ids, num = free_sets.pop(), min(batch, end - next_key)
             job = TierJob(job_id=job_id, is_store=is_store, keys=tuple(bench_key(next_key + i) for i in range(num)),
                           buffers=tuple((memoryview(rows[r]),) for r in row_ids[:num]))
             (tier.submit_store if is_store else tier.submit_load)(job)

@@ -15,8 +15,6 @@ Thread-safety: `JobBook` is not thread-safe; the tier calls it with its lock hel
 from __future__ import annotations
 
 import errno
-import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -24,11 +22,11 @@ from collections.abc import Sequence
 from kvtier.base import OffloadingEvent
 from kvtier.keys import OffloadKey
 from kvtier.tiers.disk_files import ScanResult
+from kvtier.tiers.rate_limited_log import RateLimitedLog
 from kvtier.tiers.secondary import TierJob, TierResult
 
 __all__ = ["DiskJob", "FailureLog", "JobBook"]
 
-_LOG_EVERY_S = 60.0
 _MAX_KEY_BYTES = 64  # what ValueHeader can hold
 _ERRNO_KINDS = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EROFS: "erofs", errno.EACCES: "eacces",
                 errno.EPERM: "eacces", errno.ENOENT: "missing", errno.EIO: "eio"}
@@ -122,13 +120,8 @@ class JobBook:
         self.counters["garbage_removed"] += found.num_garbage_removed
 
 
-class FailureLog:
+class FailureLog(RateLimitedLog):
     """Classifies and logs a tier's failures, each kind at most once a minute."""
-
-    def __init__(self, logger: logging.Logger):
-        self._logger = logger
-        self._lock = threading.Lock()
-        self._last_logged: dict[str, float] = {}
 
     def failure(self, exc: Exception, what: str) -> str:
         """Log that `what` failed with `exc`; returns the failure's kind (a counter name)."""
@@ -138,11 +131,3 @@ class FailureLog:
             self._logger.exception("disk tier: %s failed", what)
         self.log_once(kind, f"disk tier: {what} failed: {exc}")
         return kind
-
-    def log_once(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last_logged.get(kind, -_LOG_EVERY_S) < _LOG_EVERY_S:
-                return
-            self._last_logged[kind] = now
-        self._logger.warning("%s (such failures are logged once a minute; counted in stats())", message)

@@ -39,6 +39,7 @@ from kvtier.credentials import redact
 from kvtier.keys import OffloadKey
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.rate_limited_log import RateLimitedLog
 from kvtier.tiers.remote_jobs import RemoteJobBook
 from kvtier.tiers.remote_keys import KnownKeys
 from kvtier.tiers.remote_store import RemoteStore
@@ -51,7 +52,6 @@ __all__ = ["RemoteTier"]
 logger = logging.getLogger(__name__)
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
-_LOG_EVERY_S = 60.0
 _DELETE_BATCH = 512
 
 
@@ -86,7 +86,7 @@ class RemoteTier(SecondaryTier):
         self._counters = self._book.counters
         self._generation = self._queued_store_bytes = 0
         self._is_sweeping = False
-        self._last_logged: dict[str, float] = {}
+        self._log = RateLimitedLog(logger)
         self._workers = Workers(self._cond, io_threads, io_threads, logger, self.medium)
         if start_open:
             self.breaker.open_now()
@@ -155,7 +155,8 @@ class RemoteTier(SecondaryTier):
         try:
             self.store.ping()
         except Exception as exc:
-            self._log_once("ping", f"{self.medium} tier: {self.store.describe()} still unreachable: {redact(str(exc))}")
+            self._log.log_once("ping", f"{self.medium} tier: {self.store.describe()} still unreachable: "
+                                       f"{redact(str(exc))}")
             return
         if self.breaker.probe_succeeded():
             logger.warning("kvtier: %s tier at %s answers again; serving from it", self.medium, self.store.describe())
@@ -199,7 +200,8 @@ class RemoteTier(SecondaryTier):
                 failed.add(key)
                 if size is not None:
                     corrupt.append(self.codec.name(key))
-                    self._log_once("corrupt", f"{self.medium} tier: dropped a bad value of {key.hex()[:16]}…: {why}")
+                    self._log.log_once("corrupt",
+                                       f"{self.medium} tier: dropped a bad value of {key.hex()[:16]}…: {why}")
         if corrupt:
             self._delete(corrupt)
         num_bytes = self.codec.payload_bytes * (len(job.keys) - len(failed))
@@ -268,22 +270,14 @@ class RemoteTier(SecondaryTier):
             with self._cond:
                 self._cond.notify_all()
         else:
-            self._log_once(what, f"{self.medium} tier: {message}")
+            self._log.log_once(what, f"{self.medium} tier: {message}")
         return message
-
-    def _log_once(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last_logged.get(kind, -_LOG_EVERY_S) < _LOG_EVERY_S:
-                return
-            self._last_logged[kind] = now
-        logger.warning("kvtier: %s (logged once a minute; counted in stats())", message)
 
     def _delete(self, names: list[str]) -> None:
         try:
             self.store.delete(names)
         except Exception as exc:
-            self._log_once("delete", f"{self.medium} tier: delete failed: {redact(str(exc))}")
+            self._log.log_once("delete", f"{self.medium} tier: delete failed: {redact(str(exc))}")
 
     # -- what the manager reads -------------------------------------------------------------------
 
@@ -331,7 +325,8 @@ class RemoteTier(SecondaryTier):
                 self.store.delete(names)
                 break
             except Exception as exc:
-                self._log_once("reset", f"{self.medium} tier: reset could not delete values yet: {redact(str(exc))}")
+                self._log.log_once("reset",
+                                   f"{self.medium} tier: reset could not delete values yet: {redact(str(exc))}")
                 time.sleep(self.breaker.retry_s)
         with self._cond:
             if generation == self._generation:
