@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import errno
 import time
-from collections import Counter
 from collections.abc import Sequence
 
-from kvtier.base import OffloadingEvent
 from kvtier.keys import OffloadKey
 from kvtier.tiers.disk_files import ScanResult
 from kvtier.tiers.rate_limited_log import RateLimitedLog
 from kvtier.tiers.secondary import TierJob, TierResult
+from kvtier.tiers.tier_reports import TierReports
 
 __all__ = ["DiskJob", "FailureLog", "JobBook"]
 
@@ -44,8 +43,8 @@ class DiskJob:
         self.started = time.perf_counter()
 
 
-class JobBook:
-    """Finished results, events and counters of one tier, until the manager takes them.
+class JobBook(TierReports):
+    """Finished results, events and counters of the disk tier, until the manager takes them.
 
     Args:
         medium: the tier's medium, named in its events.
@@ -54,18 +53,8 @@ class JobBook:
     """
 
     def __init__(self, medium: str, enable_events: bool, payload_bytes: int):
-        self.medium, self.enable_events, self.payload_bytes = medium, enable_events, payload_bytes
-        self.finished: list[TierResult] = []
-        self.events: list[OffloadingEvent] = []
-        self.counters: Counter[str] = Counter()
-
-    def take_finished(self) -> list[TierResult]:
-        finished, self.finished = self.finished, []
-        return finished
-
-    def take_events(self) -> list[OffloadingEvent]:
-        events, self.events = self.events, []
-        return events
+        super().__init__(medium, enable_events)
+        self.payload_bytes = payload_bytes
 
     def fits(self, key: OffloadKey, bufs: Sequence[memoryview]) -> bool:
         """Whether a job's chunk has a key a header can hold and a whole payload (else: a bad job)."""
@@ -73,10 +62,6 @@ class JobBook:
             return True
         self.counters["bad_jobs"] += 1
         return False
-
-    def emit(self, keys: list[OffloadKey], removed: bool) -> None:
-        if self.enable_events and keys:
-            self.events.append(OffloadingEvent(keys, self.medium, removed))
 
     def start(self, state: DiskJob, num_tasks: int, generation: int) -> None:
         """`state` has `num_tasks` chunks in flight (its result is recorded now if none)."""

@@ -1,5 +1,5 @@
-"""What a shared tier reports to the manager: each job's result once, stored/removed events,
-and counters (`TierStats.counters` names; see `kvtier.tiers.secondary`).
+"""What a shared tier reports to the manager (`kvtier.tiers.tier_reports`), and how its jobs
+end: one result per job, chunks, bytes and seconds counted per direction.
 
 Thread-safety: not thread-safe; `RemoteTier` calls it with its lock held.
 """
@@ -7,23 +7,16 @@ Thread-safety: not thread-safe; `RemoteTier` calls it with its lock held.
 from __future__ import annotations
 
 import time
-from collections import Counter
 
-from kvtier.base import OffloadingEvent
 from kvtier.keys import OffloadKey
 from kvtier.tiers.secondary import TierJob, TierResult
+from kvtier.tiers.tier_reports import TierReports
 
 __all__ = ["RemoteJobBook"]
 
 
-class RemoteJobBook:
-    """Args: medium: the tier's name in events; enable_events: record events (else drop them)."""
-
-    def __init__(self, medium: str, enable_events: bool):
-        self.medium, self.enable_events = medium, enable_events
-        self.counters: Counter[str] = Counter()
-        self._finished: list[TierResult] = []
-        self._events: list[OffloadingEvent] = []
+class RemoteJobBook(TierReports):
+    """`TierReports` with how a shared tier's jobs end (one result per job, counted per direction)."""
 
     def count(self, direction: str, num_ok: int, num_failed: int, num_bytes: int, started: float) -> None:
         """One job's chunks, bytes and seconds (since `started`, perf_counter) in `direction`."""
@@ -37,17 +30,5 @@ class RemoteJobBook:
         """Record `job`'s result (reported once, by `take_finished`)."""
         if failed and error is None:
             error = f"{len(failed)} of {len(job.keys)} keys failed (see the tier's counters)"
-        self._finished.append(TierResult(job_id=job.job_id, failed_keys=frozenset(failed), num_bytes=num_bytes,
-                                         seconds=seconds, error=error))
-
-    def emit(self, keys: list[OffloadKey], removed: bool) -> None:
-        if self.enable_events and keys:
-            self._events.append(OffloadingEvent(keys, self.medium, removed))
-
-    def take_finished(self) -> list[TierResult]:
-        finished, self._finished = self._finished, []
-        return finished
-
-    def take_events(self) -> list[OffloadingEvent]:
-        events, self._events = self._events, []
-        return events
+        self.finished.append(TierResult(job_id=job.job_id, failed_keys=frozenset(failed), num_bytes=num_bytes,
+                                        seconds=seconds, error=error))
