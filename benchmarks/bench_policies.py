@@ -3,7 +3,9 @@
 `kvtier.sim.sweep` replays the trace through the real scheduler, CPU tier and worker (the fake
 engine with a fixed prefix cache of 2,048 blocks, one per 512-token trace block) with the host
 tier at 1 %, 5 % and 20 % of the trace's distinct blocks, for eager-LRU (today's default),
-eager-ARC and `turns` (conversation depth, `kvtier.policies.turns`), and computes Belady's MIN
+eager-ARC and `turns` (conversation depth, `kvtier.policies.turns`), each also in the lazy store
+mode (`lazy-…`: chunks stored when the engine is about to evict them, `kvtier.scheduler.lazy`),
+and computes Belady's MIN
 over the same block stream with room for the host tier plus the engine cache (the ceiling).
 Prints the total prefix hit rate (engine + kvtier) of each, each policy's gain over LRU, and the
 share of the LRU-to-ceiling gap it closes; writes sweep.csv and sweep.png.
@@ -31,7 +33,7 @@ from kvtier.sim import SimOptions, sweep
 from mooncake import DEFAULT_TRACE, load_trace
 
 CAPACITIES = (0.01, 0.05, 0.20)
-POLICIES = ("lru", "arc", "turns")
+POLICIES = ("lru", "arc", "turns", "lazy-lru", "lazy-arc", "lazy-turns")
 ENGINE_BLOCKS = 2048
 
 
@@ -42,12 +44,12 @@ def choose_best(result, policies) -> str:
 
 
 def print_table(result, policies) -> None:
-    print(f"{'policy':<8}" + "".join(f"{f'{c:.0%}':>10}" for c in CAPACITIES)
+    print(f"{'policy':<12}" + "".join(f"{f'{c:.0%}':>10}" for c in CAPACITIES)
           + "".join(f"{f'gap@{c:.0%}':>10}" for c in CAPACITIES))
     for policy in (*policies, "belady"):
         rates = [result.rate(policy, c) for c in CAPACITIES]
         gaps = [_gap(result, policy, c) for c in CAPACITIES]
-        print(f"{policy:<8}" + "".join(f"{r:>10.4f}" for r in rates) + "".join(f"{g:>10}" for g in gaps))
+        print(f"{policy:<12}" + "".join(f"{r:>10.4f}" for r in rates) + "".join(f"{g:>10}" for g in gaps))
     print("gap@: share of the gap between LRU and Belady's MIN that the policy closes")
 
 

@@ -27,6 +27,7 @@ def make_engine(
     max_tokens_per_step: int = 64,
     clock: FakeClock | None = None,
     policy: str = "lru",
+    evict_lookahead: int | None = None,
     **config,
 ) -> FakeEngine:
     groups = groups or (GroupSpec(tokens_per_block=block_size, blocks_per_chunk=blocks_per_chunk),)
@@ -34,7 +35,7 @@ def make_engine(
     sched = OffloadScheduler(SchedulerOffloadConfig(groups=groups, **config), CPUTierManager(num_slots, policy=policy),
                              clock=clock)
     engine = FakeEngine(sched, num_blocks=num_blocks, block_size=block_size, max_tokens_per_step=max_tokens_per_step,
-                        clock=clock)
+                        clock=clock, evict_lookahead=evict_lookahead)
     return close_after_test(engine)
 
 

@@ -51,3 +51,26 @@ def test_kinds_kvtier_cannot_serve_say_why():
     mamba = group_spec(group(MambaSpec(block_size=128, shapes=((4, 4),), dtypes=(torch.float32,)), ["m.0", "m.1"]), 1)
     assert mla.kind is GroupKind.UNSUPPORTED and mla.reason.startswith("MLAAttentionSpec (layers ['model.layers.0")
     assert mamba.kind is GroupKind.UNSUPPORTED and "MambaSpec (layers ['m.0', 'm.1'])" in mamba.reason
+
+
+def test_evictable_blocks_are_the_cached_ones_the_next_allocations_take():
+    """vLLM's free queue hands out never-cached blocks first, then cached ones, least recently
+    freed first: a lazy store mode must see exactly the cached blocks within its lookahead."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from kvtier.integrations.vllm.convert import evictable_blocks
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+    blocks = pool.get_new_blocks(5)
+    cached = blocks[:3]
+    for i, block in enumerate(cached):
+        block.set_block_hash(make_block_hash_with_group_id(bytes([i]) * 32, 0), 16)
+    pool.free_blocks(blocks)  # cached ones go to the tail in this order, the others to the head
+    num_free = pool.get_num_free_blocks()
+    assert evictable_blocks(pool, num_free) == [b.block_id for b in cached]
+    assert evictable_blocks(pool, num_free - 1) == [b.block_id for b in cached[:2]]
+    assert evictable_blocks(pool, num_free - 3) == []
+    taken = pool.get_new_blocks(num_free - 2)  # evicts the first cached block
+    assert cached[0] in taken
+    assert evictable_blocks(pool, 2) == [b.block_id for b in cached[1:]]

@@ -64,6 +64,8 @@ class KVTierConfig:
     promotion_bytes: bytes of chunks being read back from secondary tiers at most.
     load_mode: "async" (the engine parks a request while its load runs; the batch keeps
         stepping) or "sync" (the load ends inside the step, before the forward pass).
+    store_mode: "eager" (store a chunk once it is computed) or "lazy" (once the engine is about
+        to evict it: the host tier then holds what the engine lost, not a copy of what it holds).
     redis_* / s3_*: the shared tiers (see README, "Shared tiers"); no secret is ever a config
         value: passwords, S3 keys and the key secret come from files named here or the environment.
     remote_prefix: the first part of every Redis key and S3 object name.
@@ -95,6 +97,7 @@ class KVTierConfig:
     disk_max_store_s: float = 2.0
     promotion_bytes: int = 256 * 2**20
     load_mode: str = "sync"  # measured better on vLLM CPU (benchmarks/bench_overlap.py); hybrid models: async
+    store_mode: str = "eager"
     redis_url: str | None = None
     redis_cluster: bool = False
     redis_username: str | None = None
@@ -149,7 +152,8 @@ _SIZES = ("cpu_bytes", "disk_bytes", "disk_max_queue_bytes", "promotion_bytes", 
 _BOOLS = ("offload_prompt_only", "enable_events", "disk_fsync", "redis_cluster", "redis_required", "s3_required")
 _WRITE_MODES = ("write_through", "on_evict")
 _CHOICES = {"disk_direct_io": ("auto", True, False), "disk_write_mode": _WRITE_MODES, "redis_write_mode": _WRITE_MODES,
-            "s3_write_mode": _WRITE_MODES, "remote_key_mode": ("plain", "keyed"), "load_mode": ("async", "sync")}
+            "s3_write_mode": _WRITE_MODES, "remote_key_mode": ("plain", "keyed"), "load_mode": ("async", "sync"),
+            "store_mode": ("eager", "lazy")}
 _INTS = {"blocks_per_chunk": 1, "store_threshold": 1, "disk_min_offers": 1, "max_deferrals": 0, "redis_min_offers": 1,
          "s3_min_offers": 1, "redis_timeout_ms": 1, "redis_connect_timeout_ms": 1, "s3_timeout_ms": 1,
          "s3_connect_timeout_ms": 1, "remote_breaker_failures": 1}

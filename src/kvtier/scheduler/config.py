@@ -73,6 +73,10 @@ class SchedulerOffloadConfig:
         load_mode: "sync": a load ends before its request's first forward pass (the engine
             waits for it inside the step); "async": the engine parks the request while its load
             runs and the rest of the batch keeps stepping (the engine must support it).
+        store_mode: "eager": a chunk is stored as soon as it is computed; "lazy": when the
+            engine is about to evict its blocks (`StepView.evictable_block_ids`, see
+            `kvtier.scheduler.lazy`), so the host tier holds what the engine lost instead of
+            a copy of what it still holds (the engine adapter must report evictable blocks).
     """
 
     groups: tuple[GroupSpec, ...] = (GroupSpec(),)
@@ -83,10 +87,13 @@ class SchedulerOffloadConfig:
     num_workers: int = 1
     hash_block_size: int | None = None
     load_mode: str = "sync"
+    store_mode: str = "eager"
 
     def __post_init__(self) -> None:
         if self.load_mode not in ("sync", "async"):
             raise ConfigError(f"load_mode: expected 'sync' or 'async', got {self.load_mode!r}")
+        if self.store_mode not in ("eager", "lazy"):
+            raise ConfigError(f"store_mode: expected 'eager' or 'lazy', got {self.store_mode!r}")
         if not self.groups:
             raise ConfigError("at least one KV-cache group is required")
         if len({g.tokens_per_chunk for g in self.groups}) != 1:

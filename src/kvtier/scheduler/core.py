@@ -8,7 +8,8 @@ simulator) calls it in the order of DESIGN.md's scheduler protocol:
 3. `build_connector_meta(step)`                    -> StepPlan for the workers
 4. (workers run the plan: `kvtier.worker.WorkerSide`)
 5. `request_finished(req)` for requests that ended in the step, then
-   `update_connector_output(results)` with the workers' job results (vLLM's order)
+   `update_connector_output(results)` with the workers' job results (vLLM's order), then
+   (lazy store mode) `plan_evictions(blocks)` once the engine freed the ended requests' blocks
 6. `reset_cache()` at any time
 
 Waiting is bounded per request: a request that would wait for a pending write or a
@@ -20,6 +21,13 @@ load never adds up to more than the request was allowed.
 Jobs are bounded too: one that not every worker reported by its expiry is failed here
 (see `kvtier.scheduler.jobs`) — loads are recomputed, stores rolled back.
 
+When chunks are stored is `store_mode`: "eager" as soon as they are computed, "lazy" when the
+engine is about to evict their blocks (`kvtier.scheduler.lazy`; the adapter reports them at
+the end of each step, `plan_evictions`, and the stores run in the next step's plan, under
+the same fences as a finished request's last stores). The requests that computed such chunks may have ended long
+before: each step's evict-time stores belong to an owner of their own, named after
+`EVICTIONS_REQ_ID`, which ends (for the manager, `on_request_finished`) with its jobs.
+
 Thread-safety: not thread-safe; the engine's scheduler calls it from one thread.
 """
 
@@ -27,23 +35,26 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.base import OffloadingManager
 from kvtier.errors import KVTierError
 from kvtier.jobs import BlockIds, JobResult, StepPlan
+from kvtier.keys import OffloadKey
 from kvtier.scheduler.config import SchedulerOffloadConfig
 from kvtier.scheduler.jobs import JobBook
+from kvtier.scheduler.lazy import EvictionLedger
 from kvtier.scheduler.lookup import may_defer, scan_hits
 from kvtier.scheduler.state import JobRecord, LookupAnswer, PendingLoad, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
 from kvtier.scheduler.types import RequestView, StepView
 
-__all__ = ["OffloadScheduler"]
+__all__ = ["EVICTIONS_REQ_ID", "OffloadScheduler"]
 
 logger = logging.getLogger(__name__)
 
 _MIN_ASYNC_LOAD_S = 0.25  # a load started after the budget was spent on waits still gets this long
+EVICTIONS_REQ_ID = "\x00kvtier:evictions"  # owns lazy mode's stores (no engine request id starts with NUL)
 
 
 class OffloadScheduler:
@@ -70,6 +81,8 @@ class OffloadScheduler:
         self._next_plan = StepPlan()  # jobs created between two build_connector_meta calls
         self._step = 0  # build_connector_meta calls so far
         self._is_supported = config.is_supported
+        self._lazy = config.store_mode == "lazy"
+        self._ledger = EvictionLedger()  # lazy mode: computed chunks not stored yet
         for g in config.unsupported_groups():
             logger.warning("kvtier: KV-cache group %d cannot be offloaded (%s); this model gets no kvtier hits",
                            g, config.groups[g].reason or "unsupported kind")
@@ -120,7 +133,7 @@ class OffloadScheduler:
         state = self._requests.get(req_id)
         if state is None:
             return
-        state.set_block_ids(block_ids, replace=True)
+        self._on_written(state.set_block_ids(block_ids, replace=True), self._next_plan)
         pending, state.pending_load = state.pending_load, None
         loaded = 0
         if pending is not None and num_external_tokens > 0:
@@ -181,14 +194,20 @@ class OffloadScheduler:
             if state is None:
                 continue
             if sched.new_block_ids is not None:
-                written = state.set_block_ids(sched.new_block_ids, replace=sched.is_new_or_resumed)
-                plan.flush_job_ids |= self._jobs.stores_reading(written)
+                self._on_written(state.set_block_ids(sched.new_block_ids, replace=sched.is_new_or_resumed), plan)
             if state.load_job_id is None and state.params.store:
                 self._plan_stores(state, sched.num_computed_tokens + sched.num_scheduled_tokens,
                                   sched.num_computed_tokens, plan)
         self.stats.flushed_jobs += len(plan.flush_job_ids)
         self._jobs.dispatch(plan, self._clock())
         return plan
+
+    def _on_written(self, written: list[int], plan: StepPlan) -> None:
+        """The engine will write `written`: stores still reading them end first (a fence),
+        and the chunks they held are no longer there to store lazily."""
+        plan.flush_job_ids |= self._jobs.stores_reading(written)
+        if self._lazy:
+            self._ledger.forget(written)
 
     def _on_preempted(self, req_id: str, plan: StepPlan) -> None:
         state = self._requests.get(req_id)
@@ -209,16 +228,50 @@ class OffloadScheduler:
         keys, chunks = self._jobs.store_candidates(state, end, window_from)
         if not keys:
             return
-        out = self.manager.prepare_store(keys, state.req_context)
-        if out is None:
-            self.stats.store_alloc_failures += 1  # no room now: the cursor stays, retried next step
-            return
+        groups = [group for group, _ in chunks]
+        blocks = [state.group_states[group].chunk_blocks(chunk) for group, chunk in chunks]
+        if self._lazy:  # stored when the engine is about to evict them (`_plan_evictions`)
+            for key, (group, chunk), chunk_blocks in zip(keys, chunks, blocks, strict=True):
+                self._ledger.record(key, group, chunk_blocks, state.req_id, chunk)
+        elif not self._store(state, keys, groups, blocks, plan):
+            return  # no room now: the cursor stays, retried next step
         for gs in state.group_states:
             gs.next_store_chunk = max(gs.next_store_chunk, end)
+
+    def plan_evictions(self, evictable: Iterable[int]) -> None:
+        """Lazy store mode: store the computed chunks held by `evictable` — cached engine blocks
+        no request holds, which the engine's next allocations (at least one step's worth)
+        would evict. Call it at the end of a step, after the engine freed the blocks of the
+        requests that ended; the stores go out with the next step's plan. Eager mode: no-op."""
+        if not self._lazy:
+            return
+        plan = self._next_plan
+        entries = self._ledger.take(evictable)
+        if not entries:
+            return
+        owner = RequestOffloadState(self.config, RequestView(req_id=f"{EVICTIONS_REQ_ID}:{self._step}",
+                                                             block_hashes=(), num_tokens=0, num_prompt_tokens=0))
+        owner.is_finished, owner.finished_at_step = True, self._step
+        self._requests[owner.req_id] = owner
+        if self._store(owner, [e.key for e in entries], [e.group for e in entries], [e.blocks for e in entries],
+                       plan):
+            self.stats.lazy_offered_chunks += len(entries)
+        else:
+            self._ledger.restore(entries)  # no room now: retried next step, unless the blocks go first
+        self._release_if_done(owner)
+
+    def _store(self, state: RequestOffloadState, keys: list[OffloadKey], groups: list[int],
+               blocks: list[Sequence[int]], plan: StepPlan) -> bool:
+        """Offer chunks to the manager and plan a store job for those it takes; False when it
+        has no room for them now."""
+        out = self.manager.prepare_store(list(dict.fromkeys(keys)), state.req_context)
+        if out is None:
+            self.stats.store_alloc_failures += 1
+            return False
         if out.keys_to_store:
-            job = self._jobs.new_store(state, keys, chunks, out)
-            plan.store_jobs.append(job)
+            plan.store_jobs.append(self._jobs.new_store(state, keys, groups, blocks, out))
             self.stats.store_jobs += 1
+        return True
 
     # -- 5. completions ---------------------------------------------------------------
 
@@ -306,6 +359,7 @@ class OffloadScheduler:
     def reset_cache(self) -> bool:
         """Forget every offloaded chunk; jobs in flight are flushed and their results ignored."""
         self.manager.reset()
+        self._ledger.clear()
         self._next_plan.flush_job_ids |= self._jobs.start_new_generation()
         for state in self._requests.values():
             state.reset_store_cursors()
@@ -316,6 +370,10 @@ class OffloadScheduler:
 
     def has_jobs_in_flight(self) -> bool:
         return bool(self._jobs)
+
+    def num_jobs_in_flight(self) -> int:
+        """Transfer jobs not yet reported by every worker (nor expired)."""
+        return len(self._jobs)
 
     def _state_for(self, req: RequestView) -> RequestOffloadState:
         state = self._requests.get(req.req_id)

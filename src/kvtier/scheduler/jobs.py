@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -92,16 +92,23 @@ class JobBook:
             firsts[gs.group] = first
         return state.chunk_major(firsts, end)
 
-    def new_store(self, state: RequestOffloadState, keys: list[OffloadKey], chunks: list[tuple[int, int]],
-                  out: PrepareStoreOutput) -> TransferJob:
+    def new_store(self, state: RequestOffloadState, keys: list[OffloadKey], groups: list[int],
+                  chunk_blocks: list[Sequence[int]], out: PrepareStoreOutput) -> TransferJob:
+        """A store of the chunks `out` accepted: `keys[i]` of group `groups[i]` reads `chunk_blocks[i]`
+        (a key listed twice is stored once).
+
+        `state` owns the job: the request whose chunks these are, or the scheduler's owner of
+        evict-time stores (`kvtier.scheduler.lazy`), which outlive their requests.
+        """
         slot_of = dict(zip(out.keys_to_store, out.store_spec.slot_ids.tolist(), strict=True))
         per_group: dict[int, tuple[list[OffloadKey], list[int], list[int]]] = {}
-        for key, (group, chunk) in zip(keys, chunks, strict=True):
-            if key in slot_of:
+        for key, group, chunk_ids in zip(keys, groups, chunk_blocks, strict=True):
+            slot = slot_of.pop(key, None)
+            if slot is not None:
                 part_keys, slots, blocks = per_group.setdefault(group, ([], [], []))
                 part_keys.append(key)
-                slots.append(slot_of[key])
-                blocks.extend(state.group_states[group].chunk_blocks(chunk))
+                slots.append(slot)
+                blocks.extend(chunk_ids)
         parts = [
             TransferPart(group=group, slot_ids=np.asarray(slots, np.int64), block_ids=np.asarray(blocks, np.int64))
             for group, (_, slots, blocks) in per_group.items()

@@ -27,6 +27,7 @@ class SchedulerStats:
     stored_chunks: int = 0
     failed_store_chunks: int = 0
     store_alloc_failures: int = 0  # prepare_store found no room; retried next step
+    lazy_offered_chunks: int = 0  # lazy store mode: chunks offered as the engine was about to evict them
     flushed_jobs: int = 0
     stale_completions: int = 0  # jobs from before a reset_cache()
     expired_jobs: int = 0  # jobs not every worker reported in time: failed by the scheduler

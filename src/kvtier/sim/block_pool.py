@@ -23,6 +23,7 @@ class BlockPool:
         self.refs = [0] * num_blocks
         self.cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # hash -> block per group (LRU order)
         self._cached_blocks: set[int] = set()  # every block id in `cache`
+        self.num_allocations = 0  # blocks handed out so far, per group
 
     def cached_prefix(self, block_hashes: Sequence[bytes]) -> list[tuple[int, ...]]:
         """Blocks (one per group) of the longest cached prefix of `block_hashes`."""
@@ -43,6 +44,7 @@ class BlockPool:
             return None
         for blocks in new:
             self.reference(blocks)
+        self.num_allocations += n
         return new  # type: ignore[return-value]
 
     def reference(self, blocks: Sequence[int]) -> None:
@@ -64,6 +66,22 @@ class BlockPool:
                 self.refs[b] -= 1
                 if self.refs[b] == 0 and b not in cached:
                     self.free_blocks.append(b)
+
+    def evictable(self, num_allocations: int) -> list[int]:
+        """Cached blocks the next `num_allocations` block allocations (per group) would evict,
+        first to go first (uncached free blocks are handed out before any cached one)."""
+        at_risk = num_allocations - len(self.free_blocks) // self.num_groups
+        found: list[int] = []
+        if at_risk <= 0:
+            return found
+        refs = self.refs
+        for blocks in self.cache.values():
+            if not any(refs[b] for b in blocks):
+                found.extend(blocks)
+                at_risk -= 1
+                if at_risk <= 0:
+                    break
+        return found
 
     def reset_prefix_cache(self) -> None:
         """Drop every unused cached block (vLLM's reset_prefix_cache(reset_connector=False))."""

@@ -78,6 +78,11 @@ class FakeEngine:
         check_content: write each computed block's value and check every block a token
             attends to (default). Off, the KV tensors are neither written nor read by the
             "model" — the simulator's fast path; the transfers still copy them.
+        evict_lookahead: how many block allocations ahead a lazy store mode learns which
+            cached blocks they will evict (`OffloadScheduler.plan_evictions`). Default: two
+            steps' worth, as vLLM's lazy offloading looks ahead — twice the most blocks one
+            step has allocated so far (a step's token budget bounds it in vLLM; here a replay
+            may admit many whole prompts in one step).
 
     Like vLLM, its "scheduler" owns the host slab, in shared memory (`slabs`: one rank), and
     its worker maps the same segment by name: both roles in one process. `close` unlinks it.
@@ -86,12 +91,16 @@ class FakeEngine:
     def __init__(self, scheduler: OffloadScheduler | None, *, num_blocks: int = 64, block_size: int = 4,
                  groups: tuple[GroupSpec, ...] | None = None, max_tokens_per_step: int = 64,
                  faults: Faults | None = None, clock: Callable[[], float] = time.monotonic,
-                 slab: HostSlab | None = None, check_content: bool = True):
+                 slab: HostSlab | None = None, check_content: bool = True, evict_lookahead: int | None = None):
         self.scheduler = scheduler
         self.check_content = check_content
         self.block_size = block_size
         self.groups = groups or (scheduler.config.groups if scheduler else (GroupSpec(tokens_per_block=block_size),))
         self.max_tokens_per_step = max_tokens_per_step
+        self.evict_lookahead = evict_lookahead
+        self._max_step_allocations = 1
+        self._allocations_before_step = 0
+        self._lazy = scheduler is not None and scheduler.config.store_mode == "lazy"
         self.hasher = BlockHasher(block_size)
         self.kv = KVCache(len(self.groups), num_blocks, block_size)
         self.faults = faults or Faults()
@@ -162,6 +171,7 @@ class FakeEngine:
     # -- one step ---------------------------------------------------------------------
 
     def step(self) -> None:
+        self._allocations_before_step = self.pool.num_allocations
         budget = self.max_tokens_per_step
         scheduled: list[tuple[SimRequest, int, ScheduledRequest]] = []
         for req in list(self.running):
@@ -233,6 +243,8 @@ class FakeEngine:
         results = self.worker.take_results()
         self._finish_all(done)
         self.scheduler.update_connector_output(results)
+        if self._lazy:
+            self.scheduler.plan_evictions(self.pool.evictable(self._lookahead()))
         self._late_invalid = self.worker.take_load_errors()  # reported with the loads that just ended
         self._unpark(loaded, failed, invalid | self._late_invalid)
 
@@ -253,6 +265,13 @@ class FakeEngine:
                 self.running.append(req)
 
     # -- the "model" ------------------------------------------------------------------
+
+    def _lookahead(self) -> int:
+        if self.evict_lookahead is not None:
+            return self.evict_lookahead
+        allocated = self.pool.num_allocations - self._allocations_before_step
+        self._max_step_allocations = max(self._max_step_allocations, allocated)
+        return 2 * self._max_step_allocations
 
     def _forward(self, req: SimRequest, n: int) -> bool:
         """Compute `n` tokens of `req` after checking every block they attend to; True when

@@ -64,6 +64,11 @@ class SimOptions:
         host_slots: the CPU tier's slots (chunks), overriding `host_fraction`.
         engine_blocks: the engine's own KV cache, in blocks (one per trace block).
         policy: the CPU tier's eviction policy (`kvtier.policies.policy_names()`).
+        store_mode: "eager" (store chunks once computed) or "lazy" (once the engine is about to
+            evict them; see `kvtier.scheduler.lazy`).
+        evict_lookahead: lazy mode: how many block allocations ahead the engine reports the
+            cached blocks they will evict (default: twice the most one step allocated so far,
+            as vLLM's lazy offloading looks two steps' worth of tokens ahead).
         store_threshold: store a chunk on its N-th offer (1: always).
         disk_slots: a disk tier of this many chunks behind the CPU tier (0: none).
         disk_write_mode, disk_policy: the disk tier's `write_through` / `on_evict` and eviction policy.
@@ -83,6 +88,8 @@ class SimOptions:
     host_slots: int | None = None
     engine_blocks: int = 2048
     policy: str = "lru"
+    store_mode: str = "eager"
+    evict_lookahead: int | None = None
     store_threshold: int = 1
     disk_slots: int = 0
     disk_write_mode: str = "write_through"
@@ -106,6 +113,23 @@ class SimOptions:
             raise ConfigError("engine_blocks, engine_block_tokens, trace_block_tokens and max_running must be >= 1")
         if self.disk_slots < 0 or self.step_s <= 0:
             raise ConfigError("disk_slots must be >= 0 and step_s > 0")
+        if self.store_mode not in ("eager", "lazy"):
+            raise ConfigError(f"store_mode: expected 'eager' or 'lazy', got {self.store_mode!r}")
+        if self.evict_lookahead is not None and self.evict_lookahead < 1:
+            raise ConfigError(f"evict_lookahead must be >= 1, got {self.evict_lookahead}")
+
+    @property
+    def label(self) -> str:
+        """The store policy's name in reports: the eviction policy, prefixed "lazy-" in lazy mode."""
+        return self.policy if self.store_mode == "eager" else f"lazy-{self.policy}"
+
+    @classmethod
+    def parse_label(cls, label: str) -> dict[str, str]:
+        """`label`'s inverse: {"policy": ..., "store_mode": ...} for "lru", "lazy-lru", "eager-arc"..."""
+        mode, _, policy = label.rpartition("-")
+        if mode in ("eager", "lazy"):
+            return {"policy": policy, "store_mode": mode}
+        return {"policy": label, "store_mode": "eager"}
 
     def slots_for(self, requests: Sequence[TraceRequest]) -> int:
         """The CPU tier's slots for this trace."""
@@ -171,11 +195,12 @@ def _build(opts: SimOptions, num_slots: int, disk_dir: Path) -> tuple[FakeEngine
         slab.close()
         raise
     config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=block),), max_defer_s=opts.max_defer_s,
-                                    offload_prompt_only=opts.offload_prompt_only)
+                                    offload_prompt_only=opts.offload_prompt_only, store_mode=opts.store_mode)
     clock = SimClock()
     scheduler = OffloadScheduler(config, manager, clock=clock)
     engine = FakeEngine(scheduler, num_blocks=opts.engine_blocks, block_size=block, clock=clock, slab=slab,
-                        max_tokens_per_step=1 << 30, check_content=opts.check_content)
+                        max_tokens_per_step=1 << 30, check_content=opts.check_content,
+                        evict_lookahead=opts.evict_lookahead)
     return engine, manager, clock
 
 
@@ -231,7 +256,7 @@ def _report(engine: FakeEngine, manager: OffloadingManager, requests: Sequence[T
     ttft = opts.costs.estimate(len(requests), prompt_tokens, engine_tokens, sum(tier_hits.values()), disk_tokens)
     return SimulationReport(
         num_requests=len(requests), prompt_tokens=prompt_tokens, unique_blocks=num_unique_blocks(requests),
-        host_slots=num_slots, engine_blocks=opts.engine_blocks, policy=opts.policy, engine_hit_tokens=engine_tokens,
+        host_slots=num_slots, engine_blocks=opts.engine_blocks, policy=opts.label, engine_hit_tokens=engine_tokens,
         tier_hit_tokens=tier_hits, bytes_moved=bytes_moved, evictions=evictions, deferrals=stats.get("deferrals", 0),
         deferral_timeouts=stats.get("deferral_timeouts", 0), ttft=ttft, num_steps=num_steps, wall_s=wall_s,
         costs=opts.costs, counters=stats)

@@ -87,7 +87,8 @@ def sweep(requests: Sequence[TraceRequest], capacities: Sequence[float], policie
 
     Args:
         capacities: host-tier sizes, fractions of the trace's distinct blocks (0 < f).
-        policies: eviction policy names (`kvtier.policies.policy_names()`).
+        policies: store policies: eviction policy names (`kvtier.policies.policy_names()`), eager,
+            or prefixed "lazy-" for the lazy store mode (`SimOptions.label`).
         options: everything else about the replays (default `SimOptions()`).
         workers: replays run in this many processes at once.
         progress: called with a line after each point.
@@ -97,7 +98,8 @@ def sweep(requests: Sequence[TraceRequest], capacities: Sequence[float], policie
         raise ConfigError("sweep: give at least one capacity (fractions > 0) and one policy")
     base = options or SimOptions()
     jobs = [(policy, fraction) for policy in policies for fraction in capacities]
-    runs = [replace(base, policy=policy, host_fraction=fraction, host_slots=None) for policy, fraction in jobs]
+    runs = [replace(base, **SimOptions.parse_label(policy), host_fraction=fraction, host_slots=None)
+            for policy, fraction in jobs]
     reports = _run_all(requests, runs, workers, progress)
     points = [_point(fraction, report) for (_, fraction), report in zip(jobs, reports, strict=True)]
     points += _ceilings(requests, capacities, base)

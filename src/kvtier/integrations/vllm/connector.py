@@ -97,6 +97,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         for every group; kvtier's scheduler already tracks each group's blocks itself."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM hands over its block pool once its KV-cache manager exists: a lazy store mode
+        reads its free queue (which cached blocks the next allocations evict); nothing else."""
+        self._sched().bind_block_pool(gpu_block_pool)
+
     def take_events(self) -> Iterable[Any]:
         return self._sched().take_events()
 

@@ -53,6 +53,26 @@ def step_view(scheduler_output: Any) -> StepView:
                     set(scheduler_output.finished_req_ids or ()))
 
 
+def evict_lookahead(vllm_config: Any, kv_cache_config: Any) -> int:
+    """How many free-queue blocks ahead a lazy store mode looks: what two steps can allocate,
+    for every group (vLLM's own lazy CPU offloading reserves as much)."""
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    per_group = [-(-tokens // g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+    return 2 * sum(per_group)
+
+
+def evictable_blocks(block_pool: Any, lookahead: int) -> list[int]:
+    """Ids of the cached blocks among the first `lookahead` of vLLM's free queue — the blocks the
+    next allocations evict, first to go first (`BlockPool.get_new_blocks` pops from its head)."""
+    found = []
+    for i, block in enumerate(block_pool.free_block_queue.iter_blocks_after(None)):
+        if i >= lookahead:
+            break
+        if block.block_hash is not None and not block.is_null:
+            found.append(block.block_id)
+    return found
+
+
 def group_spec(group: Any, blocks_per_chunk: int) -> GroupSpec:
     """kvtier's view of one of vLLM's KV-cache groups.
 
@@ -89,6 +109,7 @@ def scheduler_config(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any) 
     groups = tuple(group_spec(g, cfg.blocks_per_chunk) for g in kv_cache_config.kv_cache_groups)
     return SchedulerOffloadConfig(
         load_mode=load_mode_for(cfg, len(groups)),
+        store_mode=cfg.store_mode,
         groups=groups,
         offload_prompt_only=cfg.offload_prompt_only,
         max_defer_s=cfg.max_defer_s,

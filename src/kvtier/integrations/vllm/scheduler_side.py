@@ -10,6 +10,8 @@ from kvtier.base import ManagerStats, OffloadingManager
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.convert import (
     block_hash_bytes,
+    evict_lookahead,
+    evictable_blocks,
     namespace_for,
     num_slots_for,
     request_view,
@@ -67,6 +69,8 @@ class SchedulerSide:
             self.shutdown()
             raise
         self.core = OffloadScheduler(scheduler_config(cfg, vllm_config, kv_cache_config), self.manager)
+        self._block_pool: Any = None  # vLLM's BlockPool (lazy store mode reads its free queue)
+        self._evict_lookahead = evict_lookahead(vllm_config, kv_cache_config)
         self._reported = SchedulerStats()
         self._reported_tiers: dict[str, Counter[str]] = {}
         logger.info("kvtier: CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), chunks of %d block(s)%s",
@@ -93,7 +97,14 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> None:
         self.core.request_finished(request_view(request))
 
+    def bind_block_pool(self, block_pool: Any) -> None:
+        self._block_pool = block_pool
+
     def take_events(self):
+        """vLLM calls this at the end of every step, after freeing the blocks of the requests that
+        ended: the moment for a lazy store mode to look at what the next allocations will evict."""
+        if self.core.config.store_mode == "lazy" and self._block_pool is not None:
+            self.core.plan_evictions(evictable_blocks(self._block_pool, self._evict_lookahead))
         return to_kv_events(self.core.take_events())
 
     def has_pending_push_work(self) -> bool:
@@ -122,6 +133,8 @@ class SchedulerSide:
         for name in ("num_slots", "used_slots", "pinned_slots"):
             stats.set_gauge(name, getattr(cpu, name))
         stats.set_gauge("unsupported_groups", len(self.core.config.unsupported_groups()))
+        stats.set_gauge("jobs_in_flight", self.core.num_jobs_in_flight())
+        stats.set_gauge("tier_jobs_in_flight", cpu.extra.get("tier_jobs_in_flight", 0))
         self._reported = SchedulerStats(**now.as_dict())
         self._add_tier_stats(stats, cpu)
         return stats
