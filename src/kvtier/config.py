@@ -44,7 +44,7 @@ class KVTierConfig:
 
     cpu_bytes: host RAM for the CPU tier (e.g. "4GiB").
     blocks_per_chunk: engine blocks per offloaded chunk (the transfer unit).
-    eviction_policy: "lru", "arc" or an out-of-tree "module:Class".
+    eviction_policy: "turns" (conversation depth), "lru", "arc" or an out-of-tree "module:Class".
     store_threshold: store a chunk on its N-th offer (1 = always).
     offload_prompt_only: do not store chunks of generated tokens.
     max_defer_s / max_deferrals: the bound on how long a request waits for pending writes.
@@ -78,7 +78,7 @@ class KVTierConfig:
 
     cpu_bytes: int = 4 * 2**30
     blocks_per_chunk: int = 1
-    eviction_policy: str = "lru"
+    eviction_policy: str = "turns"  # won or tied LRU and ARC at every capacity in the policy sweep (README)
     store_threshold: int = 1
     offload_prompt_only: bool = False
     max_defer_s: float = 2.0
