@@ -53,7 +53,7 @@ class EngineLogs:
     leaving, fds 1 and 2 are restored (an exception's traceback then shows on the terminal).
 
     Args:
-        path: the log file (appended to; its directory is created).
+        path: the log file (appended to, mode 0600; its directory is created).
         echo: also copy the log to the terminal's stderr, through `tee`.
     """
 
@@ -69,12 +69,12 @@ class EngineLogs:
         sys.stderr.flush()
         self._saved = (os.dup(1), os.dup(2))
         console = Console(_reopen(self._saved[0]), _reopen(self._saved[1]))
-        if self.echo:
+        target = _open_private(self.path)
+        if self.echo:  # tee appends to the file made private above
+            os.close(target)
             self._tee = subprocess.Popen(["tee", "-a", str(self.path)], stdin=subprocess.PIPE,
                                          stdout=self._saved[1], stderr=subprocess.DEVNULL)
             target = self._tee.stdin.fileno()  # type: ignore[union-attr]
-        else:
-            target = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         os.dup2(target, 1)
         os.dup2(target, 2)
         if self._tee is None:
@@ -179,6 +179,14 @@ def human_bytes(num_bytes: float) -> str:
         if num_bytes >= size:
             return f"{num_bytes / size:,.1f} {unit}"
     return f"{int(num_bytes)} B"
+
+
+def _open_private(path: Path) -> int:
+    """`path` for appending, readable by this user only (0600, also when it existed): an engine's
+    log may hold prompts, request ids and server addresses."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
 
 
 def _reopen(fd: int) -> TextIO:

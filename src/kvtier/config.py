@@ -9,6 +9,7 @@ Every key is validated at engine start: an unknown key or a bad value is a
 from __future__ import annotations
 
 import re
+import reprlib
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,7 +21,8 @@ __all__ = ["KVTierConfig", "parse_size"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")  # fullmatch: "$" would take a trailing newline
+_MAX_BYTES = 2**63 - 1  # what every size field of a header, a file offset or a C size_t holds
 
 
 def parse_size(value: Any, key: str = "size") -> int:
@@ -29,13 +31,13 @@ def parse_size(value: Any, key: str = "size") -> int:
         raise ConfigError(f"{key}: expected a size like '4GiB' or a number of bytes, got {value!r}")
     if isinstance(value, int):
         num_bytes = value
-    elif isinstance(value, str) and (m := _SIZE.match(value)) and m.group(2).lower() in _UNITS:
-        num_bytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)) and m.group(2).lower() in _UNITS:
+        num_bytes = float(m.group(1)) * _UNITS[m.group(2).lower()]  # inf for 400 digits: refused below
     else:
-        raise ConfigError(f"{key}: expected a size like '4GiB', '512MiB' or a number of bytes, got {value!r}")
-    if num_bytes <= 0:
-        raise ConfigError(f"{key}: must be positive, got {value!r}")
-    return num_bytes
+        raise ConfigError(f"{key}: expected a size like '4GiB', '512MiB' or a number of bytes, got {_short(value)}")
+    if not 0 < num_bytes <= _MAX_BYTES:
+        raise ConfigError(f"{key}: must be positive and at most {_MAX_BYTES} (8 EiB), got {_short(value)}")
+    return int(num_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,8 @@ class KVTierConfig:
     disk_write_mode: "write_through" (every stored chunk) or "on_evict" (chunks RAM evicts).
     disk_min_offers: cascade to disk only chunks offered by at least this many requests.
     disk_eviction_policy: the disk tier's eviction policy.
+    disk_file_mode: "0600" (chunk files and directories for this user only) or "0640" (the
+        group may read them too); directories get search bits (0700, 0750).
     disk_rescan_s: every so many seconds, adopt chunk files other engines sharing the directory
         wrote since this one started (None: only the scan at start).
     disk_max_queue_bytes / disk_max_store_s: backpressure: cascades to disk are dropped
@@ -92,6 +96,7 @@ class KVTierConfig:
     disk_write_mode: str = "write_through"
     disk_min_offers: int = 1
     disk_eviction_policy: str = "lru"
+    disk_file_mode: str = "0600"
     disk_rescan_s: float | None = None
     disk_max_queue_bytes: int = 256 * 2**20
     disk_max_store_s: float = 2.0
@@ -153,19 +158,22 @@ _BOOLS = ("offload_prompt_only", "enable_events", "disk_fsync", "redis_cluster",
 _WRITE_MODES = ("write_through", "on_evict")
 _CHOICES = {"disk_direct_io": ("auto", True, False), "disk_write_mode": _WRITE_MODES, "redis_write_mode": _WRITE_MODES,
             "s3_write_mode": _WRITE_MODES, "remote_key_mode": ("plain", "keyed"), "load_mode": ("async", "sync"),
-            "store_mode": ("eager", "lazy")}
+            "store_mode": ("eager", "lazy"), "disk_file_mode": ("0600", "0640")}
 _INTS = {"blocks_per_chunk": 1, "store_threshold": 1, "disk_min_offers": 1, "max_deferrals": 0, "redis_min_offers": 1,
          "s3_min_offers": 1, "redis_timeout_ms": 1, "redis_connect_timeout_ms": 1, "s3_timeout_ms": 1,
          "s3_connect_timeout_ms": 1, "remote_breaker_failures": 1}
 _SECONDS = {"max_defer_s": 0.0, "job_timeout_s": 0.001, "disk_max_store_s": 0.001, "disk_rescan_s": 0.001,
             "redis_ttl_s": 1.0, "remote_breaker_retry_s": 0.01}
 _OPTIONAL = ("disk_rescan_s", "redis_ttl_s")  # seconds or null
+_MAX_SECONDS = 10.0**9  # ~30 years: larger is a typo (and overflows float conversions and timers)
+_MAX_INT = 2**31 - 1  # counts and milliseconds: larger ones overflow C ints in timers and sockets
 # paths and names: a non-empty string or null (a file's content is read at engine start, never here)
 _STRINGS = ("disk_path", "redis_username", "redis_password_file", "redis_ca_file", "s3_credentials_file",
             "s3_ca_file", "key_secret_file", "s3_region")
-_PATTERNS = {"s3_bucket": re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"),
-             "remote_prefix": re.compile(r"^[A-Za-z0-9_.-]{1,64}$"),
-             "s3_endpoint": re.compile(r"^https?://[^\s/@]+(/[^\s@]*)?$")}
+# matched whole (fullmatch): "$" alone would let a trailing newline into a key name or a URL
+_PATTERNS = {"s3_bucket": re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]"),
+             "remote_prefix": re.compile(r"(?!\.\.?$)[A-Za-z0-9_.-]{1,64}"),  # not "." or "..": S3 path segments
+             "s3_endpoint": re.compile(r"https?://[^\s/@]+(/[^\s@]*)?")}
 
 
 def _check(key: str, value: Any) -> Any:
@@ -177,8 +185,8 @@ def _check(key: str, value: Any) -> Any:
         return None
     if key in _SECONDS:
         least = _SECONDS[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < float("inf"):
-            raise ConfigError(f"{key}: expected seconds >= {least:g}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value <= _MAX_SECONDS:
+            raise ConfigError(f"{key}: expected seconds >= {least:g} (at most {_MAX_SECONDS:g}), got {_short(value)}")
         return float(value)
     if key in _BOOLS:
         if not isinstance(value, bool):
@@ -199,7 +207,7 @@ def _check(key: str, value: Any) -> Any:
             raise ConfigError(f"{key}: expected a non-empty string or null, got {type(value).__name__}")
         return value
     if key in _PATTERNS:
-        if not isinstance(value, str) or not _PATTERNS[key].match(value):
+        if not isinstance(value, str) or not _PATTERNS[key].fullmatch(value):
             raise ConfigError(f"{key}: expected a string matching {_PATTERNS[key].pattern}")
         return value
     if key == "redis_url":
@@ -225,6 +233,11 @@ def _redis_url(value: Any) -> str:
 
 
 def _int_at_least(key: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key}: expected an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= _MAX_INT:
+        raise ConfigError(f"{key}: expected an integer >= {minimum} (at most {_MAX_INT}), got {_short(value)}")
     return value
+
+
+def _short(value: Any) -> str:
+    """`repr(value)`, cut to a line: a message must stay readable whatever was passed."""
+    return reprlib.repr(value)

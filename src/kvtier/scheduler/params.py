@@ -4,12 +4,14 @@ kvtier reads only its own sub-dict, so other connectors' parameters pass through
 
     {"kvtier": {"load": false, "store": true}}
 
-Anything malformed is ignored with a warning naming the problem; it never raises.
+Anything malformed is ignored with a warning naming the problem; it never raises, and a
+warning quotes at most a line of what it got (a request may send megabytes of garbage).
 """
 
 from __future__ import annotations
 
 import logging
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,14 @@ class OffloadParams:
 
 def parse_kv_transfer_params(raw: Any, req_id: str) -> OffloadParams:
     """Read kvtier's options for one request; defaults on anything malformed."""
+    try:
+        return _parse(raw, req_id)
+    except Exception as exc:  # an object whose ==, hash or repr raises: still only this request's params
+        logger.warning("request %s: kv_transfer_params could not be read (%s); ignored", req_id, type(exc).__name__)
+        return OffloadParams()
+
+
+def _parse(raw: Any, req_id: str) -> OffloadParams:
     if raw is None:
         return OffloadParams()
     if not isinstance(raw, dict):
@@ -39,14 +49,16 @@ def parse_kv_transfer_params(raw: Any, req_id: str) -> OffloadParams:
         logger.warning("request %s: kv_transfer_params['kvtier'] must be a dict like "
                        "{'load': bool, 'store': bool}; ignored", req_id)
         return OffloadParams()
-    unknown = sorted(str(k) for k in ours if k not in _KNOWN)
+    unknown = [k for k in ours if k not in _KNOWN]
     if unknown:
-        logger.warning("request %s: unknown kvtier params %s ignored (valid: %s)", req_id, unknown, list(_KNOWN))
+        logger.warning("request %s: unknown kvtier params %s ignored (valid: %s)", req_id, reprlib.repr(unknown),
+                       list(_KNOWN))
     values = {}
     for name in _KNOWN:
         value = ours.get(name, True)
         if isinstance(value, bool):
             values[name] = value
         else:
-            logger.warning("request %s: kvtier param %r must be true or false, got %r; ignored", req_id, name, value)
+            logger.warning("request %s: kvtier param %r must be true or false, got %s; ignored", req_id, name,
+                           reprlib.repr(value))
     return OffloadParams(**values)

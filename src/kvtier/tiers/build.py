@@ -49,7 +49,7 @@ def secondary_tiers(cfg: KVTierConfig, namespace: Namespace) -> list[tuple[Secon
         direct = None if cfg.disk_direct_io == "auto" else bool(cfg.disk_direct_io)
         disk = DiskTier(cfg.disk_path, namespace, cfg.disk_bytes, policy=cfg.disk_eviction_policy,
                         fsync=cfg.disk_fsync, direct_io=direct, enable_events=cfg.enable_events,
-                        rescan_s=cfg.disk_rescan_s)
+                        rescan_s=cfg.disk_rescan_s, file_mode=int(cfg.disk_file_mode, 8))
         rules = TierRules(write_mode=cfg.disk_write_mode, min_offers=cfg.disk_min_offers,
                           max_queue_bytes=cfg.disk_max_queue_bytes, max_store_seconds=cfg.disk_max_store_s)
         tiers.append((disk, rules))

@@ -21,6 +21,7 @@ across I/O; the manager's thread never waits for I/O.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -29,10 +30,11 @@ from pathlib import Path
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
-from kvtier.tiers.disk_files import ChunkFiles, ScanResult, make_directory
+from kvtier.tiers.disk_files import ChunkFiles, ScanResult
 from kvtier.tiers.disk_format import choose_direct_io
 from kvtier.tiers.disk_index import DiskIndex, Spared
 from kvtier.tiers.disk_jobs import DiskJob, FailureLog, JobBook
+from kvtier.tiers.disk_root import make_directory
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
 from kvtier.tiers.workers import Workers
@@ -55,8 +57,10 @@ class DiskTier(SecondaryTier):
             device, not the CPU: 4 in flight measured faster than 2; see benchmarks/README.md).
         enable_events: record stored/removed events for `take_events`.
         rescan_s: every so many seconds, adopt files other engines wrote (None = never).
+        file_mode: mode of the chunk files, 0o600 or 0o640 (directories: 0o700, 0o750).
     Raises:
-        ConfigError: the root is not a writable directory, the budget holds no file, or
+        ConfigError: the root is not a writable directory, another user owns it or every user
+            may write it (see `kvtier.tiers.disk_root`), the budget holds no file, or
             direct_io=True where the filesystem refuses O_DIRECT.
     """
 
@@ -64,17 +68,24 @@ class DiskTier(SecondaryTier):
 
     def __init__(self, root: str | Path, namespace: Namespace, capacity_bytes: int, *, policy: str = "lru",
                  fsync: bool = False, direct_io: bool | None = None, num_read_threads: int = 4,
-                 num_write_threads: int = 4, enable_events: bool = True, rescan_s: float | None = None):
+                 num_write_threads: int = 4, enable_events: bool = True, rescan_s: float | None = None,
+                 file_mode: int = 0o600):
         if min(num_read_threads, num_write_threads) < 1 or (rescan_s is not None and rescan_s <= 0):
             raise ConfigError("num_read_threads and num_write_threads must be >= 1, rescan_s > 0 or None")
-        directory = make_directory(Path(root), namespace)
-        self._files = ChunkFiles(directory, namespace.id, namespace.payload_bytes,
-                                 direct_io=choose_direct_io(directory, direct_io), fsync=fsync)
+        directory, dir_fd = make_directory(Path(root), namespace, file_mode)
+        try:
+            direct = choose_direct_io(directory, direct_io)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        self._files = ChunkFiles(directory, dir_fd, namespace.id, namespace.payload_bytes, direct_io=direct,
+                                 fsync=fsync, file_mode=file_mode)
         self.directory, self.file_bytes = directory, self._files.file_bytes
         self.uses_direct_io = self._files.direct_io  # for aligned buffers; stats count *_direct_chunks
         self.capacity_bytes = capacity_bytes
         self.capacity_files = capacity_bytes // self.file_bytes
         if self.capacity_files <= 0:
+            self._files.close()
             raise ConfigError(f"disk capacity {capacity_bytes} bytes holds no chunk file of "
                               f"{self._files.file_bytes} bytes; raise capacity_bytes")
         self.namespace, self.enable_events = namespace, enable_events
@@ -208,12 +219,12 @@ class DiskTier(SecondaryTier):
         """Rename `tmp` to `key`'s final name if the store still owns the key; READY on success."""
         index = self._index
         if not index.claim(key, lambda: index.pending.get(key) == ticket):
-            self._files.discard(tmp)  # reset() forgot this store
+            self._files.discard_tmp(tmp, key)  # reset() forgot this store
             return False
         try:
             self._files.publish(tmp, key)
         except BaseException:
-            self._files.discard(tmp)
+            self._files.discard_tmp(tmp, key)
             index.release(key)
             raise
         with self._lock:
@@ -299,6 +310,7 @@ class DiskTier(SecondaryTier):
 
     def close(self) -> None:
         self._workers.close()
+        self._files.close()  # after the workers: no task uses the directories' descriptors any more
 
     def __enter__(self) -> DiskTier:
         return self

@@ -14,58 +14,38 @@ one into allocated blocks. A spare is never read: it only ever gets a final name
 after a complete rewrite, and a reader of the old file (another engine) that races the
 rewrite fails the header or checksum check.
 
+Every file operation is relative to a descriptor of its directory, opened without following
+a symlink, and opens files with `O_NOFOLLOW` (see `kvtier.tiers.disk_root`): a symlink planted
+in the namespace directory fails that operation and never leads outside it. Files are created
+with `file_mode`.
+
 `ChunkFiles` keeps no index and starts no thread; `kvtier.tiers.disk.DiskTier` decides
 what to read, write and delete. Thread-safety: any method may run on any number of
-threads at once.
+threads at once; `close` once the others are done.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import time
+import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.tiers.disk_format import BLOCK, O_DIRECT, ChunkFormat, is_aligned, probe_direct_io
-from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.disk_root import dir_mode_for, open_dir
 
-__all__ = ["BLOCK", "ChunkFiles", "ScanResult", "is_aligned", "make_directory", "probe_direct_io",
-           "write_namespace_json"]
+__all__ = ["BLOCK", "ChunkFiles", "ScanResult", "is_aligned", "probe_direct_io"]
 
 MAX_SPARES = 64  # files kept for reuse; the directory exceeds the byte budget by at most this many
 TMP_MAX_AGE_S = 600.0  # a temp file this old is abandoned even if a process with its pid lives
 _MAX_KEY_HEX = 128  # ValueHeader holds keys of at most 64 bytes
-
-
-def make_directory(root: Path, namespace: Namespace) -> str:
-    """Create `<root>/<namespace id hex>` with its `namespace.json`; returns its path.
-
-    Raises:
-        ConfigError: `root` is not a directory kvtier may create and write.
-    """
-    directory = root / namespace.id_hex
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        write_namespace_json(str(directory), namespace.describe())
-    except OSError as exc:
-        raise ConfigError(f"disk tier root {str(root)!r} is not a writable directory ({exc}); "
-                          f"point the disk tier at a directory kvtier may create and write") from exc
-    return str(directory)
-
-
-def write_namespace_json(directory: str, description: dict[str, Any]) -> None:
-    """`namespace.json` for people reading the directory (written whole, then renamed)."""
-    tmp = os.path.join(directory, f"namespace.json.tmp.{os.getpid()}")
-    Path(tmp).write_text(json.dumps(description, indent=2, sort_keys=True) + "\n")
-    os.rename(tmp, os.path.join(directory, "namespace.json"))
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(slots=True)
@@ -81,62 +61,86 @@ class ChunkFiles:
     """The chunk files of one namespace directory.
 
     Args:
-        directory: `<root>/<namespace id hex>`, existing.
+        directory: `<root>/<namespace id hex>`, for messages.
+        dir_fd: a descriptor of it (`disk_root.make_directory`); closed by `close`.
         namespace_id: written into and checked against every header.
         payload_bytes: bytes of one chunk's payload (every rank's buffer).
         direct_io: use O_DIRECT for chunks whose buffers are all aligned.
         fsync: fsync each file before its rename, and the directory after it.
+        file_mode: the mode of every chunk file (directories: the same plus search).
     """
 
-    def __init__(self, directory: str, namespace_id: bytes, payload_bytes: int, *, direct_io: bool, fsync: bool):
+    def __init__(self, directory: str, dir_fd: int, namespace_id: bytes, payload_bytes: int, *, direct_io: bool,
+                 fsync: bool, file_mode: int = 0o600):
         self.directory = directory
         self.format = ChunkFormat(namespace_id, payload_bytes)
         self.file_bytes = self.format.file_bytes
         self.direct_io = direct_io
         self.fsync = fsync
+        self.file_mode, self.dir_mode = file_mode, dir_mode_for(file_mode)
         self._tmp_ids = itertools.count()  # next() is atomic under the GIL
         self._started_ns = time.time_ns()
-        self._spare_dir = os.path.join(directory, "spare")
-        os.makedirs(self._spare_dir, exist_ok=True)
-        self._spares: deque[str] = deque()  # append / popleft are atomic: no lock
+        self._fds = [dir_fd]
+        self._close = weakref.finalize(self, _close_all, self._fds)
+        self._dir_fd = dir_fd
+        try:
+            self._spare_fd = open_dir(dir_fd, "spare", mode=self.dir_mode, create=True)
+        except OSError as exc:
+            self.close()
+            raise ConfigError(f"disk tier directory {directory!r}: its spare/ is not a plain directory "
+                              f"({exc.strerror}); remove it") from None
+        self._fds.append(self._spare_fd)
+        self._spares: deque[str] = deque()  # names in spare/; append / popleft are atomic: no lock
 
-    def path(self, key: OffloadKey) -> str:
+    def close(self) -> None:
+        """Close the directories' descriptors (idempotent); no other method may run after it."""
+        self._close()
+
+    @contextlib.contextmanager
+    def _hh(self, key: OffloadKey, create: bool = False) -> Iterator[tuple[int, str]]:
+        """(a descriptor of `key`'s hh directory, the file name of `key` in it)."""
         name = key.hex()
-        return f"{self.directory}/{name[:2]}/{name}.kv"
+        fd = open_dir(self._dir_fd, name[:2], mode=self.dir_mode, create=create)
+        try:
+            yield fd, f"{name}.kv"
+        finally:
+            os.close(fd)
 
     def write_tmp(self, key: OffloadKey, buffers: Sequence[memoryview]) -> tuple[str, bool]:
         """Write `key`'s file under a fresh temporary name.
 
         Returns:
-            (the temporary path, whether O_DIRECT was used).
+            (the temporary file's name in `key`'s hh directory, whether O_DIRECT was used).
         Raises:
             OSError: the write failed; the temporary file is already removed.
         """
         views = [memoryview(buf).cast("B") for buf in buffers]
         direct = self.direct_io and is_aligned(views)
-        tmp = f"{self.path(key)}.tmp.{os.getpid()}.{next(self._tmp_ids)}"
-        fd = self._open_tmp(tmp, direct)
-        try:
-            self.format.write(fd, key, views, direct)
-            if self.fsync:
-                os.fsync(fd)
-        except BaseException:
+        with self._hh(key, create=True) as (hh_fd, name):
+            tmp = f"{name}.tmp.{os.getpid()}.{next(self._tmp_ids)}"
+            fd = self._open_tmp(hh_fd, tmp, direct)
+            try:
+                self.format.write(fd, key, views, direct)
+                if self.fsync:
+                    os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                _discard(tmp, hh_fd)
+                raise
             os.close(fd)
-            self.discard(tmp)
-            raise
-        os.close(fd)
         return tmp, direct
 
     def publish(self, tmp: str, key: OffloadKey) -> None:
         """Give the complete temporary file its final name (atomically replacing any older one)."""
-        final = self.path(key)
-        os.rename(tmp, final)
-        if self.fsync:  # the rename itself is durable only once the directory is
-            fd = os.open(os.path.dirname(final), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        with self._hh(key) as (hh_fd, name):
+            os.rename(tmp, name, src_dir_fd=hh_fd, dst_dir_fd=hh_fd)
+            if self.fsync:  # the rename itself is durable only once the directory is
+                os.fsync(hh_fd)
+
+    def discard_tmp(self, tmp: str, key: OffloadKey) -> None:
+        """Remove a temporary file `write_tmp` made (gone already: nothing to do)."""
+        with contextlib.suppress(FileNotFoundError), self._hh(key) as (hh_fd, _):
+            _discard(tmp, hh_fd)
 
     def read(self, key: OffloadKey, buffers: Sequence[memoryview]) -> tuple[str | None, bool]:
         """Read `key`'s file straight into `buffers` and check it.
@@ -144,91 +148,95 @@ class ChunkFiles:
         Returns:
             (why the file is not a valid value of `key`, or None; whether O_DIRECT was used).
         Raises:
-            OSError: the file could not be opened or read (FileNotFoundError: it is gone).
+            OSError: the file could not be opened or read (FileNotFoundError: it is gone;
+                ELOOP: it, or its hh directory, is a symlink).
         """
         views = [memoryview(buf).cast("B") for buf in buffers]
         direct = self.direct_io and is_aligned(views)
-        fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
+        with self._hh(key) as (hh_fd, name):
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | (O_DIRECT if direct else 0), dir_fd=hh_fd)
         try:
             return self.format.read(fd, key, views), direct
         finally:
             os.close(fd)
 
     def unlink(self, key: OffloadKey) -> None:
-        self.discard(self.path(key))
+        with contextlib.suppress(FileNotFoundError), self._hh(key) as (hh_fd, name):
+            _discard(name, hh_fd)
 
     def retire(self, key: OffloadKey) -> None:
         """Take `key`'s final name away, keeping the file as a spare for a later write."""
         if len(self._spares) >= MAX_SPARES:
             self.unlink(key)
             return
-        spare = os.path.join(self._spare_dir, f"{os.getpid()}.{next(self._tmp_ids)}")
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(self.path(key), spare)
+        spare = f"{os.getpid()}.{next(self._tmp_ids)}"
+        with contextlib.suppress(FileNotFoundError), self._hh(key) as (hh_fd, name):
+            os.rename(name, spare, src_dir_fd=hh_fd, dst_dir_fd=self._spare_fd)
             self._spares.append(spare)
 
-    def _take_spare(self, path: str) -> bool:
-        """Rename a spare to `path`; False when there is none left."""
+    def _take_spare(self, hh_fd: int, tmp: str) -> bool:
+        """Rename a spare to `tmp` in `hh_fd`; False when there is none left."""
         while True:
             try:
                 spare = self._spares.popleft()
             except IndexError:
                 return False
-            try:
-                os.rename(spare, path)
+            with contextlib.suppress(FileNotFoundError):  # another engine took it
+                os.rename(spare, tmp, src_dir_fd=self._spare_fd, dst_dir_fd=hh_fd)
                 return True
-            except FileNotFoundError:  # another engine took it, or the hh directory is new
-                if os.path.exists(spare):
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                    os.rename(spare, path)
-                    return True
 
     def adopt_spares(self) -> None:
-        """Reuse the spares a previous run left (beyond MAX_SPARES they are deleted)."""
-        for entry in _entries(self._spare_dir):
-            if len(self._spares) < MAX_SPARES:
-                self._spares.append(entry.path)
+        """Reuse the spares a previous run left (beyond MAX_SPARES they are deleted, and anything
+        in spare/ that is not a plain file, such as a planted symlink, too)."""
+        for entry in _entries(self._spare_fd):
+            if len(self._spares) < MAX_SPARES and entry.is_file(follow_symlinks=False):
+                self._spares.append(entry.name)
             else:
-                self.discard(entry.path)
-
-    @staticmethod
-    def discard(path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+                with contextlib.suppress(OSError):  # a directory is left alone: it is never used
+                    _discard(entry.name, self._spare_fd)
 
     def scan(self) -> ScanResult:
         """Every chunk file's key, newest first, from names alone (contents are checked at load).
 
-        Removes temporary files no writer will finish and files that are not chunk files.
+        Removes temporary files no writer will finish and entries that are not chunk files
+        (symlinks included); an hh directory that is a symlink is never entered.
         """
         result = ScanResult()
         found: list[tuple[int, OffloadKey]] = []
-        for sub in _entries(self.directory):
-            if len(sub.name) == 2 and _is_hex(sub.name) and sub.is_dir(follow_symlinks=False):
-                for entry in _entries(sub.path):
-                    self._scan_entry(entry, sub.name, found, result)
+        for sub in _entries(self._dir_fd):
+            if len(sub.name) != 2 or not _is_hex(sub.name):
+                continue
+            try:
+                hh_fd = open_dir(self._dir_fd, sub.name, mode=self.dir_mode)
+            except OSError:  # a symlink, a file, or gone meanwhile
+                continue
+            try:
+                for entry in _entries(hh_fd):
+                    self._scan_entry(hh_fd, entry, sub.name, found, result)
+            finally:
+                os.close(hh_fd)
         found.sort(reverse=True)
         result.keys = [key for _, key in found]
         return result
 
-    def _scan_entry(self, entry: os.DirEntry, prefix: str, found: list, result: ScanResult) -> None:
+    def _scan_entry(self, hh_fd: int, entry: os.DirEntry, prefix: str, found: list, result: ScanResult) -> None:
         name = entry.name
         stem, dot, ext = name.partition(".")
         with contextlib.suppress(FileNotFoundError):  # another engine may delete files meanwhile
             key = _key_of(stem) if ext == "kv" and stem.startswith(prefix) else None
-            if key is not None:
-                found.append((entry.stat().st_mtime_ns, key))
-            elif ext.startswith("kv.tmp."):
+            if key is not None and entry.is_file(follow_symlinks=False):
+                found.append((entry.stat(follow_symlinks=False).st_mtime_ns, key))
+            elif ext.startswith("kv.tmp.") and not entry.is_symlink():
                 if self._is_abandoned(entry, ext):
-                    os.unlink(entry.path)
+                    os.unlink(name, dir_fd=hh_fd)
                     result.num_tmp_removed += 1
             elif not entry.is_dir(follow_symlinks=False):
-                os.unlink(entry.path)
+                os.unlink(name, dir_fd=hh_fd)
                 result.num_garbage_removed += 1
 
     def _is_abandoned(self, entry: os.DirEntry, ext: str) -> bool:
         pid_text = ext.split(".")[2] if ext.count(".") >= 3 else ""
-        mtime_ns = entry.stat().st_mtime_ns
+        mtime_ns = entry.stat(follow_symlinks=False).st_mtime_ns
         if not pid_text.isdigit():
             return True
         pid = int(pid_text)
@@ -236,28 +244,36 @@ class ChunkFiles:
             return mtime_ns < self._started_ns
         return not _is_alive(pid) or time.time_ns() - mtime_ns > TMP_MAX_AGE_S * 1e9
 
-    def _open_tmp(self, path: str, direct: bool) -> int:
-        """A file named `path` to write: a spare renamed there, else a new file."""
-        flags = os.O_WRONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0)
-        if self._take_spare(path):
+    def _open_tmp(self, hh_fd: int, tmp: str, direct: bool) -> int:
+        """A file named `tmp` in `hh_fd` to write, of mode `file_mode`: a spare renamed there, else a new file."""
+        flags = os.O_WRONLY | _NOFOLLOW | (O_DIRECT if direct else 0)
+        if self._take_spare(hh_fd, tmp):
             try:
-                fd = os.open(path, flags)
+                fd = os.open(tmp, flags, dir_fd=hh_fd)
             except OSError:
-                self.discard(path)
+                _discard(tmp, hh_fd)
                 raise
             if os.fstat(fd).st_size > self.file_bytes:  # the spare was a damaged, longer file
                 os.ftruncate(fd, self.file_bytes)
-            return fd
-        try:
-            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileNotFoundError:  # first file of its hh directory (or someone removed it)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        else:
+            fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL, self.file_mode, dir_fd=hh_fd)
+        os.fchmod(fd, self.file_mode)  # exact, whatever the umask or a spare's older mode
+        return fd
 
 
-def _entries(directory: str) -> list[os.DirEntry]:
+def _discard(name: str, dir_fd: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dir_fd)
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+def _entries(dir_fd: int) -> list[os.DirEntry]:
     try:
-        with os.scandir(directory) as it:
+        with os.scandir(dir_fd) as it:
             return list(it)
     except (FileNotFoundError, NotADirectoryError):
         return []

@@ -52,8 +52,10 @@ def probe_direct_io(directory: str) -> bool:
     if not O_DIRECT:
         return False
     path = os.path.join(directory, f".direct-probe.{os.getpid()}")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | O_DIRECT, 0o600)
+    with contextlib.suppress(OSError):  # a crashed probe's file, or anything planted under its name
+        os.unlink(path)
+    try:  # never through a symlink, never an existing file
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | O_DIRECT, 0o600)
     except OSError:
         return False
     try:

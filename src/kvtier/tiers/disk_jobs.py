@@ -28,7 +28,9 @@ __all__ = ["DiskJob", "FailureLog", "JobBook"]
 
 _MAX_KEY_BYTES = 64  # what ValueHeader can hold
 _ERRNO_KINDS = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EROFS: "erofs", errno.EACCES: "eacces",
-                errno.EPERM: "eacces", errno.ENOENT: "missing", errno.EIO: "eio"}
+                errno.EPERM: "eacces", errno.ENOENT: "missing", errno.EIO: "eio",
+                errno.ELOOP: "unsafe_paths", errno.ENOTDIR: "unsafe_paths"}  # a symlink or file planted
+# where the tier expects its own file or directory: never followed (see `kvtier.tiers.disk_root`)
 
 
 class DiskJob:

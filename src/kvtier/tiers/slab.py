@@ -13,6 +13,8 @@ One segment is one file in `/dev/shm`, `kvtier-<instance>-dp<dp rank>-r<rank>`
   (and registers their KV caches) *before* the scheduler's. A creator sizes and allocates the
   segment under a temporary name and publishes it with a hard link, so nobody ever maps one
   half made; if two race, the first link wins and the other joins it.
+- **Ownership**: segments are created 0600; one that is a symlink or that another user made is
+  refused (`ConfigError`): whoever owns it could read and write the KV bytes requests load.
 - **Liveness**: every process that maps a segment holds `flock(LOCK_SH)` on it until it closes
   it; `remove_stale_slabs` unlinks the segments nobody holds (a SIGKILLed engine's, a crashed
   creator's temporary file). Between open and lock a cleaner may unlink the file: after
@@ -162,10 +164,13 @@ class HostSlab:
     def _join(self) -> tuple[int, mmap.mmap] | None:
         """Lock and map the segment at the path; None if there is none (or it was swept before we held it)."""
         try:
-            fd = os.open(self.path, os.O_RDWR)
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        except OSError as e:  # ELOOP: a symlink planted under the segment's name
+            raise ConfigError(f"cannot open the host slab {self.path}: {e.strerror}; remove it") from None
         try:
+            _check_owner(fd, self.path)
             _lock_shared(fd)
             if not _is_at_path(fd, self.path):
                 os.close(fd)
@@ -297,6 +302,15 @@ def remove_stale_slabs(prefix: str = SLAB_PREFIX, directory: str = SHM_DIR) -> l
     if removed:
         logger.info("kvtier: removed %d stale host slab(s) of engines that are gone: %s", len(removed), removed)
     return removed
+
+
+def _check_owner(fd: int, path: str) -> None:
+    """Refuse a segment another user made: its owner could read every tenant's KV in it and
+    write bytes that requests would load (slab rows carry no checksum)."""
+    uid = os.fstat(fd).st_uid
+    if uid != os.geteuid():
+        raise ConfigError(f"the host slab {path} belongs to uid {uid}, not to this process's user "
+                          f"(uid {os.geteuid()}): another user made it; remove it")
 
 
 def _lock_shared(fd: int) -> None:
