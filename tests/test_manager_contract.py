@@ -219,6 +219,21 @@ def test_reset_forgets_ready_chunks_and_retires_busy_ones(manager):
     manager.check()
 
 
+def test_a_second_reset_keeps_the_slots_of_transfers_still_running(manager):
+    """A chunk an earlier reset retired is still being written or read: a second reset must not
+    hand its slot to a new chunk (the transfer in flight would overwrite the new chunk's bytes)."""
+    store(manager, 1)
+    manager.prepare_load(keys(1), CTX)  # 1 is being loaded
+    manager.prepare_store(keys(2), CTX)  # 2 is being written
+    manager.reset()
+    manager.reset()
+    assert manager.stats().used_slots == 2
+    manager.complete_load(keys(1), CTX)
+    manager.complete_store(keys(2), CTX)
+    assert manager.stats().used_slots == 0
+    manager.check()
+
+
 def store_as(m: CPUTierManager, req_id: str, *ids: int) -> None:
     ctx = make_req_context(req_id)
     out = m.prepare_store(keys(*ids), ctx)

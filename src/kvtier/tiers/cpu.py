@@ -100,7 +100,7 @@ class CPUTierManager(OffloadingManager):
         self._chunks: dict[OffloadKey, _Chunk] = {}
         self._ledger = RequestLedger()
         self._events: list[OffloadingEvent] = []
-        self._num_pending = self._num_pinned = self._num_evictable = 0
+        self._num_pending = self._num_pinned = self._num_evictable = self._num_retired = 0
         self._hits = self._misses = self._evictions = self._stores = 0
         self._failed_stores = self._rejected_stores = self._released_pins = 0
 
@@ -205,6 +205,7 @@ class CPUTierManager(OffloadingManager):
             if chunk is None or chunk.state is _READY:
                 continue  # unknown or already completed: a stale or repeated completion
             if chunk.state is _RETIRED:
+                self._num_retired -= 1
                 self._free(key, chunk)  # reset() dropped it while its write was in flight
                 continue
             self._num_pending -= 1
@@ -239,7 +240,10 @@ class CPUTierManager(OffloadingManager):
         for key, chunk in list(self._chunks.items()):
             if chunk.state is _READY:
                 removed.append(key)
+            if chunk.state is _RETIRED:
+                continue  # an earlier reset's: still in use, freed when its transfer ends
             if chunk.pins > 0 or chunk.state is _PENDING:
+                self._num_retired += 1
                 chunk.state = _RETIRED  # in use by a transfer: freed when it ends
             else:
                 self._free(key, chunk)
@@ -262,7 +266,7 @@ class CPUTierManager(OffloadingManager):
             stores=self._stores,
             failed_stores=self._failed_stores,
             rejected_stores=self._rejected_stores,
-            extra={"released_pins": self._released_pins, "retired_slots": self._count(_RETIRED)},
+            extra={"released_pins": self._released_pins, "retired_slots": self._num_retired},
         )
 
     def check(self) -> None:
@@ -285,6 +289,7 @@ class CPUTierManager(OffloadingManager):
         _require(all(k in chunks for k in held), "a request pins an unknown chunk")
         _require(all(c.state is not _PENDING or c.pins == 0 for c in chunks.values()), "a PENDING chunk is pinned")
         _require(self._num_pending == self._count(_PENDING), "pending counter drifted")
+        _require(self._num_retired == self._count(_RETIRED), "retired counter drifted")
         _require(self._num_pinned == sum(c.pins > 0 for c in chunks.values()), "pinned counter drifted")
         _require(self._num_evictable == sum(c.pins == 0 for c in chunks.values() if c.state is _READY),
                  "evictable counter drifted")
@@ -302,6 +307,7 @@ class CPUTierManager(OffloadingManager):
             return
         self._num_pinned -= 1
         if chunk.state is _RETIRED:
+            self._num_retired -= 1
             self._free(key, chunk)
         else:
             self._num_evictable += 1
