@@ -40,6 +40,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.jobs import JobResult, StepPlan, TransferJob
 from kvtier.tiers.slab import HostSlab
+from kvtier.worker.affinity import copy_threads_off_compute_cores
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 from kvtier.worker.transfer import TransferEngine
 
@@ -95,13 +96,15 @@ class WorkerSide:
             # never came up to do it (an engine that failed to start); a second unlink is harmless
             self.slab = HostSlab(self.slab_name, self.num_slots, slot_bytes, owner=True)
         try:
-            self.transfer = self._transfer_factory(kv_caches, self.blocks_per_chunk, self.num_slots,
-                                                   layer_groups=self.layer_groups, slab=self.slab)
+            with copy_threads_off_compute_cores() as cores:  # its copy threads start here
+                self.transfer = self._transfer_factory(kv_caches, self.blocks_per_chunk, self.num_slots,
+                                                       layer_groups=self.layer_groups, slab=self.slab)
         except BaseException:
             self._close_slab()
             raise
         where = f"shared memory {self.slab.path}" if self.slab is not None else "private memory"
-        logger.info("kvtier: host slab of %d slots x %d bytes in %s", self.num_slots, self.transfer.slot_bytes, where)
+        logger.info("kvtier: host slab of %d slots x %d bytes in %s; copy threads on %s", self.num_slots,
+                    self.transfer.slot_bytes, where, sorted(cores) if cores else "the engine's cores")
 
     # -- the step ---------------------------------------------------------------------
 
