@@ -6,6 +6,7 @@ Each test names the defect of issue #8 it pins down. Block size 4 tokens, 1 bloc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -285,3 +286,17 @@ def test_a_worker_slab_of_another_size_stops_the_engine_with_a_clear_error():
     check_slab_slots(64, [64, 64])
     with pytest.raises(ConfigError, match="a worker's host slab has 32 slots where the scheduler counts 64"):
         check_slab_slots(64, [64, 32])
+
+
+def test_a_plan_survives_pickling_to_the_workers():
+    """vLLM pickles each step's plan to the worker processes (parts travel as raw int64 bytes)."""
+    import pickle
+
+    part = TransferPart(group=1, slot_ids=np.array([3, 1], np.int64), block_ids=np.array([7, 8, 9, 10]), skip_blocks=1)
+    plan = StepPlan(store_jobs=[job(5, Endpoint.ENGINE, [3, 1], [7, 8])], flush_job_ids={2})
+    plan.load_jobs.append(dataclasses.replace(plan.store_jobs[0], job_id=6, parts=(part,)))
+    back = pickle.loads(pickle.dumps(plan))
+    got = back.load_jobs[0].parts[0]
+    assert (got.group, got.slot_ids.tolist(), got.block_ids.tolist(), got.skip_blocks) == (1, [3, 1], [7, 8, 9, 10], 1)
+    assert got.slot_ids.dtype == np.int64 and got.slot_ids.flags.writeable
+    assert back.store_jobs[0].parts[0].block_ids.tolist() == [7, 8] and back.flush_job_ids == {2}

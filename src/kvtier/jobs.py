@@ -53,11 +53,22 @@ class TransferPart:
     def num_chunks(self) -> int:
         return len(self.slot_ids)
 
+    def __reduce__(self):
+        """Pickled as raw int64 bytes: every step's plan crosses to the workers' processes, and
+        numpy's own pickling of two small arrays costs several times more."""
+        return (_part_from_bytes, (self.group, np.ascontiguousarray(self.slot_ids, np.int64).tobytes(),
+                                   np.ascontiguousarray(self.block_ids, np.int64).tobytes(), self.skip_blocks))
+
     def chunk_pages(self, chunk: int) -> list[tuple[int, int]]:
         """(page in the slot, engine block) of every block chunk `chunk` moves."""
         bpc = len(self.block_ids) // max(self.num_chunks, 1)
         first = self.skip_blocks if chunk == 0 else 0
         return [(page, int(self.block_ids[chunk * bpc + page])) for page in range(first, bpc)]
+
+
+def _part_from_bytes(group: int, slot_ids: bytes, block_ids: bytes, skip_blocks: int) -> TransferPart:
+    return TransferPart(group=group, slot_ids=np.frombuffer(slot_ids, np.int64).copy(),
+                        block_ids=np.frombuffer(block_ids, np.int64).copy(), skip_blocks=skip_blocks)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
