@@ -1,7 +1,7 @@
 """Loads that never stall the batch, and what kvtier costs when it cannot help (vLLM on CPU).
 
-Three engines in turn, on the same cores (`pin_reserved_cpus`): vLLM without kvtier, kvtier
-with `load_mode="async"`, kvtier with `load_mode="sync"`. Each runs:
+Three engines, alive together and pinned to the same cores (`pin_reserved_cpus`): vLLM without
+kvtier, kvtier with `load_mode="async"`, kvtier with `load_mode="sync"` (the default). Each runs:
 
 1. **Overlap**: background requests decode steadily; then requests whose 1,536-token prefixes
    kvtier holds (stored beforehand; vLLM's prefix cache emptied) arrive all at once. Printed:
@@ -9,15 +9,22 @@ with `load_mode="async"`, kvtier with `load_mode="sync"`. Each runs:
    of `LLMEngine.step`), and the loading requests' TTFT (arrival to first token). Without
    kvtier those prefixes are recomputed.
 2. **Zero hit** (no reuse at all): unique 768-token prompts, 4 tokens each, one batch;
-   median wall time over rounds (`zero_hit_overhead` = kvtier async / no kvtier).
-3. **Hit vs local** (kvtier engines): a 4-token request on a reused 1,536-token prefix, served
-   by kvtier (prefix cache emptied first) against the same request served by vLLM's own prefix
-   cache; medians over rounds (`hit_vs_local`).
+   median wall time over rounds, the engines' rounds interleaved (each engine first, middle
+   and last in turn), so the machine's drift hits all three alike (`zero_hit_overhead` =
+   kvtier sync / no kvtier; `_async` for the async mode).
+3. **Hit vs local** (kvtier engines, interleaved too): a 4-token request on a reused
+   1,536-token prefix, served by kvtier (prefix cache emptied first) against the same request
+   served by vLLM's own prefix cache, alternating which goes first; medians over rounds
+   (`hit_vs_local`, sync; `_async`).
+
+glibc's malloc tunables are set for every engine (`GLIBC_TUNABLES`, unless already set): its
+arena trimming faults pages back in at a rate that varies per engine instance, not per
+configuration, and swamped the differences measured here.
 
     python benchmarks/bench_overlap.py [--quick]
 
 Last line: RESULT itl_p99_ratio_async=… itl_p99_ratio_sync=… ttft_ratio_async=…
-zero_hit_overhead=… hit_vs_local=…
+zero_hit_overhead=… hit_vs_local=… zero_hit_overhead_async=… hit_vs_local_async=…
 """
 
 from __future__ import annotations
@@ -87,32 +94,39 @@ def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]
     return {"itl": itls, "ttft": ttfts}
 
 
-def zero_hit(llm, rounds: int, num_prompts: int, seed: int) -> list[float]:
+def zero_hit_round(llm, num_prompts: int, seed: int) -> float:
+    """Wall time of one batch of unique 768-token prompts, 4 tokens each (nothing to reuse)."""
     from vllm.inputs import TokensPrompt
 
-    walls = []
-    for r in range(rounds):
-        prompts = [TokensPrompt(prompt_token_ids=tokens(768, seed=seed + 100 * r + i)) for i in range(num_prompts)]
-        started = time.perf_counter()
-        llm.generate(prompts, params(4), use_tqdm=False)
-        walls.append(time.perf_counter() - started)
-    return walls
+    prompts = [TokensPrompt(prompt_token_ids=tokens(768, seed=seed + i)) for i in range(num_prompts)]
+    started = time.perf_counter()
+    llm.generate(prompts, params(4), use_tqdm=False)
+    return time.perf_counter() - started
 
 
-def hit_vs_local(llm, rounds: int) -> tuple[list[float], list[float]]:
+def timed(llm, prompt: list[int]) -> float:
     from vllm.inputs import TokensPrompt
 
-    prefix = tokens(PREFIX_TOKENS, seed=4000)
-    llm.generate([TokensPrompt(prompt_token_ids=prefix)], params(1), use_tqdm=False)
-    from_kvtier, from_local = [], []
-    for r in range(rounds):
+    started = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(4), use_tqdm=False)
+    return time.perf_counter() - started
+
+
+def hit_vs_local_round(llm, prefix: list[int], r: int) -> tuple[float, float]:
+    """(a request on `prefix` served by kvtier, one served by vLLM's own prefix cache).
+
+    Even rounds: vLLM's cache is emptied, kvtier serves the first request, vLLM the second. Odd
+    rounds the other way round (vLLM's cache still holds the prefix: it serves first; then it is
+    emptied and kvtier serves), so neither side always runs on blocks the other just warmed.
+    """
+    suffixes = [tokens(16, seed=5000 + 2 * r + i) for i in range(2)]
+    if r % 2 == 0:
         llm.reset_prefix_cache(reset_connector=False)
-        for where in (from_kvtier, from_local):  # first kvtier serves the prefix, then vLLM's cache
-            started = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=prefix + tokens(16, seed=5000 + 2 * r + len(where)))],
-                         params(4), use_tqdm=False)
-            where.append(time.perf_counter() - started)
-    return from_kvtier, from_local
+        kvtier = timed(llm, prefix + suffixes[0])
+        return kvtier, timed(llm, prefix + suffixes[1])
+    local = timed(llm, prefix + suffixes[0])
+    llm.reset_prefix_cache(reset_connector=False)
+    return timed(llm, prefix + suffixes[1]), local
 
 
 def p(values: list[float], q: float) -> float:
@@ -128,46 +142,70 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
-def run(model: Path, mode: str | None, args: argparse.Namespace) -> dict[str, float]:
-    llm = make_engine(model, mode)
-    try:
-        zero_hit(llm, 1, 4, seed=9)  # warm-up
-        o = overlap(llm, args.background, args.loading)
-        walls = zero_hit(llm, args.rounds, args.prompts, seed=10_000)
-        figures = {"itl_p50": p(o["itl"], 0.5), "itl_p99": p(o["itl"], 0.99), "ttft": statistics.median(o["ttft"]),
-                   "zero_hit": statistics.median(walls)}
-        if mode is not None:
-            kv, local = hit_vs_local(llm, args.rounds)
-            figures["hit_kvtier"], figures["hit_local"] = statistics.median(kv), statistics.median(local)
-        return figures
-    finally:
-        shutdown(llm)
+ENGINES = (("none", None), ("async", "async"), ("sync", "sync"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and requests")
     args = parser.parse_args()
-    args.rounds, args.prompts = (3, 8) if args.quick else (9, 22)
-    args.background, args.loading = (4, 2) if args.quick else (6, 4)
+    rounds, num_prompts = (3, 8) if args.quick else (9, 22)
+    num_background, num_loading = (4, 2) if args.quick else (6, 4)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # glibc's malloc returns freed arenas to the kernel and faults them back in: up to 2M page faults
+    # per round, and +-14 % of a worker's CPU, varying per engine instance, not per configuration
+    os.environ.setdefault("GLIBC_TUNABLES",
+                          "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824")
     from kvtier.integrations.vllm.binding import pin_reserved_cpus
     from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
 
     pin_reserved_cpus()
     model = ensure_tiny_llama(Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier")))
-    results = {name: run(model, mode, args) for name, mode in (("none", None), ("async", "async"), ("sync", "sync"))}
+    engines = {}
+    try:
+        for name, mode in ENGINES:  # all three alive at once, on the same cores, measured in turns
+            engines[name] = make_engine(model, mode)
+            zero_hit_round(engines[name], 4, seed=9)  # warm-up
+        results = {name: {} for name in engines}
+        for name, llm in engines.items():
+            o = overlap(llm, num_background, num_loading)
+            results[name].update(itl_p50=p(o["itl"], 0.5), itl_p99=p(o["itl"], 0.99), ttft=statistics.median(o["ttft"]))
+        walls = {name: [] for name in engines}
+        hits = {name: ([], []) for name in engines if name != "none"}
+        prefix = tokens(PREFIX_TOKENS, seed=4000)
+        for name in hits:
+            timed(engines[name], prefix)  # kvtier stores the prefix
+        for r in range(rounds):
+            order = list(engines)[r % 3:] + list(engines)[: r % 3]  # each engine first, middle and last in turn
+            for name in order:
+                walls[name].append(zero_hit_round(engines[name], num_prompts, seed=10_000 + 100 * r))
+            for name in order:
+                if name in hits:
+                    kvtier, local = hit_vs_local_round(engines[name], prefix, r)
+                    hits[name][0].append(kvtier)
+                    hits[name][1].append(local)
+    finally:
+        for llm in engines.values():
+            shutdown(llm)
+    for name in engines:
+        results[name]["zero_hit"] = statistics.median(walls[name])
+        if name in hits:
+            results[name]["hit_kvtier"], results[name]["hit_local"] = map(statistics.median, hits[name])
     print(f"{'engine':8} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'TTFT ms':>9} {'zero-hit s':>11} "
           f"{'hit kvtier ms':>14} {'hit local ms':>13}")
     for name, f in results.items():
         print(f"{name:8} {f['itl_p50'] * 1e3:11.1f} {f['itl_p99'] * 1e3:11.1f} {f['ttft'] * 1e3:9.1f} "
               f"{f['zero_hit']:11.2f} {f.get('hit_kvtier', float('nan')) * 1e3:14.1f} "
               f"{f.get('hit_local', float('nan')) * 1e3:13.1f}")
+    print("zero-hit walls per round (s): " + "; ".join(f"{n} " + " ".join(f"{w:.2f}" for w in ws)
+                                                    for n, ws in walls.items()))
     none, a, s = results["none"], results["async"], results["sync"]
     print(f"RESULT itl_p99_ratio_async={a['itl_p99'] / none['itl_p99']:.2f} "
           f"itl_p99_ratio_sync={s['itl_p99'] / none['itl_p99']:.2f} ttft_ratio_async={a['ttft'] / none['ttft']:.2f} "
-          f"zero_hit_overhead={a['zero_hit'] / none['zero_hit']:.3f} "
-          f"hit_vs_local={a['hit_kvtier'] / a['hit_local']:.3f}")
+          f"zero_hit_overhead={s['zero_hit'] / none['zero_hit']:.3f} "
+          f"hit_vs_local={s['hit_kvtier'] / s['hit_local']:.3f} "
+          f"zero_hit_overhead_async={a['zero_hit'] / none['zero_hit']:.3f} "
+          f"hit_vs_local_async={a['hit_kvtier'] / a['hit_local']:.3f}")
 
 
 if __name__ == "__main__":

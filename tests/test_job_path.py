@@ -7,6 +7,7 @@ Each test names the defect of issue #8 it pins down. Block size 4 tokens, 1 bloc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -26,6 +27,7 @@ from kvtier.scheduler import (
     StepView,
 )
 from kvtier.sim import KVCache
+from kvtier.sim.faults import Faults, SimTransferEngine
 from kvtier.tiers.cpu import CPUTierManager
 from kvtier.worker import WorkerSide
 from sched_helpers import FakeClock, close_after_test, make_engine, prompt
@@ -300,3 +302,25 @@ def test_a_plan_survives_pickling_to_the_workers():
     assert (got.group, got.slot_ids.tolist(), got.block_ids.tolist(), got.skip_blocks) == (1, [3, 1], [7, 8, 9, 10], 1)
     assert got.slot_ids.dtype == np.int64 and got.slot_ids.flags.writeable
     assert back.store_jobs[0].parts[0].block_ids.tolist() == [7, 8] and back.flush_job_ids == {2}
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_step_that_computes_nothing_waits_a_little_for_its_asynchronous_loads(idle):
+    """vLLM asks for finished loads right after start_load_kv in a step with nothing to compute;
+    reporting them then saves the engine empty round trips before the parked request runs."""
+    kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
+    # loads held back until the step ends, unless a wait starts them (the simulator's slow device)
+    slow = functools.partial(SimTransferEngine, faults=Faults(load_delay_steps=1))
+    worker = close_after_test(WorkerSide(num_slots=4, blocks_per_chunk=1, layer_groups=kv.layer_groups,
+                                         transfer_factory=slow))
+    worker.register_kv_caches(kv.tensors)
+    load = job(1, Endpoint.SLAB, [0, 1], [2, 3])
+    plan = StepPlan(async_load_jobs=[load], engine_idle=idle)
+    worker.handle_preemptions(plan)
+    worker.start_load_kv(plan)
+    finished, failed = worker.take_finished_loads()
+    assert finished == ({"r"} if idle else set()) and not failed
+    if not idle:  # reported by a later step's poll instead
+        for _ in range(2):  # the load is due one step later
+            worker.transfer.end_step()
+        assert worker.take_finished_loads()[0] == {"r"}

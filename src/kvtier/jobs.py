@@ -162,6 +162,9 @@ class StepPlan:
     `async_load_jobs` start with the step and nobody waits for them: their requests are
     parked by the engine (vLLM's WAITING_FOR_REMOTE_KVS) until the workers report them.
     `failed_load_block_ids`: blocks the workers report as load errors at once (recomputed).
+    `engine_idle`: no request computes in this step (every one is parked or waiting): the
+    workers wait a little for the step's asynchronous loads, so that their requests are
+    reported in this step instead of after more empty round trips of the engine.
     """
 
     load_jobs: list[TransferJob] = field(default_factory=list)
@@ -169,6 +172,7 @@ class StepPlan:
     store_jobs: list[TransferJob] = field(default_factory=list)
     flush_job_ids: set[int] = field(default_factory=set)
     failed_load_block_ids: set[int] = field(default_factory=set)
+    engine_idle: bool = False
 
     def stores_to_flush(self) -> list[TransferJob]:
         """This plan's own store jobs that must end before its forward pass."""

@@ -85,7 +85,9 @@ class SchedulerSide:
         self.core.update_state_after_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        return KVTierMetadata(self.core.build_connector_meta(step_view(scheduler_output)))
+        plan = self.core.build_connector_meta(step_view(scheduler_output))
+        plan.engine_idle = scheduler_output.total_num_scheduled_tokens == 0
+        return KVTierMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
