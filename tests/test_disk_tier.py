@@ -27,6 +27,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_files import ChunkFiles
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import TierJob, TierResult
+from tier_helpers import disk_tiers
 from tier_jobs import Slab, load, run, store
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
@@ -52,18 +53,8 @@ def removed(events: list[OffloadingEvent]) -> list[bytes]:
 
 @pytest.fixture
 def make_tier(tmp_path):
-    tiers: list[DiskTier] = []
-
-    def make(capacity_files: int = 8, ns: Namespace | None = None, root: Path | None = None, **kwargs) -> DiskTier:
-        ns = ns or namespace()
-        tier = DiskTier(root or tmp_path / "disk", ns, capacity_files * (4096 + ns.payload_bytes), **kwargs)
-        tiers.append(tier)
-        assert tier.wait_scanned(10)
-        return tier
-
-    yield make
-    for tier in tiers:
-        tier.close()
+    with disk_tiers(tmp_path / "disk", namespace) as make:
+        yield make
 
 
 # -- the contract ----------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from kvtier.tiers.slab import HostSlab
 from kvtier.tiers.tiered import TieredManager
 from redis_servers import ACL_USER
 from sched_helpers import FakeClock, prompt
+from tier_helpers import disk_tiers
 from tier_jobs import Slab, load, store
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
@@ -76,18 +77,8 @@ def umask(value: int) -> Iterator[None]:
 
 @pytest.fixture
 def make_disk(tmp_path):
-    tiers: list[DiskTier] = []
-
-    def make(root: Path | None = None, capacity_files: int = 8, ns: Namespace | None = None, **kwargs) -> DiskTier:
-        ns = ns or namespace()
-        tier = DiskTier(root or tmp_path / "disk", ns, capacity_files * (4096 + ns.payload_bytes), **kwargs)
-        tiers.append(tier)
-        assert tier.wait_scanned(10)
-        return tier
-
-    yield make
-    for tier in tiers:
-        tier.close()
+    with disk_tiers(tmp_path / "disk", namespace) as make:
+        yield make
 
 
 def chunk_file(tier: DiskTier, k: bytes) -> Path:
@@ -186,7 +177,7 @@ def test_a_world_writable_disk_directory_is_refused_unless_sticky(make_disk, tmp
         DiskTier(root, namespace(), 1 << 20)
     # with the sticky bit (as /tmp), others cannot rename or delete what kvtier makes there
     os.chmod(root, 0o1777)
-    tier = make_disk(root)
+    tier = make_disk(root=root)
     store(tier, Slab(1, namespace()), keys(1))
     assert load(tier, Slab(1, namespace()), keys(1)).failed_keys == frozenset()
 
@@ -304,7 +295,7 @@ def test_symlinks_planted_before_start_never_lead_outside(tmp_path, outside, mak
     (root / ns.id_hex).mkdir()
     for name in ("namespace.json", f"namespace.json.tmp.{os.getpid()}", f".direct-probe.{os.getpid()}"):
         (root / ns.id_hex / name).symlink_to(outside / "precious")
-    tier = make_disk(root)
+    tier = make_disk(root=root)
     store(tier, Slab(1, ns), keys(1))
     assert tree(outside) == {"precious": b"must never change"}
     assert json.loads((root / ns.id_hex / "namespace.json").read_text())["id"] == ns.id_hex

@@ -4,8 +4,10 @@ jobs (a slow disk or server) without re-implementing any of it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -26,6 +28,27 @@ WRITER = make_req_context("w")  # the request that stored them (another one: see
 
 def namespace(world_size: int = 1) -> Namespace:
     return Namespace("tiny", "float32", "blocks_first", 16, 1, "sha256", world_size, SLOT_BYTES)
+
+
+@contextlib.contextmanager
+def disk_tiers(default_root: Path, default_namespace: Callable[[], Namespace]) -> Iterator[Callable[..., DiskTier]]:
+    """`make(capacity_files=8, ns=None, root=None, **DiskTier kwargs)`: a scanned `DiskTier` with
+    room for that many files (under `default_root` unless `root` is given); all closed at the end."""
+    tiers: list[DiskTier] = []
+
+    def make(capacity_files: int = 8, ns: Namespace | None = None, root: Path | None = None,
+             **kwargs) -> DiskTier:
+        ns = ns or default_namespace()
+        tier = DiskTier(root or default_root, ns, capacity_files * (4096 + ns.payload_bytes), **kwargs)
+        tiers.append(tier)
+        assert tier.wait_scanned(10)
+        return tier
+
+    try:
+        yield make
+    finally:
+        for tier in tiers:
+            tier.close()
 
 
 def content(key: OffloadKey, rank: int = 0) -> np.ndarray:
