@@ -1,4 +1,5 @@
-"""KVTierConnectors whose worker fails loads, or makes them slow, while a flag file exists
+"""KVTierConnectors whose worker fails loads, or makes them slow — or, for the served soak
+(benchmarks/soak.py), leaves stores stuck or reports jobs late — while a flag file exists
 (tests only).
 
 The flag paths come from the KVTIER_TEST_FAIL_LOADS / KVTIER_TEST_SLOW_LOADS environment
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 from kvtier.integrations.vllm import KVTierConnector
+from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
 from kvtier.jobs import TransferJob
 from kvtier.worker import TransferEngine
 
@@ -50,3 +53,83 @@ class _LoadDelayingTransferEngine(TransferEngine):
 
 class SlowLoadKVTierConnector(KVTierConnector):
     transfer_factory = _LoadDelayingTransferEngine
+
+
+# -- the served soak's faults (benchmarks/soak.py): a stuck store copy, late job reports ---------
+#
+# KVTIER_TEST_STUCK_STORES names a flag file: while it exists, every store job the worker is given
+# is accepted and never copies (as a wedged copy queue would): only the worker's deadline
+# cancellation ends it, reported failed. KVTIER_TEST_DELAY_REPORTS names another: while it exists,
+# the worker's job reports are held back KVTIER_TEST_REPORT_DELAY_S seconds (default 10; the soak
+# sets it past the scheduler's expiry) and then sent, late. Each fault counts what it did in
+# `<flag>.seen`.
+
+
+def _flag(env: str) -> Path | None:
+    flag = os.environ.get(env)
+    return Path(flag) if flag and Path(flag).exists() else None
+
+
+def _count_seen(flag: Path, num: int = 1) -> None:
+    seen = flag.with_suffix(".seen")
+    seen.write_text(str(int(seen.read_text() or 0) + num) if seen.exists() else str(num))
+
+
+class _StoreStickingTransferEngine(TransferEngine):
+    """Stores submitted while the flag exists stay in flight until `cancel` (or `shutdown`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._stuck: dict[int, TransferJob] = {}
+
+    def submit(self, job: TransferJob) -> None:
+        flag = _flag("KVTIER_TEST_STUCK_STORES")
+        if not (job.is_store and job.parts and flag):
+            return super().submit(job)
+        _count_seen(flag)
+        with self._cond:  # in flight for `wait` (a flush waits for it in vain), but no copy ever starts
+            self._stuck[job.job_id] = job
+            self._open[job.job_id] = None  # type: ignore[assignment]
+        return None
+
+    def _release(self, job_ids: set[int], why: str) -> set[int]:
+        with self._cond:
+            jobs = [self._stuck.pop(i) for i in job_ids if i in self._stuck]
+            for job in jobs:
+                del self._open[job.job_id]
+        for job in jobs:
+            self._report(job.failed(why))
+        return {job.job_id for job in jobs}
+
+    def cancel(self, job_ids, timeout: float | None = None) -> bool:
+        wanted = set(job_ids)
+        wanted -= self._release(wanted, "cancelled: past its deadline (stuck store)")
+        return super().cancel(wanted) if timeout is None else super().cancel(wanted, timeout)
+
+    def shutdown(self) -> None:
+        self._release(set(self._stuck), "engine shut down (stuck store)")
+        super().shutdown()
+
+
+class SoakFaultKVTierConnector(KVTierConnector):
+    """The stock connector plus the soak's two worker-side faults (inert while no flag file exists)."""
+
+    transfer_factory = _StoreStickingTransferEngine
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._held: list[tuple[float, list]] = []  # (when to send, results)
+
+    def build_connector_worker_meta(self):
+        meta = super().build_connector_worker_meta()
+        flag, now = _flag("KVTIER_TEST_DELAY_REPORTS"), time.monotonic()
+        if flag is not None and meta is not None and meta.results:
+            _count_seen(flag, len(meta.results))
+            delay_s = float(os.environ.get("KVTIER_TEST_REPORT_DELAY_S", "10"))
+            self._held.append((now + delay_s, list(meta.results)))
+            meta = KVTierWorkerMetadata([], meta.slab_slots) if meta.slab_slots else None
+        due = [r for when, results in self._held if when <= now for r in results]
+        if not due:
+            return meta
+        self._held = [(when, results) for when, results in self._held if when > now]
+        return KVTierWorkerMetadata(due + (list(meta.results) if meta else []), meta.slab_slots if meta else ())

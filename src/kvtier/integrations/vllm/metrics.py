@@ -39,6 +39,8 @@ GAUGES = {
     "used_slots": "Slots holding a chunk (readable, being written, or retired).",
     "pinned_slots": "Slots pinned by loads in flight.",
     "unsupported_groups": "KV-cache groups kvtier cannot serve (the model then gets no kvtier hits).",
+    "jobs_in_flight": "Transfer jobs (engine <-> CPU tier) not yet reported by every worker nor expired.",
+    "tier_jobs_in_flight": "Reads and writes of the secondary tiers (disk, Redis, S3) in flight.",
 }
 # Per tier (label `tier`: cpu, disk, …), reported as "tier.<medium>.<name>". The directional ones
 # (`<direction>_<what>`) become one metric with a `direction` label (load, store).
