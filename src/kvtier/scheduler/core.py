@@ -24,9 +24,10 @@ Jobs are bounded too: one that not every worker reported by its expiry is failed
 When chunks are stored is `store_mode`: "eager" as soon as they are computed, "lazy" when the
 engine is about to evict their blocks (`kvtier.scheduler.lazy`; the adapter reports them at
 the end of each step, `plan_evictions`, and the stores run in the next step's plan, under
-the same fences as a finished request's last stores). The requests that computed such chunks may have ended long
-before: each step's evict-time stores belong to an owner of their own, named after
-`EVICTIONS_REQ_ID`, which ends (for the manager, `on_request_finished`) with its jobs.
+the same fences as a finished request's last stores). The requests that computed such
+chunks may have ended long before: each step's evict-time stores belong to an owner of
+their own, named after `EVICTIONS_REQ_ID`, which ends (for the manager,
+`on_request_finished`) with its jobs.
 
 Thread-safety: not thread-safe; the engine's scheduler calls it from one thread.
 """
@@ -230,7 +231,7 @@ class OffloadScheduler:
             return
         groups = [group for group, _ in chunks]
         blocks = [state.group_states[group].chunk_blocks(chunk) for group, chunk in chunks]
-        if self._lazy:  # stored when the engine is about to evict them (`_plan_evictions`)
+        if self._lazy:  # stored when the engine is about to evict them (`plan_evictions`)
             for key, (group, chunk), chunk_blocks in zip(keys, chunks, blocks, strict=True):
                 self._ledger.record(key, group, chunk_blocks, state.req_id, chunk)
         elif not self._store(state, keys, groups, blocks, plan):

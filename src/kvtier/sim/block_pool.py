@@ -74,13 +74,11 @@ class BlockPool:
         found: list[int] = []
         if at_risk <= 0:
             return found
-        refs = self.refs
-        for blocks in self.cache.values():
-            if not any(refs[b] for b in blocks):
-                found.extend(blocks)
-                at_risk -= 1
-                if at_risk <= 0:
-                    break
+        for _, blocks in self._eviction_order():
+            found.extend(blocks)
+            at_risk -= 1
+            if at_risk <= 0:
+                break
         return found
 
     def reset_prefix_cache(self) -> None:
@@ -90,9 +88,14 @@ class BlockPool:
         self.cache = OrderedDict((h, bs) for h, bs in self.cache.items() if any(self.refs[b] for b in bs))
         self._cached_blocks = {b for bs in self.cache.values() for b in bs}
 
+    def _eviction_order(self):
+        """(hash, blocks) of the cached entries no request holds, least recently used first."""
+        refs = self.refs
+        return ((h, bs) for h, bs in self.cache.items() if not any(refs[b] for b in bs))
+
     def _take(self, n: int) -> list[int] | None:
         while len(self.free_blocks) < n:
-            victim = next((h for h, bs in self.cache.items() if not any(self.refs[b] for b in bs)), None)
+            victim = next((h for h, _ in self._eviction_order()), None)
             if victim is None:
                 return None
             blocks = self.cache.pop(victim)
