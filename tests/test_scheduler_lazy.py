@@ -116,3 +116,40 @@ def test_blocks_rewritten_before_they_were_reported_are_not_stored_under_their_o
     engine.add_request("a2", prompt(5 * BLOCK + 1, seed=1), max_new_tokens=1)
     engine.run()  # a chunk of "a" loaded with "b"'s content fails the content check here
     assert engine.scheduler.stats.lazy_offered_chunks > 0
+
+
+def test_a_block_shared_by_two_chunks_drops_both_when_rewritten():
+    ledger = EvictionLedger()
+    ledger.record(b"a0", 0, [0, 1], "a", 0)  # A's chunk 0
+    ledger.record(b"b0", 0, [0, 3], "b", 0)  # B reused block 0 from the engine's cache: chunk 0 is [0, 3]
+    ledger.forget([0])  # block 0 goes to a new owner: neither chunk is whole any more
+    assert ledger.take([1, 3]) == []
+    assert len(ledger) == 0
+
+
+def test_a_shared_block_does_not_hide_the_other_chunk_that_holds_it():
+    ledger = EvictionLedger()
+    ledger.record(b"a0", 0, [0, 1], "a", 0)
+    ledger.record(b"b0", 0, [0, 3], "b", 0)
+    ledger.forget([3])  # B's own block rewritten: only B's chunk goes
+    assert [e.key for e in ledger.take([0])] == [b"a0"]  # A's chunk is still found through block 0
+
+
+def test_a_prefix_hit_ending_mid_chunk_never_stores_another_requests_kv():
+    """Issue 20, defect 1. Two blocks per chunk: B reuses A's first block from the engine's cache, so
+    A's chunk 0 is [A0, A1] and B's is [A0, B1] — two unstored chunks share block A0. The engine
+    then hands A0 to an unrelated request: both chunks are gone. A's must not live on through A1
+    and be stored later with the new owner's KV in its first half."""
+    engine = make_engine(num_blocks=5, num_slots=16, blocks_per_chunk=2, store_mode="lazy", max_tokens_per_step=5,
+                         evict_lookahead=2)
+    a = [1, 2, 3, 4, 10, 11, 12, 13, 14]
+    engine.add_request("a", a, max_new_tokens=1)
+    engine.step()  # A computes its first block (A0) and one token of the next
+    engine.add_request("b", [1, 2, 3, 4, 20, 21, 22, 23, 24], max_new_tokens=1)
+    engine.run()  # B's prefix hit is A0; both chunk 0s are recorded, unstored
+    for i in range(2):  # unrelated requests that store nothing take A0, then A1, from the engine's cache
+        engine.add_request(f"x{i}", prompt(5, seed=40 + i), max_new_tokens=1,
+                           kv_transfer_params={"kvtier": {"store": False}})
+        engine.run()
+    engine.add_request("a2", a, max_new_tokens=1)
+    engine.run()  # a chunk stored with the new owner's KV fails the content check here

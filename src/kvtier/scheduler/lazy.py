@@ -7,7 +7,8 @@ tier holds what the engine is losing rather than a second copy of what it still 
 
 An entry is valid only while its blocks hold what they held when it was recorded: every
 block the engine hands to a new owner (a request's newly written blocks) is forgotten
-(`forget`), and an entry is dropped the moment any of its blocks is. Nothing here reads
+(`forget`), and an entry is dropped the moment any of its blocks is — also where a block
+holds part of several entries (see `EvictionLedger`). Nothing here reads
 or pins an engine block: a store planned from the ledger reads its blocks under the same
 fences as any store (`kvtier.scheduler.jobs.JobBook.stores_reading`).
 
@@ -37,27 +38,33 @@ class LedgerEntry:
 
 
 class EvictionLedger:
-    """Engine block -> the unstored chunk it holds (at most one per block)."""
+    """Engine block -> the unstored chunks it holds.
+
+    A block may hold part of several chunks: with several blocks per chunk, a request whose
+    prefix hit ends inside a chunk shares that chunk's first blocks with the request that
+    computed them (A's chunk 0 is [A0, A1], B's is [A0, B1]). Each chunk is valid only while
+    every one of its blocks is, so a rewritten block drops every chunk it holds (issue 20:
+    keeping only the newest chunk per block let A's chunk outlive A0 and be stored with the
+    next owner's KV).
+    """
 
     def __init__(self) -> None:
-        self._by_block: dict[int, LedgerEntry] = {}
+        self._by_block: dict[int, dict[LedgerEntry, None]] = {}  # an insertion-ordered set per block
+        self._num_entries = 0
 
     def __len__(self) -> int:
-        return len(self._by_block)
+        """Chunks recorded and not stored, forgotten or taken."""
+        return self._num_entries
 
     def record(self, key: OffloadKey, group: int, blocks: Iterable[int], req_id: str, chunk: int) -> None:
         """Chunk `chunk` of request `req_id` (key `key`, group `group`) is computed in `blocks`
-        (replaces what they held before)."""
-        entry = LedgerEntry(key, group, tuple(blocks), req_id, chunk)
-        for block in entry.blocks:
-            self._by_block[block] = entry
+        (chunks recorded earlier in the same blocks stay: a shared prefix block holds both)."""
+        self._add(LedgerEntry(key, group, tuple(blocks), req_id, chunk))
 
     def forget(self, blocks: Iterable[int]) -> None:
-        """`blocks` are being rewritten: the chunks they held are no longer there."""
-        by_block = self._by_block
+        """`blocks` are being rewritten: no chunk they held is there any more."""
         for block in blocks:
-            entry = by_block.pop(block, None)
-            if entry is not None:
+            for entry in list(self._by_block.get(block, ())):
                 self._drop(entry)
 
     def take(self, evictable: Iterable[int]) -> list[LedgerEntry]:
@@ -69,10 +76,8 @@ class EvictionLedger:
         policies rank a chain's tail before its head by that order.
         """
         taken: dict[str, list[LedgerEntry]] = {}
-        by_block = self._by_block
         for block in evictable:
-            entry = by_block.get(block)
-            if entry is not None:
+            for entry in list(self._by_block.get(block, ())):
                 self._drop(entry)
                 taken.setdefault(entry.req_id, []).append(entry)
         return [e for entries in taken.values() for e in sorted(entries, key=lambda e: (e.chunk, e.group))]
@@ -80,14 +85,23 @@ class EvictionLedger:
     def restore(self, entries: Iterable[LedgerEntry]) -> None:
         """Put back entries `take` returned (their blocks were not rewritten since)."""
         for entry in entries:
-            for block in entry.blocks:
-                self._by_block.setdefault(block, entry)
+            self._add(entry)
 
     def clear(self) -> None:
         self._by_block.clear()
+        self._num_entries = 0
+
+    def _add(self, entry: LedgerEntry) -> None:
+        for block in entry.blocks:
+            self._by_block.setdefault(block, {})[entry] = None
+        self._num_entries += 1
 
     def _drop(self, entry: LedgerEntry) -> None:
         by_block = self._by_block
         for block in entry.blocks:
-            if by_block.get(block) is entry:
-                del by_block[block]
+            holders = by_block.get(block)
+            if holders is not None:
+                holders.pop(entry, None)
+                if not holders:
+                    del by_block[block]
+        self._num_entries -= 1
