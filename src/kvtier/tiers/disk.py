@@ -222,19 +222,26 @@ class DiskTier(SecondaryTier):
             self._files.discard_tmp(tmp, key)  # reset() forgot this store
             return False
         try:
+            return self._rename_claimed(key, tmp, ticket)
+        finally:  # on every path: a claim left behind blocks every later store or delete of the key
+            index.release(key)
+
+    def _rename_claimed(self, key: OffloadKey, tmp: str, ticket: int) -> bool:
+        try:
             self._files.publish(tmp, key)
         except BaseException:
-            self._files.discard_tmp(tmp, key)
-            index.release(key)
+            try:
+                self._files.discard_tmp(tmp, key)
+            except OSError as exc:  # EROFS, EIO: the start-up scan removes it once it is old
+                self._log.failure(exc, f"removal of a temporary file of {key.hex()[:16]}…")
             raise
         with self._lock:
-            if index.commit(key, ticket):
+            if self._index.commit(key, ticket):
                 if not self.is_scanned:
                     self._fresh.append(key)
                 self._book.emit([key], removed=False)
                 return True
         self._files.unlink(key)  # reset() came during the rename: this file must not survive it
-        index.release(key)
         return False
 
     def _unlink_if_absent(self, key: OffloadKey, keep_as_spare: bool = False) -> None:

@@ -110,7 +110,8 @@ class DiskIndex:
             del self.pending[key]
 
     def commit(self, key: OffloadKey, ticket: int) -> bool:
-        """The store holding `ticket` gave `key`'s file its final name: READY, and released.
+        """The store holding `ticket` gave `key`'s file its final name: READY (its claim is
+        released by the caller).
 
         Returns:
             False when the store no longer owns the key (a reset forgot it); nothing changes.
@@ -119,8 +120,6 @@ class DiskIndex:
             return False
         del self.pending[key]
         self.policy.insert([key])
-        self.busy.discard(key)
-        self._cond.notify_all()
         return True
 
     # -- final names --------------------------------------------------------------------------
