@@ -6,6 +6,7 @@ Every test drives the real DiskTier on a temporary directory; chunks are small (
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -426,6 +427,63 @@ def test_the_scan_removes_foreign_names_and_abandoned_temp_files(make_tier, tmp_
     c = second.stats().counters
     assert (c["scanned_files"], c["garbage_removed"], c["tmp_removed"]) == (1, 4, 2)
     assert not any(p.exists() for p in planted) and second.lookup(key(1)) is HIT
+
+
+def test_a_store_whose_rename_and_cleanup_both_fail_releases_its_key(make_tier, monkeypatch):
+    """Issue 20, defect 2: a read-only or failing filesystem fails the rename and then the removal of
+    the temporary file too. The key must still be released: the next store or delete of it waits for
+    the key's claim, and a claim never released hung a write thread for good (four such keys and
+    the write pool was gone) and `close()`, so engine shutdown, with it."""
+    tier, slab = make_tier(), Slab(1, namespace())
+
+    def erofs(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tier._files, "publish", erofs)
+        patch.setattr(tier._files, "discard_tmp", erofs)
+        assert store(tier, slab, keys(1)).failed_keys == frozenset(keys(1))  # counted, not raised
+    # the filesystem works again: the same key stores, loads and is deleted by a reset in bounded time
+    assert store(tier, slab, keys(1)).failed_keys == frozenset()
+    assert load(tier, slab, keys(1)).failed_keys == frozenset() and slab.holds(0, key(1))
+    tier.reset()
+    assert tier.drain(10)
+    closer = threading.Thread(target=tier.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive()
+
+
+def test_engines_with_the_same_pid_never_share_a_temporary_or_spare_name(make_tier, monkeypatch):
+    """Issue 20, S4: engines in different containers share a disk directory and may have the same pid
+    (pid 1 in each). A temporary name two writers share lets one rename its spare over the other's
+    file in flight; names are unique per engine instance, not per pid."""
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    first, second = make_tier(), make_tier()  # two engines on one directory, both "pid 1"
+    views = [memoryview(np.zeros(SLOT, np.uint8))]
+    names = {tier._files.write_tmp(key(1), views)[0] for tier in (first, second)}
+    assert len(names) == 2
+    for tier in (first, second):
+        tier._files.retire(key(1))  # nothing there: no spare, no error
+    assert first._files._unique_suffix() != second._files._unique_suffix()
+
+
+def test_a_young_temp_file_of_another_container_is_left_to_its_writer(make_tier, tmp_path):
+    """Another container's writer is invisible to this one's pid table: its temporary file is
+    abandoned only once it is old, never because its pid does not exist here."""
+    first = make_tier()
+    store(first, Slab(1, namespace()), keys(1))
+    hh = chunk_path(first, key(1)).parent
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    theirs = hh / f"{key(2).hex()}.kv.tmp.0123456789abcdef.{int(dead.stdout)}.0"
+    old = hh / f"{key(3).hex()}.kv.tmp.0123456789abcdef.{int(dead.stdout)}.1"
+    for path in (theirs, old):
+        path.write_bytes(b"being written")
+    aged = time.time() - 3600
+    os.utime(old, (aged, aged))
+    second = make_tier()
+    assert theirs.exists() and not old.exists()
+    assert second.stats().counters["tmp_removed"] == 1
 
 
 # -- the filesystem: full, O_DIRECT, unusable ------------------------------------------------------

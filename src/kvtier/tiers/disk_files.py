@@ -3,9 +3,18 @@
 A chunk of namespace N is the file `<root>/<N.id_hex>/<hh>/<key-hex>.kv` (`hh`: the first
 two hex characters of the key, so no directory holds more than 1/256 of the files); what a
 file holds is `kvtier.tiers.disk_format`. Durability protocol: a file is written whole
-under a temporary name `<key-hex>.kv.tmp.<pid>.<n>` in the same directory, then renamed; a
-rename within a directory is atomic, so only a complete file ever carries a final name,
-even when the writer is killed mid-write.
+under a temporary name `<key-hex>.kv.tmp.<writer>.<pid>.<n>` in the same directory, then
+renamed; a rename within a directory is atomic, so only a complete file ever carries a
+final name, even when the writer is killed mid-write.
+
+Temporary and spare names are unique per `ChunkFiles` instance, not per pid: engines in
+different containers share a directory with pids that may be equal (each is pid 1 in its
+own namespace), and a spare renamed over another engine's temporary file in flight would
+publish the wrong file (issue 20, S4). `<writer>` is 8 hex characters naming the host and
+pid namespace, then 8 random ones. A temporary file is abandoned (removed by a scan) when
+its writer is known dead — same host and pid namespace, and its pid is gone or now ours —
+or when it is older than `TMP_MAX_AGE_S`; a writer in another pid namespace cannot be seen,
+so only age tells.
 
 An evicted file is not unlinked but renamed into `spare/` and later overwritten whole under
 a new temporary name: on the ext4 disks measured (benchmarks/README.md) creating an inode
@@ -27,13 +36,17 @@ threads at once; `close` once the others are done.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import os
+import secrets
+import socket
 import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
@@ -79,7 +92,7 @@ class ChunkFiles:
         self.fsync = fsync
         self.file_mode, self.dir_mode = file_mode, dir_mode_for(file_mode)
         self._tmp_ids = itertools.count()  # next() is atomic under the GIL
-        self._started_ns = time.time_ns()
+        self._writer = _PID_NAMESPACE + secrets.token_hex(4)
         self._fds = [dir_fd]
         self._close = weakref.finalize(self, _close_all, self._fds)
         self._dir_fd = dir_fd
@@ -117,7 +130,7 @@ class ChunkFiles:
         views = [memoryview(buf).cast("B") for buf in buffers]
         direct = self.direct_io and is_aligned(views)
         with self._hh(key, create=True) as (hh_fd, name):
-            tmp = f"{name}.tmp.{os.getpid()}.{next(self._tmp_ids)}"
+            tmp = f"{name}.tmp.{self._unique_suffix()}"
             fd = self._open_tmp(hh_fd, tmp, direct)
             try:
                 self.format.write(fd, key, views, direct)
@@ -169,7 +182,7 @@ class ChunkFiles:
         if len(self._spares) >= MAX_SPARES:
             self.unlink(key)
             return
-        spare = f"{os.getpid()}.{next(self._tmp_ids)}"
+        spare = self._unique_suffix()
         with contextlib.suppress(FileNotFoundError), self._hh(key) as (hh_fd, name):
             os.rename(name, spare, src_dir_fd=hh_fd, dst_dir_fd=self._spare_fd)
             self._spares.append(spare)
@@ -234,15 +247,21 @@ class ChunkFiles:
                 os.unlink(name, dir_fd=hh_fd)
                 result.num_garbage_removed += 1
 
+    def _unique_suffix(self) -> str:
+        """`<writer>.<pid>.<n>`: a name no other engine sharing the directory makes (see the module docstring)."""
+        return f"{self._writer}.{os.getpid()}.{next(self._tmp_ids)}"
+
     def _is_abandoned(self, entry: os.DirEntry, ext: str) -> bool:
-        pid_text = ext.split(".")[2] if ext.count(".") >= 3 else ""
-        mtime_ns = entry.stat(follow_symlinks=False).st_mtime_ns
-        if not pid_text.isdigit():
-            return True
+        """Whether the temporary file `entry` (extension `kv.tmp.<writer>.<pid>.<n>`) has no live writer."""
+        parts = ext.split(".")
+        writer, pid_text = (parts[2], parts[3]) if len(parts) == 5 else ("", "")
+        if len(writer) != 16 or not _is_hex(writer) or not pid_text.isdigit():
+            return True  # not a name this version writes (an older kvtier's, or junk)
+        too_old = time.time_ns() - entry.stat(follow_symlinks=False).st_mtime_ns > TMP_MAX_AGE_S * 1e9
+        if writer == self._writer or writer[:8] != _PID_NAMESPACE:
+            return too_old  # ours (in flight), or another container's: its pid means nothing here
         pid = int(pid_text)
-        if pid == os.getpid():  # ours if written since we started; else a dead process had our pid
-            return mtime_ns < self._started_ns
-        return not _is_alive(pid) or time.time_ns() - mtime_ns > TMP_MAX_AGE_S * 1e9
+        return pid == os.getpid() or not _is_alive(pid) or too_old  # our pid: its earlier owner is dead
 
     def _open_tmp(self, hh_fd: int, tmp: str, direct: bool) -> int:
         """A file named `tmp` in `hh_fd` to write, of mode `file_mode`: a spare renamed there, else a new file."""
@@ -293,6 +312,21 @@ def _key_of(stem: str) -> OffloadKey | None:
     except ValueError:
         return None
     return key if key.hex() == stem else None
+
+
+def _pid_namespace() -> str:
+    """8 hex characters naming this host's boot and pid namespace (equal for every process that
+    can see the others' pids, different across containers and hosts as far as can be told)."""
+    parts = [socket.gethostname()]
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        parts.append(secrets.token_hex(8))  # unknown: then no other process counts as ours
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
+
+
+_PID_NAMESPACE = _pid_namespace()
 
 
 def _is_alive(pid: int) -> bool:
