@@ -221,6 +221,29 @@ def test_promoted_chunks_are_spared_until_their_request_ends(tmp_path):
     manager.check()
 
 
+def test_a_requests_promotions_never_evict_the_hits_its_own_scan_just_found(tmp_path):
+    """Issue 20, defect 3. r's prefix is 1, 2 (in RAM, least recently used) then 3, 4 (on disk only).
+    Its scan finds 1 and 2, then promotes 3 and 4: those promotions must evict other chunks, not
+    the two hits r is about to load (before, they evicted 1 and 2, so r waited for 8 promotions to
+    serve 4 chunks, or failed its load when it could not wait)."""
+    manager, slabs = make_tiered(tmp_path)
+    other = make_req_context("other")
+    put(manager, slabs, keys(3, 4))
+    put(manager, slabs, keys(5, 6))
+    put(manager, slabs, keys(1, 2))  # RAM holds 5, 6, 1, 2 (3 and 4 went to disk)
+    settle(manager)
+    manager.touch(keys(5, 6), other)  # 1 and 2 are now the least recently used
+    # r's scan: two hits, then two promotions that need two slots
+    assert [manager.lookup(k, CTX) for k in keys(1, 2, 3, 4)] == [HIT, HIT, PENDING, PENDING]
+    settle(manager)
+    # every chunk of r's prefix is readable now: the promotions evicted 5 and 6
+    assert [manager.lookup(k, CTX) for k in keys(1, 2, 3, 4)] == [HIT] * 4
+    assert counters(manager)["promotions"] == 2
+    for k in keys(1, 2, 3, 4):
+        assert np.array_equal(read_back(manager, slabs, k)[0], content(k))
+    manager.check()
+
+
 def test_a_promotion_in_flight_is_never_evicted_by_stores(tmp_path):
     manager, slabs = make_tiered(tmp_path, held="loads")
     evict_1_to_4_to_disk(manager, slabs)

@@ -101,3 +101,20 @@ def test_a_request_does_not_wait_past_its_budget_for_a_promotion_that_never_ends
     # B stopped waiting after 1 s of deferrals and computed its prompt itself
     assert req.is_finished and req.num_external_tokens == 0
     assert engine.scheduler.stats.deferral_timeouts == 1
+
+
+def test_a_prefix_half_in_ram_half_on_disk_is_promoted_once(tmp_path):
+    """Issue 20, defect 3, under the scheduler: p's head is in RAM, its tail on disk. The scan finds
+    the head, then promotes the tail: those promotions must not evict the head (before, they did, so
+    the head was promoted back, evicting the tail in turn: 8 disk reads to serve 4 chunks)."""
+    engine = tiered_engine(tmp_path)
+    p, q = prompt(16, seed=1), prompt(8, seed=2)
+    serve(engine, "p", p)  # 4 chunks in RAM (and on disk)
+    settle(engine)
+    serve(engine, "q", q)  # q's 2 chunks evict p's tail (tails go before heads): RAM holds p0, p1, q0, q1
+    settle(engine)
+    serve(engine, "q-again", q + [5])  # q is now more recent than p's head
+    engine.reset_prefix_cache()
+    req = serve(engine, "p-again", p + [7])
+    assert req.num_external_tokens == 16
+    assert engine.manager.tier_stats()[0].counters["promotions"] == 2

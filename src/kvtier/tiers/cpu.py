@@ -144,6 +144,11 @@ class CPUTierManager(OffloadingManager):
         self._policy.touch(keys)
         self._ledger.extend_chain(ctx.req_id, keys)
 
+    def join_chain(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """`keys` belong to the request's prefix (a lookup found them): its promotions spare them
+        (see `prepare_promotion`) until it ends. No recency changes (that is `touch`)."""
+        self._ledger.extend_chain(ctx.req_id, keys)
+
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         for key in keys:
             if self._ledger.unpin(ctx.req_id, key):

@@ -127,6 +127,8 @@ class TieredManager(OffloadingManager):
         self._poll()
         result = self.primary.lookup(key, ctx)
         if result is not _MISS:
+            # the scan goes on to the request's next chunks: promoting those must not evict this one
+            self.primary.join_chain([key], ctx)
             return result
         for index, slot in enumerate(self._tiers):
             found = slot.tier.lookup(key)
