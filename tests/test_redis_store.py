@@ -6,8 +6,11 @@ server. Servers come from tests/redis_servers.py and are emptied before each tes
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.redis import RedisStore
+from kvtier.tiers.redis_wire import read_replies
 from redis_servers import ACL_PASSWORD, ACL_USER
 
 KiB = 1 << 10
@@ -295,3 +299,72 @@ def test_threads_share_one_store(env):
         thread.join()
     assert errors == []
     store.close()
+
+
+# -- values of an unexpected size: refused before they are received ---------------------------------
+
+
+def traced_peak(fn):
+    """(fn(), the most bytes Python and numpy held at once while it ran, above what they held before)."""
+    tracemalloc.start()
+    try:
+        out = fn()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_get_into_drains_a_value_of_another_size_without_allocating_it(env):
+    store, _ = env
+    a, huge = parts_of("a"), 32 << 20
+    store.put([("t:a", a), ("t:huge", [bytes(huge)])])
+    dest = [memoryview(bytearray(128)), memoryview(bytearray(300 * KiB)), memoryview(bytearray(300 * KiB))]
+    # 32 MiB where 600 KiB are expected → answered by its size, drained through a small buffer
+    sizes, peak = traced_peak(lambda: store.get_into(["t:huge", "t:a"], [dest, dest]))
+    assert sizes == [huge, len(joined(a))]
+    assert peak < 4 << 20, f"{peak} bytes traced to refuse a {huge}-byte value"
+    # the reply after it was still read in step, into the buffers
+    assert joined(dest) == joined(a)
+
+
+def test_a_redirected_get_into_reads_no_more_than_expected(fresh_redis_cluster):
+    store = RedisStore(fresh_redis_cluster.url, cluster=True)
+    huge = 32 << 20
+    store.put([("moved:huge", [bytes(huge)]), ("moved:ok", [b"12345678"])])
+    client = store._client()
+    for name in ("moved:huge", "moved:ok"):  # the store believes another node owns each slot → MOVED
+        slot = client.keyslot(name)
+        owner = client.nodes_manager.slots_cache[slot][0]
+        client.nodes_manager.slots_cache[slot] = [next(n for n in client.get_primaries() if n.name != owner.name)]
+    dest = [memoryview(bytearray(8))]
+    # the redirected reads: the huge one is answered by its size without being read, the other in full
+    sizes, peak = traced_peak(lambda: [store.get_into([name], [dest])[0] for name in ("moved:huge", "moved:ok")])
+    assert sizes == [huge, 8] and bytes(dest[0]) == b"12345678"
+    assert peak < 4 << 20, f"{peak} bytes traced to refuse a {huge}-byte value"
+    assert store.get_into(["moved:absent"], [dest]) == [None]
+    store.close()
+
+
+class _FakeConnection:
+    """What `read_replies` uses of a redis-py connection: its socket, host and port."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock, self.host, self.port = sock, "fake", 0
+
+
+def test_a_reply_line_without_an_end_is_refused_before_it_grows_the_buffer():
+    ours, theirs = socket.socketpair()
+    ours.settimeout(2.0)
+    try:
+        # a "server" sends 1 MiB of a simple-string line and never ends it (nor closes)
+        theirs.setblocking(False)
+        sent = 0
+        with contextlib.suppress(BlockingIOError):
+            while sent < 1 << 20:
+                sent += theirs.send(b"+" + b"x" * 65535 if sent == 0 else b"x" * 65536)
+        # refused as a broken connection once the line is longer than any reply line, not read on
+        with pytest.raises(RedisConnectionError, match="reply line"):
+            read_replies(_FakeConnection(ours), 1)
+    finally:
+        ours.close()
+        theirs.close()

@@ -234,3 +234,36 @@ def test_close_is_idempotent_and_final(make_store, prefix):
     store.close()
     with pytest.raises(S3StoreError, match="closed"):
         store.get([prefix + "a", prefix + "b"])
+
+
+def test_get_into_fills_buffers_and_never_reads_a_body_of_another_size(store, prefix, monkeypatch):
+    import obstore
+
+    value, huge = bytes(range(256)) * 64, 8 << 20
+    store.put([(prefix + "ok", [value]), (prefix + "huge", [bytes(huge)])])
+    bodies_read: list[str] = []
+    real_get = obstore.get
+
+    class Watched:
+        """obstore's GetResult, noting whose body is read."""
+
+        def __init__(self, result) -> None:
+            self._result = result
+            self.meta = result.meta
+
+        def bytes(self):
+            bodies_read.append(self.meta["path"])
+            return self._result.bytes()
+
+        def stream(self, *args, **kwargs):
+            bodies_read.append(self.meta["path"])
+            return self._result.stream(*args, **kwargs)
+
+    monkeypatch.setattr(obstore, "get", lambda *args, **kwargs: Watched(real_get(*args, **kwargs)))
+    dests = [[memoryview(bytearray(128)), memoryview(np.zeros((len(value) - 128) // 4, np.float32))]
+             for _ in range(3)]
+    # the right size → into the buffers; another size → its size, its body never read; absent → None
+    sizes = store.get_into([prefix + "ok", prefix + "huge", prefix + "absent"], dests)
+    assert sizes == [len(value), huge, None]
+    assert b"".join(bytes(d) for d in dests[0]) == value
+    assert bodies_read == [prefix + "ok"]

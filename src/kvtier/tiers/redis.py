@@ -132,21 +132,32 @@ class RedisStore(RemoteStore):
 
         Returns each value's size, None when absent. Where the size equals the bytes of
         `buffers[i]` the value fills them; any other size leaves them unspecified (a value
-        that is not what the caller expects). Not part of `RemoteStore` yet: the load path
-        copies every `get` value into the slab, and a fresh value costs its page faults.
+        that is not what the caller expects), and its bytes are never held in memory of their
+        size (whoever writes the store chooses it): see `redis_wire`, and `_get_one_into` for
+        a command sent again after a redirect.
         """
-
-        def get_one(i: int) -> int | None:
-            value = self._client().get(names[i])
-            if value is not None and len(value) == sum(buf.nbytes for buf in buffers[i]):
-                offset = 0
-                for buf in buffers[i]:
-                    buf.cast("B")[:] = value[offset:offset + buf.nbytes]
-                    offset += buf.nbytes
-            return None if value is None else len(value)
-
-        return self._run(names, [[command(b"GET", name.encode())] for name in names], get_one,  # type: ignore[return-value]
+        return self._run(names, [[command(b"GET", name.encode())] for name in names],  # type: ignore[return-value]
+                         lambda i: self._get_one_into(names[i], buffers[i]),
                          into=buffers, weights=[sum(buf.nbytes for buf in bufs) for bufs in buffers])
+
+    def _get_one_into(self, name: str, buffers: Sequence[memoryview]) -> int | None:
+        """`get_into` of one name through redis-py (which follows a redirect): STRLEN, then GETRANGE
+        of no more than the buffers hold, so that a value of another size is never read. A value
+        replaced between the two commands may come back mixed: the caller's checks refuse it."""
+        client, expected = self._client(), sum(buf.nbytes for buf in buffers)
+        size = client.strlen(name)
+        if size == 0 and not client.exists(name):
+            return None
+        if size != expected or expected == 0:  # GETRANGE 0 -1 would be the whole value
+            return size
+        value = client.getrange(name, 0, expected - 1)
+        if len(value) != expected:
+            return len(value)  # shortened meanwhile
+        offset = 0
+        for buf in buffers:
+            buf.cast("B")[:] = value[offset:offset + buf.nbytes]
+            offset += buf.nbytes
+        return expected
 
     def put(self, items: Sequence[tuple[str, ValueParts]]) -> list[bool]:
         """SET NX (with PX when the store has a TTL) per item; the parts are sent without copying."""

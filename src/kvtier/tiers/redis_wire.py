@@ -10,6 +10,12 @@
   reply is returned as a `ServerError` in its place, never raised, so that the replies after
   it are still read and the connection stays in step.
 
+Whoever can write the store chooses the size of a value. With `into`, a value of any other
+size than the caller's buffers is never received into memory of its size: it is read through
+a small scratch buffer and dropped (a 500 MB value costs its transfer, not 500 MB per load),
+and answered by its size. A reply line (a length, an integer, an error) longer than
+`_MAX_LINE` breaks the connection instead of growing the buffer without end.
+
 Only the replies of EXISTS, GET, SET and UNLINK are understood (no arrays, no RESP3).
 
 Thread-safety: none; each function works on one connection that one call holds.
@@ -31,6 +37,7 @@ __all__ = ["Reply", "ServerError", "command", "nbytes", "read_replies", "send_pi
 
 _SMALL = 1 << 16  # pieces shorter than this are joined before sending: one send for many headers
 _RECV_BYTES = 1 << 16  # what one receive asks for while looking for the end of a reply's first line
+_MAX_LINE = 1 << 16  # longest reply line accepted (the server's error messages are far shorter)
 
 
 class ServerError(str):
@@ -84,7 +91,7 @@ def read_replies(conn: Connection, count: int, into: Sequence[Sequence[memoryvie
 
     With `into`, a bulk reply i whose size is the bytes of `into[i]` is received straight into
     those buffers, in order, and answered by its size; one of any other size is answered by
-    its size too, its bytes dropped.
+    its size too, its bytes read through a small buffer and dropped.
 
     redis-py keeps the socket in `Connection._sock`; its own parser holds nothing unread
     here, since every command it sent on this connection had its reply read in full.
@@ -124,15 +131,16 @@ class _Replies:
             size = int(rest)
             if size < 0:
                 return None
-            if into is not None and size == sum(map(nbytes, into)):
+            if into is None:
+                value = self._new_buffer(size)
+                self._receive_into(value)
+                self._skip_crlf()
+                return value
+            if size == sum(map(nbytes, into)):
                 for buf in into:
                     self._receive_into(buf.cast("B") if buf.format != "B" else buf)
             else:
-                value = self._new_buffer(size)
-                self._receive_into(value)
-                if into is None:
-                    self._skip_crlf()
-                    return value
+                self._drop(size)
             self._skip_crlf()
             return size
         if kind == b":":
@@ -152,6 +160,8 @@ class _Replies:
 
     def _line(self) -> bytes:
         while (end := self._buf.find(b"\r\n", self._pos)) < 0:
+            if len(self._buf) - self._pos > _MAX_LINE:
+                raise RedisConnectionError(f"a reply line longer than {_MAX_LINE} bytes: not a Redis server's reply")
             self._receive()
         line = bytes(self._buf[self._pos:end])
         self._pos = end + 2
@@ -173,6 +183,17 @@ class _Replies:
         self._pos += have
         while have < size:
             got = self._sock.recv_into(dest[have:])
+            if not got:
+                raise RedisConnectionError("connection closed by the server")
+            have += got
+
+    def _drop(self, size: int) -> None:
+        """Read `size` bytes and keep none: through a scratch buffer of at most `_RECV_BYTES`."""
+        have = min(size, len(self._buf) - self._pos)
+        self._pos += have
+        scratch = memoryview(bytearray(min(size - have, _RECV_BYTES)))
+        while have < size:
+            got = self._sock.recv_into(scratch[:size - have])
             if not got:
                 raise RedisConnectionError("connection closed by the server")
             have += got

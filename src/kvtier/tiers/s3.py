@@ -20,6 +20,9 @@ Choices that a reader might not expect:
   container or instance metadata). Requests are path-style (`endpoint/bucket/name`).
 - **One retry at most,** within `timeout_ms` of the first attempt (a pooled connection the
   server closed), so a hung server costs one timeout; the tier's circuit breaker does the rest.
+- **`get_into` reads a body only when its size is the one expected.** The size comes with the
+  response's headers (the object's metadata), before the body: whoever can write the bucket
+  chooses it, and a body of another size is never read (the response is dropped unread).
 - A batch runs its items on a pool of `max_connections` threads (the client releases the GIL
   while it waits), one request per item; a batch of one runs in the calling thread.
 - Names are object_store paths: `/`-separated, no empty, `.` or `..` segments.
@@ -124,6 +127,10 @@ class S3Store(RemoteStore):
     def get(self, names: Sequence[str]) -> list[bytes | memoryview | None]:
         return self._each(self._get_one, names)
 
+    def get_into(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        """Each name's value copied into `buffers[i]` when its size is theirs; its size (None when absent)."""
+        return self._each(lambda item: self._get_one_into(*item), list(zip(names, buffers, strict=True)))
+
     def put(self, items: Sequence[tuple[str, ValueParts]]) -> list[bool]:
         return self._each(self._put_one, items)
 
@@ -167,6 +174,23 @@ class S3Store(RemoteStore):
             return memoryview(_call("GET", name, lambda: obstore.get(self._store, name).bytes()))
         except FileNotFoundError:
             return None
+
+    def _get_one_into(self, name: str, buffers: Sequence[memoryview]) -> int | None:
+        try:  # the response's headers only: the body is read by `bytes()`, when at all
+            result = _call("GET", name, lambda: obstore.get(self._store, name))
+        except FileNotFoundError:
+            return None
+        expected = sum(buf.nbytes for buf in buffers)
+        if result.meta["size"] != expected:
+            return result.meta["size"]
+        body = memoryview(_call("GET", name, result.bytes))
+        if body.nbytes != expected:
+            return body.nbytes
+        offset = 0
+        for buf in buffers:
+            _byte_view(buf)[:] = body[offset:offset + buf.nbytes]
+            offset += buf.nbytes
+        return expected
 
     def _put_one(self, item: tuple[str, ValueParts]) -> bool:
         name, parts = item
