@@ -16,6 +16,12 @@ For values of 1, 2 and 4 MiB, on one `redis-server` started here (loopback, no p
 - RemoteTier on a RedisStore: store and load jobs of <batch> keys (payload <size> - 128
   bytes, so a value is <size> bytes) from / into numpy rows, 2 x <threads> jobs in flight,
   `io_threads=<threads>`: with the value header, the xxh3 checksums, the slab copies.
+- keyed mode: the same tier jobs with a deployment secret (HMAC names, and a keyed-BLAKE3 tag
+  on every value, checked on every load), against the plain tier of the same round (the two
+  take turns going first), and each tier side's client CPU seconds per GB (this process's
+  threads: less at the mercy of other work on the machine than GB/s). Before
+  the rounds, the MAC candidates' GB/s on one thread (keyed BLAKE3, keyed BLAKE2b, and the
+  unkeyed xxh3 checksum for scale) on 1, 2 and 4 MiB.
 - `--clients`: also redis-py's own pipeline (`set(name, b"".join(parts), nx=True)`, `get`),
   and valkey-glide's sync client when importable (`pip install valkey-glide-sync`).
 
@@ -24,12 +30,14 @@ round's side / baseline. The RESULT ratios are the tier's, the lowest over the s
 
 Usage: python benchmarks/bench_remote.py [--quick] [--rounds R] [--threads T] [--batch B] [--clients] [--no-s3]
 Last line: RESULT redis_store_ratio=<x> redis_load_ratio=<y> s3_store_ratio=<z> s3_load_ratio=<w>
+keyed_store_ratio=<k> keyed_load_ratio=<l> (keyed tier / plain tier, same rounds; the lowest size's)
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import math
 import os
 import shutil
@@ -41,6 +49,8 @@ from collections.abc import Callable
 
 import numpy as np
 import redis
+import xxhash
+from blake3 import blake3
 
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.redis import RedisStore
@@ -51,6 +61,7 @@ from tier_driver import run_jobs
 
 SIZES = (1 << 20, 2 << 20, 4 << 20)
 WORKING_SET = 64 << 20  # redis-benchmark's keys x size (--quick: half)
+KEY_SECRET = b"bench deployment secret, 32 byte"
 NEW_KEYS = 10**9  # redis-benchmark -r for "every SET a new key" (an int: 2^40 wraps, and every SET hits one key)
 GB = 1e9
 
@@ -119,17 +130,23 @@ def store_rates(url: str, size: int, count: int, threads: int, batch: int, tag: 
     return out
 
 
-def tier_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str) -> dict[str, float]:
-    """RemoteTier store / load GB/s (bytes of values, header included, as the other sides)."""
+def tier_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str,
+               key_secret: bytes | None = None) -> dict[str, float]:
+    """RemoteTier store / load GB/s (bytes of values, header included, as the other sides; keyed
+    mode's tag not counted, so that both modes move the same KV per GB/s)."""
 
     namespace = Namespace("bench", "bfloat16", "blocks", 16, 4, "sha256_cbor", 1, size - HEADER_BYTES)
     tier = RemoteTier(RedisStore(url, max_connections=2 * threads), namespace, prefix=f"bench-tier-{tag}",
-                      io_threads=threads, enable_events=False)
+                      key_secret=key_secret, io_threads=threads, enable_events=False)
     in_flight = 2 * threads
     rows = np.random.default_rng(1).integers(0, 256, (batch * in_flight, size - HEADER_BYTES), np.uint8)
+    out = {}
     try:
-        return {side: count * size / run_jobs(tier, rows, count, batch, side == "store", poll_s=0.0002) / GB
-                for side in ("store", "load")}
+        for side in ("store", "load"):
+            cpu = time.process_time()  # this process only: the client's CPU, not the server's
+            out[side] = count * size / run_jobs(tier, rows, count, batch, side == "store", poll_s=0.0002) / GB
+            out[f"{side} cpu"] = (time.process_time() - cpu) / (count * size / GB)
+        return out
     finally:
         tier.close()
 
@@ -177,8 +194,9 @@ def client_rates(port: int, size: int, count: int, threads: int, batch: int) -> 
     return out
 
 
-def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: str) -> dict[str, float]:
-    """Every side once, the baseline first."""
+def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: str,
+              keyed_first: bool = False) -> dict[str, float]:
+    """Every side once, the baseline first (the keyed tier before the plain one when `keyed_first`)."""
     url, threads, batch = f"redis://127.0.0.1:{port}", args.threads, args.batch
     working_set = WORKING_SET // 2 if args.quick else WORKING_SET
     by_pipeline = {pipeline: redis_benchmark(port, size, threads, pipeline, working_set) for pipeline in (1, batch)}
@@ -188,8 +206,11 @@ def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: s
     flush = redis.Redis(port=port).flushall
     out.update({f"store {k}": v for k, v in store_rates(url, size, count, threads, batch, tag).items()})
     flush()
-    out.update({f"tier {k}": v for k, v in tier_rates(url, size, count, threads, batch, tag).items()})
-    flush()
+    for mode in ("keyed", "plain") if keyed_first else ("plain", "keyed"):
+        secret = KEY_SECRET if mode == "keyed" else None
+        rates = tier_rates(url, size, count, threads, batch, f"{tag}-{mode}", secret)
+        out.update({f"tier {'keyed ' if secret else ''}{k}": v for k, v in rates.items()})
+        flush()
     if args.clients:
         out.update(client_rates(port, size, count, threads, batch))
     return out
@@ -197,18 +218,41 @@ def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: s
 
 def report(size: int, results: list[dict[str, float]]) -> dict[str, float]:
     """Print one size's figures; its ratios (median over rounds)."""
-    best = {name: max(r[name] for r in results) for name in results[0]}
+    best = {name: (min if name.endswith("cpu") else max)(r[name] for r in results) for name in results[0]}
     ratio = {side: statistics.median(r[side] / r[f"bench {base}"] for r in results)
              for side, base in (("store put", "set"), ("store get", "get"), ("store get_into", "get"),
                                 ("tier store", "set"), ("tier load", "get")) if side in best}
+    ratio.update({f"tier keyed {side}": statistics.median(r[f"tier keyed {side}"] / r[f"tier {side}"] for r in results)
+                  for side in ("store", "load")})  # against the plain tier, not redis-benchmark
     print(f"{size >> 20} MiB  redis-benchmark SET (new keys) {best['bench set']:.2f}, GET {best['bench get']:.2f} "
           f"GB/s; SET over existing keys {best['bench set over']:.2f}")
     print(f"      ({', '.join(f'{k[6:]} {v:.2f}' for k, v in best.items() if k.startswith('bench ') and '-P' in k)})")
     for side, value in best.items():
         if not side.startswith("bench"):
-            extra = f"  ({ratio[side]:.2f}x)" if side in ratio else ""
-            print(f"      {side:16s} {value:5.2f} GB/s{extra}")
+            extra = f"  ({ratio[side]:.2f}x{' plain' if 'keyed' in side else ''})" if side in ratio else ""
+            unit = "s/GB of client CPU" if side.endswith("cpu") else "GB/s"
+            print(f"      {side:20s} {value:5.2f} {unit}{extra}")
     return ratio
+
+
+def mac_rates() -> None:
+    """Print the keyed-mode MAC candidates' GB/s on one thread (and xxh3's, for scale)."""
+    key = os.urandom(32)
+    candidates = {"keyed BLAKE3": lambda buf: blake3(buf, key=key).digest(),
+                  "keyed BLAKE2b": lambda buf: hashlib.blake2b(buf, key=key).digest(),
+                  "xxh3 (unkeyed)": lambda buf: xxhash.xxh3_64_intdigest(buf)}
+    for size in SIZES:
+        buf = memoryview(np.random.default_rng(2).integers(0, 256, size, np.uint8))
+        rates = {}
+        for name, mac in candidates.items():
+            best = math.inf
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(4):
+                    mac(buf)
+                best = min(best, (time.perf_counter() - start) / 4)
+            rates[name] = size / best / GB
+        print(f"MACs, {size >> 20} MiB, one thread: " + ", ".join(f"{k} {v:.2f}" for k, v in rates.items()) + " GB/s")
 
 
 def s3_ratios(quick: bool) -> dict[str, float]:
@@ -236,19 +280,23 @@ def main() -> None:
         raise SystemExit("redis-benchmark not found on PATH: apt-get install -y redis-server (or `make test`)")
     total, rounds = (64 << 20, args.rounds or 2) if args.quick else (256 << 20, args.rounds or 4)
     ratios: dict[str, list[float]] = {}
+    mac_rates()
     with redis_server() as port:
         version = redis.Redis(port=port).info("server")["redis_version"]
         print(f"redis-server {version} on 127.0.0.1:{port}; {args.threads} threads, {args.batch} names per call; "
               f"{total >> 20} MiB per size and round, {rounds} rounds")
         for size in SIZES:
             count = max(total // size, args.threads * args.batch * 2)
-            results = [one_round(port, size, count, args, f"{size}-{r}") for r in range(rounds)]
+            results = [one_round(port, size, count, args, f"{size}-{r}", keyed_first=r % 2 == 1)
+                       for r in range(rounds)]
             for side, value in report(size, results).items():
                 ratios.setdefault(side, []).append(value)
     redis_store, redis_load = min(ratios["tier store"]), min(ratios["tier load"])
+    keyed_store, keyed_load = min(ratios["tier keyed store"]), min(ratios["tier keyed load"])
     s3 = {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan} if args.no_s3 else s3_ratios(args.quick)
     print(f"RESULT redis_store_ratio={redis_store:.2f} redis_load_ratio={redis_load:.2f} "
-          f"s3_store_ratio={s3['s3_store_ratio']:.2f} s3_load_ratio={s3['s3_load_ratio']:.2f}")
+          f"s3_store_ratio={s3['s3_store_ratio']:.2f} s3_load_ratio={s3['s3_load_ratio']:.2f} "
+          f"keyed_store_ratio={keyed_store:.2f} keyed_load_ratio={keyed_load:.2f}")
 
 
 if __name__ == "__main__":

@@ -402,3 +402,57 @@ def s3_tier(s3_server):
 @with_named_damages
 def test_a_damaged_s3_value_is_never_served(s3_tier, edit_list):
     remote_damage_test(s3_tier, edit_list)
+
+
+# -- keyed mode: whoever writes the store without the secret cannot make a value pass ---------------
+
+KEYED_VALUE_BYTES = HEADER_BYTES + SLOT + 32  # + the tag
+
+
+def reforge(value: bytes, mask: int) -> bytes:
+    """`value` with its payload changed and a header made valid for it again (payload and header
+    checksums): everything a writer without the secret can do."""
+    if len(value) < HEADER_BYTES + SLOT:
+        return value
+    payload = bytes(b ^ mask for b in value[HEADER_BYTES:HEADER_BYTES + SLOT])
+    header = forge(value[:HEADER_BYTES], "payload_checksum", xxhash.xxh3_64_intdigest(payload))
+    return header + payload + value[HEADER_BYTES + SLOT:]
+
+
+@pytest.fixture
+def keyed_redis_tier(redis_server):
+    from kvtier.tiers.redis import RedisStore
+
+    tier = RemoteTier(RedisStore(redis_server.ready().url), namespace(f"fuzz-keyed-{time.monotonic_ns()}"),
+                      key_secret=b"fuzz deployment secret, 32 bytes")
+    yield tier
+    tier.reset()
+    tier.drain(10)
+    tier.close()
+
+
+@fuzz(30)
+@given(edit_list=st.lists(edits(KEYED_VALUE_BYTES) | st.tuples(st.just("reforge"), st.integers(1, 255)),
+                          min_size=1, max_size=3))
+@example(edit_list=[("reforge", 0x5A)])
+@example(edit_list=[("flip", KEYED_VALUE_BYTES - 1, 0)])
+@example(edit_list=[("flip", HEADER_BYTES - 1, 0)])  # header padding: covered by the tag too
+def test_a_keyed_value_changed_anywhere_is_never_served(keyed_redis_tier, edit_list):
+    tier, slab, k = keyed_redis_tier, Slab(1, namespace()), key(next(_keys))
+    store(tier, slab, [k])
+    name = tier.codec.name(k)
+    before = bytes(tier.store.get([name])[0])
+    after = before
+    for edit in edit_list:
+        after = reforge(after, edit[1]) if edit[0] == "reforge" else apply(after, edit)
+    tier.store.delete([name])
+    assert tier.store.put([(name, [after])]) == [True]
+    # any change at all (the tag covers the header, padding included, and the payload): refused
+    corrupt = tier.stats().counters["corrupt"]
+    failed = load(tier, slab, [k]).failed_keys == {k}
+    assert failed == (after != before)
+    if failed:
+        assert tier.stats().counters["corrupt"] == corrupt + 1
+        assert tier.drain(10) and tier.store.exists([name]) == [False]
+    else:
+        assert slab.holds(0, k)

@@ -7,8 +7,11 @@ name), so tests sharing a server never see each other's values.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import threading
 import time
+import tracemalloc
 
 import pytest
 
@@ -18,7 +21,7 @@ from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.remote_store import RemoteStore
-from kvtier.tiers.secondary import HEADER_BYTES, ValueHeader
+from kvtier.tiers.secondary import HEADER_BYTES, ValueHeader, checksum
 from tier_jobs import Slab, load, store
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
@@ -245,3 +248,308 @@ def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(make_tier
     assert load(tier, slab, ks[1:]).failed_keys == frozenset() and slab.holds(0, ks[1])
     counters = tier.stats().counters
     assert counters["breaker_opens"] == 1 and counters["breaker_closes"] == 1 and counters["breaker_rejects"] >= 1
+
+
+# -- reset: no phantom hits ----------------------------------------------------------------------
+#
+# A value the sweep deletes must not stay "present" in the tier: its lookup would answer HIT
+# and its load then fail. The store below is a real RedisStore whose listing, writes and reads
+# the test can hold at one point (`Gate`), so that each interleaving happens on purpose.
+
+
+class Gate:
+    """Holds the first thread that reaches `hold()` after `arm()`, until `release()`."""
+
+    def __init__(self) -> None:
+        self.reached, self._open = threading.Event(), threading.Event()
+        self._is_armed = False
+
+    def arm(self) -> None:
+        self._is_armed = True
+        self.reached.clear()
+        self._open.clear()
+
+    def hold(self) -> None:
+        if self._is_armed:
+            self._is_armed = False
+            self.reached.set()
+            assert self._open.wait(10), "the test never released the gate"
+
+    def release(self) -> None:
+        self._open.set()
+
+
+def held_redis_store():
+    """A real RedisStore whose listing (before its first name), puts (after writing) and reads
+    (after receiving) can each be held once by arming its gate."""
+    from kvtier.tiers.redis import RedisStore
+
+    class HeldRedisStore(RedisStore):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.listing, self.put_done, self.got = Gate(), Gate(), Gate()
+
+        def list_names(self, prefix: str):
+            self.listing.hold()
+            yield from super().list_names(prefix)
+
+        def put(self, items):
+            written = super().put(items)
+            self.put_done.hold()
+            return written
+
+        def get_into(self, names, buffers):
+            sizes = super().get_into(names, buffers)
+            self.got.hold()
+            return sizes
+
+    return HeldRedisStore
+
+
+def result_of(tier: RemoteTier, job, timeout: float = 10.0):
+    """Submit `job` and wait for its result (without `drain`: a held sweep would keep it waiting)."""
+    (tier.submit_store if job.is_store else tier.submit_load)(job)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for result in tier.get_finished():
+            assert result.job_id == job.job_id
+            return result
+        time.sleep(0.005)
+    raise AssertionError(f"job {job.job_id} did not finish in {timeout} s")
+
+
+def assert_no_phantom(tier: RemoteTier, slab: Slab, ks: list[bytes]) -> None:
+    """Every key the tier answers HIT for loads; nothing it says it holds is gone."""
+    for k in ks:
+        if answer(tier, k) is HIT:
+            assert load(tier, slab, [k]).failed_keys == frozenset(), f"phantom hit: {k.hex()[:8]} is gone"
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+def test_a_store_during_the_reset_sweep_leaves_no_phantom_hit(make_tier, backend):
+    server, _ = backend
+    ns = namespace()
+    tier = make_tier(ns, store=held_redis_store()(server.url))
+    slab = Slab(4, ns)
+    old, new = keys(90, 91)
+    store(tier, slab, [old])
+    # reset: the sweep is held just before it lists the namespace
+    tier.store.listing.arm()
+    tier.reset()
+    assert tier.store.listing.reached.wait(5)
+    # a store now would be listed and deleted by that sweep
+    slab.fill(1, new)
+    during = result_of(tier, slab.job(True, [new], [1]))
+    # the sweep lists and deletes everything there is
+    tier.store.listing.release()
+    assert tier.drain(10)
+    assert tier.store.exists([tier.codec.name(old), tier.codec.name(new)]) == [False, False]
+    # whatever the tier says it holds, it can load: the store during the sweep was refused, counted
+    assert_no_phantom(tier, slab, [old, new])
+    assert during.failed_keys == frozenset([new]) and tier.stats().counters["reset_rejects"] == 1
+    # once the sweep is done, stores and loads work again
+    assert store(tier, slab, [new]).failed_keys == frozenset()
+    assert load(tier, slab, [new]).failed_keys == frozenset() and slab.holds(0, new)
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+def test_a_store_in_flight_at_reset_leaves_no_phantom_hit(make_tier, backend):
+    server, _ = backend
+    ns = namespace()
+    tier = make_tier(ns, store=held_redis_store()(server.url))
+    slab = Slab(4, ns)
+    (k,) = keys(92)
+    name = tier.codec.name(k)
+    # a store has written k, its job has not ended yet, when the reset comes
+    tier.store.put_done.arm()
+    slab.fill(0, k)
+    stale = slab.job(True, [k], [0])
+    tier.submit_store(stale)
+    assert tier.store.put_done.reached.wait(5)
+    tier.reset()
+    # a sweep that does not wait for that job deletes k now (give it a second to)
+    deadline = time.monotonic() + 1.0
+    while tier.store.exists([name]) == [True] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # k stored again meanwhile: refused while the sweep waits for the stale job
+    slab.fill(1, k)
+    again = result_of(tier, slab.job(True, [k], [1]))
+    # the stale job ends (failed: a reset came); then the sweep deletes whatever it wrote
+    tier.store.put_done.release()
+    assert tier.drain(10)
+    assert [r.job_id for r in tier.get_finished() if r.failed_keys == frozenset([k])] == [stale.job_id]
+    assert_no_phantom(tier, slab, [k])
+    assert tier.store.exists([name]) == [False]
+    assert again.failed_keys == frozenset([k]) and tier.stats().counters["reset_rejects"] == 1
+    assert store(tier, slab, [k]).failed_keys == frozenset()
+    assert load(tier, slab, [k]).failed_keys == frozenset() and slab.holds(0, k)
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+def test_a_store_that_skipped_a_known_key_does_not_bring_it_back(make_tier, backend):
+    server, _ = backend
+    ns = namespace()
+    tier = make_tier(ns, store=held_redis_store()(server.url))
+    slab = Slab(4, ns)
+    k, other = keys(97, 98)
+    store(tier, slab, [k])
+    tier.store.delete([tier.codec.name(k)])  # the server drops k (maxmemory, a TTL)
+    # a store of [k, other]: k is known, so only other is written; the job is held after writing
+    tier.store.put_done.arm()
+    slab.fill(1, other)
+    job = slab.job(True, [k, other], [0, 1])
+    tier.submit_store(job)
+    assert tier.store.put_done.reached.wait(5)
+    # meanwhile a load finds k gone: the tier forgets it
+    assert result_of(tier, slab.job(False, [k], [2])).failed_keys == frozenset([k])
+    # the store ends: it must not make k known again
+    tier.store.put_done.release()
+    assert tier.drain(10) and [r.job_id for r in tier.get_finished()] == [job.job_id]
+    assert_no_phantom(tier, slab, [k, other])
+    assert answer(tier, other) is HIT
+
+
+# -- deadlines -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+def test_a_job_whose_deadline_passes_before_it_starts_never_starts(make_tier, backend):
+    server, _ = backend
+    ns = namespace()
+    tier = make_tier(ns, store=held_redis_store()(server.url), io_threads=1)
+    slab = Slab(4, ns)
+    first, late, stored = keys(93, 94, 95)
+    store(tier, slab, [stored])
+    # the one write thread is busy with a held store; a second store waits behind it
+    tier.store.put_done.arm()
+    slab.fill(0, first)
+    tier.submit_store(slab.job(True, [first], [0]))
+    assert tier.store.put_done.reached.wait(5)
+    slab.fill(1, late)
+    tier.submit_store(dataclasses.replace(slab.job(True, [late], [1]), deadline=time.monotonic() + 0.1))
+    time.sleep(0.2)
+    # its deadline passed while it waited: it fails without writing, counted
+    tier.store.put_done.release()
+    assert tier.drain(10)
+    results = {r.job_id: r.failed_keys for r in tier.get_finished()}
+    assert sorted(results.values(), key=len) == [frozenset(), frozenset([late])]
+    assert tier.store.exists([tier.codec.name(late)]) == [False]
+    assert tier.stats().counters["expired"] == 1
+    # a load already past its deadline: never read, failed, counted; the key is still there
+    job = dataclasses.replace(slab.job(False, [stored], [2]), deadline=time.monotonic() - 1)
+    slab.rows[2] = 0
+    assert result_of(tier, job).failed_keys == frozenset([stored])
+    assert tier.stats().counters["expired"] == 2 and not slab.holds(2, stored)
+    assert tier.lookup(stored) is HIT
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+def test_a_load_that_ends_after_its_deadline_reports_its_keys_failed(make_tier, backend):
+    server, _ = backend
+    ns = namespace()
+    tier = make_tier(ns, store=held_redis_store()(server.url))
+    slab = Slab(4, ns)
+    (k,) = keys(96)
+    store(tier, slab, [k])
+    # the load's bytes arrive, then it is held past its deadline
+    tier.store.got.arm()
+    deadline = time.monotonic() + 1.0  # time enough to start on a busy machine
+    job = dataclasses.replace(slab.job(False, [k], [1]), deadline=deadline)
+    tier.submit_load(job)
+    assert tier.store.got.reached.wait(5)
+    time.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
+    tier.store.got.release()
+    # the manager has given up on it: the late result says failed (it only frees the slot)
+    assert tier.drain(10)
+    (result,) = tier.get_finished()
+    assert result.failed_keys == frozenset([k]) and "deadline" in result.error
+    assert tier.stats().counters["late"] == 1
+    # the value itself was fine: still known, and a load in time serves it
+    assert tier.lookup(k) is HIT
+    assert load(tier, slab, [k]).failed_keys == frozenset() and slab.holds(0, k)
+
+
+# -- keyed mode: values authenticated with the deployment secret -----------------------------------
+
+SECRET = b"a deployment secret of 32 bytes!"
+
+
+def _forged_payload(tier, name, value):
+    """Another payload under a header made valid for it (what a writer without the secret can do)."""
+    header = ValueHeader.unpack(value[:HEADER_BYTES])
+    payload_end = HEADER_BYTES + header.payload_bytes
+    forged = bytes(b ^ 0x5A for b in value[HEADER_BYTES:payload_end])
+    packed = ValueHeader(header.namespace_id, header.key, header.payload_bytes, checksum([forged])).pack()
+    return packed + forged + value[payload_end:]
+
+
+def _copied_from_another_key(tier, name, value):
+    """A valid value of another key of the same deployment."""
+    (other,) = keys(151)
+    return bytes(tier.store.get([tier.codec.name(other)])[0])
+
+
+def _flipped_last_byte(tier, name, value):
+    return value[:-1] + bytes([value[-1] ^ 0x01])
+
+
+@pytest.mark.parametrize("forge", [_forged_payload, _copied_from_another_key, _flipped_last_byte])
+def test_keyed_mode_refuses_a_value_forged_without_the_secret(make_tier, forge):
+    ns = namespace()
+    tier, slab = make_tier(ns, key_secret=SECRET), Slab(4, ns)
+    k, other = keys(150, 151)
+    store(tier, slab, [k, other])
+    name = tier.codec.name(k)
+    value = bytes(tier.store.get([name])[0])
+    # a writer of the store (no secret) replaces k's value
+    forged = forge(tier, name, value)
+    tier.store.delete([name])
+    assert tier.store.put([(name, [forged])]) == [True]
+    # never served: a counted miss, deleted, forgotten
+    assert load(tier, slab, [k]).failed_keys == frozenset([k])
+    assert tier.stats().counters["corrupt"] == 1
+    assert tier.store.exists([name]) == [False]
+    assert answer(tier, k) is MISS
+
+
+def test_plain_values_keep_their_format_and_keyed_ones_carry_a_tag(make_tier):
+    ns = namespace()
+    plain, keyed, slab = make_tier(ns), make_tier(ns, key_secret=SECRET), Slab(4, ns)
+    (k,) = keys(152)
+    store(plain, slab, [k])
+    store(keyed, slab, [k])
+    # plain: header + payload, as before (and as on disk); keyed: + a 32-byte tag
+    (plain_value,) = plain.store.get([plain.codec.name(k)])
+    (keyed_value,) = keyed.store.get([keyed.codec.name(k)])
+    assert len(plain_value) == HEADER_BYTES + ns.payload_bytes
+    assert len(keyed_value) == HEADER_BYTES + ns.payload_bytes + 32
+    assert bytes(keyed_value)[HEADER_BYTES:HEADER_BYTES + ns.payload_bytes] == bytes(plain_value)[HEADER_BYTES:]
+    # each reads its own
+    assert load(keyed, slab, [k]).failed_keys == frozenset() and slab.holds(0, k)
+    assert load(plain, slab, [k]).failed_keys == frozenset() and slab.holds(0, k)
+
+
+# -- a value of an unexpected size is refused before it is received ----------------------------------
+
+
+def test_a_huge_value_is_a_counted_miss_and_never_received_whole(make_tier):
+    ns = namespace()
+    tier, slab = make_tier(ns), Slab(4, ns)
+    (k,) = keys(160)
+    name = tier.codec.name(k)
+    store(tier, slab, [k])
+    # a writer of the store puts 32 MiB under k's name
+    huge = 32 << 20
+    tier.store.delete([name])
+    assert tier.store.put([(name, [bytes(huge)])]) == [True]
+    # the load fails, counted and deleted, and no buffer of that size was made on its way
+    tracemalloc.start()
+    try:
+        result = load(tier, slab, [k])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert result.failed_keys == frozenset([k])
+    assert peak < 4 << 20, f"{peak} bytes traced for a refused value of {huge}"
+    assert tier.stats().counters["corrupt"] == 1
+    assert tier.store.exists([name]) == [False]

@@ -5,22 +5,27 @@ Only the tier decides; the `RemoteStore` it wraps only moves bytes (`kvtier.tier
 
 - **Lookups never block.** The tier remembers which keys it knows to be present (its own
   stores, answered probes) and which were absent a moment ago (`kvtier.tiers.remote_keys`).
-  Anything else is queued for the probe thread,
-  which asks the store about up to `probe_batch` keys in one round trip; the lookup answers
-  RETRY meanwhile (the scheduler bounds the request's wait). Capacity is the server's
-  (`maxmemory` and its eviction policy, an optional TTL): a known key the server has dropped
-  is a failed load, and is forgotten.
+  Anything else is queued for the probe thread (`kvtier.tiers.remote_probes`), which asks
+  the store about up to `probe_batch` keys in one round trip; the lookup answers RETRY
+  meanwhile (the scheduler bounds the request's wait). Capacity is the server's (`maxmemory`
+  and its eviction policy, an optional TTL): a known key the server has dropped is a failed
+  load, and is forgotten.
 - **Jobs** run on a read pool and a write pool. A store skips keys known present and writes the
   others only where their names do not exist yet (a value is never rewritten); a load checks
-  every value (`kvtier.tiers.remote_values`) before a byte reaches the slab: a value that is
-  short, long, foreign or corrupt is a failed key, counted as `corrupt`, and deleted.
+  every value (`kvtier.tiers.remote_values`; in keyed mode, its tag too) before a byte reaches
+  the slab: a value that is short, long, foreign, corrupt or forged is a failed key, counted as
+  `corrupt`, and deleted.
+- **Deadlines** (`TierJob.deadline`): a job whose I/O has not started by then never starts it
+  (its keys fail, counted `expired`); a load that ends after it reports its keys failed
+  (counted `late`): the manager has given up on it and only frees what it held.
 - **Circuit breaker** (`kvtier.tiers.breaker`): failed operations in a row open it; while
   open, lookups answer MISS and jobs fail at once, and the probe thread pings the store
   until it answers. No request waits on a dead server beyond the store's timeouts.
-- **reset()** forgets everything and deletes the namespace's values in the background;
-  lookups answer MISS until that sweep has finished, and a store in flight at the reset
-  deletes what it wrote. It deletes for every replica sharing the namespace: after a reset
-  (e.g. new weights) the old values are wrong for all of them.
+- **reset()** forgets everything and deletes the namespace's values in the background
+  (`kvtier.tiers.remote_reset`); until that sweep is over, lookups answer MISS and jobs fail at
+  once (`reset_rejects`), so that the sweep never deletes a value the tier calls present. It
+  deletes for every replica sharing the namespace: after a reset (e.g. new weights) the old
+  values are wrong for all of them.
 
 Thread-safety: the public methods are called from one thread (the manager's). The probe
 thread and the pools share state with it only under `_lock`, never held across I/O.
@@ -32,7 +37,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.credentials import redact
@@ -42,6 +47,8 @@ from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.rate_limited_log import RateLimitedLog
 from kvtier.tiers.remote_jobs import RemoteJobBook
 from kvtier.tiers.remote_keys import KnownKeys
+from kvtier.tiers.remote_probes import ProbeThread
+from kvtier.tiers.remote_reset import ResetSweep
 from kvtier.tiers.remote_store import RemoteStore
 from kvtier.tiers.remote_values import ValueCodec
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
@@ -52,7 +59,6 @@ __all__ = ["RemoteTier"]
 logger = logging.getLogger(__name__)
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
-_DELETE_BATCH = 512
 
 
 class RemoteTier(SecondaryTier):
@@ -77,22 +83,21 @@ class RemoteTier(SecondaryTier):
         self.store, self.medium = store, store.medium
         self.codec = ValueCodec(namespace, prefix, store.separator, key_secret)
         self.breaker = breaker or CircuitBreaker()
-        self.probe_batch = probe_batch
         self.enable_events = enable_events
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._keys = KnownKeys(max_known, absent_ttl_s)  # under _lock
         self._book = RemoteJobBook(self.medium, enable_events)  # under _lock
         self._counters = self._book.counters
-        self._generation = self._queued_store_bytes = 0
-        self._is_sweeping = False
+        self._queued_store_bytes = 0
         self._log = RateLimitedLog(logger)
         self._workers = Workers(self._cond, io_threads, io_threads, logger, self.medium)
+        self._reset = ResetSweep(self._cond, store, self.codec.name_prefix, self._workers, self._log,
+                                 self.breaker.retry_s)  # under _lock
         if start_open:
             self.breaker.open_now()
-        self._stop = False
-        self._probe_thread = threading.Thread(target=self._probe_loop, daemon=True, name=f"kvtier-{self.medium}-probe")
-        self._probe_thread.start()
+        self._prober = ProbeThread(self._cond, self._keys, store, self.codec.name, self.breaker, self._reset,
+                                   self._counters, self._failed, self._log, probe_batch)
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -108,58 +113,12 @@ class RemoteTier(SecondaryTier):
             return result
 
     def _answer_locked(self, key: OffloadKey) -> LookupResult:
-        if self.breaker.is_open or self._is_sweeping:
+        if self.breaker.is_open or self._reset.is_sweeping:
             return _MISS
         result = self._keys.answer(key)
         if result is _RETRY and self._keys.has_queued:
-            self._cond.notify_all()  # the probe thread
+            self._cond.notify_all()  # the probe thread (`kvtier.tiers.remote_probes`)
         return result
-
-    def _probe_loop(self) -> None:
-        while True:
-            with self._cond:
-                if self.breaker.is_open:  # sleep until the next ping is due
-                    self._cond.wait_for(lambda: self._stop, timeout=self.breaker.seconds_to_next_probe())
-                else:
-                    self._cond.wait_for(lambda: self._stop or self._keys.has_queued or self.breaker.is_open,
-                                        timeout=1.0)
-                if self._stop:
-                    return
-                batch = self._keys.take_queued(self.probe_batch)
-                generation = self._generation
-            if self.breaker.is_open:
-                self._forget_probes(batch)
-                self._ping_if_due()
-            elif batch:
-                self._probe(batch, generation)
-
-    def _probe(self, keys: list[OffloadKey], generation: int) -> None:
-        try:
-            found = self.store.exists([self.codec.name(k) for k in keys])
-        except Exception as exc:
-            self._failed(exc, "existence probe")
-            self._forget_probes(keys)
-            return
-        self.breaker.record_success()
-        with self._cond:
-            self._counters["probed_keys"] += len(keys)
-            self._keys.record_probe(keys, found, is_current=generation == self._generation)
-
-    def _forget_probes(self, keys: list[OffloadKey]) -> None:
-        with self._cond:
-            self._keys.unprobe(keys)
-
-    def _ping_if_due(self) -> None:
-        if not self.breaker.should_probe():
-            return
-        try:
-            self.store.ping()
-        except Exception as exc:
-            self._log.log_once("ping", f"{self.medium} tier: {self.store.describe()} still unreachable: "
-                                       f"{redact(str(exc))}")
-            return
-        if self.breaker.probe_succeeded():
-            logger.warning("kvtier: %s tier at %s answers again; serving from it", self.medium, self.store.describe())
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """The server's eviction policy orders a shared store's values; nothing to record here."""
@@ -170,32 +129,75 @@ class RemoteTier(SecondaryTier):
         with self._cond:
             if self._rejected_locked(job):
                 return
-            generation = self._generation
-        self._workers.read(self._load, job, generation, time.perf_counter())
+            generation = self._reset.admit_locked()
+        self._workers.read(self._job, self._load, job, generation, time.perf_counter())
 
     def _rejected_locked(self, job: TierJob) -> bool:
-        """Fail `job` at once, without I/O, while the breaker is open (or the tier closed)."""
-        if not (self.breaker.is_open or self._workers.is_closed):
+        """Fail `job` at once, without I/O, while the breaker is open (or the tier closed), or while
+        a reset's sweep runs (see `kvtier.tiers.remote_reset`)."""
+        if self.breaker.is_open or self._workers.is_closed:
+            counter, why = "breaker_rejects", "tier unavailable (breaker open)"
+        elif self._reset.is_sweeping:
+            counter, why = "reset_rejects", "tier resetting (deleting its values)"
+        else:
             return False
-        self._counters["breaker_rejects"] += len(job.keys)
-        self._book.finish(job, set(job.keys), 0, 0.0, "tier unavailable (breaker open)")
+        self._counters[counter] += len(job.keys)
+        self._book.finish(job, set(job.keys), 0, 0.0, why)
         return True
 
+    def _job(self, run: Callable[..., None], job: TierJob, *args: object) -> None:
+        """`run(job, *args)` on a pool thread; the reset's sweep is told when it is over, whatever happens."""
+        try:
+            run(job, *args)
+        finally:
+            self._reset.job_over()
+
+    def _may_start(self, job: TierJob, generation: int, queued_bytes: int) -> bool:
+        """Whether `job` may start its I/O: not past its deadline (else counted `expired`) nor from before
+        a reset. If not, its keys fail now and a store gives back its `queued_bytes`."""
+        with self._cond:
+            is_expired = time.monotonic() >= job.deadline
+            if not is_expired and generation == self._reset.generation:
+                return True
+            self._counters["expired"] += len(job.keys) if is_expired else 0
+            self._queued_store_bytes -= queued_bytes
+            self._book.finish(job, set(job.keys), 0, 0.0,
+                              "deadline passed before its I/O started" if is_expired else "reset while in flight")
+            return False
+
     def _load(self, job: TierJob, generation: int, started: float) -> None:
+        if not self._may_start(job, generation, 0):
+            return
         failed: set[OffloadKey] = set()
-        corrupt: list[str] = []
         error = None
-        headers = [self.codec.header_buffer() for _ in job.keys]
-        try:  # each value's header into its own buffer, its payload straight into the slab rows
-            sizes = self.store.get_into([self.codec.name(k) for k in job.keys],
-                                        [(h, *bufs) for h, bufs in zip(headers, job.buffers, strict=True)])
+        parts = [self.codec.receiving_parts(bufs) for bufs in job.buffers]
+        try:  # each value's header (and tag) into buffers of its own, its payload straight into the slab rows
+            sizes = self.store.get_into([self.codec.name(k) for k in job.keys], parts)
             self.breaker.record_success()
         except Exception as exc:
             sizes, failed, error = [None] * len(job.keys), set(job.keys), self._failed(exc, "load")
-        for key, size, header, bufs in zip(job.keys, sizes, headers, job.buffers, strict=True):
-            if key in failed:
-                continue
-            why = "absent" if size is None else self.codec.check(key, size, header, bufs)
+        corrupt = [] if error is not None else self._refuse_bad_values(job.keys, sizes, parts, failed)
+        with self._cond:
+            self._counters["corrupt"] += len(corrupt)
+            self._counters["load_missing"] += len(failed) - len(corrupt) if error is None else 0
+            if error is None:  # absent or bad values: forget them (a server error says nothing about a key)
+                self._keys.forget(list(failed))
+            if generation != self._reset.generation:
+                failed, error = set(job.keys), "reset while in flight"
+            elif time.monotonic() > job.deadline:  # the manager has given up on it: it only frees the slots
+                self._counters["late"] += len(job.keys)
+                failed, error = set(job.keys), "finished after its deadline"
+            num_bytes = self.codec.payload_bytes * (len(job.keys) - len(failed))
+            self._book.count("load", len(job.keys) - len(failed), len(failed), num_bytes, started)
+            self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
+
+    def _refuse_bad_values(self, keys: Sequence[OffloadKey], sizes: Sequence[int | None],
+                           parts: Sequence[tuple[memoryview, ...]], failed: set[OffloadKey]) -> list[str]:
+        """Add the keys whose value is absent or fails a check to `failed`; delete the bad values (their names
+        are returned)."""
+        corrupt: list[str] = []
+        for key, size, received in zip(keys, sizes, parts, strict=True):
+            why = "absent" if size is None else self.codec.check(key, size, received)
             if why is not None:
                 failed.add(key)
                 if size is not None:
@@ -204,31 +206,24 @@ class RemoteTier(SecondaryTier):
                                        f"{self.medium} tier: dropped a bad value of {key.hex()[:16]}…: {why}")
         if corrupt:
             self._delete(corrupt)
-        num_bytes = self.codec.payload_bytes * (len(job.keys) - len(failed))
-        with self._cond:
-            self._counters["corrupt"] += len(corrupt)
-            self._counters["load_missing"] += len(failed) - len(corrupt) if error is None else 0
-            if error is None:  # absent or bad values: forget them (a server error says nothing about a key)
-                self._keys.forget(list(failed))
-            if generation != self._generation:
-                failed, error = set(job.keys), "reset while in flight"
-            self._book.count("load", len(job.keys) - len(failed), len(failed), num_bytes, started)
-            self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
+        return corrupt
 
     def submit_store(self, job: TierJob) -> None:
         with self._cond:
             if self._rejected_locked(job):
                 return
-            generation = self._generation
+            generation = self._reset.admit_locked()
             bad = {k for k, bufs in zip(job.keys, job.buffers, strict=True) if not self.codec.fits(k, bufs)}
             self._counters["bad_jobs"] += len(bad)
             todo = [(k, bufs) for k, bufs in zip(job.keys, job.buffers, strict=True)
                     if k not in self._keys and k not in bad]
             self._queued_store_bytes += len(todo) * self.codec.payload_bytes
-        self._workers.write(self._store, job, todo, bad, generation, time.perf_counter())
+        self._workers.write(self._job, self._store, job, generation, todo, bad, time.perf_counter())
 
-    def _store(self, job: TierJob, todo: list[tuple[OffloadKey, tuple[memoryview, ...]]], bad: set[OffloadKey],
-               generation: int, started: float) -> None:
+    def _store(self, job: TierJob, generation: int, todo: list[tuple[OffloadKey, tuple[memoryview, ...]]],
+               bad: set[OffloadKey], started: float) -> None:
+        if not self._may_start(job, generation, len(todo) * self.codec.payload_bytes):
+            return
         failed, error, written = set(bad), None, [False] * len(todo)
         try:
             if todo:
@@ -242,19 +237,16 @@ class RemoteTier(SecondaryTier):
         with self._cond:
             self._queued_store_bytes -= len(todo) * self.codec.payload_bytes
             self._counters["store_existing"] += num_existing  # written by another replica: never rewritten
-            is_stale = generation != self._generation
-            if is_stale:
-                failed, error = set(job.keys), "reset while in flight"
-            else:
-                for key in job.keys:
+            if generation != self._reset.generation:  # what it wrote, the sweep deletes (it waits for this job)
+                failed, error, new_keys = set(job.keys), "reset while in flight", []
+            else:  # only what this job wrote or found: a key skipped as known may have been forgotten since
+                for key, _ in todo:
                     if key not in failed:
                         self._keys.remember(key)
                 self._book.emit(new_keys, removed=False)
-            self._book.count("store", len(new_keys), len(failed), len(new_keys) * self.codec.payload_bytes, started)
-            self._book.finish(job, failed, len(new_keys) * self.codec.payload_bytes, time.perf_counter() - started,
-                                error)
-        if is_stale and new_keys:
-            self._delete([self.codec.name(k) for k in new_keys])  # the reset must not leave them behind
+            num_bytes = len(new_keys) * self.codec.payload_bytes
+            self._book.count("store", len(new_keys), len(failed), num_bytes, started)
+            self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -305,42 +297,16 @@ class RemoteTier(SecondaryTier):
 
     def reset(self) -> None:
         with self._cond:
-            self._generation += 1
+            generation = self._reset.start_locked()
             self._keys.clear()
-            self._is_sweeping = True
             self._counters["resets"] += 1
-            generation = self._generation
-        self._workers.housekeep(self._sweep, generation)
-
-    def _sweep(self, generation: int) -> None:
-        """Delete every value of the namespace; retried until it succeeds or the tier closes."""
-        while not self._workers.is_closed:
-            try:
-                names: list[str] = []
-                for name in self.store.list_names(self.codec.name_prefix):
-                    names.append(name)
-                    if len(names) >= _DELETE_BATCH:
-                        self.store.delete(names)
-                        names = []
-                self.store.delete(names)
-                break
-            except Exception as exc:
-                self._log.log_once("reset",
-                                   f"{self.medium} tier: reset could not delete values yet: {redact(str(exc))}")
-                time.sleep(self.breaker.retry_s)
-        with self._cond:
-            if generation == self._generation:
-                self._is_sweeping = False
+        self._workers.housekeep(self._reset.sweep, generation)
 
     def drain(self, timeout: float) -> bool:
         return self._workers.drain(timeout)
 
     def close(self) -> None:
-        with self._cond:
-            if self._stop:
-                return
-            self._stop = True
-            self._cond.notify_all()
-        self._probe_thread.join()
+        if not self._prober.stop():
+            return
         self._workers.close()
         self.store.close()

@@ -2,15 +2,26 @@
 
 - **Names**: `<prefix><sep><namespace id hex><sep><key hex>`. Engines of another namespace
   (model, dtype, layout, …) use another middle part, so they never read these bytes.
-- **Keyed mode**: with a deployment secret, the key part is HMAC-SHA256(secret, namespace id +
-  key) instead of the key itself, in the name and in the value's header. vLLM's block hashes
-  are a public function of the prompt, so without it anyone who can list the store can hash a
-  guessed prompt and test whether it was served; with it, names are unpredictable without the
-  secret (and a store without the secret cannot be read by an engine that has it, or back).
 - **Values**: `ValueHeader` (see `kvtier.tiers.secondary`) + the payload (every rank's buffer,
-  back to back). A load receives the header into a buffer of its own and the payload straight
-  into the slab rows; `check` then verifies length, header, namespace, key, payload length and
-  checksum, and a value that fails any of them is refused (its slot was never readable).
+  back to back), the format of the disk tier's files too. A load receives the header into a
+  buffer of its own and the payload straight into the slab rows; `check` then verifies length,
+  header, namespace, key, payload length and checksum, and a value that fails any of them is
+  refused (its slot was never readable).
+- **Keyed mode** (a deployment secret). Names: the key part is HMAC-SHA256(secret, namespace id
+  + key) instead of the key itself, in the name and in the header. vLLM's block hashes are a
+  public function of the prompt, so without it anyone who can list the store can hash a guessed
+  prompt and test whether it was served. Values: a 32-byte tag follows the payload, keyed
+  BLAKE3 of header + payload under a MAC key derived from the secret (BLAKE3's key derivation,
+  its own context: never the key of the names' HMAC). The xxh3 checksum is unkeyed, so without
+  the tag whoever can write the store could put any payload under a listed name with a header
+  made valid for it, and every reader would serve it; with it, such a value (or a valid one
+  copied under another name: the header names the key) is a counted miss. The tag is checked
+  instead of the checksum, which it subsumes. Keyed BLAKE3 measured 3.7-4.0 GB/s on 1-4 MiB
+  payloads here, keyed BLAKE2b (hashlib) 0.38, HMAC-SHA256 0.9-1.0, xxh3 16-25.
+
+What neither mode protects against: whoever holds the secret, and deletion (a writer of the
+store can always delete or evict values: a miss, never wrong bytes). A value replayed under its
+own name (an older valid one) passes: it holds the same key's KV of the same namespace.
 
 Thread-safety: immutable; every method may be called from any thread.
 """
@@ -21,13 +32,17 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 
+from blake3 import blake3
+
 from kvtier.keys import OffloadKey
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import HEADER_BYTES, ValueHeader, checksum
 
-__all__ = ["ValueCodec"]
+__all__ = ["TAG_BYTES", "ValueCodec"]
 
 _MAX_KEY_BYTES = 64  # what a ValueHeader holds
+TAG_BYTES = 32  # keyed mode's trailer
+_MAC_CONTEXT = "kvtier 2025-06 remote value tag v1"  # BLAKE3 key derivation: a fixed, unique context
 
 
 class ValueCodec:
@@ -35,16 +50,18 @@ class ValueCodec:
         namespace: what the bytes mean.
         prefix: the first part of every name (e.g. "kvtier").
         separator: between the parts (":" for Redis, "/" for S3).
-        key_secret: the deployment secret of the keyed mode (None: plain names).
+        key_secret: the deployment secret of the keyed mode (None: plain names, no tag).
     """
 
     def __init__(self, namespace: Namespace, prefix: str, separator: str, key_secret: bytes | None = None):
         self.namespace_id = namespace.id
         self.payload_bytes = namespace.payload_bytes
-        self.value_bytes = HEADER_BYTES + self.payload_bytes
-        self.name_prefix = f"{prefix}{separator}{namespace.id_hex}{separator}"
         self.is_keyed = key_secret is not None
+        self.tag_bytes = TAG_BYTES if self.is_keyed else 0
+        self.value_bytes = HEADER_BYTES + self.payload_bytes + self.tag_bytes
+        self.name_prefix = f"{prefix}{separator}{namespace.id_hex}{separator}"
         self._secret = key_secret
+        self._mac_key = None if key_secret is None else blake3(key_secret, derive_key_context=_MAC_CONTEXT).digest()
 
     def stored_key(self, key: OffloadKey) -> bytes:
         """The key as the store sees it (in the name and the header)."""
@@ -60,26 +77,41 @@ class ValueCodec:
         return (self.is_keyed or len(key) <= _MAX_KEY_BYTES) and sum(b.nbytes for b in buffers) == self.payload_bytes
 
     def pack(self, key: OffloadKey, buffers: Sequence[memoryview]) -> list[bytes | memoryview]:
-        """The value's parts: the header (with the payload's checksum), then the buffers."""
-        header = ValueHeader(self.namespace_id, self.stored_key(key), self.payload_bytes, checksum(buffers))
-        return [header.pack(), *buffers]
+        """The value's parts: the header (with the payload's checksum), the buffers, the tag (keyed)."""
+        header = ValueHeader(self.namespace_id, self.stored_key(key), self.payload_bytes, checksum(buffers)).pack()
+        if self._mac_key is None:
+            return [header, *buffers]
+        return [header, *buffers, self._tag(header, buffers)]
 
-    def header_buffer(self) -> memoryview:
-        """Room for a value's header, received before its payload (see `check`)."""
-        return memoryview(bytearray(HEADER_BYTES))
+    def receiving_parts(self, buffers: Sequence[memoryview]) -> tuple[memoryview, ...]:
+        """Where a value is received: its header into a buffer of its own, the payload into
+        `buffers` (the slab rows: no copy), the tag (keyed) into one of its own; see `check`."""
+        tag = (memoryview(bytearray(TAG_BYTES)),) if self.is_keyed else ()
+        return (memoryview(bytearray(HEADER_BYTES)), *buffers, *tag)
 
-    def check(self, key: OffloadKey, size: int, header: memoryview, payload: Sequence[memoryview]) -> str | None:
-        """Why a value of `size` bytes received into `header` + `payload` must be refused, or None.
+    def check(self, key: OffloadKey, size: int, parts: Sequence[memoryview]) -> str | None:
+        """Why a value of `size` bytes received into `parts` (`receiving_parts`) must be refused, or None.
 
         The payload buffers are only trusted once this returns None: until then they hold
         bytes nobody may read (a PENDING slot)."""
         if size != self.value_bytes:
             return f"{size} bytes, expected {self.value_bytes}"
+        header, payload = parts[0], parts[1:len(parts) - (1 if self.is_keyed else 0)]
         unpacked = ValueHeader.unpack(header)
         if isinstance(unpacked, str):
             return unpacked
         if (why := unpacked.mismatch(self.namespace_id, self.stored_key(key), self.payload_bytes)) is not None:
             return why
-        if checksum(payload) != unpacked.payload_checksum:
+        if self.is_keyed:
+            if not hmac.compare_digest(self._tag(header, payload), parts[-1]):
+                return "tag mismatch (not written with this deployment's secret, or altered)"
+        elif checksum(payload) != unpacked.payload_checksum:
             return "payload checksum mismatch"
         return None
+
+    def _tag(self, header: bytes | memoryview, payload: Sequence[memoryview]) -> bytes:
+        """Keyed BLAKE3 of the header and the payload (the header names namespace and key)."""
+        mac = blake3(header, key=self._mac_key)
+        for buf in payload:
+            mac.update(buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B"))
+        return mac.digest()

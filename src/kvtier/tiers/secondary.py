@@ -24,6 +24,7 @@ fails any check is a miss, is deleted and counted — it is never served.
 
 from __future__ import annotations
 
+import math
 import struct
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -114,12 +115,17 @@ class TierJob:
     `buffers[i]` are key i's bytes, one buffer per worker rank in rank order: a store
     reads them (they stay untouched until its result), a load writes them (checked, then
     reported). The manager pins the slab rows it passes for as long as the job runs.
+
+    `deadline` (`time.monotonic()` seconds): I/O of the job that has not started by then never
+    starts (those keys fail, counted `expired`); the manager fails the job itself at the
+    deadline and frees what the job holds only when the tier reports it.
     """
 
     job_id: int
     is_store: bool
     keys: tuple[OffloadKey, ...]
     buffers: tuple[tuple[memoryview, ...], ...]
+    deadline: float = math.inf
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.buffers):

@@ -1,0 +1,112 @@
+"""A shared tier's probe thread: it asks the store which keys exist, so that lookups never block,
+and pings the store while the circuit breaker is open, so that the tier serves again once the
+server answers.
+
+Lookups queue the keys they know nothing about (`kvtier.tiers.remote_keys.KnownKeys`) and
+notify the tier's condition; this thread takes up to `probe_batch` of them per round trip
+and records the answers, unless a reset came meanwhile (the answers are then dropped). While
+the breaker is open it drops the queue (lookups answer MISS then) and pings when due.
+
+Thread-safety: one thread of its own; it shares state with the tier only under the tier's lock
+(`cond`), never held across a round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+from kvtier.credentials import redact
+from kvtier.keys import OffloadKey
+from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.rate_limited_log import RateLimitedLog
+from kvtier.tiers.remote_keys import KnownKeys
+from kvtier.tiers.remote_reset import ResetSweep
+from kvtier.tiers.remote_store import RemoteStore
+
+__all__ = ["ProbeThread"]
+
+logger = logging.getLogger(__name__)
+
+
+class ProbeThread:
+    """Args:
+        cond: the tier's condition (lookups notify it when they queue a key).
+        keys: what the tier knows of the store's keys (under `cond`'s lock).
+        store, name: the store, and the name of a key in it.
+        breaker: the tier's circuit breaker.
+        reset: the tier's generation (answers from before a reset are dropped).
+        counters: the tier's counters (`probed_keys`).
+        failed: the tier's handler of a failed operation (counts it, feeds the breaker).
+        log: the tier's rate-limited log.
+        probe_batch: keys per round trip at most.
+    """
+
+    def __init__(self, cond: threading.Condition, keys: KnownKeys, store: RemoteStore,
+                 name: Callable[[OffloadKey], str],
+                 breaker: CircuitBreaker, reset: ResetSweep, counters: Counter[str],
+                 failed: Callable[[Exception, str], str], log: RateLimitedLog, probe_batch: int):
+        self._cond, self._keys, self._store, self._name = cond, keys, store, name
+        self._breaker, self._reset, self._counters = breaker, reset, counters
+        self._failed, self._log, self._probe_batch = failed, log, probe_batch
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"kvtier-{store.medium}-probe")
+        self._thread.start()
+
+    def stop(self) -> bool:
+        """Stop the thread and wait for it; False when it was stopped already."""
+        with self._cond:
+            if self._stop:
+                return False
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._breaker.is_open:  # sleep until the next ping is due
+                    self._cond.wait_for(lambda: self._stop, timeout=self._breaker.seconds_to_next_probe())
+                else:
+                    self._cond.wait_for(lambda: self._stop or self._keys.has_queued or self._breaker.is_open,
+                                        timeout=1.0)
+                if self._stop:
+                    return
+                batch = self._keys.take_queued(self._probe_batch)
+                generation = self._reset.generation
+            if self._breaker.is_open:
+                self._forget(batch)
+                self._ping_if_due()
+            elif batch:
+                self._probe(batch, generation)
+
+    def _probe(self, keys: list[OffloadKey], generation: int) -> None:
+        try:
+            found = self._store.exists([self._name(k) for k in keys])
+        except Exception as exc:
+            self._failed(exc, "existence probe")
+            self._forget(keys)
+            return
+        self._breaker.record_success()
+        with self._cond:
+            self._counters["probed_keys"] += len(keys)
+            self._keys.record_probe(keys, found, is_current=generation == self._reset.generation)
+
+    def _forget(self, keys: list[OffloadKey]) -> None:
+        with self._cond:
+            self._keys.unprobe(keys)
+
+    def _ping_if_due(self) -> None:
+        if not self._breaker.should_probe():
+            return
+        medium, endpoint = self._store.medium, self._store.describe()
+        try:
+            self._store.ping()
+        except Exception as exc:
+            self._log.log_once("ping", f"{medium} tier: {endpoint} still unreachable: {redact(str(exc))}")
+            return
+        if self._breaker.probe_succeeded():
+            logger.warning("kvtier: %s tier at %s answers again; serving from it", medium, endpoint)
