@@ -6,6 +6,7 @@ Every test drives the real DiskTier on a temporary directory; chunks are small (
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import random
@@ -24,6 +25,7 @@ from disk_crash_writer import chunk_content, crash_namespace
 from helpers import key, keys, nums
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.errors import ConfigError
+from kvtier.tiers import workers
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_files import ChunkFiles
 from kvtier.tiers.namespace import Namespace
@@ -566,3 +568,43 @@ def test_an_unusable_root_or_budget_is_a_config_error(tmp_path):
         DiskTier(tmp_path / "file" / "sub", namespace(), 1 << 20)
     with pytest.raises(ConfigError, match="raise capacity_bytes"):
         DiskTier(tmp_path / "disk", namespace(), FILE - 1)
+
+
+# -- deadlines and shutdown (issue 20, S3) ------------------------------------------------------
+
+
+def test_io_not_started_by_its_deadline_never_starts(make_tier):
+    tier, slab = make_tier(), Slab(2, namespace())
+    store(tier, slab, keys(1))
+    past = time.monotonic() - 1
+    slab.fill(1, key(2))
+    late_store = dataclasses.replace(slab.job(True, keys(2), [1]), deadline=past)
+    late_load = dataclasses.replace(slab.job(False, keys(1), [0]), deadline=past)
+    assert run(tier, late_store).failed_keys == frozenset(keys(2)) and not chunk_path(tier, key(2)).exists()
+    slab.rows[0] = 0
+    assert run(tier, late_load).failed_keys == frozenset(keys(1)) and not slab.rows[0].any()
+    assert tier.stats().counters["expired"] == 2
+    # a late job says nothing about the file: 1 stays READY and loads
+    assert tier.lookup(key(1)) is HIT and load(tier, slab, keys(1)).failed_keys == frozenset()
+
+
+def test_a_read_stuck_in_the_kernel_does_not_hold_shutdown(make_tier, monkeypatch):
+    """A stuck read (a dying disk, a hung NFS server) holds its thread; `close()` waits for it only
+    so long, and keeps the directory descriptors it may still use open."""
+    tier, slab = make_tier(), Slab(1, namespace())
+    store(tier, slab, keys(1))
+    stuck, release = threading.Event(), threading.Event()
+
+    def hang(*args, **kwargs):
+        stuck.set()
+        release.wait(30)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(tier._files, "read", hang)
+    monkeypatch.setattr(workers, "CLOSE_WAIT_S", 0.2)
+    tier.submit_load(slab.job(False, keys(1), [0]))
+    assert stuck.wait(5)
+    started = time.monotonic()
+    tier.close()
+    assert time.monotonic() - started < 5
+    release.set()

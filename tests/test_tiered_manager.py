@@ -8,6 +8,8 @@ place shows as a byte mismatch.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -228,10 +230,9 @@ def test_a_requests_promotions_never_evict_the_hits_its_own_scan_just_found(tmp_
     serve 4 chunks, or failed its load when it could not wait)."""
     manager, slabs = make_tiered(tmp_path)
     other = make_req_context("other")
-    put(manager, slabs, keys(3, 4))
-    put(manager, slabs, keys(5, 6))
-    put(manager, slabs, keys(1, 2))  # RAM holds 5, 6, 1, 2 (3 and 4 went to disk)
-    settle(manager)
+    for i, pair in enumerate(((3, 4), (5, 6), (1, 2))):  # RAM holds 5, 6, 1, 2 (3 and 4 went to disk)
+        put(manager, slabs, keys(*pair), make_req_context(f"writer-{i}"))  # three requests, three chains
+        settle(manager)  # written through to disk: the slots are free to evict
     manager.touch(keys(5, 6), other)  # 1 and 2 are now the least recently used
     # r's scan: two hits, then two promotions that need two slots
     assert [manager.lookup(k, CTX) for k in keys(1, 2, 3, 4)] == [HIT, HIT, PENDING, PENDING]
@@ -241,6 +242,30 @@ def test_a_requests_promotions_never_evict_the_hits_its_own_scan_just_found(tmp_
     assert counters(manager)["promotions"] == 2
     for k in keys(1, 2, 3, 4):
         assert np.array_equal(read_back(manager, slabs, k)[0], content(k))
+    manager.check()
+
+
+def test_a_promotion_past_its_deadline_is_given_up_but_its_slot_waits_for_the_late_read(tmp_path):
+    """Issue 20, S3: a read stuck in the kernel held its RAM slot and the promotion budget forever,
+    and its request waited for it (HIT_PENDING) until its own budget ran out. Past the job's
+    deadline the manager gives up on it: the chunk reads as a miss, the budget is free again —
+    but the slot is handed to no other chunk until the tier reports the read, however late."""
+    manager, slabs = make_tiered(tmp_path, held="loads", job_timeout_s=0.05)
+    evict_1_to_4_to_disk(manager, slabs)
+    assert manager.lookup(key(1), CTX) is PENDING  # its read is stuck (held)
+    time.sleep(0.1)
+    assert manager.lookup(key(1), CTX) is MISS  # given up: a miss, not a wait
+    stats = manager.stats()
+    assert stats.extra["promoting_bytes"] == 0 and counters(manager)["expired_jobs"] == 1
+    assert stats.used_slots == 4  # the slot the stuck read may still write stays taken
+    # the late read ends: its slot is free, and the chunk never became readable through it
+    manager.tiers[0].release()
+    settle(manager)
+    assert manager.stats().used_slots == 3
+    assert manager.lookup(key(1), CTX) is PENDING  # promoted again, from scratch
+    manager.tiers[0].release()
+    settle(manager)
+    assert np.array_equal(read_back(manager, slabs, key(1))[0], content(key(1)))
     manager.check()
 
 

@@ -68,7 +68,8 @@ def build_manager(cfg: KVTierConfig, num_slots: int, key_bytes: int, slabs: Sequ
     tiers = secondary_tiers(cfg, namespace)
     if not tiers:
         return primary
-    return TieredManager(primary, slabs, tiers, max_promotion_bytes=cfg.promotion_bytes)
+    return TieredManager(primary, slabs, tiers, max_promotion_bytes=cfg.promotion_bytes,
+                         job_timeout_s=cfg.job_timeout_s)
 
 
 def _remote_stores(cfg: KVTierConfig) -> list[tuple[RemoteStore | Exception, str, TierRules]]:

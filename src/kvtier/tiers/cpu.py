@@ -228,6 +228,17 @@ class CPUTierManager(OffloadingManager):
             self._emit(ready, removed=False)
         return ready
 
+    def abandon(self, keys: Sequence[OffloadKey]) -> None:
+        """Writes into these PENDING chunks were given up on (a promotion past its deadline): they
+        read as MISS from now on, and their slots are freed when the write reports (`complete_store`),
+        never before — a late write may still fill them."""
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is not None and chunk.state is _PENDING:
+                chunk.state = _RETIRED
+                self._num_pending -= 1
+                self._num_retired += 1
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def take_events(self) -> list[OffloadingEvent]:

@@ -12,6 +12,8 @@
 - A store in flight at `reset()` (its ticket is gone) deletes its own file instead of
   publishing. Evicted files become spares that later stores overwrite (see `disk_files`);
   lost or corrupt files are unlinked, their keys discarded from the policy (O(1)).
+- Deadlines (`TierJob.deadline`): a chunk whose I/O has not started by then is not read or
+  written (`expired`); a read that ends after it is reported failed (`late`), its file kept.
 
 Thread-safety: the public methods are called from one thread (the manager's). Pool
 threads touch the shared state (index, job book) only under `_lock`, which is never held
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -155,23 +158,32 @@ class DiskTier(SecondaryTier):
             self._workers.read(self._load_one, state, key, bufs)
 
     def _load_one(self, state: DiskJob, key: OffloadKey, bufs: tuple[memoryview, ...]) -> None:
-        corrupt, kind, direct = None, None, False
-        try:
-            corrupt, direct = self._files.read(key, bufs)
-        except Exception as exc:  # a tier never raises into the manager
-            kind = self._log.failure(exc, f"load of {key.hex()[:16]}…")
-        failure = "corrupt" if corrupt is not None else kind
+        corrupt, failure, direct = self._read(state.job, key, bufs)
+        failure = "corrupt" if corrupt is not None else failure
+        is_lost = failure not in (None, "expired", "late")  # the file is bad or gone, not just slow
         with self._lock:
             if state.generation == self._generation:
                 self._index.unpin(key)
-                if failure is not None:  # O(1): the policy's discard, not a pass over the index
+                if is_lost:  # O(1): the policy's discard, not a pass over the index
                     self._book.emit(self._index.forget([key]), removed=True)
             nbytes = sum(b.nbytes for b in bufs) if failure is None else 0
             self._book.chunk_done(state, key, nbytes, direct, failure, self._generation)
         if corrupt is not None:
             self._log.log_once("corrupt", f"disk tier: dropped corrupt chunk {key.hex()[:16]}… ({corrupt})")
-        if failure is not None:
+        if is_lost:
             self._unlink_if_absent(key)
+
+    def _read(self, job: TierJob, key: OffloadKey, bufs: tuple[memoryview, ...]) -> tuple[str | None, str | None, bool]:
+        """(why the file is corrupt, the failure's kind, whether O_DIRECT was used) of reading `key`
+        into `bufs`; no read once the job is past its deadline, and a read that ends after it fails."""
+        if time.monotonic() >= job.deadline:
+            return None, "expired", False
+        try:
+            corrupt, direct = self._files.read(key, bufs)
+        except Exception as exc:  # a tier never raises into the manager
+            return None, self._log.failure(exc, f"load of {key.hex()[:16]}…"), False
+        late = corrupt is None and time.monotonic() > job.deadline  # the manager gave up: it only frees the slot
+        return corrupt, "late" if late else None, direct
 
     # -- stores -------------------------------------------------------------------------
 
@@ -203,12 +215,15 @@ class DiskTier(SecondaryTier):
 
     def _store_one(self, state: DiskJob, key: OffloadKey, bufs: tuple[memoryview, ...], ticket: int) -> None:
         nbytes = sum(b.nbytes for b in bufs)
-        kind, direct = None, False
-        try:
-            tmp, direct = self._files.write_tmp(key, bufs)
-            published = self._publish(key, tmp, ticket)
-        except Exception as exc:  # a tier never raises into the manager
-            kind, published = self._log.failure(exc, f"store of {key.hex()[:16]}…"), False
+        kind, direct, published = None, False, False
+        if time.monotonic() >= state.job.deadline:
+            kind = "expired"  # never started: the manager has given up on it
+        else:
+            try:
+                tmp, direct = self._files.write_tmp(key, bufs)
+                published = self._publish(key, tmp, ticket)
+            except Exception as exc:  # a tier never raises into the manager
+                kind = self._log.failure(exc, f"store of {key.hex()[:16]}…")
         with self._lock:
             self._queued_store_bytes -= nbytes
             self._index.give_back(key, ticket)  # a failed write gives its reservation back
@@ -316,8 +331,10 @@ class DiskTier(SecondaryTier):
         return self._workers.drain(timeout)
 
     def close(self) -> None:
-        self._workers.close()
-        self._files.close()  # after the workers: no task uses the directories' descriptors any more
+        if self._workers.close():
+            self._files.close()  # no task uses the directories' descriptors any more
+        # else a thread is stuck in I/O: its descriptors stay open (a closed number could be
+        # reused by another open and written through); the process is ending anyway
 
     def __enter__(self) -> DiskTier:
         return self

@@ -29,12 +29,10 @@ finished jobs through `get_finished`, which this manager polls at each call.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,6 +49,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.tiers.cascade import SecondarySlot, StagingRows, TierRules
 from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.flights import Flight, FlightKind, Flights
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
 
 __all__ = ["TieredManager"]
@@ -60,25 +59,6 @@ logger = logging.getLogger(__name__)
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _CASCADE_CTX = ReqContext("\x00kvtier:cascade")  # holds the pins of slots being written down
 _CLOSE_DRAIN_S = 10.0
-
-
-class _Kind(enum.Enum):
-    PROMOTION = "promotion"  # secondary -> a PENDING CPU slot
-    CASCADE = "cascade"  # a pinned READY CPU slot -> secondary
-    EVICTED = "evicted"  # a staging row (an evicted chunk's bytes) -> an on_evict secondary
-
-
-@dataclass(slots=True)
-class _Flight:
-    """A tier job in flight, and what its end releases."""
-
-    kind: _Kind
-    tier: int
-    keys: tuple[OffloadKey, ...]
-    ctx: ReqContext
-    num_bytes: int
-    submitted_at: float
-    staging_rows: tuple[int, ...] = ()
 
 
 class TieredManager(OffloadingManager):
@@ -91,13 +71,16 @@ class TieredManager(OffloadingManager):
         secondaries: (tier, rules) pairs, searched in this order on a CPU miss.
         max_promotion_bytes: bytes of promotions in flight at most.
         staging_bytes: room for evicted chunks waiting for an `on_evict` tier.
+        job_timeout_s: how long a tier job may take before the manager gives up on it (see
+            `kvtier.tiers.flights`).
     """
 
     medium = "cpu"
 
     def __init__(self, primary: CPUTierManager, slabs: Sequence[np.ndarray],
                  secondaries: Sequence[tuple[SecondaryTier, TierRules]], *,
-                 max_promotion_bytes: int = 256 * 2**20, staging_bytes: int = 64 * 2**20):
+                 max_promotion_bytes: int = 256 * 2**20, staging_bytes: int = 64 * 2**20,
+                 job_timeout_s: float = 10.0):
         if not slabs or any(s.ndim != 2 or s.shape[0] != primary.num_slots or s.dtype != np.uint8 for s in slabs):
             raise ConfigError(f"slabs must be uint8 arrays of {primary.num_slots} rows, one per worker rank")
         if max_promotion_bytes <= 0:
@@ -112,7 +95,7 @@ class TieredManager(OffloadingManager):
         num_staging = max(1, staging_bytes // self.payload_bytes)
         has_on_evict = any(not t.is_write_through for t in self._tiers)
         self._staging = StagingRows(num_staging, [s.shape[1] for s in slabs]) if has_on_evict else None
-        self._flights: dict[int, _Flight] = {}
+        self._flights = Flights(job_timeout_s)
         self._awaited: dict[str, set[OffloadKey]] = {}  # req_id -> chunks promoted for it, not loaded yet
         self._job_ids = itertools.count(1)
         self._promoting_bytes = 0
@@ -235,12 +218,15 @@ class TieredManager(OffloadingManager):
             return _MISS  # a full CPU tier: recompute rather than wait
         self._write_evicted(out)
         row = int(out.store_spec.slot_ids[0])
-        self._submit(_Kind.PROMOTION, index, (key,), ctx, (self._rows(row),), ())
+        self._submit(FlightKind.PROMOTION, index, (key,), ctx, (self._rows(row),), ())
         self._awaited.setdefault(ctx.req_id, set()).add(key)
         slot.counters["promotions"] += 1
         return LookupResult.HIT_PENDING
 
-    def _end_promotion(self, slot: SecondarySlot, flight: _Flight, result: TierResult) -> None:
+    def _end_promotion(self, slot: SecondarySlot, flight: Flight, result: TierResult) -> None:
+        if flight.is_expired:  # given up on: its chunk is RETIRED, this frees its slot
+            self.primary.complete_store(flight.keys, flight.ctx, success=False)
+            return
         self._promoting_bytes -= flight.num_bytes
         ok = [k for k in flight.keys if k not in result.failed_keys]
         failed = [k for k in flight.keys if k in result.failed_keys]
@@ -279,7 +265,7 @@ class TieredManager(OffloadingManager):
             return
         spec = self.primary.prepare_load(keys, _CASCADE_CTX)  # pinned while the tier reads them
         buffers = tuple(self._rows(int(s)) for s in spec.slot_ids)
-        self._submit(_Kind.CASCADE, index, tuple(keys), _CASCADE_CTX, buffers, ())
+        self._submit(FlightKind.CASCADE, index, tuple(keys), _CASCADE_CTX, buffers, ())
 
     def _write_evicted(self, out: PrepareStoreOutput) -> None:
         """Copy victims bound for `on_evict` tiers out of their slots before new chunks land there."""
@@ -297,11 +283,11 @@ class TieredManager(OffloadingManager):
                     self._tiers[i].counters["staging_drops"] += 1
                 continue
             for i in wanted:
-                self._submit(_Kind.EVICTED, i, (key,), _CASCADE_CTX, (self._staging.buffers(staged),), (staged,))
+                self._submit(FlightKind.EVICTED, i, (key,), _CASCADE_CTX, (self._staging.buffers(staged),), (staged,))
 
-    def _end_store(self, slot: SecondarySlot, flight: _Flight, result: TierResult) -> None:
+    def _end_store(self, slot: SecondarySlot, flight: Flight, result: TierResult) -> None:
         slot.record_store(time.monotonic() - flight.submitted_at)
-        if flight.kind is _Kind.CASCADE:
+        if flight.kind is FlightKind.CASCADE:
             self.primary.complete_load(flight.keys, _CASCADE_CTX)  # unpin (a retired slot is freed)
         elif self._staging is not None:
             for row in flight.staging_rows:
@@ -311,29 +297,48 @@ class TieredManager(OffloadingManager):
 
     # -- jobs --------------------------------------------------------------------------
 
-    def _submit(self, kind: _Kind, index: int, keys: tuple[OffloadKey, ...], ctx: ReqContext,
+    def _submit(self, kind: FlightKind, index: int, keys: tuple[OffloadKey, ...], ctx: ReqContext,
                 buffers: tuple[tuple[memoryview, ...], ...], staging_rows: tuple[int, ...]) -> None:
-        job = TierJob(job_id=next(self._job_ids), is_store=kind is not _Kind.PROMOTION, keys=keys, buffers=buffers)
-        self._flights[job.job_id] = _Flight(kind, index, keys, ctx, job.num_bytes, time.monotonic(), staging_rows)
-        if kind is _Kind.PROMOTION:
+        now = time.monotonic()
+        job = TierJob(job_id=next(self._job_ids), is_store=kind is not FlightKind.PROMOTION, keys=keys,
+                      buffers=buffers, deadline=self._flights.deadline_for(now))
+        self._flights.add(job.job_id, Flight(kind, index, keys, ctx, job.num_bytes, now, job.deadline, staging_rows))
+        if kind is FlightKind.PROMOTION:
             self._promoting_bytes += job.num_bytes
             self._tiers[index].tier.submit_load(job)
         else:
             self._tiers[index].tier.submit_store(job)
 
     def _poll(self) -> None:
-        """Apply the results of every tier job that ended since the last call."""
+        """Apply the results of every tier job that ended since the last call; give up on those past
+        their deadline."""
         if not self._flights:
             return
         for slot in self._tiers:
             for result in slot.tier.get_finished():
-                flight = self._flights.pop(result.job_id, None)
+                flight = self._flights.pop(result.job_id)
                 if flight is None:
                     continue  # not ours (a tier reports each job once; defensive)
-                if flight.kind is _Kind.PROMOTION:
+                if flight.kind is FlightKind.PROMOTION:
                     self._end_promotion(slot, flight, result)
                 else:
                     self._end_store(slot, flight, result)
+        for flight in self._flights.expire(time.monotonic()):
+            self._give_up(flight)
+
+    def _give_up(self, flight: Flight) -> None:
+        """`flight` is past its deadline: nobody waits for it any more; what it holds stays held
+        until its tier reports it (a late read may still write its slot)."""
+        slot = self._tiers[flight.tier]
+        slot.counters["expired_jobs"] += 1
+        logger.warning("kvtier: a %s job of the %s tier took more than %.0f s; given up on (%d chunks)",
+                       flight.kind.value, slot.tier.medium, self._flights.timeout_s, len(flight.keys))
+        if flight.kind is FlightKind.PROMOTION:
+            self._promoting_bytes -= flight.num_bytes
+            self.primary.abandon(flight.keys)  # a miss from now on; the slot is freed at the report
+            awaited = self._awaited.get(flight.ctx.req_id)
+            if awaited is not None:
+                awaited.difference_update(flight.keys)
 
     def _rows(self, slot_id: int) -> tuple[memoryview, ...]:
         return tuple(memoryview(slab[slot_id]) for slab in self._slabs)

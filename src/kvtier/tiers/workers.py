@@ -5,6 +5,12 @@ for them, turns a task's unexpected exception into a log line (a bug, not an I/O
 the tier stays alive), and refuses new tasks once closed. What the tasks do is the tier's
 (`kvtier.tiers.disk.DiskTier`, `kvtier.tiers.remote.RemoteTier`).
 
+The threads are daemons and `close` waits for them only so long (issue 20: a read stuck in
+the kernel, or a store waiting on a claim that was never released, held engine shutdown
+forever — `ThreadPoolExecutor` joins its threads at `shutdown` and again at interpreter exit,
+without a bound). A tier whose threads outlived `close` must not release what they may
+still use (the disk tier keeps its directory descriptors open): `close` says whether they did.
+
 Thread-safety: `read`, `write` and `housekeep` may be called from any thread, `every` and `close` from the
 tier's owner. The task count and `is_closed` change only under `cond`'s lock, which is the
 tier's, so the tier may read `is_closed` under it too.
@@ -13,12 +19,47 @@ tier's, so the tier may read `is_closed` under it too.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["Workers"]
+__all__ = ["CLOSE_WAIT_S", "Workers"]
+
+CLOSE_WAIT_S = 10.0  # how long `close` waits for tasks still running (a stuck one is abandoned after)
+
+_Task = tuple[Callable[..., None], tuple] | None  # None: the thread's signal to stop
+
+
+class _Pool:
+    """`num_threads` daemon threads running tasks from one queue, first in first out."""
+
+    def __init__(self, num_threads: int, name: str, run: Callable[[Callable[..., None], tuple], None]):
+        self._queue: queue.SimpleQueue[_Task] = queue.SimpleQueue()
+        self._run = run
+        self._threads = [threading.Thread(target=self._serve, name=f"{name}_{i}", daemon=True)
+                         for i in range(num_threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., None], args: tuple) -> None:
+        self._queue.put((fn, args))
+
+    def stop(self) -> None:
+        """Each thread ends after the tasks queued before this call."""
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def join(self, deadline: float) -> int:
+        """Wait until `deadline` (time.monotonic()) for the threads; returns how many still run."""
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return sum(thread.is_alive() for thread in self._threads)
+
+    def _serve(self) -> None:
+        while (task := self._queue.get()) is not None:
+            self._run(*task)
 
 
 class Workers:
@@ -33,13 +74,13 @@ class Workers:
 
     def __init__(self, cond: threading.Condition, num_read_threads: int, num_write_threads: int,
                  logger: logging.Logger, medium: str):
-        self._readers = ThreadPoolExecutor(num_read_threads, f"kvtier-{medium}-read")
-        self._writers = ThreadPoolExecutor(num_write_threads, f"kvtier-{medium}-write")
-        self._housekeeper = ThreadPoolExecutor(1, f"kvtier-{medium}-housekeep")
         self.medium = medium
         self.is_closed = False
         self._cond, self._logger = cond, logger
         self._num_tasks = 0
+        self._readers = _Pool(num_read_threads, f"kvtier-{medium}-read", self._run)
+        self._writers = _Pool(num_write_threads, f"kvtier-{medium}-write", self._run)
+        self._housekeeper = _Pool(1, f"kvtier-{medium}-housekeep", self._run)
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
 
@@ -64,12 +105,12 @@ class Workers:
         """Run `fn(*args)` on the housekeeping thread, after the tasks queued there (nothing once closed)."""
         self._spawn(self._housekeeper, fn, args)
 
-    def _spawn(self, pool: ThreadPoolExecutor, fn: Callable[..., None], args: tuple) -> None:
+    def _spawn(self, pool: _Pool, fn: Callable[..., None], args: tuple) -> None:
         with self._cond:
             if self.is_closed:
                 return
             self._num_tasks += 1
-        pool.submit(self._run, fn, args)
+        pool.submit(fn, args)
 
     def _run(self, fn: Callable[..., None], args: tuple) -> None:
         try:
@@ -86,14 +127,23 @@ class Workers:
         with self._cond:
             return self._cond.wait_for(lambda: self._num_tasks == 0, timeout)
 
-    def close(self) -> None:
-        """Refuse new tasks, stop the timer, and wait for the tasks already submitted."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new tasks, stop the timer, and wait up to `timeout` seconds (default `CLOSE_WAIT_S`)
+        for the tasks already submitted; returns True when every thread has ended (False: some are
+        stuck, abandoned)."""
+        timeout = CLOSE_WAIT_S if timeout is None else timeout
         if self.is_closed:
-            return
+            return self._num_tasks == 0
         with self._cond:
             self.is_closed = True
         self._stop.set()
         if self._timer is not None:
-            self._timer.join()
+            self._timer.join(timeout)
+        deadline = time.monotonic() + timeout
         for pool in (self._housekeeper, self._readers, self._writers):
-            pool.shutdown(wait=True)
+            pool.stop()
+        stuck = sum(pool.join(deadline) for pool in (self._housekeeper, self._readers, self._writers))
+        if stuck:
+            self._logger.error("%s tier: %d I/O thread(s) still busy after %.0f s at shutdown; abandoned",
+                               self.medium, stuck, timeout)
+        return stuck == 0
