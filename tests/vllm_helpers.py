@@ -108,3 +108,31 @@ def assert_same_outputs(expected: list[dict], got: list[dict], where: str, tol: 
             assert [t for t, _ in step_b] == [t for t, _ in step_a], at
             lp_a, lp_b = [lp for _, lp in step_a], [lp for _, lp in step_b]
             assert lp_b == (lp_a if tol == 0 else pytest.approx(lp_a, abs=tol)), at
+
+
+# A Llama small enough to write in a test (~70 KB): vLLM builds its configs from it without an engine
+SMALL_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+}
+
+
+def write_small_llama(path: Path, seed: int = 0, **settings) -> Path:
+    """`config.json` (SMALL_LLAMA, `settings` override it) and random `model.safetensors` at `path`;
+    `seed` picks the weights, so two calls with one seed write byte-identical files."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = {**SMALL_LLAMA, **settings}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(seed)
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    tensors = {"model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden, generator=gen)}
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.randn(hidden, hidden, generator=gen)
+    save_file({name: t.to(torch.bfloat16) for name, t in tensors.items()}, str(path / "model.safetensors"))
+    return path

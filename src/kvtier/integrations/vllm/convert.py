@@ -1,4 +1,4 @@
-"""vLLM objects -> kvtier's own small types (the only place that reads vLLM's fields)."""
+"""vLLM objects -> kvtier's own small types (with `identity`, the only places that read vLLM's fields)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.identity import engine_digest, weights_identity
 from kvtier.scheduler import GroupKind, GroupSpec, RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.slab import slab_name
@@ -181,16 +182,18 @@ def worker_rank(vllm_config: Any) -> int:
 def namespace_for(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any) -> Namespace:
     """What makes this engine's chunk bytes incompatible with another's (see `kvtier.tiers.namespace`).
 
-    The model is named by its path or hub id and revision: two engines that load different
-    weights under one name would share chunks — as they would share vLLM's own prefix cache
-    across a restart. The KV-cache groups (spec class, page bytes, layers) pin the layout.
+    The model is named by what the engine computes with (`identity.engine_digest`: quantization,
+    dtype, `hf_overrides`, config.json, …) and by its weights' content (`identity.weights_identity`),
+    never by its path: replicas at other paths share, and weights replaced at one path do not.
+    The KV-cache groups (spec class, page bytes, layers) and the device pin the layout. Computed
+    once, at start, in the scheduler process (after vLLM loaded the weights).
     """
     model, cache = vllm_config.model_config, vllm_config.cache_config
     groups = [[type(g.kv_cache_spec).__name__, g.kv_cache_spec.page_size_bytes, list(g.layer_names)]
               for g in kv_cache_config.kv_cache_groups]
     parallel = vllm_config.parallel_config
-    return Namespace(
-        model=f"{model.model}@{model.revision or ''}",
+    namespace = Namespace(
+        model=",".join(getattr(model.hf_config, "architectures", None) or [type(model.hf_config).__name__]),
         dtype=f"{model.dtype}/{cache.cache_dtype}",
         kv_layout=f"{vllm_config.device_config.device_type}:{json.dumps(groups, separators=(',', ':'))}",
         block_size=cache.block_size,
@@ -199,7 +202,13 @@ def namespace_for(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any) -> 
         world_size=world_size(vllm_config),
         slot_bytes=slot_bytes_for(cfg, kv_cache_config),
         extra=f"tp={parallel.tensor_parallel_size},pp={parallel.pipeline_parallel_size}",
+        engine=engine_digest(vllm_config),
+        weights=weights_identity(model, vllm_config.load_config),
+        label=f"{model.model}@{model.revision or ''} quantization={model.quantization}",
     )
+    logger.info("kvtier: namespace %s (%s; engine %s; weights %s)", namespace.id_hex, namespace.label,
+                namespace.engine, namespace.weights)
+    return namespace
 
 
 def block_hash_bytes(vllm_config: Any) -> int:
