@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -104,9 +105,9 @@ def test_copier_copies_batches_started_back_to_back():
         copier.start(*runs.arrays(200, 400), 1),
         copier.start(*runs.arrays(400), 2),
     ]
-    seconds = [copier.wait(t) for t in reversed(tickets)]
+    waited = [copier.wait(t) for t in reversed(tickets)]
     assert np.array_equal(runs.dst, runs.expected)
-    assert all(s >= 0 for s in seconds)
+    assert all(seconds >= 0 and is_complete is True for seconds, is_complete in waited)
     # a ticket is forgotten once waited for
     with pytest.raises(ValueError, match="no started copy has ticket"):
         copier.wait(tickets[0])
@@ -114,7 +115,7 @@ def test_copier_copies_batches_started_back_to_back():
     with pytest.raises(ValueError, match="equal lengths"):
         copier.start(good(), good()[:1], good(), 1)
     empty = np.zeros(0, dtype=np.int64)
-    assert copier.wait(copier.start(empty, empty, empty, 2)) == 0.0
+    assert copier.wait(copier.start(empty, empty, empty, 2)) == (0.0, True)
     # close finishes what was started (never waited for here), then refuses new batches
     runs = Runs(50, 10_000, seed=2)
     copier.start(*runs.arrays(), 2)
@@ -151,3 +152,75 @@ def test_the_path_is_logged_once_per_process(monkeypatch, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
     assert "native path" in messages[0] and "ctypes path" in messages[1] and "not built" in messages[1]
+
+
+# -- cancelling a started copy (issue #20) -------------------------------------------------------
+
+RUN = 256 << 20  # one long run: about 0.1 s here, cancelled inside it
+
+
+def one_long_run() -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    src = np.full(RUN, 7, dtype=np.uint8)
+    dst = np.zeros(RUN, dtype=np.uint8)
+    addr = lambda a: np.array([a.ctypes.data], dtype=np.int64)  # noqa: E731
+    return src, dst, (addr(dst), addr(src), np.array([RUN], dtype=np.int64))
+
+
+def wait_for_first_byte(dst: np.ndarray) -> None:
+    for _ in range(100_000):
+        if dst[0]:
+            return
+        time.sleep(0.0001)
+    raise AssertionError("the copy never began")
+
+
+@pytest.mark.parametrize("num_shares", [1, 2])
+def test_a_cancel_stops_a_copy_inside_a_long_run_and_nothing_is_written_after_it(num_shares):
+    _, dst, runs = one_long_run()
+    copier = copyruns.Copier(2)
+    ticket = copier.start(*runs, num_shares)
+    wait_for_first_byte(dst)
+    assert copier.cancel(ticket) is True
+    seconds, is_complete = copier.wait(ticket)
+    # cut short: wait returned once every thread stopped, within a slice of the cancel
+    assert is_complete is False and seconds >= 0
+    copied = int(np.count_nonzero(dst))
+    assert 0 < copied < RUN
+    time.sleep(0.05)
+    assert int(np.count_nonzero(dst)) == copied, "a thread wrote after wait() returned"
+    # the ticket is gone; the copier copies the next batch whole
+    assert copier.cancel(ticket) is False
+    runs2 = Runs(50, 10_000, seed=5)
+    assert copier.wait(copier.start(*runs2.arrays(), 2))[1] is True
+    assert np.array_equal(runs2.dst, runs2.expected)
+    copier.close()
+    assert copier.cancel(ticket) is False
+
+
+def test_a_cancel_after_the_copy_ended_leaves_it_complete():
+    runs = Runs(20, 1000, seed=6)
+    copier = copyruns.Copier(1)
+    ticket = copier.start(*runs.arrays(), 1)
+    while not np.array_equal(runs.dst, runs.expected):
+        time.sleep(0.001)
+    copier.cancel(ticket)  # too late to cut anything: every byte was copied
+    assert copier.wait(ticket)[1] is True
+
+
+@pytest.mark.parametrize("path", ["native", "ctypes"])
+def test_a_cancelled_handle_says_it_was_cut_short_on_either_path(path, monkeypatch):
+    if path == "ctypes":
+        monkeypatch.setattr(memmove, "_copyruns", None)
+    copier = MemmoveCopier(2)
+    _, dst, runs = one_long_run()
+    handle = copier.start(*runs)
+    wait_for_first_byte(dst)
+    handle.cancel()
+    assert handle.wait() is False
+    copied = int(np.count_nonzero(dst))
+    assert 0 < copied < RUN
+    time.sleep(0.05)
+    assert int(np.count_nonzero(dst)) == copied
+    small = Runs(20, 1000, seed=7)
+    assert copier.start(*small.arrays()).wait() is True
+    copier.close()

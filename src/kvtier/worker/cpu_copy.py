@@ -5,6 +5,16 @@ runs with numpy, and hands the runs to `MemmoveCopier`; while they copy, it plan
 batches (up to `_MAX_IN_FLIGHT` started), none conflicting with one in flight. Planning per
 task and waking threads per task cost as much as copying 1 MiB here; batches and the overlap
 hide both.
+
+Cancelling (issue #20): `cancel` drains a job's queued tasks and cuts short every batch in
+flight that holds one of its tasks (`CopyHandle.cancel`: the copy stops within about a MiB).
+A batch cut short reports every task in it failed — which bytes of which task were copied is
+not known, and a half-written slot or block must never count as moved. That includes tasks of
+other jobs batched with the cancelled one: they fail too (a store is dropped, a load
+recomputed), counted in `num_cut_tasks`. A cancel is rare (a job past its deadline) and a
+batch holds at most `_BATCH_MAX_TASKS` tasks; waiting for the batch instead would hold the
+forward pass for up to `_BATCH_MAX_BYTES` of copying, or far more on the slow host that made
+the job late.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,18 +45,24 @@ _BATCH_MAX_BYTES = 32 << 20
 _MAX_IN_FLIGHT = 3
 
 
-@dataclass(slots=True)
+_CANCELLED = "cancelled: past its deadline"
+
+
+@dataclass(slots=True, eq=False)
 class _Running:
+    """A batch taken from the queue, until reported: being planned (`handle` None), then copying."""
+
     batch: list[CopyTask]
-    handle: CopyHandle
-    started_at: float
+    handle: CopyHandle | None = None
+    started_at: float = 0.0
+    cancelled_job_ids: set[int] = field(default_factory=set)
 
 
 class CpuBackend:
     """Runs tasks on background threads, in `TaskQueue` order, batched, with `MemmoveCopier`.
 
-    Thread-safety: `submit` and `shutdown` may be called from any thread; `on_done` is called
-    from the planning thread, outside this backend's lock.
+    Thread-safety: `submit`, `cancel` and `shutdown` may be called from any thread; `on_done`
+    is called from the planning thread, outside this backend's lock.
     """
 
     def __init__(
@@ -63,7 +79,9 @@ class CpuBackend:
         self._copier = MemmoveCopier(num_threads)
         self._queue = TaskQueue()
         self._cond = threading.Condition()
+        self._in_flight: deque[_Running] = deque()  # taken from the queue, not reported; oldest first
         self._stopping = False
+        self.num_cut_tasks = 0  # tasks failed because a cancel of another job cut their batch short
         self._thread = threading.Thread(target=self._loop, name="kvtier-transfer", daemon=True)
         self._thread.start()
 
@@ -80,11 +98,18 @@ class CpuBackend:
         """Nothing to do: the planning thread reports through `on_done`."""
 
     def cancel(self, job_ids: Container[int]) -> list[CopyTask]:
-        """Take the queued tasks of `job_ids` out of the queue and return them (never started).
+        """Take the queued tasks of `job_ids` out of the queue and return them (never started);
+        cut short the batches in flight that hold any of their tasks (reported failed, whole).
 
-        Tasks already copying are not interrupted: they end with their batch.
+        Never blocks on a copy: the caller waits for the cut batches' reports.
         """
         with self._cond:
+            for running in self._in_flight:
+                hit = {task.job_id for task in running.batch if task.job_id in job_ids}
+                if hit:
+                    running.cancelled_job_ids |= hit
+                    if running.handle is not None:  # else `_start` cancels it once started
+                        running.handle.cancel()
             return self._queue.drain(job_ids)
 
     def shutdown(self) -> list[CopyTask]:
@@ -98,46 +123,72 @@ class CpuBackend:
         return never_run
 
     def _loop(self) -> None:
-        in_flight: deque[_Running] = deque()
         while True:
             with self._cond:
-                while not in_flight and not self._stopping and not self._queue:
+                while not self._in_flight and not self._stopping and not self._queue:
                     self._cond.wait()
-                batch = self._pop_batch(in_flight)
-            if not in_flight and not batch:
+                running = self._pop_batch()
+            # only this thread adds to or removes from `_in_flight`: its length is read unlocked
+            if running is None and not self._in_flight:
                 return  # stopping, and nothing queued or in flight
-            started = self._start(batch) if batch else None
-            if started is not None:
-                in_flight.append(started)
-            if in_flight and (not batch or len(in_flight) >= _MAX_IN_FLIGHT):
-                self._finish(in_flight.popleft())
+            if running is not None:
+                self._start(running)
+            if self._in_flight and (running is None or len(self._in_flight) >= _MAX_IN_FLIGHT):
+                self._finish(self._in_flight[0])
 
-    def _pop_batch(self, in_flight: deque[_Running]) -> list[CopyTask]:
-        """The next batch that may run beside those in flight; empty when none may (lock held)."""
-        if len(in_flight) >= _MAX_IN_FLIGHT or not self._queue:
-            return []
-        busy = [task for running in in_flight for task in running.batch]
-        return self._queue.pop_batch(_BATCH_MAX_TASKS, _BATCH_MAX_BYTES, running=busy)
+    def _pop_batch(self) -> _Running | None:
+        """The next batch that may run beside those in flight, now in flight too; None when none
+        may (lock held: a task is always either queued or in flight, where `cancel` finds it)."""
+        if len(self._in_flight) >= _MAX_IN_FLIGHT or not self._queue:
+            return None
+        busy = [task for running in self._in_flight for task in running.batch]
+        batch = self._queue.pop_batch(_BATCH_MAX_TASKS, _BATCH_MAX_BYTES, running=busy)
+        if not batch:
+            return None
+        self._in_flight.append(_Running(batch))
+        return self._in_flight[-1]
 
-    def _start(self, batch: list[CopyTask]) -> _Running | None:
+    def _start(self, running: _Running) -> None:
         """Plan and start a batch; a planning error fails the batch, never the thread."""
         try:
-            started_at = time.perf_counter()
-            return _Running(batch, self._copier.start(*self._addresses(batch)), started_at)
+            running.started_at = time.perf_counter()
+            handle = self._copier.start(*self._addresses(running.batch))
         except Exception as e:
-            self._on_done([(task, task.outcome(0, 0.0, error=f"copy failed: {e!r}")) for task in batch])
-            return None
+            with self._cond:
+                self._in_flight.remove(running)
+            self._on_done([(task, task.outcome(0, 0.0, error=f"copy failed: {e!r}")) for task in running.batch])
+            return
+        with self._cond:
+            running.handle = handle
+            if running.cancelled_job_ids:  # cancelled while being planned
+                handle.cancel()
 
     def _finish(self, running: _Running) -> None:
         """Wait for a batch and report each task, charged its share of the time by bytes."""
+        handle: CopyHandle = running.handle  # type: ignore[assignment]  # set by `_start`, which ran first
+        error = None
         try:
-            running.handle.wait()
+            is_complete = handle.wait()
         except Exception as e:
-            self._on_done([(task, task.outcome(0, 0.0, error=f"copy failed: {e!r}")) for task in running.batch])
-            return
-        seconds = running.handle.finished_at - running.started_at
-        total = sum(task.num_bytes for task in running.batch) or 1
-        self._on_done([(t, t.outcome(t.num_bytes, seconds * t.num_bytes / total)) for t in running.batch])
+            error, is_complete = f"copy failed: {e!r}", False
+        with self._cond:
+            self._in_flight.popleft()
+            cancelled = set(running.cancelled_job_ids)
+        if error is not None:
+            self._on_done([(task, task.outcome(0, 0.0, error=error)) for task in running.batch])
+        elif not is_complete:
+            self._report_cut(running.batch, cancelled)
+        else:
+            seconds = handle.finished_at - running.started_at
+            total = sum(task.num_bytes for task in running.batch) or 1
+            self._on_done([(t, t.outcome(t.num_bytes, seconds * t.num_bytes / total)) for t in running.batch])
+
+    def _report_cut(self, batch: list[CopyTask], cancelled: set[int]) -> None:
+        """A batch a cancel cut short: every task failed, whichever of its bytes were copied."""
+        cut = f"copy cut short: job(s) {sorted(cancelled)} of its batch were cancelled"
+        self.num_cut_tasks += sum(task.job_id not in cancelled for task in batch)
+        self._on_done([(task, task.outcome(0, 0.0, error=_CANCELLED if task.job_id in cancelled else cut))
+                       for task in batch])
 
     def _addresses(self, batch: list[CopyTask]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(dst, src, nbytes) of every run of the batch, planned once per direction and group."""

@@ -64,6 +64,7 @@ class CudaBackend:
         self._load_stream = torch.cuda.Stream(device=device)
         self._in_flight: list[_InFlight] = []
         self._closed = False
+        self.num_cut_tasks = 0  # a CUDA copy is never cut short (see `cancel`)
 
     def submit(self, task: CopyTask) -> bool:
         """Enqueue `task`'s copies; False once shut down. Raises on a CUDA error (the task fails)."""
@@ -107,7 +108,14 @@ class CudaBackend:
             self._on_done(done)
 
     def cancel(self, job_ids: Container[int]) -> list[CopyTask]:
-        """Nothing waits in a queue here (tasks go to their stream at submit): returns []."""
+        """Nothing waits in a queue here (tasks go to their stream at submit): returns [].
+
+        A copy enqueued on a stream cannot be interrupted, nor taken back once enqueued:
+        `TransferEngine.cancel` waits (polling end events) until the stream has run it, i.e.
+        until everything enqueued on that stream before it ran too, and fails its chunks.
+        Only then may the forward pass rewrite its blocks or the scheduler free its slots.
+        Unverified on a GPU, like the rest of this module.
+        """
         return []
 
     def shutdown(self) -> list[CopyTask]:

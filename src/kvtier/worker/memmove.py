@@ -25,6 +25,11 @@ beside a thread spinning in pure Python (an engine's forward pass between torch 
 return to Python waited ~5-7 ms for the GIL (the interpreter's switch interval): 256 MiB in 64
 `copy_runs` calls went at 0.5 GB/s, in one call at 8.7 GB/s. See `benchmarks/README.md`.
 
+Cancelling (issue #20): `CopyHandle.cancel` cuts a started copy short. Both paths check a flag
+before every run and every `_CANCEL_SLICE_BYTES` inside a long one (the C helper with a relaxed
+atomic load, the fallback with an attribute read: no system call on the copy path), so a copy
+stops within about a MiB; `wait` then says whether every byte was copied.
+
 Memory safety: callers pass addresses computed from validated ids and bounds-checked
 planes, inside tensors they keep alive until the copy has finished.
 """
@@ -52,6 +57,7 @@ __all__ = ["CopyHandle", "MemmoveCopier", "native_copy_available"]
 logger = logging.getLogger(__name__)
 
 _SPLIT_MIN_BYTES = 1 << 20  # below this, waking a second thread costs more than it saves
+_CANCEL_SLICE_BYTES = 1 << 20  # a long run is copied in slices this long, a cancel checked between
 _logged_paths: set[str] = set()
 _PATH_NOTES = {
     "native": "C helper kvtier.worker._copyruns: batches copy without the GIL",
@@ -65,35 +71,48 @@ def native_copy_available() -> bool:
 
 
 class CopyHandle:
-    """One started copy: `wait()` for it; `finished_at` is when its last part ended."""
+    """One started copy: `wait()` for it; `finished_at` is when its last part ended.
+
+    Thread-safety: `cancel` may be called from any thread, `wait` from one.
+    """
 
     def __init__(self, num_parts: int) -> None:
         self._left = num_parts
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._is_complete = True
+        self.is_cancelled = False  # read by the copy threads before every run (a plain attribute: cheap)
         self.finished_at = 0.0
         if num_parts == 0:
             self._done.set()
 
-    def part_done(self, error: BaseException | None) -> None:
+    def part_done(self, error: BaseException | None, is_cut_short: bool = False) -> None:
         """Called by a copy thread when its part ended (with its exception, if any)."""
         with self._lock:
             self._left -= 1
             self._error = self._error or error
+            self._is_complete = self._is_complete and not is_cut_short
             if self._left == 0:
                 self.finished_at = time.perf_counter()
                 self._done.set()
 
-    def wait(self) -> None:
-        """Block until every part ended.
+    def cancel(self) -> None:
+        """Cut the copy short: its threads stop before their next run or slice (never blocks)."""
+        self.is_cancelled = True
 
+    def wait(self) -> bool:
+        """Block until no thread copies any part any more.
+
+        Returns:
+            True when every byte was copied; False when `cancel` cut it short.
         Raises:
             RuntimeError: a part failed (the caller reports its jobs failed).
         """
         self._done.wait()
         if self._error is not None:
             raise RuntimeError(f"copy thread failed: {self._error!r}")
+        return self._is_complete
 
 
 class _NativeCopyHandle(CopyHandle):
@@ -103,10 +122,16 @@ class _NativeCopyHandle(CopyHandle):
         super().__init__(1)
         self._copier, self._ticket, self._started_at = copier, ticket, started_at
 
-    def wait(self) -> None:
+    def cancel(self) -> None:
+        ticket = self._ticket  # None once waited for: nothing copies any more
+        if ticket is not None:
+            self._copier.cancel(ticket)  # type: ignore[attr-defined]
+
+    def wait(self) -> bool:
         if self._ticket is not None:  # idempotent: the C side forgets a ticket once waited for
-            seconds = self._copier.wait(self._ticket)  # type: ignore[attr-defined]
+            seconds, self._is_complete = self._copier.wait(self._ticket)  # type: ignore[attr-defined]
             self.finished_at, self._ticket = self._started_at + seconds, None
+        return self._is_complete
 
 
 class MemmoveCopier:
@@ -160,7 +185,7 @@ class MemmoveCopier:
         return handle
 
     def copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
-        """`start` and wait."""
+        """`start` and wait (nothing can cancel it)."""
         self.start(dst, src, nbytes).wait()
 
     def close(self) -> None:
@@ -175,16 +200,29 @@ class MemmoveCopier:
 
 
 def _serve(inbox: queue.SimpleQueue) -> None:
-    memmove = ctypes.memmove
     while (work := inbox.get()) is not None:
         (dst, src, nbytes), handle = work
         try:
-            for d, s, n in zip(dst, src, nbytes, strict=True):
-                memmove(d, s, n)
+            is_cut_short = _copy_part(dst, src, nbytes, handle)
         except BaseException as e:  # handed to the waiter, which fails the jobs
             handle.part_done(e)
         else:
-            handle.part_done(None)
+            handle.part_done(None, is_cut_short)
+
+
+def _copy_part(dst: list[int], src: list[int], nbytes: list[int], handle: CopyHandle) -> bool:
+    """Copy the runs, checking `handle.is_cancelled` before each run and slice; True if it stopped early."""
+    memmove = ctypes.memmove
+    for d, s, n in zip(dst, src, nbytes, strict=True):
+        if handle.is_cancelled and n:
+            return True
+        while n > _CANCEL_SLICE_BYTES:  # a long run: sliced, so a cancel stops it within a slice
+            memmove(d, s, _CANCEL_SLICE_BYTES)
+            d, s, n = d + _CANCEL_SLICE_BYTES, s + _CANCEL_SLICE_BYTES, n - _CANCEL_SLICE_BYTES
+            if handle.is_cancelled:
+                return True
+        memmove(d, s, n)
+    return False
 
 
 def split_by_bytes(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, shares: int) -> list[tuple]:

@@ -21,10 +21,13 @@ repeat across groups there, so the whole request is reported failed instead (vLL
 block-level errors for such models).
 
 Deadlines: a job is abandoned at `job.deadline`. Waiting for it (a load, a flush) stops
-there and the job is cancelled: a part that has not started never starts, so a late copy
-never writes blocks the engine recomputes nor reads blocks a new owner writes. Jobs running
-in the background are checked at each step. The scheduler fails a job itself only later
-(see `kvtier.scheduler.jobs`), after every worker had the chance to report it.
+there and the job is cancelled: a part that has not started never starts, a copy already
+running is cut short, every chunk fails, and `TransferEngine.cancel` returns only once no copy
+of the job runs any more — so nothing here proceeds (to the forward pass, to reporting) while
+a late copy could still write blocks the engine recomputes or read blocks a new owner writes
+(issue #20). Jobs running in the background are checked at each step. The scheduler fails a
+job itself only later (see `kvtier.scheduler.jobs`), after every worker had the chance to
+report it.
 
 Thread-safety: one engine thread calls it.
 """
@@ -164,7 +167,9 @@ class WorkerSide:
         return errors
 
     def take_stats(self) -> dict[str, float]:
-        """Bytes and seconds per direction, and cancelled jobs, since the last call."""
+        """Bytes and seconds per direction, cancelled jobs, and tasks of other jobs failed with
+        them (`cancel_cut_tasks`: batched with a cancelled job's copy, which was cut short), since
+        the last call."""
         stats, self._stats = dict(self._stats), Counter()
         return stats
 
@@ -212,7 +217,11 @@ class WorkerSide:
             logger.warning("kvtier: %d transfer job(s) past their deadline; cancelled (loads are recomputed, "
                            "stores dropped)", len(jobs))
             self._stats["cancelled_jobs"] += len(jobs)
+            num_cut = self.transfer.num_cut_tasks
+            # returns only once none of them copies any more: the caller may then reuse their blocks
             self.transfer.cancel([job.job_id for job in jobs])
+            if self.transfer.num_cut_tasks > num_cut:
+                self._stats["cancel_cut_tasks"] += self.transfer.num_cut_tasks - num_cut
 
     def _collect(self) -> None:
         if self.transfer is None:

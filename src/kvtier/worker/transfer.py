@@ -7,7 +7,7 @@ The worker side of kvtier. It makes no policy decision: it runs `kvtier.jobs.Tra
 1. `submit(job)`: start a job (one part per KV-cache group), asynchronously.
 2. `get_finished()`: the results since the last call, each job exactly once.
 3. `wait(job_ids, timeout)`: block until those jobs finished (e.g. loads before a forward).
-4. `cancel(job_ids)`: jobs past their deadline: what has not started never starts.
+4. `cancel(job_ids)`: jobs past their deadline fail whole; it returns once none of them copies.
 5. `shutdown()`.
 
 Chunk i of a part is `block_ids[i*bpc:(i+1)*bpc]` <-> `slot_ids[i]` (bpc = blocks_per_chunk).
@@ -41,9 +41,11 @@ from kvtier.worker.tasks import CopyTask, TaskOutcome, make_task
 __all__ = ["TransferEngine"]
 
 _CUDA_POLL_S = 0.0005  # CUDA completions are polled: events cannot wake a Condition
-# A cancelled job's running copy is one batch of memcpy (<= 32 MiB, milliseconds here): waiting
-# for it is bounded; this only caps how long a failing host can stall the caller.
+# A cancelled job's running copy stops within a MiB on CPU (a CUDA copy ends with its stream's
+# work): milliseconds. A cancel still waiting after this long logs an error, then waits on.
 _CANCEL_WAIT_S = 5.0
+_CANCEL_MIN_SLICE_S = 0.001  # a zero timeout must not spin
+_CANCELLED = "cancelled: past its deadline"
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +64,12 @@ class _OpenJob:
 
     offsets: list[int]  # job-wide index of each part's first chunk
     parts_left: int
+    num_chunks: int
     failed_chunks: set[int] = field(default_factory=set)
     num_bytes: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
+    is_cancelled: bool = False  # every chunk fails, whatever its parts report
 
     def add(self, part: int, outcome: TaskOutcome) -> None:
         self.failed_chunks.update(self.offsets[part] + c for c in outcome.failed_chunks)
@@ -76,6 +80,10 @@ class _OpenJob:
         self.parts_left -= 1
 
     def result(self, job_id: int) -> JobResult:
+        if self.is_cancelled:  # past its deadline: all of it fails, also a part that ended in time
+            self.failed_chunks.update(range(self.num_chunks))
+            if _CANCELLED not in self.errors:
+                self.errors.insert(0, _CANCELLED)
         error = "; ".join(self.errors) if self.errors else None
         return JobResult(job_id=job_id, failed_chunks=tuple(sorted(self.failed_chunks)), num_bytes=self.num_bytes,
                          seconds=self.seconds, error=error)
@@ -173,7 +181,8 @@ class TransferEngine:
             elif refusal is None and job_id in self._open:
                 refusal = f"job id {job_id} is already in flight"
             if refusal is None and job.parts:
-                self._open[job_id] = _OpenJob([offset for offset, _ in job.chunk_offsets()], len(job.parts))
+                self._open[job_id] = _OpenJob([offset for offset, _ in job.chunk_offsets()], len(job.parts),
+                                              job.num_chunks)
         if refusal is not None:
             return self._report(job.failed(refusal))
         if not job.parts:  # moves nothing: done now
@@ -241,22 +250,40 @@ class TransferEngine:
                 self._cond.wait(left)
 
     def cancel(self, job_ids: Iterable[int], timeout: float = _CANCEL_WAIT_S) -> bool:
-        """Give up on jobs (past their deadline): their tasks that have not started never start
-        and count as failed chunks; tasks already copying end with their copy, which this waits
-        for. Each job is still reported once, by `get_finished`.
+        """Give up on jobs (past their deadline); return only once none of them copies any more.
+
+        Tasks not started never start; running copies are cut short (CPU: within a MiB; a CUDA
+        copy cannot be interrupted and ends with its stream's work). Every chunk of a job still
+        in flight here is reported failed, once, by `get_finished` — also a part whose copy
+        ended meanwhile; jobs that already ended keep their result.
+
+        Why it never returns early (issue #20): next, the forward pass rewrites the blocks and the
+        scheduler frees the slots; a copy still running would silently mix another owner's data
+        in. Copying always terminates, so taking longer than `timeout` means a failing host:
+        logged as an error every `timeout` seconds while it waits on.
 
         Returns:
-            True when none of them copies any more; False if a running copy outlived `timeout`
-            (a host that cannot finish a batch of memcpy in that time is failing; logged).
+            True if they stopped within `timeout`, False if it took longer (logged).
         """
-        wanted = set(job_ids)
-        never_run = self._backend.cancel(wanted)
-        self._on_done([(task, task.outcome(0, 0.0, error="cancelled: past its deadline")) for task in never_run])
-        if self.wait(wanted, timeout):
+        with self._cond:
+            wanted = set(job_ids) & self._open.keys()
+            for job_id in wanted:
+                self._open[job_id].is_cancelled = True
+        if not wanted:
             return True
-        logger.error("kvtier: %d cancelled transfer(s) still copying after %.0f s", len(wanted & set(self._open)),
-                     timeout)
-        return False
+        never_run = self._backend.cancel(wanted)
+        self._on_done([(task, task.outcome(0, 0.0, error=_CANCELLED)) for task in never_run])
+        slice_s, waited = max(timeout, _CANCEL_MIN_SLICE_S), 0.0
+        while not self.wait(wanted, slice_s):
+            waited += slice_s
+            logger.error("kvtier: cancelled transfer(s) %s still copying after %.3g s; waiting for them to stop "
+                         "(their blocks and slots must not be reused before)", sorted(wanted), waited)
+        return waited == 0.0
+
+    @property
+    def num_cut_tasks(self) -> int:
+        """Tasks failed because a cancel of another job cut their batch short (since start)."""
+        return self._backend.num_cut_tasks
 
     def shutdown(self) -> None:
         """Stop accepting jobs, let the running ones finish, fail the queued ones (idempotent)."""
