@@ -188,6 +188,23 @@ def test_a_store_one_worker_never_reports_is_failed_at_its_expiry():
     w.sched.manager.check()
 
 
+def test_an_expired_stores_slots_are_freed_only_after_the_workers_ran_the_step_that_cancels_it():
+    """Issue 20, S1: the scheduler expires a job when it plans a step; a worker still copying it
+    stops only when it runs that step (`handle_preemptions` cancels every job past its deadline).
+    Its slots must not be free in between: a promotion (on the scheduler's own tier threads)
+    could write them while the late copy still does."""
+    clock = FakeClock()
+    w = TwoWorkers(clock)
+    w.store_prefix(deliver=(True, False))
+    clock.now = 2.0
+    w.sched.build_connector_meta(StepView([]))  # the job is failed here ...
+    assert w.sched.stats.expired_jobs == 1
+    assert w.sched.manager.stats().used_slots == 4  # ... but its slots are still held
+    w.sched.update_connector_output([])  # the workers ran the step: now they are free
+    assert w.sched.manager.stats().used_slots == 0 and not w.sched.has_jobs_in_flight()
+    w.sched.manager.check()
+
+
 def test_a_late_report_of_an_expired_store_is_ignored():
     clock = FakeClock()
     w = TwoWorkers(clock)

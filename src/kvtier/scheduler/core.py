@@ -84,6 +84,7 @@ class OffloadScheduler:
         self._is_supported = config.is_supported
         self._lazy = config.store_mode == "lazy"
         self._ledger = EvictionLedger()  # lazy mode: computed chunks not stored yet
+        self._expired: list[JobRecord] = []  # failed at this step's expiry, completed at its output
         for g in config.unsupported_groups():
             logger.warning("kvtier: KV-cache group %d cannot be offloaded (%s); this model gets no kvtier hits",
                            g, config.groups[g].reason or "unsupported kind")
@@ -284,9 +285,18 @@ class OffloadScheduler:
         """
         for record in self._jobs.acknowledge(results):
             self._complete(record)
+        expired, self._expired = self._expired, []
+        for record in expired:  # every worker has now run the step that cancels them: nothing copies
+            self._complete(record)
 
     def _expire_jobs(self, plan: StepPlan) -> None:
-        """Fail jobs not every worker reported in time (see `kvtier.scheduler.jobs`)."""
+        """Fail jobs not every worker reported in time (see `kvtier.scheduler.jobs`).
+
+        Failed now (loads recomputed from this step on), but what a job holds — the slots of a
+        store, the pins of a load — is released only by `update_connector_output`: a worker that
+        still copies it stops in this step's `handle_preemptions` (it cancels every job past its
+        deadline and waits for its copies to stop), and not before; freeing a slot here would let
+        a promotion write it while a late copy still does (issue 20, S1)."""
         for record in self._jobs.expire(self._clock()):
             self.stats.expired_jobs += 1
             logger.warning("kvtier: job %d of request %s was not reported by every worker in time; failed",
@@ -297,7 +307,7 @@ class OffloadScheduler:
             blocks = self._jobs.failed_load_blocks(record) if record.is_load and not record.is_async else set()
             if not state.is_finished and blocks <= state.held_block_ids():
                 plan.failed_load_block_ids |= blocks  # the engine recomputes them
-            self._complete(record)
+            self._expired.append(record)
 
     def _complete(self, record: JobRecord) -> None:
         state = self._requests[record.job.req_id]
@@ -370,11 +380,11 @@ class OffloadScheduler:
         return self.manager.take_events()
 
     def has_jobs_in_flight(self) -> bool:
-        return bool(self._jobs)
+        return bool(self._jobs) or bool(self._expired)
 
     def num_jobs_in_flight(self) -> int:
-        """Transfer jobs not yet reported by every worker (nor expired)."""
-        return len(self._jobs)
+        """Transfer jobs not yet reported by every worker (nor expired and released)."""
+        return len(self._jobs) + len(self._expired)
 
     def _state_for(self, req: RequestView) -> RequestOffloadState:
         state = self._requests.get(req.req_id)

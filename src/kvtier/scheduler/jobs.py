@@ -6,8 +6,10 @@ Deadlines: a job's deadline is stamped when its plan goes to the workers (`dispa
 then + `job_timeout_s`; a job waiting for the next step, e.g. the last store of a request,
 does not age while the engine idles). Workers abandon a job at its deadline
 (`kvtier.worker.side`). The book expires a job that not every worker reported by
-`deadline + job_timeout_s`: by then no worker copies it any more, so the scheduler may
-fail it and free what it held; a report that still comes later is ignored.
+`deadline + job_timeout_s`; the scheduler fails it then, and frees what it held once the
+workers have run the step it was expired in (a worker cancels every job past its deadline
+before that step's forward pass and waits until its copies stop). A report that still
+comes later is ignored.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ COUNTERS = {
     "failed_store_chunks": "Chunks whose store failed (dropped, never served).",
     "expired_jobs": "Transfer jobs not every worker reported by their deadline (failed by the scheduler).",
     "cancelled_jobs": "Transfer jobs a worker cancelled at their deadline.",
+    "cancel_cut_tasks": "Copies of other jobs failed because a cancel cut short the batch they were copied in.",
 }
 GAUGES = {
     "num_slots": "Slots (chunks) of the CPU tier.",
@@ -61,6 +62,10 @@ TIER_COUNTERS = {
     "breaker_opens": "Times a shared tier's circuit breaker opened (the tier then answers misses at once).",
     "breaker_closes": "Times a shared tier's circuit breaker closed again (its server answered a ping).",
     "breaker_rejects": "Chunks not read or written because a shared tier's breaker was open.",
+    "expired_jobs": "Jobs of a tier the manager gave up on at their deadline (what they hold is freed when they end).",
+    "expired": "Chunks a tier did not read or write because their job was past its deadline.",
+    "late": "Chunks a tier read after their job's deadline (reported failed, never served).",
+    "reset_rejects": "Chunks a shared tier refused while a reset deleted its values.",
 }
 TIER_GAUGES = {
     "used_bytes": "Bytes of chunks a tier holds.",
