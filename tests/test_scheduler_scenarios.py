@@ -220,6 +220,46 @@ def test_full_attention_and_sliding_window_groups():
     assert (len(full.slot_ids), len(window.slot_ids)) == (10, 2)
 
 
+def test_a_window_load_never_writes_the_blocks_the_engine_skipped():
+    """Two blocks per chunk, a 12-token window: loading 16 tokens, the engine needs the window
+    group's tokens 5..15 only, and points block 0 (tokens 0..3) at its null block (vLLM's
+    sliding-window rule). kvtier's first window chunk still covers block 0: it must load
+    blocks 1..3 only — before, it wrote that chunk's first half into the null block."""
+    groups = (GroupSpec(GroupKind.FULL, 4, 2), GroupSpec(GroupKind.SLIDING_WINDOW, 4, 2, sliding_window=12))
+    engine = make_engine(groups=groups, num_blocks=64)
+    serve(engine, "A", prompt(17))
+    engine.reset_prefix_cache()
+    b = serve(engine, "B", prompt(17) + [3])  # the fake engine checks the null block after every step
+    assert b.num_external_tokens == 16
+    window = engine.transfer.loads[-1].parts[1]
+    assert window.block_ids[0] == engine.pool.null_block and window.skip_blocks == 1
+
+
+def test_a_window_store_never_reads_blocks_the_engine_freed():
+    """The engine frees a window group's blocks once they leave the window, while it schedules the
+    step, and may hand them to a request it admits in that same step (listed before the running
+    ones, as vLLM's SchedulerOutput does, so no fence is planned for them yet; or to another group
+    of the same request). A chunk not stored by then (no room in the CPU tier) must never be
+    stored from such a block."""
+    groups = (GroupSpec(GroupKind.FULL, 4, 2), GroupSpec(GroupKind.SLIDING_WINDOW, 4, 2, sliding_window=12))
+    engine = make_engine(groups=groups, num_blocks=24, num_slots=64, max_tokens_per_step=8)
+    manager = engine.scheduler.manager
+    real_prepare = manager.prepare_store
+    manager.prepare_store = lambda keys, ctx: None  # no room: A's store cursor stays at chunk 0
+    engine.add_request("A", prompt(20), max_new_tokens=1)
+    engine.step()
+    engine.step()  # A computed 16 tokens; chunk 0 (blocks 0, 1) is still unstored
+    manager.prepare_store = real_prepare
+    engine.add_request("X", prompt(9, seed=5), max_new_tokens=1)
+    engine.step()  # A's window block 0 is freed and handed out again; A's chunks are stored now
+    engine.run()
+    # the window group's chunk 0 had a freed block when it could be stored: it never was
+    window_chunk_0 = engine.requests["A"].block_hashes[1] + b"\0\0\0\1"
+    assert engine.scheduler.manager.lookup(window_chunk_0, ReqContext("x")) is LookupResult.MISS
+    engine.reset_prefix_cache()
+    serve(engine, "A2", prompt(20)[:8] + [1])  # a request on A's first chunk: what was stored is checked
+
+
 def test_sliding_window_suffix_scan_lowers_the_boundary():
     groups = (GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8))
     engine = make_engine(groups=groups, num_blocks=128)

@@ -46,6 +46,14 @@ class GroupSpec:
     def tokens_per_chunk(self) -> int:
         return self.tokens_per_block * self.blocks_per_chunk
 
+    def num_skipped_blocks(self, num_tokens: int) -> int:
+        """Blocks wholly before the window of the token after `num_tokens`: the engine frees them
+        and points them at its null block (vLLM's `SlidingWindowManager.get_num_skipped_tokens`),
+        so kvtier never writes nor reads them. 0 for other groups."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_tokens - self.sliding_window + 1) // self.tokens_per_block
+
     def first_needed_chunk(self, num_chunks: int) -> int:
         """First chunk whose KV this group needs to continue after `num_chunks` chunks.
 

@@ -53,14 +53,20 @@ class JobBook:
     # -- building jobs ----------------------------------------------------------------
 
     def load_parts_for(self, state: RequestOffloadState, pending: PendingLoad) -> tuple[list[list[OffloadKey]], _Parts]:
-        """Keys and blocks of a load, per group (a sliding-window group loads only its window)."""
+        """Keys and blocks of a load, per group (a sliding-window group loads only its window).
+
+        The first chunk's leading blocks are skipped where the engine holds them already (its
+        prefix cache) or holds none (a window group's blocks before the window point at the
+        engine's null block: a chunk that straddles the window's start is loaded in part)."""
         keys, parts = [], []
         for gs in state.group_states:
             first = pending.start_chunk
             if gs.spec.kind is GroupKind.SLIDING_WINDOW:
                 first = max(first, gs.spec.first_needed_chunk(pending.end_chunk))
             bpc = gs.spec.blocks_per_chunk
-            skip = max(0, pending.num_local_tokens // gs.spec.tokens_per_block - first * bpc)
+            valid_from = max(pending.num_local_tokens // gs.spec.tokens_per_block,
+                             gs.spec.num_skipped_blocks(pending.end_chunk * gs.spec.tokens_per_chunk))
+            skip = max(0, valid_from - first * bpc)
             keys.append(state.keys(gs.group, first, pending.end_chunk))
             parts.append((gs.group, gs.block_ids[first * bpc : pending.end_chunk * bpc], skip))
         return keys, parts
@@ -83,15 +89,15 @@ class JobBook:
         """Keys of chunks after each group's cursor up to `end`, with their (group, chunk),
         chunk by chunk across groups (`RequestOffloadState.chunk_major`).
 
-        A sliding-window group skips chunks that left the window before `window_from`:
-        the engine may already have freed their blocks.
+        A sliding-window group skips every chunk with a block that left the window before
+        `window_from` (the engine's computed tokens when it scheduled this step): the engine
+        freed that block when it scheduled the step, and may have handed it to another request
+        whose forward pass writes it before the store reads it.
         """
         firsts = {}
         for gs in state.group_states:
-            first = gs.next_store_chunk
-            if gs.spec.kind is GroupKind.SLIDING_WINDOW:
-                first = max(first, gs.spec.first_needed_chunk(window_from // gs.spec.tokens_per_chunk))
-            firsts[gs.group] = first
+            bpc = gs.spec.blocks_per_chunk
+            firsts[gs.group] = max(gs.next_store_chunk, -(-gs.spec.num_skipped_blocks(window_from) // bpc))
         return state.chunk_major(firsts, end)
 
     def new_store(self, state: RequestOffloadState, keys: list[OffloadKey], groups: list[int],

@@ -168,10 +168,14 @@ class RequestOffloadState:
         return {b for gs in self.group_states for b in gs.block_ids}
 
     def blocks_between(self, first_token: int, end_chunk: int) -> set[int]:
-        """Every group's blocks from the one holding `first_token` to the end of chunk `end_chunk - 1`."""
+        """Every group's blocks from the one holding `first_token` to the end of chunk `end_chunk - 1`
+        (never a window group's blocks before its window: they are the engine's null block)."""
         blocks: set[int] = set()
         for gs in self.group_states:
-            blocks.update(gs.block_ids[first_token // gs.spec.tokens_per_block : end_chunk * gs.spec.blocks_per_chunk])
+            spec = gs.spec
+            skipped = spec.num_skipped_blocks(end_chunk * spec.tokens_per_chunk)
+            first = max(first_token // spec.tokens_per_block, skipped)
+            blocks.update(gs.block_ids[first : end_chunk * spec.blocks_per_chunk])
         return blocks
 
     def clear_block_ids(self) -> None:

@@ -4,6 +4,10 @@ Like vLLM's: full, computed blocks enter the prefix cache (keyed by block hash, 
 per KV-cache group) as soon as they exist; a block whose last reference goes stays cached
 until it is evicted (least recently used first) to satisfy an allocation, or dropped by
 `reset_prefix_cache`. Freed blocks are handed out again at once, lowest id first.
+
+With `reserve_null`, block 0 is the null block, as vLLM's: never handed out, never cached;
+a request's positions outside a sliding window point at it instead of a block of their own
+(see `FakeEngine`). Nothing may ever write it.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ __all__ = ["BlockPool"]
 class BlockPool:
     """`num_blocks` block ids shared by `num_groups` KV-cache groups."""
 
-    def __init__(self, num_blocks: int, num_groups: int):
+    def __init__(self, num_blocks: int, num_groups: int, reserve_null: bool = False):
         self.num_groups = num_groups
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.null_block = 0 if reserve_null else None
+        first = 1 if reserve_null else 0
+        self.free_blocks = list(range(num_blocks - 1, first - 1, -1))  # pop() hands out low ids first
         self.refs = [0] * num_blocks
         self.cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # hash -> block per group (LRU order)
         self._cached_blocks: set[int] = set()  # every block id in `cache`
@@ -53,19 +59,38 @@ class BlockPool:
 
     def cache_blocks(self, block_hashes: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_full: int) -> None:
         """Enter the first `num_full` computed blocks (per group ids) into the prefix cache."""
-        cache, cached_blocks = self.cache, self._cached_blocks
+        cache, cached_blocks, null = self.cache, self._cached_blocks, self.null_block
         for block_hash, blocks in zip(block_hashes[:num_full], zip(*block_ids, strict=True), strict=False):
+            if null in blocks:
+                continue  # outside a window: no KV there to cache
             if cache.setdefault(block_hash, blocks) is blocks:
                 cached_blocks.update(blocks)
 
     def release(self, block_ids: Sequence[Sequence[int]]) -> None:
         """Unreference a request's blocks; cached ones stay cached, the rest are freed."""
-        cached = self._cached_blocks
+        cached, null = self._cached_blocks, self.null_block
         for ids in block_ids:
             for b in ids:
+                if b == null:
+                    continue
                 self.refs[b] -= 1
                 if self.refs[b] == 0 and b not in cached:
                     self.free_blocks.append(b)
+
+    def release_now(self, blocks: Sequence[int]) -> None:
+        """Unreference `blocks` and make them free at once, out of the prefix cache (with the other
+        groups' blocks of their entries): a window group's blocks as vLLM frees them once they
+        leave the window — at the tail of its free queue, where an allocation in the same step
+        may take them (its per-group cache is not modelled here; this is the worst case)."""
+        doomed = set(blocks) - {self.null_block}
+        for block_hash, entry in [(h, e) for h, e in self.cache.items() if doomed.intersection(e)]:
+            del self.cache[block_hash]
+            self._cached_blocks.difference_update(entry)
+            self.free_blocks.extend(b for b in entry if self.refs[b] == 0 and b not in doomed)
+        for b in doomed:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free_blocks.append(b)
 
     def evictable(self, num_allocations: int) -> list[int]:
         """Cached blocks the next `num_allocations` block allocations (per group) would evict,

@@ -11,7 +11,9 @@ tensors (`KVCache`) and a shared-memory host slab — in vLLM's order: flushes a
 then the finished requests, then the workers' results. Every block it computes gets
 a value derived from the block's hash; before computing a token it checks that every
 block the token attends to holds the right value — so a wrong load, a missing fence or
-a stale completion shows up as `ContentMismatch`, not as a silently wrong number.
+a stale completion shows up as `ContentMismatch`, not as a silently wrong number. Sliding-window
+groups follow vLLM's rule: blocks wholly before the window are freed and replaced by the null
+block (block 0), which nothing may ever write (checked after every step).
 Stores start at step boundaries (`SimTransferEngine`), so runs are repeatable.
 """
 
@@ -115,7 +117,8 @@ class FakeEngine:
                                      transfer_factory=functools.partial(SimTransferEngine, faults=self.faults))
             self.worker.register_kv_caches(self.kv.tensors)
             self.transfer = self.worker.transfer  # type: ignore[assignment]
-        self.pool = BlockPool(num_blocks, len(self.groups))
+        self._has_windows = any(g.kind is GroupKind.SLIDING_WINDOW for g in self.groups)
+        self.pool = BlockPool(num_blocks, len(self.groups), reserve_null=self._has_windows)
         self.requests: dict[str, SimRequest] = {}
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
@@ -175,6 +178,7 @@ class FakeEngine:
         budget = self.max_tokens_per_step
         scheduled: list[tuple[SimRequest, int, ScheduledRequest]] = []
         for req in list(self.running):
+            self._skip_window_blocks(req, req.num_computed)
             n = min(req.num_tokens - req.num_computed, budget)
             new = self._grow(req, req.num_computed + n) if n > 0 else None
             if n > 0 and new is not None:
@@ -208,6 +212,7 @@ class FakeEngine:
             self.pool.release(local_ids)
             return None
         req.block_ids = [local_ids[g] + new[g] for g in range(len(self.groups))]
+        self._skip_window_blocks(req, num_local + ext)
         if self.scheduler:
             self.scheduler.update_state_after_alloc(req.req_id, tuple(list(ids) for ids in req.block_ids), ext)
         req.num_computed = num_local + ext
@@ -224,7 +229,12 @@ class FakeEngine:
     def _execute(self, scheduled: list[tuple[SimRequest, int, ScheduledRequest]]) -> None:
         """One step in vLLM's order: plan; worker before the forward pass; the forward pass;
         worker after it; then the finished requests; then the workers' job results."""
-        step = StepView([s for _, _, s in scheduled], self._preempted, self._finished)
+        # vLLM's SchedulerOutput lists the requests scheduled for the first time (or resumed) before
+        # the running ones, although it scheduled the running ones first (and freed their blocks
+        # outside a window, which a new request may get in the same step)
+        order = [s for _, _, s in scheduled if s.is_new_or_resumed] + [s for _, _, s in scheduled
+                                                                        if not s.is_new_or_resumed]
+        step = StepView(order, self._preempted, self._finished)
         self._preempted, self._finished = set(), set()
         if self.scheduler is None or self.worker is None or self.transfer is None:
             self._finish_all([req for req, n, _ in scheduled if self._forward(req, n)])
@@ -247,6 +257,8 @@ class FakeEngine:
             self.scheduler.plan_evictions(self.pool.evictable(self._lookahead()))
         self._late_invalid = self.worker.take_load_errors()  # reported with the loads that just ended
         self._unpark(loaded, failed, invalid | self._late_invalid)
+        if self.pool.null_block is not None:
+            self.kv.check_unwritten(self.pool.null_block, f"step {self.num_steps}: the null block")
 
     def _unpark(self, loaded: set[str], failed: set[str], invalid: set[int]) -> None:
         """Requests whose asynchronous load ended run from the next step (as vLLM promotes them);
@@ -329,6 +341,18 @@ class FakeEngine:
         for g, blocks in enumerate(new):
             req.block_ids[g].extend(blocks)
         return tuple(new)
+
+    def _skip_window_blocks(self, req: SimRequest, num_tokens: int) -> None:
+        """vLLM's sliding-window rule (`SlidingWindowManager.get_num_skipped_tokens`): once
+        `num_tokens` are computed, the blocks wholly before the next token's window are freed
+        and point at the null block; nobody tells the connector."""
+        for g, spec in enumerate(self.groups):
+            if spec.kind is not GroupKind.SLIDING_WINDOW:
+                continue
+            ids = req.block_ids[g]
+            skipped = min(len(ids), max(0, num_tokens - spec.sliding_window + 1) // self.block_size)
+            self.pool.release_now(ids[:skipped])  # the null block among them is not counted
+            ids[:skipped] = [self.pool.null_block] * skipped
 
     def _cache_computed(self, req: SimRequest) -> None:
         self.pool.cache_blocks(req.block_hashes, req.block_ids, req.num_computed // self.block_size)

@@ -1,7 +1,9 @@
 """The fake engine's KV cache: real CPU tensors whose blocks hold a value that names their KV.
 
-Each KV-cache group has `num_layers` tensors of shape `(num_blocks, block_size, 2)` int64
-(block dimension first, like vLLM's CPU layout). Computing block j of a request writes, in
+There are `num_layers` tensors of shape `(num_blocks, block_size, 2)` int64 (block dimension
+first, like vLLM's CPU layout), and layer l of every KV-cache group is the same tensor: as in
+vLLM's hybrid KV cache, a block id names the same memory in every group, and the block pool
+hands each id to one group at a time. Computing block j of a request writes, in
 every element of the block's row of layer l, `content(block_hash_j, group) + l`. Reading
 checks the same value, so a block that holds another prefix's KV, another group's, another
 layer's, or nothing, is caught — whoever moved the bytes (the real `TransferEngine`).
@@ -26,8 +28,8 @@ class KVCache:
     """`num_groups` x `num_layers` tensors of `num_blocks` blocks."""
 
     def __init__(self, num_groups: int, num_blocks: int, block_size: int, num_layers: int = 2):
-        self.tensors = {f"g{g}.l{layer}": torch.zeros((num_blocks, block_size, 2), dtype=torch.int64)
-                        for g in range(num_groups) for layer in range(num_layers)}
+        shared = [torch.zeros((num_blocks, block_size, 2), dtype=torch.int64) for _ in range(num_layers)]
+        self.tensors = {f"g{g}.l{layer}": shared[layer] for g in range(num_groups) for layer in range(num_layers)}
         self.layer_groups = [[f"g{g}.l{layer}" for layer in range(num_layers)] for g in range(num_groups)]
         self._arrays = {name: t.numpy() for name, t in self.tensors.items()}  # views: numpy indexing costs less
         self._names: dict[int, str] = {0: "nothing (never written)"}  # content -> what it stands for
@@ -47,6 +49,12 @@ class KVCache:
             index, values = np.asarray(block_ids, dtype=np.int64), np.asarray(contents, dtype=np.int64)
             for layer, name in enumerate(self.layer_groups[group]):
                 self._arrays[name][index] = (values + layer)[:, None, None]
+
+    def check_unwritten(self, block_id: int, what: str) -> None:
+        """Raise `ContentMismatch` if block `block_id` of any group was ever written (the null block)."""
+        for name, array in self._arrays.items():
+            if array[block_id].any():
+                raise ContentMismatch(f"{what}: block {block_id} ({name}) was written; nothing may write it")
 
     def check(self, req_id: str, group: int, positions: Sequence[int], block_ids: Sequence[int],
               contents: Sequence[int]) -> None:
