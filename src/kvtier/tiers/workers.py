@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +34,15 @@ _Task = tuple[Callable[..., None], tuple] | None  # None: the thread's signal to
 
 
 class _Pool:
-    """`num_threads` daemon threads running tasks from one queue, first in first out."""
+    """`num_threads` daemon threads running tasks from one queue, first in first out.
+
+    The threads hold their `Workers` only while they run a task (a weak reference otherwise), so a
+    tier nobody closed ends its threads when it is collected, as `ThreadPoolExecutor` does.
+    """
 
     def __init__(self, num_threads: int, name: str, run: Callable[[Callable[..., None], tuple], None]):
         self._queue: queue.SimpleQueue[_Task] = queue.SimpleQueue()
-        self._run = run
+        self._run = weakref.WeakMethod(run)  # type: ignore[arg-type]
         self._threads = [threading.Thread(target=self._serve, name=f"{name}_{i}", daemon=True)
                          for i in range(num_threads)]
         for thread in self._threads:
@@ -59,7 +64,11 @@ class _Pool:
 
     def _serve(self) -> None:
         while (task := self._queue.get()) is not None:
-            self._run(*task)
+            run = self._run()
+            if run is None:
+                return  # the tier is gone
+            run(*task)
+            del run, task
 
 
 class Workers:
@@ -81,6 +90,7 @@ class Workers:
         self._readers = _Pool(num_read_threads, f"kvtier-{medium}-read", self._run)
         self._writers = _Pool(num_write_threads, f"kvtier-{medium}-write", self._run)
         self._housekeeper = _Pool(1, f"kvtier-{medium}-housekeep", self._run)
+        weakref.finalize(self, _stop_all, [self._readers, self._writers, self._housekeeper])
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
 
@@ -147,3 +157,8 @@ class Workers:
             self._logger.error("%s tier: %d I/O thread(s) still busy after %.0f s at shutdown; abandoned",
                                self.medium, stuck, timeout)
         return stuck == 0
+
+
+def _stop_all(pools: list[_Pool]) -> None:
+    for pool in pools:
+        pool.stop()
