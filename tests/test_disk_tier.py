@@ -588,6 +588,27 @@ def test_io_not_started_by_its_deadline_never_starts(make_tier):
     assert tier.lookup(key(1)) is HIT and load(tier, slab, keys(1)).failed_keys == frozenset()
 
 
+def test_a_failed_store_of_a_key_just_evicted_leaves_no_orphan_file(make_tier, monkeypatch):
+    """Found by the stack fuzzer. 1 is evicted (its file's deletion queued behind other writes)
+    and stored again at once: the deletion finds 1 being written and keeps the file for it. If
+    that store then fails (here: past its deadline; a full disk would too), 1's old file stayed
+    under its final name with no index entry: disk space nobody counts (the tier's `check()`
+    fails). A failed store removes what its key no longer owns."""
+    tier, slab = make_tier(capacity_files=2, num_write_threads=1), Slab(3, namespace())
+    store(tier, slab, keys(1, 2))
+    gate, real_write = threading.Event(), tier._files.write_tmp
+    monkeypatch.setattr(tier._files, "write_tmp", lambda *a: (gate.wait(10), real_write(*a))[1])
+    slab.fill(2, key(3))
+    tier.submit_store(slab.job(True, keys(3), [2]))  # evicts 1: its deletion queues behind 3's (held) write
+    late = dataclasses.replace(slab.job(True, keys(1), [0]), deadline=time.monotonic() - 1)
+    tier.submit_store(late)  # 1 again, reserved now, failing when it runs
+    gate.set()
+    assert tier.drain(10)
+    assert {r.job_id: r.failed_keys for r in tier.get_finished()}[late.job_id] == frozenset(keys(1))
+    tier.check()  # the index equals the directory
+    assert not chunk_path(tier, key(1)).exists()
+
+
 def test_a_read_stuck_in_the_kernel_does_not_hold_shutdown(make_tier, monkeypatch):
     """A stuck read (a dying disk, a hung NFS server) holds its thread; `close()` waits for it only
     so long, and keeps the directory descriptors it may still use open."""

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.base import LookupResult, OffloadingEvent
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InvariantError
 from kvtier.keys import OffloadKey
 from kvtier.tiers.disk_files import ChunkFiles, ScanResult
 from kvtier.tiers.disk_format import choose_direct_io
@@ -229,6 +229,10 @@ class DiskTier(SecondaryTier):
             self._index.give_back(key, ticket)  # a failed write gives its reservation back
             failure = None if published else kind or "discarded"
             self._book.chunk_done(state, key, nbytes if published else 0, direct, failure, self._generation)
+        if not published:
+            # the key may have been evicted just before this store reserved it, its old file kept
+            # for this store by the eviction's deletion: that file is nobody's now
+            self._unlink_if_absent(key, True)
 
     def _publish(self, key: OffloadKey, tmp: str, ticket: int) -> bool:
         """Rename `tmp` to `key`'s final name if the store still owns the key; READY on success."""
@@ -324,6 +328,23 @@ class DiskTier(SecondaryTier):
     def _sweep(self) -> None:
         for key in self._files.scan().keys:
             self._unlink_if_absent(key)
+
+    def check(self) -> None:
+        """Cross-check the index against the directory (tests and the stack fuzzer; only with no
+        job in flight, as python-diskcache's `check`).
+
+        Raises:
+            InvariantError: naming the first difference.
+        """
+        on_disk = set(self._files.scan().keys)
+        with self._lock:
+            index = self._index
+            if index.pending or index.pinned or index.busy:
+                raise InvariantError("disk tier: a key is still being written, read or renamed")
+            if not all(key in index.policy for key in on_disk):
+                raise InvariantError("disk tier: a chunk file the index does not hold")
+            if len(index.policy) != len(on_disk):
+                raise InvariantError("disk tier: an indexed key without its chunk file")
 
     # -- lifecycle --------------------------------------------------------------------------
 
