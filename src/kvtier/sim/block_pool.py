@@ -12,7 +12,7 @@ a request's positions outside a sliding window point at it instead of a block of
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 __all__ = ["BlockPool"]
@@ -92,6 +92,20 @@ class BlockPool:
             if self.refs[b] == 0:
                 self.free_blocks.append(b)
 
+    def check(self, held: Sequence[int]) -> None:
+        """Cross-check the pool against `held`, every block id the engine's requests hold (for tests).
+
+        Raises:
+            AssertionError: a free block is held or listed twice, a count of references is off,
+                or the null block was handed out.
+        """
+        free, null = self.free_blocks, self.null_block
+        counts = Counter(b for b in held if b != null)
+        if len(set(free)) != len(free) or any(counts[b] for b in free):
+            raise AssertionError("block pool: a free block is listed twice or held by a request")
+        if any(self.refs[b] != counts[b] for b in range(len(self.refs))) or null in free:
+            raise AssertionError("block pool: reference counts differ from what requests hold")
+
     def evictable(self, num_allocations: int) -> list[int]:
         """Cached blocks the next `num_allocations` block allocations (per group) would evict,
         first to go first (uncached free blocks are handed out before any cached one)."""
@@ -108,9 +122,10 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Drop every unused cached block (vLLM's reset_prefix_cache(reset_connector=False))."""
-        for blocks in self.cache.values():
-            self.free_blocks.extend(b for b in blocks if self.refs[b] == 0)
-        self.cache = OrderedDict((h, bs) for h, bs in self.cache.items() if any(self.refs[b] for b in bs))
+        refs = self.refs
+        for blocks in self.cache.values():  # an entry with a free block goes whole: its block is free now
+            self.free_blocks.extend(b for b in blocks if refs[b] == 0)
+        self.cache = OrderedDict((h, bs) for h, bs in self.cache.items() if all(refs[b] for b in bs))
         self._cached_blocks = {b for bs in self.cache.values() for b in bs}
 
     def _eviction_order(self):

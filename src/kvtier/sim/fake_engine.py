@@ -56,6 +56,7 @@ class SimRequest:
     num_external_tokens: int = 0
     num_lookups: int = 0
     is_finished: bool = False
+    awaits_first_schedule: bool = False  # its asynchronous load ended; not scheduled since
 
     @property
     def tokens(self) -> list[int]:
@@ -157,6 +158,11 @@ class FakeEngine:
         """Drop every unused cached block (vLLM's reset_prefix_cache(reset_connector=False))."""
         self.pool.reset_prefix_cache()
 
+    def check_blocks(self) -> None:
+        """Cross-check the block pool against the blocks the requests hold (tests, the stack fuzzer)."""
+        holders = [*self.running, *self.parked.values(), *(r for r in self.waiting if r.block_ids)]
+        self.pool.check([b for req in holders for ids in req.block_ids for b in ids])
+
     def close(self) -> None:
         """Stop the worker's copy threads and unlink the host slab (idempotent)."""
         if self.worker is not None:
@@ -183,7 +189,10 @@ class FakeEngine:
             new = self._grow(req, req.num_computed + n) if n > 0 else None
             if n > 0 and new is not None:
                 budget -= n
-                scheduled.append((req, n, _scheduled(req, new, False, n)))
+                is_first = req.awaits_first_schedule  # vLLM: a new request, with every block it holds
+                req.awaits_first_schedule = False
+                new = tuple(list(ids) for ids in req.block_ids) if is_first else new
+                scheduled.append((req, n, _scheduled(req, new, is_first, n)))
         for req in list(self.waiting):
             if budget <= 0:
                 break
@@ -274,6 +283,7 @@ class FakeEngine:
                 self._release_blocks(req)
                 self.waiting.insert(0, req)
             else:
+                req.awaits_first_schedule = True
                 self.running.append(req)
 
     # -- the "model" ------------------------------------------------------------------
