@@ -205,6 +205,25 @@ def test_an_expired_stores_slots_are_freed_only_after_the_workers_ran_the_step_t
     w.sched.manager.check()
 
 
+def test_a_request_preempted_in_the_step_its_store_expires_does_not_break_the_step():
+    """Found by the stack fuzzer: a job expired while the step is planned is failed, and released
+    only at the step's output; a preemption of its request in the same step must not look it up."""
+    clock = FakeClock()
+    w = TwoWorkers(clock)
+    sched = w.sched
+    assert sched.get_num_new_matched_tokens(view("S", w.hashes, 17), 0) == (0, False)
+    sched.update_state_after_alloc("S", ([0, 1, 2, 3, 4],), 0)
+    w.step([ScheduledRequest(req_id="S", new_block_ids=([0, 1, 2, 3, 4],), is_new_or_resumed=True,
+                             num_computed_tokens=0, num_scheduled_tokens=16)], deliver=(True, False),
+           compute=[0, 1, 2, 3])  # S's store: rank 1's report is lost
+    clock.now = 2.0  # the store expires in the next plan, which also reports S preempted
+    plan = sched.build_connector_meta(StepView([], preempted_req_ids={"S"}))
+    assert sched.stats.expired_jobs == 1 and not plan.flush_job_ids
+    sched.update_connector_output([])
+    assert sched.manager.stats().used_slots == 0
+    sched.manager.check()
+
+
 def test_a_late_report_of_an_expired_store_is_ignored():
     clock = FakeClock()
     w = TwoWorkers(clock)

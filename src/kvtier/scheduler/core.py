@@ -215,7 +215,8 @@ class OffloadScheduler:
         state = self._requests.get(req_id)
         if state is None:
             return
-        plan.flush_job_ids |= {j for j in state.transfer_jobs if not self._jobs[j].is_load}
+        # (a job expired in this very step is no longer in the book: it is failed, nothing to flush)
+        plan.flush_job_ids |= {j for j in state.transfer_jobs if j in self._jobs and not self._jobs[j].is_load}
         state.clear_block_ids()
         state.pending_load = None
 
@@ -393,6 +394,10 @@ class OffloadScheduler:
         else:
             state.req = req
         return state
+
+    def num_requests(self) -> int:
+        """Requests (and lazy mode's eviction owners) the scheduler still tracks (for tests)."""
+        return len(self._requests)
 
     def request_state(self, req_id: str) -> RequestOffloadState | None:
         """The live state of a request (for adapters and tests)."""

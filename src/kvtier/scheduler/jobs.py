@@ -47,6 +47,9 @@ class JobBook:
     def __getitem__(self, job_id: int) -> JobRecord:
         return self._records[job_id]
 
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._records
+
     def __len__(self) -> int:
         return len(self._records)
 
