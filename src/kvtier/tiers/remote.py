@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.credentials import redact
+from kvtier.errors import InvariantError
 from kvtier.keys import OffloadKey
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.namespace import Namespace
@@ -304,6 +305,21 @@ class RemoteTier(SecondaryTier):
 
     def drain(self, timeout: float) -> bool:
         return self._workers.drain(timeout)
+
+    def check(self) -> None:
+        """Every key the tier calls present exists in the store (tests and the stack fuzzer; only
+        with no job in flight and a server that kept its values: its own evictions or a restart
+        drop values legitimately).
+
+        Raises:
+            InvariantError: a phantom, a key that would answer HIT and then fail its load.
+        """
+        with self._cond:
+            known = list(self._keys)
+        found = self.store.exists([self.codec.name(k) for k in known]) if known else []
+        phantoms = [k for k, is_there in zip(known, found, strict=True) if not is_there]
+        if phantoms:
+            raise InvariantError(f"{self.medium} tier: {len(phantoms)} key(s) known present are not in the store")
 
     def close(self) -> None:
         if not self._prober.stop():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvtier.base import LookupResult
 from kvtier.keys import OffloadKey
@@ -38,6 +38,10 @@ class KnownKeys:
 
     def __contains__(self, key: OffloadKey) -> bool:
         return key in self._present
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        """The keys known present (least recently used first)."""
+        return iter(self._present)
 
     @property
     def has_queued(self) -> bool:

@@ -1,0 +1,165 @@
+"""The randomized full-stack checker (issue 20): random requests, resets and faults over the real
+kvtier stack, with its invariants checked after every step.
+
+    python benchmarks/fuzz_stack.py --minutes 30            # the long run
+    python benchmarks/fuzz_stack.py --minutes 2 --seed 7    # another walk
+    python benchmarks/fuzz_stack.py --mutation defect1      # with one of issue 20's defects put back
+
+Each configuration (`fuzz_stack_build.FuzzConfig`, drawn from the run's seed) builds the real
+stack — fake engine, `OffloadScheduler`, `TieredManager` (CPU tier in a shared-memory slab, a
+disk tier, a Redis tier on a real `redis-server`), `WorkerSide` and `TransferEngine` — takes
+`--steps` random actions (`fuzz_stack_driver`), checking the invariants of
+`fuzz_stack_checks` after each, then runs to a quiet end and checks the rest. A configuration
+that fails is reported with its seed and the action it failed at, and the run goes on with
+the next one. A hang is an action that did not end in `--hang-s` seconds (all threads'
+stacks are printed), or a bounded wait that ran out.
+
+Prints one line per configuration, then
+`RESULT steps=<n> configs=<n> mismatches=<n> hangs=<n> violations=<n> crashes=<n>` (steps:
+engine steps taken; mismatches: wrong KV bytes seen by a token; violations: any other
+invariant; crashes: an exception out of kvtier into the engine). With
+`--mutation`, it stops at the first failure and adds `found=<kind> after_steps=<n>`.
+Exit status 0 when nothing failed (or, with `--mutation`, when the defect was found).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import random
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fuzz_mutations import MUTATIONS, mutation
+from fuzz_stack_build import FuzzConfig, Stack
+from fuzz_stack_checks import Violation, check_quiet, check_step
+from fuzz_stack_driver import Driver, HangError
+from kvtier.sim import ContentMismatch
+from servers import RedisProcess
+
+__all__ = ["Outcome", "run_config", "run_fuzz"]
+
+
+@dataclass
+class Outcome:
+    """How one configuration ended: `kind` is None, "mismatch", "hang", "violation" or "crash"."""
+
+    config: FuzzConfig
+    num_steps: int
+    kind: str | None = None
+    detail: str = ""
+
+    def line(self) -> str:
+        verdict = "ok" if self.kind is None else f"{self.kind.upper()}: {self.detail}"
+        return f"{self.config.describe()} steps={self.num_steps} {verdict}"
+
+
+def run_config(config: FuzzConfig, redis: RedisProcess | None, num_actions: int) -> Outcome:
+    """Build the stack of `config`, walk it `num_actions` random actions, then to a quiet end."""
+    stack = Stack(config, redis.url if redis is not None else None)
+    driver = Driver(stack, random.Random(config.seed), redis)
+    outcome = Outcome(config, 0)
+    action = "build"
+    try:
+        for i in range(num_actions):
+            action = f"action {i}"
+            action += f" ({driver.act()})"
+            check_step(stack, driver.remote_kept_values)
+        action = "quiesce"
+        driver.quiesce()
+        check_step(stack, driver.remote_kept_values)
+        check_quiet(stack, driver.remote_kept_values)
+    except ContentMismatch as exc:
+        outcome.kind, outcome.detail = "mismatch", f"at {action}: {exc}"
+    except HangError as exc:
+        outcome.kind, outcome.detail = "hang", f"at {action}: {exc}"
+        faulthandler.dump_traceback(all_threads=True)
+    except Violation as exc:
+        outcome.kind, outcome.detail = "violation", f"at {action}: {exc}"
+    except Exception as exc:  # an engine-facing path raised: kvtier must never do that
+        outcome.kind = "crash"
+        outcome.detail = f"at {action}: {type(exc).__name__}: {exc} ({_where(exc)})"
+    finally:
+        outcome.num_steps = driver.num_steps
+        if redis is not None:
+            redis.resume()
+        stack.close()
+    return outcome
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of `exc` in kvtier's own code."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/kvtier/" in f.filename]
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+
+def _run_guarded(config: FuzzConfig, redis: RedisProcess | None, num_actions: int, hang_s: float) -> Outcome:
+    """`run_config` on a thread of its own; a configuration that does not end in time is a hang
+    (its thread is abandoned: daemon)."""
+    box: list[Outcome] = []
+    thread = threading.Thread(target=lambda: box.append(run_config(config, redis, num_actions)), daemon=True)
+    thread.start()
+    thread.join(hang_s)
+    if box:
+        return box[0]
+    faulthandler.dump_traceback(all_threads=True)
+    if redis is not None:
+        redis.resume()
+    return Outcome(config, 0, "hang", f"did not end in {hang_s:.0f} s (threads' stacks above)")
+
+
+def run_fuzz(*, seed: int, minutes: float | None = None, max_configs: int | None = None, num_actions: int = 300,
+             mutation_name: str | None = None, hang_s: float = 300.0, out=print) -> list[Outcome]:
+    """Run configurations drawn from `seed` until `minutes` pass or `max_configs` ran (or, with a
+    mutation, the first failure); returns their outcomes."""
+    deadline = None if minutes is None else time.monotonic() + 60 * minutes
+    rng, outcomes = random.Random(seed), []
+    with RedisProcess() as redis, mutation(mutation_name):
+        while (deadline is None or time.monotonic() < deadline) and (max_configs is None or
+                                                                     len(outcomes) < max_configs):
+            outcome = _run_guarded(FuzzConfig.draw(rng.randrange(1 << 31)), redis, num_actions, hang_s)
+            outcomes.append(outcome)
+            out(outcome.line())
+            if mutation_name is not None and outcome.kind is not None:
+                break
+    return outcomes
+
+
+def summary(outcomes: list[Outcome], mutation_name: str | None) -> str:
+    count = {kind: sum(o.kind == kind for o in outcomes) for kind in ("mismatch", "hang", "violation", "crash")}
+    line = (f"RESULT steps={sum(o.num_steps for o in outcomes)} configs={len(outcomes)} "
+            f"mismatches={count['mismatch']} hangs={count['hang']} violations={count['violation']} "
+            f"crashes={count['crash']}")
+    if mutation_name is not None:
+        failed = next((o for o in outcomes if o.kind is not None), None)
+        found = "none" if failed is None else failed.kind
+        line += f" mutation={mutation_name} found={found} after_steps={sum(o.num_steps for o in outcomes)}"
+    return line
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=None, help="run this long (default: 2, or --configs)")
+    parser.add_argument("--configs", type=int, default=None, help="run this many configurations at most")
+    parser.add_argument("--steps", type=int, default=300, help="random actions per configuration")
+    parser.add_argument("--seed", type=int, default=20, help="the run's seed (configurations derive from it)")
+    parser.add_argument("--mutation", choices=MUTATIONS, default=None, help="put one of issue 20's defects back")
+    parser.add_argument("--hang-s", type=float, default=300.0, help="a configuration longer than this is a hang")
+    parser.add_argument("--quick", action="store_true", help="2 minutes")
+    args = parser.parse_args()
+    minutes = 2.0 if args.quick or (args.minutes is None and args.configs is None) else args.minutes
+    outcomes = run_fuzz(seed=args.seed, minutes=minutes, max_configs=args.configs, num_actions=args.steps,
+                        mutation_name=args.mutation, hang_s=args.hang_s, out=lambda s: print(s, flush=True))
+    print(summary(outcomes, args.mutation), flush=True)
+    failed = any(o.kind is not None for o in outcomes)
+    return int(failed != (args.mutation is not None))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

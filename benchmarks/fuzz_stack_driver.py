@@ -1,0 +1,211 @@
+"""One configuration's random walk: the actions the stack fuzzer takes, and the faults it injects.
+
+`Driver(stack, rng, redis).act()` takes one action, drawn with fixed weights: add a request,
+step the engine (the most common), abort or preempt a request, empty the engine's own prefix
+cache, reset kvtier, let the tiers catch up, let time pass (job and deferral deadlines), or
+start a fault for a few steps. Requests share prefixes that end anywhere (mid-block,
+mid-chunk), repeat earlier prompts, or opt out of loading or storing. Faults: stores or loads
+delayed, stores stuck, loads failing, the disk full / failing reads / failing renames, the
+Redis server paused, or killed and started again empty. `quiesce()` ends every fault, runs
+every request to its end, then asks for earlier prompts again after emptying the engine's
+cache before each (so what kvtier stored is loaded and checked), and waits for the tiers. An
+`audit` does the same for one prompt while the walk goes on.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from fuzz_stack_build import BLOCK, FileFaults, Stack
+from servers import RedisProcess
+
+__all__ = ["Driver", "HangError"]
+
+_MAX_LIVE = 6  # requests in the engine at once at most
+_DRAIN_S = 10.0  # tier I/O on small chunks takes milliseconds: longer than this is a hang
+_ACTIONS = {"add": 3.0, "step": 6.0, "abort": 0.3, "preempt": 0.3, "engine_reset": 0.3, "kvtier_reset": 0.08,
+            "settle": 0.8, "time": 0.5, "fault": 0.4, "audit": 0.5}
+_MAX_REPLAYS = 40  # earlier prompts asked for again at the end, at most
+
+
+class HangError(RuntimeError):
+    """Something that must end in bounded time did not (a tier job, a close)."""
+
+
+@dataclass
+class _Fault:
+    name: str
+    until_step: int
+
+
+@dataclass
+class Driver:
+    stack: Stack
+    rng: random.Random
+    redis: RedisProcess | None
+    num_steps: int = 0  # engine steps taken
+    remote_kept_values: bool = True  # False once the Redis server was restarted empty
+    prompts: list[list[int]] = field(default_factory=list)
+    _faults: list[_Fault] = field(default_factory=list)
+    _next_id: int = 0
+
+    def __post_init__(self) -> None:
+        rng = self.rng
+        limit = self.max_tokens()
+        self._prefixes = [[rng.randrange(1, 1000) for _ in range(limit)] for _ in range(3)]
+
+    def max_tokens(self) -> int:
+        """Tokens of a request at most (prompt and output): half the engine's cache, so two fit
+        (every KV-cache group takes a block per position from one pool; one block is the null block)."""
+        config = self.stack.config
+        return ((config.num_blocks - 1) // (2 * len(config.groups()))) * BLOCK
+
+    # -- actions ----------------------------------------------------------------------------
+
+    def act(self) -> str:
+        action = self.rng.choices(list(_ACTIONS), weights=list(_ACTIONS.values()))[0]
+        getattr(self, f"_{action}")()
+        return action
+
+    def _add(self) -> None:
+        engine, rng = self.stack.engine, self.rng
+        if len(engine.waiting) + len(engine.running) + len(engine.parked) >= _MAX_LIVE:
+            return self._step()
+        new_tokens = rng.randint(1, 3)
+        if self.prompts and rng.random() < 0.3:
+            prompt = list(rng.choice(self.prompts))  # an earlier prompt again
+        else:
+            shared = rng.choice(self._prefixes)[: rng.randint(0, self.max_tokens() - 8)]
+            prompt = shared + [rng.randrange(1000, 2000) for _ in range(rng.randint(1, 2 * BLOCK + 1))]
+        prompt = prompt[: self.max_tokens() - new_tokens]
+        params = rng.choice([None] * 8 + [{"kvtier": {"store": False}}, {"kvtier": {"load": False}}])
+        self._next_id += 1
+        engine.add_request(f"r{self._next_id}", prompt, max_new_tokens=new_tokens, kv_transfer_params=params,
+                           cache_salt=rng.choice([None] * 9 + ["tenant-b"]))
+        self.prompts.append(prompt)
+        return None
+
+    def _step(self) -> None:
+        self.stack.engine.step()
+        self.stack.clock.now += 0.05
+        self.num_steps += 1
+        self._end_faults()
+
+    def _abort(self) -> None:
+        engine = self.stack.engine
+        live = [r.req_id for r in engine.waiting + engine.running] + list(engine.parked)
+        if live:
+            engine.abort(self.rng.choice(live))
+
+    def _preempt(self) -> None:
+        running = [r.req_id for r in self.stack.engine.running]
+        if running:
+            self.stack.engine.preempt(self.rng.choice(running))
+
+    def _audit(self) -> None:
+        """Empty the engine's cache and ask for an earlier prompt again: what kvtier holds of it is
+        loaded, and every block checked, before it can be evicted unseen."""
+        if self.prompts:
+            self.stack.engine.reset_prefix_cache()
+            self._add_prompt(list(self.rng.choice(self.prompts)), "audit")
+
+    def _add_prompt(self, prompt: list[int], name: str) -> None:
+        self._next_id += 1
+        self.stack.engine.add_request(f"{name}{self._next_id}", prompt, max_new_tokens=1)
+
+    def _engine_reset(self) -> None:
+        self.stack.engine.reset_prefix_cache()
+
+    def _kvtier_reset(self) -> None:
+        self.stack.scheduler.reset_cache()
+
+    def _settle(self) -> None:
+        """Let the tiers catch up. A paused server holds its tier's jobs until their timeouts, and a
+        reset's sweep until the server answers again (retried, by design): only the end of the
+        pause lets that drain, so it is not a hang."""
+        is_paused = self.redis is not None and self.redis.is_paused
+        if not self.stack.drain(1.0 if is_paused else _DRAIN_S) and not is_paused:
+            raise HangError(f"tier jobs still running after {_DRAIN_S:.0f} s")
+
+    def _time(self) -> None:
+        self.stack.clock.now += self.rng.choice([0.3, 1.0, 2.5])
+
+    def _fault(self) -> None:
+        stack, rng = self.stack, self.rng
+        names = ["store_delay", "load_delay", "stuck_stores", "fail_load"]
+        names += [f"disk_{mode}" for mode in FileFaults.MODES] if stack.disk is not None else []
+        names += ["redis_pause", "redis_restart"] if stack.remote is not None and self.redis is not None else []
+        name = rng.choice(names)
+        if any(f.name == name for f in self._faults):
+            return
+        self._start(name)
+        self._faults.append(_Fault(name, self.num_steps + rng.randint(1, 6)))
+
+    # -- faults -----------------------------------------------------------------------------
+
+    def _start(self, name: str) -> None:
+        faults, rng = self.stack.engine.faults, self.rng
+        if name == "store_delay":
+            faults.store_delay_steps = rng.randint(1, 2)
+        elif name == "load_delay":
+            faults.load_delay_steps = rng.randint(1, 2)
+        elif name == "stuck_stores":
+            faults.stuck_stores = True
+        elif name == "fail_load":
+            seed = rng.randrange(1 << 30)
+            faults.fail_load = lambda job: random.Random(seed ^ job.job_id).random() < 0.5
+        elif name.startswith("disk_"):
+            self.stack.file_faults.mode = name.removeprefix("disk_")
+        elif name == "redis_pause":
+            self.redis.pause()
+        elif name == "redis_restart":
+            self.redis.stop()
+            self.redis.start()
+            self.remote_kept_values = False
+
+    def _stop(self, name: str) -> None:
+        faults = self.stack.engine.faults
+        if name == "store_delay":
+            faults.store_delay_steps = 0
+        elif name == "load_delay":
+            faults.load_delay_steps = 0
+        elif name == "stuck_stores":
+            faults.stuck_stores = False
+        elif name == "fail_load":
+            faults.fail_load = lambda job: False
+        elif name.startswith("disk_"):
+            self.stack.file_faults.mode = None
+        elif name == "redis_pause":
+            self.redis.resume()
+
+    def _end_faults(self, everything: bool = False) -> None:
+        for fault in [f for f in self._faults if everything or f.until_step <= self.num_steps]:
+            self._stop(fault.name)
+            self._faults.remove(fault)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def quiesce(self) -> None:
+        """End every fault, finish every request, ask for earlier prompts again, drain the tiers."""
+        self._end_faults(everything=True)
+        engine = self.stack.engine
+        self._run_all()
+        distinct = list({tuple(p): p for p in self.prompts}.values())
+        for prompt in self.rng.sample(distinct, min(_MAX_REPLAYS, len(distinct))):
+            engine.reset_prefix_cache()  # kvtier, not the engine's cache, serves what it holds
+            self._settle()  # what was written is there to be found
+            self._add_prompt(prompt, "again")
+            self._run_all()
+        self._settle()
+        self.stack.clock.now += 10.0  # past every deadline: jobs a worker never reported expire
+        self._run_all(at_least=2)
+        self._settle()
+
+    def _run_all(self, at_least: int = 0) -> None:
+        engine = self.stack.engine
+        for i in range(5000):
+            if i >= at_least and not (engine.waiting or engine.running or engine.parked):
+                return
+            self._step()
+        raise HangError("requests still unfinished after 5000 steps")
