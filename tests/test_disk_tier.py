@@ -470,6 +470,21 @@ def test_engines_with_the_same_pid_never_share_a_temporary_or_spare_name(make_ti
     assert first._files._unique_suffix() != second._files._unique_suffix()
 
 
+def test_a_tier_starting_beside_another_in_the_same_process_leaves_its_writes_alone(make_tier):
+    """Two tiers of one process share a directory (found in review): the second one's start-up scan
+    took the first one's temporary file in flight for a dead process's (same pid) and deleted it."""
+    first, slab = make_tier(), Slab(1, namespace())
+    writing, go, real_write = threading.Event(), threading.Event(), first._files.format.write
+    first._files.format.write = lambda *a: (writing.set(), go.wait(10), real_write(*a))[2]
+    slab.fill(0, key(1))
+    first.submit_store(slab.job(True, keys(1), [0]))
+    assert writing.wait(5)
+    make_tier()  # its start-up scan runs while the first tier's file is half written
+    go.set()
+    assert first.drain(10) and first.get_finished()[0].failed_keys == frozenset()
+    assert load(first, slab, keys(1)).failed_keys == frozenset() and slab.holds(0, key(1))
+
+
 def test_a_young_temp_file_of_another_container_is_left_to_its_writer(make_tier, tmp_path):
     """Another container's writer is invisible to this one's pid table: its temporary file is
     abandoned only once it is old, never because its pid does not exist here."""
@@ -607,6 +622,18 @@ def test_a_failed_store_of_a_key_just_evicted_leaves_no_orphan_file(make_tier, m
     assert {r.job_id: r.failed_keys for r in tier.get_finished()}[late.job_id] == frozenset(keys(1))
     tier.check()  # the index equals the directory
     assert not chunk_path(tier, key(1)).exists()
+
+
+def test_a_failed_store_never_deletes_the_file_another_engine_wrote(make_tier):
+    """Two engines share a directory. A store of 1 by the first one fails (past its deadline):
+    1's file is the second engine's, which serves it — the failed store must leave it alone
+    (review of the fix above: deleting what the key no longer owns in this tier deleted it)."""
+    first, second, slab = make_tier(), make_tier(), Slab(1, namespace())
+    store(second, slab, keys(1))
+    late = dataclasses.replace(slab.job(True, keys(1), [0]), deadline=time.monotonic() - 1)
+    assert run(first, late).failed_keys == frozenset(keys(1))
+    assert chunk_path(second, key(1)).exists()
+    assert load(second, slab, keys(1)).failed_keys == frozenset() and slab.holds(0, key(1))
 
 
 def test_a_read_stuck_in_the_kernel_does_not_hold_shutdown(make_tier, monkeypatch):

@@ -209,7 +209,7 @@ class DiskTier(SecondaryTier):
             self._book.emit(victims, removed=True)
             self._book.start(state, len(tasks), self._generation)
         for key in victims:
-            self._workers.write(self._unlink_if_absent, key, True)
+            self._workers.write(self._unlink_if_absent, key, True, True)
         for task in tasks:
             self._workers.write(self._store_one, state, *task)
 
@@ -229,9 +229,10 @@ class DiskTier(SecondaryTier):
             self._index.give_back(key, ticket)  # a failed write gives its reservation back
             failure = None if published else kind or "discarded"
             self._book.chunk_done(state, key, nbytes if published else 0, direct, failure, self._generation)
-        if not published:
-            # the key may have been evicted just before this store reserved it, its old file kept
-            # for this store by the eviction's deletion: that file is nobody's now
+        if not published and self._take_left_file(key):
+            # this tier evicted the key just before this store reserved it, and the eviction left
+            # the old file for this store to replace: it is nobody's now (a file another engine
+            # sharing the directory wrote is never deleted here)
             self._unlink_if_absent(key, True)
 
     def _publish(self, key: OffloadKey, tmp: str, ticket: int) -> bool:
@@ -263,9 +264,26 @@ class DiskTier(SecondaryTier):
         self._files.unlink(key)  # reset() came during the rename: this file must not survive it
         return False
 
-    def _unlink_if_absent(self, key: OffloadKey, keep_as_spare: bool = False) -> None:
-        """Delete `key`'s file unless the key is READY or being written again by then."""
-        if not self._index.claim(key, lambda: not self._index.holds(key)):
+    def _take_left_file(self, key: OffloadKey) -> bool:
+        with self._lock:
+            if key not in self._index.left_for_store or self._index.holds(key):
+                return False
+            self._index.left_for_store.discard(key)
+            return True
+
+    def _unlink_if_absent(self, key: OffloadKey, keep_as_spare: bool = False, evicted: bool = False) -> None:
+        """Delete `key`'s file unless the key is READY or being written again by then (an evicted
+        key's file is then left to that store, and noted: see `_store_one`)."""
+        index = self._index
+
+        def may_change() -> bool:  # called with the lock held
+            if not index.holds(key):
+                return True
+            if evicted and key in index.pending:
+                index.left_for_store.add(key)
+            return False
+
+        if not index.claim(key, may_change):
             return
         try:
             (self._files.retire if keep_as_spare else self._files.unlink)(key)

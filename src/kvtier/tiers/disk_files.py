@@ -12,7 +12,8 @@ different containers share a directory with pids that may be equal (each is pid 
 own namespace), and a spare renamed over another engine's temporary file in flight would
 publish the wrong file (issue 20, S4). `<writer>` is 8 hex characters naming the host and
 pid namespace, then 8 random ones. A temporary file is abandoned (removed by a scan) when
-its writer is known dead — same host and pid namespace, and its pid is gone or now ours —
+its writer is known dead — same host and pid namespace, and its pid is gone, or is ours but
+the file is older than this process —
 or when it is older than `TMP_MAX_AGE_S`; a writer in another pid namespace cannot be seen,
 so only age tells.
 
@@ -261,7 +262,9 @@ class ChunkFiles:
         if writer == self._writer or writer[:8] != _PID_NAMESPACE:
             return too_old  # ours (in flight), or another container's: its pid means nothing here
         pid = int(pid_text)
-        return pid == os.getpid() or not _is_alive(pid) or too_old  # our pid: its earlier owner is dead
+        if pid == os.getpid():  # another tier of this process, or a dead process that had our pid
+            return entry.stat(follow_symlinks=False).st_mtime_ns < _PROCESS_STARTED_NS or too_old
+        return not _is_alive(pid) or too_old
 
     def _open_tmp(self, hh_fd: int, tmp: str, direct: bool) -> int:
         """A file named `tmp` in `hh_fd` to write, of mode `file_mode`: a spare renamed there, else a new file."""
@@ -327,6 +330,7 @@ def _pid_namespace() -> str:
 
 
 _PID_NAMESPACE = _pid_namespace()
+_PROCESS_STARTED_NS = time.time_ns()  # (about) when this process started: its tiers write after it
 
 
 def _is_alive(pid: int) -> bool:

@@ -54,6 +54,9 @@ class DiskIndex:
         self.pending: dict[OffloadKey, int] = {}
         self.pinned: dict[OffloadKey, int] = {}
         self.busy: set[OffloadKey] = set()
+        # keys whose old file this tier's own eviction left to the store writing them again (that
+        # store's rename replaces it; if the store fails, the file is this tier's to delete)
+        self.left_for_store: set[OffloadKey] = set()
         self._policy_spec, self._cond = policy_spec, cond
         self._tickets = itertools.count(1)
 
@@ -120,6 +123,7 @@ class DiskIndex:
             return False
         del self.pending[key]
         self.policy.insert([key])
+        self.left_for_store.discard(key)  # the rename replaced the old file
         return True
 
     # -- final names --------------------------------------------------------------------------
@@ -167,3 +171,4 @@ class DiskIndex:
         self.policy.clear()
         self.pending.clear()
         self.pinned.clear()
+        self.left_for_store.clear()
