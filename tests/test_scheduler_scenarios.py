@@ -260,6 +260,21 @@ def test_a_window_store_never_reads_blocks_the_engine_freed():
     serve(engine, "A2", prompt(20)[:8] + [1])  # a request on A's first chunk: what was stored is checked
 
 
+def test_a_window_load_covers_the_tokens_the_engine_retains_before_the_window():
+    """vLLM keeps `extra_retained_tokens` before a window (multi-token-prediction drafts re-prefill
+    them) and counts them computed: kvtier must load them too (found in review: it assumed the bare
+    window, so vLLM kept a block nobody loaded). Window 8 + 4 retained tokens, loading 16 tokens:
+    blocks 1..3 are the engine's, block 0 its null block."""
+    window = GroupSpec(GroupKind.SLIDING_WINDOW, 4, 2, sliding_window=8, extra_retained_tokens=4)
+    assert (window.num_skipped_blocks(16), window.first_needed_chunk(2)) == (1, 0)
+    engine = make_engine(groups=(GroupSpec(GroupKind.FULL, 4, 2), window), num_blocks=64)
+    serve(engine, "A", prompt(17))
+    engine.reset_prefix_cache()
+    assert serve(engine, "B", prompt(17) + [3]).num_external_tokens == 16
+    part = engine.transfer.loads[-1].parts[1]
+    assert part.skip_blocks == 1 and len(part.block_ids) == 4  # chunk 0 from its block 1, and chunk 1
+
+
 def test_sliding_window_suffix_scan_lowers_the_boundary():
     groups = (GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8))
     engine = make_engine(groups=groups, num_blocks=128)

@@ -25,6 +25,9 @@ class GroupSpec:
         tokens_per_block: the engine's block size for this group.
         blocks_per_chunk: engine blocks per offloaded chunk.
         sliding_window: window in tokens (SLIDING_WINDOW groups only).
+        extra_retained_tokens: tokens before the window the engine keeps too (vLLM's
+            `SlidingWindowSpec.extra_retained_tokens`: multi-token-prediction drafts re-prefill
+            them); kvtier loads them and counts them out of the skipped blocks.
         reason: why kvtier cannot serve an UNSUPPORTED group (logged at start).
     """
 
@@ -33,6 +36,7 @@ class GroupSpec:
     blocks_per_chunk: int = 1
     sliding_window: int | None = None
     reason: str = ""  # UNSUPPORTED groups: why, for the warning at start
+    extra_retained_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0 or self.blocks_per_chunk <= 0:
@@ -41,6 +45,8 @@ class GroupSpec:
             raise ConfigError("sliding_window (tokens) is required for, and only for, SLIDING_WINDOW groups")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be a positive number of tokens, got {self.sliding_window}")
+        if self.extra_retained_tokens < 0 or (self.extra_retained_tokens and self.sliding_window is None):
+            raise ConfigError("extra_retained_tokens must be >= 0, and only a SLIDING_WINDOW group has any")
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -52,7 +58,12 @@ class GroupSpec:
         so kvtier never writes nor reads them. 0 for other groups."""
         if self.sliding_window is None:
             return 0
-        return max(0, num_tokens - self.sliding_window + 1) // self.tokens_per_block
+        return max(0, num_tokens - self._kept_tokens + 1) // self.tokens_per_block
+
+    @property
+    def _kept_tokens(self) -> int:
+        """Tokens of KV a sliding-window group keeps behind the next token (window + retained)."""
+        return (self.sliding_window or 0) + self.extra_retained_tokens
 
     def first_needed_chunk(self, num_chunks: int) -> int:
         """First chunk whose KV this group needs to continue after `num_chunks` chunks.
@@ -62,7 +73,7 @@ class GroupSpec:
         """
         if self.sliding_window is None:
             return 0
-        return max(0, (num_chunks * self.tokens_per_chunk - (self.sliding_window - 1)) // self.tokens_per_chunk)
+        return max(0, (num_chunks * self.tokens_per_chunk - (self._kept_tokens - 1)) // self.tokens_per_chunk)
 
 
 @dataclass(frozen=True, slots=True)

@@ -360,7 +360,8 @@ class FakeEngine:
             if spec.kind is not GroupKind.SLIDING_WINDOW:
                 continue
             ids = req.block_ids[g]
-            skipped = min(len(ids), max(0, num_tokens - spec.sliding_window + 1) // self.block_size)
+            kept = spec.sliding_window + spec.extra_retained_tokens
+            skipped = min(len(ids), max(0, num_tokens - kept + 1) // self.block_size)
             self.pool.release_now(ids[:skipped])  # the null block among them is not counted
             ids[:skipped] = [self.pool.null_block] * skipped
 

@@ -89,7 +89,8 @@ def group_spec(group: Any, blocks_per_chunk: int) -> GroupSpec:
         return GroupSpec(GroupKind.FULL, spec.block_size, blocks_per_chunk)
     if kind_name == "SlidingWindowSpec" and getattr(spec, "sliding_window", None):
         return GroupSpec(GroupKind.SLIDING_WINDOW, spec.block_size, blocks_per_chunk,
-                         sliding_window=spec.sliding_window)
+                         sliding_window=spec.sliding_window,
+                         extra_retained_tokens=int(getattr(spec, "extra_retained_tokens", 0) or 0))
     layers = list(getattr(group, "layer_names", ()))
     reason = f"{kind_name} (layers {layers[:3]}{'…' if len(layers) > 3 else ''}) is not a kind kvtier serves"
     return GroupSpec(GroupKind.UNSUPPORTED, spec.block_size, blocks_per_chunk, reason=reason)
