@@ -656,3 +656,18 @@ def test_a_read_stuck_in_the_kernel_does_not_hold_shutdown(make_tier, monkeypatc
     tier.close()
     assert time.monotonic() - started < 5
     release.set()
+
+
+def test_a_tier_nobody_closed_ends_its_threads_when_collected(tmp_path):
+    """Tiers in tests and scripts are dropped unclosed; their threads (the rescan timer too) must
+    not outlive them (found in review: the timer held the tier)."""
+    import gc
+
+    tier = DiskTier(tmp_path / "disk", namespace(), 8 * FILE, rescan_s=0.05)
+    assert tier.wait_scanned(5)
+    del tier
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("kvtier-disk") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("kvtier-disk")]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable
 
@@ -50,7 +51,9 @@ class ProbeThread:
                  failed: Callable[[Exception, str], str], log: RateLimitedLog, probe_batch: int):
         self._cond, self._keys, self._store, self._name = cond, keys, store, name
         self._breaker, self._reset, self._counters = breaker, reset, counters
-        self._failed, self._log, self._probe_batch = failed, log, probe_batch
+        # the tier's method, held weakly: a tier nobody closed ends this thread when it is collected
+        self._failed = weakref.WeakMethod(failed)  # type: ignore[arg-type]
+        self._log, self._probe_batch = log, probe_batch
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"kvtier-{store.medium}-probe")
         self._thread.start()
@@ -73,7 +76,7 @@ class ProbeThread:
                 else:
                     self._cond.wait_for(lambda: self._stop or self._keys.has_queued or self._breaker.is_open,
                                         timeout=1.0)
-                if self._stop:
+                if self._stop or self._failed() is None:  # closed, or the tier is gone
                     return
                 batch = self._keys.take_queued(self._probe_batch)
                 generation = self._reset.generation
@@ -87,7 +90,9 @@ class ProbeThread:
         try:
             found = self._store.exists([self._name(k) for k in keys])
         except Exception as exc:
-            self._failed(exc, "existence probe")
+            failed = self._failed()
+            if failed is not None:
+                failed(exc, "existence probe")
             self._forget(keys)
             return
         self._breaker.record_success()

@@ -95,10 +95,17 @@ class Workers:
         self._timer: threading.Thread | None = None
 
     def every(self, period_s: float, fn: Callable[[], None]) -> None:
-        """Call `fn` on a thread of its own every `period_s` seconds until `close()`."""
+        """Call `fn` (a method of the tier) on a thread of its own every `period_s` seconds until
+        `close()`, or until the tier is collected (the thread holds it only while it calls `fn`)."""
+        stop, method = self._stop, weakref.WeakMethod(fn)  # type: ignore[arg-type]
+
         def loop() -> None:
-            while not self._stop.wait(period_s):
-                fn()
+            while not stop.wait(period_s):
+                call = method()
+                if call is None:
+                    return
+                call()
+                del call
 
         self._timer = threading.Thread(target=loop, daemon=True, name=f"kvtier-{self.medium}-timer")
         self._timer.start()
