@@ -624,6 +624,32 @@ def test_a_failed_store_of_a_key_just_evicted_leaves_no_orphan_file(make_tier, m
     assert not chunk_path(tier, key(1)).exists()
 
 
+def test_a_file_from_before_a_reset_never_outlives_a_failed_store_of_its_key(make_tier, monkeypatch):
+    """Found by the stack fuzzer: the reset's sweep found 1 being stored again and left its old file
+    to that store; the store failed (a full disk), and the file from before the reset stayed — the
+    next start would have served it."""
+    tier, slab = make_tier(), Slab(1, namespace())
+    store(tier, slab, keys(1))
+    sweep_may_scan, write_may_go = threading.Event(), threading.Event()
+    real_scan = tier._files.scan
+    monkeypatch.setattr(tier._files, "scan", lambda: (sweep_may_scan.wait(10), real_scan())[1])
+
+    def full_disk(*args):
+        write_may_go.wait(10)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tier._files, "write_tmp", full_disk)
+    tier.reset()  # its sweep waits to scan
+    tier.submit_store(slab.job(True, keys(1), [0]))  # 1 again, after the reset: its write waits
+    sweep_may_scan.set()  # the sweep finds 1 being written: leaves its old file to that store
+    assert tier.drain(0.3) is False  # (the write still waits)
+    write_may_go.set()  # the store fails
+    assert tier.drain(10)
+    assert tier.get_finished()[0].failed_keys == frozenset(keys(1))
+    assert not chunk_path(tier, key(1)).exists()
+    tier.check()
+
+
 def test_a_failed_store_never_deletes_the_file_another_engine_wrote(make_tier):
     """Two engines share a directory. A store of 1 by the first one fails (past its deadline):
     1's file is the second engine's, which serves it — the failed store must leave it alone

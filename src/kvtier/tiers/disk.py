@@ -209,7 +209,7 @@ class DiskTier(SecondaryTier):
             self._book.emit(victims, removed=True)
             self._book.start(state, len(tasks), self._generation)
         for key in victims:
-            self._workers.write(self._unlink_if_absent, key, True, True)
+            self._workers.write(self._unlink_if_absent, key, True)
         for task in tasks:
             self._workers.write(self._store_one, state, *task)
 
@@ -230,9 +230,9 @@ class DiskTier(SecondaryTier):
             failure = None if published else kind or "discarded"
             self._book.chunk_done(state, key, nbytes if published else 0, direct, failure, self._generation)
         if not published and self._take_left_file(key):
-            # this tier evicted the key just before this store reserved it, and the eviction left
-            # the old file for this store to replace: it is nobody's now (a file another engine
-            # sharing the directory wrote is never deleted here)
+            # this tier decided to delete the key's file (evicted, corrupt, reset) while this store
+            # had it reserved, and left it for the store to replace: it is nobody's now (a file
+            # another engine sharing the directory wrote is never deleted here)
             self._unlink_if_absent(key, True)
 
     def _publish(self, key: OffloadKey, tmp: str, ticket: int) -> bool:
@@ -271,15 +271,16 @@ class DiskTier(SecondaryTier):
             self._index.left_for_store.discard(key)
             return True
 
-    def _unlink_if_absent(self, key: OffloadKey, keep_as_spare: bool = False, evicted: bool = False) -> None:
-        """Delete `key`'s file unless the key is READY or being written again by then (an evicted
-        key's file is then left to that store, and noted: see `_store_one`)."""
+    def _unlink_if_absent(self, key: OffloadKey, keep_as_spare: bool = False) -> None:
+        """Delete `key`'s file unless the key is READY or being written again by then (the file is
+        then left to that store to replace, and noted: if the store fails, `_store_one` deletes it
+        — an evicted, corrupt or pre-reset file must not outlive the decision to delete it)."""
         index = self._index
 
         def may_change() -> bool:  # called with the lock held
             if not index.holds(key):
                 return True
-            if evicted and key in index.pending:
+            if key in index.pending:
                 index.left_for_store.add(key)
             return False
 

@@ -54,8 +54,8 @@ class DiskIndex:
         self.pending: dict[OffloadKey, int] = {}
         self.pinned: dict[OffloadKey, int] = {}
         self.busy: set[OffloadKey] = set()
-        # keys whose old file this tier's own eviction left to the store writing them again (that
-        # store's rename replaces it; if the store fails, the file is this tier's to delete)
+        # keys whose old file this tier decided to delete (evicted, corrupt, reset) but left to the
+        # store writing them again (its rename replaces it; if it fails, the file is this tier's to delete)
         self.left_for_store: set[OffloadKey] = set()
         self._policy_spec, self._cond = policy_spec, cond
         self._tickets = itertools.count(1)
