@@ -4,6 +4,7 @@ kvtier stack, with its invariants checked after every step.
     python benchmarks/fuzz_stack.py --minutes 30            # the long run
     python benchmarks/fuzz_stack.py --minutes 2 --seed 7    # another walk
     python benchmarks/fuzz_stack.py --mutation defect1      # with one of issue 20's defects put back
+    python benchmarks/fuzz_stack.py --config-seed 157866499 # again the configuration a failure named
 
 Each configuration (`fuzz_stack_build.FuzzConfig`, drawn from the run's seed) builds the real
 stack — fake engine, `OffloadScheduler`, `TieredManager` (CPU tier in a shared-memory slab, a
@@ -115,15 +116,20 @@ def _run_guarded(config: FuzzConfig, redis: RedisProcess | None, num_actions: in
 
 
 def run_fuzz(*, seed: int, minutes: float | None = None, max_configs: int | None = None, num_actions: int = 300,
-             mutation_name: str | None = None, hang_s: float = 300.0, out=print) -> list[Outcome]:
+             mutation_name: str | None = None, hang_s: float = 300.0, config_seed: int | None = None,
+             out=print) -> list[Outcome]:
     """Run configurations drawn from `seed` until `minutes` pass or `max_configs` ran (or, with a
-    mutation, the first failure); returns their outcomes."""
+    mutation, the first failure); `config_seed`: only the configuration a failure named. Returns
+    their outcomes."""
     deadline = None if minutes is None else time.monotonic() + 60 * minutes
     rng, outcomes = random.Random(seed), []
+    if config_seed is not None:
+        max_configs = 1
     with RedisProcess() as redis, mutation(mutation_name):
         while (deadline is None or time.monotonic() < deadline) and (max_configs is None or
                                                                      len(outcomes) < max_configs):
-            outcome = _run_guarded(FuzzConfig.draw(rng.randrange(1 << 31)), redis, num_actions, hang_s)
+            drawn = rng.randrange(1 << 31) if config_seed is None else config_seed
+            outcome = _run_guarded(FuzzConfig.draw(drawn), redis, num_actions, hang_s)
             outcomes.append(outcome)
             out(outcome.line())
             if mutation_name is not None and outcome.kind is not None:
@@ -151,11 +157,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=20, help="the run's seed (configurations derive from it)")
     parser.add_argument("--mutation", choices=MUTATIONS, default=None, help="put one of issue 20's defects back")
     parser.add_argument("--hang-s", type=float, default=300.0, help="a configuration longer than this is a hang")
+    parser.add_argument("--config-seed", type=int, default=None,
+                        help="run only the configuration of this seed (the `seed=` a failure printed)")
     parser.add_argument("--quick", action="store_true", help="2 minutes")
     args = parser.parse_args()
     minutes = 2.0 if args.quick or (args.minutes is None and args.configs is None) else args.minutes
     outcomes = run_fuzz(seed=args.seed, minutes=minutes, max_configs=args.configs, num_actions=args.steps,
-                        mutation_name=args.mutation, hang_s=args.hang_s, out=lambda s: print(s, flush=True))
+                        mutation_name=args.mutation, hang_s=args.hang_s, config_seed=args.config_seed,
+                        out=lambda s: print(s, flush=True))
     print(summary(outcomes, args.mutation), flush=True)
     failed = any(o.kind is not None for o in outcomes)
     return int(failed != (args.mutation is not None))
