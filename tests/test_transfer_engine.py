@@ -249,6 +249,7 @@ def test_a_load_into_a_block_waits_for_the_store_reading_it(gate):
 
 
 def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
+    before = set(threading.enumerate())  # other tests' tier threads may still be winding down
     engine = TransferEngine(random_kv("blocks_first", 1, 64, 16), 1, num_slots=64)
     engine.submit(store_job(0, [0], [0]))
     assert gate.reached.wait(5)  # job 0 is held mid-flight; the next 39 queue behind it
@@ -267,7 +268,8 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
     (late,) = engine.get_finished()
     assert not late.success and "shut down" in late.error
     assert engine.wait([99], timeout=1)
-    assert not any(t.name.startswith("kvtier-") and t.is_alive() for t in threading.enumerate())
+    started = set(threading.enumerate()) - before
+    assert not [t.name for t in started if t.name.startswith("kvtier-") and t.is_alive()]
 
 
 def test_slab_is_allocated_once_and_jobs_allocate_no_pages(monkeypatch):
