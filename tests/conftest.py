@@ -36,3 +36,11 @@ def _close_fake_engines():
     from sched_helpers import close_engines
 
     close_engines()
+
+
+@pytest.fixture(autouse=True)
+def _close_disk_tiers():
+    """Every disk tier `tier_helpers.make_tiered` made stops its threads when the test ends."""
+    yield
+    if "tier_helpers" in sys.modules:
+        sys.modules["tier_helpers"].close_made_disks()

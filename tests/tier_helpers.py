@@ -61,12 +61,23 @@ def make_slabs(num_slots: int, world_size: int = 1) -> list[np.ndarray]:
     return [np.zeros((num_slots, SLOT_BYTES), dtype=np.uint8) for _ in range(world_size)]
 
 
+_made_disks: list[DiskTier] = []
+
+
+def close_made_disks() -> None:
+    """Stop the disk tiers `make_tiered` made (conftest calls it after each test): their threads
+    would otherwise live on until the garbage collector finds the tier."""
+    while _made_disks:
+        _made_disks.pop().close()
+
+
 def make_tiered(tmp_path, num_slots: int = 4, disk_chunks: int = 16, world_size: int = 1, policy: str = "lru",
                 rules: TierRules | None = None, held: bool | str = False,
                 **kwargs) -> tuple[TieredManager, list[np.ndarray]]:
     """A TieredManager over a real disk tier; `held`: True holds the tier's jobs (see `HeldTier`),
     "loads" only its reads."""
     disk = DiskTier(tmp_path / "disk", namespace(world_size), disk_chunks * (SLOT_BYTES * world_size + 4096))
+    _made_disks.append(disk)
     assert disk.wait_scanned(5.0)
     tier: SecondaryTier = HeldTier(disk, hold_stores=held != "loads") if held else disk
     slabs = make_slabs(num_slots, world_size)
