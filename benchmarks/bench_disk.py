@@ -44,9 +44,9 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.policies import make_policy
-from kvtier.tiers.disk import DiskTier
+from kvtier.slab import HostSlab
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.slab import HostSlab
 from tier_driver import bench_key, run_jobs
 
 CHUNK_SIZES = (1 << 20, 2 << 20, 4 << 20)

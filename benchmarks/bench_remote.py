@@ -53,8 +53,8 @@ import xxhash
 from blake3 import blake3
 
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.redis import RedisStore
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.redis import RedisStore
+from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import HEADER_BYTES
 from servers import redis_server
 from tier_driver import run_jobs

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim import FakeEngine
-from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.cpu.manager import CPUTierManager
 from mooncake import DEFAULT_TRACE, TraceRequest, load_trace
 
 BLOCK = 16

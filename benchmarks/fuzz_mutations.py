@@ -22,9 +22,9 @@ from collections.abc import Iterable, Iterator
 
 from kvtier.keys import OffloadKey
 from kvtier.scheduler import core, lazy
-from kvtier.tiers.cpu import CPUTierManager
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.cpu.manager import CPUTierManager
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.remote.tier import RemoteTier
 
 __all__ = ["MUTATIONS", "mutation"]
 

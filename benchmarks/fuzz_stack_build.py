@@ -26,11 +26,11 @@ from kvtier.scheduler import GroupKind, GroupSpec, OffloadScheduler, SchedulerOf
 from kvtier.sim import FakeEngine, KVCache
 from kvtier.sim.fake_engine import make_slab
 from kvtier.tiers.cascade import TierRules
-from kvtier.tiers.cpu import CPUTierManager
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.cpu.manager import CPUTierManager
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.redis import RedisStore
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.redis import RedisStore
+from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.tiered import TieredManager
 
 __all__ = ["BLOCK", "FileFaults", "FakeClock", "FuzzConfig", "Stack"]

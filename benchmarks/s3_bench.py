@@ -10,7 +10,7 @@ one `weed mini` started here (benchmarks/s3_server_bench.py, loopback, a tempora
 - RemoteTier on an S3Store: store and load jobs of 8 keys from / into numpy rows, 8 jobs in
   flight, `io_threads=4`: with the value header, the xxh3 checksums and the slab copies.
 - `--boto3`: boto3 too, without payload signing or checksums (the client comparison that
-  chose obstore; see kvtier.tiers.s3).
+  chose obstore; see kvtier.tiers.remote.s3).
 
 Beside each GB/s: this process's CPU seconds per GB meanwhile. The server shares the 2 cores
 and is the bottleneck of every put (~0.25 GB/s), so a client's CPU is taken from it. The
@@ -44,8 +44,8 @@ from obstore.store import S3Store as ObjectStore
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.remote import RemoteTier
-from kvtier.tiers.s3 import S3Store
+from kvtier.tiers.remote.s3 import S3Store
+from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import HEADER_BYTES
 from s3_server_bench import SeaweedFS  # benchmarks/ is not a package: on sys.path above
 from tier_driver import run_jobs

@@ -88,7 +88,7 @@ def chunk_files(root: Path) -> list[Path]:
 
 def disk_leftovers(root: Path) -> tuple[int, dict[str, str]]:
     """(temporary files, {bad chunk file: why}) under a disk tier root, by `kvtier inspect`'s pass."""
-    from kvtier.cli_inspect import inspect_namespace, namespace_dirs
+    from kvtier.cli.inspect import inspect_namespace, namespace_dirs
 
     num_tmp, bad = 0, {}
     for directory in namespace_dirs(root):

@@ -83,7 +83,7 @@ class EngineSpec:
             return [KVTIER, "vllm", "serve", str(self.model), *vllm]
         if self.connector is None:  # what users run: kvtier's flags
             return [KVTIER, "serve", str(self.model), *vllm, *_flags(self.kvtier)]
-        from kvtier.cli_config import transfer_config
+        from kvtier.cli.config import transfer_config
 
         config = {**transfer_config(self.kvtier), "kv_connector": self.connector,
                   "kv_connector_module_path": "kvtier_fault_connector"}

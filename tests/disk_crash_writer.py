@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import TierJob
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim import FakeEngine
-from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.cpu.manager import CPUTierManager
 
 
 @dataclass

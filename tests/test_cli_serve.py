@@ -141,7 +141,7 @@ def test_no_kvtier_flag_shadows_a_vllm_serve_option():
     from vllm.entrypoints.cli.serve import cmd_init
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from kvtier.cli import build_parser
+    from kvtier.cli.main import build_parser
 
     vllm_parser = FlexibleArgumentParser()
     (serve_cmd,) = cmd_init()
@@ -153,7 +153,7 @@ def test_no_kvtier_flag_shadows_a_vllm_serve_option():
     # and the JSON it builds is a KVTransferConfig vLLM accepts
     from vllm.config import KVTransferConfig
 
-    from kvtier.cli_config import transfer_config
+    from kvtier.cli.config import transfer_config
 
     config = KVTransferConfig(**transfer_config({"cpu_bytes": "1GiB"}))
     assert config.kv_connector == "KVTierConnector" and config.kv_load_failure_policy == "recompute"

@@ -26,8 +26,8 @@ from helpers import key, keys, nums
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.errors import ConfigError
 from kvtier.tiers import workers
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_files import ChunkFiles
+from kvtier.tiers.disk.files import ChunkFiles
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import TierJob, TierResult
 from tier_helpers import disk_tiers

@@ -33,9 +33,9 @@ from kvtier.base import LookupResult
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.scheduler import OffloadParams, parse_kv_transfer_params
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import _HEADER_CHECK, _LAYOUT, HEADER_BYTES, SecondaryTier
 from sched_helpers import make_engine, prompt
 from tier_jobs import Slab, load, store
@@ -368,7 +368,7 @@ def remote_damage_test(tier: RemoteTier, edit_list: list[tuple]) -> None:
 
 @pytest.fixture
 def redis_tier(redis_server):
-    from kvtier.tiers.redis import RedisStore
+    from kvtier.tiers.remote.redis import RedisStore
 
     tier = RemoteTier(RedisStore(redis_server.ready().url), namespace(f"fuzz-{time.monotonic_ns()}"))
     yield tier
@@ -386,7 +386,7 @@ def test_a_damaged_redis_value_is_never_served(redis_tier, edit_list):
 
 @pytest.fixture
 def s3_tier(s3_server):
-    from kvtier.tiers.s3 import S3Store
+    from kvtier.tiers.remote.s3 import S3Store
 
     store_ = S3Store(s3_server.endpoint, s3_server.bucket, access_key_id=s3_server.access_key_id,
                      secret_access_key=s3_server.secret_access_key)
@@ -421,7 +421,7 @@ def reforge(value: bytes, mask: int) -> bytes:
 
 @pytest.fixture
 def keyed_redis_tier(redis_server):
-    from kvtier.tiers.redis import RedisStore
+    from kvtier.tiers.remote.redis import RedisStore
 
     tier = RemoteTier(RedisStore(redis_server.ready().url), namespace(f"fuzz-keyed-{time.monotonic_ns()}"),
                       key_secret=b"fuzz deployment secret, 32 bytes")

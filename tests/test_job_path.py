@@ -28,7 +28,7 @@ from kvtier.scheduler import (
 )
 from kvtier.sim import KVCache
 from kvtier.sim.faults import Faults, SimTransferEngine
-from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.worker import WorkerSide
 from sched_helpers import FakeClock, close_after_test, make_engine, prompt
 

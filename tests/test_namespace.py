@@ -20,7 +20,7 @@ import pytest
 
 from helpers import key
 from kvtier.base import LookupResult
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from tier_jobs import Slab, store
 from vllm_helpers import write_small_llama

@@ -18,8 +18,8 @@ from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.redis import RedisStore
-from kvtier.tiers.redis_wire import read_replies
+from kvtier.tiers.remote.redis import RedisStore
+from kvtier.tiers.remote.redis_wire import read_replies
 from redis_servers import ACL_PASSWORD, ACL_USER
 
 KiB = 1 << 10

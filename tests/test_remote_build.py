@@ -10,11 +10,11 @@ import pytest
 
 from helpers import keys
 from kvtier.base import LookupResult
+from kvtier.build import secondary_tiers
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
-from kvtier.tiers.build import secondary_tiers
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.tier import RemoteTier
 from redis_servers import RedisServer, free_port
 
 PLANTED = "planted-secret-7f3a9c"  # must never appear in a log line or an error

@@ -17,10 +17,10 @@ import pytest
 
 from helpers import keys
 from kvtier.base import LookupResult
-from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.remote import RemoteTier
-from kvtier.tiers.remote_store import RemoteStore
+from kvtier.tiers.remote.breaker import CircuitBreaker
+from kvtier.tiers.remote.store import RemoteStore
+from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import HEADER_BYTES, ValueHeader, checksum
 from tier_jobs import Slab, load, store
 
@@ -46,12 +46,12 @@ def answer(tier: RemoteTier, key: bytes, timeout: float = 5.0) -> LookupResult:
 def backend(request):
     """(the server's fixture object, a function that builds a fresh RemoteStore on it)."""
     if request.param == "s3":
-        from kvtier.tiers.s3 import S3Store
+        from kvtier.tiers.remote.s3 import S3Store
 
         server = request.getfixturevalue("s3_server")  # shared: each test's names use a namespace of its own
         return server, lambda **kw: S3Store(server.endpoint, server.bucket, access_key_id=server.access_key_id,
                                             secret_access_key=server.secret_access_key, **kw)
-    from kvtier.tiers.redis import RedisStore
+    from kvtier.tiers.remote.redis import RedisStore
 
     fixture = {"redis": "redis_server"}.get(request.param, request.param)
     server = request.getfixturevalue(fixture).ready()  # running (after a fault test) and empty
@@ -282,7 +282,7 @@ class Gate:
 def held_redis_store():
     """A real RedisStore whose listing (before its first name), puts (after writing) and reads
     (after receiving) can each be held once by arming its gate."""
-    from kvtier.tiers.redis import RedisStore
+    from kvtier.tiers.remote.redis import RedisStore
 
     class HeldRedisStore(RedisStore):
         def __init__(self, *args, **kwargs) -> None:

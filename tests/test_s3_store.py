@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.s3 import S3Store, S3StoreError
+from kvtier.tiers.remote.s3 import S3Store, S3StoreError
 
 _prefixes = itertools.count()
 

@@ -25,21 +25,21 @@ import pytest
 
 from helpers import key, keys
 from kvtier.base import LookupResult
-from kvtier.cli_output import EngineLogs
+from kvtier.build import secondary_tiers
+from kvtier.cli.output import EngineLogs
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import make_offload_key
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim import FakeEngine, KVCache
 from kvtier.sim.fake_engine import make_slab
-from kvtier.tiers.build import secondary_tiers
+from kvtier.slab import HostSlab
 from kvtier.tiers.cascade import TierRules
-from kvtier.tiers.cpu import CPUTierManager
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.cpu.manager import CPUTierManager
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import SecondaryTier
-from kvtier.tiers.slab import HostSlab
 from kvtier.tiers.tiered import TieredManager
 from redis_servers import ACL_USER
 from sched_helpers import FakeClock, prompt
@@ -538,11 +538,11 @@ def disk_at(path: Path) -> TierMaker:
 
 def remote_on(backend: str, request, key_secret: bytes | None = None) -> TierMaker:
     if backend == "redis":
-        from kvtier.tiers.redis import RedisStore
+        from kvtier.tiers.remote.redis import RedisStore
 
         url = request.getfixturevalue("fresh_redis").url
         return lambda ns: RemoteTier(RedisStore(url), ns, key_secret=key_secret)
-    from kvtier.tiers.s3 import S3Store
+    from kvtier.tiers.remote.s3 import S3Store
 
     s3 = request.getfixturevalue("s3_server")
     return lambda ns: RemoteTier(S3Store(s3.endpoint, s3.bucket, access_key_id=s3.access_key_id,

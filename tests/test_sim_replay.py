@@ -16,7 +16,7 @@ from kvtier.errors import ConfigError
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim import CostModel, FakeEngine, SimOptions, belady_hit_rate, simulate, sweep, synthetic
 from kvtier.sim.workload import engine_output_tokens, engine_prompt
-from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.cpu.manager import CPUTierManager
 from sched_helpers import FakeClock, close_after_test
 
 TRACE = synthetic(24, seed=7, conversations_per_s=2.0)  # 170 requests, 502 distinct blocks, the longest 53

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from helpers import store_job
+from kvtier import slab as slab_module
 from kvtier.errors import ConfigError
 from kvtier.jobs import StepPlan
 from kvtier.sim.kv_cache import KVCache
-from kvtier.tiers import slab as slab_module
-from kvtier.tiers.slab import SHM_DIR, HostSlab, remove_stale_slabs, shm_free_bytes, slab_name
+from kvtier.slab import SHM_DIR, HostSlab, remove_stale_slabs, shm_free_bytes, slab_name
 from kvtier.worker import TransferEngine, WorkerSide
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 from sched_helpers import make_engine
@@ -73,7 +73,7 @@ def test_a_second_process_maps_the_same_bytes_both_ways(prefix):
         slab.rows[1, :3] = [7, 8, 9]
         # another process opens it by name (as a worker does), reads ours, writes its own
         proc = child(f"""
-            from kvtier.tiers.slab import HostSlab
+            from kvtier.slab import HostSlab
             slab = HostSlab({name!r}, 4, 5000)
             print("ready", flush=True)
             assert not slab.is_creator and slab.tensor.shape == (4, 5000)
@@ -162,7 +162,7 @@ def test_views_outlive_close_and_the_name_goes(prefix):
 def test_an_owner_that_exits_without_closing_leaves_nothing(prefix):
     # the interpreter's exit unlinks it (weakref.finalize), even with a view still alive
     proc = child(f"""
-        from kvtier.tiers.slab import HostSlab
+        from kvtier.slab import HostSlab
         slab = HostSlab({prefix + "r0"!r}, 2, 4096, owner=True)
         ROWS = slab.rows
         print("ready", flush=True)
@@ -175,7 +175,7 @@ def test_an_owner_that_exits_without_closing_leaves_nothing(prefix):
 
 def test_stale_cleanup_removes_a_killed_processs_segment_and_keeps_a_live_ones(prefix):
     holder = """
-        from kvtier.tiers.slab import HostSlab
+        from kvtier.slab import HostSlab
         slab = HostSlab({name!r}, 2, 4096, owner=True)
         print("ready", flush=True)
         input()
@@ -220,7 +220,7 @@ def test_of_two_racing_creators_the_first_to_publish_wins_and_the_other_joins(pr
     def allocate_while_a_rival_publishes(self, fd):
         real_allocate(self, fd)
         rival.append(child(f"""
-            from kvtier.tiers.slab import HostSlab
+            from kvtier.slab import HostSlab
             slab = HostSlab({prefix + "r0"!r}, 2, 4096)
             slab.rows[1, 0] = 9
             print("ready", flush=True)

@@ -17,7 +17,7 @@ from helpers import key, keys, make_req_context, nums
 from kvtier.base import LookupResult
 from kvtier.errors import ConfigError
 from kvtier.tiers.cascade import SecondarySlot, TierRules
-from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.tiered import TieredManager
 from tier_helpers import CTX, content, counters, make_slabs, make_tiered, put, read_back, settle
 

@@ -12,8 +12,8 @@ from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim import FakeEngine, KVCache
 from kvtier.sim.fake_engine import make_slab
 from kvtier.tiers.cascade import TierRules
-from kvtier.tiers.cpu import CPUTierManager
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.cpu.manager import CPUTierManager
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.tiered import TieredManager
 from sched_helpers import FakeClock, close_after_test, prompt

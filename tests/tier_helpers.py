@@ -15,8 +15,8 @@ from helpers import make_req_context
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.keys import OffloadKey
 from kvtier.tiers.cascade import TierRules
-from kvtier.tiers.cpu import CPUTierManager
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.cpu.manager import CPUTierManager
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
 from kvtier.tiers.tiered import TieredManager

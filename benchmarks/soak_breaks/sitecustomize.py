@@ -83,14 +83,14 @@ def _leak_per_request(m) -> None:  # the memory check: 8 MiB kept per finished r
 
 
 BREAKS = {
-    "redis_breaker": ("kvtier.tiers.breaker", _breaker_never_opens),
-    "disk_checksum": ("kvtier.tiers.disk_format", _no_checksum),
-    "disk_store_errors": ("kvtier.tiers.disk", _store_errors_escape),
+    "redis_breaker": ("kvtier.tiers.remote.breaker", _breaker_never_opens),
+    "disk_checksum": ("kvtier.tiers.disk.format", _no_checksum),
+    "disk_store_errors": ("kvtier.tiers.disk.tier", _store_errors_escape),
     "worker_cancel": ("kvtier.worker.side", _no_worker_cancel),
     "job_expiry": ("kvtier.scheduler.jobs", _no_job_expiry),
     "connector_reset": ("kvtier.integrations.vllm.scheduler_side", _no_connector_reset),
-    "slab_unlink": ("kvtier.tiers.slab", _slab_not_unlinked),
-    "disk_scan": ("kvtier.tiers.disk_files", _no_start_scan),
+    "slab_unlink": ("kvtier.slab", _slab_not_unlinked),
+    "disk_scan": ("kvtier.tiers.disk.files", _no_start_scan),
     "rss_leak": ("kvtier.integrations.vllm.scheduler_side", _leak_per_request),
 }
 

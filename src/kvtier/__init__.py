@@ -16,8 +16,8 @@ from kvtier.errors import ConfigError, InvariantError, KVTierError, NotReadyErro
 from kvtier.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key, split_offload_key
 from kvtier.policies import CachePolicy, make_policy, register_policy
 from kvtier.tiers.cascade import TierRules
-from kvtier.tiers.cpu import CPUTierManager
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.cpu.manager import CPUTierManager
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult
 from kvtier.tiers.tiered import TieredManager

@@ -34,7 +34,7 @@ from kvtier.scheduler.types import RequestView, ScheduledRequest, StepView
 from kvtier.sim.block_pool import BlockPool
 from kvtier.sim.faults import Faults, SimTransferEngine
 from kvtier.sim.kv_cache import ContentMismatch, KVCache
-from kvtier.tiers.slab import HostSlab, slab_name
+from kvtier.slab import HostSlab, slab_name
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 from kvtier.worker.side import WorkerSide
 

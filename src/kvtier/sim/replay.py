@@ -5,7 +5,7 @@
     print(report.total_hit_rate, report.to_dict())
 
 What runs is what runs under vLLM: the real `OffloadScheduler`, the manager
-`kvtier.tiers.build.build_manager` makes from a `KVTierConfig` (the CPU tier with its
+`kvtier.build.build_manager` makes from a `KVTierConfig` (the CPU tier with its
 eviction policy and admission rule, and a real `DiskTier` in a scratch directory when
 `disk_slots` is set), the real worker copying real (tiny) KV tensors to a shared-memory
 host slab and back, and the fake engine (`kvtier.sim.fake_engine`) with a prefix cache of
@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtier.base import OffloadingManager
+from kvtier.build import build_manager
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import OFFLOAD_KEY_BYTES
@@ -44,10 +45,9 @@ from kvtier.sim.kv_cache import KVCache
 from kvtier.sim.report import SimulationReport
 from kvtier.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from kvtier.sim.workload import engine_output_tokens, engine_prompt, num_unique_blocks
-from kvtier.tiers.build import build_manager
-from kvtier.tiers.disk_format import ChunkFormat
+from kvtier.slab import HostSlab
+from kvtier.tiers.disk.format import ChunkFormat
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.slab import HostSlab
 from kvtier.tiers.tiered import TieredManager
 
 __all__ = ["SimOptions", "simulate"]

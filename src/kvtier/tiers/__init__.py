@@ -1,8 +1,10 @@
-"""Tiers: places that hold offloaded chunks. `cpu` is the primary one (its slab in shared
-memory, `slab`); `disk` is a secondary tier (the contract: `secondary`); `tiered` puts them
-together (`cascade`: how chunks flow down); `build` picks what a configuration asks for."""
+"""Tiers: places that hold offloaded chunks — a library that imports no user configuration and
+no torch. `cpu/` is the primary tier (its bytes live in the host slab, `kvtier.slab`); `disk/`
+and `remote/` are secondary tiers (the contract: `secondary`); `tiered` puts them together
+(`cascade`: how chunks flow down; `flights`: tier jobs in flight and their deadlines;
+`admission`: the reuse gate; `workers`: a secondary tier's thread pools)."""
 
-from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.tiered import TieredManager
 
 __all__ = ["CPUTierManager", "TieredManager"]

@@ -48,7 +48,7 @@ from kvtier.base import (
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.tiers.cascade import SecondarySlot, StagingRows, TierRules
-from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.flights import Flight, FlightKind, Flights
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
 

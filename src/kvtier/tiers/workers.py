@@ -3,7 +3,7 @@
 `Workers` runs each task on its pool, counts the tasks in flight so that `drain` can wait
 for them, turns a task's unexpected exception into a log line (a bug, not an I/O failure:
 the tier stays alive), and refuses new tasks once closed. What the tasks do is the tier's
-(`kvtier.tiers.disk.DiskTier`, `kvtier.tiers.remote.RemoteTier`).
+(`kvtier.tiers.disk.tier.DiskTier`, `kvtier.tiers.remote.tier.RemoteTier`).
 
 The threads are daemons and `close` waits for them only so long (issue 20: a read stuck in
 the kernel, or a store waiting on a claim that was never released, held engine shutdown

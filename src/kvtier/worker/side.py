@@ -42,7 +42,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.jobs import JobResult, StepPlan, TransferJob
-from kvtier.tiers.slab import HostSlab
+from kvtier.slab import HostSlab
 from kvtier.worker.affinity import copy_threads_off_compute_cores
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 from kvtier.worker.transfer import TransferEngine
@@ -64,7 +64,7 @@ class WorkerSide:
         layer_groups: the layers of each KV-cache group (None: every layer in group 0).
         clock: monotonic seconds, the clock job deadlines are written in.
         transfer_factory: builds the `TransferEngine` (the simulator injects faults here).
-        slab_name: this rank's shared-memory slab (`kvtier.tiers.slab`), mapped when the KV
+        slab_name: this rank's shared-memory slab (`kvtier.slab`), mapped when the KV
             caches are registered (their layout gives the slot size); None: a private slab.
     """
 

@@ -32,7 +32,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.jobs import JobResult, TransferJob
-from kvtier.tiers.slab import HostSlab
+from kvtier.slab import HostSlab
 from kvtier.worker.cpu_copy import CpuBackend
 from kvtier.worker.cuda import CudaBackend, cuda_usable
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of

@@ -7,7 +7,7 @@
 
 vLLM builds one instance per process: role SCHEDULER in the engine core (-> `SchedulerSide`,
 metadata and the host slabs' ownership) and role WORKER in each worker (-> `kvtier.worker.WorkerSide`,
-the copies). Each worker rank's host slab is shared memory both map (`kvtier.tiers.slab`); the
+the copies). Each worker rank's host slab is shared memory both map (`kvtier.slab`); the
 workers' connectors come first (vLLM registers KV caches before it builds the scheduler).
 This class only routes calls; `kv_connector_extra_config` is validated here, at engine start.
 """

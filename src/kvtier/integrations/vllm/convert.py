@@ -10,8 +10,8 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.identity import engine_digest, weights_identity
 from kvtier.scheduler import GroupKind, GroupSpec, RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
+from kvtier.slab import slab_name
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.slab import slab_name
 
 __all__ = ["block_hash_bytes", "group_spec", "namespace_for", "num_slots_for", "request_view", "scheduler_config",
            "slab_names", "slot_bytes_for", "step_view", "worker_rank", "worker_slab_name", "world_size"]

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 from kvtier.base import ManagerStats, OffloadingManager
+from kvtier.build import build_manager
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.convert import (
     block_hash_bytes,
@@ -28,8 +29,7 @@ from kvtier.integrations.vllm.metrics import KVTierStats, tier_stat_name
 from kvtier.jobs import check_slab_slots
 from kvtier.keys import GROUP_INDEX_BYTES
 from kvtier.scheduler import OffloadScheduler, SchedulerStats
-from kvtier.tiers.build import build_manager
-from kvtier.tiers.slab import HostSlab, remove_stale_slabs
+from kvtier.slab import HostSlab, remove_stale_slabs
 from kvtier.tiers.tiered import TieredManager
 
 __all__ = ["SchedulerSide"]

@@ -31,7 +31,7 @@ from redis.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvtier.tiers.remote_store import ValueParts
+from kvtier.tiers.remote.store import ValueParts
 
 __all__ = ["Reply", "ServerError", "command", "nbytes", "read_replies", "send_pieces", "set_command"]
 

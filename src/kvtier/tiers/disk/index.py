@@ -10,7 +10,7 @@
   file is unlinked only if its key is neither READY nor pending at that moment: so the
   late unlink of an evicted key never deletes the newer file of the same key.
 
-No I/O, no threads: `kvtier.tiers.disk.DiskTier` does those and tells the index what
+No I/O, no threads: `kvtier.tiers.disk.tier.DiskTier` does those and tells the index what
 happened. Thread-safety: call every method with `cond`'s lock held, except `claim` and
 `release`, which take it themselves (`claim` waits on it), and `new_policy`.
 """

@@ -33,9 +33,9 @@ from __future__ import annotations
 import threading
 import time
 
-from kvtier.credentials import redact
 from kvtier.tiers.rate_limited_log import RateLimitedLog
-from kvtier.tiers.remote_store import RemoteStore
+from kvtier.tiers.remote.credentials import redact
+from kvtier.tiers.remote.store import RemoteStore
 from kvtier.tiers.workers import Workers
 
 __all__ = ["ResetSweep"]

@@ -38,14 +38,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _demo_options(parser: argparse.ArgumentParser) -> None:
-    from kvtier.demo import add_demo_flags
+    from kvtier.cli.demo import add_demo_flags
 
     add_demo_flags(parser)
     _add_json(parser)
 
 
 def _simulate_options(parser: argparse.ArgumentParser) -> None:
-    from kvtier.cli_simulate import add_simulate_flags
+    from kvtier.cli.simulate import add_simulate_flags
 
     add_simulate_flags(parser)
     _add_json(parser)
@@ -67,14 +67,14 @@ def _inspect_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_options(parser: argparse.ArgumentParser) -> None:
-    from kvtier.cli_config import add_config_flags
+    from kvtier.cli.config import add_config_flags
 
     add_config_flags(parser)
     _add_json(parser, "print the JSON alone")
 
 
 def _serve_options(parser: argparse.ArgumentParser) -> None:
-    from kvtier.cli_config import add_config_flags
+    from kvtier.cli.config import add_config_flags
 
     parser.add_argument("model", metavar="MODEL")
     add_config_flags(parser)
@@ -104,7 +104,7 @@ _OPTIONS = {"demo": _demo_options, "simulate": _simulate_options, "bench": _benc
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["vllm"]:  # everything after it is vLLM's, --help included
-        from kvtier.cli_vllm import run_vllm_cli
+        from kvtier.cli.vllm import run_vllm_cli
 
         return run_vllm_cli(argv[1:])
     parser = build_parser(next((arg for arg in argv if not arg.startswith("-")), None))
@@ -123,26 +123,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
     if args.command == "demo":
-        from kvtier.demo import demo_main
+        from kvtier.cli.demo import demo_main
 
         return demo_main(args)
     if args.command == "simulate":
-        from kvtier.cli_simulate import simulate_main
+        from kvtier.cli.simulate import simulate_main
 
         return simulate_main(args)
     if args.command == "bench":
-        from kvtier.cli_bench import bench_main
+        from kvtier.cli.bench import bench_main
 
         return bench_main(args)
     if args.command == "inspect":
-        from kvtier.cli_inspect import inspect_main
+        from kvtier.cli.inspect import inspect_main
 
         return inspect_main(args)
     if args.command == "config":
-        from kvtier.cli_config import config_main
+        from kvtier.cli.config import config_main
 
         return config_main(args, sys.stdout)
-    from kvtier.cli_vllm import serve_main
+    from kvtier.cli.vllm import serve_main
 
     return serve_main(args, rest)
 

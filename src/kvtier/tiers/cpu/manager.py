@@ -36,8 +36,8 @@ from kvtier.errors import ConfigError, InvariantError, NotReadyError
 from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey, key_length_error
 from kvtier.policies import make_policy
 from kvtier.tiers.admission import ReuseGate
-from kvtier.tiers.ledger import RequestLedger
-from kvtier.tiers.slots import SlotAllocator
+from kvtier.tiers.cpu.ledger import RequestLedger
+from kvtier.tiers.cpu.slots import SlotAllocator
 
 __all__ = ["CPUTierManager"]
 

@@ -4,7 +4,7 @@ DIR is a disk tier's root (`disk_path`, one subdirectory per namespace) or one n
 directory. Per namespace: what `namespace.json` says (model, dtype, layout, ...), the chunk
 files `<hh>/<key-hex>.kv`, their bytes, leftover temporary files and spares, and — unless
 `--no-verify` — a verification pass that reads every chunk file through the disk tier's own
-reader (`kvtier.tiers.disk_format.ChunkFormat`: size, header, namespace, key, length and
+reader (`kvtier.tiers.disk.format.ChunkFormat`: size, header, namespace, key, length and
 checksum), naming each file that fails and why. The pass only reads: nothing is deleted or
 rewritten (an engine deletes a bad file itself when it reads it). Exit status 1 when a file
 fails the check.
@@ -18,8 +18,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from kvtier.cli_output import Console, human_bytes, progress
-from kvtier.tiers.disk_format import ChunkFormat
+from kvtier.cli.output import Console, human_bytes, progress
+from kvtier.tiers.disk.format import ChunkFormat
 from kvtier.tiers.namespace import Namespace
 
 __all__ = ["NamespaceReport", "inspect_main", "inspect_namespace", "namespace_dirs"]

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.cli_output import Console, Waiting
+from kvtier.cli.output import Console, Waiting
 
 __all__ = ["BenchRun", "bench_main", "find_benchmarks", "parse_result"]
 

@@ -2,7 +2,7 @@
 
 A chunk of namespace N is the file `<root>/<N.id_hex>/<hh>/<key-hex>.kv` (`hh`: the first
 two hex characters of the key, so no directory holds more than 1/256 of the files); what a
-file holds is `kvtier.tiers.disk_format`. Durability protocol: a file is written whole
+file holds is `kvtier.tiers.disk.format`. Durability protocol: a file is written whole
 under a temporary name `<key-hex>.kv.tmp.<writer>.<pid>.<n>` in the same directory, then
 renamed; a rename within a directory is atomic, so only a complete file ever carries a
 final name, even when the writer is killed mid-write.
@@ -25,11 +25,11 @@ after a complete rewrite, and a reader of the old file (another engine) that rac
 rewrite fails the header or checksum check.
 
 Every file operation is relative to a descriptor of its directory, opened without following
-a symlink, and opens files with `O_NOFOLLOW` (see `kvtier.tiers.disk_root`): a symlink planted
+a symlink, and opens files with `O_NOFOLLOW` (see `kvtier.tiers.disk.root`): a symlink planted
 in the namespace directory fails that operation and never leads outside it. Files are created
 with `file_mode`.
 
-`ChunkFiles` keeps no index and starts no thread; `kvtier.tiers.disk.DiskTier` decides
+`ChunkFiles` keeps no index and starts no thread; `kvtier.tiers.disk.tier.DiskTier` decides
 what to read, write and delete. Thread-safety: any method may run on any number of
 threads at once; `close` once the others are done.
 """
@@ -51,8 +51,8 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
-from kvtier.tiers.disk_format import BLOCK, O_DIRECT, ChunkFormat, is_aligned, probe_direct_io
-from kvtier.tiers.disk_root import dir_mode_for, open_dir
+from kvtier.tiers.disk.format import BLOCK, O_DIRECT, ChunkFormat, is_aligned, probe_direct_io
+from kvtier.tiers.disk.root import dir_mode_for, open_dir
 
 __all__ = ["BLOCK", "ChunkFiles", "ScanResult", "is_aligned", "probe_direct_io"]
 
@@ -76,7 +76,7 @@ class ChunkFiles:
 
     Args:
         directory: `<root>/<namespace id hex>`, for messages.
-        dir_fd: a descriptor of it (`disk_root.make_directory`); closed by `close`.
+        dir_fd: a descriptor of it (`root.make_directory`); closed by `close`.
         namespace_id: written into and checked against every header.
         payload_bytes: bytes of one chunk's payload (every rank's buffer).
         direct_io: use O_DIRECT for chunks whose buffers are all aligned.

@@ -14,7 +14,7 @@ Choices that a reader might not expect:
 - **Unsigned payload.** SigV4 otherwise hashes every body with SHA-256 before sending it
   (~0.6 s of CPU per GB here, on the engine host); integrity comes from TLS on `https` and
   from the value header's checksum, which every load checks.
-- **Credentials** are passed in already resolved (`kvtier.credentials`) and handed to the
+- **Credentials** are passed in already resolved (`kvtier.tiers.remote.credentials`) and handed to the
   client through a provider, so an `AWS_SESSION_TOKEN` in the environment cannot get mixed
   into them; without them, the client's own chain applies (environment, web identity,
   container or instance metadata). Requests are path-style (`endpoint/bucket/name`).
@@ -49,7 +49,7 @@ from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
 from obstore.store import S3Store as _ObjectStore
 
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.tiers.remote_store import RemoteStore, ValueParts
+from kvtier.tiers.remote.store import RemoteStore, ValueParts
 
 __all__ = ["S3Store", "S3StoreError"]
 

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvtier.cli_output import Console, progress
+from kvtier.cli.output import Console, progress
 from kvtier.errors import ConfigError
 
 __all__ = ["add_simulate_flags", "simulate_main"]
@@ -26,7 +26,7 @@ _SIM, _COST = "sim_", "cost_"
 
 
 def add_simulate_flags(parser: argparse.ArgumentParser) -> None:
-    from kvtier.cli_config import add_dataclass_flags
+    from kvtier.cli.config import add_dataclass_flags
     from kvtier.sim.costs import CostModel
     from kvtier.sim.replay import SimOptions
 
@@ -46,7 +46,7 @@ def add_simulate_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def simulate_main(args: argparse.Namespace, console: Console | None = None) -> int:
-    from kvtier.cli_config import given_flags
+    from kvtier.cli.config import given_flags
     from kvtier.sim.costs import CostModel
     from kvtier.sim.replay import SimOptions, simulate
 

@@ -1,4 +1,4 @@
-"""What a shared tier reports to the manager (`kvtier.tiers.tier_reports`), and how its jobs
+"""What a shared tier reports to the manager (`kvtier.tiers.reports`), and how its jobs
 end: one result per job, chunks, bytes and seconds counted per direction.
 
 Thread-safety: not thread-safe; `RemoteTier` calls it with its lock held.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 from kvtier.keys import OffloadKey
+from kvtier.tiers.reports import TierReports
 from kvtier.tiers.secondary import TierJob, TierResult
-from kvtier.tiers.tier_reports import TierReports
 
 __all__ = ["RemoteJobBook"]
 

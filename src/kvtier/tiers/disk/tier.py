@@ -1,7 +1,7 @@
 """The disk tier: one file per chunk in a local directory, the index in memory.
 
-`DiskTier` drives one module per concept: `disk_index` (what is where, and the room),
-`disk_files` (which file holds a chunk), `disk_format` (what a file holds), `disk_jobs`
+`DiskTier` drives one module per concept: `index` (what is where, and the room),
+`files` (which file holds a chunk), `format` (what a file holds), `jobs`
 (results, events, counters), and `workers` (the threads).
 
 - The manager's thread only does bookkeeping (lookups, reservations, evictions); a read
@@ -10,7 +10,7 @@
   (lookups answer MISS until it is done), deletes everything after `reset()`, and with
   `rescan_s` adopts files that other engines sharing the directory wrote.
 - A store in flight at `reset()` (its ticket is gone) deletes its own file instead of
-  publishing. Evicted files become spares that later stores overwrite (see `disk_files`);
+  publishing. Evicted files become spares that later stores overwrite (see `files`);
   lost or corrupt files are unlinked, their keys discarded from the policy (O(1)).
 - Deadlines (`TierJob.deadline`): a chunk whose I/O has not started by then is not read or
   written (`expired`); a read that ends after it is reported failed (`late`), its file kept.
@@ -33,11 +33,11 @@ from pathlib import Path
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.errors import ConfigError, InvariantError
 from kvtier.keys import OffloadKey
-from kvtier.tiers.disk_files import ChunkFiles, ScanResult
-from kvtier.tiers.disk_format import choose_direct_io
-from kvtier.tiers.disk_index import DiskIndex, Spared
-from kvtier.tiers.disk_jobs import DiskJob, FailureLog, JobBook
-from kvtier.tiers.disk_root import make_directory
+from kvtier.tiers.disk.files import ChunkFiles, ScanResult
+from kvtier.tiers.disk.format import choose_direct_io
+from kvtier.tiers.disk.index import DiskIndex, Spared
+from kvtier.tiers.disk.jobs import DiskJob, FailureLog, JobBook
+from kvtier.tiers.disk.root import make_directory
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
 from kvtier.tiers.workers import Workers
@@ -63,7 +63,7 @@ class DiskTier(SecondaryTier):
         file_mode: mode of the chunk files, 0o600 or 0o640 (directories: 0o700, 0o750).
     Raises:
         ConfigError: the root is not a writable directory, another user owns it or every user
-            may write it (see `kvtier.tiers.disk_root`), the budget holds no file, or
+            may write it (see `kvtier.tiers.disk.root`), the budget holds no file, or
             direct_io=True where the filesystem refuses O_DIRECT.
     """
 

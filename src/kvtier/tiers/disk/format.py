@@ -10,7 +10,7 @@ size, header, namespace, key, length and payload checksum are checked on every r
 anything wrong is reported as a reason, never served.
 
 `ChunkFormat` writes to and reads from an open file descriptor; which file that is (names,
-temporary files, spares) is `kvtier.tiers.disk_files`. Thread-safety: any function or
+temporary files, spares) is `kvtier.tiers.disk.files`. Thread-safety: any function or
 method may run on any number of threads at once (each thread has its own aligned header
 block).
 """

@@ -1,28 +1,28 @@
 """`RemoteTier`: a secondary tier on a shared remote store (Redis / Valkey, S3), shared by every
 engine replica that uses the same store and namespace.
 
-Only the tier decides; the `RemoteStore` it wraps only moves bytes (`kvtier.tiers.remote_store`).
+Only the tier decides; the `RemoteStore` it wraps only moves bytes (`kvtier.tiers.remote.store`).
 
 - **Lookups never block.** The tier remembers which keys it knows to be present (its own
-  stores, answered probes) and which were absent a moment ago (`kvtier.tiers.remote_keys`).
-  Anything else is queued for the probe thread (`kvtier.tiers.remote_probes`), which asks
+  stores, answered probes) and which were absent a moment ago (`kvtier.tiers.remote.keys`).
+  Anything else is queued for the probe thread (`kvtier.tiers.remote.probes`), which asks
   the store about up to `probe_batch` keys in one round trip; the lookup answers RETRY
   meanwhile (the scheduler bounds the request's wait). Capacity is the server's (`maxmemory`
   and its eviction policy, an optional TTL): a known key the server has dropped is a failed
   load, and is forgotten.
 - **Jobs** run on a read pool and a write pool. A store skips keys known present and writes the
   others only where their names do not exist yet (a value is never rewritten); a load checks
-  every value (`kvtier.tiers.remote_values`; in keyed mode, its tag too) before a byte reaches
+  every value (`kvtier.tiers.remote.values`; in keyed mode, its tag too) before a byte reaches
   the slab: a value that is short, long, foreign, corrupt or forged is a failed key, counted as
   `corrupt`, and deleted.
 - **Deadlines** (`TierJob.deadline`): a job whose I/O has not started by then never starts it
   (its keys fail, counted `expired`); a load that ends after it reports its keys failed
   (counted `late`): the manager has given up on it and only frees what it held.
-- **Circuit breaker** (`kvtier.tiers.breaker`): failed operations in a row open it; while
+- **Circuit breaker** (`kvtier.tiers.remote.breaker`): failed operations in a row open it; while
   open, lookups answer MISS and jobs fail at once, and the probe thread pings the store
   until it answers. No request waits on a dead server beyond the store's timeouts.
 - **reset()** forgets everything and deletes the namespace's values in the background
-  (`kvtier.tiers.remote_reset`); until that sweep is over, lookups answer MISS and jobs fail at
+  (`kvtier.tiers.remote.reset`); until that sweep is over, lookups answer MISS and jobs fail at
   once (`reset_rejects`), so that the sweep never deletes a value the tier calls present. It
   deletes for every replica sharing the namespace: after a reset (e.g. new weights) the old
   values are wrong for all of them.
@@ -40,18 +40,18 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvtier.base import LookupResult, OffloadingEvent
-from kvtier.credentials import redact
 from kvtier.errors import InvariantError
 from kvtier.keys import OffloadKey
-from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.rate_limited_log import RateLimitedLog
-from kvtier.tiers.remote_jobs import RemoteJobBook
-from kvtier.tiers.remote_keys import KnownKeys
-from kvtier.tiers.remote_probes import ProbeThread
-from kvtier.tiers.remote_reset import ResetSweep
-from kvtier.tiers.remote_store import RemoteStore
-from kvtier.tiers.remote_values import ValueCodec
+from kvtier.tiers.remote.breaker import CircuitBreaker
+from kvtier.tiers.remote.credentials import redact
+from kvtier.tiers.remote.jobs import RemoteJobBook
+from kvtier.tiers.remote.keys import KnownKeys
+from kvtier.tiers.remote.probes import ProbeThread
+from kvtier.tiers.remote.reset import ResetSweep
+from kvtier.tiers.remote.store import RemoteStore
+from kvtier.tiers.remote.values import ValueCodec
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
 from kvtier.tiers.workers import Workers
 
@@ -67,7 +67,7 @@ class RemoteTier(SecondaryTier):
         store: the remote store's byte operations.
         namespace: what the values' bytes mean.
         prefix: the first part of every name.
-        key_secret: the keyed mode's deployment secret (None: plain names; see `remote_values`).
+        key_secret: the keyed mode's deployment secret (None: plain names; see `values`).
         io_threads: size of the read pool and of the write pool.
         probe_batch: keys per existence round trip at most.
         absent_ttl_s: how long a key found absent is answered MISS without asking again.
@@ -118,7 +118,7 @@ class RemoteTier(SecondaryTier):
             return _MISS
         result = self._keys.answer(key)
         if result is _RETRY and self._keys.has_queued:
-            self._cond.notify_all()  # the probe thread (`kvtier.tiers.remote_probes`)
+            self._cond.notify_all()  # the probe thread (`kvtier.tiers.remote.probes`)
         return result
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
@@ -135,7 +135,7 @@ class RemoteTier(SecondaryTier):
 
     def _rejected_locked(self, job: TierJob) -> bool:
         """Fail `job` at once, without I/O, while the breaker is open (or the tier closed), or while
-        a reset's sweep runs (see `kvtier.tiers.remote_reset`)."""
+        a reset's sweep runs (see `kvtier.tiers.remote.reset`)."""
         if self.breaker.is_open or self._workers.is_closed:
             counter, why = "breaker_rejects", "tier unavailable (breaker open)"
         elif self._reset.is_sweeping:

@@ -7,7 +7,7 @@
   symlink (the operator's choice); the directory it leads to is what is checked.
 - **Below the root no name is trusted.** The namespace directory, its `hh` directories and
   `spare/` are opened with `O_NOFOLLOW` relative to their parent's descriptor (`open_dir`), and
-  `kvtier.tiers.disk_files` opens, renames and deletes files relative to those descriptors with
+  `kvtier.tiers.disk.files` opens, renames and deletes files relative to those descriptors with
   `O_NOFOLLOW` too, so a symlink planted anywhere below the root fails that one operation
   (`ELOOP`, counted) instead of reaching a path outside it. The namespace directory must be
   this user's, like the root.

@@ -1,6 +1,6 @@
 """The demo's figures: the table, the per-turn lines, the JSON summary and the plot.
 
-Each takes the two `kvtier.demo.RunResult`s (without kvtier, with kvtier) of the same workload.
+Each takes the two `kvtier.cli.demo.RunResult`s (without kvtier, with kvtier) of the same workload.
 Turn 1 is reported apart from the later turns: only later turns re-send a history.
 """
 

@@ -2,7 +2,7 @@
 
 A `RemoteStore` is a thin, blocking adapter over one client library. Everything a tier
 decides — which keys to probe, when to give up, the circuit breaker, the value header and
-its checks, key names — lives in `kvtier.tiers.remote.RemoteTier`, which calls a store only
+its checks, key names — lives in `kvtier.tiers.remote.tier.RemoteTier`, which calls a store only
 from its own threads. The primitives:
 
 1. `exists(names)`: which names are present, one batched round trip where the store allows.

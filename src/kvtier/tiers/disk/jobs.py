@@ -19,10 +19,10 @@ import time
 from collections.abc import Sequence
 
 from kvtier.keys import OffloadKey
-from kvtier.tiers.disk_files import ScanResult
+from kvtier.tiers.disk.files import ScanResult
 from kvtier.tiers.rate_limited_log import RateLimitedLog
+from kvtier.tiers.reports import TierReports
 from kvtier.tiers.secondary import TierJob, TierResult
-from kvtier.tiers.tier_reports import TierReports
 
 __all__ = ["DiskJob", "FailureLog", "JobBook"]
 
@@ -30,7 +30,7 @@ _MAX_KEY_BYTES = 64  # what ValueHeader can hold
 _ERRNO_KINDS = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EROFS: "erofs", errno.EACCES: "eacces",
                 errno.EPERM: "eacces", errno.ENOENT: "missing", errno.EIO: "eio",
                 errno.ELOOP: "unsafe_paths", errno.ENOTDIR: "unsafe_paths"}  # a symlink or file planted
-# where the tier expects its own file or directory: never followed (see `kvtier.tiers.disk_root`)
+# where the tier expects its own file or directory: never followed (see `kvtier.tiers.disk.root`)
 
 
 class DiskJob:

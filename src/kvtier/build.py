@@ -17,14 +17,14 @@ import numpy as np
 
 from kvtier.base import OffloadingManager
 from kvtier.config import KVTierConfig
-from kvtier.credentials import read_s3_credentials, read_secret, redact
 from kvtier.errors import ConfigError
-from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.cascade import TierRules
-from kvtier.tiers.cpu import CPUTierManager
+from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.remote import RemoteTier
-from kvtier.tiers.remote_store import RemoteStore
+from kvtier.tiers.remote.breaker import CircuitBreaker
+from kvtier.tiers.remote.credentials import read_s3_credentials, read_secret, redact
+from kvtier.tiers.remote.store import RemoteStore
+from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import SecondaryTier
 from kvtier.tiers.tiered import TieredManager
 
@@ -44,7 +44,7 @@ def secondary_tiers(cfg: KVTierConfig, namespace: Namespace) -> list[tuple[Secon
     """
     tiers: list[tuple[SecondaryTier, TierRules]] = []
     if cfg.disk_path is not None:
-        from kvtier.tiers.disk import DiskTier
+        from kvtier.tiers.disk.tier import DiskTier
 
         direct = None if cfg.disk_direct_io == "auto" else bool(cfg.disk_direct_io)
         disk = DiskTier(cfg.disk_path, namespace, cfg.disk_bytes, policy=cfg.disk_eviction_policy,
@@ -87,7 +87,7 @@ def _remote_stores(cfg: KVTierConfig) -> list[tuple[RemoteStore | Exception, str
 
 
 def _redis_store(cfg: KVTierConfig, password: str | None) -> RemoteStore:
-    from kvtier.tiers.redis import RedisStore
+    from kvtier.tiers.remote.redis import RedisStore
 
     return RedisStore(cfg.redis_url or "", cluster=cfg.redis_cluster, username=cfg.redis_username, password=password,
                       ca_file=cfg.redis_ca_file, connect_timeout_ms=cfg.redis_connect_timeout_ms,
@@ -95,7 +95,7 @@ def _redis_store(cfg: KVTierConfig, password: str | None) -> RemoteStore:
 
 
 def _s3_store(cfg: KVTierConfig, key_id: str | None, secret: str | None) -> RemoteStore:
-    from kvtier.tiers.s3 import S3Store
+    from kvtier.tiers.remote.s3 import S3Store
 
     return S3Store(cfg.s3_endpoint or "", cfg.s3_bucket or "", region=cfg.s3_region, access_key_id=key_id,
                    secret_access_key=secret, ca_file=cfg.s3_ca_file, connect_timeout_ms=cfg.s3_connect_timeout_ms,

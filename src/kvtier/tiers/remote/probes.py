@@ -2,7 +2,7 @@
 and pings the store while the circuit breaker is open, so that the tier serves again once the
 server answers.
 
-Lookups queue the keys they know nothing about (`kvtier.tiers.remote_keys.KnownKeys`) and
+Lookups queue the keys they know nothing about (`kvtier.tiers.remote.keys.KnownKeys`) and
 notify the tier's condition; this thread takes up to `probe_batch` of them per round trip
 and records the answers, unless a reset came meanwhile (the answers are then dropped). While
 the breaker is open it drops the queue (lookups answer MISS then) and pings when due.
@@ -19,13 +19,13 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 
-from kvtier.credentials import redact
 from kvtier.keys import OffloadKey
-from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.rate_limited_log import RateLimitedLog
-from kvtier.tiers.remote_keys import KnownKeys
-from kvtier.tiers.remote_reset import ResetSweep
-from kvtier.tiers.remote_store import RemoteStore
+from kvtier.tiers.remote.breaker import CircuitBreaker
+from kvtier.tiers.remote.credentials import redact
+from kvtier.tiers.remote.keys import KnownKeys
+from kvtier.tiers.remote.reset import ResetSweep
+from kvtier.tiers.remote.store import RemoteStore
 
 __all__ = ["ProbeThread"]
 

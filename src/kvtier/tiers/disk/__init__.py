@@ -1,0 +1,3 @@
+"""The disk tier: `DiskTier` (`tier`) keeps one verified file per chunk (`format`), named and
+written by `files`, indexed in memory (`index`, rebuilt at start), under a root whose owner and
+modes are checked (`root`); `jobs` runs its reads and writes on the tier's thread pools."""
