@@ -51,7 +51,7 @@ def _no_worker_cancel(m) -> None:  # stuck_store: the worker cancels jobs at the
 
 
 def _no_job_expiry(m) -> None:  # delayed_reports: the scheduler fails jobs not reported in time
-    m.JobBook.expire = lambda self, now: []
+    m.TransferJobBook.expire = lambda self, now: []
 
 
 def _no_connector_reset(m) -> None:  # reset_prefix_cache: kvtier forgets every tier's chunks
@@ -69,7 +69,7 @@ def _slab_not_unlinked(m) -> None:  # sigterm_restart: shared memory unlinked at
 
 
 def _no_start_scan(m) -> None:  # sigterm_restart: the disk index is rebuilt from the directory at start
-    m.ChunkFiles.scan = lambda self: m.ScanResult()
+    m.ChunkFiles.scan = lambda self: m.FileScan()
 
 
 def _leak_per_request(m) -> None:  # the memory check: 8 MiB kept per finished request

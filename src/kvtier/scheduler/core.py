@@ -43,7 +43,7 @@ from kvtier.errors import KVTierError
 from kvtier.jobs import BlockIds, JobResult, StepPlan
 from kvtier.keys import OffloadKey
 from kvtier.scheduler.config import SchedulerOffloadConfig
-from kvtier.scheduler.jobs import JobBook
+from kvtier.scheduler.jobs import TransferJobBook
 from kvtier.scheduler.lazy import EvictionLedger
 from kvtier.scheduler.lookup import may_defer, scan_hits
 from kvtier.scheduler.state import JobRecord, LookupAnswer, PendingLoad, RequestOffloadState
@@ -78,7 +78,7 @@ class OffloadScheduler:
         self.stats = SchedulerStats()
         self._clock = clock
         self._requests: dict[str, RequestOffloadState] = {}
-        self._jobs = JobBook(config.num_workers, config.job_timeout_s)
+        self._jobs = TransferJobBook(config.num_workers, config.job_timeout_s)
         self._next_plan = StepPlan()  # jobs created between two build_connector_meta calls
         self._step = 0  # build_connector_meta calls so far
         self._is_supported = config.is_supported

@@ -27,12 +27,12 @@ from kvtier.keys import OffloadKey
 from kvtier.scheduler.config import GroupKind
 from kvtier.scheduler.state import JobRecord, PendingLoad, RequestOffloadState
 
-__all__ = ["JobBook"]
+__all__ = ["TransferJobBook"]
 
 _Parts = list[tuple[int, list[int], int]]  # (group, block ids, skip_blocks) per part
 
 
-class JobBook:
+class TransferJobBook:
     """All in-flight jobs of one scheduler. Not thread-safe."""
 
     def __init__(self, num_workers: int, job_timeout_s: float):

@@ -10,7 +10,7 @@ block the engine hands to a new owner (a request's newly written blocks) is forg
 (`forget`), and an entry is dropped the moment any of its blocks is — also where a block
 holds part of several entries (see `EvictionLedger`). Nothing here reads
 or pins an engine block: a store planned from the ledger reads its blocks under the same
-fences as any store (`kvtier.scheduler.jobs.JobBook.stores_reading`).
+fences as any store (`kvtier.scheduler.jobs.TransferJobBook.stores_reading`).
 
 Thread-safety: none; the scheduler's thread owns it.
 """

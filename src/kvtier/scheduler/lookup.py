@@ -20,7 +20,7 @@ from kvtier.scheduler.config import GroupKind, SchedulerOffloadConfig
 from kvtier.scheduler.state import RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
 
-__all__ = ["ScanResult", "may_defer", "scan_hits"]
+__all__ = ["HitScan", "may_defer", "scan_hits"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,9 @@ _HIT = LookupResult.HIT
 
 
 @dataclass(frozen=True, slots=True)
-class ScanResult:
+class HitScan:
+    """What the hit scan of one request found."""
+
     end_chunk: int  # confirmed hits cover chunks [start, end_chunk)
     must_wait: bool  # a later chunk may become a hit soon (pending write, probe, load)
 
@@ -56,7 +58,7 @@ def scan_hits(
     loading: Container[OffloadKey],
     start: int,
     max_chunks: int,
-) -> ScanResult:
+) -> HitScan:
     """Scan chunks [start, max_chunks) of every group; see the module docstring."""
     lookup = _Lookups(manager, state, loading)
     end, must_wait = max_chunks, False
@@ -68,7 +70,7 @@ def scan_hits(
         if gs.spec.kind is GroupKind.SLIDING_WINDOW:
             end, waits = _window_scan(state, gs.group, lookup, start, end)
             must_wait |= waits
-    return ScanResult(end, must_wait)
+    return HitScan(end, must_wait)
 
 
 def _prefix_scan(keys: list[OffloadKey], lookup: _Lookups, start: int, end: int) -> tuple[int, bool]:

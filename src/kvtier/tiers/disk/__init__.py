@@ -1,3 +1,4 @@
 """The disk tier: `DiskTier` (`tier`) keeps one verified file per chunk (`format`), named and
 written by `files`, indexed in memory (`index`, rebuilt at start), under a root whose owner and
-modes are checked (`root`); `jobs` runs its reads and writes on the tier's thread pools."""
+modes are checked (`root`); `reports` holds each job's chunks in flight and what the tier reports
+(results, events, counters)."""

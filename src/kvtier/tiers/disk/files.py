@@ -54,7 +54,7 @@ from kvtier.keys import OffloadKey
 from kvtier.tiers.disk.format import BLOCK, O_DIRECT, ChunkFormat, is_aligned, probe_direct_io
 from kvtier.tiers.disk.root import dir_mode_for, open_dir
 
-__all__ = ["BLOCK", "ChunkFiles", "ScanResult", "is_aligned", "probe_direct_io"]
+__all__ = ["BLOCK", "ChunkFiles", "FileScan", "is_aligned", "probe_direct_io"]
 
 MAX_SPARES = 64  # files kept for reuse; the directory exceeds the byte budget by at most this many
 TMP_MAX_AGE_S = 600.0  # a temp file this old is abandoned even if a process with its pid lives
@@ -63,8 +63,8 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(slots=True)
-class ScanResult:
-    """What a directory scan found: chunk keys newest file first, and what it removed."""
+class FileScan:
+    """What a scan of the chunk files found: chunk keys newest file first, and what it removed."""
 
     keys: list[OffloadKey] = field(default_factory=list)
     num_tmp_removed: int = 0
@@ -209,13 +209,13 @@ class ChunkFiles:
                 with contextlib.suppress(OSError):  # a directory is left alone: it is never used
                     _discard(entry.name, self._spare_fd)
 
-    def scan(self) -> ScanResult:
+    def scan(self) -> FileScan:
         """Every chunk file's key, newest first, from names alone (contents are checked at load).
 
         Removes temporary files no writer will finish and entries that are not chunk files
         (symlinks included); an hh directory that is a symlink is never entered.
         """
-        result = ScanResult()
+        result = FileScan()
         found: list[tuple[int, OffloadKey]] = []
         for sub in _entries(self._dir_fd):
             if len(sub.name) != 2 or not _is_hex(sub.name):
@@ -233,7 +233,7 @@ class ChunkFiles:
         result.keys = [key for _, key in found]
         return result
 
-    def _scan_entry(self, hh_fd: int, entry: os.DirEntry, prefix: str, found: list, result: ScanResult) -> None:
+    def _scan_entry(self, hh_fd: int, entry: os.DirEntry, prefix: str, found: list, result: FileScan) -> None:
         name = entry.name
         stem, dot, ext = name.partition(".")
         with contextlib.suppress(FileNotFoundError):  # another engine may delete files meanwhile

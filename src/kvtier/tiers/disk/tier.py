@@ -1,7 +1,7 @@
 """The disk tier: one file per chunk in a local directory, the index in memory.
 
 `DiskTier` drives one module per concept: `index` (what is where, and the room),
-`files` (which file holds a chunk), `format` (what a file holds), `jobs`
+`files` (which file holds a chunk), `format` (what a file holds), `reports`
 (results, events, counters), and `workers` (the threads).
 
 - The manager's thread only does bookkeeping (lookups, reservations, evictions); a read
@@ -33,10 +33,10 @@ from pathlib import Path
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.errors import ConfigError, InvariantError
 from kvtier.keys import OffloadKey
-from kvtier.tiers.disk.files import ChunkFiles, ScanResult
+from kvtier.tiers.disk.files import ChunkFiles, FileScan
 from kvtier.tiers.disk.format import choose_direct_io
 from kvtier.tiers.disk.index import DiskIndex, Spared
-from kvtier.tiers.disk.jobs import DiskJob, FailureLog, JobBook
+from kvtier.tiers.disk.reports import DiskJob, DiskReports, FailureLog
 from kvtier.tiers.disk.root import make_directory
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
@@ -95,7 +95,7 @@ class DiskTier(SecondaryTier):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._index = DiskIndex(policy, self.capacity_files, self._cond)
-        self._book = JobBook(self.medium, enable_events, namespace.payload_bytes)
+        self._book = DiskReports(self.medium, enable_events, namespace.payload_bytes)
         self._counters = self._book.counters
         self._log = FailureLog(logger)
         self._fresh: list[OffloadKey] = []  # keys published while the start-up scan runs
@@ -296,7 +296,7 @@ class DiskTier(SecondaryTier):
     # -- the directory: start-up scan, rescans, reset -------------------------------------------
 
     def _scan_at_start(self, generation: int) -> None:
-        found = ScanResult()
+        found = FileScan()
         try:
             self._files.adopt_spares()
             found = self._files.scan()

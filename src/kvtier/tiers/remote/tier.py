@@ -46,9 +46,9 @@ from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.rate_limited_log import RateLimitedLog
 from kvtier.tiers.remote.breaker import CircuitBreaker
 from kvtier.tiers.remote.credentials import redact
-from kvtier.tiers.remote.jobs import RemoteJobBook
 from kvtier.tiers.remote.keys import KnownKeys
 from kvtier.tiers.remote.probes import ProbeThread
+from kvtier.tiers.remote.reports import RemoteReports
 from kvtier.tiers.remote.reset import ResetSweep
 from kvtier.tiers.remote.store import RemoteStore
 from kvtier.tiers.remote.values import ValueCodec
@@ -88,7 +88,7 @@ class RemoteTier(SecondaryTier):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._keys = KnownKeys(max_known, absent_ttl_s)  # under _lock
-        self._book = RemoteJobBook(self.medium, enable_events)  # under _lock
+        self._book = RemoteReports(self.medium, enable_events)  # under _lock
         self._counters = self._book.counters
         self._queued_store_bytes = 0
         self._log = RateLimitedLog(logger)
