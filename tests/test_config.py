@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvtier.config import KVTierConfig, parse_size
 from kvtier.errors import ConfigError
+from kvtier.settings import slice_fields
+from kvtier.tiers.cascade import TierRules
+from kvtier.tiers.disk.config import DiskConfig
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -34,10 +39,11 @@ def test_a_disk_tier_config():
     cfg = KVTierConfig.from_dict({"disk_path": "/var/cache/kvtier", "disk_bytes": "2TiB", "disk_fsync": True,
                                   "disk_direct_io": False, "disk_write_mode": "on_evict", "disk_min_offers": 2,
                                   "disk_max_queue_bytes": "64MiB", "promotion_bytes": "1GiB", "disk_rescan_s": 30})
-    assert (cfg.disk_path, cfg.disk_bytes, cfg.disk_direct_io, cfg.disk_write_mode) == (
+    assert (cfg.disk.path, cfg.disk.bytes, cfg.disk.direct_io, cfg.disk.write_mode) == (
         "/var/cache/kvtier", 2 * 2**40, False, "on_evict")
-    assert cfg.disk_rescan_s == 30.0
-    assert KVTierConfig().disk_path is None  # no disk tier unless asked for
+    assert cfg.disk.rescan_s == 30.0 and cfg.promotion_bytes == 2**30
+    assert cfg.disk.rules() == TierRules(write_mode="on_evict", min_offers=2, max_queue_bytes=64 * 2**20)
+    assert not KVTierConfig().disk.is_enabled  # no disk tier unless asked for
 
 
 def test_unknown_key_lists_the_valid_ones():
@@ -76,6 +82,40 @@ def test_unknown_key_lists_the_valid_ones():
 def test_bad_values_name_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message):
         KVTierConfig.from_dict({key: value})
+    # however the configuration is built: the slice's constructor, or a replaced field
+    path, name = ROUTES[key]
+    owner = _slice_class(path)
+    with pytest.raises(ConfigError, match=message):
+        owner(**{name: value})
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(owner(), **{name: value})
+
+
+ROUTES = {key: (path, f.name) for key, f, path in slice_fields(KVTierConfig)}
+
+
+def _slice_class(path: tuple[str, ...]) -> type:
+    cls = KVTierConfig
+    for name in path:
+        cls = {f.name: f.default_factory for f in dataclasses.fields(cls)}[name]
+    return cls
+
+
+def test_the_constructor_checks_like_from_dict():
+    with pytest.raises(ConfigError, match="cpu_bytes: must be positive"):
+        KVTierConfig(cpu_bytes=-1)
+    with pytest.raises(ConfigError, match="disk_bytes: expected a size"):
+        KVTierConfig(disk=DiskConfig(path="/x", bytes="lots"))
+    assert KVTierConfig(cpu_bytes="1GiB").cpu_bytes == 2**30  # kept as bytes, as from_dict keeps it
+
+
+def test_every_key_has_a_whole_sentence_of_help_and_a_valid_default():
+    keys = KVTierConfig.valid_keys()
+    assert len(keys) == len(set(keys)) == 50
+    for key, f, _ in slice_fields(KVTierConfig):
+        text = f.metadata["help"]
+        assert text[0].isupper() and text.endswith("."), key
+    assert KVTierConfig.from_dict({}) == KVTierConfig()
 
 
 def test_not_a_dict():
@@ -96,7 +136,8 @@ def test_shared_tier_keys_are_accepted():
                                   "redis_ttl_s": 3600, "s3_endpoint": "https://s3.internal:9000",
                                   "s3_bucket": "kv-cache",
                                   "remote_key_mode": "keyed", "key_secret_file": "/run/secrets/kvtier-key"})
-    assert cfg.redis_ttl_s == 3600.0 and cfg.s3_bucket == "kv-cache" and cfg.remote_key_mode == "keyed"
+    assert cfg.redis.ttl_s == 3600.0 and cfg.s3.bucket == "kv-cache" and cfg.remote.key_mode == "keyed"
+    assert cfg.remote.key_secret_file == "/run/secrets/kvtier-key" and cfg.redis.is_enabled and cfg.s3.is_enabled
 
 
 def test_s3_endpoint_and_bucket_go_together():

@@ -1,6 +1,6 @@
 """`kvtier config`: vLLM's `--kv-transfer-config` JSON from command-line flags.
 
-Every field of `kvtier.config.KVTierConfig` is a flag (`disk_path` -> `--disk-path`), so a
+Every user key of `kvtier.config.KVTierConfig` is a flag (`disk_path` -> `--disk-path`), so a
 key added there is a flag here with no change; only the flags given go into the JSON, and
 the result is validated by `KVTierConfig.from_dict` exactly as the engine will at start.
 `kvtier serve` takes the same flags.
@@ -19,6 +19,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from kvtier.config import KVTierConfig
+from kvtier.settings import slice_fields
 
 __all__ = ["add_config_flags", "add_dataclass_flags", "config_main", "extra_config", "given_flags", "transfer_config"]
 
@@ -29,9 +30,11 @@ _DOC_LINE = re.compile(r"^\s+([a-z0-9_*][a-z0-9_*, /]*): (.*)$")
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per `KVTierConfig` field, in a group of their own; unset flags stay out of the JSON."""
+    """One flag per user key of `KVTierConfig` (its core keys and every tier's slice), in a group
+    of their own, its help the key's own sentence; unset flags stay out of the JSON."""
     group = parser.add_argument_group("kvtier options (keys of kv_connector_extra_config; see README)")
-    add_dataclass_flags(group, KVTierConfig, _DEST_PREFIX)
+    for key, f, _ in slice_fields(KVTierConfig):
+        _add_flag(group, key, str(f.type), f.default, f.metadata["help"], _DEST_PREFIX)
 
 
 def extra_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -53,17 +56,20 @@ def add_dataclass_flags(group, cls: type, dest_prefix: str, skip: tuple[str, ...
     """
     docs = _field_docs(cls)
     for f in fields(cls):
-        if f.name in skip:
-            continue
-        flag, kind = "--" + f.name.replace("_", "-"), str(f.type)
-        default = None if f.default is MISSING else f.default
-        text = f"{docs.get(f.name, '')} (default: {_shown(default)})".strip()
-        dest = dest_prefix + f.name
-        if kind == "bool":
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            group.add_argument(flag, dest=dest, metavar=_metavar(f.name, kind), default=None, help=text,
-                               type=_converter(f.name, kind))
+        if f.name not in skip:
+            _add_flag(group, f.name, str(f.type), None if f.default is MISSING else f.default,
+                      docs.get(f.name, ""), dest_prefix)
+
+
+def _add_flag(group, name: str, kind: str, default: Any, text: str, dest_prefix: str) -> None:
+    flag = "--" + name.replace("_", "-")
+    text = f"{text.replace('%', '%%')} (default: {_shown(default)})".strip()
+    dest = dest_prefix + name
+    if kind == "bool":
+        group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+    else:
+        group.add_argument(flag, dest=dest, metavar=_metavar(name, kind), default=None, help=text,
+                           type=_converter(name, kind))
 
 
 def given_flags(args: argparse.Namespace, dest_prefix: str) -> dict[str, Any]:
@@ -131,11 +137,21 @@ def _shown(default: Any) -> str:
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """One line of help per field from a docstring's "name: text" lines ("a / b: text", "a, b: text")."""
+    """Each field's whole text from a docstring's "name: text" entries, with the lines it continues
+    on (indented deeper); "a / b: text" and "a, b: text" give two fields one text."""
     docs: dict[str, str] = {}
+    names: list[str] = []
+    indent = 0
     for line in (cls.__doc__ or "").splitlines():
         m = _DOC_LINE.match(line)
         if m:
-            for name in re.split(r" / |, ", m.group(1)):
-                docs.setdefault(name.strip(), m.group(2).rstrip(".").replace("%", "%%"))
+            names = [name.strip() for name in re.split(r" / |, ", m.group(1))]
+            indent = len(line) - len(line.lstrip())
+            for name in names:
+                docs.setdefault(name, m.group(2).strip())
+        elif names and line.strip() and len(line) - len(line.lstrip()) > indent:
+            for name in names:
+                docs[name] += " " + line.strip()
+        else:
+            names = []
     return docs

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
+from kvtier.settings import Check, choice, integer, seconds
 
 __all__ = ["GroupKind", "GroupSpec", "SchedulerOffloadConfig"]
 
@@ -76,6 +77,12 @@ class GroupSpec:
         return max(0, (num_chunks * self.tokens_per_chunk - (self._kept_tokens - 1)) // self.tokens_per_chunk)
 
 
+# the bounds of the settings the user's configuration hands the scheduler as they are
+# (`kvtier.config.KVTierConfig` checks its keys of these names with these same checks)
+CHECKS: dict[str, Check] = {"max_defer_s": seconds(0.0), "max_deferrals": integer(0), "job_timeout_s": seconds(0.001),
+                            "load_mode": choice("sync", "async"), "store_mode": choice("eager", "lazy")}
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerOffloadConfig:
     """Offload rules shared by every request.
@@ -93,9 +100,9 @@ class SchedulerOffloadConfig:
             waits for it inside the step); "async": the engine parks the request while its load
             runs and the rest of the batch keeps stepping (the engine must support it).
         store_mode: "eager": a chunk is stored as soon as it is computed; "lazy": when the
-            engine is about to evict its blocks (`StepView.evictable_block_ids`, see
-            `kvtier.scheduler.lazy`), so the host tier holds what the engine lost instead of
-            a copy of what it still holds (the engine adapter must report evictable blocks).
+            engine is about to evict its blocks (the adapter passes them to
+            `OffloadScheduler.plan_evictions` each step; see `kvtier.scheduler.lazy`), so the host
+            tier holds what the engine lost instead of a copy of what it still holds.
     """
 
     groups: tuple[GroupSpec, ...] = (GroupSpec(),)
@@ -109,21 +116,15 @@ class SchedulerOffloadConfig:
     store_mode: str = "eager"
 
     def __post_init__(self) -> None:
-        if self.load_mode not in ("sync", "async"):
-            raise ConfigError(f"load_mode: expected 'sync' or 'async', got {self.load_mode!r}")
-        if self.store_mode not in ("eager", "lazy"):
-            raise ConfigError(f"store_mode: expected 'eager' or 'lazy', got {self.store_mode!r}")
+        for key, check in CHECKS.items():
+            object.__setattr__(self, key, check(key, getattr(self, key)))
         if not self.groups:
             raise ConfigError("at least one KV-cache group is required")
         if len({g.tokens_per_chunk for g in self.groups}) != 1:
             raise ConfigError("every KV-cache group needs the same tokens per chunk (block size x blocks_per_chunk)")
-        if self.max_defer_s < 0 or self.max_deferrals < 0:
-            raise ConfigError("max_defer_s and max_deferrals must be >= 0 (0 disables waiting)")
         if self.tokens_per_chunk % self.tokens_per_hash:
             raise ConfigError(f"a chunk ({self.tokens_per_chunk} tokens) must span whole hash blocks of "
                               f"{self.tokens_per_hash} tokens")
-        if not self.job_timeout_s > 0:
-            raise ConfigError(f"job_timeout_s must be > 0 seconds, got {self.job_timeout_s}")
         if self.num_workers < 1:
             raise ConfigError(f"num_workers must be >= 1, got {self.num_workers}")
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.base import OffloadingManager
@@ -46,6 +46,7 @@ from kvtier.sim.report import SimulationReport
 from kvtier.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from kvtier.sim.workload import engine_output_tokens, engine_prompt, num_unique_blocks
 from kvtier.slab import HostSlab
+from kvtier.tiers.disk.config import DiskConfig
 from kvtier.tiers.disk.format import ChunkFormat
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.tiered import TieredManager
@@ -71,7 +72,9 @@ class SimOptions:
             as vLLM's lazy offloading looks two steps' worth of tokens ahead).
         store_threshold: store a chunk on its N-th offer (1: always).
         disk_slots: a disk tier of this many chunks behind the CPU tier (0: none).
-        disk_write_mode, disk_policy: the disk tier's `write_through` / `on_evict` and eviction policy.
+        disk_write_mode: which chunks the disk tier gets: "write_through" (every chunk stored in
+            RAM) or "on_evict" (those RAM evicts).
+        disk_policy: the disk tier's eviction policy.
         disk_dir: where the disk tier writes (default: a scratch directory, removed after).
         trace_block_tokens: tokens per trace hash id (512 in Mooncake's traces).
         engine_block_tokens: tokens per engine block in the replay (the scale; see `workload`).
@@ -205,14 +208,13 @@ def _build(opts: SimOptions, num_slots: int, disk_dir: Path) -> tuple[FakeEngine
 
 
 def _config(opts: SimOptions, slab: HostSlab, disk_dir: Path) -> KVTierConfig:
-    values = asdict(KVTierConfig())
-    values.update(eviction_policy=opts.policy, store_threshold=opts.store_threshold, enable_events=False,
-                  offload_prompt_only=opts.offload_prompt_only)
+    disk = DiskConfig()
     if opts.disk_slots:
         file_bytes = ChunkFormat(bytes(16), slab.rows.shape[1]).file_bytes
-        values.update(disk_path=str(disk_dir), disk_bytes=opts.disk_slots * file_bytes,
-                      disk_write_mode=opts.disk_write_mode, disk_eviction_policy=opts.disk_policy)
-    return KVTierConfig(**values)
+        disk = DiskConfig(path=str(disk_dir), bytes=opts.disk_slots * file_bytes, write_mode=opts.disk_write_mode,
+                          eviction_policy=opts.disk_policy)
+    return KVTierConfig(eviction_policy=opts.policy, store_threshold=opts.store_threshold, enable_events=False,
+                        offload_prompt_only=opts.offload_prompt_only, disk=disk)
 
 
 def _namespace(opts: SimOptions, slab: HostSlab) -> Namespace:
