@@ -33,7 +33,7 @@ from kvtier.cli.demo_report import report, summary
 from kvtier.cli.output import Console, EngineLogs, Waiting, progress
 from kvtier.config import KVTierConfig
 
-__all__ = ["RunResult", "add_demo_flags", "demo_main", "main", "workload"]
+__all__ = ["RunResult", "add_demo_flags", "demo_main", "workload"]
 
 MODEL_CACHE = Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier"))
 SHUTDOWN_S = 60.0  # how long an engine's processes get to exit on their own
@@ -201,14 +201,3 @@ def _generate_model() -> subprocess.Popen:
     code = ("import sys; from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama; "
             "ensure_tiny_llama(sys.argv[1])")
     return subprocess.Popen([sys.executable, "-c", code, str(MODEL_CACHE)])
-
-
-def main() -> None:
-    """`python -m kvtier.cli.demo`: the same as `kvtier demo`."""
-    from kvtier.cli.main import main as cli_main
-
-    raise SystemExit(cli_main(["demo", *sys.argv[1:]]))
-
-
-if __name__ == "__main__":
-    main()
