@@ -2,10 +2,11 @@
 
 DIR is a disk tier's root (`disk_path`, one subdirectory per namespace) or one namespace
 directory. Per namespace: what `namespace.json` says (model, dtype, layout, ...), the chunk
-files `<hh>/<key-hex>.kv`, their bytes, leftover temporary files and spares, and — unless
-`--no-verify` — a verification pass that reads every chunk file through the disk tier's own
-reader (`kvtier.tiers.disk.format.ChunkFormat`: size, header, namespace, key, length and
-checksum), naming each file that fails and why. The pass only reads: nothing is deleted or
+files `<hh>/<key-hex>.kv` (listed by the disk tier's own naming code, `kvtier.tiers.disk.names`),
+their bytes, leftover temporary files and spares, and — unless `--no-verify` — a verification
+pass that reads every chunk file through the disk tier's own reader
+(`kvtier.tiers.disk.format.ChunkFormat`: size, header, namespace, key, length and checksum),
+naming each file that fails and why. The pass only reads: nothing is deleted or
 rewritten (an engine deletes a bad file itself when it reads it). Exit status 1 when a file
 fails the check.
 """
@@ -20,11 +21,10 @@ from pathlib import Path
 
 from kvtier.cli.output import Console, human_bytes, progress
 from kvtier.tiers.disk.format import ChunkFormat
+from kvtier.tiers.disk.names import SPARE_DIR, chunk_key, is_hh_dir, is_namespace_dir, is_tmp
 from kvtier.tiers.namespace import Namespace
 
 __all__ = ["NamespaceReport", "inspect_main", "inspect_namespace", "namespace_dirs"]
-
-_HEX = set("0123456789abcdef")
 
 
 @dataclass
@@ -52,9 +52,9 @@ def namespace_dirs(root: Path) -> list[Path]:
     """
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a directory")
-    if _is_namespace_dir(root):
+    if is_namespace_dir(root.name):
         return [root]
-    return sorted(p for p in root.iterdir() if p.is_dir() and _is_namespace_dir(p))
+    return sorted(p for p in root.iterdir() if p.is_dir() and is_namespace_dir(p.name))
 
 
 def inspect_namespace(directory: Path, verify: bool, console: Console | None = None) -> NamespaceReport:
@@ -64,7 +64,7 @@ def inspect_namespace(directory: Path, verify: bool, console: Console | None = N
     chunks = _chunk_files(directory, report)
     report.num_chunks = len(chunks)
     report.chunk_bytes = sum(_size(path) for path, _ in chunks)
-    report.num_spares = sum(1 for p in (directory / "spare").glob("*") if p.is_file())
+    report.num_spares = sum(1 for p in (directory / SPARE_DIR).glob("*") if p.is_file())
     if verify and namespace is not None:
         chunk_format = ChunkFormat(namespace.id, namespace.payload_bytes)
         buffer = memoryview(bytearray(namespace.payload_bytes))
@@ -89,10 +89,6 @@ def inspect_main(args: argparse.Namespace, console: Console | None = None) -> in
     return 1 if any(r.num_bad for r in reports) else 0
 
 
-def _is_namespace_dir(path: Path) -> bool:
-    return len(path.name) == 32 and set(path.name) <= _HEX
-
-
 def _read_namespace(directory: Path, report: NamespaceReport) -> Namespace | None:
     """The `Namespace` that `namespace.json` describes, when it names this directory."""
     try:
@@ -109,16 +105,17 @@ def _read_namespace(directory: Path, report: NamespaceReport) -> Namespace | Non
 
 
 def _chunk_files(directory: Path, report: NamespaceReport) -> list[tuple[Path, bytes]]:
-    """(path, key) of every `<hh>/<key-hex>.kv` file; counts temporary files on the way."""
+    """(path, key) of every chunk file, named as the disk tier names them (`kvtier.tiers.disk.names`);
+    counts temporary files on the way."""
     chunks = []
     for sub in sorted(directory.iterdir()):
-        if len(sub.name) != 2 or not set(sub.name) <= _HEX or not sub.is_dir():
+        if not is_hh_dir(sub.name) or not sub.is_dir():
             continue
         for entry in sorted(sub.iterdir()):
-            stem, _, ext = entry.name.partition(".")
-            if ext == "kv" and stem.startswith(sub.name) and set(stem) <= _HEX and len(stem) % 2 == 0:
-                chunks.append((entry, bytes.fromhex(stem)))
-            elif ext.startswith("kv.tmp."):
+            key = chunk_key(entry.name, sub.name)
+            if key is not None:
+                chunks.append((entry, key))
+            elif is_tmp(entry.name):
                 report.num_tmp_files += 1
     return chunks
 

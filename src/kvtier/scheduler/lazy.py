@@ -1,9 +1,11 @@
 """`EvictionLedger`: the chunks a lazy (evict-time) store mode has yet to store.
 
 In `store_mode="lazy"` a computed chunk is not stored when it is computed: the ledger
-remembers which engine blocks hold it, and the scheduler stores it when the engine says
-those blocks are next in line for eviction (`StepView.evictable_block_ids`) — so the host
-tier holds what the engine is losing rather than a second copy of what it still has.
+remembers which engine blocks hold it, and the scheduler stores it when those blocks are
+next in line for eviction: at the end of each step the adapter passes the cached blocks no
+request holds that the engine's next allocations would evict to
+`OffloadScheduler.plan_evictions` — so the host tier holds what the engine is losing rather
+than a second copy of what it still has.
 
 An entry is valid only while its blocks hold what they held when it was recorded: every
 block the engine hands to a new owner (a request's newly written blocks) is forgotten

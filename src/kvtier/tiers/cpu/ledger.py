@@ -56,9 +56,6 @@ class RequestLedger:
         self._chains.pop(req_id, None)
         return self._pins.pop(req_id, None) or Counter()
 
-    def clear_pins(self) -> None:
-        self._pins.clear()
-
     def all_pins(self) -> Counter[OffloadKey]:
         """Pins held by every request together (O(pins); for `check()`)."""
         return sum(self._pins.values(), Counter())

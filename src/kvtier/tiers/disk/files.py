@@ -1,21 +1,10 @@
-"""Which file holds a chunk: names, the directory layout, temporary files, spares, scans.
+"""Which file holds a chunk: the directory layout, temporary files, spares, scans.
 
-A chunk of namespace N is the file `<root>/<N.id_hex>/<hh>/<key-hex>.kv` (`hh`: the first
-two hex characters of the key, so no directory holds more than 1/256 of the files); what a
-file holds is `kvtier.tiers.disk.format`. Durability protocol: a file is written whole
-under a temporary name `<key-hex>.kv.tmp.<writer>.<pid>.<n>` in the same directory, then
-renamed; a rename within a directory is atomic, so only a complete file ever carries a
+Names (`<root>/<N.id_hex>/<hh>/<key-hex>.kv`, temporary and spare names, whose writer is
+gone) are `kvtier.tiers.disk.names`; what a file holds is `kvtier.tiers.disk.format`.
+Durability protocol: a file is written whole under a temporary name in the same directory,
+then renamed; a rename within a directory is atomic, so only a complete file ever carries a
 final name, even when the writer is killed mid-write.
-
-Temporary and spare names are unique per `ChunkFiles` instance, not per pid: engines in
-different containers share a directory with pids that may be equal (each is pid 1 in its
-own namespace), and a spare renamed over another engine's temporary file in flight would
-publish the wrong file (issue 20, S4). `<writer>` is 8 hex characters naming the host and
-pid namespace, then 8 random ones. A temporary file is abandoned (removed by a scan) when
-its writer is known dead — same host and pid namespace, and its pid is gone, or is ours but
-the file is older than this process —
-or when it is older than `TMP_MAX_AGE_S`; a writer in another pid namespace cannot be seen,
-so only age tells.
 
 An evicted file is not unlinked but renamed into `spare/` and later overwritten whole under
 a new temporary name: on the ext4 disks measured (benchmarks/README.md) creating an inode
@@ -37,28 +26,21 @@ threads at once; `close` once the others are done.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import itertools
 import os
-import secrets
-import socket
-import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.tiers.disk.format import BLOCK, O_DIRECT, ChunkFormat, is_aligned, probe_direct_io
+from kvtier.tiers.disk.names import SPARE_DIR, TmpNames, chunk_key, chunk_name, hh_of, is_hh_dir, is_tmp
 from kvtier.tiers.disk.root import dir_mode_for, open_dir
 
 __all__ = ["BLOCK", "ChunkFiles", "FileScan", "is_aligned", "probe_direct_io"]
 
 MAX_SPARES = 64  # files kept for reuse; the directory exceeds the byte budget by at most this many
-TMP_MAX_AGE_S = 600.0  # a temp file this old is abandoned even if a process with its pid lives
-_MAX_KEY_HEX = 128  # ValueHeader holds keys of at most 64 bytes
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -92,13 +74,12 @@ class ChunkFiles:
         self.direct_io = direct_io
         self.fsync = fsync
         self.file_mode, self.dir_mode = file_mode, dir_mode_for(file_mode)
-        self._tmp_ids = itertools.count()  # next() is atomic under the GIL
-        self._writer = _PID_NAMESPACE + secrets.token_hex(4)
+        self._names = TmpNames()
         self._fds = [dir_fd]
         self._close = weakref.finalize(self, _close_all, self._fds)
         self._dir_fd = dir_fd
         try:
-            self._spare_fd = open_dir(dir_fd, "spare", mode=self.dir_mode, create=True)
+            self._spare_fd = open_dir(dir_fd, SPARE_DIR, mode=self.dir_mode, create=True)
         except OSError as exc:
             self.close()
             raise ConfigError(f"disk tier directory {directory!r}: its spare/ is not a plain directory "
@@ -113,10 +94,9 @@ class ChunkFiles:
     @contextlib.contextmanager
     def _hh(self, key: OffloadKey, create: bool = False) -> Iterator[tuple[int, str]]:
         """(a descriptor of `key`'s hh directory, the file name of `key` in it)."""
-        name = key.hex()
-        fd = open_dir(self._dir_fd, name[:2], mode=self.dir_mode, create=create)
+        fd = open_dir(self._dir_fd, hh_of(key), mode=self.dir_mode, create=create)
         try:
-            yield fd, f"{name}.kv"
+            yield fd, chunk_name(key)
         finally:
             os.close(fd)
 
@@ -131,7 +111,7 @@ class ChunkFiles:
         views = [memoryview(buf).cast("B") for buf in buffers]
         direct = self.direct_io and is_aligned(views)
         with self._hh(key, create=True) as (hh_fd, name):
-            tmp = f"{name}.tmp.{self._unique_suffix()}"
+            tmp = self._names.tmp_name(key)
             fd = self._open_tmp(hh_fd, tmp, direct)
             try:
                 self.format.write(fd, key, views, direct)
@@ -183,7 +163,7 @@ class ChunkFiles:
         if len(self._spares) >= MAX_SPARES:
             self.unlink(key)
             return
-        spare = self._unique_suffix()
+        spare = self._names.unique_suffix()
         with contextlib.suppress(FileNotFoundError), self._hh(key) as (hh_fd, name):
             os.rename(name, spare, src_dir_fd=hh_fd, dst_dir_fd=self._spare_fd)
             self._spares.append(spare)
@@ -218,7 +198,7 @@ class ChunkFiles:
         result = FileScan()
         found: list[tuple[int, OffloadKey]] = []
         for sub in _entries(self._dir_fd):
-            if len(sub.name) != 2 or not _is_hex(sub.name):
+            if not is_hh_dir(sub.name):
                 continue
             try:
                 hh_fd = open_dir(self._dir_fd, sub.name, mode=self.dir_mode)
@@ -233,15 +213,14 @@ class ChunkFiles:
         result.keys = [key for _, key in found]
         return result
 
-    def _scan_entry(self, hh_fd: int, entry: os.DirEntry, prefix: str, found: list, result: FileScan) -> None:
+    def _scan_entry(self, hh_fd: int, entry: os.DirEntry, hh: str, found: list, result: FileScan) -> None:
         name = entry.name
-        stem, dot, ext = name.partition(".")
         with contextlib.suppress(FileNotFoundError):  # another engine may delete files meanwhile
-            key = _key_of(stem) if ext == "kv" and stem.startswith(prefix) else None
+            key = chunk_key(name, hh)
             if key is not None and entry.is_file(follow_symlinks=False):
                 found.append((entry.stat(follow_symlinks=False).st_mtime_ns, key))
-            elif ext.startswith("kv.tmp.") and not entry.is_symlink():
-                if self._is_abandoned(entry, ext):
+            elif is_tmp(name) and not entry.is_symlink():
+                if self._names.is_abandoned(entry):
                     os.unlink(name, dir_fd=hh_fd)
                     result.num_tmp_removed += 1
             elif not entry.is_dir(follow_symlinks=False):
@@ -249,22 +228,8 @@ class ChunkFiles:
                 result.num_garbage_removed += 1
 
     def _unique_suffix(self) -> str:
-        """`<writer>.<pid>.<n>`: a name no other engine sharing the directory makes (see the module docstring)."""
-        return f"{self._writer}.{os.getpid()}.{next(self._tmp_ids)}"
-
-    def _is_abandoned(self, entry: os.DirEntry, ext: str) -> bool:
-        """Whether the temporary file `entry` (extension `kv.tmp.<writer>.<pid>.<n>`) has no live writer."""
-        parts = ext.split(".")
-        writer, pid_text = (parts[2], parts[3]) if len(parts) == 5 else ("", "")
-        if len(writer) != 16 or not _is_hex(writer) or not pid_text.isdigit():
-            return True  # not a name this version writes (an older kvtier's, or junk)
-        too_old = time.time_ns() - entry.stat(follow_symlinks=False).st_mtime_ns > TMP_MAX_AGE_S * 1e9
-        if writer == self._writer or writer[:8] != _PID_NAMESPACE:
-            return too_old  # ours (in flight), or another container's: its pid means nothing here
-        pid = int(pid_text)
-        if pid == os.getpid():  # another tier of this process, or a dead process that had our pid
-            return entry.stat(follow_symlinks=False).st_mtime_ns < _PROCESS_STARTED_NS or too_old
-        return not _is_alive(pid) or too_old
+        """`<writer>.<pid>.<n>`: a name no other engine sharing the directory makes (`names.TmpNames`)."""
+        return self._names.unique_suffix()
 
     def _open_tmp(self, hh_fd: int, tmp: str, direct: bool) -> int:
         """A file named `tmp` in `hh_fd` to write, of mode `file_mode`: a spare renamed there, else a new file."""
@@ -299,45 +264,3 @@ def _entries(dir_fd: int) -> list[os.DirEntry]:
             return list(it)
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def _is_hex(text: str) -> bool:
-    return all(c in "0123456789abcdef" for c in text)
-
-
-def _key_of(stem: str) -> OffloadKey | None:
-    """The key a file stem names, or None (bytes.fromhex alone would also take upper case and
-    spaces, naming a key whose canonical path is another file)."""
-    if not 0 < len(stem) <= _MAX_KEY_HEX:
-        return None
-    try:
-        key = bytes.fromhex(stem)
-    except ValueError:
-        return None
-    return key if key.hex() == stem else None
-
-
-def _pid_namespace() -> str:
-    """8 hex characters naming this host's boot and pid namespace (equal for every process that
-    can see the others' pids, different across containers and hosts as far as can be told)."""
-    parts = [socket.gethostname()]
-    try:
-        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    except OSError:
-        parts.append(secrets.token_hex(8))  # unknown: then no other process counts as ours
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
-
-
-_PID_NAMESPACE = _pid_namespace()
-_PROCESS_STARTED_NS = time.time_ns()  # (about) when this process started: its tiers write after it
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
