@@ -2,7 +2,8 @@
 
 `DiskTier` drives one module per concept: `index` (what is where, and the room),
 `files` (which file holds a chunk), `format` (what a file holds), `reports`
-(results, events, counters), and `workers` (the threads).
+(results, events, counters), `upkeep` (scans, the reset sweep, deletions: the part of the
+tier that keeps the directory and the index in agreement) and `workers` (the threads).
 
 - The manager's thread only does bookkeeping (lookups, reservations, evictions); a read
   pool and a write pool do the I/O, one task per chunk, and finished jobs queue up for
@@ -31,13 +32,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.base import LookupResult, OffloadingEvent
-from kvtier.errors import ConfigError, InvariantError
+from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
-from kvtier.tiers.disk.files import ChunkFiles, FileScan
+from kvtier.tiers.disk.files import ChunkFiles
 from kvtier.tiers.disk.format import choose_direct_io
 from kvtier.tiers.disk.index import DiskIndex, Spared
 from kvtier.tiers.disk.reports import DiskJob, DiskReports, FailureLog
 from kvtier.tiers.disk.root import make_directory
+from kvtier.tiers.disk.upkeep import DirectoryUpkeep
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
 from kvtier.tiers.workers import Workers
@@ -46,7 +48,7 @@ __all__ = ["DiskTier"]
 
 logger = logging.getLogger(__name__)
 
-class DiskTier(SecondaryTier):
+class DiskTier(DirectoryUpkeep, SecondaryTier):
     """Chunks as files under `<root>/<namespace id>/`, at most `capacity_bytes` of them.
 
     Args:
@@ -264,77 +266,7 @@ class DiskTier(SecondaryTier):
         self._files.unlink(key)  # reset() came during the rename: this file must not survive it
         return False
 
-    def _take_left_file(self, key: OffloadKey) -> bool:
-        with self._lock:
-            if key not in self._index.left_for_store or self._index.holds(key):
-                return False
-            self._index.left_for_store.discard(key)
-            return True
-
-    def _unlink_if_absent(self, key: OffloadKey, keep_as_spare: bool = False) -> None:
-        """Delete `key`'s file unless the key is READY or being written again by then (the file is
-        then left to that store to replace, and noted: if the store fails, `_store_one` deletes it
-        — an evicted, corrupt or pre-reset file must not outlive the decision to delete it)."""
-        index = self._index
-
-        def may_change() -> bool:  # called with the lock held
-            if not index.holds(key):
-                return True
-            if key in index.pending:
-                index.left_for_store.add(key)
-            return False
-
-        if not index.claim(key, may_change):
-            return
-        try:
-            (self._files.retire if keep_as_spare else self._files.unlink)(key)
-        except OSError as exc:
-            self._log.failure(exc, f"delete of {key.hex()[:16]}…")
-        finally:
-            self._index.release(key)
-
-    # -- the directory: start-up scan, rescans, reset -------------------------------------------
-
-    def _scan_at_start(self, generation: int) -> None:
-        found = FileScan()
-        try:
-            self._files.adopt_spares()
-            found = self._files.scan()
-        except OSError as exc:  # an unreadable directory is an empty index, not a dead tier
-            self._log.failure(exc, "start-up scan")
-        kept, dropped = found.keys[:self.capacity_files], found.keys[self.capacity_files:]
-        scanned = self._index.new_policy()
-        scanned.insert(kept)  # newest first: the newest file ends up the most recent
-        with self._lock:
-            self._book.count_scan(found)
-            if generation == self._generation:  # else a reset came: these files are being deleted
-                victims = self._index.install(scanned, self._fresh)  # plus what was stored meanwhile
-                self._counters["evictions"] += len(victims)
-                if self.enable_events and kept:
-                    gone = set(victims)
-                    self._book.events.append(OffloadingEvent([k for k in kept if k not in gone], self.medium, False))
-                dropped += victims
-            self.is_scanned, self._fresh = True, []
-        self._scanned.set()
-        for key in dropped:
-            self._unlink_if_absent(key, True)
-
-    def _rescan_soon(self) -> None:
-        if self.is_scanned and not self._is_rescanning:
-            self._is_rescanning = True
-            self._workers.housekeep(self._rescan, self._generation)
-
-    def _rescan(self, generation: int) -> None:
-        """Adopt files other engines wrote, into free room only (never evicting ours for them)."""
-        try:
-            found = self._files.scan()
-        finally:
-            self._is_rescanning = False
-        with self._lock:
-            self._book.count_scan(found)
-            if generation != self._generation:
-                return  # a reset came during the scan: these files are being deleted
-            self._book.emit(self._index.adopt(found.keys), removed=False)
+    # -- the directory (start-up scan, rescans, deletions: `kvtier.tiers.disk.upkeep`) -------------
 
     def reset(self) -> None:
         with self._lock:
@@ -343,27 +275,6 @@ class DiskTier(SecondaryTier):
             self._fresh = []
             self._counters["resets"] += 1
         self._workers.housekeep(self._sweep)
-
-    def _sweep(self) -> None:
-        for key in self._files.scan().keys:
-            self._unlink_if_absent(key)
-
-    def check(self) -> None:
-        """Cross-check the index against the directory (tests and the stack fuzzer; only with no
-        job in flight, as python-diskcache's `check`).
-
-        Raises:
-            InvariantError: naming the first difference.
-        """
-        on_disk = set(self._files.scan().keys)
-        with self._lock:
-            index = self._index
-            if index.pending or index.pinned or index.busy:
-                raise InvariantError("disk tier: a key is still being written, read or renamed")
-            if not all(key in index.policy for key in on_disk):
-                raise InvariantError("disk tier: a chunk file the index does not hold")
-            if len(index.policy) != len(on_disk):
-                raise InvariantError("disk tier: an indexed key without its chunk file")
 
     # -- lifecycle --------------------------------------------------------------------------
 
