@@ -44,6 +44,11 @@ def cpu(m) -> CPUTierManager:
     return m.primary if isinstance(m, TieredManager) else m
 
 
+def lookups(m, *ids: int) -> list[LookupResult]:
+    """What `lookup` answers for each key, in order."""
+    return [m.lookup(k, CTX) for k in keys(*ids)]
+
+
 def store(m, *ids: int, ctx: ReqContext = CTX) -> list[int]:
     """prepare + complete a store (and, with secondary tiers, their cascades); returns the slots used."""
     out = m.prepare_store(keys(*ids), ctx)
@@ -65,7 +70,7 @@ def test_lookup_states(manager):
     # completed → HIT
     manager.complete_store(out.keys_to_store, CTX)
     assert manager.lookup(key(1), CTX) is HIT
-    assert manager.lookup_prefix(keys(1, 2), CTX) == (1, MISS)
+    assert lookups(manager, 1, 2) == [HIT, MISS]
     manager.check()
 
 
@@ -250,7 +255,7 @@ def test_a_prefix_stored_over_several_calls_loses_its_tail_first():
         store_as(m, "A", 2)
         # B needs a slot: A's tail [2] goes, its head [1] stays usable
         store_as(m, "B", 3)
-        assert m.lookup_prefix(keys(1, 2), CTX) == (1, MISS), policy
+        assert lookups(m, 1, 2) == [HIT, MISS], policy
         m.check()
 
 
@@ -261,7 +266,7 @@ def test_a_prefix_reused_from_the_tier_keeps_its_head_when_the_request_stores_it
     store_as(manager, "A", 3, 4)
     # B needs two slots: A's tail [4, 3] goes first, never the head the tail stands on
     store_as(manager, "B", 5, 6)
-    assert cpu(manager).lookup_prefix(keys(1, 2, 3), CTX) == (2, MISS)
+    assert lookups(cpu(manager), 1, 2, 3) == [HIT, HIT, MISS]
 
 
 def test_tails_before_heads_across_kv_cache_groups(manager):
@@ -314,3 +319,4 @@ def test_req_id_is_required():
         ReqContext()  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="req_id must be the request id as a str"):
         ReqContext(req_id=7)  # type: ignore[arg-type]
+

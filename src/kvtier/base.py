@@ -161,18 +161,6 @@ class OffloadingManager(ABC):
             HIT, HIT_PENDING, RETRY or MISS.
         """
 
-    def lookup_prefix(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> tuple[int, LookupResult]:
-        """Look keys up in order until the first non-HIT.
-
-        Returns:
-            (number of leading HITs, the result that stopped the scan — HIT if none did).
-        """
-        for i, key in enumerate(keys):
-            result = self.lookup(key, ctx)
-            if result is not LookupResult.HIT:
-                return i, result
-        return len(keys), LookupResult.HIT
-
     @abstractmethod
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
         """Pin `keys` (all HIT) for reading and say where they are.
