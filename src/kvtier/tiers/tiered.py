@@ -16,10 +16,8 @@ their own — never on the scheduler's thread, never inside the forward pass.
   in bytes (`max_promotion_bytes`): past the cap a lookup answers RETRY until some end. The
   scheduler bounds each request's wait; a promotion it stopped waiting for still completes,
   for the next request.
-- **cascade**: a chunk that becomes READY in the CPU tier is written to every write-through
-  secondary that admits it, its slot pinned for reading until the write ends; `on_evict`
-  tiers get a chunk when the CPU tier evicts it (see `kvtier.tiers.cascade`). A tier that is
-  backed up gets no cascade (dropped, counted).
+- **write down**: chunks are written to the secondaries as they become READY (write-through)
+  or as the CPU tier evicts them (`on_evict`); see `kvtier.tiers.writedown`.
 - A failed promotion frees its slot; the tier forgets a key it could not serve. Events and
   stats are per tier (`medium` "cpu", "disk", …).
 
@@ -47,17 +45,17 @@ from kvtier.base import (
 )
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
-from kvtier.tiers.cascade import SecondarySlot, StagingRows, TierRules
+from kvtier.tiers.cascade import SecondarySlot, TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.flights import Flight, FlightKind, Flights
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
+from kvtier.tiers.writedown import WriteDown
 
 __all__ = ["TieredManager"]
 
 logger = logging.getLogger(__name__)
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
-_CASCADE_CTX = ReqContext("\x00kvtier:cascade")  # holds the pins of slots being written down
 _CLOSE_DRAIN_S = 10.0
 
 
@@ -92,9 +90,7 @@ class TieredManager(OffloadingManager):
         self.payload_bytes = sum(s.shape[1] for s in slabs)
         self._slabs = list(slabs)
         self._tiers = [SecondarySlot(t, r, max_tracked=max(4 * primary.num_slots, 1024)) for t, r in secondaries]
-        num_staging = max(1, staging_bytes // self.payload_bytes)
-        has_on_evict = any(not t.is_write_through for t in self._tiers)
-        self._staging = StagingRows(num_staging, [s.shape[1] for s in slabs]) if has_on_evict else None
+        self._write_down = WriteDown(primary, self._tiers, slabs, staging_bytes, self._submit)
         self._flights = Flights(job_timeout_s)
         self._awaited: dict[str, set[OffloadKey]] = {}  # req_id -> chunks promoted for it, not loaded yet
         self._job_ids = itertools.count(1)
@@ -134,7 +130,7 @@ class TieredManager(OffloadingManager):
         self.primary.touch(keys, ctx)
         for slot in self._tiers:
             slot.tier.touch(keys)
-        self._count_offers(keys, ctx)
+        self._write_down.count_offers(keys, ctx)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.primary.complete_load(keys, ctx)
@@ -143,17 +139,17 @@ class TieredManager(OffloadingManager):
 
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         self._poll()
-        self._count_offers(keys, ctx)
+        self._write_down.count_offers(keys, ctx)
         out = self.primary.prepare_store(keys, ctx)
         if out is not None:
-            self._write_evicted(out)
+            self._write_down.write_evicted(out)
         return out
 
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         self._poll()
         ready = self.primary.complete_store(keys, ctx, success)
         if ready:
-            self._cascade(ready)
+            self._write_down.cascade(ready)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -216,7 +212,7 @@ class TieredManager(OffloadingManager):
         if out is None or not out.keys_to_store:
             slot.counters["promotions_no_room"] += 1
             return _MISS  # a full CPU tier: recompute rather than wait
-        self._write_evicted(out)
+        self._write_down.write_evicted(out)
         row = int(out.store_spec.slot_ids[0])
         self._submit(FlightKind.PROMOTION, index, (key,), ctx, (self._rows(row),), ())
         self._awaited.setdefault(ctx.req_id, set()).add(key)
@@ -235,65 +231,6 @@ class TieredManager(OffloadingManager):
             self.primary.complete_store(failed, flight.ctx, success=False)  # frees the slot
             slot.counters["promotion_failures"] += len(failed)
             logger.info("kvtier: %d promotion(s) from %s failed: %s", len(failed), slot.tier.medium, result.error)
-
-    # -- cascades ----------------------------------------------------------------------
-
-    def _count_offers(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        """A request storing or reusing a chunk is one offer of it to each gated tier. A chunk
-        already READY in the CPU tier cascades when its offers reach the tier's threshold."""
-        for index, slot in enumerate(self._tiers):
-            if slot.gate is None:
-                continue
-            newly = [k for k in keys if not slot.gate.has_admitted(k) and slot.gate.admit(k, ctx.req_id)]
-            ready = [k for k in newly if self.primary.is_readable(k)]
-            if ready and slot.is_write_through:
-                self._cascade_to(index, ready)
-
-    def _cascade(self, ready: list[OffloadKey]) -> None:
-        for index, slot in enumerate(self._tiers):
-            if not slot.is_write_through:
-                continue
-            keys = [k for k in ready if slot.admits(k)]
-            slot.counters["admission_skips"] += len(ready) - len(keys)
-            if keys:
-                self._cascade_to(index, keys)
-
-    def _cascade_to(self, index: int, keys: list[OffloadKey]) -> None:
-        slot = self._tiers[index]
-        if slot.is_backed_up(len(keys) * self.payload_bytes):
-            slot.counters["backpressure_drops"] += len(keys)
-            return
-        spec = self.primary.prepare_load(keys, _CASCADE_CTX)  # pinned while the tier reads them
-        buffers = tuple(self._rows(int(s)) for s in spec.slot_ids)
-        self._submit(FlightKind.CASCADE, index, tuple(keys), _CASCADE_CTX, buffers, ())
-
-    def _write_evicted(self, out: PrepareStoreOutput) -> None:
-        """Copy victims bound for `on_evict` tiers out of their slots before new chunks land there."""
-        targets = [i for i, slot in enumerate(self._tiers) if not slot.is_write_through]
-        if not targets or not out.evicted_keys or self._staging is None:
-            return
-        for key, row in zip(out.evicted_keys, out.evicted_slot_ids, strict=True):
-            wanted = [i for i in targets if self._tiers[i].admits(key)
-                      and not self._tiers[i].is_backed_up(self.payload_bytes)]
-            for i in set(targets) - set(wanted):
-                self._tiers[i].counters["backpressure_drops"] += 1
-            staged = self._staging.take([s[row] for s in self._slabs], len(wanted)) if wanted else None
-            if wanted and staged is None:
-                for i in wanted:
-                    self._tiers[i].counters["staging_drops"] += 1
-                continue
-            for i in wanted:
-                self._submit(FlightKind.EVICTED, i, (key,), _CASCADE_CTX, (self._staging.buffers(staged),), (staged,))
-
-    def _end_store(self, slot: SecondarySlot, flight: Flight, result: TierResult) -> None:
-        slot.record_store(time.monotonic() - flight.submitted_at)
-        if flight.kind is FlightKind.CASCADE:
-            self.primary.complete_load(flight.keys, _CASCADE_CTX)  # unpin (a retired slot is freed)
-        elif self._staging is not None:
-            for row in flight.staging_rows:
-                self._staging.release(row)
-        slot.counters["cascade_failures"] += len(result.failed_keys)
-        slot.counters["cascaded_chunks"] += len(flight.keys) - len(result.failed_keys)
 
     # -- jobs --------------------------------------------------------------------------
 
@@ -322,7 +259,7 @@ class TieredManager(OffloadingManager):
                 if flight.kind is FlightKind.PROMOTION:
                     self._end_promotion(slot, flight, result)
                 else:
-                    self._end_store(slot, flight, result)
+                    self._write_down.ended(slot, flight, result)
         for flight in self._flights.expire(time.monotonic()):
             self._give_up(flight)
 
