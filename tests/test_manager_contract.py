@@ -320,3 +320,11 @@ def test_req_id_is_required():
     with pytest.raises(ValueError, match="req_id must be the request id as a str"):
         ReqContext(req_id=7)  # type: ignore[arg-type]
 
+
+def test_tier_stats_list_the_tiers_behind_the_cpu_tier(manager):
+    # the CPU tier alone has none; the tiered manager has its disk tier
+    expected = ["disk"] if isinstance(manager, TieredManager) else []
+    assert [t.medium for t in manager.tier_stats()] == expected
+    # store [1] → its cascade (if any) ends within drain's bound
+    store(manager, 1)
+    assert manager.drain(10.0)

@@ -14,7 +14,8 @@ touches tensors. The primitives, in call order:
    in state PENDING. None means "no room now", never an exception.
 6. `complete_store(keys, ctx, success)`: PENDING -> READY, or rollback on failure.
 7. `take_events()`: stored / removed events, each with its tier (`medium`).
-8. `on_request_finished(ctx)`, `reset()`, `stats()`, `close()`.
+8. `on_request_finished(ctx)`, `reset()`, `stats()`, `tier_stats()`, `drain(timeout_s)`,
+   `close()`.
 
 Every call carries a `ReqContext`: its required `req_id` is what lets the layers
 below track a request (bounded waiting, pins released on finish).
@@ -26,12 +27,15 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
+
+if TYPE_CHECKING:  # for annotations only: the secondary-tier contract builds on this one
+    from kvtier.tiers.secondary import TierStats
 
 __all__ = [
     "ChunkState",
@@ -206,3 +210,21 @@ class OffloadingManager(ABC):
     @abstractmethod
     def stats(self) -> ManagerStats:
         """Occupancy and counters (O(1))."""
+
+    def tier_stats(self) -> list[TierStats]:
+        """A snapshot of each tier behind this one (disk, Redis, S3), in search order.
+
+        Returns:
+            One `TierStats` per secondary tier; none for a manager without any.
+        """
+        return []
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait for the background jobs of the tiers behind this one (simulations, tests).
+
+        Args:
+            timeout_s: how long to wait at most (per tier).
+        Returns:
+            True if none is left running.
+        """
+        return True

@@ -190,6 +190,11 @@ class TieredManager(OffloadingManager):
             out.append(stats)
         return out
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until each tier's jobs ended, up to `timeout_s` per tier; True if none is left.
+        Their results are applied at the next call."""
+        return all([slot.tier.drain(timeout_s) for slot in self._tiers])  # a list: every tier drains
+
     def close(self) -> None:
         """Wait (bounded) for the tiers' jobs, release what they held, stop the tiers."""
         deadline = time.monotonic() + _CLOSE_DRAIN_S
