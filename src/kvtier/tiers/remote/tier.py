@@ -27,6 +27,8 @@ Only the tier decides; the `RemoteStore` it wraps only moves bytes (`kvtier.tier
   deletes for every replica sharing the namespace: after a reset (e.g. new weights) the old
   values are wrong for all of them.
 
+What a job does on the pools (loads, stores, failures) is `kvtier.tiers.remote.io`.
+
 Thread-safety: the public methods are called from one thread (the manager's). The probe
 thread and the pools share state with it only under `_lock`, never held across I/O.
 """
@@ -37,7 +39,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.errors import InvariantError
@@ -45,7 +47,7 @@ from kvtier.keys import OffloadKey
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.rate_limited_log import RateLimitedLog
 from kvtier.tiers.remote.breaker import CircuitBreaker
-from kvtier.tiers.remote.credentials import redact
+from kvtier.tiers.remote.io import RemoteIO
 from kvtier.tiers.remote.keys import KnownKeys
 from kvtier.tiers.remote.probes import ProbeThread
 from kvtier.tiers.remote.reports import RemoteReports
@@ -62,7 +64,7 @@ logger = logging.getLogger(__name__)
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
 
-class RemoteTier(SecondaryTier):
+class RemoteTier(RemoteIO, SecondaryTier):
     """Args:
         store: the remote store's byte operations.
         namespace: what the values' bytes mean.
@@ -146,69 +148,6 @@ class RemoteTier(SecondaryTier):
         self._book.finish(job, set(job.keys), 0, 0.0, why)
         return True
 
-    def _job(self, run: Callable[..., None], job: TierJob, *args: object) -> None:
-        """`run(job, *args)` on a pool thread; the reset's sweep is told when it is over, whatever happens."""
-        try:
-            run(job, *args)
-        finally:
-            self._reset.job_over()
-
-    def _may_start(self, job: TierJob, generation: int, queued_bytes: int) -> bool:
-        """Whether `job` may start its I/O: not past its deadline (else counted `expired`) nor from before
-        a reset. If not, its keys fail now and a store gives back its `queued_bytes`."""
-        with self._cond:
-            is_expired = time.monotonic() >= job.deadline
-            if not is_expired and generation == self._reset.generation:
-                return True
-            self._counters["expired"] += len(job.keys) if is_expired else 0
-            self._queued_store_bytes -= queued_bytes
-            self._book.finish(job, set(job.keys), 0, 0.0,
-                              "deadline passed before its I/O started" if is_expired else "reset while in flight")
-            return False
-
-    def _load(self, job: TierJob, generation: int, started: float) -> None:
-        if not self._may_start(job, generation, 0):
-            return
-        failed: set[OffloadKey] = set()
-        error = None
-        parts = [self.codec.receiving_parts(bufs) for bufs in job.buffers]
-        try:  # each value's header (and tag) into buffers of its own, its payload straight into the slab rows
-            sizes = self.store.get_into([self.codec.name(k) for k in job.keys], parts)
-            self.breaker.record_success()
-        except Exception as exc:
-            sizes, failed, error = [None] * len(job.keys), set(job.keys), self._failed(exc, "load")
-        corrupt = [] if error is not None else self._refuse_bad_values(job.keys, sizes, parts, failed)
-        with self._cond:
-            self._counters["corrupt"] += len(corrupt)
-            self._counters["load_missing"] += len(failed) - len(corrupt) if error is None else 0
-            if error is None:  # absent or bad values: forget them (a server error says nothing about a key)
-                self._keys.forget(list(failed))
-            if generation != self._reset.generation:
-                failed, error = set(job.keys), "reset while in flight"
-            elif time.monotonic() > job.deadline:  # the manager has given up on it: it only frees the slots
-                self._counters["late"] += len(job.keys)
-                failed, error = set(job.keys), "finished after its deadline"
-            num_bytes = self.codec.payload_bytes * (len(job.keys) - len(failed))
-            self._book.count("load", len(job.keys) - len(failed), len(failed), num_bytes, started)
-            self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
-
-    def _refuse_bad_values(self, keys: Sequence[OffloadKey], sizes: Sequence[int | None],
-                           parts: Sequence[tuple[memoryview, ...]], failed: set[OffloadKey]) -> list[str]:
-        """Add the keys whose value is absent or fails a check to `failed`; delete the bad values (their names
-        are returned)."""
-        corrupt: list[str] = []
-        for key, size, received in zip(keys, sizes, parts, strict=True):
-            why = "absent" if size is None else self.codec.check(key, size, received)
-            if why is not None:
-                failed.add(key)
-                if size is not None:
-                    corrupt.append(self.codec.name(key))
-                    self._log.log_once("corrupt",
-                                       f"{self.medium} tier: dropped a bad value of {key.hex()[:16]}…: {why}")
-        if corrupt:
-            self._delete(corrupt)
-        return corrupt
-
     def submit_store(self, job: TierJob) -> None:
         with self._cond:
             if self._rejected_locked(job):
@@ -220,57 +159,6 @@ class RemoteTier(SecondaryTier):
                     if k not in self._keys and k not in bad]
             self._queued_store_bytes += len(todo) * self.codec.payload_bytes
         self._workers.write(self._job, self._store, job, generation, todo, bad, time.perf_counter())
-
-    def _store(self, job: TierJob, generation: int, todo: list[tuple[OffloadKey, tuple[memoryview, ...]]],
-               bad: set[OffloadKey], started: float) -> None:
-        if not self._may_start(job, generation, len(todo) * self.codec.payload_bytes):
-            return
-        failed, error, written = set(bad), None, [False] * len(todo)
-        try:
-            if todo:
-                written = self.store.put([(self.codec.name(k), self.codec.pack(k, bufs)) for k, bufs in todo])
-                self.breaker.record_success()
-        except Exception as exc:
-            failed.update(k for k, _ in todo)
-            error = self._failed(exc, "store")
-        new_keys = [k for (k, _), is_new in zip(todo, written, strict=True) if is_new and k not in failed]
-        num_existing = sum(1 for (k, _), is_new in zip(todo, written, strict=True) if not is_new and k not in failed)
-        with self._cond:
-            self._queued_store_bytes -= len(todo) * self.codec.payload_bytes
-            self._counters["store_existing"] += num_existing  # written by another replica: never rewritten
-            if generation != self._reset.generation:  # what it wrote, the sweep deletes (it waits for this job)
-                failed, error, new_keys = set(job.keys), "reset while in flight", []
-            else:  # only what this job wrote or found: a key skipped as known may have been forgotten since
-                for key, _ in todo:
-                    if key not in failed:
-                        self._keys.remember(key)
-                self._book.emit(new_keys, removed=False)
-            num_bytes = len(new_keys) * self.codec.payload_bytes
-            self._book.count("store", len(new_keys), len(failed), num_bytes, started)
-            self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
-
-    # -- bookkeeping ----------------------------------------------------------------------------
-
-    def _failed(self, exc: Exception, what: str) -> str:
-        """Count a failed operation (timeouts apart), feed the breaker; the message to report."""
-        is_timeout = self.store.is_timeout(exc)
-        message = f"{what} failed ({'timeout' if is_timeout else type(exc).__name__}): {redact(str(exc))}"
-        with self._cond:
-            self._counters["timeouts" if is_timeout else "errors"] += 1
-        if self.breaker.record_failure():
-            logger.warning("kvtier: %s tier at %s is failing (%s); answering misses and retrying in the background",
-                           self.medium, self.store.describe(), message)
-            with self._cond:
-                self._cond.notify_all()
-        else:
-            self._log.log_once(what, f"{self.medium} tier: {message}")
-        return message
-
-    def _delete(self, names: list[str]) -> None:
-        try:
-            self.store.delete(names)
-        except Exception as exc:
-            self._log.log_once("delete", f"{self.medium} tier: delete failed: {redact(str(exc))}")
 
     # -- what the manager reads -------------------------------------------------------------------
 
