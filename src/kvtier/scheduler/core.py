@@ -24,10 +24,11 @@ Jobs are bounded too: one that not every worker reported by its expiry is failed
 When chunks are stored is `store_mode`: "eager" as soon as they are computed, "lazy" when the
 engine is about to evict their blocks (`kvtier.scheduler.lazy`; the adapter reports them at
 the end of each step, `plan_evictions`, and the stores run in the next step's plan, under
-the same fences as a finished request's last stores). The requests that computed such
-chunks may have ended long before: each step's evict-time stores belong to an owner of
-their own, named after `EVICTIONS_REQ_ID`, which ends (for the manager,
-`on_request_finished`) with its jobs.
+the same fences as a finished request's last stores).
+
+`OffloadScheduler` is this module (lookups, loads, the step plan, request end, reset) plus
+two parts of its own: `kvtier.scheduler.stores` (what to store, and when) and
+`kvtier.scheduler.completions` (how jobs end).
 
 Thread-safety: not thread-safe; the engine's scheduler calls it from one thread.
 """
@@ -36,18 +37,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 
 from kvtier.base import OffloadingManager
 from kvtier.errors import KVTierError
-from kvtier.jobs import BlockIds, JobResult, StepPlan
-from kvtier.keys import OffloadKey
+from kvtier.jobs import BlockIds, StepPlan
+from kvtier.scheduler.completions import JobCompletion
 from kvtier.scheduler.config import SchedulerOffloadConfig
 from kvtier.scheduler.jobs import TransferJobBook
 from kvtier.scheduler.lazy import EvictionLedger
 from kvtier.scheduler.lookup import may_defer, scan_hits
 from kvtier.scheduler.state import JobRecord, LookupAnswer, PendingLoad, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
+from kvtier.scheduler.stores import EVICTIONS_REQ_ID, StorePlanning
 from kvtier.scheduler.types import RequestView, StepView
 
 __all__ = ["EVICTIONS_REQ_ID", "OffloadScheduler"]
@@ -55,10 +57,9 @@ __all__ = ["EVICTIONS_REQ_ID", "OffloadScheduler"]
 logger = logging.getLogger(__name__)
 
 _MIN_ASYNC_LOAD_S = 0.25  # a load started after the budget was spent on waits still gets this long
-EVICTIONS_REQ_ID = "\x00kvtier:evictions"  # owns lazy mode's stores (no engine request id starts with NUL)
 
 
-class OffloadScheduler:
+class OffloadScheduler(StorePlanning, JobCompletion):
     """The scheduler side of kvtier for one engine.
 
     Args:
@@ -220,115 +221,7 @@ class OffloadScheduler:
         state.clear_block_ids()
         state.pending_load = None
 
-    def _plan_stores(self, state: RequestOffloadState, num_tokens: int, window_from: int, plan: StepPlan) -> None:
-        """Offer every whole, computed chunk after the store cursor to the manager."""
-        if not self._is_supported:
-            return  # nothing stored could ever be loaded
-        if self.config.offload_prompt_only:
-            num_tokens = min(num_tokens, state.req.num_prompt_tokens)
-        end = min(num_tokens // self.config.tokens_per_chunk, state.num_hashed_chunks(),
-                  *(gs.num_allocated_chunks() for gs in state.group_states))
-        keys, chunks = self._jobs.store_candidates(state, end, window_from)
-        if not keys:
-            return
-        groups = [group for group, _ in chunks]
-        blocks = [state.group_states[group].chunk_blocks(chunk) for group, chunk in chunks]
-        if self._lazy:  # stored when the engine is about to evict them (`plan_evictions`)
-            for key, (group, chunk), chunk_blocks in zip(keys, chunks, blocks, strict=True):
-                self._ledger.record(key, group, chunk_blocks, state.req_id, chunk)
-        elif not self._store(state, keys, groups, blocks, plan):
-            return  # no room now: the cursor stays, retried next step
-        for gs in state.group_states:
-            gs.next_store_chunk = max(gs.next_store_chunk, end)
-
-    def plan_evictions(self, evictable: Iterable[int]) -> None:
-        """Lazy store mode: store the computed chunks held by `evictable` — cached engine blocks
-        no request holds, which the engine's next allocations (at least one step's worth)
-        would evict. Call it at the end of a step, after the engine freed the blocks of the
-        requests that ended; the stores go out with the next step's plan. Eager mode: no-op."""
-        if not self._lazy:
-            return
-        plan = self._next_plan
-        entries = self._ledger.take(evictable)
-        if not entries:
-            return
-        owner = RequestOffloadState(self.config, RequestView(req_id=f"{EVICTIONS_REQ_ID}:{self._step}",
-                                                             block_hashes=(), num_tokens=0, num_prompt_tokens=0))
-        owner.is_finished, owner.finished_at_step = True, self._step
-        self._requests[owner.req_id] = owner
-        if self._store(owner, [e.key for e in entries], [e.group for e in entries], [e.blocks for e in entries],
-                       plan):
-            self.stats.lazy_offered_chunks += len(entries)
-        else:
-            self._ledger.restore(entries)  # no room now: retried next step, unless the blocks go first
-        self._release_if_done(owner)
-
-    def _store(self, state: RequestOffloadState, keys: list[OffloadKey], groups: list[int],
-               blocks: list[Sequence[int]], plan: StepPlan) -> bool:
-        """Offer chunks to the manager and plan a store job for those it takes; False when it
-        has no room for them now."""
-        out = self.manager.prepare_store(list(dict.fromkeys(keys)), state.req_context)
-        if out is None:
-            self.stats.store_alloc_failures += 1
-            return False
-        if out.keys_to_store:
-            plan.store_jobs.append(self._jobs.new_store(state, keys, groups, blocks, out))
-            self.stats.store_jobs += 1
-        return True
-
-    # -- 5. completions ---------------------------------------------------------------
-
-    def update_connector_output(self, results: Iterable[JobResult]) -> None:
-        """Record the workers' results; a job completes once every worker reported it.
-
-        Failed loads need nothing here: each worker reports the blocks it could not load
-        to the engine itself (`WorkerSide.take_load_errors`), which recomputes them.
-        """
-        for record in self._jobs.acknowledge(results):
-            self._complete(record)
-        expired, self._expired = self._expired, []
-        for record in expired:  # every worker has now run the step that cancels them: nothing copies
-            self._complete(record)
-
-    def _expire_jobs(self, plan: StepPlan) -> None:
-        """Fail jobs not every worker reported in time (see `kvtier.scheduler.jobs`).
-
-        Failed now (loads recomputed from this step on), but what a job holds — the slots of a
-        store, the pins of a load — is released only by `update_connector_output`: a worker that
-        still copies it stops in this step's `handle_preemptions` (it cancels every job past its
-        deadline and waits for its copies to stop), and not before; freeing a slot here would let
-        a promotion write it while a late copy still does (issue 20, S1)."""
-        for record in self._jobs.expire(self._clock()):
-            self.stats.expired_jobs += 1
-            logger.warning("kvtier: job %d of request %s was not reported by every worker in time; failed",
-                           record.job.job_id, record.job.req_id)
-            state = self._requests[record.job.req_id]
-            # an asynchronous load's request is parked until its workers report it (they fail
-            # it themselves at its deadline); blocks reported here would reach nobody
-            blocks = self._jobs.failed_load_blocks(record) if record.is_load and not record.is_async else set()
-            if not state.is_finished and blocks <= state.held_block_ids():
-                plan.failed_load_block_ids |= blocks  # the engine recomputes them
-            self._expired.append(record)
-
-    def _complete(self, record: JobRecord) -> None:
-        state = self._requests[record.job.req_id]
-        state.transfer_jobs.discard(record.job.job_id)
-        ok, failed = self._jobs.split_keys(record)
-        stale = record.generation != self._jobs.generation
-        self.stats.stale_completions += stale
-        if record.is_load:
-            state.load_job_id = None
-            self.manager.complete_load(record.keys, state.req_context)
-            self.stats.failed_load_chunks += len(failed)
-            state.had_failed_load |= bool(failed)
-            if state.is_finished and not failed:
-                self._store_final_chunks(state)
-        else:
-            self.manager.complete_store(ok, state.req_context, success=True)  # a stale one is freed
-            self.manager.complete_store(failed, state.req_context, success=False)
-            self.stats.stored_chunks += 0 if stale else len(ok)
-            self.stats.failed_store_chunks += len(failed)
-        self._release_if_done(state)
+    # -- (3.) store planning is `kvtier.scheduler.stores`; 5. completions `kvtier.scheduler.completions`
 
     # -- 6. request end, reset --------------------------------------------------------
 
@@ -347,26 +240,6 @@ class OffloadScheduler:
         if state.load_job_id is None:
             self._store_final_chunks(state)
         self._release_if_done(state)
-
-    def _store_final_chunks(self, state: RequestOffloadState) -> None:
-        """Plan the last stores of a finished request, from blocks the engine has just freed.
-
-        Only before the next plan: until then no new owner can have written those blocks,
-        and that plan flushes the stores if it hands the blocks over (a load reported later
-        than that — never the case with vLLM's per-step reports — leaves them unstored).
-        """
-        if state.finished_at_step != self._step:
-            logger.debug("request %s: its load was reported after its blocks were freed; last chunks not stored",
-                         state.req_id)
-            return
-        if state.params.store and state.group_states[0].block_ids:
-            computed = state.req.num_computed_tokens
-            self._plan_stores(state, computed, computed, self._next_plan)
-
-    def _release_if_done(self, state: RequestOffloadState) -> None:
-        if state.is_finished and not state.transfer_jobs:
-            del self._requests[state.req_id]
-            self.manager.on_request_finished(state.req_context)
 
     def reset_cache(self) -> bool:
         """Forget every offloaded chunk; jobs in flight are flushed and their results ignored."""

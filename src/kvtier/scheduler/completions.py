@@ -1,0 +1,91 @@
+"""How the scheduler's jobs end: the workers' results (a job completes once every worker
+reported it), jobs not every worker reported in time (failed, and released one step later),
+and a request forgotten once it has ended and has no job left.
+
+`JobCompletion` is a part of `kvtier.scheduler.core.OffloadScheduler` (a mixin): it shares
+the scheduler's requests, job book and manager. Thread-safety: the scheduler's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from kvtier.base import OffloadingManager
+from kvtier.jobs import JobResult, StepPlan
+from kvtier.scheduler.jobs import TransferJobBook
+from kvtier.scheduler.state import JobRecord, RequestOffloadState
+from kvtier.scheduler.stats import SchedulerStats
+
+__all__ = ["JobCompletion"]
+
+logger = logging.getLogger("kvtier.scheduler.core")  # the scheduler's logger, as before this part moved here
+
+
+class JobCompletion:
+    """The completion side of `OffloadScheduler`; see the module docstring."""
+
+    # the scheduler's state this part reads and changes (set by OffloadScheduler.__init__)
+    manager: OffloadingManager
+    stats: SchedulerStats
+    _requests: dict[str, RequestOffloadState]
+    _jobs: TransferJobBook
+    _clock: Callable[[], float]
+    _expired: list[JobRecord]
+
+    def update_connector_output(self, results: Iterable[JobResult]) -> None:
+        """Record the workers' results; a job completes once every worker reported it.
+
+        Failed loads need nothing here: each worker reports the blocks it could not load
+        to the engine itself (`WorkerSide.take_load_errors`), which recomputes them.
+        """
+        for record in self._jobs.acknowledge(results):
+            self._complete(record)
+        expired, self._expired = self._expired, []
+        for record in expired:  # every worker has now run the step that cancels them: nothing copies
+            self._complete(record)
+
+    def _expire_jobs(self, plan: StepPlan) -> None:
+        """Fail jobs not every worker reported in time (see `kvtier.scheduler.jobs`).
+
+        Failed now (loads recomputed from this step on), but what a job holds — the slots of a
+        store, the pins of a load — is released only by `update_connector_output`: a worker that
+        still copies it stops in this step's `handle_preemptions` (it cancels every job past its
+        deadline and waits for its copies to stop), and not before; freeing a slot here would let
+        a promotion write it while a late copy still does (issue 20, S1)."""
+        for record in self._jobs.expire(self._clock()):
+            self.stats.expired_jobs += 1
+            logger.warning("kvtier: job %d of request %s was not reported by every worker in time; failed",
+                           record.job.job_id, record.job.req_id)
+            state = self._requests[record.job.req_id]
+            # an asynchronous load's request is parked until its workers report it (they fail
+            # it themselves at its deadline); blocks reported here would reach nobody
+            blocks = self._jobs.failed_load_blocks(record) if record.is_load and not record.is_async else set()
+            if not state.is_finished and blocks <= state.held_block_ids():
+                plan.failed_load_block_ids |= blocks  # the engine recomputes them
+            self._expired.append(record)
+
+    def _complete(self, record: JobRecord) -> None:
+        state = self._requests[record.job.req_id]
+        state.transfer_jobs.discard(record.job.job_id)
+        ok, failed = self._jobs.split_keys(record)
+        stale = record.generation != self._jobs.generation
+        self.stats.stale_completions += stale
+        if record.is_load:
+            state.load_job_id = None
+            self.manager.complete_load(record.keys, state.req_context)
+            self.stats.failed_load_chunks += len(failed)
+            state.had_failed_load |= bool(failed)
+            if state.is_finished and not failed:
+                self._store_final_chunks(state)
+        else:
+            self.manager.complete_store(ok, state.req_context, success=True)  # a stale one is freed
+            self.manager.complete_store(failed, state.req_context, success=False)
+            self.stats.stored_chunks += 0 if stale else len(ok)
+            self.stats.failed_store_chunks += len(failed)
+        self._release_if_done(state)
+
+    def _release_if_done(self, state: RequestOffloadState) -> None:
+        if state.is_finished and not state.transfer_jobs:
+            del self._requests[state.req_id]
+            self.manager.on_request_finished(state.req_context)
