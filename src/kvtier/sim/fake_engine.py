@@ -5,16 +5,14 @@ It has a block pool with a local prefix cache, admits waiting requests (asking t
 `OffloadScheduler` for external hits after its own), schedules prefill chunks and
 decodes, supports preemption and `reset_prefix_cache`, parks a request whose load is
 asynchronous until the worker reports it (vLLM's WAITING_FOR_REMOTE_KVS: a request
-aborted meanwhile keeps its blocks until then), and runs each step's `StepPlan`
-on the real worker — `kvtier.worker.WorkerSide` and a `TransferEngine` over small CPU
-tensors (`KVCache`) and a shared-memory host slab — in vLLM's order: flushes and loads, the forward pass, stores,
-then the finished requests, then the workers' results. Every block it computes gets
-a value derived from the block's hash; before computing a token it checks that every
-block the token attends to holds the right value — so a wrong load, a missing fence or
-a stale completion shows up as `ContentMismatch`, not as a silently wrong number. Sliding-window
-groups follow vLLM's rule: blocks wholly before the window are freed and replaced by the null
-block (block 0), which nothing may ever write (checked after every step).
-Stores start at step boundaries (`SimTransferEngine`), so runs are repeatable.
+aborted meanwhile keeps its blocks until then), and runs each step's `StepPlan` on the
+real worker — `kvtier.worker.WorkerSide` and a `TransferEngine` over small CPU tensors
+(`KVCache`) and a shared-memory host slab — in vLLM's order: flushes and loads, the forward
+pass, stores, then the finished requests, then the workers' results. Its "model" checks
+every block a token attends to (`kvtier.sim.model`: a wrong load, a missing fence or a
+stale completion is a `ContentMismatch`); sliding-window groups follow vLLM's rule (the
+null block, block 0, is never written: checked after every step). Stores start at step
+boundaries (`SimTransferEngine`), so runs are repeatable.
 """
 
 from __future__ import annotations
@@ -23,17 +21,18 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.jobs import StepPlan
 from kvtier.keys import BlockHasher
 from kvtier.scheduler.config import GroupKind, GroupSpec
 from kvtier.scheduler.core import OffloadScheduler
-from kvtier.scheduler.types import RequestView, ScheduledRequest, StepView
+from kvtier.scheduler.types import ScheduledRequest, StepView
 from kvtier.sim.block_pool import BlockPool
 from kvtier.sim.faults import Faults, SimTransferEngine
 from kvtier.sim.kv_cache import ContentMismatch, KVCache
+from kvtier.sim.model import FakeModel
+from kvtier.sim.request import SimRequest
 from kvtier.slab import HostSlab, slab_name
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 from kvtier.worker.side import WorkerSide
@@ -41,33 +40,7 @@ from kvtier.worker.side import WorkerSide
 __all__ = ["ContentMismatch", "FakeEngine", "SimRequest", "make_slab"]
 
 
-@dataclass
-class SimRequest:
-    req_id: str
-    prompt: list[int]
-    max_new_tokens: int
-    cache_salt: str | None = None
-    kv_transfer_params: Any = None
-    output: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    block_ids: list[list[int]] = field(default_factory=list)  # per group
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_cached_tokens: int | None = None  # local + external at first scheduling
-    num_external_tokens: int = 0
-    num_lookups: int = 0
-    is_finished: bool = False
-    awaits_first_schedule: bool = False  # its asynchronous load ended; not scheduled since
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-
-class FakeEngine:
+class FakeEngine(FakeModel):
     """Drives an `OffloadScheduler` (or none: the no-offload baseline) like vLLM does.
 
     Args:
@@ -192,7 +165,7 @@ class FakeEngine:
                 is_first = req.awaits_first_schedule  # vLLM: a new request, with every block it holds
                 req.awaits_first_schedule = False
                 new = tuple(list(ids) for ids in req.block_ids) if is_first else new
-                scheduled.append((req, n, _scheduled(req, new, is_first, n)))
+                scheduled.append((req, n, req.as_scheduled(new, is_first, n)))
         for req in list(self.waiting):
             if budget <= 0:
                 break
@@ -207,7 +180,7 @@ class FakeEngine:
         local = self.pool.cached_prefix(req.block_hashes[: (req.num_tokens - 1) // self.block_size])
         num_local = len(local) * self.block_size
         req.num_lookups += 1
-        ext, load_async = (self.scheduler.get_num_new_matched_tokens(self._view(req), num_local)
+        ext, load_async = (self.scheduler.get_num_new_matched_tokens(req.view(), num_local)
                            if self.scheduler else (0, False))
         if ext is None:
             return None
@@ -233,7 +206,7 @@ class FakeEngine:
             return None
         self.running.append(req)
         ids = tuple(list(ids) for ids in req.block_ids)
-        return req, n, _scheduled(req, ids, True, n)
+        return req, n, req.as_scheduled(ids, True, n)
 
     def _execute(self, scheduled: list[tuple[SimRequest, int, ScheduledRequest]]) -> None:
         """One step in vLLM's order: plan; worker before the forward pass; the forward pass;
@@ -286,7 +259,7 @@ class FakeEngine:
                 req.awaits_first_schedule = True
                 self.running.append(req)
 
-    # -- the "model" ------------------------------------------------------------------
+    # -- after the step ----------------------------------------------------------------
 
     def _lookahead(self) -> int:
         if self.evict_lookahead is not None:
@@ -295,95 +268,18 @@ class FakeEngine:
         self._max_step_allocations = max(self._max_step_allocations, allocated)
         return 2 * self._max_step_allocations
 
-    def _forward(self, req: SimRequest, n: int) -> bool:
-        """Compute `n` tokens of `req` after checking every block they attend to; True when
-        the request then has all its output tokens."""
-        start, end = req.num_computed, req.num_computed + n
-        for g, spec in enumerate(self.groups if self.check_content else ()):
-            window = spec.sliding_window if spec.kind is GroupKind.SLIDING_WINDOW else None
-            first = 0 if window is None else max(0, start - window + 1) // self.block_size
-            self.kv.check(req.req_id, g, *self._blocks(req, g, range(first, start // self.block_size)))
-            self.kv.write(g, *self._blocks(req, g, range(start // self.block_size, end // self.block_size))[1:])
-        req.num_computed = end
-        self._cache_computed(req)
-        return end == req.num_tokens and self._sample(req)
-
-    def _blocks(self, req: SimRequest, group: int, positions: range) -> tuple[list[int], list[int], list[int]]:
-        """(positions, engine blocks, expected contents) of the request's blocks at `positions`."""
-        ids = req.block_ids[group]
-        return (list(positions), [ids[j] for j in positions],
-                [self.kv.content(req.block_hashes[j], group) for j in positions])
-
-    def _sample(self, req: SimRequest) -> bool:
-        req.output.append((sum(req.tokens[-8:]) * 31 + req.num_tokens) % 997)
-        full = req.num_tokens // self.block_size
-        if full > len(req.block_hashes):
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            tail = req.tokens[len(req.block_hashes) * self.block_size : full * self.block_size]
-            salt = req.cache_salt if not req.block_hashes else None
-            req.block_hashes.extend(self.hasher.hash_blocks(tail, cache_salt=salt, parent=parent))
-        return len(req.output) >= req.max_new_tokens
-
     def _finish_all(self, reqs: list[SimRequest]) -> None:
         for req in reqs:
             self.running.remove(req)
             self._finish(req)
 
-    def _rewind_if_invalid(self, req: SimRequest, invalid: set[int]) -> bool:
-        """vLLM's "recompute" policy: a request with a failed block recomputes from it."""
-        for g in range(len(self.groups)):
-            for j, b in enumerate(req.block_ids[g]):
-                if b in invalid and j * self.block_size < req.num_computed:
-                    req.num_computed = j * self.block_size
-                    return True
-        return False
-
-    # -- blocks -----------------------------------------------------------------------
-
-    def _grow(self, req: SimRequest, num_tokens: int) -> tuple[list[int], ...] | None:
-        needed = -(-num_tokens // self.block_size) - len(req.block_ids[0])
-        if needed <= 0:
-            return tuple([] for _ in self.groups)
-        new = self.pool.allocate(needed)
-        if new is None:
-            self.preempt(req.req_id)
-            return None
-        for g, blocks in enumerate(new):
-            req.block_ids[g].extend(blocks)
-        return tuple(new)
-
-    def _skip_window_blocks(self, req: SimRequest, num_tokens: int) -> None:
-        """vLLM's sliding-window rule (`SlidingWindowManager.get_num_skipped_tokens`): once
-        `num_tokens` are computed, the blocks wholly before the next token's window are freed
-        and point at the null block; nobody tells the connector."""
-        for g, spec in enumerate(self.groups):
-            if spec.kind is not GroupKind.SLIDING_WINDOW:
-                continue
-            ids = req.block_ids[g]
-            kept = spec.sliding_window + spec.extra_retained_tokens
-            skipped = min(len(ids), max(0, num_tokens - kept + 1) // self.block_size)
-            self.pool.release_now(ids[:skipped])  # the null block among them is not counted
-            ids[:skipped] = [self.pool.null_block] * skipped
-
-    def _cache_computed(self, req: SimRequest) -> None:
-        self.pool.cache_blocks(req.block_hashes, req.block_ids, req.num_computed // self.block_size)
-
-    def _release_blocks(self, req: SimRequest) -> None:
-        self.pool.release(req.block_ids)
-        req.block_ids = []
-
     def _finish(self, req: SimRequest, keep_blocks: bool = False) -> None:
         req.is_finished = True
         if self.scheduler:
-            self.scheduler.request_finished(self._view(req))
+            self.scheduler.request_finished(req.view())
         if not keep_blocks:
             self._release_blocks(req)
         self._finished.add(req.req_id)
-
-    def _view(self, req: SimRequest) -> RequestView:
-        return RequestView(req_id=req.req_id, block_hashes=req.block_hashes, num_tokens=req.num_tokens,
-                           num_prompt_tokens=len(req.prompt), num_computed_tokens=req.num_computed,
-                           kv_transfer_params=req.kv_transfer_params)
 
 
 def make_slab(kv: KVCache, blocks_per_chunk: int, num_slots: int) -> HostSlab:
@@ -395,11 +291,6 @@ def make_slab(kv: KVCache, blocks_per_chunk: int, num_slots: int) -> HostSlab:
     slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, blocks_per_chunk, kv.layer_groups))
     name = slab_name(f"sim{os.getpid()}-{time.time_ns()}", 0, 0)
     return HostSlab(name, num_slots, slot_bytes, owner=True, populate=False)  # the worker populates its mapping
-
-
-def _scheduled(req: SimRequest, new_block_ids: Any, is_new: bool, n: int) -> ScheduledRequest:
-    return ScheduledRequest(req_id=req.req_id, new_block_ids=new_block_ids, is_new_or_resumed=is_new,
-                            num_computed_tokens=req.num_computed, num_scheduled_tokens=n)
 
 
 def _check_plan(plan: StepPlan) -> None:
