@@ -31,6 +31,7 @@ import torch
 from kvtier.worker.layouts import GroupLayout
 from kvtier.worker.memmove import CopyHandle, MemmoveCopier
 from kvtier.worker.queue import TaskQueue
+from kvtier.worker.results import CANCELLED
 from kvtier.worker.tasks import CopyTask, DoneCallback, plan_copies
 
 __all__ = ["CpuBackend"]
@@ -43,9 +44,6 @@ _BATCH_MAX_BYTES = 32 << 20
 # thread waits for the GIL beside a busy Python thread (~5 ms, the switch interval; measured
 # with `bench_transfer.py --gil`); each one more lets a load wait behind one more batch.
 _MAX_IN_FLIGHT = 3
-
-
-_CANCELLED = "cancelled: past its deadline"
 
 
 @dataclass(slots=True, eq=False)
@@ -187,7 +185,7 @@ class CpuBackend:
         """A batch a cancel cut short: every task failed, whichever of its bytes were copied."""
         cut = f"copy cut short: job(s) {sorted(cancelled)} of its batch were cancelled"
         self.num_cut_tasks += sum(task.job_id not in cancelled for task in batch)
-        self._on_done([(task, task.outcome(0, 0.0, error=_CANCELLED if task.job_id in cancelled else cut))
+        self._on_done([(task, task.outcome(0, 0.0, error=CANCELLED if task.job_id in cancelled else cut))
                        for task in batch])
 
     def _addresses(self, batch: list[CopyTask]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -26,7 +26,6 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +35,7 @@ from kvtier.slab import HostSlab
 from kvtier.worker.cpu_copy import CpuBackend
 from kvtier.worker.cuda import CudaBackend, cuda_usable
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
+from kvtier.worker.results import CANCELLED, EndedPart, OpenJob
 from kvtier.worker.tasks import CopyTask, TaskOutcome, make_task
 
 __all__ = ["TransferEngine"]
@@ -45,48 +45,8 @@ _CUDA_POLL_S = 0.0005  # CUDA completions are polled: events cannot wake a Condi
 # work): milliseconds. A cancel still waiting after this long logs an error, then waits on.
 _CANCEL_WAIT_S = 5.0
 _CANCEL_MIN_SLICE_S = 0.001  # a zero timeout must not spin
-_CANCELLED = "cancelled: past its deadline"
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Ended:
-    """Names a part that failed validation and so never became a task."""
-
-    job_id: int
-    part: int
-
-
-@dataclass(slots=True)
-class _OpenJob:
-    """A submitted job whose parts have not all ended; folded into one `JobResult`."""
-
-    offsets: list[int]  # job-wide index of each part's first chunk
-    parts_left: int
-    num_chunks: int
-    failed_chunks: set[int] = field(default_factory=set)
-    num_bytes: int = 0
-    seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)
-    is_cancelled: bool = False  # every chunk fails, whatever its parts report
-
-    def add(self, part: int, outcome: TaskOutcome) -> None:
-        self.failed_chunks.update(self.offsets[part] + c for c in outcome.failed_chunks)
-        self.num_bytes += outcome.num_bytes
-        self.seconds += outcome.seconds
-        if outcome.error is not None:
-            self.errors.append(outcome.error)
-        self.parts_left -= 1
-
-    def result(self, job_id: int) -> JobResult:
-        if self.is_cancelled:  # past its deadline: all of it fails, also a part that ended in time
-            self.failed_chunks.update(range(self.num_chunks))
-            if _CANCELLED not in self.errors:
-                self.errors.insert(0, _CANCELLED)
-        error = "; ".join(self.errors) if self.errors else None
-        return JobResult(job_id=job_id, failed_chunks=tuple(sorted(self.failed_chunks)), num_bytes=self.num_bytes,
-                         seconds=self.seconds, error=error)
 
 
 class TransferEngine:
@@ -128,7 +88,7 @@ class TransferEngine:
         device = next(iter(kv_caches.values())).device
         self.device = device
         self._cond = threading.Condition()
-        self._open: dict[int, _OpenJob] = {}
+        self._open: dict[int, OpenJob] = {}
         self._finished: list[JobResult] = []
         self._closed = False
         self.slab = self._adopt_slab(slab, device)
@@ -181,7 +141,7 @@ class TransferEngine:
             elif refusal is None and job_id in self._open:
                 refusal = f"job id {job_id} is already in flight"
             if refusal is None and job.parts:
-                self._open[job_id] = _OpenJob([offset for offset, _ in job.chunk_offsets()], len(job.parts),
+                self._open[job_id] = OpenJob([offset for offset, _ in job.chunk_offsets()], len(job.parts),
                                               job.num_chunks)
         if refusal is not None:
             return self._report(job.failed(refusal))
@@ -190,7 +150,7 @@ class TransferEngine:
         for index, part in enumerate(job.parts):
             task = make_task(job_id, index, job.is_store, part, self._layouts, self.blocks_per_chunk, self.num_slots)
             if isinstance(task, TaskOutcome):
-                self._on_done([(_Ended(job_id, index), task)])
+                self._on_done([(EndedPart(job_id, index), task)])
             else:
                 self._start_task(task)
         return None
@@ -208,7 +168,7 @@ class TransferEngine:
             self._finished.append(result)
             self._cond.notify_all()
 
-    def _on_done(self, done: list[tuple[CopyTask | _Ended, TaskOutcome]]) -> None:
+    def _on_done(self, done: list[tuple[CopyTask | EndedPart, TaskOutcome]]) -> None:
         with self._cond:
             for task, outcome in done:
                 job = self._open.get(task.job_id)
@@ -272,7 +232,7 @@ class TransferEngine:
         if not wanted:
             return True
         never_run = self._backend.cancel(wanted)
-        self._on_done([(task, task.outcome(0, 0.0, error=_CANCELLED)) for task in never_run])
+        self._on_done([(task, task.outcome(0, 0.0, error=CANCELLED)) for task in never_run])
         slice_s, waited = max(timeout, _CANCEL_MIN_SLICE_S), 0.0
         while not self.wait(wanted, slice_s):
             waited += slice_s

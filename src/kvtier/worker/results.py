@@ -1,0 +1,59 @@
+"""How the parts of one submitted `TransferJob` fold into its one `JobResult`.
+
+A job's parts (one per KV-cache group) end separately, as copy tasks or as parts that failed
+validation and never became one (`EndedPart`); `OpenJob` adds up their outcomes in job-wide
+chunk indices and makes the result once the last part has ended. A cancelled job (past its
+deadline) fails whole, also a part that ended in time.
+
+Thread-safety: none; `kvtier.worker.transfer.TransferEngine` calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.jobs import JobResult
+from kvtier.worker.tasks import TaskOutcome
+
+__all__ = ["CANCELLED", "EndedPart", "OpenJob"]
+
+CANCELLED = "cancelled: past its deadline"
+
+
+@dataclass(frozen=True, slots=True)
+class EndedPart:
+    """Names a part that failed validation and so never became a task."""
+
+    job_id: int
+    part: int
+
+
+@dataclass(slots=True)
+class OpenJob:
+    """A submitted job whose parts have not all ended; folded into one `JobResult`."""
+
+    offsets: list[int]  # job-wide index of each part's first chunk
+    parts_left: int
+    num_chunks: int
+    failed_chunks: set[int] = field(default_factory=set)
+    num_bytes: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    is_cancelled: bool = False  # every chunk fails, whatever its parts report
+
+    def add(self, part: int, outcome: TaskOutcome) -> None:
+        self.failed_chunks.update(self.offsets[part] + c for c in outcome.failed_chunks)
+        self.num_bytes += outcome.num_bytes
+        self.seconds += outcome.seconds
+        if outcome.error is not None:
+            self.errors.append(outcome.error)
+        self.parts_left -= 1
+
+    def result(self, job_id: int) -> JobResult:
+        if self.is_cancelled:  # past its deadline: all of it fails, also a part that ended in time
+            self.failed_chunks.update(range(self.num_chunks))
+            if CANCELLED not in self.errors:
+                self.errors.insert(0, CANCELLED)
+        error = "; ".join(self.errors) if self.errors else None
+        return JobResult(job_id=job_id, failed_chunks=tuple(sorted(self.failed_chunks)), num_bytes=self.num_bytes,
+                         seconds=self.seconds, error=error)
