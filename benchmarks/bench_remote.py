@@ -56,7 +56,7 @@ from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote.redis import RedisStore
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import HEADER_BYTES
-from servers import redis_server
+from servers.redis import RedisServer
 from tier_driver import run_jobs
 
 SIZES = (1 << 20, 2 << 20, 4 << 20)
@@ -281,7 +281,8 @@ def main() -> None:
     total, rounds = (64 << 20, args.rounds or 2) if args.quick else (256 << 20, args.rounds or 4)
     ratios: dict[str, list[float]] = {}
     mac_rates()
-    with redis_server() as port:
+    with RedisServer.temporary(prefix="kvtier-bench-redis-") as server:
+        port = server.port
         version = redis.Redis(port=port).info("server")["redis_version"]
         print(f"redis-server {version} on 127.0.0.1:{port}; {args.threads} threads, {args.batch} names per call; "
               f"{total >> 20} MiB per size and round, {rounds} rounds")

@@ -42,7 +42,7 @@ from fuzz_stack_build import FuzzConfig, Stack
 from fuzz_stack_checks import Violation, check_quiet, check_step
 from fuzz_stack_driver import Driver, HangError
 from kvtier.sim import ContentMismatch
-from servers import RedisProcess
+from servers.redis import RedisServer
 
 __all__ = ["Outcome", "run_config", "run_fuzz"]
 
@@ -61,7 +61,7 @@ class Outcome:
         return f"{self.config.describe()} steps={self.num_steps} {verdict}"
 
 
-def run_config(config: FuzzConfig, redis: RedisProcess | None, num_actions: int) -> Outcome:
+def run_config(config: FuzzConfig, redis: RedisServer | None, num_actions: int) -> Outcome:
     """Build the stack of `config`, walk it `num_actions` random actions, then to a quiet end."""
     stack = Stack(config, redis.url if redis is not None else None)
     driver = Driver(stack, random.Random(config.seed), redis)
@@ -100,7 +100,7 @@ def _where(exc: BaseException) -> str:
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
 
 
-def _run_guarded(config: FuzzConfig, redis: RedisProcess | None, num_actions: int, hang_s: float) -> Outcome:
+def _run_guarded(config: FuzzConfig, redis: RedisServer | None, num_actions: int, hang_s: float) -> Outcome:
     """`run_config` on a thread of its own; a configuration that does not end in time is a hang
     (its thread is abandoned: daemon)."""
     box: list[Outcome] = []
@@ -125,7 +125,7 @@ def run_fuzz(*, seed: int, minutes: float | None = None, max_configs: int | None
     rng, outcomes = random.Random(seed), []
     if config_seed is not None:
         max_configs = 1
-    with RedisProcess() as redis, mutation(mutation_name):
+    with RedisServer.temporary(prefix="kvtier-bench-redis-") as redis, mutation(mutation_name):
         while (deadline is None or time.monotonic() < deadline) and (max_configs is None or
                                                                      len(outcomes) < max_configs):
             drawn = rng.randrange(1 << 31) if config_seed is None else config_seed

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 
 from fuzz_stack_build import BLOCK, FileFaults, Stack
-from servers import RedisProcess
+from servers.redis import RedisServer
 
 __all__ = ["Driver", "HangError"]
 
@@ -43,7 +43,7 @@ class _Fault:
 class Driver:
     stack: Stack
     rng: random.Random
-    redis: RedisProcess | None
+    redis: RedisServer | None
     num_steps: int = 0  # engine steps taken
     remote_kept_values: bool = True  # False once the Redis server was restarted empty
     prompts: list[list[int]] = field(default_factory=list)

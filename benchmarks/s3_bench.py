@@ -1,7 +1,7 @@
 """S3 tier put / get GB/s against the bare client (obstore) on the same SeaweedFS, in the same run.
 
 For values of 1, 2 and 4 MiB (a 128-byte header and the payload, as the tier stores them), on
-one `weed mini` started here (benchmarks/s3_server_bench.py, loopback, a temporary directory):
+one `weed mini` started here (benchmarks/servers/s3.py, loopback, a temporary directory):
 
 - baseline, obstore alone: `obstore.put(mode="create")` of N values, each one contiguous
   buffer, from 16 threads; then `obstore.get(...).bytes()` of each, from 16 threads.
@@ -47,7 +47,7 @@ from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote.s3 import S3Store
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import HEADER_BYTES
-from s3_server_bench import SeaweedFS  # benchmarks/ is not a package: on sys.path above
+from servers.s3 import SeaweedFS  # benchmarks/servers/, on sys.path above
 from tier_driver import run_jobs
 
 __all__ = ["measure"]

