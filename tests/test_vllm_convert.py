@@ -1,12 +1,16 @@
-"""kvtier's view of vLLM's KV-cache groups, built from the installed vLLM's own spec classes."""
+"""kvtier's view of vLLM's KV-cache groups and of the engine (`EngineLayout`), built from the
+installed vLLM's own spec classes."""
 
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
 from kvtier.scheduler import GroupKind
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
@@ -23,7 +27,7 @@ def group(spec, layers=("model.layers.0.self_attn.attn",)):
 def test_full_attention_and_sliding_window_groups():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from kvtier.integrations.vllm.convert import group_spec
+    from kvtier.integrations.vllm.layout import group_spec
 
     full = group_spec(group(FullAttentionSpec(**ATTENTION)), blocks_per_chunk=4)
     assert (full.kind, full.tokens_per_block, full.blocks_per_chunk) == (GroupKind.FULL, 128, 4)
@@ -36,7 +40,7 @@ def test_a_group_mixing_window_and_full_layers_is_loaded_whole():
     # full-attention layers into one FullAttentionSpec that carries `sliding_window`
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from kvtier.integrations.vllm.convert import group_spec
+    from kvtier.integrations.vllm.layout import group_spec
 
     merged = group_spec(group(FullAttentionSpec(**ATTENTION, sliding_window=256)), blocks_per_chunk=1)
     assert merged.kind is GroupKind.FULL and merged.sliding_window is None
@@ -45,7 +49,7 @@ def test_a_group_mixing_window_and_full_layers_is_loaded_whole():
 def test_kinds_kvtier_cannot_serve_say_why():
     from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
 
-    from kvtier.integrations.vllm.convert import group_spec
+    from kvtier.integrations.vllm.layout import group_spec
 
     mla = group_spec(group(MLAAttentionSpec(**{**ATTENTION, "num_kv_heads": 1})), blocks_per_chunk=1)
     mamba = group_spec(group(MambaSpec(block_size=128, shapes=((4, 4),), dtypes=(torch.float32,)), ["m.0", "m.1"]), 1)
@@ -74,3 +78,53 @@ def test_evictable_blocks_are_the_cached_ones_the_next_allocations_take():
     taken = pool.get_new_blocks(num_free - 2)  # evicts the first cached block
     assert cached[0] in taken
     assert evictable_blocks(pool, 2) == [b.block_id for b in cached[1:]]
+
+
+def engine(tp: int = 1, pp: int = 1):
+    """(vllm_config, kv_cache_config) of an engine with a full-attention group of two layers and a
+    sliding-window group of one; only the fields kvtier's layout reads are in the vllm_config."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+
+    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_rank=0)
+    vllm_config = SimpleNamespace(parallel_config=parallel, instance_id="test-engine")
+    groups = [group(FullAttentionSpec(**ATTENTION), ["l.0", "l.1"]),
+              group(SlidingWindowSpec(**ATTENTION, sliding_window=256), ["l.2"])]
+    return vllm_config, KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_the_engine_layout_holds_every_fact_both_halves_need():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvtier.integrations.vllm.layout import engine_layout
+
+    vllm_config, kv_cache_config = engine(tp=2, pp=2)
+    layout = engine_layout(KVTierConfig.from_dict({"cpu_bytes": "64MiB", "blocks_per_chunk": 2}), vllm_config,
+                           kv_cache_config)
+    page = FullAttentionSpec(**ATTENTION).page_size_bytes
+    # 4 workers (tp x pp); a slot holds 2 pages of each layer of the largest group (2 layers)
+    assert (layout.num_workers, layout.slot_bytes) == (4, 2 * 2 * page)
+    # cpu_bytes is the whole engine's: each of the 4 slabs gets a quarter
+    assert layout.num_slots == 64 * 2**20 // (4 * layout.slot_bytes)
+    assert layout.payload_bytes == 4 * layout.slot_bytes
+    assert len(set(layout.slab_names)) == 4 and all("test-engine" in n for n in layout.slab_names)
+    assert [g.kind for g in layout.groups] == [GroupKind.FULL, GroupKind.SLIDING_WINDOW]
+    assert layout.layer_groups == (("l.0", "l.1"), ("l.2",))
+
+
+def test_the_layout_slot_size_is_the_one_the_workers_measure():
+    # the workers measure slots in the KV tensors they register, vLLM-CPU's shape
+    # (blocks, 2, block_size, heads, head_size); the scheduler sizes the slabs from the layout
+    from kvtier.integrations.vllm.layout import check_slot_bytes, engine_layout
+    from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
+
+    vllm_config, kv_cache_config = engine()
+    layout = engine_layout(KVTierConfig.from_dict({"cpu_bytes": "64MiB", "blocks_per_chunk": 2}), vllm_config,
+                           kv_cache_config)
+    shape = (8, 2, ATTENTION["block_size"], ATTENTION["num_kv_heads"], ATTENTION["head_size"])
+    tensors = {name: torch.zeros(shape, dtype=ATTENTION["dtype"]) for name in ("l.0", "l.1", "l.2")}
+    measured = slot_bytes_of(build_group_layouts(tensors, 2, layout.layer_groups))
+    assert measured == layout.slot_bytes
+    check_slot_bytes(layout, measured)
+    # tensors laid out otherwise than the spec says: the worker stops the engine, saying why
+    with pytest.raises(ConfigError, match="KV-cache spec"):
+        check_slot_bytes(layout, measured // 2)

@@ -26,7 +26,8 @@ import torch
 
 from kvtier.errors import ConfigError
 
-__all__ = ["KV_LAYOUTS", "GroupLayout", "Plane", "build_group_layouts", "flat_bytes", "kv_planes", "slot_bytes_of"]
+__all__ = ["KV_LAYOUTS", "GroupLayout", "Plane", "build_group_layouts", "chunk_bytes", "flat_bytes", "kv_planes",
+           "slot_bytes_of"]
 
 KV_LAYOUTS = ("auto", "blocks_first", "kv_first")
 
@@ -231,8 +232,20 @@ def build_group_layouts(
         offsets = tuple(itertools.accumulate(sizes, initial=0))
         table = np.array([[p.offset, p.block_stride, p.nbytes] for p in planes], dtype=np.int64).T
         table = np.vstack([table, np.array(offsets[:-1], dtype=np.int64)])
-        layouts.append(GroupLayout(tuple(group), tuple(planes), offsets[:-1], offsets[-1], counts.pop(), table))
+        size = chunk_bytes(blocks_per_chunk, [p.nbytes for p in planes])
+        layouts.append(GroupLayout(tuple(group), tuple(planes), offsets[:-1], size, counts.pop(), table))
     return layouts
+
+
+def chunk_bytes(blocks_per_chunk: int, page_bytes: Sequence[int]) -> int:
+    """Bytes of one chunk of a group: `blocks_per_chunk` pages of each of its planes, back to back.
+
+    The one slot-size formula: the workers apply it to the planes they measured in the engine's
+    tensors, the vLLM adapter (`kvtier.integrations.vllm.layout`) to the pages vLLM's KV-cache
+    spec declares (a layer's planes together are one page); the host slab's size check
+    catches a difference.
+    """
+    return blocks_per_chunk * sum(page_bytes)
 
 
 def slot_bytes_of(layouts: Sequence[GroupLayout]) -> int:

@@ -9,7 +9,8 @@ vLLM builds one instance per process: role SCHEDULER in the engine core (-> `Sch
 metadata and the host slabs' ownership) and role WORKER in each worker (-> `kvtier.worker.WorkerSide`,
 the copies). Each worker rank's host slab is shared memory both map (`kvtier.slab`); the
 workers' connectors come first (vLLM registers KV caches before it builds the scheduler).
-This class only routes calls; `kv_connector_extra_config` is validated here, at engine start.
+This class only routes calls; `kv_connector_extra_config` is validated here, at engine start,
+and the engine's facts are derived here, once per process (`layout.EngineLayout`), for its half.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ except ImportError:  # pragma: no cover (older vLLM)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.convert import num_slots_for, worker_rank, worker_slab_name, world_size
+from kvtier.integrations.vllm.convert import namespace_for, worker_rank
+from kvtier.integrations.vllm.layout import check_slot_bytes, engine_layout
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
@@ -57,18 +59,20 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
         self.kvtier_config = cfg = KVTierConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        self.layout = layout = engine_layout(cfg, vllm_config, kv_cache_config)  # the only derivation here
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._slots_reported = False
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(cfg, vllm_config, kv_cache_config)
+            namespace = namespace_for(cfg, vllm_config, kv_cache_config, layout)  # hashes the weights: here only
+            self._scheduler = SchedulerSide(cfg, vllm_config, layout, namespace)
         else:
             self._worker = WorkerSide(
-                num_slots=num_slots_for(cfg, kv_cache_config, world_size(vllm_config)),
-                blocks_per_chunk=cfg.blocks_per_chunk,
-                layer_groups=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups],
+                num_slots=layout.num_slots,
+                blocks_per_chunk=layout.blocks_per_chunk,
+                layer_groups=[list(layers) for layers in layout.layer_groups],
                 transfer_factory=type(self).transfer_factory,
-                slab_name=worker_slab_name(vllm_config, worker_rank(vllm_config)))
+                slab_name=layout.slab_names[worker_rank(vllm_config, layout.num_workers)])
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -114,7 +118,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._work().register_kv_caches(kv_caches)
+        worker = self._work()
+        worker.register_kv_caches(kv_caches)
+        check_slot_bytes(self.layout, worker.transfer.slot_bytes if worker.transfer is not None else None)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         self._work().handle_preemptions(kv_connector_metadata.plan)

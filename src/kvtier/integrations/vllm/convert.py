@@ -1,4 +1,5 @@
-"""vLLM objects -> kvtier's own small types (with `identity`, the only places that read vLLM's fields)."""
+"""vLLM objects -> kvtier's own small types (with `identity` and `layout`, the only places that read vLLM's
+fields): requests, steps, the scheduler's config, the namespace."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from typing import Any
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.identity import engine_digest, weights_identity
-from kvtier.scheduler import GroupKind, GroupSpec, RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
-from kvtier.slab import slab_name
+from kvtier.integrations.vllm.layout import EngineLayout, engine_layout
+from kvtier.scheduler import RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
 from kvtier.tiers.namespace import Namespace
 
-__all__ = ["block_hash_bytes", "group_spec", "namespace_for", "num_slots_for", "request_view", "scheduler_config",
-           "slab_names", "slot_bytes_for", "step_view", "worker_rank", "worker_slab_name", "world_size"]
+__all__ = ["block_hash_bytes", "evict_lookahead", "evictable_blocks", "load_mode_for", "namespace_for", "request_view",
+           "scheduler_config", "step_view", "worker_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,11 @@ def step_view(scheduler_output: Any) -> StepView:
                     set(scheduler_output.finished_req_ids or ()))
 
 
-def evict_lookahead(vllm_config: Any, kv_cache_config: Any) -> int:
+def evict_lookahead(vllm_config: Any, layout: EngineLayout) -> int:
     """How many free-queue blocks ahead a lazy store mode looks: what two steps can allocate,
     for every group (vLLM's own lazy CPU offloading reserves as much)."""
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
-    per_group = [-(-tokens // g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+    per_group = [-(-tokens // g.tokens_per_block) for g in layout.groups]
     return 2 * sum(per_group)
 
 
@@ -74,28 +75,6 @@ def evictable_blocks(block_pool: Any, lookahead: int) -> list[int]:
     return found
 
 
-def group_spec(group: Any, blocks_per_chunk: int) -> GroupSpec:
-    """kvtier's view of one of vLLM's KV-cache groups.
-
-    A group is sliding-window only if every layer in it is, i.e. its spec is a
-    `SlidingWindowSpec`. A `FullAttentionSpec` that carries a `sliding_window` is what vLLM
-    makes of a model mixing both kinds when its hybrid KV-cache manager is off: one group
-    whose blocks are all kept, read by full-attention layers too — so kvtier loads it whole.
-    (Exact class names: subclasses such as MLA's lay KV out differently.)
-    """
-    spec = group.kv_cache_spec
-    kind_name = type(spec).__name__
-    if kind_name == "FullAttentionSpec":
-        return GroupSpec(GroupKind.FULL, spec.block_size, blocks_per_chunk)
-    if kind_name == "SlidingWindowSpec" and getattr(spec, "sliding_window", None):
-        return GroupSpec(GroupKind.SLIDING_WINDOW, spec.block_size, blocks_per_chunk,
-                         sliding_window=spec.sliding_window,
-                         extra_retained_tokens=int(getattr(spec, "extra_retained_tokens", 0) or 0))
-    layers = list(getattr(group, "layer_names", ()))
-    reason = f"{kind_name} (layers {layers[:3]}{'…' if len(layers) > 3 else ''}) is not a kind kvtier serves"
-    return GroupSpec(GroupKind.UNSUPPORTED, spec.block_size, blocks_per_chunk, reason=reason)
-
-
 def load_mode_for(cfg: KVTierConfig, num_groups: int) -> str:
     """`cfg.load_mode`, except that a model with several KV-cache groups always loads
     asynchronously: a failed synchronous load can only be reported as engine block ids, which
@@ -107,65 +86,22 @@ def load_mode_for(cfg: KVTierConfig, num_groups: int) -> str:
     return cfg.load_mode
 
 
-def scheduler_config(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any) -> SchedulerOffloadConfig:
-    groups = tuple(group_spec(g, cfg.blocks_per_chunk) for g in kv_cache_config.kv_cache_groups)
+def scheduler_config(cfg: KVTierConfig, vllm_config: Any, layout: EngineLayout) -> SchedulerOffloadConfig:
     return SchedulerOffloadConfig(
-        load_mode=load_mode_for(cfg, len(groups)),
+        load_mode=load_mode_for(cfg, len(layout.groups)),
         store_mode=cfg.store_mode,
-        groups=groups,
+        groups=layout.groups,
         offload_prompt_only=cfg.offload_prompt_only,
         max_defer_s=cfg.max_defer_s,
         max_deferrals=cfg.max_deferrals,
         job_timeout_s=cfg.job_timeout_s,
-        num_workers=world_size(vllm_config),
+        num_workers=layout.num_workers,
         hash_block_size=vllm_config.cache_config.block_size,
     )
 
 
-def world_size(vllm_config: Any) -> int:
-    """Workers of one engine: each holds a slab and must report every job."""
-    parallel = vllm_config.parallel_config
-    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-
-
-def num_slots_for(cfg: KVTierConfig, kv_cache_config: Any, num_workers: int) -> int:
-    """Slots of the CPU tier; the scheduler and every worker compute it alike.
-
-    `cpu_bytes` is the host RAM of the whole engine, as vLLM's own `cpu_bytes_to_use`:
-    every worker (tensor-parallel rank) keeps its shard of each chunk in a slab of its
-    own, so each slab gets `cpu_bytes / num_workers`. A slot holds one chunk of one group:
-    `blocks_per_chunk` pages of each of its layers. The scheduler checks at the first step
-    that every worker came to the same number.
-    """
-    return cfg.cpu_bytes // (slot_bytes_for(cfg, kv_cache_config) * num_workers)
-
-
-def slot_bytes_for(cfg: KVTierConfig, kv_cache_config: Any) -> int:
-    """Bytes of one slot, as the workers' layouts give it (`kvtier.worker.layouts.slot_bytes_of`):
-    `blocks_per_chunk` pages of every layer of the largest group. The scheduler side sizes the
-    shared slabs with it before or after the workers do; a slab's size check catches a difference.
-    """
-    return max(
-        cfg.blocks_per_chunk * g.kv_cache_spec.page_size_bytes * len(g.layer_names)
-        for g in kv_cache_config.kv_cache_groups
-    )
-
-
-def slab_names(vllm_config: Any) -> list[str]:
-    """The shared-memory slab of each worker rank of this engine, in rank order."""
-    return [worker_slab_name(vllm_config, rank) for rank in range(world_size(vllm_config))]
-
-
-def worker_slab_name(vllm_config: Any, rank: int) -> str:
-    """Rank `rank`'s slab: named by the engine instance (`VllmConfig.instance_id`, set once where
-    the config is made and pickled to the engine core and its workers alike) and its DP rank."""
-    parallel = vllm_config.parallel_config
-    dp_rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
-    return slab_name(vllm_config.instance_id, dp_rank, rank)
-
-
-def worker_rank(vllm_config: Any) -> int:
-    """This worker's rank among the engine's `world_size` workers: tp rank + pp rank x tp size.
+def worker_rank(vllm_config: Any, num_workers: int) -> int:
+    """This worker's rank among the engine's `num_workers` workers: tp rank + pp rank x tp size.
 
     Read from vLLM's parallel state, which exists in a worker once its distributed
     environment is up (before its connector is built).
@@ -173,22 +109,26 @@ def worker_rank(vllm_config: Any) -> int:
     from vllm.distributed import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        if world_size(vllm_config) == 1:
+        if num_workers == 1:
             return 0
         raise ConfigError("kvtier cannot tell this worker's rank: vLLM's model-parallel groups are not initialized")
     tp = parallel_state.get_tp_group()
     return tp.rank_in_group + parallel_state.get_pp_group().rank_in_group * tp.world_size
 
 
-def namespace_for(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any) -> Namespace:
+def namespace_for(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any,
+                  layout: EngineLayout | None = None) -> Namespace:
     """What makes this engine's chunk bytes incompatible with another's (see `kvtier.tiers.namespace`).
 
     The model is named by what the engine computes with (`identity.engine_digest`: quantization,
     dtype, `hf_overrides`, config.json, …) and by its weights' content (`identity.weights_identity`),
     never by its path: replicas at other paths share, and weights replaced at one path do not.
     The KV-cache groups (spec class, page bytes, layers) and the device pin the layout. Computed
-    once, at start, in the scheduler process (after vLLM loaded the weights).
+    once, at start, in the scheduler process (after vLLM loaded the weights): it hashes the
+    weights, so it is not part of the `EngineLayout` every worker derives too. `layout`: the
+    engine's, if derived already (None derives it).
     """
+    layout = layout or engine_layout(cfg, vllm_config, kv_cache_config)
     model, cache = vllm_config.model_config, vllm_config.cache_config
     groups = [[type(g.kv_cache_spec).__name__, g.kv_cache_spec.page_size_bytes, list(g.layer_names)]
               for g in kv_cache_config.kv_cache_groups]
@@ -200,8 +140,8 @@ def namespace_for(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any) -> 
         block_size=cache.block_size,
         blocks_per_chunk=cfg.blocks_per_chunk,
         hash_algo=getattr(cache, "prefix_caching_hash_algo", "sha256"),
-        world_size=world_size(vllm_config),
-        slot_bytes=slot_bytes_for(cfg, kv_cache_config),
+        world_size=layout.num_workers,
+        slot_bytes=layout.slot_bytes,
         extra=f"tp={parallel.tensor_parallel_size},pp={parallel.pipeline_parallel_size}",
         engine=engine_digest(vllm_config),
         weights=weights_identity(model, vllm_config.load_config),

@@ -14,23 +14,19 @@ from kvtier.integrations.vllm.convert import (
     block_hash_bytes,
     evict_lookahead,
     evictable_blocks,
-    namespace_for,
-    num_slots_for,
     request_view,
     scheduler_config,
-    slab_names,
-    slot_bytes_for,
     step_view,
-    world_size,
 )
 from kvtier.integrations.vllm.events import to_kv_events
+from kvtier.integrations.vllm.layout import EngineLayout
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierStats, tier_stat_name
 from kvtier.jobs import check_slab_slots
 from kvtier.keys import GROUP_INDEX_BYTES
 from kvtier.scheduler import OffloadScheduler, SchedulerStats
 from kvtier.slab import HostSlab, remove_stale_slabs
-from kvtier.tiers.tiered import TieredManager
+from kvtier.tiers.namespace import Namespace
 
 __all__ = ["SchedulerSide"]
 
@@ -43,40 +39,41 @@ _SCHEDULER_COUNTERS = ("deferrals", "deferral_timeouts", "store_alloc_failures",
 class SchedulerSide:
     """Owns the CPU tier's metadata, the scheduler and the host slabs; copies no KV itself.
 
-    The host slabs (one shared-memory segment per worker rank, `self.slabs` in rank order)
-    are created or opened here at construction — vLLM's workers usually came first and made
-    them already — after removing the segments of engines that died without unlinking
-    theirs; `shutdown` unlinks them. Thread-safety: vLLM's scheduler thread calls it.
+    `layout`: the engine's facts (`kvtier.integrations.vllm.layout`); `namespace`: its chunks'
+    (`convert.namespace_for`). The host slabs (one shared-memory segment per worker rank,
+    `self.slabs` in rank order) are created or opened here at construction — vLLM's workers
+    usually came first and made them already — after removing the segments of engines that
+    died without unlinking theirs; `shutdown` unlinks them. Thread-safety: vLLM's scheduler
+    thread calls it.
     """
 
-    def __init__(self, cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any):
-        num_workers = world_size(vllm_config)
-        self.num_slots = num_slots_for(cfg, kv_cache_config, num_workers)  # HostSlab rejects 0
-        slot_bytes = slot_bytes_for(cfg, kv_cache_config)
+    def __init__(self, cfg: KVTierConfig, vllm_config: Any, layout: EngineLayout, namespace: Namespace):
+        self.layout = layout
+        self.num_slots = layout.num_slots  # HostSlab rejects 0
         remove_stale_slabs()
         self.slabs: list[HostSlab] = []
         try:
-            for name in slab_names(vllm_config):  # populate=False: its rows are touched off the hot path
-                self.slabs.append(HostSlab(name, self.num_slots, slot_bytes, owner=True, populate=False))
+            for name in layout.slab_names:  # populate=False: its rows are touched off the hot path
+                self.slabs.append(HostSlab(name, self.num_slots, layout.slot_bytes, owner=True, populate=False))
         except BaseException:
             self.shutdown()
             raise
-        self.payload_bytes = slot_bytes * num_workers  # one chunk across every rank
+        self.payload_bytes = layout.payload_bytes  # one chunk across every rank
         self.manager: OffloadingManager | None = None
         try:
             self.manager = build_manager(cfg, self.num_slots, block_hash_bytes(vllm_config) + GROUP_INDEX_BYTES,
-                                         [s.rows for s in self.slabs], namespace_for(cfg, vllm_config, kv_cache_config))
+                                         [s.rows for s in self.slabs], namespace)
         except BaseException:
             self.shutdown()
             raise
-        self.core = OffloadScheduler(scheduler_config(cfg, vllm_config, kv_cache_config), self.manager)
+        self.core = OffloadScheduler(scheduler_config(cfg, vllm_config, layout), self.manager)
         self._block_pool: Any = None  # vLLM's BlockPool (lazy store mode reads its free queue)
-        self._evict_lookahead = evict_lookahead(vllm_config, kv_cache_config)
+        self._evict_lookahead = evict_lookahead(vllm_config, layout)
         self._reported = SchedulerStats()
         self._reported_tiers: dict[str, Counter[str]] = {}
         logger.info("kvtier: CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), chunks of %d block(s)%s",
-                    self.num_slots, cfg.cpu_bytes, num_workers, cfg.blocks_per_chunk,
-                    f"; disk tier at {cfg.disk_path} ({cfg.disk_bytes} bytes)" if cfg.disk_path else "")
+                    self.num_slots, cfg.cpu_bytes, layout.num_workers, layout.blocks_per_chunk,
+                    f"; disk tier at {cfg.disk.path} ({cfg.disk.bytes} bytes)" if cfg.disk.path else "")
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.core.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
@@ -146,9 +143,8 @@ class SchedulerSide:
         """Per tier: counter deltas since the last report, used and capacity bytes."""
         tiers = [("cpu", Counter(evictions=cpu.evictions), cpu.used_slots * self.payload_bytes,
                   cpu.num_slots * self.payload_bytes, {})]
-        if isinstance(self.manager, TieredManager):
-            tiers += [(t.medium, t.counters, t.used_bytes, t.capacity_bytes, t.gauges)
-                      for t in self.manager.tier_stats()]
+        tiers += [(t.medium, t.counters, t.used_bytes, t.capacity_bytes, t.gauges)
+                  for t in self.core.manager.tier_stats()]
         for medium, counters, used, capacity, gauges in tiers:
             for name, value in gauges.items():
                 stats.set_gauge(tier_stat_name(medium, name), value)
