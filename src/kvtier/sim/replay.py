@@ -49,7 +49,6 @@ from kvtier.slab import HostSlab
 from kvtier.tiers.disk.config import DiskConfig
 from kvtier.tiers.disk.format import ChunkFormat
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.tiered import TieredManager
 
 __all__ = ["SimOptions", "simulate"]
 
@@ -225,7 +224,6 @@ def _namespace(opts: SimOptions, slab: HostSlab) -> Namespace:
 def _replay(engine: FakeEngine, manager: OffloadingManager, clock: SimClock, requests: Sequence[TraceRequest],
             opts: SimOptions, progress: Progress | None) -> int:
     """Feed the requests in order, `max_running` at a time; returns the number of steps."""
-    tiers = manager.tiers if isinstance(manager, TieredManager) else []
     scale = (opts.trace_block_tokens, opts.engine_block_tokens)
     next_index = num_steps = 0
     max_steps = 1000 + 50 * len(requests)
@@ -243,8 +241,7 @@ def _replay(engine: FakeEngine, manager: OffloadingManager, clock: SimClock, req
         engine.step()
         num_steps += 1
         clock.now += opts.step_s
-        for tier in tiers:
-            tier.drain(60.0)
+        manager.drain(60.0)
         if progress is not None and num_steps % 64 == 0:
             progress(next_index - len(engine.waiting) - len(engine.running), len(requests))
 
@@ -276,7 +273,7 @@ def _tier_figures(engine: FakeEngine, manager: OffloadingManager, stats: dict[st
                            "load": stats.get("loaded_chunks", 0) * chunk_bytes}}
     evictions = {"cpu": manager.stats().evictions}
     tier_hits = {"cpu": kvtier_blocks * trace_block}
-    for tier in manager.tier_stats() if isinstance(manager, TieredManager) else []:
+    for tier in manager.tier_stats():
         counters = tier.counters
         bytes_moved[tier.medium] = {"store": counters["store_chunks"] * chunk_bytes,
                                     "load": counters["load_chunks"] * chunk_bytes}
