@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import store_job
-from kvtier import slab as slab_module
+from kvtier import shm as slab_module
 from kvtier.errors import ConfigError
 from kvtier.jobs import StepPlan
 from kvtier.sim.kv_cache import KVCache
