@@ -1,7 +1,7 @@
 """The CPU tier: metadata of the host slab that sits next to the engine.
 
 `CPUTierManager` is the primary tier of the `OffloadingManager` contract (see
-`kvtier.base`). It owns the bookkeeping — one `_Chunk` (slot, state, pin count) per
+`kvtier.base`). It owns the bookkeeping — one `Chunk` (slot, state, pin count) per
 key, slot allocation, what each request holds (`RequestLedger`: pins, prefix chain),
 counters, events — and delegates only the eviction order to a `CachePolicy`. The bytes
 live in the host slab; this class never sees them.
@@ -17,7 +17,7 @@ Thread-safety: not thread-safe. The scheduler calls it from one thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,7 +28,6 @@ from kvtier.base import (
     ManagerStats,
     OffloadingEvent,
     OffloadingManager,
-    PrepareStoreOutput,
     ReqContext,
     SlotSpec,
 )
@@ -37,7 +36,8 @@ from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey, key_length_error
 from kvtier.policies import make_policy
 from kvtier.tiers.admission import ReuseGate
 from kvtier.tiers.cpu.ledger import RequestLedger
-from kvtier.tiers.cpu.slots import SlotAllocator
+from kvtier.tiers.cpu.slots import Chunk, SlotAllocator
+from kvtier.tiers.cpu.stores import ChunkStores
 
 __all__ = ["CPUTierManager"]
 
@@ -45,28 +45,7 @@ _PENDING, _READY, _RETIRED = ChunkState.PENDING, ChunkState.READY, ChunkState.RE
 _HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
 
-class _Chunk:
-    __slots__ = ("pins", "slot", "state")
-
-    def __init__(self, slot: int):
-        self.slot = slot
-        self.state = _PENDING
-        self.pins = 0
-
-
-class _Protected:
-    """Keys an eviction must spare: the call's own keys and every pinned chunk."""
-
-    __slots__ = ("chunks", "own")
-
-    def __init__(self, own: set[OffloadKey], chunks: dict[OffloadKey, _Chunk]):
-        self.own, self.chunks = own, chunks
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.own or self.chunks[key].pins > 0  # type: ignore[index]
-
-
-class CPUTierManager(OffloadingManager):
+class CPUTierManager(ChunkStores, OffloadingManager):
     """Offloaded-chunk metadata for a host slab of `num_slots` slots.
 
     Args:
@@ -97,7 +76,7 @@ class CPUTierManager(OffloadingManager):
         self._policy = make_policy(policy, num_slots)
         self._gate = ReuseGate(store_threshold, max_tracked=max(4 * num_slots, 1024))
         self._slots = SlotAllocator(num_slots)
-        self._chunks: dict[OffloadKey, _Chunk] = {}
+        self._chunks: dict[OffloadKey, Chunk] = {}
         self._ledger = RequestLedger()
         self._events: list[OffloadingEvent] = []
         self._num_pending = self._num_pinned = self._num_evictable = self._num_retired = 0
@@ -154,90 +133,7 @@ class CPUTierManager(OffloadingManager):
             if self._ledger.unpin(ctx.req_id, key):
                 self._unpin(key)
 
-    # -- stores ------------------------------------------------------------------------
-
-    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
-        return self._reserve(keys, ctx, admit=self._gate.admit, spare=())
-
-    def prepare_promotion(self, keys: Sequence[OffloadKey], ctx: ReqContext,
-                          spare: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
-        """`prepare_store` for keys read back from a secondary tier for the request `ctx`: no
-        admission rule applies (a chunk asked for again has proven its reuse), and no chunk of
-        the request's own chain is evicted for it (its prefix would thrash: promoting chunk
-        n+1 must not evict chunk 0 that the same request is about to load), nor any of `spare`
-        (chunks promoted for other requests that have not loaded them yet)."""
-        return self._reserve(keys, ctx, admit=None, spare=[*self._ledger.chain(ctx.req_id), *spare])
-
-    def _reserve(self, keys: Sequence[OffloadKey], ctx: ReqContext,
-                 admit: Callable[[OffloadKey, str], bool] | None,
-                 spare: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
-        for key in keys:
-            if len(key) != self.key_bytes:
-                raise key_length_error(key, self.key_bytes)
-        chunks, req_id = self._chunks, ctx.req_id
-        self._ledger.extend_chain(req_id, keys)
-        new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and (admit is None or admit(k, req_id))]
-        num_needed = len(new_keys) - self._slots.num_free
-        evicted: list[OffloadKey] = []
-        evicted_slots: tuple[int, ...] = ()
-        self._policy.prepare_insert(new_keys)  # before evicting: ARC's ghost hits
-        if num_needed > 0:
-            victims = self._policy.evict(num_needed, _Protected({*keys, *spare}, chunks))
-            if victims is None:
-                self._rejected_stores += 1
-                return None
-            evicted_slots = tuple(chunks[key].slot for key in victims)
-            evicted = self._drop_evicted(victims)
-        slot_ids = self._slots.allocate(len(new_keys))
-        if slot_ids is None:
-            raise InvariantError("no free slot after a successful eviction")
-        for key, slot in zip(new_keys, slot_ids, strict=False):
-            chunks[key] = _Chunk(slot)
-        self._num_pending += len(new_keys)
-        spec = SlotSpec(self.medium, np.array(slot_ids, dtype=np.int64))
-        return PrepareStoreOutput(new_keys, spec, evicted, evicted_slots)
-
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> list[OffloadKey]:
-        """See `OffloadingManager.complete_store`.
-
-        Returns:
-            The keys that became READY (a tiered manager cascades them).
-        """
-        chunks = self._chunks
-        ready: list[OffloadKey] = []
-        for key in keys:
-            chunk = chunks.get(key)
-            if chunk is None or chunk.state is _READY:
-                continue  # unknown or already completed: a stale or repeated completion
-            if chunk.state is _RETIRED:
-                self._num_retired -= 1
-                self._free(key, chunk)  # reset() dropped it while its write was in flight
-                continue
-            self._num_pending -= 1
-            if success:
-                chunk.state = _READY
-                ready.append(key)
-            else:
-                self._failed_stores += 1
-                self._free(key, chunk)
-        if ready:
-            self._policy.insert(ready)
-            self._policy.order_chain([k for k in self._ledger.chain(ctx.req_id) if k in self._policy])
-            self._num_evictable += len(ready)
-            self._stores += len(ready)
-            self._emit(ready, removed=False)
-        return ready
-
-    def abandon(self, keys: Sequence[OffloadKey]) -> None:
-        """Writes into these PENDING chunks were given up on (a promotion past its deadline): they
-        read as MISS from now on, and their slots are freed when the write reports (`complete_store`),
-        never before — a late write may still fill them."""
-        for key in keys:
-            chunk = self._chunks.get(key)
-            if chunk is not None and chunk.state is _PENDING:
-                chunk.state = _RETIRED
-                self._num_pending -= 1
-                self._num_retired += 1
+    # -- stores: `kvtier.tiers.cpu.stores` ---------------------------------------------
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -328,15 +224,7 @@ class CPUTierManager(OffloadingManager):
         else:
             self._num_evictable += 1
 
-    def _drop_evicted(self, victims: list[OffloadKey]) -> list[OffloadKey]:
-        chunks = self._chunks
-        self._slots.free(chunks.pop(key).slot for key in victims)
-        self._num_evictable -= len(victims)
-        self._evictions += len(victims)
-        self._emit(victims, removed=True)
-        return victims
-
-    def _free(self, key: OffloadKey, chunk: _Chunk) -> None:
+    def _free(self, key: OffloadKey, chunk: Chunk) -> None:
         del self._chunks[key]
         self._slots.free((chunk.slot,))
 

@@ -1,4 +1,5 @@
-"""Slot allocation for fixed-size tiers: fresh ids first, then reuse of freed ones.
+"""Slot allocation for fixed-size tiers: fresh ids first, then reuse of freed ones; and `Chunk`,
+what the CPU tier keeps per key (its slot, state and pin count).
 
 Handing out never-used ids first keeps a young tier's slab writes sequential; freed ids
 are reused most-recently-freed first (their pages are likely still warm). O(1) per id.
@@ -10,9 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvtier.base import ChunkState
 from kvtier.errors import ConfigError
 
-__all__ = ["SlotAllocator"]
+__all__ = ["Chunk", "SlotAllocator"]
+
+
+class Chunk:
+    """One key's slot, its state (PENDING until written, READY, RETIRED by a reset) and pin count."""
+
+    __slots__ = ("pins", "slot", "state")
+
+    def __init__(self, slot: int):
+        self.slot = slot
+        self.state = ChunkState.PENDING
+        self.pins = 0
 
 
 class SlotAllocator:

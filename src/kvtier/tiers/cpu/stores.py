@@ -1,0 +1,154 @@
+"""How a chunk enters the CPU tier: admission, room made by eviction, a PENDING reservation, and
+its completion (READY, or freed).
+
+- `prepare_store` admits a key on its `store_threshold`-th offer (`kvtier.tiers.admission`);
+  `prepare_promotion` (a chunk read back from a secondary tier) admits always and spares the
+  request's own prefix chain. Eviction never takes the call's own keys or a pinned chunk.
+- `complete_store` makes the written chunks READY (the policy holds them from then on, in the
+  request's chain order) or frees them; `abandon` gives up on a PENDING write whose slot is
+  freed only once the write reports.
+
+`ChunkStores` is a part of `kvtier.tiers.cpu.manager.CPUTierManager` (a mixin): it shares the
+manager's chunks, slots, policy, ledger and counters. Thread-safety: the manager's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from kvtier.base import ChunkState, PrepareStoreOutput, ReqContext, SlotSpec
+from kvtier.errors import InvariantError
+from kvtier.keys import OffloadKey, key_length_error
+from kvtier.policies import CachePolicy
+from kvtier.tiers.admission import ReuseGate
+from kvtier.tiers.cpu.ledger import RequestLedger
+from kvtier.tiers.cpu.slots import Chunk, SlotAllocator
+
+__all__ = ["ChunkStores"]
+
+_PENDING, _READY, _RETIRED = ChunkState.PENDING, ChunkState.READY, ChunkState.RETIRED
+
+
+class _Protected:
+    """Keys an eviction must spare: the call's own keys and every pinned chunk."""
+
+    __slots__ = ("chunks", "own")
+
+    def __init__(self, own: set[OffloadKey], chunks: dict[OffloadKey, Chunk]):
+        self.own, self.chunks = own, chunks
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.own or self.chunks[key].pins > 0  # type: ignore[index]
+
+
+class ChunkStores:
+    """The store side of `CPUTierManager`; see the module docstring."""
+
+    # the manager's state this part reads and changes (set by CPUTierManager.__init__)
+    medium: str
+    key_bytes: int
+    _policy: CachePolicy
+    _gate: ReuseGate
+    _slots: SlotAllocator
+    _chunks: dict[OffloadKey, Chunk]
+    _ledger: RequestLedger
+    _num_pending: int
+    _num_evictable: int
+    _num_retired: int
+    _evictions: int
+    _stores: int
+    _failed_stores: int
+    _rejected_stores: int  # (and the manager's `_free` and `_emit`)
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        return self._reserve(keys, ctx, admit=self._gate.admit, spare=())
+
+    def prepare_promotion(self, keys: Sequence[OffloadKey], ctx: ReqContext,
+                          spare: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
+        """`prepare_store` for keys read back from a secondary tier for the request `ctx`: no
+        admission rule applies (a chunk asked for again has proven its reuse), and no chunk of
+        the request's own chain is evicted for it (its prefix would thrash: promoting chunk
+        n+1 must not evict chunk 0 that the same request is about to load), nor any of `spare`
+        (chunks promoted for other requests that have not loaded them yet)."""
+        return self._reserve(keys, ctx, admit=None, spare=[*self._ledger.chain(ctx.req_id), *spare])
+
+    def _reserve(self, keys: Sequence[OffloadKey], ctx: ReqContext,
+                 admit: Callable[[OffloadKey, str], bool] | None,
+                 spare: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        for key in keys:
+            if len(key) != self.key_bytes:
+                raise key_length_error(key, self.key_bytes)
+        chunks, req_id = self._chunks, ctx.req_id
+        self._ledger.extend_chain(req_id, keys)
+        new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and (admit is None or admit(k, req_id))]
+        num_needed = len(new_keys) - self._slots.num_free
+        evicted: list[OffloadKey] = []
+        evicted_slots: tuple[int, ...] = ()
+        self._policy.prepare_insert(new_keys)  # before evicting: ARC's ghost hits
+        if num_needed > 0:
+            victims = self._policy.evict(num_needed, _Protected({*keys, *spare}, chunks))
+            if victims is None:
+                self._rejected_stores += 1
+                return None
+            evicted_slots = tuple(chunks[key].slot for key in victims)
+            evicted = self._drop_evicted(victims)
+        slot_ids = self._slots.allocate(len(new_keys))
+        if slot_ids is None:
+            raise InvariantError("no free slot after a successful eviction")
+        for key, slot in zip(new_keys, slot_ids, strict=False):
+            chunks[key] = Chunk(slot)
+        self._num_pending += len(new_keys)
+        spec = SlotSpec(self.medium, np.array(slot_ids, dtype=np.int64))
+        return PrepareStoreOutput(new_keys, spec, evicted, evicted_slots)
+
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> list[OffloadKey]:
+        """See `OffloadingManager.complete_store`.
+
+        Returns:
+            The keys that became READY (a tiered manager cascades them).
+        """
+        chunks = self._chunks
+        ready: list[OffloadKey] = []
+        for key in keys:
+            chunk = chunks.get(key)
+            if chunk is None or chunk.state is _READY:
+                continue  # unknown or already completed: a stale or repeated completion
+            if chunk.state is _RETIRED:
+                self._num_retired -= 1
+                self._free(key, chunk)  # reset() dropped it while its write was in flight
+                continue
+            self._num_pending -= 1
+            if success:
+                chunk.state = _READY
+                ready.append(key)
+            else:
+                self._failed_stores += 1
+                self._free(key, chunk)
+        if ready:
+            self._policy.insert(ready)
+            self._policy.order_chain([k for k in self._ledger.chain(ctx.req_id) if k in self._policy])
+            self._num_evictable += len(ready)
+            self._stores += len(ready)
+            self._emit(ready, removed=False)
+        return ready
+
+    def abandon(self, keys: Sequence[OffloadKey]) -> None:
+        """Writes into these PENDING chunks were given up on (a promotion past its deadline): they
+        read as MISS from now on, and their slots are freed when the write reports (`complete_store`),
+        never before — a late write may still fill them."""
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is not None and chunk.state is _PENDING:
+                chunk.state = _RETIRED
+                self._num_pending -= 1
+                self._num_retired += 1
+
+    def _drop_evicted(self, victims: list[OffloadKey]) -> list[OffloadKey]:
+        chunks = self._chunks
+        self._slots.free(chunks.pop(key).slot for key in victims)
+        self._num_evictable -= len(victims)
+        self._evictions += len(victims)
+        self._emit(victims, removed=True)
+        return victims
