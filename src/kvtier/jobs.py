@@ -1,5 +1,12 @@
-"""Jobs: the one unit of asynchronous transfer, from the scheduler to the copy threads and back,
-and `StepPlan`, the jobs of one engine step.
+"""Engine <-> slab jobs: what the scheduler asks the workers to copy, and `StepPlan`, the jobs of
+one engine step.
+
+kvtier has two kinds of job, as vLLM's offloading has: an engine <-> slab job (`TransferJob`,
+here) is planned by the scheduler and run by the workers (`kvtier.worker`), between the
+engine's KV blocks and the host slab's slots; a slab <-> tier job (`kvtier.tiers.secondary.
+TierJob`) is submitted by the tiered manager and run by a secondary tier on its own threads,
+between slab rows and the tier's storage. Both carry a deadline, both spell their direction
+`is_store` (else a load), and each is reported exactly once, with per-chunk (per-key) success.
 
 A `TransferJob` has an integer id, a source and a destination (`Endpoint`), one
 `TransferPart` per KV-cache group, and a deadline. Whoever runs it reports it exactly
@@ -73,7 +80,7 @@ def _part_from_bytes(group: int, slot_ids: bytes, block_ids: bytes, skip_blocks:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransferJob:
-    """One asynchronous transfer for one request.
+    """One engine <-> slab transfer for one request, run by the workers.
 
     Args:
         job_id: unique per scheduler; the name under which the job is reported.
@@ -81,6 +88,10 @@ class TransferJob:
         src, dst: where the bytes come from and go to.
         parts: one per KV-cache group that moves chunks.
         deadline: `time.monotonic()` after which the job is abandoned and failed.
+
+    Its direction is `is_store` (engine -> slab), as for every job; `is_load` is not simply its
+    negation because a job's endpoints may name neither direction (engine -> engine), which
+    the workers refuse.
     """
 
     job_id: int

@@ -60,7 +60,7 @@ class JobCompletion:
             state = self._requests[record.job.req_id]
             # an asynchronous load's request is parked until its workers report it (they fail
             # it themselves at its deadline); blocks reported here would reach nobody
-            blocks = self._jobs.failed_load_blocks(record) if record.is_load and not record.is_async else set()
+            blocks = self._jobs.failed_load_blocks(record) if not (record.is_store or record.is_async) else set()
             if not state.is_finished and blocks <= state.held_block_ids():
                 plan.failed_load_block_ids |= blocks  # the engine recomputes them
             self._expired.append(record)
@@ -71,18 +71,18 @@ class JobCompletion:
         ok, failed = self._jobs.split_keys(record)
         stale = record.generation != self._jobs.generation
         self.stats.stale_completions += stale
-        if record.is_load:
+        if record.is_store:
+            self.manager.complete_store(ok, state.req_context, success=True)  # a stale one is freed
+            self.manager.complete_store(failed, state.req_context, success=False)
+            self.stats.stored_chunks += 0 if stale else len(ok)
+            self.stats.failed_store_chunks += len(failed)
+        else:
             state.load_job_id = None
             self.manager.complete_load(record.keys, state.req_context)
             self.stats.failed_load_chunks += len(failed)
             state.had_failed_load |= bool(failed)
             if state.is_finished and not failed:
                 self._store_final_chunks(state)
-        else:
-            self.manager.complete_store(ok, state.req_context, success=True)  # a stale one is freed
-            self.manager.complete_store(failed, state.req_context, success=False)
-            self.stats.stored_chunks += 0 if stale else len(ok)
-            self.stats.failed_store_chunks += len(failed)
         self._release_if_done(state)
 
     def _release_if_done(self, state: RequestOffloadState) -> None:

@@ -217,7 +217,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         if state is None:
             return
         # (a job expired in this very step is no longer in the book: it is failed, nothing to flush)
-        plan.flush_job_ids |= {j for j in state.transfer_jobs if j in self._jobs and not self._jobs[j].is_load}
+        plan.flush_job_ids |= {j for j in state.transfer_jobs if j in self._jobs and self._jobs[j].is_store}
         state.clear_block_ids()
         state.pending_load = None
 

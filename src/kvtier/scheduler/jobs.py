@@ -196,18 +196,18 @@ class TransferJobBook:
 
     def _forget(self, record: JobRecord) -> JobRecord:
         del self._records[record.job.job_id]
-        if record.is_load:
-            for key in record.keys:
-                self.loading_keys[key] -= 1
-                if self.loading_keys[key] <= 0:
-                    del self.loading_keys[key]
-        else:
+        if record.is_store:
             for block in record.job.read_blocks():
                 jobs = self._stores_by_block.get(block)
                 if jobs is not None:
                     jobs.discard(record.job.job_id)
                     if not jobs:
                         del self._stores_by_block[block]
+        else:
+            for key in record.keys:
+                self.loading_keys[key] -= 1
+                if self.loading_keys[key] <= 0:
+                    del self.loading_keys[key]
         return record
 
     @staticmethod

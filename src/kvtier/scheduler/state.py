@@ -80,8 +80,9 @@ class JobRecord:
     is_async: bool = False  # a load its request is parked for (nobody waits for it in a step)
 
     @property
-    def is_load(self) -> bool:
-        return self.job.is_load
+    def is_store(self) -> bool:
+        """The job's direction (`TransferJob.is_store`): engine -> slab; else a load."""
+        return self.job.is_store
 
 
 @dataclass(slots=True)

@@ -25,6 +25,8 @@ __all__ = ["Flight", "FlightKind", "Flights"]
 
 
 class FlightKind(enum.Enum):
+    """Why a tier job runs. A promotion is a load (`TierJob.is_store` False), the others stores."""
+
     PROMOTION = "promotion"  # secondary -> a PENDING CPU slot
     CASCADE = "cascade"  # a pinned READY CPU slot -> secondary
     EVICTED = "evicted"  # a staging row (an evicted chunk's bytes) -> an on_evict secondary

@@ -1,9 +1,13 @@
-"""The secondary-tier contract, and the header every stored value carries.
+"""The secondary-tier contract, its slab <-> tier job, and the header every stored value carries.
 
 A secondary tier (disk, Redis, S3) holds chunks behind the CPU tier. Only the
 `TieredManager` drives it, from the scheduler process: it moves bytes between host
 buffers (rows of the shared host slab, one per worker rank) and its storage, on
 threads of its own, and answers lookups from what it knows without blocking.
+
+`TierJob` is kvtier's second kind of job, as in vLLM's offloading: slab <-> tier, submitted
+by the manager and run by a tier. The first kind, engine <-> slab, is `kvtier.jobs.
+TransferJob`, run by the workers. Both carry a deadline and spell their direction `is_store`.
 The primitives, in call order:
 
 1. `probe(keys)`: start a batched existence check in the background (tiers that keep a
@@ -110,8 +114,9 @@ class ValueHeader:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TierJob:
-    """One transfer between host buffers and a secondary tier, named by an integer id.
+    """One slab <-> tier transfer, named by an integer id, run by a secondary tier.
 
+    `is_store`: the job's direction — write the buffers to the tier; else a load into them.
     `buffers[i]` are key i's bytes, one buffer per worker rank in rank order: a store
     reads them (they stay untouched until its result), a load writes them (checked, then
     reported). The manager pins the slab rows it passes for as long as the job runs.
