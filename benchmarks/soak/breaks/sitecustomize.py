@@ -2,7 +2,7 @@
 
 Not part of kvtier. docs/reliability.md ("Does each check have teeth?") runs, for example:
 
-    PYTHONPATH=benchmarks/soak_breaks KVTIER_SOAK_BREAK=disk_checksum \\
+    PYTHONPATH=benchmarks/soak/breaks KVTIER_SOAK_BREAK=disk_checksum \\
         .venv/bin/python benchmarks/soak.py --quick --fault disk_corrupt
 
 Every Python process started with this folder on PYTHONPATH imports this module first (the

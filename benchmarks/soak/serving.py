@@ -1,4 +1,4 @@
-"""The vLLM servers of the served soak (benchmarks/soak.py).
+"""The vLLM servers of the served soak (benchmarks/soak/).
 
 - `ServedEngine`: one OpenAI-compatible vLLM server on a free loopback port, as a subprocess
   of `kvtier serve` (kvtier configured from flags), of `kvtier vllm serve` with a
@@ -7,7 +7,7 @@
   every wait is bounded. It reads `/metrics`, the resident memory of its process tree, and
   the shared-memory segments that tree maps.
 
-The Redis server and the disk directory the kvtier server uses are in soak_tiers.py.
+The Redis server the kvtier server uses is benchmarks/servers/redis.py's; its disk directory is in disk.py.
 
 Thread-safety: none. Start, stop and restart from the main thread: `setpriv --pdeathsig`
 sends SIGTERM to a child when the *thread* that started it ends.
@@ -30,10 +30,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["DIE_WITH_PARENT", "EngineSpec", "Metrics", "ServedEngine", "free_port", "is_alive"]
+__all__ = ["EngineSpec", "Metrics", "ServedEngine", "is_alive"]
 
 KVTIER = str(Path(sys.executable).parent / "kvtier")
-TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"  # the fault-injecting connectors live there
+TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"  # the fault-injecting connectors live there
 DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

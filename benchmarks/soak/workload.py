@@ -1,4 +1,4 @@
-"""What the served soak (benchmarks/soak.py) sends, and the clients that send it.
+"""What the served soak (benchmarks/soak/) sends, and the clients that send it.
 
 - `Workload`: seeded multi-turn conversations on a few shared system prompts, as token ids
   (the tiny model has no tokenizer). A conversation is replayed as recorded: each turn's

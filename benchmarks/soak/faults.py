@@ -1,11 +1,11 @@
-"""The faults of the served soak (benchmarks/soak.py), one per run, and what each must show.
+"""The faults of the served soak (benchmarks/soak/), one per run, and what each must show.
 
 A `Fault` says how the kvtier server must be started for it (a fault-injecting connector
 class, environment, a small tmpfs), injects itself from the main thread while the clients
 run (`inject`, at fractions of the run's requests, through `Run.at`), may hold the end of
 the run until the server has recovered (`settled`), and returns its own checks. The checks
 every run shares (all requests completed, outputs equal the baseline's, hits, no job in
-flight, no slot pinned, bounded memory) are in soak.py.
+flight, no slot pinned, bounded memory) are in run.py.
 
 Thread-safety: none; the main thread drives a fault.
 """
@@ -18,8 +18,9 @@ import signal
 import time
 from pathlib import Path
 
-from soak_run import Check, Run, chunk_files, disk_leftovers, resend_served_prompt, wait_until
-from soak_serving import Metrics
+from .report import Check
+from .run import Run, chunk_files, disk_leftovers, resend_served_prompt, wait_until
+from .serving import Metrics
 
 __all__ = ["FAULTS", "Fault"]
 
