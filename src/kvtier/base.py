@@ -25,23 +25,22 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 
-if TYPE_CHECKING:  # for annotations only: the secondary-tier contract builds on this one
-    from kvtier.tiers.secondary import TierStats
-
 __all__ = [
     "ChunkState",
     "LoadSpec",
     "LookupResult",
     "ManagerStats",
+    "TierStats",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
@@ -143,6 +142,23 @@ class ManagerStats:
     failed_stores: int = 0
     rejected_stores: int = 0  # prepare_store returned None
     extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TierStats:
+    """A snapshot of one secondary tier: occupancy and lifetime counters.
+
+    `counters` names: load_chunks, load_bytes, load_seconds_us, load_failures,
+    store_chunks, store_bytes, store_seconds_us, store_failures, evictions, corrupt,
+    hits, misses (tiers may add their own). `gauges`: states a tier reports as they are now.
+    """
+
+    medium: str
+    capacity_bytes: int
+    used_bytes: int = 0
+    queued_store_bytes: int = 0
+    counters: Counter[str] = field(default_factory=Counter)
+    gauges: dict[str, float] = field(default_factory=dict)  # tier-specific states (e.g. breaker_open)
 
 
 class OffloadingManager(ABC):

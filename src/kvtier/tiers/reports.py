@@ -1,6 +1,6 @@
 """What a secondary tier holds for the manager until it asks: finished jobs' results, each
-once; stored/removed events; counters (`TierStats.counters` names, see `kvtier.tiers.secondary`).
-The disk tier's `JobBook` and the shared tiers' `RemoteJobBook` add how their jobs end.
+once; stored/removed events; counters (`TierStats.counters` names, see `kvtier.base`).
+The disk tier's `DiskReports` and the shared tiers' `RemoteReports` add how their jobs end.
 
 Thread-safety: not thread-safe; the owning tier calls it with its lock held.
 """

@@ -31,13 +31,12 @@ from __future__ import annotations
 import math
 import struct
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.base import LookupResult, OffloadingEvent
+from kvtier.base import LookupResult, OffloadingEvent, TierStats
 from kvtier.keys import OffloadKey
 
 __all__ = ["HEADER_BYTES", "SecondaryTier", "TierJob", "TierResult", "TierStats", "ValueHeader", "checksum"]
@@ -150,23 +149,6 @@ class TierResult:
     num_bytes: int = 0
     seconds: float = 0.0
     error: str | None = None
-
-
-@dataclass(slots=True)
-class TierStats:
-    """A snapshot of one secondary tier: occupancy and lifetime counters.
-
-    `counters` names: load_chunks, load_bytes, load_seconds_us, load_failures,
-    store_chunks, store_bytes, store_seconds_us, store_failures, evictions, corrupt,
-    hits, misses (tiers may add their own). `gauges`: states a tier reports as they are now.
-    """
-
-    medium: str
-    capacity_bytes: int
-    used_bytes: int = 0
-    queued_store_bytes: int = 0
-    counters: Counter[str] = field(default_factory=Counter)
-    gauges: dict[str, float] = field(default_factory=dict)  # tier-specific states (e.g. breaker_open)
 
 
 class SecondaryTier(ABC):
