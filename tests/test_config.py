@@ -116,6 +116,7 @@ def test_every_key_has_a_whole_sentence_of_help_and_a_valid_default():
         text = f.metadata["help"]
         assert text[0].isupper() and text.endswith("."), key
     assert KVTierConfig.from_dict({}) == KVTierConfig()
+    assert KVTierConfig.from_dict(KVTierConfig().to_dict()) == KVTierConfig()
 
 
 def test_not_a_dict():

@@ -78,6 +78,16 @@ class KVTierConfig:
                   for f in fields(cls) if "check" not in f.metadata}
         return cls(**by_slice.get((), {}), **slices)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The user's flat dict of every key (`from_dict`'s inverse)."""
+        out = {}
+        for key, f, path in slice_fields(type(self)):
+            owner = self
+            for name in path:
+                owner = getattr(owner, name)
+            out[key] = getattr(owner, f.name)
+        return out
+
     @classmethod
     def valid_keys(cls) -> list[str]:
         """The user's keys, core keys first, then each slice's."""
