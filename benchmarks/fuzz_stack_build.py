@@ -178,7 +178,6 @@ class Stack:
     def close(self) -> None:
         if self.file_faults is not None:
             self.file_faults.mode = None
-        if isinstance(self.manager, TieredManager):
-            self.manager.close()
+        self.manager.close()
         self.engine.close()
         self._tmp.cleanup()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from fuzz_stack_build import Stack
 from kvtier.errors import InvariantError
-from kvtier.tiers.tiered import TieredManager
 
 __all__ = ["Violation", "check_quiet", "check_step"]
 
@@ -71,9 +70,8 @@ def check_quiet(stack: Stack, remote_kept_values: bool) -> None:
     _require(cpu.pinned_slots == 0, f"{cpu.pinned_slots} slots still pinned")
     _require(cpu.pending_slots == 0, f"{cpu.pending_slots} slots still PENDING")
     _require(cpu.extra.get("retired_slots", 0) == 0, "retired slots never freed")
-    if isinstance(stack.manager, TieredManager):
-        _require(cpu.extra["promoting_bytes"] == 0, "promotion budget not given back")
-        _require(cpu.extra["tier_jobs_in_flight"] == 0, "tier jobs left in flight")
+    _require(cpu.extra.get("promoting_bytes", 0) == 0, "promotion budget not given back")
+    _require(cpu.extra.get("tier_jobs_in_flight", 0) == 0, "tier jobs left in flight")
     loads = stack.engine.transfer.loads
     _require(sched.stats.load_jobs == len(loads), f"{sched.stats.load_jobs} loads planned, {len(loads)} ran")
     _require(sched.stats.loaded_chunks == sum(job.num_chunks for job in loads), "loaded chunks do not add up")

@@ -506,8 +506,7 @@ def engines():
 def stop(engine: FakeEngine, manager=None) -> None:
     """Wait for the engine's writes to reach every tier, then close it and its tiers (idempotent)."""
     manager = manager or engine.scheduler.manager
-    if isinstance(manager, TieredManager):
-        manager.close()
+    manager.close()
     engine.close()
 
 
