@@ -7,6 +7,7 @@ run as subprocesses. `kvtier serve` has its own module (`test_cli_serve.py`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -333,3 +334,25 @@ def test_demo_shows_only_its_own_output(model, tmp_path):
     for shown in (done.stdout, done.stderr):
         assert "INFO" not in shown and "WARNING" not in shown and "Traceback" not in shown
     assert f"vLLM's log: {out_dir / 'vllm.log'}" in done.stderr
+
+
+def _flag_help(command: str) -> dict[str, str]:
+    from kvtier.cli.main import build_parser
+
+    parser = build_parser(command)
+    (sub,) = [a.choices[command] for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {a.option_strings[-1]: a.help or "" for a in sub._actions if a.option_strings and a.dest != "help"}
+
+
+@pytest.mark.parametrize("command", ["config", "serve", "simulate", "demo"])
+def test_every_flag_has_help_of_its_own_said_whole(command):
+    helps = _flag_help(command)
+    for flag, text in helps.items():
+        assert text.rstrip().endswith((".", ")")) and text.count("(default:") <= 1, (flag, text)
+    generated = [t for f, t in helps.items() if f not in ("--json", "--verbose")]
+    assert len(set(generated)) == len(generated)  # no two flags share one text
+
+
+def test_a_flag_help_written_over_several_docstring_lines_is_whole():
+    # SimOptions' store_mode entry goes on to a second line: the help was cut after the first
+    assert "see `kvtier.scheduler.lazy`)" in _flag_help("simulate")["--store-mode"]

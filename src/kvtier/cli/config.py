@@ -63,7 +63,9 @@ def add_dataclass_flags(group, cls: type, dest_prefix: str, skip: tuple[str, ...
 
 def _add_flag(group, name: str, kind: str, default: Any, text: str, dest_prefix: str) -> None:
     flag = "--" + name.replace("_", "-")
-    text = f"{text.replace('%', '%%')} (default: {_shown(default)})".strip()
+    text = (text[:1].upper() + text[1:]).replace("%", "%%")  # a docstring's entry starts lower-case
+    if "(default:" not in text:  # a text that explains its default keeps it
+        text = f"{text} (default: {_shown(default)})".strip()
     dest = dest_prefix + name
     if kind == "bool":
         group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)

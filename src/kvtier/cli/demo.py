@@ -106,14 +106,16 @@ def _serve_one(engine, request_id: str, prompt, params):
 
 
 def add_demo_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--conversations", type=int, default=5)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--system-tokens", type=int, default=2048)
-    parser.add_argument("--reply-tokens", type=int, default=8)
-    parser.add_argument("--cpu-bytes", default="256MiB", help="kvtier's host RAM (default: 256MiB)")
-    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="where the table, plot and log go")
-    parser.add_argument("--verbose", action="store_true", help="show vLLM's log on the terminal too")
-
+    parser.add_argument("--conversations", type=int, default=5,
+                        help="Conversations served, each on the shared system prompt (default: 5).")
+    parser.add_argument("--turns", type=int, default=3, help="Turns of each conversation (default: 3).")
+    parser.add_argument("--system-tokens", type=int, default=2048,
+                        help="Tokens of the shared system prompt (default: 2048).")
+    parser.add_argument("--reply-tokens", type=int, default=8, help="Tokens of each reply (default: 8).")
+    parser.add_argument("--cpu-bytes", default="256MiB", help="kvtier's host RAM (default: 256MiB).")
+    parser.add_argument("--out", type=Path, default=Path("out/demo"),
+                        help="Where the table, plot and log go (default: out/demo).")
+    parser.add_argument("--verbose", action="store_true", help="Show vLLM's log on the terminal too.")
 
 def demo_main(args: argparse.Namespace) -> int:
     """Run the demo; 0 when the replies with and without kvtier are identical.

@@ -52,17 +52,17 @@ def _simulate_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _bench_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="benchmarks to run (e.g. manager disk)")
-    parser.add_argument("--full", action="store_true", help="full runs instead of --quick ones")
-    parser.add_argument("--dir", type=Path, default=None, help="directory of bench_*.py (default: the checkout's)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per benchmark (default: 900)")
-    parser.add_argument("--verbose", action="store_true", help="show each benchmark's whole output")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="Benchmarks to run (e.g. manager disk).")
+    parser.add_argument("--full", action="store_true", help="Full runs instead of --quick ones.")
+    parser.add_argument("--dir", type=Path, default=None, help="Directory of bench_*.py (default: the checkout's).")
+    parser.add_argument("--timeout", type=float, default=900.0, help="Seconds per benchmark (default: 900).")
+    parser.add_argument("--verbose", action="store_true", help="Show each benchmark's whole output.")
     _add_json(parser)
 
 
 def _inspect_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, metavar="DIR", help="the disk tier's root (disk_path) or one namespace")
-    parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip reading every file")
+    parser.add_argument("dir", type=Path, metavar="DIR", help="The disk tier's root (disk_path) or one namespace.")
+    parser.add_argument("--no-verify", dest="verify", action="store_false", help="Skip reading every file.")
     _add_json(parser)
 
 
@@ -70,7 +70,7 @@ def _config_options(parser: argparse.ArgumentParser) -> None:
     from kvtier.cli.config import add_config_flags
 
     add_config_flags(parser)
-    _add_json(parser, "print the JSON alone")
+    _add_json(parser, "Print the JSON alone.")
 
 
 def _serve_options(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def _serve_options(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser)
 
 
-def _add_json(parser: argparse.ArgumentParser, text: str = "print the results as one JSON object") -> None:
+def _add_json(parser: argparse.ArgumentParser, text: str = "Print the results as one JSON object.") -> None:
     parser.add_argument("--json", action="store_true", help=text)
 
 

@@ -30,19 +30,19 @@ def add_simulate_flags(parser: argparse.ArgumentParser) -> None:
     from kvtier.sim.costs import CostModel
     from kvtier.sim.replay import SimOptions
 
-    parser.add_argument("trace", metavar="TRACE", help="a Mooncake JSONL trace, or synthetic[:N] (N conversations)")
-    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    parser.add_argument("--seed", type=int, default=0, help="seed of a synthetic trace (default: 0)")
+    parser.add_argument("trace", metavar="TRACE", help="A Mooncake JSONL trace, or synthetic[:N] (N conversations).")
+    parser.add_argument("--limit", type=int, default=None, help="Replay only the first N requests.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of a synthetic trace (default: 0).")
     add_dataclass_flags(parser.add_argument_group("simulation"), SimOptions, _SIM, skip=("costs",))
     add_dataclass_flags(parser.add_argument_group("cost model (TTFT estimate)"), CostModel, _COST)
     sweep = parser.add_argument_group("sweep")
-    sweep.add_argument("--sweep", action="store_true", help="replay every capacity x policy; write a PNG and a CSV")
+    sweep.add_argument("--sweep", action="store_true", help="Replay every capacity x policy; write a PNG and a CSV.")
     sweep.add_argument("--capacities", type=_floats, default=[0.01, 0.05, 0.2],
-                       help="host tier sizes as fractions of the trace's distinct blocks (default: 0.01,0.05,0.2)")
+                       help="Host tier sizes as fractions of the trace's distinct blocks (default: 0.01,0.05,0.2).")
     sweep.add_argument("--policies", type=lambda text: text.split(","), default=None,
-                       help="policies to compare, comma-separated (default: every registered one)")
-    sweep.add_argument("--out", type=Path, default=Path("out/simulate"), help="where --sweep writes")
-    sweep.add_argument("--workers", type=int, default=1, help="replays run in this many processes at once")
+                       help="Policies to compare, comma-separated (default: every registered one).")
+    sweep.add_argument("--out", type=Path, default=Path("out/simulate"), help="Where --sweep writes.")
+    sweep.add_argument("--workers", type=int, default=1, help="Replays run in this many processes at once.")
 
 
 def simulate_main(args: argparse.Namespace, console: Console | None = None) -> int:
