@@ -135,8 +135,8 @@ def test_the_connector_refuses_a_bad_config_at_construction_as_from_dict_does(ba
 
 # -- kv_transfer_params ------------------------------------------------------------------------------
 
-ours = st.dictionaries(st.one_of(st.sampled_from(["load", "store"]), st.text(max_size=6)),
-                       st.one_of(st.booleans(), garbage), max_size=3)
+ours = st.dictionaries(st.one_of(st.sampled_from(["load", "store", "max_load_tokens"]), st.text(max_size=6)),
+                       st.one_of(st.booleans(), st.integers(-2, 40), garbage), max_size=3)
 transfer_params = st.one_of(garbage, st.dictionaries(st.sampled_from(["kvtier", "other_connector"]),
                                                      st.one_of(ours, garbage), max_size=2))
 
@@ -165,7 +165,7 @@ class Records(logging.Handler):
 
 def expected_params(raw) -> tuple[OffloadParams, bool]:
     """What the params should mean, and whether they are malformed (worth a warning), written
-    from the documented format alone: {"kvtier": {"load": bool, "store": bool}}."""
+    from the documented format alone: {"kvtier": {"load": bool, "store": bool, "max_load_tokens": int >= 0}}."""
     if raw is None:
         return OffloadParams(), False
     if not isinstance(raw, dict):
@@ -176,8 +176,12 @@ def expected_params(raw) -> tuple[OffloadParams, bool]:
     if not isinstance(mine, dict):
         return OffloadParams(), True
     flags = {name: mine.get(name, True) for name in ("load", "store")}
-    is_bad = any(k not in ("load", "store") for k in mine) or any(not isinstance(v, bool) for v in flags.values())
-    return OffloadParams(**{n: v if isinstance(v, bool) else True for n, v in flags.items()}), is_bad
+    cap = mine.get("max_load_tokens")
+    is_cap = isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0
+    is_bad = (any(k not in ("load", "store", "max_load_tokens") for k in mine)
+              or any(not isinstance(v, bool) for v in flags.values()) or (cap is not None and not is_cap))
+    return OffloadParams(**{n: v if isinstance(v, bool) else True for n, v in flags.items()},
+                         max_load_tokens=cap if is_cap else None), is_bad
 
 
 @fuzz(400)
@@ -230,7 +234,8 @@ def test_garbage_params_on_one_request_change_nothing_for_another(reference, raw
     # the victim gets exactly what it gets next to a request without params
     assert victim == reference[0] and victim[0] == 16
     # the request with garbage is served too, as its params mean (garbage: the defaults)
-    assert garbage[0] == (16 if wanted.load else 0) and garbage[1] == reference[1][1]
+    loadable = 16 if wanted.max_load_tokens is None else wanted.max_load_tokens // 4 * 4  # whole 4-token chunks
+    assert garbage[0] == (min(16, loadable) if wanted.load else 0) and garbage[1] == reference[1][1]
     assert any("request garbage" in r.getMessage() for r in log.records) == is_bad
 
 

@@ -324,6 +324,24 @@ def test_kv_transfer_params_can_turn_loading_and_storing_off():
     assert serve(engine, "B", P20, kv_transfer_params={"kvtier": {"load": False}}).num_external_tokens == 0
 
 
+@pytest.mark.parametrize("cap, loaded", [(0, 0), (3, 0), (4, 4), (11, 8), (16, 16), (1000, 16)])
+def test_max_load_tokens_caps_what_a_request_loads_to_whole_chunks(cap, loaded):
+    engine = make_engine()
+    a = serve(engine, "A", P20)
+    engine.reset_prefix_cache()
+    b = serve(engine, "B", P20, kv_transfer_params={"kvtier": {"max_load_tokens": cap}})
+    assert b.num_external_tokens == loaded and b.output == a.output  # the rest recomputed, the same tokens
+
+
+def test_max_load_tokens_counts_after_the_engines_own_hits():
+    engine = make_engine()
+    a = serve(engine, "A", P20)
+    engine.reset_prefix_cache()
+    serve(engine, "W", P20[:8] + prompt(12, seed=3))  # the engine's cache now holds P20's first 2 chunks
+    b = serve(engine, "B", P20, kv_transfer_params={"kvtier": {"max_load_tokens": 4}})
+    assert (b.num_cached_tokens - b.num_external_tokens, b.num_external_tokens) == (8, 4) and b.output == a.output
+
+
 def test_requests_are_forgotten_and_manager_is_told_once():
     engine = make_engine()
     finished = []

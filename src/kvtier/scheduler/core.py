@@ -113,6 +113,8 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         size = self.config.tokens_per_chunk
         start = num_local // size
         max_chunks = min(state.num_hashed_chunks(), (req.num_tokens - 1) // size)
+        if state.params.max_load_tokens is not None:  # the request's cap on what it loads
+            max_chunks = min(max_chunks, (num_local + state.params.max_load_tokens) // size)
         if start >= max_chunks:
             return self._answer(state, num_local, 0)
         scan = scan_hits(state, self.manager, self._jobs.loading_keys, start, max_chunks)

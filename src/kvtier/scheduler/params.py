@@ -2,7 +2,10 @@
 
 kvtier reads only its own sub-dict, so other connectors' parameters pass through:
 
-    {"kvtier": {"load": false, "store": true}}
+    {"kvtier": {"load": false, "store": true, "max_load_tokens": 512}}
+
+`max_load_tokens` caps the tokens a request loads from kvtier after the engine's own hits (0:
+none), with the meaning of vLLM's own `max_load_tokens`: the rest is recomputed.
 
 Anything malformed is ignored with a warning naming the problem; it never raises, and a
 warning quotes at most a line of what it got (a request may send megabytes of garbage).
@@ -18,14 +21,16 @@ from typing import Any
 __all__ = ["OffloadParams", "parse_kv_transfer_params"]
 
 logger = logging.getLogger(__name__)
-_KNOWN = ("load", "store")
+_FLAGS = ("load", "store")
+_KNOWN = (*_FLAGS, "max_load_tokens")
+_MAX_TOKENS = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
 class OffloadParams:
     load: bool = True  # may this request load from kvtier
     store: bool = True  # may this request's chunks be stored
-
+    max_load_tokens: int | None = None  # at most this many tokens loaded after the engine's hits
 
 def parse_kv_transfer_params(raw: Any, req_id: str) -> OffloadParams:
     """Read kvtier's options for one request; defaults on anything malformed."""
@@ -47,18 +52,24 @@ def _parse(raw: Any, req_id: str) -> OffloadParams:
         return OffloadParams()
     if not isinstance(ours, dict):
         logger.warning("request %s: kv_transfer_params['kvtier'] must be a dict like "
-                       "{'load': bool, 'store': bool}; ignored", req_id)
+                       "{'load': bool, 'store': bool, 'max_load_tokens': int}; ignored", req_id)
         return OffloadParams()
     unknown = [k for k in ours if k not in _KNOWN]
     if unknown:
         logger.warning("request %s: unknown kvtier params %s ignored (valid: %s)", req_id, reprlib.repr(unknown),
                        list(_KNOWN))
-    values = {}
-    for name in _KNOWN:
+    values: dict[str, Any] = {}
+    for name in _FLAGS:
         value = ours.get(name, True)
         if isinstance(value, bool):
             values[name] = value
         else:
             logger.warning("request %s: kvtier param %r must be true or false, got %s; ignored", req_id, name,
                            reprlib.repr(value))
+    cap = ours.get("max_load_tokens")
+    if type(cap) is int and 0 <= cap <= _MAX_TOKENS:
+        values["max_load_tokens"] = cap
+    elif cap is not None:
+        logger.warning("request %s: kvtier param 'max_load_tokens' must be a non-negative integer, got %s; ignored",
+                       req_id, reprlib.repr(cap))
     return OffloadParams(**values)
