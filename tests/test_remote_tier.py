@@ -160,13 +160,19 @@ def _flipped_payload_byte(tier, name, value):
     return value[:HEADER_BYTES + 5] + bytes([value[HEADER_BYTES + 5] ^ 0xFF]) + value[HEADER_BYTES + 6:]
 
 
+def _flipped_last_byte(tier, name, value):
+    """The payload's last byte: it arrives in the last piece received, after every other is hashed."""
+    return value[:-1] + bytes([value[-1] ^ 0x01])
+
+
 def _another_namespace(tier, name, value):
     header = ValueHeader.unpack(value[:HEADER_BYTES])
     forged = ValueHeader(namespace().id, header.key, header.payload_bytes, header.payload_checksum)
     return forged.pack() + value[HEADER_BYTES:]
 
 
-@pytest.mark.parametrize("damage", [_garbage, _truncated, _flipped_payload_byte, _another_namespace])
+@pytest.mark.parametrize("damage", [_garbage, _truncated, _flipped_payload_byte, _flipped_last_byte,
+                                    _another_namespace])
 def test_a_damaged_value_is_a_counted_miss_and_is_deleted(make_tier, damage):
     ns = namespace()
     tier, slab = make_tier(ns), Slab(4, ns)

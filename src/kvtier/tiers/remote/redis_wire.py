@@ -6,7 +6,9 @@
   `sendall` every piece in order.
 - `read_replies(conn, count, into=None)`: `count` replies from the connection's socket. A
   bulk value is received straight into a buffer of its own size, or into the caller's
-  buffers (`into`: one copy, from the kernel, and no new memory to fault in); an error
+  buffers (`into`: one copy, from the kernel, and no new memory to fault in; buffers that
+  have a `received(piece)` method, as `values.IncomingValue`, are told of each piece as it
+  lands, so that they hash it while it is in cache and the next is on its way); an error
   reply is returned as a `ServerError` in its place, never raised, so that the replies after
   it are still read and the connection stays in step.
 
@@ -24,7 +26,7 @@ Thread-safety: none; each function works on one connection that one call holds.
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from redis.connection import Connection
@@ -137,8 +139,9 @@ class _Replies:
                 self._skip_crlf()
                 return value
             if size == sum(map(nbytes, into)):
+                report = getattr(into, "received", None)  # an IncomingValue hashes each piece as it lands
                 for buf in into:
-                    self._receive_into(buf.cast("B") if buf.format != "B" else buf)
+                    self._receive_into(buf.cast("B") if buf.format != "B" else buf, report)
             else:
                 self._drop(size)
             self._skip_crlf()
@@ -175,16 +178,21 @@ class _Replies:
         self._pos = 0
         self._buf += chunk
 
-    def _receive_into(self, dest: memoryview) -> None:
-        """Fill `dest`: first from what is already received, then straight from the socket."""
+    def _receive_into(self, dest: memoryview, report: Callable[[memoryview], None] | None = None) -> None:
+        """Fill `dest`: first from what is already received, then straight from the socket;
+        `report(piece)` each piece once written (while it is still in cache)."""
         size = len(dest)
         have = min(size, len(self._buf) - self._pos)
         dest[:have] = self._buf[self._pos:self._pos + have]
         self._pos += have
+        if report is not None and have:
+            report(dest[:have])
         while have < size:
             got = self._sock.recv_into(dest[have:])
             if not got:
                 raise RedisConnectionError("connection closed by the server")
+            if report is not None:
+                report(dest[have:have + got])
             have += got
 
     def _drop(self, size: int) -> None:

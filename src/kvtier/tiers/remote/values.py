@@ -4,9 +4,11 @@
   (model, dtype, layout, …) use another middle part, so they never read these bytes.
 - **Values**: `ValueHeader` (see `kvtier.tiers.secondary`) + the payload (every rank's buffer,
   back to back), the format of the disk tier's files too. A load receives the header into a
-  buffer of its own and the payload straight into the slab rows; `check` then verifies length,
-  header, namespace, key, payload length and checksum, and a value that fails any of them is
-  refused (its slot was never readable).
+  buffer of its own and the payload straight into the slab rows (`IncomingValue`), hashing
+  each piece as the store writes it (still in cache, while the next piece is on its way);
+  `check` then verifies length, header, namespace, key, payload length and checksum (or tag),
+  and a value that fails any of them is refused (its slot was never readable). A store that
+  does not report its pieces leaves the digest to `check`, which then hashes the buffers.
 - **Keyed mode** (a deployment secret). Names: the key part is HMAC-SHA256(secret, namespace id
   + key) instead of the key itself, in the name and in the header. vLLM's block hashes are a
   public function of the prompt, so without it anyone who can list the store can hash a guessed
@@ -32,13 +34,14 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 
+import xxhash
 from blake3 import blake3
 
 from kvtier.keys import OffloadKey
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import HEADER_BYTES, ValueHeader, checksum
 
-__all__ = ["TAG_BYTES", "ValueCodec"]
+__all__ = ["TAG_BYTES", "IncomingValue", "ValueCodec"]
 
 _MAX_KEY_BYTES = 64  # what a ValueHeader holds
 TAG_BYTES = 32  # keyed mode's trailer
@@ -83,11 +86,14 @@ class ValueCodec:
             return [header, *buffers]
         return [header, *buffers, self._tag(header, buffers)]
 
-    def receiving_parts(self, buffers: Sequence[memoryview]) -> tuple[memoryview, ...]:
+    def receiving_parts(self, buffers: Sequence[memoryview]) -> IncomingValue:
         """Where a value is received: its header into a buffer of its own, the payload into
         `buffers` (the slab rows: no copy), the tag (keyed) into one of its own; see `check`."""
         tag = (memoryview(bytearray(TAG_BYTES)),) if self.is_keyed else ()
-        return (memoryview(bytearray(HEADER_BYTES)), *buffers, *tag)
+        parts = (memoryview(bytearray(HEADER_BYTES)), *buffers, *tag)
+        if self._mac_key is None:  # the checksum covers the payload
+            return IncomingValue(parts, xxhash.xxh3_64(), HEADER_BYTES, HEADER_BYTES + self.payload_bytes)
+        return IncomingValue(parts, blake3(key=self._mac_key), 0, HEADER_BYTES + self.payload_bytes)
 
     def check(self, key: OffloadKey, size: int, parts: Sequence[memoryview]) -> str | None:
         """Why a value of `size` bytes received into `parts` (`receiving_parts`) must be refused, or None.
@@ -102,10 +108,13 @@ class ValueCodec:
             return unpacked
         if (why := unpacked.mismatch(self.namespace_id, self.stored_key(key), self.payload_bytes)) is not None:
             return why
+        # the digest of the pieces the store reported, when they were the whole value; else of the buffers
+        hashed = parts.hasher if isinstance(parts, IncomingValue) and parts.num_received == size else None
         if self.is_keyed:
-            if not hmac.compare_digest(self._tag(header, payload), parts[-1]):
+            tag = self._tag(header, payload) if hashed is None else hashed.digest()
+            if not hmac.compare_digest(tag, parts[-1]):
                 return "tag mismatch (not written with this deployment's secret, or altered)"
-        elif checksum(payload) != unpacked.payload_checksum:
+        elif (checksum(payload) if hashed is None else hashed.intdigest()) != unpacked.payload_checksum:
             return "payload checksum mismatch"
         return None
 
@@ -115,3 +124,32 @@ class ValueCodec:
         for buf in payload:
             mac.update(buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B"))
         return mac.digest()
+
+
+class IncomingValue(tuple):
+    """A value's receiving parts (header, payload buffers, tag: a tuple of memoryviews) that hash
+    the value as it arrives: a store that receives into them calls `received` with each piece
+    just written, in order, every byte once (see `kvtier.tiers.remote.store.RemoteStore.get_into`).
+
+    Bytes `start` to `end` of the value go to `hasher` (the checksum's: the payload; the tag's:
+    header and payload). `ValueCodec.check` uses the digest only when `num_received` is the whole
+    value; anything else (a store that reports nothing, a value cut short) hashes the buffers.
+
+    Thread-safety: none; the one thread receiving the value uses it, then the one checking it.
+    """
+
+    hasher: xxhash.xxh3_64 | blake3
+    num_received: int
+
+    def __new__(cls, parts: Sequence[memoryview], hasher: xxhash.xxh3_64 | blake3, start: int, end: int):
+        self = super().__new__(cls, parts)
+        self.hasher, self.num_received, self._start, self._end = hasher, 0, start, end
+        return self
+
+    def received(self, piece: memoryview) -> None:
+        """`piece` (1-D bytes) is the value's next bytes, now in these parts."""
+        first = self.num_received
+        self.num_received += piece.nbytes
+        lo, hi = max(first, self._start), min(self.num_received, self._end)
+        if lo < hi:
+            self.hasher.update(piece[lo - first:hi - first])
