@@ -267,3 +267,22 @@ def test_get_into_fills_buffers_and_never_reads_a_body_of_another_size(store, pr
     assert sizes == [len(value), huge, None]
     assert b"".join(bytes(d) for d in dests[0]) == value
     assert bodies_read == [prefix + "ok"]
+
+
+def test_get_into_reports_every_piece_so_the_value_is_verified_as_it_is_copied(store, prefix):
+    from kvtier.tiers.namespace import Namespace
+    from kvtier.tiers.remote.values import ValueCodec
+
+    # a value of 1 MiB and a bit: more than one piece is copied (and hashed) into the rows
+    payload_bytes = (1 << 20) + 4096 + 5
+    codec = ValueCodec(Namespace("s3-incoming", "float16", "blocks", 16, 4, "sha256_cbor", 1, payload_bytes),
+                       "kvtier", "/")
+    key = bytes(range(36))
+    payload = np.random.default_rng(3).integers(0, 256, payload_bytes, np.uint8)
+    store.put([(prefix + "v", codec.pack(key, [memoryview(payload)]))])
+    rows = [memoryview(np.zeros(4096, np.uint8)), memoryview(np.zeros(payload_bytes - 4096, np.uint8))]
+    incoming = codec.receiving_parts(rows)
+    assert store.get_into([prefix + "v"], [incoming]) == [codec.value_bytes]
+    # every byte was reported as it landed: the check uses that digest, and it is the payload's
+    assert incoming.num_received == codec.value_bytes and codec.check(key, codec.value_bytes, incoming) is None
+    assert b"".join(bytes(r) for r in rows) == payload.tobytes()

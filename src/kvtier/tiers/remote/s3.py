@@ -22,7 +22,10 @@ Choices that a reader might not expect:
   server closed), so a hung server costs one timeout; the tier's circuit breaker does the rest.
 - **`get_into` reads a body only when its size is the one expected.** The size comes with the
   response's headers (the object's metadata), before the body: whoever can write the bucket
-  chooses it, and a body of another size is never read (the response is dropped unread).
+  chooses it, and a body of another size is never read (the response is dropped unread). The
+  body is then copied into the caller's buffers piece by piece on the pool thread that received
+  it (numpy's copy releases the GIL, a memoryview's does not), each piece reported to an
+  `IncomingValue` that hashes it while in cache: the value is verified by the time it is copied.
 - A batch runs its items on a pool of `max_connections` threads (the client releases the GIL
   while it waits), one request per item; a batch of one runs in the calling thread.
 - Names are object_store paths: `/`-separated, no empty, `.` or `..` segments.
@@ -44,6 +47,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+import numpy as np
 import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
 from obstore.store import S3Store as _ObjectStore
@@ -59,6 +63,9 @@ _LIST_CHUNK = 1000  # names per batch from the lister (S3 pages hold 1,000 at mo
 _PING_PREFIX = "kvtier-ping-none"  # a listing of it is empty: one cheap signed request that needs the bucket
 # obstore says "timeout" only in its Debug dump: `HttpError { kind: Timeout, ... }`, reqwest's `TimedOut`
 _TIMEOUT_MARK = re.compile(r"kind: Timeout|TimedOut|timed out", re.IGNORECASE)
+# A body is copied into the slab rows (and hashed, see `values.IncomingValue`) in pieces of this
+# size: each is hashed while it is still in the core's cache (2 MiB of L2 here).
+_COPY_PIECE = 256 << 10
 _CAUSE = re.compile(r"(?:error|kind): (\w+)(?:\(\s*(\w+),?\s*\))?")  # `kind: ConnectionRefused`, `error: X(Y)`
 
 
@@ -183,13 +190,19 @@ class S3Store(RemoteStore):
         expected = sum(buf.nbytes for buf in buffers)
         if result.meta["size"] != expected:
             return result.meta["size"]
-        body = memoryview(_call("GET", name, result.bytes))
+        body = np.frombuffer(memoryview(_call("GET", name, result.bytes)), np.uint8)
         if body.nbytes != expected:
             return body.nbytes
+        report = getattr(buffers, "received", None)  # an IncomingValue hashes each piece as it lands
         offset = 0
         for buf in buffers:
-            _byte_view(buf)[:] = body[offset:offset + buf.nbytes]
-            offset += buf.nbytes
+            dest = np.frombuffer(_byte_view(buf), np.uint8)
+            for start in range(0, dest.nbytes, _COPY_PIECE):
+                piece = dest[start:start + _COPY_PIECE]
+                np.copyto(piece, body[offset + start:offset + start + piece.nbytes])  # without the GIL
+                if report is not None:
+                    report(memoryview(piece))
+            offset += dest.nbytes
         return expected
 
     def _put_one(self, item: tuple[str, ValueParts]) -> bool:
