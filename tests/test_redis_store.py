@@ -87,7 +87,7 @@ def test_get_into_fills_the_callers_buffers(env):
 
 def test_values_larger_than_a_window(env):
     store, _ = env
-    # three 5 MiB values: more than one connection keeps in flight (8 MiB) → sent in turns
+    # three 5 MiB values, each more than one connection keeps in flight (2 MiB) → each sent alone, in turns
     items = [(f"big:{i}", parts_of(f"big{i}", (128, 5 << 20))) for i in range(3)]
     assert store.put(items) == [True, True, True]
     assert [bytes(got) for got in store.get([name for name, _ in items])] == [joined(p) for _, p in items]

@@ -49,10 +49,14 @@ from kvtier.tiers.remote.store import RemoteStore, ValueParts
 __all__ = ["RedisStore"]
 
 _SCAN_COUNT = 1000  # names per SCAN page
-# Value bytes one connection has in flight at most (at least one command): past ~8 MiB the server
-# slows down (2 threads, GET of 4 MiB values: 3.4 GB/s two at a time, 2.4 four, 1.6 eight; 1 MiB
-# values: 3.6 GB/s eight at a time); smaller values are pipelined up to that much.
-_WINDOW_BYTES = 8 << 20
+# Value bytes one connection has in flight at most (at least one command). The server copies every
+# reply of a window into its output buffer before it writes the first byte, while the client's
+# thread waits: at 8 MiB a load thread spent a third of its time waiting for replies' first bytes
+# (1 MiB values, 2 threads). bench_remote --quick, RemoteTier loads / redis-benchmark GET, lowest
+# over 1, 2, 4 MiB values, runs taking turns (issue 22): 8 MiB windows 0.60 and 0.42 (1 MiB
+# values), 4 MiB 0.73, 0.86 and 0.74, 2 MiB 0.86 and 0.84 (stores 0.84 and 0.79, against
+# 0.71 and 0.67 at 8 MiB). A larger value is sent alone.
+_WINDOW_BYTES = 2 << 20
 _REDIRECTS = ("MOVED ", "ASK ")
 
 
