@@ -51,7 +51,12 @@ class RemoteStore(ABC):
         """Each name's value written into `buffers[i]` (back to back); returns each value's size
         (None when absent). Where the size is not the bytes of `buffers[i]` they are left
         unspecified. Stores that can receive straight into the buffers override this (it
-        saves a fresh buffer per value, whose page faults cost more than the copy)."""
+        saves a fresh buffer per value, whose page faults cost more than the copy).
+
+        `buffers[i]` may have a `received(piece)` method (`values.IncomingValue`): a store may
+        call it with each piece of a value of the expected size once written into them, in
+        order, every byte once, so that the value is hashed while in cache. One that does not
+        (this default) leaves the tier's check to hash the buffers afterwards."""
         sizes: list[int | None] = []
         for value, bufs in zip(self.get(names), buffers, strict=True):
             if value is None:
