@@ -183,7 +183,8 @@ class _Replies:
         `report(piece)` each piece once written (while it is still in cache)."""
         size = len(dest)
         have = min(size, len(self._buf) - self._pos)
-        dest[:have] = self._buf[self._pos:self._pos + have]
+        with memoryview(self._buf) as received:  # a bytearray's slice would be one more copy
+            dest[:have] = received[self._pos:self._pos + have]
         self._pos += have
         if report is not None and have:
             report(dest[:have])
