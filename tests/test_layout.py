@@ -13,7 +13,7 @@ MAX_LINES = 300
 LAYERS = [
     ("kvtier.errors",),
     ("kvtier.keys", "kvtier.jobs"),
-    ("kvtier.policies",),
+    ("kvtier.policies", "kvtier.costmodel"),
     ("kvtier.base", "kvtier.settings"),
     ("kvtier.tiers", "kvtier.slab", "kvtier.shm"),
     ("kvtier.scheduler", "kvtier.worker"),

@@ -17,6 +17,10 @@ touches tensors. The primitives, in call order:
 8. `on_request_finished(ctx)`, `reset()`, `stats()`, `tier_stats()`, `drain(timeout_s)`,
    `close()`.
 
+For the load-or-recompute decision (`kvtier.costmodel`), before the lookups of a request:
+`locate(keys, ctx)` says which tier holds each key without moving a byte, and
+`read_estimates()` what reading from each tier behind this one costs now.
+
 Every call carries a `ReqContext`: its required `req_id` is what lets the layers
 below track a request (bounded waiting, pins released on finish).
 """
@@ -32,10 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.costmodel.estimates import ReadEstimate
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 
 __all__ = [
+    "NOT_KNOWN_YET",
     "ChunkState",
     "LoadSpec",
     "LookupResult",
@@ -161,6 +167,9 @@ class TierStats:
     gauges: dict[str, float] = field(default_factory=dict)  # tier-specific states (e.g. breaker_open)
 
 
+NOT_KNOWN_YET = "?"  # `locate`: a tier is still checking whether it holds the key
+
+
 class OffloadingManager(ABC):
     """Metadata for offloaded chunks of one tier (or a cascade of tiers).
 
@@ -234,6 +243,30 @@ class OffloadingManager(ABC):
             One `TierStats` per secondary tier; none for a manager without any.
         """
         return []
+
+    def locate(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[str | None]:
+        """Which tier holds each key, moving no bytes and pinning nothing.
+
+        Args:
+            keys: a request's chunks in prefix order.
+            ctx: the asking request.
+        Returns:
+            Per key: the `medium` of the tier that would serve it (this manager's own for a chunk
+            it holds, readable or being written), `NOT_KNOWN_YET` while a tier checks, None where
+            no tier holds it. After the first None the rest may be None without being looked up.
+        """
+        found: list[str | None] = []
+        for key in keys:
+            result = self.lookup(key, ctx)
+            if result is LookupResult.MISS:
+                return found + [None] * (len(keys) - len(found))
+            found.append(NOT_KNOWN_YET if result is LookupResult.RETRY else self.medium)
+        return found
+
+    def read_estimates(self) -> dict[str, ReadEstimate]:
+        """What reading a chunk from each tier behind this one costs now, by `medium` (measured
+        from the tier's recent jobs; a tier not listed is read at its prior)."""
+        return {}
 
     def drain(self, timeout_s: float) -> bool:
         """Wait for the background jobs of the tiers behind this one (simulations, tests).

@@ -51,6 +51,9 @@ class KVTierConfig:
     store_mode: str = setting(
         "eager", SCHEDULER_CHECKS["store_mode"],
         "Store a chunk once it is computed (eager) or once the engine is about to evict it (lazy).")
+    load_policy: str = setting(  # cost: bench_costmodel (benchmarks/README); never slower than recomputing
+        "cost", SCHEDULER_CHECKS["load_policy"],
+        "Load as much of a found prefix as pays off against recomputing it (cost), or all of it (always).")
     disk: DiskConfig = field(default_factory=DiskConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from kvtier.base import OffloadingManager
 from kvtier.jobs import JobResult, StepPlan
 from kvtier.scheduler.jobs import TransferJobBook
+from kvtier.scheduler.load_cost import LoadCosts
 from kvtier.scheduler.state import JobRecord, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
 
@@ -28,6 +29,7 @@ class JobCompletion:
     # the scheduler's state this part reads and changes (set by OffloadScheduler.__init__)
     manager: OffloadingManager
     stats: SchedulerStats
+    costs: LoadCosts
     _requests: dict[str, RequestOffloadState]
     _jobs: TransferJobBook
     _clock: Callable[[], float]
@@ -39,6 +41,9 @@ class JobCompletion:
         Failed loads need nothing here: each worker reports the blocks it could not load
         to the engine itself (`WorkerSide.take_load_errors`), which recomputes them.
         """
+        results = list(results)
+        self.costs.worker_results(((r, r.job_id in self._jobs and not self._jobs[r.job_id].is_store) for r in results),
+                                  self._clock())
         for record in self._jobs.acknowledge(results):
             self._complete(record)
         expired, self._expired = self._expired, []
@@ -78,6 +83,7 @@ class JobCompletion:
             self.stats.failed_store_chunks += len(failed)
         else:
             state.load_job_id = None
+            self.costs.loaded(state, self._clock())
             self.manager.complete_load(record.keys, state.req_context)
             self.stats.failed_load_chunks += len(failed)
             state.had_failed_load |= bool(failed)

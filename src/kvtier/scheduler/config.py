@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvtier.costmodel.decision import LOAD_POLICIES
 from kvtier.errors import ConfigError
 from kvtier.settings import Check, choice, integer, seconds
 
@@ -80,7 +81,8 @@ class GroupSpec:
 # the bounds of the settings the user's configuration hands the scheduler as they are
 # (`kvtier.config.KVTierConfig` checks its keys of these names with these same checks)
 CHECKS: dict[str, Check] = {"max_defer_s": seconds(0.0), "max_deferrals": integer(0), "job_timeout_s": seconds(0.001),
-                            "load_mode": choice("sync", "async"), "store_mode": choice("eager", "lazy")}
+                            "load_mode": choice("sync", "async"), "store_mode": choice("eager", "lazy"),
+                            "load_policy": choice(*LOAD_POLICIES)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,10 @@ class SchedulerOffloadConfig:
             engine is about to evict its blocks (the adapter passes them to
             `OffloadScheduler.plan_evictions` each step; see `kvtier.scheduler.lazy`), so the host
             tier holds what the engine lost instead of a copy of what it still holds.
+        load_policy: "cost": load as much of a found prefix as the expected time to first token
+            says (`kvtier.scheduler.load_cost`); "always": all of it.
+        chunk_bytes: bytes of one chunk of every group on every worker (the cost model weighs
+            them; 0: unknown, every found chunk is loaded).
     """
 
     groups: tuple[GroupSpec, ...] = (GroupSpec(),)
@@ -114,6 +120,8 @@ class SchedulerOffloadConfig:
     hash_block_size: int | None = None
     load_mode: str = "sync"
     store_mode: str = "eager"
+    load_policy: str = "cost"
+    chunk_bytes: int = 0
 
     def __post_init__(self) -> None:
         for key, check in CHECKS.items():
@@ -125,6 +133,8 @@ class SchedulerOffloadConfig:
         if self.tokens_per_chunk % self.tokens_per_hash:
             raise ConfigError(f"a chunk ({self.tokens_per_chunk} tokens) must span whole hash blocks of "
                               f"{self.tokens_per_hash} tokens")
+        if self.chunk_bytes < 0:
+            raise ConfigError(f"chunk_bytes must be >= 0, got {self.chunk_bytes}")
         if self.num_workers < 1:
             raise ConfigError(f"num_workers must be >= 1, got {self.num_workers}")
 

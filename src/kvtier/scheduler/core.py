@@ -40,12 +40,14 @@ import time
 from collections.abc import Callable
 
 from kvtier.base import OffloadingManager
+from kvtier.costmodel.decision import CostSnapshot
 from kvtier.errors import KVTierError
 from kvtier.jobs import BlockIds, StepPlan
 from kvtier.scheduler.completions import JobCompletion
 from kvtier.scheduler.config import SchedulerOffloadConfig
 from kvtier.scheduler.jobs import TransferJobBook
 from kvtier.scheduler.lazy import EvictionLedger
+from kvtier.scheduler.load_cost import LoadCosts
 from kvtier.scheduler.lookup import may_defer, scan_hits
 from kvtier.scheduler.state import JobRecord, LookupAnswer, PendingLoad, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
@@ -66,6 +68,8 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         config: groups and offload rules.
         manager: the offloading manager (a tier or a cascade of tiers).
         clock: monotonic seconds; injectable for tests.
+        costs: fixed figures for the load-or-recompute decision (the simulator's cost model);
+            None: measured online.
     """
 
     def __init__(
@@ -73,10 +77,12 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         config: SchedulerOffloadConfig,
         manager: OffloadingManager,
         clock: Callable[[], float] = time.monotonic,
+        costs: CostSnapshot | None = None,
     ):
         self.config = config
         self.manager = manager
         self.stats = SchedulerStats()
+        self.costs = LoadCosts(config, manager, self.stats, costs)
         self._clock = clock
         self._requests: dict[str, RequestOffloadState] = {}
         self._jobs = TransferJobBook(config.num_workers, config.job_timeout_s)
@@ -115,6 +121,10 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         max_chunks = min(state.num_hashed_chunks(), (req.num_tokens - 1) // size)
         if state.params.max_load_tokens is not None:  # the request's cap on what it loads
             max_chunks = min(max_chunks, (num_local + state.params.max_load_tokens) // size)
+        if start < max_chunks:  # load or recompute: how far the scan may look
+            max_chunks = self._load_limit(state, start, max_chunks)
+            if max_chunks is None:
+                return None, False
         if start >= max_chunks:
             return self._answer(state, num_local, 0)
         scan = scan_hits(state, self.manager, self._jobs.loading_keys, start, max_chunks)
@@ -126,6 +136,14 @@ class OffloadScheduler(StorePlanning, JobCompletion):
             return self._answer(state, num_local, 0)
         state.pending_load = PendingLoad(start, scan.end_chunk, num_local)
         return self._answer(state, num_local, scan.end_chunk * size - num_local)
+
+    def _load_limit(self, state: RequestOffloadState, start: int, end: int) -> int | None:
+        """The chunk the scan stops at (`kvtier.scheduler.load_cost`); None: ask again next step."""
+        now = self._clock()
+        limit = self.costs.limit(state, start, end, now, final=False)
+        if limit is None and not may_defer(state, self.config, now, self.stats):
+            limit = self.costs.limit(state, start, end, now, final=True)
+        return limit
 
     def _answer(self, state: RequestOffloadState, num_local: int, hit_tokens: int) -> tuple[int, bool]:
         state.answer = LookupAnswer(num_local, max(0, state.req.num_tokens - 1 - num_local))
@@ -190,6 +208,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
     def build_connector_meta(self, step: StepView) -> StepPlan:
         """Plan this step's transfers: new loads, stores of newly computed chunks, flushes."""
         self._step += 1
+        self.costs.step_planned(step, self._clock())
         plan, self._next_plan = self._next_plan, StepPlan()
         self._expire_jobs(plan)
         for req_id in step.preempted_req_ids:

@@ -11,13 +11,14 @@ import math
 from dataclasses import dataclass, field
 
 from kvtier.base import ReqContext
+from kvtier.costmodel.decision import LoadChoice
 from kvtier.jobs import TransferJob
 from kvtier.keys import OffloadKey, make_offload_key
 from kvtier.scheduler.config import GroupKind, GroupSpec, SchedulerOffloadConfig
 from kvtier.scheduler.params import OffloadParams, parse_kv_transfer_params
 from kvtier.scheduler.types import RequestView
 
-__all__ = ["JobRecord", "LookupAnswer", "PendingLoad", "RequestGroupState", "RequestOffloadState"]
+__all__ = ["DecidedLoad", "JobRecord", "LookupAnswer", "PendingLoad", "RequestGroupState", "RequestOffloadState"]
 
 
 @dataclass(slots=True)
@@ -66,6 +67,15 @@ class LookupAnswer:
     num_query_tokens: int  # tokens after the engine's own hits that kvtier was asked for
 
 
+@dataclass(frozen=True, slots=True)
+class DecidedLoad:
+    """A request's load-or-recompute decision (`kvtier.scheduler.load_cost`), kept until it loads."""
+
+    start_chunk: int  # the first chunk after the engine's own hits when it was made
+    choice: LoadChoice
+    decided_at: float
+
+
 @dataclass(slots=True)
 class JobRecord:
     """Scheduler-side bookkeeping of one in-flight job."""
@@ -98,6 +108,7 @@ class RequestOffloadState:
     transfer_jobs: set[int] = field(default_factory=set)  # in-flight job ids
     load_job_id: int | None = None  # the in-flight load, if any
     pending_load: PendingLoad | None = None
+    decided_load: DecidedLoad | None = None
     answer: LookupAnswer | None = None  # the latest lookup answer, not counted yet
     num_deferrals: int = 0
     first_deferred_at: float | None = None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,6 +32,12 @@ class SchedulerStats:
     flushed_jobs: int = 0
     stale_completions: int = 0  # jobs from before a reset_cache()
     expired_jobs: int = 0  # jobs not every worker reported in time: failed by the scheduler
+    # load or recompute (`kvtier.scheduler.load_cost`): decisions by (decision, tier), and the
+    # loads that ended, with the seconds they were expected to take and took (microseconds)
+    load_decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
+    timed_loads: int = 0
+    expected_load_us: int = 0
+    measured_load_us: int = 0
 
     def count_admission(self, answer: LookupAnswer | None, num_loaded_tokens: int) -> None:
         """Count a request's lookup once, when the engine admits it (not at every re-ask)."""
@@ -40,5 +47,11 @@ class SchedulerStats:
             self.query_tokens += answer.num_query_tokens
             self.hit_tokens += num_loaded_tokens
 
+    def count_decision(self, decision: str, tier: str) -> None:
+        self.load_decisions[(decision, tier)] += 1
+
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """The counters (the decisions as `load_decisions_<decision>_<tier>`)."""
+        out = asdict(self)
+        out.update({f"load_decisions_{d}_{t}": n for (d, t), n in out.pop("load_decisions").items()})
+        return out

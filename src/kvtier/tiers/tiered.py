@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.base import (
+    NOT_KNOWN_YET,
     LoadSpec,
     LookupResult,
     ManagerStats,
@@ -43,12 +44,15 @@ from kvtier.base import (
     PrepareStoreOutput,
     ReqContext,
 )
+from kvtier.costmodel.estimates import ReadEstimate
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.tiers.cascade import SecondarySlot, TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.flights import Flight, FlightKind, Flights
-from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
+from kvtier.tiers.promotions import Promotions
+from kvtier.tiers.rates import TierRates
+from kvtier.tiers.secondary import SecondaryTier, TierJob, TierStats
 from kvtier.tiers.writedown import WriteDown
 
 __all__ = ["TieredManager"]
@@ -59,7 +63,7 @@ _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _CLOSE_DRAIN_S = 10.0
 
 
-class TieredManager(OffloadingManager):
+class TieredManager(Promotions, OffloadingManager):
     """Metadata of a CPU tier and its secondary tiers, and the jobs between them.
 
     Args:
@@ -92,6 +96,8 @@ class TieredManager(OffloadingManager):
         self._tiers = [SecondarySlot(t, r, max_tracked=max(4 * primary.num_slots, 1024)) for t, r in secondaries]
         self._write_down = WriteDown(primary, self._tiers, slabs, staging_bytes, self._submit)
         self._flights = Flights(job_timeout_s)
+        self._rates = TierRates(self.tiers)
+        self._located: dict[OffloadKey, int] = {}  # the last `locate`'s secondary hits: key -> tier index
         self._awaited: dict[str, set[OffloadKey]] = {}  # req_id -> chunks promoted for it, not loaded yet
         self._job_ids = itertools.count(1)
         self._promoting_bytes = 0
@@ -109,6 +115,9 @@ class TieredManager(OffloadingManager):
             # the scan goes on to the request's next chunks: promoting those must not evict this one
             self.primary.join_chain([key], ctx)
             return result
+        index = self._located.pop(key, None)
+        if index is not None:  # `locate` just asked the tiers: a second question would count twice
+            return self._promote(key, index, ctx)
         for index, slot in enumerate(self._tiers):
             found = slot.tier.lookup(key)
             if found is _RETRY:
@@ -116,6 +125,29 @@ class TieredManager(OffloadingManager):
             if found is _HIT:
                 return self._promote(key, index, ctx)
         return _MISS
+
+    def locate(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[str | None]:
+        self._poll()
+        self._located.clear()
+        found: list[str | None] = [None] * len(keys)
+        for i, key in enumerate(keys):
+            if self.primary.holds(key):
+                found[i] = self.medium
+                continue
+            for index, slot in enumerate(self._tiers):
+                result = slot.tier.lookup(key)
+                if result is _HIT:
+                    self._located[key] = index
+                if result is not _MISS:
+                    found[i] = slot.tier.medium if result is _HIT else NOT_KNOWN_YET
+                    break
+            if found[i] is None:
+                break
+        return found
+
+    def read_estimates(self) -> dict[str, ReadEstimate]:
+        self._poll()
+        return self._rates.estimates()
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
         spec = self.primary.prepare_load(keys, ctx)
@@ -205,38 +237,6 @@ class TieredManager(OffloadingManager):
         for slot in self._tiers:
             slot.tier.close()
 
-    # -- promotions --------------------------------------------------------------------
-
-    def _promote(self, key: OffloadKey, index: int, ctx: ReqContext) -> LookupResult:
-        slot = self._tiers[index]
-        if self._promoting_bytes and self._promoting_bytes + self.payload_bytes > self.max_promotion_bytes:
-            slot.counters["promotions_capped"] += 1
-            return _RETRY  # the promotions in flight end soon and free the budget
-        others = [k for req_id, keys in self._awaited.items() if req_id != ctx.req_id for k in keys]
-        out = self.primary.prepare_promotion([key], ctx, spare=others)
-        if out is None or not out.keys_to_store:
-            slot.counters["promotions_no_room"] += 1
-            return _MISS  # a full CPU tier: recompute rather than wait
-        self._write_down.write_evicted(out)
-        row = int(out.store_spec.slot_ids[0])
-        self._submit(FlightKind.PROMOTION, index, (key,), ctx, (self._rows(row),), ())
-        self._awaited.setdefault(ctx.req_id, set()).add(key)
-        slot.counters["promotions"] += 1
-        return LookupResult.HIT_PENDING
-
-    def _end_promotion(self, slot: SecondarySlot, flight: Flight, result: TierResult) -> None:
-        if flight.is_expired:  # given up on: its chunk is RETIRED, this frees its slot
-            self.primary.complete_store(flight.keys, flight.ctx, success=False)
-            return
-        self._promoting_bytes -= flight.num_bytes
-        ok = [k for k in flight.keys if k not in result.failed_keys]
-        failed = [k for k in flight.keys if k in result.failed_keys]
-        self.primary.complete_store(ok, flight.ctx, success=True)
-        if failed:
-            self.primary.complete_store(failed, flight.ctx, success=False)  # frees the slot
-            slot.counters["promotion_failures"] += len(failed)
-            logger.info("kvtier: %d promotion(s) from %s failed: %s", len(failed), slot.tier.medium, result.error)
-
     # -- jobs --------------------------------------------------------------------------
 
     def _submit(self, kind: FlightKind, index: int, keys: tuple[OffloadKey, ...], ctx: ReqContext,
@@ -244,7 +244,9 @@ class TieredManager(OffloadingManager):
         now = time.monotonic()
         job = TierJob(job_id=next(self._job_ids), is_store=kind is not FlightKind.PROMOTION, keys=keys,
                       buffers=buffers, deadline=self._flights.deadline_for(now))
-        self._flights.add(job.job_id, Flight(kind, index, keys, ctx, job.num_bytes, now, job.deadline, staging_rows))
+        flight = Flight(kind, index, keys, ctx, job.num_bytes, now, job.deadline, staging_rows)
+        self._flights.add(job.job_id, flight)
+        self._rates.submitted(flight)
         if kind is FlightKind.PROMOTION:
             self._promoting_bytes += job.num_bytes
             self._tiers[index].tier.submit_load(job)
@@ -261,26 +263,13 @@ class TieredManager(OffloadingManager):
                 flight = self._flights.pop(result.job_id)
                 if flight is None:
                     continue  # not ours (a tier reports each job once; defensive)
+                self._rates.ended(flight, result)
                 if flight.kind is FlightKind.PROMOTION:
                     self._end_promotion(slot, flight, result)
                 else:
                     self._write_down.ended(slot, flight, result)
         for flight in self._flights.expire(time.monotonic()):
             self._give_up(flight)
-
-    def _give_up(self, flight: Flight) -> None:
-        """`flight` is past its deadline: nobody waits for it any more; what it holds stays held
-        until its tier reports it (a late read may still write its slot)."""
-        slot = self._tiers[flight.tier]
-        slot.counters["expired_jobs"] += 1
-        logger.warning("kvtier: a %s job of the %s tier took more than %.0f s; given up on (%d chunks)",
-                       flight.kind.value, slot.tier.medium, self._flights.timeout_s, len(flight.keys))
-        if flight.kind is FlightKind.PROMOTION:
-            self._promoting_bytes -= flight.num_bytes
-            self.primary.abandon(flight.keys)  # a miss from now on; the slot is freed at the report
-            awaited = self._awaited.get(flight.ctx.req_id)
-            if awaited is not None:
-                awaited.difference_update(flight.keys)
 
     def _rows(self, slot_id: int) -> tuple[memoryview, ...]:
         return tuple(memoryview(slab[slot_id]) for slab in self._slabs)

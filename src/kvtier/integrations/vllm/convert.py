@@ -97,6 +97,8 @@ def scheduler_config(cfg: KVTierConfig, vllm_config: Any, layout: EngineLayout) 
         job_timeout_s=cfg.job_timeout_s,
         num_workers=layout.num_workers,
         hash_block_size=vllm_config.cache_config.block_size,
+        load_policy=cfg.load_policy,
+        chunk_bytes=layout.payload_bytes * len(layout.groups),
     )
 
 

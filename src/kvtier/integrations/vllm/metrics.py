@@ -14,8 +14,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["COUNTERS", "GAUGES", "TIER_COUNTERS", "TIER_GAUGES", "KVTierPromMetrics", "KVTierStats", "read_metric",
-           "tier_stat_name"]
+__all__ = ["COUNTERS", "GAUGES", "TIER_COUNTERS", "TIER_GAUGES", "KVTierPromMetrics", "KVTierStats",
+           "decision_stat_name", "read_metric", "tier_stat_name"]
 
 # name -> documentation; counters are deltas, gauges the latest value
 COUNTERS = {
@@ -34,6 +34,8 @@ COUNTERS = {
     "expired_jobs": "Transfer jobs not every worker reported by their deadline (failed by the scheduler).",
     "cancelled_jobs": "Transfer jobs a worker cancelled at their deadline.",
     "cancel_cut_tasks": "Copies of other jobs failed because a cancel cut short the batch they were copied in.",
+    "expected_load_seconds": "Seconds the cost model expected the loads that ended to take (decision to loaded).",
+    "measured_load_seconds": "Seconds the loads that ended took, from their load-or-recompute decision to loaded.",
 }
 GAUGES = {
     "num_slots": "Slots (chunks) of the CPU tier.",
@@ -42,7 +44,10 @@ GAUGES = {
     "unsupported_groups": "KV-cache groups kvtier cannot serve (the model then gets no kvtier hits).",
     "jobs_in_flight": "Transfer jobs (engine <-> CPU tier) not yet reported by every worker nor expired.",
     "tier_jobs_in_flight": "Reads and writes of the secondary tiers (disk, Redis, S3) in flight.",
+    "prefill_tokens_per_second": "The engine's prefill speed as the load-or-recompute decision estimates it.",
 }
+LOAD_DECISIONS_DOC = ("Load-or-recompute decisions on prefixes kvtier found: load (all of it), partial (a head) "
+                      "or recompute (none), by the tier the decision was about.")
 # Per tier (label `tier`: cpu, disk, …), reported as "tier.<medium>.<name>". The directional ones
 # (`<direction>_<what>`) become one metric with a `direction` label (load, store).
 TIER_COUNTERS = {
@@ -71,6 +76,9 @@ TIER_GAUGES = {
     "used_bytes": "Bytes of chunks a tier holds.",
     "capacity_bytes": "A tier's capacity in bytes (0: set by the server, e.g. Redis maxmemory).",
     "breaker_open": "1 while a shared tier's circuit breaker is open (the server failed; being retried), else 0.",
+    "read_bytes_per_second": "A tier's read throughput as the load-or-recompute decision estimates it (cpu: into "
+                             "the engine).",
+    "read_latency_seconds": "A tier's read latency as the load-or-recompute decision estimates it.",
 }
 _DIRECTIONS = ("load", "store")
 
@@ -78,6 +86,11 @@ _DIRECTIONS = ("load", "store")
 def tier_stat_name(medium: str, name: str) -> str:
     """The `KVTierStats` name of one tier's counter or gauge."""
     return f"tier.{medium}.{name}"
+
+
+def decision_stat_name(decision: str, medium: str) -> str:
+    """The `KVTierStats` name of the load-or-recompute decisions of one kind about one tier."""
+    return f"load_decisions.{decision}.{medium}"
 
 
 _TIER_DIRECTIONAL = ("chunks", "bytes", "seconds", "failures")
@@ -148,6 +161,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             metric = self._gauge_cls(name=f"kvtier:{name}", documentation=doc, labelnames=labelnames)
             self._gauges[name] = create_metric_per_engine(metric, per_engine_labelvalues)
         self._engine_labels = per_engine_labelvalues
+        self._decisions = self._counter_cls(name="kvtier:load_decisions", documentation=LOAD_DECISIONS_DOC,
+                                            labelnames=[*labelnames, "decision", "tier"])
         self._tier_families = {
             name: self._counter_cls(name=f"kvtier:tier_{name}", documentation=doc,
                                     labelnames=[*labelnames, "tier", "direction"] if name in _TIER_DIRECTIONAL
@@ -161,6 +176,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         for name, value in transfer_stats_data.get("counters", {}).items():
             if name.startswith("tier."):
                 self._observe_tier(name, value, engine_idx, is_gauge=False)
+            elif name.startswith("load_decisions.") and value > 0:
+                _, decision, medium = name.split(".", 2)
+                self._decisions.labels(*self._engine_labels[engine_idx], decision, medium).inc(value)
             elif name in self._counters and value > 0:
                 self._counters[name][engine_idx].inc(value)
         for name, value in transfer_stats_data.get("gauges", {}).items():

@@ -21,7 +21,7 @@ from kvtier.integrations.vllm.convert import (
 from kvtier.integrations.vllm.events import to_kv_events
 from kvtier.integrations.vllm.layout import EngineLayout
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.metrics import KVTierStats, tier_stat_name
+from kvtier.integrations.vllm.metrics import KVTierStats, decision_stat_name, tier_stat_name
 from kvtier.jobs import check_slab_slots
 from kvtier.keys import GROUP_INDEX_BYTES
 from kvtier.scheduler import OffloadScheduler, SchedulerStats
@@ -135,9 +135,22 @@ class SchedulerSide:
         stats.set_gauge("unsupported_groups", len(self.core.config.unsupported_groups()))
         stats.set_gauge("jobs_in_flight", self.core.num_jobs_in_flight())
         stats.set_gauge("tier_jobs_in_flight", cpu.extra.get("tier_jobs_in_flight", 0))
-        self._reported = dataclasses.replace(now)  # a copy (cheaper than through a dict)
+        self._add_decision_stats(stats, now, before)
+        self._reported = dataclasses.replace(now, load_decisions=Counter(now.load_decisions))  # a copy
         self._add_tier_stats(stats, cpu)
         return stats
+
+    def _add_decision_stats(self, stats: KVTierStats, now: SchedulerStats, before: SchedulerStats) -> None:
+        """Load-or-recompute: decisions and load seconds since the last report, the current estimates."""
+        for (decision, medium), count in now.load_decisions.items():
+            stats.add(decision_stat_name(decision, medium), count - before.load_decisions.get((decision, medium), 0))
+        stats.add("expected_load_seconds", (now.expected_load_us - before.expected_load_us) / 1e6)
+        stats.add("measured_load_seconds", (now.measured_load_us - before.measured_load_us) / 1e6)
+        costs = self.core.costs.snapshot()
+        stats.set_gauge("prefill_tokens_per_second", round(costs.prefill_tokens_per_s, 1))
+        for medium, estimate in costs.reads.items():
+            stats.set_gauge(tier_stat_name(medium, "read_bytes_per_second"), round(estimate.bytes_per_s))
+            stats.set_gauge(tier_stat_name(medium, "read_latency_seconds"), round(estimate.latency_s, 6))
 
     def _add_tier_stats(self, stats: KVTierStats, cpu: ManagerStats) -> None:
         """Per tier: counter deltas since the last report, used and capacity bytes."""

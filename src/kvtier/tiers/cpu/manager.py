@@ -97,6 +97,19 @@ class CPUTierManager(ChunkStores, OffloadingManager):
             return _HIT
         return _HIT_PENDING
 
+    def holds(self, key: OffloadKey) -> bool:
+        """Whether `key` is here, readable or being written (counts no hit or miss)."""
+        chunk = self._chunks.get(key)
+        return chunk is not None and chunk.state is not _RETIRED
+
+    def locate(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[str | None]:
+        found: list[str | None] = [self.medium] * len(keys)
+        for i, key in enumerate(keys):
+            if not self.holds(key):
+                found[i:] = [None] * (len(keys) - i)
+                break
+        return found
+
     def is_readable(self, key: OffloadKey) -> bool:
         """Whether `key` is READY (counts no hit or miss)."""
         chunk = self._chunks.get(key)

@@ -1,0 +1,171 @@
+"""Online estimates for the load-or-recompute decision: how fast each tier reads, and how fast
+the engine prefills, as measured while it runs.
+
+- **A tier's transfers** (`TransferRate`): from the jobs it completed — bytes, when each was
+  submitted, how long it took — over the last `window` jobs. Throughput is bytes over *busy*
+  time (the union of the jobs' [submitted, ended] intervals), so concurrent jobs are not
+  mistaken for slow ones; latency is the median of what each job took beyond its bytes at
+  that throughput. A job's share of busy time is capped at `_STALL_FACTOR` times the window's
+  median job time: one stalled job (a network hiccup, a job given up on) lowers the estimate
+  for a while, it does not make the tier look dead for the next `window` jobs. A tier that is
+  slow on every job moves the median itself, so the cap follows it.
+- **The engine's prefill** (`PrefillRate`): tokens per second of the engine's steps, from the
+  time between two consecutive steps of a busy engine and the tokens the first one computed.
+  Only steps with at least `min_tokens` count (prefill-sized steps: a decode step's fixed cost
+  would make recomputing look slower than it is), and only when the next step continued a
+  request of this one (an engine that idled in between says nothing about its speed).
+- **Priors**: until a tier or the engine has been measured, `READ_PRIORS` and
+  `PRIOR_PREFILL_TOKENS_PER_S` stand in. They are deliberately on the side of recomputing: a
+  shared store is assumed slow and the engine fast (an accelerator's prefill), so an unmeasured
+  tier is not trusted with a request's time to first token. A tier measures itself soon anyway:
+  its write-through stores are transfers too, and a read estimate falls back on them.
+
+Nothing here blocks or does I/O: the numbers come from what the scheduler and the tiered
+manager already observe. Thread-safety: not thread-safe; one owner calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, replace
+
+from kvtier.errors import ConfigError
+
+__all__ = ["PRIOR_PREFILL_TOKENS_PER_S", "READ_PRIORS", "PrefillRate", "ReadEstimate", "TransferRate",
+           "read_prior"]
+
+_STALL_FACTOR = 4.0  # a job counts at most this many median job times of busy time
+_MIN_SAMPLES = 3  # fewer measured jobs or steps than this: the prior still stands
+
+
+@dataclass(frozen=True, slots=True)
+class ReadEstimate:
+    """What reading from one tier is expected to cost now.
+
+    bytes_per_s: sustained throughput; latency_s: what a job takes beyond its bytes;
+    queued_bytes: reads already waiting ahead of a new one; num_samples: measured jobs behind
+    the figures (0: a prior).
+    """
+
+    bytes_per_s: float
+    latency_s: float
+    queued_bytes: int = 0
+    num_samples: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_s > 0 or self.latency_s < 0 or self.queued_bytes < 0:
+            raise ConfigError(f"a read estimate needs a positive throughput and no negative time: {self}")
+
+    def seconds_for(self, num_bytes: int) -> float:
+        """Expected seconds until `num_bytes` more are read, behind what is queued."""
+        return self.latency_s + (self.queued_bytes + num_bytes) / self.bytes_per_s
+
+
+# Conservative: slower than what each kind of tier usually does, so a tier earns trust by measurement.
+READ_PRIORS: dict[str, ReadEstimate] = {
+    "cpu": ReadEstimate(4e9, 0.0002),  # host RAM -> engine: a memcpy or a PCIe copy
+    "disk": ReadEstimate(5e8, 0.001),
+    "redis": ReadEstimate(1e8, 0.002),
+    "s3": ReadEstimate(5e7, 0.03),
+}
+_UNKNOWN_TIER_PRIOR = ReadEstimate(5e7, 0.03)  # an out-of-tree tier: as slow as object storage
+PRIOR_PREFILL_TOKENS_PER_S = 10_000.0  # an accelerator's prefill (Llama-3-8B on one GPU)
+
+
+def read_prior(medium: str) -> ReadEstimate:
+    """The prior of a tier named `medium`."""
+    return READ_PRIORS.get(medium, _UNKNOWN_TIER_PRIOR)
+
+
+class TransferRate:
+    """Throughput and latency of one tier in one direction, from its last `window` jobs.
+
+    Args:
+        prior: the estimate until `_MIN_SAMPLES` jobs were measured.
+        window: how many recent jobs the estimate covers.
+    """
+
+    def __init__(self, prior: ReadEstimate, window: int = 32):
+        if window < _MIN_SAMPLES:
+            raise ConfigError(f"a transfer window needs at least {_MIN_SAMPLES} jobs, got {window}")
+        self.prior = prior
+        self._jobs: deque[tuple[int, float, float]] = deque(maxlen=window)  # (bytes, busy s, job s)
+        self._busy_until = float("-inf")
+        self._estimate: ReadEstimate | None = None  # cached until the next job
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._jobs)
+
+    def add(self, num_bytes: int, submitted_at: float, seconds: float) -> None:
+        """A job of `num_bytes` submitted at `submitted_at` (monotonic) ended after `seconds`."""
+        seconds = max(seconds, 0.0)
+        ended = submitted_at + seconds
+        busy = max(0.0, ended - max(submitted_at, self._busy_until))
+        self._busy_until = max(self._busy_until, ended)
+        if len(self._jobs) >= _MIN_SAMPLES:
+            busy = min(busy, _STALL_FACTOR * statistics.median(s for _, _, s in self._jobs))
+        self._jobs.append((max(num_bytes, 0), busy, seconds))
+        self._estimate = None
+
+    def estimate(self, queued_bytes: int = 0) -> ReadEstimate:
+        """The current estimate, with `queued_bytes` waiting ahead of a new job."""
+        if self._estimate is None:
+            self._estimate = self._measure()
+        return replace(self._estimate, queued_bytes=max(queued_bytes, 0)) if queued_bytes else self._estimate
+
+    def _measure(self) -> ReadEstimate:
+        if len(self._jobs) < _MIN_SAMPLES:
+            return self.prior
+        num_bytes = sum(b for b, _, _ in self._jobs)
+        busy = sum(s for _, s, _ in self._jobs)
+        if num_bytes <= 0 or busy <= 0:
+            return self.prior
+        rate = num_bytes / busy
+        latency = statistics.median(max(0.0, s - b / rate) for b, _, s in self._jobs)
+        return ReadEstimate(rate, latency, num_samples=len(self._jobs))
+
+
+class PrefillRate:
+    """The engine's prefill speed in tokens per second, from its step timings.
+
+    Args:
+        prior_tokens_per_s: the estimate until `_MIN_SAMPLES` prefill steps were measured.
+        min_tokens: a step counts when it computed at least this many tokens.
+        window: how many recent prefill steps the estimate covers.
+    """
+
+    def __init__(self, prior_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S, min_tokens: int = 256,
+                 window: int = 32):
+        if not prior_tokens_per_s > 0 or min_tokens < 1 or window < _MIN_SAMPLES:
+            raise ConfigError("the prefill prior, min_tokens and window must be positive")
+        self.prior_tokens_per_s = prior_tokens_per_s
+        self.min_tokens = min_tokens
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)  # prefill steps: (tokens, seconds)
+        self._durations: deque[float] = deque(maxlen=window)  # every step measured
+        self._last: tuple[float, int, frozenset[str]] | None = None  # (started, tokens, req ids)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._steps)
+
+    def step_started(self, now: float, num_tokens: int, req_ids: frozenset[str]) -> None:
+        """An engine step computing `num_tokens` for `req_ids` was planned at `now` (monotonic):
+        the previous step took until now if this one continues one of its requests."""
+        last = self._last
+        if last is not None and now > last[0] and not last[2].isdisjoint(req_ids):
+            self._durations.append(now - last[0])
+            if last[1] >= self.min_tokens:
+                self._steps.append((last[1], now - last[0]))
+        self._last = (now, num_tokens, req_ids) if num_tokens > 0 else None
+
+    def tokens_per_s(self) -> float:
+        if len(self._steps) < _MIN_SAMPLES:
+            return self.prior_tokens_per_s
+        return sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
+
+    def step_seconds(self) -> float:
+        """The median step of a busy engine (0 until measured): how long a request asked to wait
+        (its chunks are being read up from a tier) waits at least before it is asked again."""
+        return statistics.median(self._durations) if len(self._durations) >= _MIN_SAMPLES else 0.0

@@ -1,0 +1,120 @@
+"""The scheduler's load-or-recompute decisions (`kvtier.costmodel`), per request.
+
+Before a request's hit scan, `limit` asks the manager where each chunk after the engine's own
+hits is (`locate`: no byte moves, no promotion starts), and decides with `choose_load` how many
+to load: the scan then looks no further, so no promotion starts for a chunk the request will
+recompute. A request whose chunks a tier is still checking is asked again (the same bounded
+wait as the scan's); once its wait is spent, it decides on what is known. The decision is kept
+for the request until it loads, so its re-asks while promotions run do not change their mind.
+
+The figures: the tiered manager's read estimates (`read_estimates`), the host RAM tier's
+from the workers' load results (bytes and copy seconds), and the engine's prefill speed from
+the steps the scheduler plans (`PrefillRate`) — or a fixed `CostSnapshot` (the simulator's
+cost model). Each decision is counted (`SchedulerStats.load_decisions`), and each load that
+ends adds its expected and measured seconds (from the decision to the workers' report).
+
+Thread-safety: the scheduler's (one thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvtier.base import NOT_KNOWN_YET, OffloadingManager
+from kvtier.costmodel.decision import CPU, CostSnapshot, choose_load
+from kvtier.costmodel.estimates import PrefillRate, TransferRate, read_prior
+from kvtier.jobs import JobResult
+from kvtier.scheduler.config import GroupKind, SchedulerOffloadConfig
+from kvtier.scheduler.state import DecidedLoad, RequestOffloadState
+from kvtier.scheduler.stats import SchedulerStats
+from kvtier.scheduler.types import StepView
+
+__all__ = ["LoadCosts"]
+
+
+class LoadCosts:
+    """How much of each request's found prefix to load; see the module docstring.
+
+    Args:
+        config: `load_policy` and `chunk_bytes` are read from it.
+        manager: asked where chunks are and what its tiers cost.
+        stats: where decisions and load times are counted.
+        fixed: decide with these figures instead of measuring (the simulator).
+    """
+
+    def __init__(self, config: SchedulerOffloadConfig, manager: OffloadingManager, stats: SchedulerStats,
+                 fixed: CostSnapshot | None = None):
+        self.config, self.manager, self.stats, self.fixed = config, manager, stats, fixed
+        self.prefill = PrefillRate(min_tokens=max(256, 4 * config.tokens_per_chunk))
+        self.cpu = TransferRate(read_prior(CPU))
+
+    def snapshot(self) -> CostSnapshot:
+        """The figures a decision made now would use."""
+        if self.fixed is not None:
+            return self.fixed
+        reads = {**self.manager.read_estimates(), CPU: self.cpu.estimate()}
+        return CostSnapshot(reads, self.prefill.tokens_per_s(), self.prefill.step_seconds())
+
+    # -- what the scheduler sees -------------------------------------------------------
+
+    def step_planned(self, step: StepView, now: float) -> None:
+        tokens = sum(s.num_scheduled_tokens for s in step.scheduled)
+        self.prefill.step_started(now, tokens, frozenset(s.req_id for s in step.scheduled))
+
+    def worker_results(self, results: Iterable[tuple[JobResult, bool]], now: float) -> None:
+        """Load results (`(result, is_load)`): the host RAM tier's bytes and copy seconds."""
+        for result, is_load in results:
+            if is_load and result.num_bytes > 0:
+                self.cpu.add(result.num_bytes, now - result.seconds, result.seconds)
+
+    def loaded(self, state: RequestOffloadState, now: float) -> None:
+        """The request's load ended: its decision's expected seconds against the measured ones."""
+        decided, state.decided_load = state.decided_load, None
+        if decided is not None and decided.choice.num_chunks > 0:
+            self.stats.expected_load_us += int(decided.choice.load_s * 1e6)
+            self.stats.measured_load_us += int((now - decided.decided_at) * 1e6)
+            self.stats.timed_loads += 1
+
+    # -- the decision ------------------------------------------------------------------
+
+    def limit(self, state: RequestOffloadState, start: int, end: int, now: float, final: bool) -> int | None:
+        """The chunk the request's scan stops at (<= `end`), or None while a tier still checks
+        whether it holds one of them (`final`: decide on what is known, never None)."""
+        decided = state.decided_load
+        if decided is not None and decided.start_chunk == start:
+            return min(end, start + decided.choice.num_chunks)
+        if not self.config.chunk_bytes or not any(g.kind is GroupKind.FULL for g in self.config.groups):
+            return end  # nothing to weigh with: load what the scan finds
+        locations = self._locate(state, start, end)
+        if NOT_KNOWN_YET in locations:
+            if not final:
+                return None
+            locations = locations[: locations.index(NOT_KNOWN_YET)]
+        if not locations:
+            return start
+        choice = choose_load(locations, self.config.chunk_bytes, self.config.tokens_per_chunk, self.snapshot(),
+                             self.config.load_policy)
+        state.decided_load = DecidedLoad(start, choice, now)
+        self.stats.count_decision(choice.decision, choice.tier)
+        return start + choice.num_chunks
+
+    def _locate(self, state: RequestOffloadState, start: int, end: int) -> list[str]:
+        """Per chunk from `start`: the slowest tier any full-attention group's key is in, up to
+        the first chunk some group misses. (A sliding-window group's chunks are not weighed:
+        the scan only loads those inside its window, at most what the full groups load.)"""
+        per_group = [self.manager.locate(state.keys(gs.group, start, end), state.req_context)
+                     for gs in state.group_states if gs.spec.kind is GroupKind.FULL]
+        found: list[str] = []
+        for media in zip(*per_group, strict=True):
+            if None in media:
+                break
+            found.append(_slowest(media))
+        return found
+
+
+def _slowest(media: tuple[str | None, ...]) -> str:
+    if NOT_KNOWN_YET in media:
+        return NOT_KNOWN_YET
+    return next((m for m in media if m != CPU), CPU)  # type: ignore[return-value]
+
+

@@ -1,0 +1,67 @@
+"""How fast each secondary tier reads, as the `TieredManager` sees its jobs end — what the
+load-or-recompute decision weighs (`kvtier.costmodel`).
+
+Every tier job that ends feeds its tier's `TransferRate` for its direction: promotions are
+reads, cascades and evicted-chunk writes are writes. A tier's read estimate is measured from
+its reads; until it has read enough, from its writes (the same link and server carry both, and
+write-through stores start with the first request); until then, its prior. A job given up on
+(past its deadline) counts as taking the whole timeout: the tier was that slow for it. Reads
+queued ahead of a new one are the promotions in flight to that tier.
+
+Thread-safety: not thread-safe; the manager calls it from one thread.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from kvtier.costmodel.estimates import ReadEstimate, TransferRate, read_prior
+from kvtier.tiers.flights import Flight, FlightKind
+from kvtier.tiers.secondary import SecondaryTier, TierResult
+
+__all__ = ["TierRates"]
+
+_MIN_READS = 3  # fewer measured reads: the tier's writes stand in
+
+
+class TierRates:
+    """A read and a write `TransferRate` per secondary tier, in the manager's tier order."""
+
+    def __init__(self, tiers: Sequence[SecondaryTier]):
+        self._media = [t.medium for t in tiers]
+        self._reads = [TransferRate(read_prior(t.medium)) for t in tiers]
+        self._writes = [TransferRate(read_prior(t.medium)) for t in tiers]
+        self._queued = Counter[int]()  # tier index -> bytes of promotions in flight
+
+    def submitted(self, flight: Flight) -> None:
+        if flight.kind is FlightKind.PROMOTION:
+            self._queued[flight.tier] += flight.num_bytes
+
+    def ended(self, flight: Flight, result: TierResult) -> None:
+        """`flight` ended with `result` (one given up on was counted by `expired` already)."""
+        if not flight.is_expired:
+            self._unqueue(flight)
+            self._rate(flight).add(flight.num_bytes, flight.submitted_at, result.seconds)
+
+    def expired(self, flight: Flight, timeout_s: float) -> None:
+        """`flight` passed its deadline: it is counted as having taken `timeout_s`."""
+        self._unqueue(flight)
+        self._rate(flight).add(flight.num_bytes, flight.submitted_at, timeout_s)
+
+    def estimates(self) -> dict[str, ReadEstimate]:
+        """Each tier's read estimate, with its promotions in flight queued ahead (first tier of a
+        medium wins: media are unique in practice)."""
+        out: dict[str, ReadEstimate] = {}
+        for index, medium in enumerate(self._media):
+            reads = self._reads[index]
+            rate = reads if reads.num_samples >= _MIN_READS else self._writes[index]
+            out.setdefault(medium, rate.estimate(self._queued[index]))
+        return out
+
+    def _rate(self, flight: Flight) -> TransferRate:
+        return (self._reads if flight.kind is FlightKind.PROMOTION else self._writes)[flight.tier]
+
+    def _unqueue(self, flight: Flight) -> None:
+        if flight.kind is FlightKind.PROMOTION:
+            self._queued[flight.tier] -= flight.num_bytes
