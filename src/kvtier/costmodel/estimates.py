@@ -14,11 +14,11 @@ the engine prefills, as measured while it runs.
   Only steps with at least `min_tokens` count (prefill-sized steps: a decode step's fixed cost
   would make recomputing look slower than it is), and only when the next step continued a
   request of this one (an engine that idled in between says nothing about its speed).
-- **Priors**: until a tier or the engine has been measured, `READ_PRIORS` and
-  `PRIOR_PREFILL_TOKENS_PER_S` stand in. They are deliberately on the side of recomputing: a
-  shared store is assumed slow and the engine fast (an accelerator's prefill), so an unmeasured
-  tier is not trusted with a request's time to first token. A tier measures itself soon anyway:
-  its write-through stores are transfers too, and a read estimate falls back on them.
+- **Priors**: until a tier or the engine has been measured, `READ_PRIORS` (what each kind of
+  tier usually does) and `PRIOR_PREFILL_TOKENS_PER_S` stand in. The prefill prior is on the side
+  of recomputing: an accelerator's prefill (an engine on CPU is 5-10x slower, and measures so
+  within its first prefill steps). A tier measures itself soon too: its write-through stores
+  are transfers, and a read estimate falls back on them (`kvtier.tiers.rates`).
 
 Nothing here blocks or does I/O: the numbers come from what the scheduler and the tiered
 manager already observe. Thread-safety: not thread-safe; one owner calls it from one thread.
@@ -62,14 +62,15 @@ class ReadEstimate:
         return self.latency_s + (self.queued_bytes + num_bytes) / self.bytes_per_s
 
 
-# Conservative: slower than what each kind of tier usually does, so a tier earns trust by measurement.
+# What each kind of tier usually does (a local NVMe disk, Redis over 10 GbE, S3 in the same
+# region), until measured; recomputing is assumed fast (`PRIOR_PREFILL_TOKENS_PER_S`).
 READ_PRIORS: dict[str, ReadEstimate] = {
     "cpu": ReadEstimate(4e9, 0.0002),  # host RAM -> engine: a memcpy or a PCIe copy
-    "disk": ReadEstimate(5e8, 0.001),
-    "redis": ReadEstimate(1e8, 0.002),
-    "s3": ReadEstimate(5e7, 0.03),
+    "disk": ReadEstimate(1e9, 0.0005),
+    "redis": ReadEstimate(1e9, 0.001),
+    "s3": ReadEstimate(3e8, 0.03),
 }
-_UNKNOWN_TIER_PRIOR = ReadEstimate(5e7, 0.03)  # an out-of-tree tier: as slow as object storage
+_UNKNOWN_TIER_PRIOR = ReadEstimate(3e8, 0.03)  # an out-of-tree tier: as slow as object storage
 PRIOR_PREFILL_TOKENS_PER_S = 10_000.0  # an accelerator's prefill (Llama-3-8B on one GPU)
 
 

@@ -1,0 +1,161 @@
+"""The cost model's parts on their own: the online estimates (a tier's transfers, the engine's
+prefill) and the decision (`choose_load`), checked against a brute-force search over every head
+on seeded random inputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier.costmodel import CostSnapshot, PrefillRate, ReadEstimate, TransferRate, choose_load, read_prior
+from kvtier.errors import ConfigError
+
+MB = 1_000_000
+PRIOR = ReadEstimate(1e6, 0.5)
+
+
+# -- a tier's transfers ------------------------------------------------------------------------
+
+def test_the_prior_stands_until_three_jobs_were_measured():
+    rate = TransferRate(PRIOR)
+    rate.add(10 * MB, submitted_at=0.0, seconds=0.1)
+    rate.add(10 * MB, submitted_at=1.0, seconds=0.1)
+    assert rate.estimate() == PRIOR
+    rate.add(10 * MB, submitted_at=2.0, seconds=0.1)
+    measured = rate.estimate()
+    assert measured.bytes_per_s == pytest.approx(100 * MB) and measured.num_samples == 3
+    assert measured.latency_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_concurrent_jobs_are_not_mistaken_for_slow_ones():
+    rate = TransferRate(PRIOR)
+    # four 10 MB jobs that all ran during the same second: 40 MB/s, though each took 1 s
+    for _ in range(4):
+        rate.add(10 * MB, submitted_at=5.0, seconds=1.0)
+    assert rate.estimate().bytes_per_s == pytest.approx(40 * MB)
+
+
+def test_one_stalled_job_lowers_the_estimate_for_a_while_only():
+    rate = TransferRate(PRIOR, window=8)
+    t = 0.0
+    for _ in range(7):  # 1 MB in 10 ms each: 100 MB/s
+        rate.add(MB, submitted_at=t, seconds=0.01)
+        t += 1.0
+    rate.add(MB, submitted_at=t, seconds=10.0)  # a job stuck for 10 s (given up on at its timeout)
+    stalled = rate.estimate().bytes_per_s
+    # it counts as at most 4 median jobs (40 ms), not 10 s: the tier does not look dead
+    assert 8 * MB / 0.11 * 0.99 < stalled < 100 * MB
+    for _ in range(8):  # the window moves on past it
+        t += 20.0
+        rate.add(MB, submitted_at=t, seconds=0.01)
+    assert rate.estimate().bytes_per_s == pytest.approx(100 * MB)
+
+
+def test_a_tier_slow_on_every_job_is_measured_slow():
+    rate = TransferRate(PRIOR, window=8)
+    for i in range(8):
+        rate.add(MB, submitted_at=10.0 * i, seconds=2.0)  # 0.5 MB/s, job after job
+    assert rate.estimate().bytes_per_s == pytest.approx(0.5 * MB)
+
+
+def test_queued_bytes_wait_ahead_of_a_new_read():
+    estimate = ReadEstimate(100 * MB, 0.001, queued_bytes=50 * MB)
+    assert estimate.seconds_for(50 * MB) == pytest.approx(1.001)
+    with pytest.raises(ConfigError):
+        ReadEstimate(0.0, 0.0)
+
+
+def test_a_tier_without_a_prior_of_its_own_is_read_as_slowly_as_object_storage():
+    assert read_prior("my-tier") == read_prior("s3")
+    assert read_prior("cpu").bytes_per_s > read_prior("disk").bytes_per_s > read_prior("s3").bytes_per_s
+
+
+# -- the engine's prefill ----------------------------------------------------------------------
+
+def test_prefill_is_measured_from_consecutive_steps_of_a_busy_engine():
+    prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
+    now = 0.0
+    for i in range(4):  # request "a" prefills 1,000 tokens a step, each step 0.5 s
+        prefill.step_started(now, 1000, frozenset({"a"}))
+        now += 0.5
+    prefill.step_started(now, 1, frozenset({"a"}))  # its first decode step ends the last prefill step
+    assert prefill.tokens_per_s() == pytest.approx(2000.0)
+    assert prefill.step_seconds() == pytest.approx(0.5)
+
+
+def test_an_idle_gap_and_decode_steps_say_nothing_about_prefill_speed():
+    prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
+    prefill.step_started(0.0, 1000, frozenset({"a"}))
+    prefill.step_started(60.0, 1000, frozenset({"b"}))  # "a" ended; "b" arrived a minute later
+    for i in range(5):  # decode steps: one token each
+        prefill.step_started(61.0 + i, 1, frozenset({"b"}))
+    assert prefill.tokens_per_s() == 10_000.0  # still the prior
+    with pytest.raises(ConfigError):
+        PrefillRate(prior_tokens_per_s=0.0)
+
+
+# -- the decision ------------------------------------------------------------------------------
+
+COSTS = CostSnapshot({"cpu": ReadEstimate(10_000 * MB, 0.0), "disk": ReadEstimate(1000 * MB, 0.001),
+                      "s3": ReadEstimate(10 * MB, 0.05)}, prefill_tokens_per_s=1000.0, step_s=0.01)
+
+
+def test_ram_and_a_fast_disk_are_loaded_a_slow_store_is_not():
+    # 16 tokens (16 ms to recompute) in 1 MB chunks: RAM 0.1 ms, disk 1 ms + 1 ms, S3 100 ms + 50 ms
+    assert choose_load(["cpu"] * 4, MB, 16, COSTS).decision == "load"
+    assert choose_load(["disk"] * 4, MB, 16, COSTS).decision == "load"
+    choice = choose_load(["s3"] * 4, MB, 16, COSTS)
+    assert (choice.decision, choice.tier, choice.num_chunks) == ("recompute", "s3", 0)
+    assert choose_load(["s3"] * 4, MB, 16, COSTS, policy="always").num_chunks == 4
+
+
+def test_a_head_in_ram_is_loaded_before_a_slow_tail():
+    choice = choose_load(["cpu", "cpu", "s3", "s3"], MB, 16, COSTS)
+    assert (choice.decision, choice.num_chunks, choice.tier) == ("partial", 2, "s3")
+    assert choice.saved_s == pytest.approx(0.032)
+
+
+def test_waiting_one_engine_step_is_charged_to_a_head_read_up_from_a_tier():
+    slow_steps = CostSnapshot(COSTS.reads, prefill_tokens_per_s=1000.0, step_s=1.0)
+    assert choose_load(["disk"] * 4, MB, 16, slow_steps).decision == "recompute"
+    assert choose_load(["cpu"] * 4, MB, 16, slow_steps).decision == "load"  # nothing to wait for
+
+
+def _ttft(locations, n, chunk_bytes, chunk_tokens, costs):
+    """Brute force: the expected time of loading the first n chunks and recomputing the rest."""
+    per_tier: dict[str, int] = {}
+    for medium in locations[:n]:
+        if medium != "cpu":
+            per_tier[medium] = per_tier.get(medium, 0) + chunk_bytes
+    waits = [costs.read(m).seconds_for(b) for m, b in per_tier.items()]
+    wait = max([costs.step_s, *waits]) if waits else 0.0
+    load = wait + costs.read("cpu").seconds_for(n * chunk_bytes) if n else 0.0
+    return load + (len(locations) - n) * chunk_tokens / costs.prefill_tokens_per_s
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_the_choice_is_the_fastest_head_and_never_slower_than_recomputing_or_loading_all(seed):
+    rng = random.Random(seed)
+    media = ["cpu", "disk", "redis", "s3"]
+    costs = CostSnapshot({m: ReadEstimate(10 ** rng.uniform(5, 10), rng.choice([0.0, 10 ** rng.uniform(-5, -1)]),
+                                          queued_bytes=rng.choice([0, rng.randrange(10 * MB)]))
+                          for m in media if rng.random() < 0.8},
+                         prefill_tokens_per_s=10 ** rng.uniform(2, 5), step_s=rng.choice([0.0, rng.uniform(0, 0.1)]))
+    locations = [rng.choice(media) for _ in range(rng.randrange(1, 12))]
+    chunk_bytes, chunk_tokens = rng.choice([MB // 8, MB, 2 * MB]), rng.choice([16, 128, 256])
+    choice = choose_load(locations, chunk_bytes, chunk_tokens, costs)
+    ttfts = [_ttft(locations, n, chunk_bytes, chunk_tokens, costs) for n in range(len(locations) + 1)]
+    best = min(ttfts)
+    assert ttfts[choice.num_chunks] == pytest.approx(best, rel=1e-9, abs=1e-12)
+    # ties go to loading more: no longer head is as fast
+    assert all(t > best * (1 + 1e-9) + 1e-12 for t in ttfts[choice.num_chunks + 1:])
+    assert ttfts[choice.num_chunks] <= ttfts[0] + 1e-12 and ttfts[choice.num_chunks] <= ttfts[-1] + 1e-12
+    assert choice.load_s == pytest.approx(ttfts[choice.num_chunks] - ttfts[0] + choice.saved_s, abs=1e-9)
+
+
+def test_a_tie_goes_to_loading_more():
+    # each chunk takes exactly as long to load as to recompute (2**-10 s, exact in binary)
+    even = CostSnapshot({"cpu": ReadEstimate(2.0**30, 0.0)}, prefill_tokens_per_s=16 * 2.0**10)
+    choice = choose_load(["cpu"] * 3, 2**20, 16, even)
+    assert (choice.decision, choice.num_chunks) == ("load", 3)
