@@ -5,7 +5,9 @@ async), blocks per chunk (1, 2, 4), one full-attention group or a full and a sli
 group, the CPU tier's eviction policy (lru, arc, turns), which secondary tiers run (none, a
 disk tier, a Redis tier, both) and how each is fed (write-through or on-evict, an admission
 threshold), the sizes (CPU tier, engine cache, step budget) and the waiting budget (0 to 8
-deferrals). `Stack` builds it from the real classes — the fake engine and its real worker
+deferrals), and the load-or-recompute decision's figures (none, "always", or fixed costs that
+make RAM, the disk or Redis fast or slow against recomputing, so requests load all, a head
+or nothing of what they find). `Stack` builds it from the real classes — the fake engine and its real worker
 (`WorkerSide`, `TransferEngine`) on a shared-memory slab, the real `OffloadScheduler`, a
 `TieredManager` over a real `DiskTier` in a scratch directory and a real `RemoteTier` on a
 real `redis-server` — and nothing here re-implements any of them. Faults are injected at the
@@ -22,6 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.costmodel import CostSnapshot, ReadEstimate
 from kvtier.scheduler import GroupKind, GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim import FakeEngine, KVCache
 from kvtier.sim.fake_engine import make_slab
@@ -33,7 +36,7 @@ from kvtier.tiers.remote.redis import RedisStore
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.tiered import TieredManager
 
-__all__ = ["BLOCK", "FileFaults", "FakeClock", "FuzzConfig", "Stack"]
+__all__ = ["BLOCK", "LOAD_COSTS", "FileFaults", "FakeClock", "FuzzConfig", "Stack"]
 
 BLOCK = 4  # tokens per engine block
 
@@ -66,6 +69,7 @@ class FuzzConfig:
     max_tokens_per_step: int
     max_deferrals: int
     evict_lookahead: int | None
+    load_costs: str = "off"  # a key of `LOAD_COSTS`, or "off" (no decision: every found chunk loads)
 
     @classmethod
     def draw(cls, seed: int) -> FuzzConfig:
@@ -83,7 +87,9 @@ class FuzzConfig:
                    min_offers=rng.choice([1, 1, 2]), num_slots=rng.randint(2, 6) * bpc,
                    num_blocks=rng.randint(12, 28) * (1 if window is None else 2),
                    max_tokens_per_step=rng.choice([5, 8, 16, 64]),
-                   max_deferrals=rng.choice([0, 2, 8]), evict_lookahead=rng.choice([None, 1, 2, 4]))
+                   max_deferrals=rng.choice([0, 2, 8]), evict_lookahead=rng.choice([None, 1, 2, 4]),
+                   # a generator of its own: the draws above stay what they were for every seed
+                   load_costs=random.Random(seed * 7919 + 1).choice(["off", *LOAD_COSTS]))
 
     def groups(self) -> tuple[GroupSpec, ...]:
         full = GroupSpec(tokens_per_block=BLOCK, blocks_per_chunk=self.blocks_per_chunk)
@@ -97,8 +103,18 @@ class FuzzConfig:
         return (f"seed={self.seed} {self.store_mode}/{self.load_mode} bpc={self.blocks_per_chunk} {groups} "
                 f"{self.policy} disk={self.disk} redis={self.redis} min_offers={self.min_offers} "
                 f"slots={self.num_slots} blocks={self.num_blocks} step={self.max_tokens_per_step} "
-                f"deferrals={self.max_deferrals} lookahead={self.evict_lookahead}")
+                f"deferrals={self.max_deferrals} lookahead={self.evict_lookahead} costs={self.load_costs}")
 
+
+_FAST, _SLOW = ReadEstimate(1e12, 0.0), ReadEstimate(1e3, 0.1)
+# fixed figures for the decision (prefill 1,000 tokens/s: a 4-token block takes 4 ms)
+LOAD_COSTS: dict[str, tuple[str, CostSnapshot]] = {
+    "always": ("always", CostSnapshot({"cpu": _FAST, "disk": _SLOW, "redis": _SLOW}, 1000.0)),
+    "cost-fast": ("cost", CostSnapshot({"cpu": _FAST, "disk": _FAST, "redis": _FAST}, 1000.0)),
+    "cost-slow-disk": ("cost", CostSnapshot({"cpu": _FAST, "disk": _SLOW, "redis": _FAST}, 1000.0)),
+    "cost-slow-redis": ("cost", CostSnapshot({"cpu": _FAST, "disk": _FAST, "redis": _SLOW}, 1000.0)),
+    "cost-slow-all": ("cost", CostSnapshot({"cpu": ReadEstimate(1e3, 0.0), "disk": _SLOW, "redis": _SLOW}, 1000.0)),
+}
 
 _ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO, "erofs": errno.EROFS}
 _METHODS = {"enospc": ("write_tmp",), "eio": ("read",), "erofs": ("publish", "discard_tmp")}
@@ -159,10 +175,12 @@ class Stack:
         primary = CPUTierManager(config.num_slots, policy=config.policy)
         self.manager = TieredManager(primary, [self.slab.rows], tiers, job_timeout_s=tier_timeout_s) if tiers \
             else primary
+        policy, costs = LOAD_COSTS.get(config.load_costs, ("always", None))
         sched_config = SchedulerOffloadConfig(groups=config.groups(), max_deferrals=config.max_deferrals,
                                               max_defer_s=0.5, job_timeout_s=1.0, load_mode=config.load_mode,
-                                              store_mode=config.store_mode)
-        self.scheduler = OffloadScheduler(sched_config, self.manager, clock=self.clock)
+                                              store_mode=config.store_mode, load_policy=policy,
+                                              chunk_bytes=0 if costs is None else slot_bytes * len(config.groups()))
+        self.scheduler = OffloadScheduler(sched_config, self.manager, clock=self.clock, costs=costs)
         self.engine = FakeEngine(self.scheduler, num_blocks=config.num_blocks, block_size=BLOCK,
                                  max_tokens_per_step=config.max_tokens_per_step, clock=self.clock, slab=self.slab,
                                  evict_lookahead=config.evict_lookahead)

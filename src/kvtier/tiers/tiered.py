@@ -97,7 +97,6 @@ class TieredManager(Promotions, OffloadingManager):
         self._write_down = WriteDown(primary, self._tiers, slabs, staging_bytes, self._submit)
         self._flights = Flights(job_timeout_s)
         self._rates = TierRates(self.tiers)
-        self._located: dict[OffloadKey, int] = {}  # the last `locate`'s secondary hits: key -> tier index
         self._awaited: dict[str, set[OffloadKey]] = {}  # req_id -> chunks promoted for it, not loaded yet
         self._job_ids = itertools.count(1)
         self._promoting_bytes = 0
@@ -115,9 +114,6 @@ class TieredManager(Promotions, OffloadingManager):
             # the scan goes on to the request's next chunks: promoting those must not evict this one
             self.primary.join_chain([key], ctx)
             return result
-        index = self._located.pop(key, None)
-        if index is not None:  # `locate` just asked the tiers: a second question would count twice
-            return self._promote(key, index, ctx)
         for index, slot in enumerate(self._tiers):
             found = slot.tier.lookup(key)
             if found is _RETRY:
@@ -127,17 +123,17 @@ class TieredManager(Promotions, OffloadingManager):
         return _MISS
 
     def locate(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[str | None]:
+        """(A secondary tier counts the question as one of its lookups: a chunk located, then looked
+        up, counts twice in its hits. Remembering the answer for that lookup instead let a later
+        scan promote a key a reset had deleted since: the stack fuzzer, run 777, saw such a load.)"""
         self._poll()
-        self._located.clear()
         found: list[str | None] = [None] * len(keys)
         for i, key in enumerate(keys):
             if self.primary.holds(key):
                 found[i] = self.medium
                 continue
-            for index, slot in enumerate(self._tiers):
+            for slot in self._tiers:
                 result = slot.tier.lookup(key)
-                if result is _HIT:
-                    self._located[key] = index
                 if result is not _MISS:
                     found[i] = slot.tier.medium if result is _HIT else NOT_KNOWN_YET
                     break
