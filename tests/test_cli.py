@@ -271,6 +271,25 @@ def test_simulate_a_synthetic_trace_and_options_from_flags(capsys):
     assert report["policy"] == "arc" and report["num_requests"] >= 3
 
 
+def test_simulate_takes_the_load_policy_and_the_cost_models_tiers_from_flags(capsys):
+    # three conversations one request at a time, an engine of 16 blocks: one prefix comes from kvtier
+    base = ["simulate", "synthetic:3", "--seed", "1", "--host-slots", "64", "--engine-blocks", "16",
+            "--max-running", "1"]
+    # a host link of 0.5 GB/s: a 512-token chunk (64 MiB) copies in 134 ms, recomputes in 51 ms
+    status, out, _ = run_cli(capsys, *base, "--cpu-gb-per-s", "0.5", "--s3-latency-ms", "20", "--json")
+    assert status == 0
+    report = json.loads(out)
+    assert report["costs"]["cpu_gb_per_s"] == 0.5 and report["costs"]["s3_latency_ms"] == 20.0
+    assert (report["load_policy"], report["load_decisions"]) == ("cost", {"recompute": {"cpu": 1}})
+    assert report["kvtier_hit_rate"] == 0.0
+    # "always" loads it anyway, and the text report says so
+    status, out, _ = run_cli(capsys, *base, "--cpu-gb-per-s", "0.5", "--load-policy", "always")
+    assert status == 0 and "decisions      load 1 (cpu 1), partial 0, recompute 0 (load_policy always)" in out
+    # a policy that does not exist is refused, naming the flag's field
+    status, _, err = run_cli(capsys, *base, "--load-policy", "never")
+    assert status == 2 and "load_policy" in err
+
+
 def test_simulate_sweep_writes_csv_and_png_with_the_ceiling(tmp_path, capsys):
     trace = mooncake_trace(tmp_path / "trace.jsonl")
     status, out, _ = run_cli(capsys, "simulate", str(trace), "--engine-blocks", "64", "--sweep",

@@ -9,9 +9,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
+from kvtier.costmodel import choose_load
 from kvtier.errors import ConfigError
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim import CostModel, FakeEngine, SimOptions, belady_hit_rate, simulate, sweep, synthetic
@@ -25,17 +27,22 @@ OPTIONS = SimOptions(host_slots=60, engine_blocks=ENGINE_BLOCKS, max_running=1)
 
 
 def step_by_step(requests, opts: SimOptions) -> FakeEngine:
-    """The same workload by hand: one request at a time through a fake engine, until it is done."""
+    """The same workload by hand: one request at a time through a fake engine, until it is done,
+    the load decisions weighing one trace block's KV per chunk, at the cost model's figures."""
+    scale = (opts.trace_block_tokens, opts.engine_block_tokens)
     config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=opts.engine_block_tokens),),
-                                    offload_prompt_only=True)
+                                    offload_prompt_only=True,
+                                    chunk_bytes=opts.trace_block_tokens * opts.costs.kv_bytes_per_token)
+    costs = opts.costs.snapshot(step_s=opts.step_s, token_scale=scale[0] / scale[1])
     clock = FakeClock()
-    scheduler = OffloadScheduler(config, CPUTierManager(opts.host_slots, policy=opts.policy), clock=clock)
+    scheduler = OffloadScheduler(config, CPUTierManager(opts.host_slots, policy=opts.policy), clock=clock, costs=costs)
     engine = close_after_test(FakeEngine(scheduler, num_blocks=opts.engine_blocks, clock=clock,
                                          block_size=opts.engine_block_tokens, max_tokens_per_step=1 << 30))
-    scale = (opts.trace_block_tokens, opts.engine_block_tokens)
     for i, req in enumerate(requests):
         engine.add_request(str(i), engine_prompt(req, *scale), engine_output_tokens(req, *scale))
-        engine.run()
+        while engine.waiting or engine.running:
+            engine.step()
+            clock.now += opts.step_s  # as the replay's clock: a load's measured seconds agree
     return engine
 
 
@@ -51,7 +58,8 @@ def test_the_simulator_counts_what_the_fake_engine_gives_step_by_step(policy):
     stats, manager = engine.scheduler.stats, engine.scheduler.manager.stats()
     assert kvtier_hits > 0 and engine_hits > 0  # the workload exercises both caches
     assert (report.engine_hit_tokens, report.kvtier_hit_tokens) == (engine_hits, kvtier_hits)
-    assert report.counters == stats.as_dict()
+    assert report.counters == stats.as_dict()  # the load decisions and their expected seconds too
+    assert sum(report.load_decisions["load"].values()) > 0
     assert (report.evictions["cpu"], report.num_steps) == (manager.evictions, engine.num_steps)
 
 
@@ -80,19 +88,65 @@ def test_a_disk_tier_serves_what_ram_evicted(tmp_path):
     assert report.kvtier_hit_rate > ram_only.kvtier_hit_rate
     assert report.bytes_moved["disk"]["store"] > 0 and report.bytes_moved["disk"]["load"] > 0
     assert report.deferrals > 0  # a promotion is a wait of a step
-    assert report.ttft.saving_s > ram_only.ttft.saving_s
+    # the disk's hits still save time (a RAM hit saves more: it waits no step, reads no disk)
+    assert report.ttft.saving_s > 0
 
 
 def test_the_cost_model_arithmetic():
-    costs = CostModel(prefill_tokens_per_s=1000, kv_bytes_per_token=1000, cpu_gb_per_s=1.0, disk_gb_per_s=0.5)
-    # 10 requests, 10,000 prompt tokens, 2,000 served by the engine, 4,000 by kvtier of which 1,000 from disk
-    estimate = costs.estimate(10, 10_000, 2_000, 4_000, 1_000)
-    # without: 8,000 tokens computed = 8 s; with: 4 s computed + 4 MB at 1 GB/s + 1 MB at 0.5 GB/s
+    costs = CostModel(prefill_tokens_per_s=1000, kv_bytes_per_token=1000, cpu_gb_per_s=1.0, disk_gb_per_s=0.5,
+                      cpu_latency_ms=0.0, disk_latency_ms=1.0)
+    # 10 requests, 10,000 prompt tokens, 2,000 served by the engine, 4,000 by kvtier, whose loads
+    # were expected to take 0.5 s together
+    estimate = costs.estimate(10, 10_000, 2_000, 4_000, load_s=0.5)
+    # without: 8,000 tokens computed = 8 s; with: 4 s computed + the loads
     assert estimate.baseline_s == pytest.approx(8.0)
-    assert estimate.with_kvtier_s == pytest.approx(4.0 + 0.004 + 0.002)
-    assert estimate.mean_saving_ms == pytest.approx(1000 * (8.0 - 4.006) / 10)
+    assert estimate.with_kvtier_s == pytest.approx(4.5)
+    assert estimate.mean_saving_ms == pytest.approx(1000 * (8.0 - 4.5) / 10)
+    # one load of 10 chunks of 100 tokens, 4 in RAM then 6 on disk, after a step of 20 ms:
+    # wait max(20 ms, 1 ms + 600 kB at 0.5 GB/s) = 20 ms, then 1 MB over the host link = 1 ms;
+    # recomputing the 1,000 tokens would take 1 s
+    choice = choose_load(["cpu"] * 4 + ["disk"] * 6, 100_000, 100, costs.snapshot(step_s=0.02))
+    assert (choice.decision, choice.load_s) == ("load", pytest.approx(0.021))
+    # a replay's engine token stands for `token_scale` modelled ones: its chunk of 1 token recomputes as 100
+    assert costs.snapshot(token_scale=100).prefill_tokens_per_s == pytest.approx(10.0)
     with pytest.raises(ConfigError):
         CostModel(prefill_tokens_per_s=0)
+    with pytest.raises(ConfigError):
+        CostModel(s3_latency_ms=-1)
+
+
+def test_a_slow_disk_is_recomputed_not_promoted(tmp_path):
+    # a disk tier behind 8 RAM slots, read at 1 MB/s: a chunk (512 tokens x 128 KiB) takes a minute
+    slow = CostModel(disk_gb_per_s=0.001)
+    opts = SimOptions(host_slots=8, engine_blocks=ENGINE_BLOCKS, disk_slots=400, disk_dir=str(tmp_path / "cost"),
+                      max_running=2, costs=slow)
+    cost = simulate(TRACE, opts)  # the fake engine checks every block it attends to: no wrong byte
+    # with the cost model: what is found only on disk is recomputed, only RAM heads are loaded
+    assert cost.load_decisions["recompute"]["disk"] > 0 and "disk" not in cost.load_decisions.get("load", {})
+    assert cost.bytes_moved["disk"]["store"] > 0 and cost.bytes_moved["disk"]["load"] == 0
+    # with load_policy "always": every found chunk is promoted through the slow disk, and the
+    # estimate says what that costs: far more than recomputing
+    always = simulate(TRACE, replace(opts, load_policy="always", disk_dir=str(tmp_path / "always")))
+    assert always.bytes_moved["disk"]["load"] > cost.bytes_moved["disk"]["load"]
+    assert set(always.load_decisions) == {"load"}
+    assert always.ttft.saving_s < 0 < cost.ttft.saving_s
+
+
+def test_a_report_says_how_many_decisions_were_load_partial_recompute(tmp_path):
+    from kvtier.cli.simulate import render
+
+    # the default cost model, a disk tier behind 8 RAM slots: a head of one disk chunk is not
+    # worth a step's wait (50 ms) plus its read (34 ms) against 51 ms of prefill; longer ones are
+    opts = SimOptions(host_slots=8, engine_blocks=ENGINE_BLOCKS, disk_slots=400, disk_dir=str(tmp_path), max_running=2)
+    report = simulate(TRACE, opts)
+    counts = {d: sum(by_tier.values()) for d, by_tier in report.load_decisions.items()}
+    assert counts["load"] > 0 and counts["recompute"] > 0
+    # the text report says each, with its tiers
+    line = next(line for line in render("synthetic", report.to_dict()).splitlines() if line.startswith("decisions"))
+    for decision in ("load", "partial", "recompute"):
+        by_tier = ", ".join(f"{tier} {n:,}" for tier, n in report.load_decisions.get(decision, {}).items())
+        assert f"{decision} {counts.get(decision, 0):,}" + (f" ({by_tier})" if by_tier else "") in line
+    assert line.endswith("(load_policy cost)")
 
 
 def test_an_engine_too_small_for_the_longest_request_is_refused():

@@ -28,13 +28,13 @@ _SIM, _COST = "sim_", "cost_"
 def add_simulate_flags(parser: argparse.ArgumentParser) -> None:
     from kvtier.cli.config import add_dataclass_flags
     from kvtier.sim.costs import CostModel
-    from kvtier.sim.replay import SimOptions
+    from kvtier.sim.options import SimOptions
 
     parser.add_argument("trace", metavar="TRACE", help="A Mooncake JSONL trace, or synthetic[:N] (N conversations).")
     parser.add_argument("--limit", type=int, default=None, help="Replay only the first N requests.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of a synthetic trace (default: 0).")
     add_dataclass_flags(parser.add_argument_group("simulation"), SimOptions, _SIM, skip=("costs",))
-    add_dataclass_flags(parser.add_argument_group("cost model (TTFT estimate)"), CostModel, _COST)
+    add_dataclass_flags(parser.add_argument_group("cost model (load decisions and TTFT estimate)"), CostModel, _COST)
     sweep = parser.add_argument_group("sweep")
     sweep.add_argument("--sweep", action="store_true", help="Replay every capacity x policy; write a PNG and a CSV.")
     sweep.add_argument("--capacities", type=_floats, default=[0.01, 0.05, 0.2],
@@ -48,7 +48,8 @@ def add_simulate_flags(parser: argparse.ArgumentParser) -> None:
 def simulate_main(args: argparse.Namespace, console: Console | None = None) -> int:
     from kvtier.cli.config import given_flags
     from kvtier.sim.costs import CostModel
-    from kvtier.sim.replay import SimOptions, simulate
+    from kvtier.sim.options import SimOptions
+    from kvtier.sim.replay import simulate
 
     console = console or Console.standard()
     requests = _load(args.trace, args.limit, args.seed)
@@ -88,6 +89,7 @@ def render(trace: str, d: dict[str, Any]) -> str:
         f"bytes moved    {moved or 'none'}",
         f"evictions      {evictions or 'none'}",
         f"deferrals      {d['deferrals']:,} ({d['deferral_timeouts']:,} reached their bound)",
+        f"decisions      {_decisions(d.get('load_decisions', {}))} (load_policy {d.get('load_policy', 'cost')})",
     ]
     if {"baseline_s", "with_kvtier_s"} <= ttft.keys():
         lines.append(f"TTFT estimate  prefill {ttft['baseline_s']:,.1f} s without kvtier, "
@@ -148,6 +150,18 @@ def _floats(text: str) -> list[float]:
         return [float(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _decisions(by_decision: dict[str, dict[str, int]]) -> str:
+    """"load 120 (cpu 100, disk 20), partial 0, recompute 3 (disk 3)": per decision, per tier."""
+    from kvtier.costmodel import DECISIONS
+
+    parts = []
+    for decision in DECISIONS:
+        by_tier = by_decision.get(decision, {})
+        tiers = ", ".join(f"{tier} {n:,}" for tier, n in by_tier.items())
+        parts.append(f"{decision} {sum(by_tier.values()):,}" + (f" ({tiers})" if tiers else ""))
+    return ", ".join(parts)
 
 
 def _bytes(num_bytes: int) -> str:

@@ -7,7 +7,8 @@ trace replays built on it (`kvtier simulate`).
 - `simulate(requests, SimOptions(...))` -> `SimulationReport` (`kvtier.sim.replay`);
 - `sweep(requests, capacities, policies, out_dir)` -> `SweepResult`, a CSV and a PNG
   (`kvtier.sim.sweep`), with Belady's MIN (`kvtier.sim.belady`) as the ceiling;
-- `CostModel`: the TTFT estimate's assumptions (`kvtier.sim.costs`).
+- `CostModel`: the figures a replay's load decisions use and the TTFT estimate's assumptions
+  (`kvtier.sim.costs`).
 """
 
 from kvtier.sim.belady import belady_hit_rate, belady_hits
@@ -15,7 +16,8 @@ from kvtier.sim.costs import CostModel, TTFTEstimate
 from kvtier.sim.fake_engine import FakeEngine, SimRequest
 from kvtier.sim.faults import Faults, SimTransferEngine
 from kvtier.sim.kv_cache import ContentMismatch, KVCache
-from kvtier.sim.replay import SimOptions, simulate
+from kvtier.sim.options import SimOptions
+from kvtier.sim.replay import simulate
 from kvtier.sim.report import SimulationReport
 from kvtier.sim.sweep import SweepPoint, SweepResult, sweep
 from kvtier.sim.synthetic import synthetic

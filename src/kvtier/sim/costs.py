@@ -1,21 +1,34 @@
-"""The simulator's cost model: what a replay's hits would save in time to first token.
+"""The simulator's cost model: what a replay's hits would save in time to first token, and the
+figures `kvtier.costmodel.choose_load` decides with in a replay (`CostModel.snapshot`).
 
 Deliberately simple, and stated here so a reader can redo the arithmetic:
 
 - A prompt token the engine computes costs `1 / prefill_tokens_per_s` seconds.
-- A chunk kvtier loads costs its bytes over the host-to-device bandwidth (`cpu_gb_per_s`);
-  one that first has to come up from disk costs its bytes over `disk_gb_per_s` more.
 - A chunk's bytes are its tokens times `kv_bytes_per_token` (the modelled model's KV size:
   layers x KV heads x head size x 2 (K and V) x bytes per element).
-- Without kvtier, the tokens kvtier served are computed instead; the engine's own prefix
-  hits are the same in both cases (every computed or loaded block enters the engine's cache
-  either way). Queueing, batching and decode are not modelled: the estimate is the prefill
-  work a request is spared, summed over the trace.
+- Reading B bytes from a tier costs `latency + B / throughput` (`<tier>_latency_ms`,
+  `<tier>_gb_per_s`); "cpu" is the host link, host RAM into the accelerator.
+- A request that loads a head of its prefix waits for it (the decision's own arithmetic,
+  `kvtier.costmodel.decision`): if any of the head's chunks is on a secondary tier (disk, Redis,
+  S3), the longest of one engine step and each tier's read of its share of the head (the tiers
+  read in parallel); then the whole head's copy over the host link. The tokens it does not load
+  are computed.
+- The estimate sums, over the trace, the prefill work without kvtier (every token the engine's
+  own prefix cache did not serve is computed) and with it (the tokens kvtier did not serve are
+  computed, plus each load's expected seconds as its decision computed them). The engine's own
+  prefix hits are the same in both cases (every computed or loaded block enters the engine's
+  cache either way). A load that got fewer chunks than its decision chose (a RAM tier too small
+  to hold a promoted head at once) is still charged what the decision expected. Queueing,
+  batching and decode are not modelled.
+
+A replay has a RAM tier and at most a disk tier; the Redis and S3 figures serve `snapshot`'s
+other callers (`benchmarks/plot_payoff.py`: when does each tier pay off).
 
 The defaults model Llama-3-8B in bf16 (32 layers x 8 KV heads x 128 x 2 x 2 bytes = 128 KiB
 per token) prefilling at 10,000 tokens/s on one accelerator, host memory at 20 GB/s (PCIe
-Gen4 x16 in practice) and a local NVMe disk at 2 GB/s. Change them to your model and machine
-(`kvtier bench` measures the bandwidths of this one).
+Gen4 x16 in practice), a local NVMe disk at 2 GB/s, Redis over 10 GbE at 1.2 GB/s and S3 at
+0.3 GB/s. Change them to your model and machine (`kvtier bench` measures the bandwidths of
+this one).
 
 Thread-safety: immutable values and pure functions.
 """
@@ -25,39 +38,82 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvtier.costmodel import CostSnapshot, ReadEstimate
 from kvtier.errors import ConfigError
 
-__all__ = ["CostModel", "TTFTEstimate"]
+__all__ = ["TIERS", "CostModel", "TTFTEstimate"]
+
+TIERS = ("cpu", "disk", "redis", "s3")  # the media the model has figures for ("cpu": the host link)
 
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Prefill speed and per-tier bandwidths (see the module docstring)."""
+    """Prefill speed, the model's KV size and each tier's reads (see the module docstring).
+
+    Args:
+        prefill_tokens_per_s: prompt tokens the engine computes per second.
+        kv_bytes_per_token: bytes of KV one token takes, over every layer.
+        cpu_gb_per_s: the host link's throughput (host RAM into the accelerator), in GB/s.
+        disk_gb_per_s: the local disk tier's read throughput, in GB/s.
+        redis_gb_per_s: the Redis tier's read throughput, in GB/s (10 GbE carries 1.25).
+        s3_gb_per_s: the S3 tier's read throughput, in GB/s.
+        cpu_latency_ms: what a copy over the host link takes beyond its bytes, in milliseconds.
+        disk_latency_ms: what a read from the disk tier takes beyond its bytes, in milliseconds.
+        redis_latency_ms: what a read from Redis takes beyond its bytes (a round trip), in milliseconds.
+        s3_latency_ms: what a read from S3 takes beyond its bytes (the first byte), in milliseconds.
+    """
 
     prefill_tokens_per_s: float = 10_000.0
     kv_bytes_per_token: int = 131_072
     cpu_gb_per_s: float = 20.0
     disk_gb_per_s: float = 2.0
+    redis_gb_per_s: float = 1.2
+    s3_gb_per_s: float = 0.3
+    cpu_latency_ms: float = 0.01
+    disk_latency_ms: float = 0.1
+    redis_latency_ms: float = 0.5
+    s3_latency_ms: float = 30.0
 
     def __post_init__(self) -> None:
-        if min(self.prefill_tokens_per_s, self.cpu_gb_per_s, self.disk_gb_per_s) <= 0 or self.kv_bytes_per_token <= 0:
-            raise ConfigError(f"every cost-model figure must be positive: {self}")
+        rates = [self.prefill_tokens_per_s, self.kv_bytes_per_token] + [getattr(self, f"{t}_gb_per_s") for t in TIERS]
+        if min(rates) <= 0:
+            raise ConfigError(f"prefill_tokens_per_s, kv_bytes_per_token and every *_gb_per_s must be positive: {self}")
+        if min(getattr(self, f"{t}_latency_ms") for t in TIERS) < 0:
+            raise ConfigError(f"a *_latency_ms cannot be negative: {self}")
+
+    def read(self, medium: str) -> ReadEstimate:
+        """Reading from tier `medium` ("cpu": the host link), one of `TIERS`."""
+        return ReadEstimate(getattr(self, f"{medium}_gb_per_s") * 1e9, getattr(self, f"{medium}_latency_ms") / 1e3)
+
+    def snapshot(self, step_s: float = 0.0, token_scale: float = 1.0) -> CostSnapshot:
+        """The figures `kvtier.costmodel.choose_load` decides with, fixed.
+
+        Args:
+            step_s: one engine step: a request whose chunks come up from a secondary tier waits
+                at least this long (it is asked again at the next step at the earliest).
+            token_scale: modelled tokens that one token of the deciding engine stands for (a
+                replay runs one small engine block per trace block); the prefill speed is
+                divided by it, so a chunk's recompute time is the modelled one.
+        """
+        if not token_scale > 0 or step_s < 0:
+            raise ConfigError(f"token_scale must be positive and step_s >= 0, got {token_scale}, {step_s}")
+        return CostSnapshot({medium: self.read(medium) for medium in TIERS}, self.prefill_tokens_per_s / token_scale,
+                            step_s)
 
     def estimate(self, num_requests: int, prompt_tokens: int, engine_hit_tokens: int, kvtier_hit_tokens: int,
-                 disk_hit_tokens: int = 0) -> TTFTEstimate:
+                 *, load_s: float) -> TTFTEstimate:
         """Prefill seconds without and with kvtier's hits, over `num_requests` requests.
 
         Args:
             prompt_tokens: every request's prompt tokens together.
             engine_hit_tokens: of those, tokens the engine's own prefix cache served.
-            kvtier_hit_tokens: tokens kvtier loaded (from RAM, or from disk through RAM).
-            disk_hit_tokens: of those, tokens first read up from disk.
+            kvtier_hit_tokens: tokens kvtier loaded (from RAM, or from a secondary tier through RAM).
+            load_s: the loads' expected seconds together, each as its decision computed it
+                (`LoadChoice.load_s`; the scheduler sums them as `expected_load_us`).
         """
         compute = prompt_tokens - engine_hit_tokens
         baseline = compute / self.prefill_tokens_per_s
-        loads = kvtier_hit_tokens * self.kv_bytes_per_token / (self.cpu_gb_per_s * 1e9)
-        loads += disk_hit_tokens * self.kv_bytes_per_token / (self.disk_gb_per_s * 1e9)
-        with_kvtier = (compute - kvtier_hit_tokens) / self.prefill_tokens_per_s + loads
+        with_kvtier = (compute - kvtier_hit_tokens) / self.prefill_tokens_per_s + load_s
         return TTFTEstimate(num_requests, baseline, with_kvtier)
 
     def to_dict(self) -> dict[str, Any]:

@@ -30,7 +30,8 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.sim.belady import belady_hits, block_stream
-from kvtier.sim.replay import SimOptions, simulate
+from kvtier.sim.options import SimOptions
+from kvtier.sim.replay import simulate
 from kvtier.sim.report import SimulationReport
 from kvtier.sim.trace import TraceRequest
 from kvtier.sim.workload import num_unique_blocks
