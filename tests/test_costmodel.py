@@ -76,12 +76,27 @@ def test_a_tier_without_a_prior_of_its_own_is_read_as_slowly_as_object_storage()
 def test_prefill_is_measured_from_consecutive_steps_of_a_busy_engine():
     prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
     now = 0.0
-    for i in range(4):  # request "a" prefills 1,000 tokens a step, each step 0.5 s
-        prefill.step_started(now, 1000, frozenset({"a"}))
-        now += 0.5
-    prefill.step_started(now, 1, frozenset({"a"}))  # its first decode step ends the last prefill step
-    assert prefill.tokens_per_s() == pytest.approx(2000.0)
-    assert prefill.step_seconds() == pytest.approx(0.5)
+    prefill.step_started(now, 1000, frozenset({"a"}))  # request "a" prefills 1,000 tokens in 0.5 s
+    now += 0.5
+    prefill.step_started(now, 1000, frozenset({"a"}))  # and 1,000 more
+    now += 0.5
+    assert prefill.tokens_per_s() == 10_000.0  # one prefill step measured: still the prior
+    for _ in range(4):  # then decodes, 0.1 s a step
+        prefill.step_started(now, 1, frozenset({"a"}))
+        now += 0.1
+    # 0.1 s of each prefill step is what any step costs: 1,000 tokens in 0.4 s
+    assert prefill.tokens_per_s() == pytest.approx(2500.0)
+    assert prefill.step_seconds() == pytest.approx(0.1)
+
+
+def test_a_noisy_fixed_part_never_makes_prefill_look_free():
+    prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
+    now = 0.0
+    for tokens, seconds in [(1000, 0.2), (1000, 0.2), (1, 0.3), (1, 0.3), (1, 0.3), (1, 0.3)]:
+        prefill.step_started(now, tokens, frozenset({"a"}))
+        now += seconds
+    prefill.step_started(now, 1, frozenset({"a"}))
+    assert prefill.tokens_per_s() == pytest.approx(2000 / 0.2)  # half of each prefill step at least
 
 
 def test_an_idle_gap_and_decode_steps_say_nothing_about_prefill_speed():

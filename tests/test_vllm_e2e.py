@@ -61,8 +61,20 @@ def metrics() -> dict[str, float]:
     from kvtier.integrations.vllm.metrics import read_metric
 
     names = ("kvtier:hit_tokens_total", "kvtier:miss_tokens_total", "vllm:external_prefix_cache_hits_total",
-             "kvtier:evictions_total", "kvtier:transfer_bytes_total", "kvtier:num_slots")
-    return {name: read_metric(name) for name in names}
+             "kvtier:evictions_total", "kvtier:transfer_bytes_total", "kvtier:num_slots",
+             "kvtier:prefill_tokens_per_second", "kvtier:measured_load_seconds_total")
+    out = {name: read_metric(name) for name in names}
+    out.update(labelled("kvtier:load_decisions_total", ("decision", "tier")))
+    out.update(labelled("kvtier:tier_read_bytes_per_second", ("tier",)))
+    return out
+
+
+def labelled(name: str, labels: tuple[str, ...]) -> dict[str, float]:
+    """One metric's samples by their labels: {"name{a,b}": value}."""
+    from prometheus_client import REGISTRY
+
+    return {f"{name}{{{','.join(s.labels[k] for k in labels)}}}": s.value
+            for metric in REGISTRY.collect() for s in metric.samples if s.name == name}
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +188,20 @@ def test_metrics_count_every_hit_and_miss_exactly(with_kvtier):
     assert delta["kvtier:miss_tokens_total"] == misses
     assert delta["vllm:external_prefix_cache_hits_total"] == hits  # vLLM's own count agrees
     assert delta["kvtier:transfer_bytes_total"] > 0 and after["kvtier:num_slots"] > 0
+
+
+def test_every_prefix_found_in_ram_is_loaded_and_the_engine_measured_its_prefill(with_kvtier):
+    from kvtier.costmodel import PRIOR_PREFILL_TOKENS_PER_S
+
+    before, after = with_kvtier["metrics"]
+    found = sum(1 for o in with_kvtier["singles"] if o["num_cached_tokens"] > 0)
+    decided = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("kvtier:load_decisions_total")}
+    # one decision per request that found its prefix in RAM: load it all (RAM beats recomputing)
+    assert found > 0 and decided == {"kvtier:load_decisions_total{load,cpu}": found}
+    assert after["kvtier:measured_load_seconds_total"] > before["kvtier:measured_load_seconds_total"]
+    # the estimates are measured ones: the prefill steps of the chat turns, the loads' copies
+    assert 0 < after["kvtier:prefill_tokens_per_second"] != PRIOR_PREFILL_TOKENS_PER_S
+    assert after["kvtier:tier_read_bytes_per_second{cpu}"] > 0
 
 
 def test_cache_salt_isolates_tenants(with_kvtier):

@@ -10,10 +10,11 @@ the engine prefills, as measured while it runs.
   for a while, it does not make the tier look dead for the next `window` jobs. A tier that is
   slow on every job moves the median itself, so the cap follows it.
 - **The engine's prefill** (`PrefillRate`): tokens per second of the engine's steps, from the
-  time between two consecutive steps of a busy engine and the tokens the first one computed.
-  Only steps with at least `min_tokens` count (prefill-sized steps: a decode step's fixed cost
-  would make recomputing look slower than it is), and only when the next step continued a
-  request of this one (an engine that idled in between says nothing about its speed).
+  time between two consecutive steps of a busy engine and the tokens the first one computed:
+  the prefill-sized steps' tokens over their time less a step's fixed part (measured on the
+  small, decode steps, so it does not make recomputing look slower than it is). A step counts
+  only when the next one continued one of its requests (an engine that idled in between says
+  nothing about its speed).
 - **Priors**: until a tier or the engine has been measured, `READ_PRIORS` (what each kind of
   tier usually does) and `PRIOR_PREFILL_TOKENS_PER_S` stand in. The prefill prior is on the side
   of recomputing: an accelerator's prefill (an engine on CPU is 5-10x slower, and measures so
@@ -37,6 +38,7 @@ __all__ = ["PRIOR_PREFILL_TOKENS_PER_S", "READ_PRIORS", "PrefillRate", "ReadEsti
 
 _STALL_FACTOR = 4.0  # a job counts at most this many median job times of busy time
 _MIN_SAMPLES = 3  # fewer measured jobs or steps than this: the prior still stands
+_MIN_PREFILL_STEPS = 2  # an engine that serves mostly hits computes few prefill-sized steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +133,16 @@ class TransferRate:
 class PrefillRate:
     """The engine's prefill speed in tokens per second, from its step timings.
 
+    A step's time is a fixed part (scheduling, sampling, the decode tokens of the batch) and a
+    part per computed token. The fixed part is the median of the small steps (fewer than
+    `min_tokens` tokens: decode steps); the speed is the prefill-sized steps' tokens over their
+    time less that fixed part (never less than half of it: a noisy median must not make
+    prefill look free).
+
     Args:
-        prior_tokens_per_s: the estimate until `_MIN_SAMPLES` prefill steps were measured.
-        min_tokens: a step counts when it computed at least this many tokens.
-        window: how many recent prefill steps the estimate covers.
+        prior_tokens_per_s: the estimate until `_MIN_PREFILL_STEPS` prefill steps were measured.
+        min_tokens: a step computing at least this many tokens is a prefill step.
+        window: how many recent steps of each kind the estimate covers.
     """
 
     def __init__(self, prior_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S, min_tokens: int = 256,
@@ -143,28 +151,34 @@ class PrefillRate:
             raise ConfigError("the prefill prior, min_tokens and window must be positive")
         self.prior_tokens_per_s = prior_tokens_per_s
         self.min_tokens = min_tokens
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)  # prefill steps: (tokens, seconds)
+        self._prefills: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
+        self._smalls: deque[float] = deque(maxlen=window)  # seconds of steps under min_tokens
         self._durations: deque[float] = deque(maxlen=window)  # every step measured
         self._last: tuple[float, int, frozenset[str]] | None = None  # (started, tokens, req ids)
 
     @property
     def num_samples(self) -> int:
-        return len(self._steps)
+        return len(self._prefills)
 
     def step_started(self, now: float, num_tokens: int, req_ids: frozenset[str]) -> None:
         """An engine step computing `num_tokens` for `req_ids` was planned at `now` (monotonic):
         the previous step took until now if this one continues one of its requests."""
         last = self._last
         if last is not None and now > last[0] and not last[2].isdisjoint(req_ids):
-            self._durations.append(now - last[0])
+            seconds = now - last[0]
+            self._durations.append(seconds)
             if last[1] >= self.min_tokens:
-                self._steps.append((last[1], now - last[0]))
+                self._prefills.append((last[1], seconds))
+            else:
+                self._smalls.append(seconds)
         self._last = (now, num_tokens, req_ids) if num_tokens > 0 else None
 
     def tokens_per_s(self) -> float:
-        if len(self._steps) < _MIN_SAMPLES:
+        if len(self._prefills) < _MIN_PREFILL_STEPS:
             return self.prior_tokens_per_s
-        return sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
+        fixed = statistics.median(self._smalls) if len(self._smalls) >= _MIN_SAMPLES else 0.0
+        computing = sum(max(s - fixed, s / 2) for _, s in self._prefills)
+        return sum(t for t, _ in self._prefills) / computing
 
     def step_seconds(self) -> float:
         """The median step of a busy engine (0 until measured): how long a request asked to wait

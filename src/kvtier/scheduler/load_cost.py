@@ -45,7 +45,7 @@ class LoadCosts:
     def __init__(self, config: SchedulerOffloadConfig, manager: OffloadingManager, stats: SchedulerStats,
                  fixed: CostSnapshot | None = None):
         self.config, self.manager, self.stats, self.fixed = config, manager, stats, fixed
-        self.prefill = PrefillRate(min_tokens=max(256, 4 * config.tokens_per_chunk))
+        self.prefill = PrefillRate(min_tokens=max(128, 2 * config.tokens_per_chunk))
         self.cpu = TransferRate(read_prior(CPU))
 
     def snapshot(self) -> CostSnapshot:
