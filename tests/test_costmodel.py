@@ -174,3 +174,15 @@ def test_a_tie_goes_to_loading_more():
     even = CostSnapshot({"cpu": ReadEstimate(2.0**30, 0.0)}, prefill_tokens_per_s=16 * 2.0**10)
     choice = choose_load(["cpu"] * 3, 2**20, 16, even)
     assert (choice.decision, choice.num_chunks) == ("load", 3)
+
+
+def test_the_scheduler_stats_flatten_the_decisions_by_kind_and_tier():
+    from kvtier.scheduler import SchedulerStats
+
+    stats = SchedulerStats()
+    for _ in range(13):
+        stats.count_decision("load", "cpu")
+    stats.count_decision("partial", "disk")
+    flat = stats.as_dict()
+    assert flat["load_decisions_load_cpu"] == 13 and flat["load_decisions_partial_disk"] == 1
+    assert flat["requests"] == 0 and "load_decisions" not in flat

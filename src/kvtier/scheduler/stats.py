@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -52,6 +52,6 @@ class SchedulerStats:
 
     def as_dict(self) -> dict[str, int]:
         """The counters (the decisions as `load_decisions_<decision>_<tier>`)."""
-        out = asdict(self)
-        out.update({f"load_decisions_{d}_{t}": n for (d, t), n in out.pop("load_decisions").items()})
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "load_decisions"}
+        out.update({f"load_decisions_{d}_{t}": n for (d, t), n in self.load_decisions.items()})
         return out
