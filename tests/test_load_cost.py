@@ -13,7 +13,7 @@ from kvtier.costmodel import CostSnapshot, ReadEstimate
 from kvtier.keys import make_offload_key
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim import FakeEngine, KVCache
-from kvtier.sim.fake_engine import make_slab
+from kvtier.sim.fake_engine import SimRequest, make_slab
 from kvtier.tiers.cascade import TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.disk.tier import DiskTier
@@ -148,3 +148,46 @@ def test_the_tiered_manager_measures_its_tiers_from_their_jobs(tmp_path):
 
 def _keys(engine, req_id: str, num_chunks: int):
     return [make_offload_key(h, 0) for h in engine.requests[req_id].block_hashes[:num_chunks]]
+
+
+def test_a_decision_is_not_reused_once_answered(tmp_path):
+    """Review finding F1: a request asked, answered, then not admitted (vLLM could not allocate its
+    blocks) is asked again later; by then its prefix moved from RAM to a slow disk."""
+    engine = engine_with(tmp_path, SLOW_DISK)
+    p = prompt(12, seed=1)
+    serve(engine, "p", p)
+    settle(engine)
+    engine.reset_prefix_cache()
+    q = SimRequest("q", p + [7], 1)
+    q.block_hashes = engine.hasher.hash_blocks(q.prompt)
+    # ask 1: p's 3 chunks are in RAM: load them all
+    assert engine.scheduler.get_num_new_matched_tokens(q.view(), 0) == (12, False)
+    # q is not admitted; two fillers push p's chunks out of the 4-slot RAM tier, onto the slow disk
+    for i in range(2):
+        serve(engine, f"filler-{i}", prompt(12, seed=40 + i))
+        settle(engine)
+    # ask 2 decides afresh: recompute (a reused decision would promote from the 1 kB/s disk and wait)
+    assert engine.scheduler.get_num_new_matched_tokens(q.view(), 0) == (0, False)
+    assert decisions(engine) == {("load", "cpu"): 1, ("recompute", "disk"): 1}
+    assert promotions(engine) == 0
+
+
+def test_a_preempted_request_decides_again_when_it_resumes(tmp_path):
+    """Review finding F1: q recomputed its prefix (on a slow disk), was preempted after storing it
+    to RAM; when it resumes, RAM holds its chunks: it loads them."""
+    engine = engine_with(tmp_path, SLOW_DISK)
+    p = prompt(8, seed=1)
+    only_on_disk(engine, p)
+    q = engine.add_request("q", p + prompt(4, seed=9) + [7], max_new_tokens=6)
+    for _ in range(3):  # q recomputes p and starts decoding; its chunks are stored in RAM
+        engine.step()
+    settle(engine)
+    assert decisions(engine) == {("recompute", "disk"): 1}
+    engine.preempt("q")
+    engine.reset_prefix_cache()
+    loaded_before = engine.scheduler.stats.loaded_chunks
+    engine.step()
+    assert engine.scheduler.stats.loaded_chunks - loaded_before == 3
+    assert decisions(engine) == {("recompute", "disk"): 1, ("load", "cpu"): 1}
+    engine.run()
+    assert q.is_finished

@@ -83,7 +83,7 @@ class JobCompletion:
             self.stats.failed_store_chunks += len(failed)
         else:
             state.load_job_id = None
-            self.costs.loaded(state, self._clock())
+            self.costs.loaded(state, record.job.job_id)
             self.manager.complete_load(record.keys, state.req_context)
             self.stats.failed_load_chunks += len(failed)
             state.had_failed_load |= bool(failed)

@@ -109,6 +109,8 @@ class SchedulerOffloadConfig:
             says (`kvtier.scheduler.load_cost`); "always": all of it.
         chunk_bytes: bytes of one chunk of every group on every worker (the cost model weighs
             them; 0: unknown, every found chunk is loaded).
+        steps_planned_ahead: steps the engine plans before the one running ends (vLLM's async
+            scheduling: 1), for timing its steps.
     """
 
     groups: tuple[GroupSpec, ...] = (GroupSpec(),)
@@ -122,6 +124,7 @@ class SchedulerOffloadConfig:
     store_mode: str = "eager"
     load_policy: str = "cost"
     chunk_bytes: int = 0
+    steps_planned_ahead: int = 0
 
     def __post_init__(self) -> None:
         for key, check in CHECKS.items():
@@ -133,8 +136,9 @@ class SchedulerOffloadConfig:
         if self.tokens_per_chunk % self.tokens_per_hash:
             raise ConfigError(f"a chunk ({self.tokens_per_chunk} tokens) must span whole hash blocks of "
                               f"{self.tokens_per_hash} tokens")
-        if self.chunk_bytes < 0:
-            raise ConfigError(f"chunk_bytes must be >= 0, got {self.chunk_bytes}")
+        if self.chunk_bytes < 0 or self.steps_planned_ahead < 0:
+            raise ConfigError(f"chunk_bytes and steps_planned_ahead must be >= 0: {self.chunk_bytes}, "
+                              f"{self.steps_planned_ahead}")
         if self.num_workers < 1:
             raise ConfigError(f"num_workers must be >= 1, got {self.num_workers}")
 

@@ -134,7 +134,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         self.manager.touch(state.chain_keys(scan.end_chunk), state.req_context)
         if scan.end_chunk <= start:
             return self._answer(state, num_local, 0)
-        state.pending_load = PendingLoad(start, scan.end_chunk, num_local)
+        state.pending_load = PendingLoad(start, scan.end_chunk, num_local, state.decided_load)
         return self._answer(state, num_local, scan.end_chunk * size - num_local)
 
     def _load_limit(self, state: RequestOffloadState, start: int, end: int) -> int | None:
@@ -146,6 +146,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         return limit
 
     def _answer(self, state: RequestOffloadState, num_local: int, hit_tokens: int) -> tuple[int, bool]:
+        state.decided_load = None  # kept across "ask again" only: the next question decides afresh
         state.answer = LookupAnswer(num_local, max(0, state.req.num_tokens - 1 - num_local))
         return hit_tokens, hit_tokens > 0 and self.config.load_mode == "async"
 
@@ -181,6 +182,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
             return False
         job = self._jobs.new_load(state, keys, blocks, spec.slot_ids)
         state.load_job_id = job.job_id
+        self.costs.load_started(state, pending.decided, self._clock())
         if self.config.load_mode == "async":
             self._next_plan.async_load_jobs.append(job)
             self._jobs.cap_deadline(job.job_id, self._budget_end(state))
@@ -240,7 +242,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         # (a job expired in this very step is no longer in the book: it is failed, nothing to flush)
         plan.flush_job_ids |= {j for j in state.transfer_jobs if j in self._jobs and self._jobs[j].is_store}
         state.clear_block_ids()
-        state.pending_load = None
+        state.pending_load = state.decided_load = None
 
     # -- (3.) store planning is `kvtier.scheduler.stores`; 5. completions `kvtier.scheduler.completions`
 
@@ -269,6 +271,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         self._next_plan.flush_job_ids |= self._jobs.start_new_generation()
         for state in self._requests.values():
             state.reset_store_cursors()
+            state.decided_load = None
         return True
 
     def take_events(self):

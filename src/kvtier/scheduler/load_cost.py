@@ -5,13 +5,16 @@ hits is (`locate`: no byte moves, no promotion starts), and decides with `choose
 to load: the scan then looks no further, so no promotion starts for a chunk the request will
 recompute. A request whose chunks a tier is still checking is asked again (the same bounded
 wait as the scan's); once its wait is spent, it decides on what is known. The decision is kept
-for the request until it loads, so its re-asks while promotions run do not change their mind.
+while the request is asked again (its promotions run), and dropped at the answer, a preemption
+or a reset: the next question (its tokens grew, a chunk moved) decides afresh.
 
 The figures: the tiered manager's read estimates (`read_estimates`), the host RAM tier's
 from the workers' load results (bytes and copy seconds), and the engine's prefill speed from
 the steps the scheduler plans (`PrefillRate`) — or a fixed `CostSnapshot` (the simulator's
 cost model). Each decision is counted (`SchedulerStats.load_decisions`), and each load that
-ends adds its expected and measured seconds (from the decision to the workers' report).
+ends adds its expected and measured seconds: from the decision to the load's start (its
+promotions), plus the workers' copy (the longest a worker reported; not the forward pass of a
+sync load's step).
 
 Thread-safety: the scheduler's (one thread).
 """
@@ -45,8 +48,9 @@ class LoadCosts:
     def __init__(self, config: SchedulerOffloadConfig, manager: OffloadingManager, stats: SchedulerStats,
                  fixed: CostSnapshot | None = None):
         self.config, self.manager, self.stats, self.fixed = config, manager, stats, fixed
-        self.prefill = PrefillRate(min_tokens=max(128, 2 * config.tokens_per_chunk))
+        self.prefill = PrefillRate(min_tokens=max(128, 2 * config.tokens_per_chunk), lag=config.steps_planned_ahead)
         self.cpu = TransferRate(read_prior(CPU))
+        self._copy_s: dict[int, float] = {}  # load job id -> the longest copy a worker reported
 
     def snapshot(self) -> CostSnapshot:
         """The figures a decision made now would use."""
@@ -62,17 +66,26 @@ class LoadCosts:
         self.prefill.step_started(now, tokens, frozenset(s.req_id for s in step.scheduled))
 
     def worker_results(self, results: Iterable[tuple[JobResult, bool]], now: float) -> None:
-        """Load results (`(result, is_load)`): the host RAM tier's bytes and copy seconds."""
-        for result, is_load in results:
-            if is_load and result.num_bytes > 0:
-                self.cpu.add(result.num_bytes, now - result.seconds, result.seconds)
+        """Load results (`(result, is_load)`): the host RAM tier's bytes and copy seconds. A worker
+        copies one batch after another, so results reported together are placed end to end."""
+        loads = [r for r, is_load in results if is_load]
+        start = now - sum(r.seconds for r in loads if r.num_bytes > 0)
+        for result in loads:
+            if result.num_bytes > 0:
+                self.cpu.add(result.num_bytes, start, result.seconds)
+                start += result.seconds
+            self._copy_s[result.job_id] = max(self._copy_s.get(result.job_id, 0.0), result.seconds)
 
-    def loaded(self, state: RequestOffloadState, now: float) -> None:
+    def load_started(self, state: RequestOffloadState, decided: DecidedLoad | None, now: float) -> None:
+        state.timed_load = None if decided is None else (decided, now - decided.decided_at)
+
+    def loaded(self, state: RequestOffloadState, job_id: int) -> None:
         """The request's load ended: its decision's expected seconds against the measured ones."""
-        decided, state.decided_load = state.decided_load, None
-        if decided is not None and decided.choice.num_chunks > 0:
-            self.stats.expected_load_us += int(decided.choice.load_s * 1e6)
-            self.stats.measured_load_us += int((now - decided.decided_at) * 1e6)
+        copy_s = self._copy_s.pop(job_id, 0.0)
+        timed, state.timed_load = state.timed_load, None
+        if timed is not None and timed[0].choice.num_chunks > 0:
+            self.stats.expected_load_us += int(timed[0].choice.load_s * 1e6)
+            self.stats.measured_load_us += int((timed[1] + copy_s) * 1e6)
             self.stats.timed_loads += 1
 
     # -- the decision ------------------------------------------------------------------

@@ -47,12 +47,22 @@ class RequestGroupState:
 
 
 @dataclass(frozen=True, slots=True)
+class DecidedLoad:
+    """A request's load-or-recompute decision (`kvtier.scheduler.load_cost`)."""
+
+    start_chunk: int  # the first chunk after the engine's own hits when it was made
+    choice: LoadChoice
+    decided_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class PendingLoad:
     """A hit found by a lookup, to become a load job once blocks are allocated."""
 
     start_chunk: int
     end_chunk: int
     num_local_tokens: int
+    decided: DecidedLoad | None = None  # the load-or-recompute decision behind it
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,15 +75,6 @@ class LookupAnswer:
 
     num_local_tokens: int
     num_query_tokens: int  # tokens after the engine's own hits that kvtier was asked for
-
-
-@dataclass(frozen=True, slots=True)
-class DecidedLoad:
-    """A request's load-or-recompute decision (`kvtier.scheduler.load_cost`), kept until it loads."""
-
-    start_chunk: int  # the first chunk after the engine's own hits when it was made
-    choice: LoadChoice
-    decided_at: float
 
 
 @dataclass(slots=True)
@@ -108,7 +109,8 @@ class RequestOffloadState:
     transfer_jobs: set[int] = field(default_factory=set)  # in-flight job ids
     load_job_id: int | None = None  # the in-flight load, if any
     pending_load: PendingLoad | None = None
-    decided_load: DecidedLoad | None = None
+    decided_load: DecidedLoad | None = None  # kept while the request is asked again, dropped at an answer
+    timed_load: tuple[DecidedLoad, float] | None = None  # the load in flight's decision, seconds waited for it
     answer: LookupAnswer | None = None  # the latest lookup answer, not counted yet
     num_deferrals: int = 0
     first_deferred_at: float | None = None

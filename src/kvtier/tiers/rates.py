@@ -39,10 +39,14 @@ class TierRates:
             self._queued[flight.tier] += flight.num_bytes
 
     def ended(self, flight: Flight, result: TierResult) -> None:
-        """`flight` ended with `result` (one given up on was counted by `expired` already)."""
-        if not flight.is_expired:
-            self._unqueue(flight)
-            self._rate(flight).add(flight.num_bytes, flight.submitted_at, result.seconds)
+        """`flight` ended with `result` (one given up on was counted by `expired` already). A job with
+        a failed key is not measured: a rejected or missing read takes no time for no bytes, and
+        would make the tier look faster than it reads."""
+        if flight.is_expired:
+            return
+        self._unqueue(flight)
+        if not result.failed_keys and result.num_bytes > 0:
+            self._rate(flight).add(result.num_bytes, flight.submitted_at, result.seconds)
 
     def expired(self, flight: Flight, timeout_s: float) -> None:
         """`flight` passed its deadline: it is counted as having taken `timeout_s`."""

@@ -99,6 +99,8 @@ def scheduler_config(cfg: KVTierConfig, vllm_config: Any, layout: EngineLayout) 
         hash_block_size=vllm_config.cache_config.block_size,
         load_policy=cfg.load_policy,
         chunk_bytes=layout.payload_bytes * len(layout.groups),
+        # vLLM's async scheduling plans step k+1 before step k ran (its batch queue holds two)
+        steps_planned_ahead=1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0,
     )
 
 
