@@ -122,7 +122,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         if state.params.max_load_tokens is not None:  # the request's cap on what it loads
             max_chunks = min(max_chunks, (num_local + state.params.max_load_tokens) // size)
         if start < max_chunks:  # load or recompute: how far the scan may look
-            max_chunks = self._load_limit(state, start, max_chunks)
+            max_chunks = self.costs.scan_end(state, start, max_chunks, self._clock())
             if max_chunks is None:
                 return None, False
         if start >= max_chunks:
@@ -136,14 +136,6 @@ class OffloadScheduler(StorePlanning, JobCompletion):
             return self._answer(state, num_local, 0)
         state.pending_load = PendingLoad(start, scan.end_chunk, num_local, state.decided_load)
         return self._answer(state, num_local, scan.end_chunk * size - num_local)
-
-    def _load_limit(self, state: RequestOffloadState, start: int, end: int) -> int | None:
-        """The chunk the scan stops at (`kvtier.scheduler.load_cost`); None: ask again next step."""
-        now = self._clock()
-        limit = self.costs.limit(state, start, end, now, final=False)
-        if limit is None and not may_defer(state, self.config, now, self.stats):
-            limit = self.costs.limit(state, start, end, now, final=True)
-        return limit
 
     def _answer(self, state: RequestOffloadState, num_local: int, hit_tokens: int) -> tuple[int, bool]:
         state.decided_load = None  # kept across "ask again" only: the next question decides afresh

@@ -28,6 +28,7 @@ from kvtier.costmodel.decision import CPU, CostSnapshot, choose_load
 from kvtier.costmodel.estimates import PrefillRate, TransferRate, read_prior
 from kvtier.jobs import JobResult
 from kvtier.scheduler.config import GroupKind, SchedulerOffloadConfig
+from kvtier.scheduler.lookup import may_defer
 from kvtier.scheduler.state import DecidedLoad, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
 from kvtier.scheduler.types import StepView
@@ -74,7 +75,8 @@ class LoadCosts:
             if result.num_bytes > 0:
                 self.cpu.add(result.num_bytes, start, result.seconds)
                 start += result.seconds
-            self._copy_s[result.job_id] = max(self._copy_s.get(result.job_id, 0.0), result.seconds)
+            if self.fixed is None:  # a simulation's loads take its clock's time, not the real copies'
+                self._copy_s[result.job_id] = max(self._copy_s.get(result.job_id, 0.0), result.seconds)
 
     def load_started(self, state: RequestOffloadState, decided: DecidedLoad | None, now: float) -> None:
         state.timed_load = None if decided is None else (decided, now - decided.decided_at)
@@ -89,6 +91,14 @@ class LoadCosts:
             self.stats.timed_loads += 1
 
     # -- the decision ------------------------------------------------------------------
+
+    def scan_end(self, state: RequestOffloadState, start: int, end: int, now: float) -> int | None:
+        """The chunk the request's scan stops at (<= `end`); None: ask again next step (a tier is
+        still checking, and the request's waiting budget allows it: `may_defer` spends it)."""
+        limit = self.limit(state, start, end, now, final=False)
+        if limit is None and not may_defer(state, self.config, now, self.stats):
+            limit = self.limit(state, start, end, now, final=True)
+        return limit
 
     def limit(self, state: RequestOffloadState, start: int, end: int, now: float, final: bool) -> int | None:
         """The chunk the request's scan stops at (<= `end`), or None while a tier still checks
