@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.base import (
+    NOT_KNOWN_YET,
     ChunkState,
     LoadSpec,
     LookupResult,
@@ -103,11 +104,13 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         return chunk is not None and chunk.state is not _RETIRED
 
     def locate(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[str | None]:
-        found: list[str | None] = [self.medium] * len(keys)
+        """A chunk being written (stored, or read up from a tier behind) is `NOT_KNOWN_YET`: how long
+        it still takes is not known here, and it is readable soon."""
+        found: list[str | None] = [None] * len(keys)
         for i, key in enumerate(keys):
             if not self.holds(key):
-                found[i:] = [None] * (len(keys) - i)
                 break
+            found[i] = self.medium if self.is_readable(key) else NOT_KNOWN_YET
         return found
 
     def is_readable(self, key: OffloadKey) -> bool:
