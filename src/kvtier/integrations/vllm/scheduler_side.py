@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import Counter
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = ["SchedulerSide"]
 
 logger = logging.getLogger(__name__)
 
+_REPORT_EVERY_S = 1.0  # with no scheduler counter changed, tier counters and gauges are reported this often
 _SCHEDULER_COUNTERS = ("deferrals", "deferral_timeouts", "store_alloc_failures", "failed_load_chunks",
                        "failed_store_chunks", "expired_jobs")
 
@@ -70,6 +72,7 @@ class SchedulerSide:
         self._block_pool: Any = None  # vLLM's BlockPool (lazy store mode reads its free queue)
         self._evict_lookahead = evict_lookahead(vllm_config, layout)
         self._reported = SchedulerStats()
+        self._reported_at = float("-inf")
         self._reported_tiers: dict[str, Counter[str]] = {}
         logger.info("kvtier: CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), chunks of %d block(s)%s",
                     self.num_slots, cfg.cpu_bytes, layout.num_workers, layout.blocks_per_chunk,
@@ -121,9 +124,16 @@ class SchedulerSide:
         for slab in self.slabs:
             slab.close()
 
-    def get_stats(self) -> KVTierStats:
-        """Deltas of the scheduler's counters since the last call, plus occupancy gauges."""
+    def get_stats(self) -> KVTierStats | None:
+        """Deltas of the scheduler's counters since the last report, plus occupancy gauges; None
+        (nothing to ship) while the scheduler's counters are unchanged and the last report is
+        younger than `_REPORT_EVERY_S`. vLLM asks at every step: a full report (the tiers' stats,
+        the estimates) cost ~1 ms a step, 2 % of a hit request's time on the tiny test model."""
         now, before = self.core.stats, self._reported
+        clock = time.monotonic()
+        if now == before and clock - self._reported_at < _REPORT_EVERY_S:
+            return None
+        self._reported_at = clock
         stats = KVTierStats()
         stats.add("hit_tokens", now.hit_tokens - before.hit_tokens)
         stats.add("miss_tokens", (now.query_tokens - now.hit_tokens) - (before.query_tokens - before.hit_tokens))
