@@ -75,6 +75,7 @@ def test_a_tier_without_a_prior_of_its_own_is_read_as_slowly_as_object_storage()
 
 def test_prefill_is_measured_from_consecutive_steps_of_a_busy_engine():
     prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
+    prefill.step_started(-10.0, 8, frozenset({"a"}))  # the engine's first forward pass: cold, 10 s, not counted
     now = 0.0
     prefill.step_started(now, 1000, frozenset({"a"}))  # request "a" prefills 1,000 tokens in 0.5 s
     now += 0.5
@@ -92,7 +93,7 @@ def test_prefill_is_measured_from_consecutive_steps_of_a_busy_engine():
 def test_a_noisy_fixed_part_never_makes_prefill_look_free():
     prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
     now = 0.0
-    for tokens, seconds in [(1000, 0.2), (1000, 0.2), (1, 0.3), (1, 0.3), (1, 0.3), (1, 0.3)]:
+    for tokens, seconds in [(8, 10.0), (1000, 0.2), (1000, 0.2), (1, 0.3), (1, 0.3), (1, 0.3), (1, 0.3)]:
         prefill.step_started(now, tokens, frozenset({"a"}))
         now += seconds
     prefill.step_started(now, 1, frozenset({"a"}))
@@ -248,3 +249,14 @@ def test_loads_a_worker_reported_together_ran_one_after_another():
         costs.worker_results([(JobResult(job_id=4 * step + i, num_bytes=64 * 2**20, seconds=0.016), True)
                               for i in range(4)], now=10.0 + step)
     assert costs.cpu.estimate().bytes_per_s == pytest.approx(64 * 2**20 / 0.016, rel=1e-6)
+
+
+def test_jobs_submitted_together_do_not_read_their_queueing_as_latency():
+    """bench_costmodel: seven promotions submitted at once through a slow link read a 6 ms latency
+    as 34 ms (each waited for the ones before it); the decision counts queued bytes separately."""
+    rate = TransferRate(PRIOR)
+    for i in range(7):  # 10 MB at 100 MB/s after 6 ms, one after another: job i ends at 6 ms + (i+1) x 0.1 s
+        rate.add(10 * MB, submitted_at=0.0, seconds=0.006 + 0.1 * (i + 1))
+    measured = rate.estimate()
+    assert measured.latency_s == pytest.approx(0.006, abs=1e-3)
+    assert measured.bytes_per_s == pytest.approx(70 * MB / 0.706, rel=1e-6)

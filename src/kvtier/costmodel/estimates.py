@@ -4,10 +4,11 @@ the engine prefills, as measured while it runs.
 - **A tier's transfers** (`TransferRate`): from the jobs it completed — bytes, when each was
   submitted, how long it took — over the last `window` jobs. Throughput is bytes over *busy*
   time (the union of the jobs' [submitted, ended] intervals), so concurrent jobs are not
-  mistaken for slow ones; latency is the median of what each job took beyond its bytes at
-  that throughput. A job's share of busy time is capped at `_STALL_FACTOR` times the window's
-  median job time: one stalled job (a network hiccup, a job given up on) lowers the estimate
-  for a while, it does not make the tier look dead for the next `window` jobs. A tier that is
+  mistaken for slow ones; latency is the least any job took beyond its bytes at that
+  throughput (what a job waited behind the others is queueing, counted at decision time). A
+  job's share of busy time is capped at `_STALL_FACTOR` times the window's median job time:
+  one stalled job (a network hiccup, a job given up on) lowers the estimate for a while, it
+  does not make the tier look dead for the next `window` jobs. A tier that is
   slow on every job moves the median itself, so the cap follows it.
 - **The engine's prefill** (`PrefillRate`): tokens per second of the engine's steps, from the
   time between two consecutive steps of a busy engine and the tokens the first one computed:
@@ -127,7 +128,10 @@ class TransferRate:
         if num_bytes <= 0 or busy <= 0:
             return self.prior
         rate = num_bytes / busy
-        latency = statistics.median(max(0.0, s - b / rate) for b, _, s in self._jobs)
+        # the least a job took beyond its bytes: jobs submitted together also waited for each other,
+        # which a decision counts separately (`queued_bytes`); seven promotions submitted at once
+        # read a 6 ms latency as 34 ms through their median
+        latency = min(max(0.0, s - b / rate) for b, _, s in self._jobs)
         return ReadEstimate(rate, latency, num_samples=len(self._jobs))
 
 
@@ -162,6 +166,7 @@ class PrefillRate:
         self._smalls: deque[float] = deque(maxlen=window)  # seconds of steps under min_tokens
         self._durations: deque[float] = deque(maxlen=window)  # every step measured
         self._planned: deque[tuple[float, int, frozenset[str]]] = deque(maxlen=lag + 2)  # (at, tokens, req ids)
+        self._saw_first = False
 
     @property
     def num_samples(self) -> int:
@@ -178,6 +183,9 @@ class PrefillRate:
         steps = list(planned)
         seconds = now - steps[-2][0]
         if seconds <= 0 or any(a[2].isdisjoint(b[2]) for a, b in pairwise(steps)):
+            return
+        if not self._saw_first:  # an engine's first forward pass is cold (8-11 s here, whatever its size)
+            self._saw_first = True
             return
         self._durations.append(seconds)
         if steps[0][1] >= self.min_tokens:
