@@ -75,7 +75,6 @@ def test_a_tier_without_a_prior_of_its_own_is_read_as_slowly_as_object_storage()
 
 def test_prefill_is_measured_from_consecutive_steps_of_a_busy_engine():
     prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
-    prefill.step_started(-10.0, 8, frozenset({"a"}))  # the engine's first forward pass: cold, 10 s, not counted
     now = 0.0
     prefill.step_started(now, 1000, frozenset({"a"}))  # request "a" prefills 1,000 tokens in 0.5 s
     now += 0.5

@@ -12,8 +12,8 @@ the engine prefills, as measured while it runs.
   slow on every job moves the median itself, so the cap follows it.
 - **The engine's prefill** (`PrefillRate`): tokens per second of the engine's steps, from the
   time between two consecutive steps of a busy engine and the tokens the first one computed:
-  the prefill-sized steps' tokens over their time less a step's fixed part (measured on the
-  small, decode steps, so it does not make recomputing look slower than it is). A step counts
+  the median over prefill-sized steps of their tokens over their time less a step's fixed part
+  (measured on the small, decode steps, so it does not make recomputing look slower than it is). A step counts
   only when the next one continued one of its requests (an engine that idled in between says
   nothing about its speed).
 - **Priors**: until a tier or the engine has been measured, `READ_PRIORS` (what each kind of
@@ -166,7 +166,6 @@ class PrefillRate:
         self._smalls: deque[float] = deque(maxlen=window)  # seconds of steps under min_tokens
         self._durations: deque[float] = deque(maxlen=window)  # every step measured
         self._planned: deque[tuple[float, int, frozenset[str]]] = deque(maxlen=lag + 2)  # (at, tokens, req ids)
-        self._saw_first = False
 
     @property
     def num_samples(self) -> int:
@@ -184,9 +183,6 @@ class PrefillRate:
         seconds = now - steps[-2][0]
         if seconds <= 0 or any(a[2].isdisjoint(b[2]) for a, b in pairwise(steps)):
             return
-        if not self._saw_first:  # an engine's first forward pass is cold (8-11 s here, whatever its size)
-            self._saw_first = True
-            return
         self._durations.append(seconds)
         if steps[0][1] >= self.min_tokens:
             self._prefills.append((steps[0][1], seconds))
@@ -197,8 +193,9 @@ class PrefillRate:
         if len(self._prefills) < _MIN_PREFILL_STEPS:
             return self.prior_tokens_per_s
         fixed = statistics.median(self._smalls) if len(self._smalls) >= _MIN_SAMPLES else 0.0
-        computing = sum(max(s - fixed, s / 2) for _, s in self._prefills)
-        return sum(t for t, _ in self._prefills) / computing
+        # the median step's speed: an engine's first forward pass is cold (8-11 s here whatever its
+        # size), and a sum over the window would carry it for the next 32 prefill steps
+        return statistics.median(t / max(s - fixed, s / 2) for t, s in self._prefills)
 
     def step_seconds(self) -> float:
         """The median step of a busy engine (0 until measured): how long a request asked to wait
