@@ -104,7 +104,7 @@ def test_a_head_in_ram_and_a_tail_on_a_slow_disk_loads_exactly_the_head(tmp_path
     engine.reset_prefix_cache()
     serve(engine, "head", head + [5])
     settle(engine)
-    assert [engine.manager.primary.holds(k) for k in _keys(engine, "head", 2)] == [True, True]
+    assert [engine.manager.primary.place(k) for k in _keys(engine, "head", 2)] == ["cpu", "cpu"]
     engine.reset_prefix_cache()
     # the whole prefix again: the head comes from RAM, the tail is recomputed (not read from disk)
     req = serve(engine, "whole-again", head + tail + [9])

@@ -129,8 +129,8 @@ class TieredManager(Promotions, OffloadingManager):
         self._poll()
         found: list[str | None] = [None] * len(keys)
         for i, key in enumerate(keys):
-            if self.primary.holds(key):  # a chunk being written or promoted: readable soon
-                found[i] = self.medium if self.primary.is_readable(key) else NOT_KNOWN_YET
+            found[i] = self.primary.place(key)
+            if found[i] is not None:
                 continue
             for slot in self._tiers:
                 result = slot.tier.lookup(key)

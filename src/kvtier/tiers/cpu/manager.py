@@ -98,19 +98,21 @@ class CPUTierManager(ChunkStores, OffloadingManager):
             return _HIT
         return _HIT_PENDING
 
-    def holds(self, key: OffloadKey) -> bool:
-        """Whether `key` is here, readable or being written (counts no hit or miss)."""
+    def place(self, key: OffloadKey) -> str | None:
+        """`locate`'s answer for one key: this tier's medium when readable, `NOT_KNOWN_YET` while it
+        is being written (stored, or read up from a tier behind: how long it still takes is not
+        known here, and it is readable soon), None when not here (counts no hit or miss)."""
         chunk = self._chunks.get(key)
-        return chunk is not None and chunk.state is not _RETIRED
+        if chunk is None or chunk.state is _RETIRED:
+            return None
+        return self.medium if chunk.state is _READY else NOT_KNOWN_YET
 
     def locate(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[str | None]:
-        """A chunk being written (stored, or read up from a tier behind) is `NOT_KNOWN_YET`: how long
-        it still takes is not known here, and it is readable soon."""
         found: list[str | None] = [None] * len(keys)
         for i, key in enumerate(keys):
-            if not self.holds(key):
+            found[i] = self.place(key)
+            if found[i] is None:
                 break
-            found[i] = self.medium if self.is_readable(key) else NOT_KNOWN_YET
         return found
 
     def is_readable(self, key: OffloadKey) -> bool:
