@@ -52,6 +52,8 @@ class LoadCosts:
         self.prefill = PrefillRate(min_tokens=max(128, 2 * config.tokens_per_chunk), lag=config.steps_planned_ahead)
         self.cpu = TransferRate(read_prior(CPU))
         self._copy_s: dict[int, float] = {}  # load job id -> the longest copy a worker reported
+        # nothing to weigh with (chunk size unknown, or no full-attention group): load what the scan finds
+        self._decides = bool(config.chunk_bytes) and any(g.kind is GroupKind.FULL for g in config.groups)
 
     def snapshot(self) -> CostSnapshot:
         """The figures a decision made now would use."""
@@ -106,8 +108,8 @@ class LoadCosts:
         decided = state.decided_load
         if decided is not None and decided.start_chunk == start:
             return min(end, start + decided.choice.num_chunks)
-        if not self.config.chunk_bytes or not any(g.kind is GroupKind.FULL for g in self.config.groups):
-            return end  # nothing to weigh with: load what the scan finds
+        if not self._decides:
+            return end
         locations = self._locate(state, start, end)
         if NOT_KNOWN_YET in locations:
             if not final:
