@@ -12,7 +12,7 @@ MAX_LINES = 300
 # lower layers first; a module may import its own layer and those before it, never one after
 LAYERS = [
     ("kvtier.errors",),
-    ("kvtier.keys", "kvtier.jobs"),
+    ("kvtier.keys", "kvtier.jobs", "kvtier.hints"),
     ("kvtier.policies", "kvtier.costmodel"),
     ("kvtier.base", "kvtier.settings"),
     ("kvtier.tiers", "kvtier.slab", "kvtier.shm"),

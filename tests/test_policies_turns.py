@@ -49,7 +49,7 @@ def conversations(policy: str) -> CPUTierManager:
 
 def test_a_conversation_that_came_back_outlives_a_newer_first_turn():
     m = conversations("test_policies_turns:Bonus1")
-    assert [m._policy.depth[key(k)] for k in (S, A1, A2, B1)] == [1, 2, 3, 2]
+    assert [m._policy.inner.depth[key(k)] for k in (S, A1, A2, B1)] == [1, 2, 3, 2]
     # C's first turn needs 2 slots, 1 is free: B's first turn goes, A (two turns deep) stays
     assert turn(m, (S,), (C1, C2)) == [B1]
 

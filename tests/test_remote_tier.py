@@ -299,8 +299,8 @@ def held_redis_store():
             self.listing.hold()
             yield from super().list_names(prefix)
 
-        def put(self, items):
-            written = super().put(items)
+        def put(self, items, keep_s=None):
+            written = super().put(items, keep_s)
             self.put_done.hold()
             return written
 

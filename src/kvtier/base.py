@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ import numpy as np
 
 from kvtier.costmodel.estimates import ReadEstimate
 from kvtier.errors import ConfigError
+from kvtier.hints import NO_HINTS, Hints
 from kvtier.keys import OffloadKey
 
 __all__ = [
@@ -63,10 +64,13 @@ class ReqContext:
     Args:
         req_id: the engine's request id; required, it is how state is tracked per request.
         kv_transfer_params: the request's `kv_transfer_params`, if any (untrusted input).
+        hints: what the request says about its future, validated (`kvtier.hints`); the
+            scheduler reads them from `kv_transfer_params`.
     """
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
+    hints: Hints = NO_HINTS
 
     def __post_init__(self) -> None:
         if not isinstance(self.req_id, str):
@@ -262,6 +266,10 @@ class OffloadingManager(ABC):
                 return found + [None] * (len(keys) - len(found))
             found.append(NOT_KNOWN_YET if result is LookupResult.RETRY else self.medium)
         return found
+
+    def use_clock(self, clock: Callable[[], float]) -> None:  # noqa: B027 (an optional hook)
+        """The clock the scheduler reads (monotonic seconds): hint durations count on it. Called
+        once by the scheduler that drives this manager."""
 
     def read_estimates(self) -> dict[str, ReadEstimate]:
         """What reading a chunk from each tier behind this one costs now, by `medium` (measured

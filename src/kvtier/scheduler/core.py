@@ -84,6 +84,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         self.stats = SchedulerStats()
         self.costs = LoadCosts(config, manager, self.stats, costs)
         self._clock = clock
+        manager.use_clock(clock)
         self._requests: dict[str, RequestOffloadState] = {}
         self._jobs = TransferJobBook(config.num_workers, config.job_timeout_s)
         self._next_plan = StepPlan()  # jobs created between two build_connector_meta calls

@@ -2,10 +2,12 @@
 
 kvtier reads only its own sub-dict, so other connectors' parameters pass through:
 
-    {"kvtier": {"load": false, "store": true, "max_load_tokens": 512}}
+    {"kvtier": {"load": false, "store": true, "max_load_tokens": 512, "session": "chat-42", "retain_s": 600}}
 
 `max_load_tokens` caps the tokens a request loads from kvtier after the engine's own hits (0:
-none), with the meaning of vLLM's own `max_load_tokens`: the rest is recomputed.
+none), with the meaning of vLLM's own `max_load_tokens`: the rest is recomputed. The hints
+(`session`, `retain_s`, `priority`, `next_turn_s`, `end_session`) are read by
+`kvtier.hints.parse_hints` and reach every manager call in `ReqContext.hints`.
 
 Anything malformed is ignored with a warning naming the problem; it never raises, and a
 warning quotes at most a line of what it got (a request may send megabytes of garbage).
@@ -18,11 +20,13 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.hints import HINT_NAMES, NO_HINTS, Hints, parse_hints
+
 __all__ = ["OffloadParams", "parse_kv_transfer_params"]
 
 logger = logging.getLogger(__name__)
 _FLAGS = ("load", "store")
-_KNOWN = (*_FLAGS, "max_load_tokens")
+_KNOWN = (*_FLAGS, "max_load_tokens", *HINT_NAMES)
 _MAX_TOKENS = 2**63 - 1
 
 
@@ -31,6 +35,8 @@ class OffloadParams:
     load: bool = True  # may this request load from kvtier
     store: bool = True  # may this request's chunks be stored
     max_load_tokens: int | None = None  # at most this many tokens loaded after the engine's hits
+    hints: Hints = NO_HINTS  # what the request says about its future (`kvtier.hints`)
+
 
 def parse_kv_transfer_params(raw: Any, req_id: str) -> OffloadParams:
     """Read kvtier's options for one request; defaults on anything malformed."""
@@ -72,4 +78,4 @@ def _parse(raw: Any, req_id: str) -> OffloadParams:
     elif cap is not None:
         logger.warning("request %s: kvtier param 'max_load_tokens' must be a non-negative integer, got %s; ignored",
                        req_id, reprlib.repr(cap))
-    return OffloadParams(**values)
+    return OffloadParams(**values, hints=parse_hints(ours, req_id))

@@ -122,8 +122,8 @@ class RequestOffloadState:
     def __post_init__(self) -> None:
         self.group_states = [RequestGroupState(g, spec) for g, spec in enumerate(self.config.groups)]
         raw = self.req.kv_transfer_params
-        self.req_context = ReqContext(self.req.req_id, raw if isinstance(raw, dict) else None)
         self.params = parse_kv_transfer_params(raw, self.req.req_id)
+        self.req_context = ReqContext(self.req.req_id, raw if isinstance(raw, dict) else None, self.params.hints)
 
     @property
     def req_id(self) -> str:

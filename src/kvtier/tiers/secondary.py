@@ -38,6 +38,7 @@ import xxhash
 
 from kvtier.base import LookupResult, OffloadingEvent, TierStats
 from kvtier.keys import OffloadKey
+from kvtier.policies.retention import RetentionBook
 
 __all__ = ["HEADER_BYTES", "SecondaryTier", "TierJob", "TierResult", "TierStats", "ValueHeader", "checksum"]
 
@@ -183,6 +184,11 @@ class SecondaryTier(ABC):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (an optional hook)
         """`keys` were used (recency for the tier's own eviction)."""
+
+    def use_retention(self, book: RetentionBook) -> None:  # noqa: B027 (an optional hook)
+        """The requests' hints (`kvtier.policies.retention`), shared by every tier of the manager: a
+        tier that evicts ranks its chunks by them; one whose values expire keeps kept ones longer.
+        Called once, before any job."""
 
     def take_events(self) -> list[OffloadingEvent]:
         """Stored / removed events since the last call, with this tier's `medium`."""

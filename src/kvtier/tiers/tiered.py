@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -94,6 +94,8 @@ class TieredManager(Promotions, OffloadingManager):
         self.payload_bytes = sum(s.shape[1] for s in slabs)
         self._slabs = list(slabs)
         self._tiers = [SecondarySlot(t, r, max_tracked=max(4 * primary.num_slots, 1024)) for t, r in secondaries]
+        for tier, _ in secondaries:
+            tier.use_retention(primary.retention)  # one book of hints for every tier
         self._write_down = WriteDown(primary, self._tiers, slabs, staging_bytes, self._submit)
         self._flights = Flights(job_timeout_s)
         self._rates = TierRates(self.tiers)
@@ -187,6 +189,9 @@ class TieredManager(Promotions, OffloadingManager):
         for slot in self._tiers:
             events.extend(slot.tier.take_events())
         return events
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        self.primary.use_clock(clock)  # its retention book is the tiers'
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         self._awaited.pop(ctx.req_id, None)

@@ -17,7 +17,7 @@ Thread-safety: not thread-safe. The scheduler calls it from one thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from kvtier.base import (
 from kvtier.errors import ConfigError, InvariantError, NotReadyError
 from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey, key_length_error
 from kvtier.policies import make_policy
+from kvtier.policies.retention import RetainingPolicy, RetentionBook
 from kvtier.tiers.admission import ReuseGate
 from kvtier.tiers.cpu.ledger import RequestLedger
 from kvtier.tiers.cpu.slots import Chunk, SlotAllocator
@@ -55,6 +56,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         store_threshold: store a key only on its N-th offer (1 = always).
         enable_events: record stored/removed events for `take_events`.
         key_bytes: length of every offload key (block-hash bytes + 4).
+        retention: the requests' hints, shared with the tiers behind this one (a new book if None).
     """
 
     medium = "cpu"
@@ -66,6 +68,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         store_threshold: int = 1,
         enable_events: bool = True,
         key_bytes: int = OFFLOAD_KEY_BYTES,
+        retention: RetentionBook | None = None,
     ):
         if not isinstance(num_slots, int) or num_slots <= 0:
             raise ConfigError(f"num_slots must be a positive int, got {num_slots!r}; raise cpu_bytes or shrink chunks")
@@ -74,7 +77,8 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         self.num_slots = num_slots
         self.key_bytes = key_bytes
         self.enable_events = enable_events
-        self._policy = make_policy(policy, num_slots)
+        self.retention = RetentionBook(max_entries=max(8 * num_slots, 1 << 16)) if retention is None else retention
+        self._policy = RetainingPolicy(make_policy(policy, num_slots), self.retention)
         self._gate = ReuseGate(store_threshold, max_tracked=max(4 * num_slots, 1024))
         self._slots = SlotAllocator(num_slots)
         self._chunks: dict[OffloadKey, Chunk] = {}
@@ -135,11 +139,13 @@ class CPUTierManager(ChunkStores, OffloadingManager):
             chunk.pins += 1
             self._ledger.pin(ctx.req_id, key)
             slot_ids[i] = chunk.slot
+        self.retention.note(keys, ctx.hints)
         return SlotSpec(self.medium, slot_ids)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys)
         self._ledger.extend_chain(ctx.req_id, keys)
+        self.retention.note(keys, ctx.hints)
 
     def join_chain(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """`keys` belong to the request's prefix (a lookup found them): its promotions spare them
@@ -159,7 +165,15 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         events, self._events = self._events, []
         return events
 
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        self.retention.set_clock(clock)
+
     def on_request_finished(self, ctx: ReqContext) -> None:
+        if not ctx.hints.is_empty:  # kept from the request's end; its session's end drops them
+            chain = self._ledger.chain(ctx.req_id)
+            self.retention.note(chain, ctx.hints)
+            if ctx.hints.end_session:
+                self.retention.end_session(ctx.hints, chain)
         for key, count in self._ledger.release(ctx.req_id).items():
             for _ in range(count):
                 self._released_pins += 1
@@ -180,6 +194,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         self._num_pending = self._num_evictable = 0
         self._policy.clear()
         self._gate.clear()
+        self.retention.clear()
         self._emit(removed, removed=True)
 
     def stats(self) -> ManagerStats:

@@ -22,6 +22,7 @@ from kvtier.base import ChunkState, PrepareStoreOutput, ReqContext, SlotSpec
 from kvtier.errors import InvariantError
 from kvtier.keys import OffloadKey, key_length_error
 from kvtier.policies import CachePolicy
+from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.admission import ReuseGate
 from kvtier.tiers.cpu.ledger import RequestLedger
 from kvtier.tiers.cpu.slots import Chunk, SlotAllocator
@@ -50,6 +51,7 @@ class ChunkStores:
     medium: str
     key_bytes: int
     _policy: CachePolicy
+    retention: RetentionBook
     _gate: ReuseGate
     _slots: SlotAllocator
     _chunks: dict[OffloadKey, Chunk]
@@ -127,6 +129,7 @@ class ChunkStores:
                 self._failed_stores += 1
                 self._free(key, chunk)
         if ready:
+            self.retention.note(ready, ctx.hints)
             self._policy.insert(ready)
             self._policy.order_chain([k for k in self._ledger.chain(ctx.req_id) if k in self._policy])
             self._num_evictable += len(ready)

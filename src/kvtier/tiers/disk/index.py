@@ -23,6 +23,7 @@ from collections.abc import Callable, Container, Sequence
 
 from kvtier.keys import OffloadKey
 from kvtier.policies import CachePolicy, make_policy
+from kvtier.policies.retention import RetainingPolicy, RetentionBook
 
 __all__ = ["DiskIndex", "Spared"]
 
@@ -58,11 +59,23 @@ class DiskIndex:
         # store writing them again (its rename replaces it; if it fails, the file is this tier's to delete)
         self.left_for_store: set[OffloadKey] = set()
         self._policy_spec, self._cond = policy_spec, cond
+        self._retention: RetentionBook | None = None
         self._tickets = itertools.count(1)
+
+    def use_retention(self, book: RetentionBook) -> None:
+        """Evict by the requests' hints from now on (`kvtier.policies.retention`); under the lock."""
+        self._retention = book
+        self.policy = self._ranked(self.policy)
 
     def new_policy(self) -> CachePolicy:
         """An empty policy of the index's kind (for the start-up scan to fill without the lock)."""
         return make_policy(self._policy_spec, self.capacity_files)
+
+    def _ranked(self, policy: CachePolicy) -> CachePolicy:
+        """`policy` evicting by the hints' ranks, once there is a book of them."""
+        if self._retention is None or isinstance(policy, RetainingPolicy):
+            return policy
+        return RetainingPolicy(policy, self._retention)
 
     def is_ready(self, key: OffloadKey) -> bool:
         return key in self.policy
@@ -155,7 +168,7 @@ class DiskIndex:
         scanned.insert(fresh)  # stored during the scan: more recent than any scanned file
         excess = len(scanned) + len(self.pending) - self.capacity_files
         victims = (scanned.evict(excess, Spared(set(fresh), self.pinned)) or []) if excess > 0 else []
-        self.policy = scanned
+        self.policy = self._ranked(scanned)
         return victims
 
     def adopt(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:

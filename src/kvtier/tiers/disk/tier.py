@@ -34,6 +34,7 @@ from pathlib import Path
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
+from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.disk.files import ChunkFiles
 from kvtier.tiers.disk.format import choose_direct_io
 from kvtier.tiers.disk.index import DiskIndex, Spared
@@ -124,6 +125,10 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         with self._lock:
             self._index.policy.touch(keys)
+
+    def use_retention(self, book: RetentionBook) -> None:
+        with self._lock:
+            self._index.use_retention(book)
 
     @property
     def queued_store_bytes(self) -> int:

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvtier.keys import OffloadKey
+from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.rate_limited_log import RateLimitedLog
 from kvtier.tiers.remote.breaker import CircuitBreaker
 from kvtier.tiers.remote.credentials import redact
@@ -47,6 +48,7 @@ class RemoteIO:
     _queued_store_bytes: int
     _log: RateLimitedLog
     _reset: ResetSweep
+    _retention: RetentionBook | None
 
     def _job(self, run: Callable[..., None], job: TierJob, *args: object) -> None:
         """`run(job, *args)` on a pool thread; the reset's sweep is told when it is over, whatever happens."""
@@ -118,7 +120,8 @@ class RemoteIO:
         failed, error, written = set(bad), None, [False] * len(todo)
         try:
             if todo:
-                written = self.store.put([(self.codec.name(k), self.codec.pack(k, bufs)) for k, bufs in todo])
+                written = self.store.put([(self.codec.name(k), self.codec.pack(k, bufs)) for k, bufs in todo],
+                                         self._keep_s([k for k, _ in todo]))
                 self.breaker.record_success()
         except Exception as exc:
             failed.update(k for k, _ in todo)
@@ -138,6 +141,14 @@ class RemoteIO:
             num_bytes = len(new_keys) * self.codec.payload_bytes
             self._book.count("store", len(new_keys), len(failed), num_bytes, started)
             self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
+
+    def _keep_s(self, keys: Sequence[OffloadKey]) -> list[float] | None:
+        """How long each value is to be kept at least, by the requests' hints (None: no book)."""
+        book = self._retention
+        if book is None or not len(book):
+            return None
+        now = book.clock()
+        return [max(0.0, (book.kept_until(key) or now) - now) for key in keys]
 
     def _failed(self, exc: Exception, what: str) -> str:
         """Count a failed operation (timeouts apart), feed the breaker; the message to report."""

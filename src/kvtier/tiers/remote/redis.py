@@ -31,6 +31,7 @@ wait); `ping` and `list_names` use redis-py's client (two more connections per n
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from urllib.parse import urlsplit
@@ -103,7 +104,6 @@ class RedisStore(RemoteStore):
         if parts.scheme == "rediss":
             self._kwargs.update(ssl=True, ssl_ca_certs=ca_file)
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
-        self._expiry = () if self._ttl_ms is None else (b"PX", b"%d" % self._ttl_ms)
         self._calls = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._cluster: RedisCluster | None = None
@@ -163,13 +163,18 @@ class RedisStore(RemoteStore):
             offset += buf.nbytes
         return expected
 
-    def put(self, items: Sequence[tuple[str, ValueParts]]) -> list[bool]:
-        """SET NX (with PX when the store has a TTL) per item; the parts are sent without copying."""
+    def put(self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None) -> list[bool]:
+        """SET NX (with PX when the store has a TTL: the longer of it and the item's `keep_s`) per
+        item; the parts are sent without copying."""
         names = [name for name, _ in items]
-        commands = [set_command(name.encode(), parts, self._expiry) for name, parts in items]
+        ttl_ms = [self._ttl_ms] * len(items)
+        if keep_s is not None and self._ttl_ms is not None:
+            ttl_ms = [max(self._ttl_ms, math.ceil(1000 * keep)) for keep in keep_s]
+        commands = [set_command(name.encode(), parts, () if ttl is None else (b"PX", b"%d" % ttl))
+                    for (name, parts), ttl in zip(items, ttl_ms, strict=True)]
 
         def put_one(i: int) -> object:
-            return self._client().set(names[i], b"".join(items[i][1]), nx=True, px=self._ttl_ms)
+            return self._client().set(names[i], b"".join(items[i][1]), nx=True, px=ttl_ms[i])
 
         weights = [sum(map(nbytes, parts)) for _, parts in items]
         return [reply is not None for reply in self._run(names, commands, put_one, weights=weights)]

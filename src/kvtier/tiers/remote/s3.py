@@ -138,7 +138,9 @@ class S3Store(RemoteStore):
         """Each name's value copied into `buffers[i]` when its size is theirs; its size (None when absent)."""
         return self._each(lambda item: self._get_one_into(*item), list(zip(names, buffers, strict=True)))
 
-    def put(self, items: Sequence[tuple[str, ValueParts]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None) -> list[bool]:
+        """PUT if absent, per item; `keep_s` needs nothing: kvtier never expires an object (a bucket's
+        lifecycle rule may, and then the value is a miss)."""
         return self._each(self._put_one, items)
 
     def delete(self, names: Sequence[str]) -> None:

@@ -72,11 +72,12 @@ class RemoteStore(ABC):
         return sizes
 
     @abstractmethod
-    def put(self, items: Sequence[tuple[str, ValueParts]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None) -> list[bool]:
         """Write each value unless its name exists; True where written, False where it existed.
 
         The parts are read (not kept) before this returns; a store sends them with as few
-        copies as its client allows. A store with a TTL sets it on every value it writes.
+        copies as its client allows. A store with a TTL sets it on every value it writes, and
+        never shorter than the value's `keep_s` (seconds a request asked it be kept, or 0).
         """
 
     @abstractmethod

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.errors import InvariantError
 from kvtier.keys import OffloadKey
+from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.rate_limited_log import RateLimitedLog
 from kvtier.tiers.remote.breaker import CircuitBreaker
@@ -93,6 +94,7 @@ class RemoteTier(RemoteIO, SecondaryTier):
         self._book = RemoteReports(self.medium, enable_events)  # under _lock
         self._counters = self._book.counters
         self._queued_store_bytes = 0
+        self._retention: RetentionBook | None = None  # the manager's hints: values kept longer (a TTL)
         self._log = RateLimitedLog(logger)
         self._workers = Workers(self._cond, io_threads, io_threads, logger, self.medium)
         self._reset = ResetSweep(self._cond, store, self.codec.name_prefix, self._workers, self._log,
@@ -147,6 +149,9 @@ class RemoteTier(RemoteIO, SecondaryTier):
         self._counters[counter] += len(job.keys)
         self._book.finish(job, set(job.keys), 0, 0.0, why)
         return True
+
+    def use_retention(self, book: RetentionBook) -> None:
+        self._retention = book
 
     def submit_store(self, job: TierJob) -> None:
         with self._cond:

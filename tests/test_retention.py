@@ -1,0 +1,230 @@
+"""Client hints at eviction: `kvtier.hints` (reading them) and `kvtier.policies.retention` (honoring
+them), on the CPU tier of capacity 4 unless a test says otherwise, over every registered policy."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+
+import pytest
+
+from helpers import key, keys, nums
+from kvtier import CPUTierManager
+from kvtier.base import ReqContext
+from kvtier.hints import NO_HINTS, Hints, parse_hints
+from kvtier.policies import make_policy, policy_names
+from kvtier.policies.retention import ORDINARY, RetainingPolicy, RetentionBook
+from kvtier.scheduler.params import parse_kv_transfer_params
+
+_requests = itertools.count()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ctx(req_id: str | None = None, **hints) -> ReqContext:
+    return ReqContext(req_id or f"r{next(_requests)}", None, Hints(**hints) if hints else NO_HINTS)
+
+
+def manager(policy: str = "lru", slots: int = 4) -> tuple[CPUTierManager, Clock]:
+    m, clock = CPUTierManager(slots, policy=policy), Clock()
+    m.use_clock(clock)
+    return m, clock
+
+
+def run(m: CPUTierManager, ids, context: ReqContext | None = None) -> list[int] | None:
+    """One request stores `ids` and ends; the keys it evicted (None: no room)."""
+    context = context or ctx()
+    out = m.prepare_store(keys(*ids), context)
+    if out is not None:
+        m.complete_store(out.keys_to_store, context)
+    m.on_request_finished(context)
+    m.check()
+    return None if out is None else nums(out.evicted_keys)
+
+
+# -- reading hints ----------------------------------------------------------------------------
+
+
+def test_hints_are_read_from_kvtiers_own_params():
+    params = parse_kv_transfer_params({"kvtier": {"session": "chat-1", "retain_s": 60, "priority": -2,
+                                                  "next_turn_s": 5.5, "end_session": False}}, "r")
+    assert params.hints == Hints("chat-1", 60.0, -2, 5.5, False) and params.hints.keep_s == 60.0
+    assert parse_kv_transfer_params({"other": {"session": "x"}}, "r").hints is NO_HINTS
+
+
+@pytest.mark.parametrize("bad", [{"session": ""}, {"session": 7}, {"session": "x" * 257}, {"retain_s": -1},
+                                 {"retain_s": float("nan")}, {"retain_s": "60"}, {"retain_s": True},
+                                 {"next_turn_s": 1e12}, {"priority": 1.5}, {"priority": 10**6},
+                                 {"priority": False}, {"end_session": "yes"}])
+def test_a_bad_hint_is_ignored_with_a_warning_naming_it(bad, caplog):
+    with caplog.at_level(logging.WARNING):
+        hints = parse_hints(bad, "req-9")
+    (name,) = bad
+    assert getattr(hints, name) == getattr(NO_HINTS, name)
+    assert f"'{name}'" in caplog.text and "req-9" in caplog.text
+
+
+# -- the CPU tier honors them (every policy) --------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_kept_chunks_outlive_unhinted_traffic_while_their_hint_lasts(policy):
+    m, clock = manager(policy)
+    # session A's turn keeps [1,2] for 60 s; unhinted requests then store 3..10 one by one
+    assert run(m, (1, 2), ctx(session="A", retain_s=60)) == []
+    for i in range(3, 11):
+        run(m, (i,))
+    # every eviction took an unhinted chunk: 1 and 2 are still here
+    assert m.is_readable(key(1)) and m.is_readable(key(2))
+    # 61 s later the hint has expired: they are ordinary chunks, and the oldest ones
+    clock.now += 61
+    for i in range(11, 15):
+        run(m, (i,))
+    assert not m.is_readable(key(1)) and not m.is_readable(key(2))
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_the_same_session_unhinted_loses_its_chunks(policy):
+    m, _ = manager(policy)
+    run(m, (1, 2), ctx(session="A"))  # a session alone keeps nothing
+    for i in range(3, 11):
+        run(m, (i,))
+    assert not m.is_readable(key(1)) and not m.is_readable(key(2))
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_an_ended_session_goes_first_but_not_what_others_share(policy):
+    m, _ = manager(policy)
+    # [1] is a system prompt both sessions use; A's turn adds [2], B's adds [3]
+    run(m, (1, 2), ctx(session="A"))
+    run(m, (1, 3), ctx(session="B"))
+    run(m, (4,))
+    # A ends (its last request reuses its prefix): 2 is A's alone, 1 is shared
+    last = ctx(session="A", end_session=True)
+    m.touch(keys(1, 2), last)
+    m.on_request_finished(last)
+    # the next store evicts 2 first, though 4 is older and unhinted
+    assert run(m, (5,)) == [2]
+    assert m.is_readable(key(1))
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_lower_priorities_go_first_higher_ones_last(policy):
+    m, _ = manager(policy)
+    run(m, (1,), ctx(priority=5))
+    run(m, (2,), ctx(priority=-1))
+    run(m, (3,), ctx(priority=-3))
+    run(m, (4,))
+    # needing room for 3 more: -3 first, then -1, then the ordinary 4; priority 5 stays
+    assert sorted(run(m, (5, 6, 7))) == [2, 3, 4] and m.is_readable(key(1))
+
+
+def test_a_chunk_another_request_uses_is_never_below_ordinary():
+    m, _ = manager()
+    run(m, (1, 2), ctx(priority=-5))  # a batch job: its chunks go first
+    m.touch(keys(1), ctx())  # an interactive request reuses 1
+    run(m, (3, 4))
+    assert run(m, (5,)) == [2]  # 2 is still the batch job's alone; 1 is ordinary again
+
+
+def test_when_only_kept_chunks_are_left_they_are_evicted_soonest_expiry_first():
+    m, _ = manager()
+    run(m, (1,), ctx(retain_s=50))
+    run(m, (2,), ctx(retain_s=10))
+    run(m, (3,), ctx(retain_s=30))
+    run(m, (4,))
+    # room for 2: the ordinary 4, then the kept chunk that expires first
+    assert sorted(run(m, (5, 6))) == [2, 4]
+
+
+def test_with_every_chunk_pinned_or_kept_too_few_a_store_is_refused_and_nothing_changes():
+    m, _ = manager()
+    run(m, (1, 2), ctx(retain_s=60))
+    reader = ctx()
+    run(m, (3, 4))
+    m.prepare_load(keys(3, 4), reader)  # 3 and 4 are pinned by a load
+    assert run(m, (5, 6, 7)) is None  # 3 new chunks, 2 evictable (both kept)
+    assert all(m.is_readable(k) for k in keys(1, 2, 3, 4))
+
+
+def test_a_reset_forgets_the_hints():
+    m, _ = manager()
+    run(m, (1,), ctx(retain_s=60))
+    m.reset()
+    assert len(m.retention) == 0
+
+
+# -- the wrapper on its own: random traffic against what the ranks promise ---------------------
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_evicts_by_rank_atomically(policy, seed):
+    """Random inserts, touches, hints, session ends, clock steps and evictions (with random
+    protected sets): every eviction either fails with nothing changed or takes `n` held,
+    unprotected keys, none ranked above a key it left evictable; with an empty book it chooses
+    exactly what the wrapped policy alone chooses."""
+    rng = random.Random(seed)
+    clock, capacity = Clock(), 12
+    book = RetentionBook(clock, max_entries=40)
+    ranked = RetainingPolicy(make_policy(policy, capacity), book)
+    twin = make_policy(policy, capacity)  # the same calls, never hinted
+    held: set[bytes] = set()
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.35 and len(held) < capacity:
+            new = [key(rng.randrange(60)) for _ in range(rng.randint(1, 3))]
+            new = [k for k in dict.fromkeys(new) if k not in held][:capacity - len(held)]
+            for p in (ranked, twin):
+                p.prepare_insert(new)
+                p.insert(new)
+            held.update(new)
+        elif op < 0.5 and held:
+            used = rng.sample(sorted(held), rng.randint(1, min(3, len(held))))
+            for p in (ranked, twin):
+                p.touch(used)
+            if rng.random() < 0.6:
+                book.note(used, _random_hints(rng))
+        elif op < 0.55:
+            session = f"s{rng.randrange(3)}"
+            book.end_session(Hints(session=session, end_session=True), [key(rng.randrange(60))])
+        elif op < 0.6:
+            clock.now += rng.choice((1, 10, 100))
+        elif held:
+            n = rng.randint(1, 4)
+            protected = set(rng.sample(sorted(held), rng.randint(0, len(held))))
+            ranks = {k: book.rank(k, clock.now) for k in held}
+            is_plain = len(book) == 0
+            victims = ranked.evict(n, protected)
+            evictable = held - protected
+            if len(evictable) < n:
+                assert victims is None and set(held) == {k for k in held if k in ranked}
+                continue
+            assert victims is not None and len(set(victims)) == n and set(victims) <= evictable
+            left = evictable - set(victims)
+            assert not left or max(ranks[k] for k in victims) <= min(ranks[k] for k in left)
+            if is_plain:
+                assert victims == twin.evict(n, protected)
+            else:
+                twin.discard(victims)
+            held -= set(victims)
+            assert len(ranked) == len(held) == len(twin) and all(k in ranked for k in held)
+
+
+def _random_hints(rng: random.Random) -> Hints:
+    return Hints(session=rng.choice((None, "s0", "s1", "s2")), retain_s=rng.choice((0, 0, 5, 50)),
+                 priority=rng.choice((0, 0, 0, -2, -1, 1, 3)), next_turn_s=rng.choice((0, 0, 20)))
+
+
+def test_the_book_forgets_its_oldest_entries_beyond_its_bound():
+    clock = Clock()
+    book = RetentionBook(clock, max_entries=3)
+    book.note(keys(1, 2, 3, 4), Hints(session="A", retain_s=60))
+    assert len(book) == 3 and book.rank(key(1), clock.now) == ORDINARY and book.rank(key(4), clock.now) > ORDINARY
