@@ -228,3 +228,62 @@ def test_the_book_forgets_its_oldest_entries_beyond_its_bound():
     book = RetentionBook(clock, max_entries=3)
     book.note(keys(1, 2, 3, 4), Hints(session="A", retain_s=60))
     assert len(book) == 3 and book.rank(key(1), clock.now) == ORDINARY and book.rank(key(4), clock.now) > ORDINARY
+
+
+# -- tenant quotas (`kvtier.tiers.quotas`) on the CPU tier --------------------------------------
+
+
+def tenant(name: str | None) -> ReqContext:
+    return ReqContext(f"r{next(_requests)}", None, NO_HINTS, name)
+
+
+def test_a_tenant_at_its_quota_evicts_its_own_chunks_never_anothers():
+    m = CPUTierManager(8, policy="lru", tenant_quotas={"flood": 3})
+    # tenant a stores 4 chunks; the flooding tenant then stores 10, one request after another
+    assert run(m, (1, 2, 3, 4), tenant("a")) == []
+    evicted = [run(m, (10 + i,), tenant("flood")) for i in range(10)]
+    # the flood never holds more than 3: from its 4th store on it evicts its own oldest
+    assert evicted[:3] == [[], [], []] and evicted[3:] == [[10 + i] for i in range(7)]
+    assert all(m.is_readable(k) for k in keys(1, 2, 3, 4))
+
+
+def test_without_a_quota_the_flood_evicts_the_other_tenant():
+    m = CPUTierManager(8, policy="lru")
+    run(m, (1, 2, 3, 4), tenant("a"))
+    for i in range(10):
+        run(m, (10 + i,), tenant("flood"))
+    assert not any(m.is_readable(k) for k in keys(1, 2, 3, 4))
+
+
+def test_the_star_quota_applies_to_every_tenant_not_named_and_a_big_store_keeps_its_head():
+    m = CPUTierManager(8, policy="lru", tenant_quotas={"*": 2, "big": 6})
+    out = m.prepare_store(keys(1, 2, 3), tenant(None))  # no cache_salt: tenant "", under "*"
+    assert nums(out.keys_to_store) == [1, 2]
+    out = m.prepare_store(keys(4, 5, 6, 7, 8, 9, 10), tenant("big"))
+    assert nums(out.keys_to_store) == [4, 5, 6, 7, 8, 9]
+    m.check()
+
+
+def test_quotas_stay_exact_through_random_stores_failures_pins_and_resets():
+    rng = random.Random(7)
+    m = CPUTierManager(10, policy="turns", tenant_quotas={"a": 4, "*": 3})
+    loads: list[ReqContext] = []
+    for _ in range(300):
+        who = tenant(rng.choice(("a", "b", None)))
+        op = rng.random()
+        if op < 0.6:
+            out = m.prepare_store(keys(*rng.sample(range(40), rng.randint(1, 5))), who)
+            if out is not None:
+                m.complete_store(out.keys_to_store, who, success=rng.random() < 0.9)
+        elif op < 0.75:
+            ready = [k for k in keys(*range(40)) if m.is_readable(k)]
+            if ready:
+                loads.append(who)
+                m.prepare_load(rng.sample(ready, 1), who)
+        elif op < 0.9 and loads:
+            m.on_request_finished(loads.pop(rng.randrange(len(loads))))
+        elif op < 0.92:
+            m.reset()
+        m.check()
+        for name, limit in (("a", 4), ("b", 3), ("", 3)):
+            assert m._quotas.held(name) <= limit

@@ -66,11 +66,13 @@ class ReqContext:
         kv_transfer_params: the request's `kv_transfer_params`, if any (untrusted input).
         hints: what the request says about its future, validated (`kvtier.hints`); the
             scheduler reads them from `kv_transfer_params`.
+        tenant: the request's `cache_salt` (None: none), for tenant quotas (`kvtier.tiers.quotas`).
     """
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
     hints: Hints = NO_HINTS
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.req_id, str):

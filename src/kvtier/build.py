@@ -56,8 +56,11 @@ def secondary_tiers(cfg: KVTierConfig, namespace: Namespace) -> list[tuple[Secon
 def build_manager(cfg: KVTierConfig, num_slots: int, key_bytes: int, slabs: Sequence[np.ndarray],
                   namespace: Namespace) -> OffloadingManager:
     """The CPU tier, behind a `TieredManager` when secondary tiers are configured."""
+    slot_bytes = sum(slab.shape[1] for slab in slabs)
     primary = CPUTierManager(num_slots, policy=cfg.eviction_policy, store_threshold=cfg.store_threshold,
-                             enable_events=cfg.enable_events, key_bytes=key_bytes)
+                             enable_events=cfg.enable_events, key_bytes=key_bytes,
+                             tenant_quotas={tenant: max(1, num_bytes // slot_bytes)
+                                            for tenant, num_bytes in cfg.tenant_quotas})
     tiers = secondary_tiers(cfg, namespace)
     if not tiers:
         return primary

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.scheduler.config import CHECKS as SCHEDULER_CHECKS
-from kvtier.settings import flag, integer, parse_size, policy, setting, size, slice_fields, validate
+from kvtier.settings import flag, integer, parse_size, policy, quotas, setting, size, slice_fields, validate
 from kvtier.tiers.disk.config import DiskConfig
 from kvtier.tiers.remote.config import RedisConfig, RemoteConfig, S3Config
 
@@ -33,6 +33,9 @@ class KVTierConfig:
     blocks_per_chunk: int = setting(1, integer(1), "Engine blocks per offloaded chunk, the transfer unit.")
     eviction_policy: str = setting(  # won or tied LRU and ARC at every capacity in the policy sweep (README)
         "turns", policy, "The CPU tier's eviction policy: turns, lru, arc or an out-of-tree module:Class.")
+    tenant_quotas: tuple[tuple[str, int], ...] = setting(
+        (), quotas, "Bytes of the CPU tier each tenant (cache_salt) may hold, e.g. {\"tenant-a\": \"2GiB\", "
+        "\"*\": \"512MiB\"}: at its quota a tenant evicts its own chunks, never another's.")
     store_threshold: int = setting(1, integer(1), "Store a chunk only on its N-th offer (1 stores every chunk).")
     offload_prompt_only: bool = setting(False, flag, "Do not store chunks of generated tokens.")
     max_defer_s: float = setting(

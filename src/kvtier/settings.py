@@ -83,6 +83,23 @@ def size(key: str, value: Any) -> int:
     return parse_size(value, key)
 
 
+def quotas(key: str, value: Any) -> tuple[tuple[str, int], ...]:
+    """Bytes per tenant: {"tenant-a": "2GiB", "*": "512MiB"}, or the text "tenant-a=2GiB,*=512MiB"
+    (a command-line flag); () for none. Kept as sorted (tenant, bytes) pairs (a frozen config)."""
+    if value is None or value == {} or value == ():
+        return ()
+    if isinstance(value, str):
+        pairs = [item.rpartition("=") for item in value.split(",") if item.strip()]
+        if any(not sep or not name.strip() for name, sep, _ in pairs):
+            raise ConfigError(f"{key}: expected 'tenant=size,*=size', got {_short(value)}")
+        value = {name.strip(): amount.strip() for name, _, amount in pairs}
+    if isinstance(value, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+        value = dict(value)
+    if not isinstance(value, dict) or not all(isinstance(t, str) and 0 < len(t) <= 256 for t in value):
+        raise ConfigError(f"{key}: expected {{tenant (cache_salt) or '*': size}}, got {_short(value)}")
+    return tuple(sorted((tenant, parse_size(amount, f"{key}[{tenant!r}]")) for tenant, amount in value.items()))
+
+
 def integer(minimum: int) -> Check:
     """An int of at least `minimum` (and at most 2**31 - 1)."""
     def check(key: str, value: Any) -> int:

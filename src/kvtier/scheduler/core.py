@@ -281,6 +281,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         state = self._requests.get(req.req_id)
         if state is None:
             state = self._requests[req.req_id] = RequestOffloadState(self.config, req)
+            self.stats.hinted_requests += not state.params.hints.is_empty
         else:
             state.req = req
         return state

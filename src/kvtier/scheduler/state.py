@@ -123,7 +123,8 @@ class RequestOffloadState:
         self.group_states = [RequestGroupState(g, spec) for g, spec in enumerate(self.config.groups)]
         raw = self.req.kv_transfer_params
         self.params = parse_kv_transfer_params(raw, self.req.req_id)
-        self.req_context = ReqContext(self.req.req_id, raw if isinstance(raw, dict) else None, self.params.hints)
+        self.req_context = ReqContext(self.req.req_id, raw if isinstance(raw, dict) else None, self.params.hints,
+                                      self.req.tenant)
 
     @property
     def req_id(self) -> str:

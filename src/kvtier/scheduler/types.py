@@ -30,6 +30,7 @@ class RequestView:
     num_prompt_tokens: int
     num_computed_tokens: int = 0
     kv_transfer_params: Any = None  # untrusted: validated by kvtier.scheduler.params
+    tenant: str | None = None  # the engine's per-tenant cache salt (vLLM's cache_salt)
 
 
 @dataclass(slots=True, kw_only=True)

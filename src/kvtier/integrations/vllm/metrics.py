@@ -34,6 +34,7 @@ COUNTERS = {
     "expired_jobs": "Transfer jobs not every worker reported by their deadline (failed by the scheduler).",
     "cancelled_jobs": "Transfer jobs a worker cancelled at their deadline.",
     "cancel_cut_tasks": "Copies of other jobs failed because a cancel cut short the batch they were copied in.",
+    "hinted_requests": "Requests that sent kvtier hints (session, retain_s, priority, next_turn_s, end_session).",
     "expected_load_seconds": "Seconds the cost model expected the loads that ended to take (decision to loaded).",
     "measured_load_seconds": "Seconds the loads that ended took, from their load-or-recompute decision to loaded.",
 }

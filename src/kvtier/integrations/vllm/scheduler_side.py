@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _REPORT_EVERY_S = 1.0  # with no scheduler counter changed, tier counters and gauges are reported this often
 _SCHEDULER_COUNTERS = ("deferrals", "deferral_timeouts", "store_alloc_failures", "failed_load_chunks",
-                       "failed_store_chunks", "expired_jobs")
+                       "failed_store_chunks", "expired_jobs", "hinted_requests")
 
 
 class SchedulerSide:

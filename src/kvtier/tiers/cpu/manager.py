@@ -40,6 +40,7 @@ from kvtier.tiers.admission import ReuseGate
 from kvtier.tiers.cpu.ledger import RequestLedger
 from kvtier.tiers.cpu.slots import Chunk, SlotAllocator
 from kvtier.tiers.cpu.stores import ChunkStores
+from kvtier.tiers.quotas import TenantQuotas
 
 __all__ = ["CPUTierManager"]
 
@@ -57,6 +58,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         enable_events: record stored/removed events for `take_events`.
         key_bytes: length of every offload key (block-hash bytes + 4).
         retention: the requests' hints, shared with the tiers behind this one (a new book if None).
+        tenant_quotas: slots each tenant may hold ({cache_salt or "*": slots}; `kvtier.tiers.quotas`).
     """
 
     medium = "cpu"
@@ -69,6 +71,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         enable_events: bool = True,
         key_bytes: int = OFFLOAD_KEY_BYTES,
         retention: RetentionBook | None = None,
+        tenant_quotas: dict[str, int] | None = None,
     ):
         if not isinstance(num_slots, int) or num_slots <= 0:
             raise ConfigError(f"num_slots must be a positive int, got {num_slots!r}; raise cpu_bytes or shrink chunks")
@@ -79,6 +82,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         self.enable_events = enable_events
         self.retention = RetentionBook(max_entries=max(8 * num_slots, 1 << 16)) if retention is None else retention
         self._policy = RetainingPolicy(make_policy(policy, num_slots), self.retention)
+        self._quotas = TenantQuotas(tenant_quotas)
         self._gate = ReuseGate(store_threshold, max_tracked=max(4 * num_slots, 1024))
         self._slots = SlotAllocator(num_slots)
         self._chunks: dict[OffloadKey, Chunk] = {}
@@ -236,6 +240,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         _require(self._num_pending == self._count(_PENDING), "pending counter drifted")
         _require(self._num_retired == self._count(_RETIRED), "retired counter drifted")
         _require(self._num_pinned == sum(c.pins > 0 for c in chunks.values()), "pinned counter drifted")
+        _require(self._quotas.check(list(chunks)), "tenant quotas charge other chunks than the tier holds")
         _require(self._num_evictable == sum(c.pins == 0 for c in chunks.values() if c.state is _READY),
                  "evictable counter drifted")
 
@@ -259,6 +264,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
 
     def _free(self, key: OffloadKey, chunk: Chunk) -> None:
         del self._chunks[key]
+        self._quotas.release((key,))
         self._slots.free((chunk.slot,))
 
     def _emit(self, keys: list[OffloadKey], removed: bool) -> None:

@@ -26,6 +26,7 @@ from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.admission import ReuseGate
 from kvtier.tiers.cpu.ledger import RequestLedger
 from kvtier.tiers.cpu.slots import Chunk, SlotAllocator
+from kvtier.tiers.quotas import TenantQuotas
 
 __all__ = ["ChunkStores"]
 
@@ -52,6 +53,7 @@ class ChunkStores:
     key_bytes: int
     _policy: CachePolicy
     retention: RetentionBook
+    _quotas: TenantQuotas
     _gate: ReuseGate
     _slots: SlotAllocator
     _chunks: dict[OffloadKey, Chunk]
@@ -85,17 +87,30 @@ class ChunkStores:
         chunks, req_id = self._chunks, ctx.req_id
         self._ledger.extend_chain(req_id, keys)
         new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and (admit is None or admit(k, req_id))]
-        num_needed = len(new_keys) - self._slots.num_free
-        evicted: list[OffloadKey] = []
-        evicted_slots: tuple[int, ...] = ()
+        tenant, quotas = ctx.tenant or "", self._quotas
+        if (limit := quotas.limit(tenant)) is not None:
+            new_keys = new_keys[:limit]  # a store beyond the whole quota keeps its head
         self._policy.prepare_insert(new_keys)  # before evicting: ARC's ghost hits
-        if num_needed > 0:
-            victims = self._policy.evict(num_needed, _Protected({*keys, *spare}, chunks))
+        protected = _Protected({*keys, *spare}, chunks)
+        evicted: list[OffloadKey] = []
+        if (excess := quotas.excess(tenant, len(new_keys))) > 0:  # the tenant makes room among its own
+            victims = self._policy.evict(excess, quotas.all_but(tenant, protected))
             if victims is None:
                 self._rejected_stores += 1
                 return None
-            evicted_slots = tuple(chunks[key].slot for key in victims)
-            evicted = self._drop_evicted(victims)
+            evicted = victims
+        if (num_needed := len(new_keys) - self._slots.num_free - len(evicted)) > 0:
+            victims = self._policy.evict(num_needed, protected)
+            if victims is None and not evicted:
+                self._rejected_stores += 1
+                return None
+            if victims is None:  # the room its own chunks made: for the head of the store
+                new_keys = new_keys[:self._slots.num_free + len(evicted)]
+            else:
+                evicted += victims
+        evicted_slots = tuple(chunks[key].slot for key in evicted)
+        self._drop_evicted(evicted)
+        quotas.charge(new_keys, tenant)
         slot_ids = self._slots.allocate(len(new_keys))
         if slot_ids is None:
             raise InvariantError("no free slot after a successful eviction")
@@ -151,6 +166,7 @@ class ChunkStores:
     def _drop_evicted(self, victims: list[OffloadKey]) -> list[OffloadKey]:
         chunks = self._chunks
         self._slots.free(chunks.pop(key).slot for key in victims)
+        self._quotas.release(victims)
         self._num_evictable -= len(victims)
         self._evictions += len(victims)
         self._emit(victims, removed=True)
