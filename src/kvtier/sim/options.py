@@ -15,7 +15,9 @@ from kvtier.sim.costs import CostModel
 from kvtier.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from kvtier.sim.workload import num_unique_blocks
 
-__all__ = ["SimOptions"]
+__all__ = ["HINT_MODES", "SimOptions"]
+
+HINT_MODES = ("trace", "exact", "noisy")  # see SimOptions.hints
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,12 @@ class SimOptions:
         load_policy: "cost": load as much of a found prefix as the cost model's expected time to
             first token says (`kvtier.costmodel.choose_load`); "always": all of it.
         costs: the cost model, for the load decisions and the TTFT estimate (`kvtier.sim.costs`).
+        hints: what the requests tell kvtier in their `kv_transfer_params` (issue 23): "trace" (the
+            hints the requests carry; a trace file carries none), "exact" (their clients' hints,
+            derived from the trace's conversations by `kvtier.sim.hints`) or "noisy" (the same,
+            each wrong with probability `hint_error`).
+        hint_error: "noisy": the share of requests whose hint is wrong.
+        hint_seed: "noisy": the seed that picks them.
     """
 
     host_fraction: float = 0.05
@@ -72,6 +80,9 @@ class SimOptions:
     offload_prompt_only: bool = True
     load_policy: str = "cost"
     costs: CostModel = field(default_factory=CostModel)
+    hints: str = "trace"
+    hint_error: float = 0.2
+    hint_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.host_slots is None and not self.host_fraction > 0:
@@ -88,6 +99,9 @@ class SimOptions:
             raise ConfigError(f"evict_lookahead must be >= 1, got {self.evict_lookahead}")
         if self.load_policy not in LOAD_POLICIES:
             raise ConfigError(f"load_policy: expected one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
+        if self.hints not in HINT_MODES or not 0.0 <= self.hint_error <= 1.0:
+            raise ConfigError(f"hints: expected one of {', '.join(HINT_MODES)} and 0 <= hint_error <= 1, "
+                              f"got {self.hints!r} and {self.hint_error}")
 
     @property
     def label(self) -> str:

@@ -23,6 +23,10 @@ How much of a found prefix a request loads is decided as under vLLM, by the sche
 (`CostModel.snapshot`) in the modelled model's units: a chunk weighs one trace block of
 `kv_bytes_per_token`, recomputes at `prefill_tokens_per_s`, and a promotion waits `step_s`.
 
+Each request carries its client's hints (`TraceRequest.hints`, or those `options.hints` asks
+`kvtier.sim.hints` to derive) to the scheduler as its `kv_transfer_params`; hint durations are
+simulated seconds.
+
 Generated tokens are computed but not offloaded (`offload_prompt_only`): a trace names its
 prompt blocks only, so the KV of a reply can never match a later prompt in a replay; the
 next turn's prompt names those tokens again, as new blocks.
@@ -45,6 +49,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import OFFLOAD_KEY_BYTES
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim.fake_engine import FakeEngine, make_slab
+from kvtier.sim.hints import replay_pace, with_hints
 from kvtier.sim.kv_cache import KVCache
 from kvtier.sim.options import SimOptions
 from kvtier.sim.report import SimulationReport, read_report
@@ -85,6 +90,7 @@ def simulate(requests: Sequence[TraceRequest], options: SimOptions | None = None
     """
     opts = options or SimOptions()
     _check_fits(requests, opts)
+    requests = _hinted(requests, opts)
     started = time.perf_counter()
     num_slots = opts.slots_for(requests)
     with tempfile.TemporaryDirectory(prefix="kvtier-sim-") as scratch:
@@ -104,6 +110,15 @@ def _check_fits(requests: Sequence[TraceRequest], opts: SimOptions) -> None:
     if longest > opts.engine_blocks:
         raise ConfigError(f"the trace's longest request needs {longest} engine blocks, the engine has "
                           f"{opts.engine_blocks}: raise engine_blocks")
+
+
+def _hinted(requests: Sequence[TraceRequest], opts: SimOptions) -> Sequence[TraceRequest]:
+    """The requests with the hints `opts.hints` asks for."""
+    if opts.hints == "trace":
+        return requests
+    error = opts.hint_error if opts.hints == "noisy" else 0.0
+    return with_hints(requests, replay_pace(requests, opts), error=error, seed=opts.hint_seed,
+                      block_tokens=opts.trace_block_tokens)
 
 
 def _build(opts: SimOptions, num_slots: int, disk_dir: Path) -> tuple[FakeEngine, OffloadingManager, SimClock]:
@@ -154,7 +169,8 @@ def _replay(engine: FakeEngine, manager: OffloadingManager, clock: SimClock, req
     while True:
         while next_index < len(requests) and len(engine.waiting) + len(engine.running) < opts.max_running:
             req = requests[next_index]
-            engine.add_request(str(next_index), engine_prompt(req, *scale), engine_output_tokens(req, *scale))
+            engine.add_request(str(next_index), engine_prompt(req, *scale), engine_output_tokens(req, *scale),
+                               kv_transfer_params=req.kv_transfer_params())
             next_index += 1
         if not (engine.waiting or engine.running):
             if progress is not None:

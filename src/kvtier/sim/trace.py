@@ -13,7 +13,11 @@ One request per line, a JSON object with `timestamp` (ms), `input_length` and
 malformed line stops the reader with a `TraceError` that names the file, the line
 number and what is wrong with it.
 
-`synthetic(...)` (`kvtier.sim.synthetic`) makes traces of the same shape.
+`synthetic(...)` (`kvtier.sim.synthetic`) and `agentic(...)` (`kvtier.sim.agentic`) make
+traces of the same shape. A request may carry `ClientHints` (what its client would tell
+kvtier; a trace file carries none): `kvtier.sim.hints` derives them from a trace's
+conversations, and the replay hands them to the scheduler as the request's
+`kv_transfer_params` (`{"kvtier": hints.to_params()}`).
 
 Thread-safety: functions only; nothing is shared.
 """
@@ -29,13 +33,50 @@ from typing import Any
 from kvtier.errors import KVTierError
 from kvtier.keys import OffloadKey, make_offload_key
 
-__all__ = ["MOONCAKE_BLOCK_TOKENS", "TraceError", "TraceRequest", "load_mooncake", "offload_keys", "parse_mooncake"]
+__all__ = ["MOONCAKE_BLOCK_TOKENS", "ClientHints", "TraceError", "TraceRequest", "load_mooncake", "offload_keys",
+           "parse_mooncake"]
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's published traces
 
 
 class TraceError(KVTierError, ValueError):
     """A trace file or line that cannot be read (the message names where and why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientHints:
+    """What a client tells kvtier about one request (issue 23): `{"kvtier": {...}}` in its
+    `kv_transfer_params`. Durations are in seconds of the clock the scheduler reads (in a
+    replay, the simulated clock).
+
+    Args:
+        session: groups a conversation's (or an agent's) requests.
+        next_turn_s: the session's next request is expected within this many seconds.
+        end_session: the session is over.
+        retain_s: keep this request's chunks at least this long, where capacity allows.
+        priority: lower priorities are evicted first (0: the default).
+    """
+
+    session: str | None = None
+    next_turn_s: float | None = None
+    end_session: bool = False
+    retain_s: float | None = None
+    priority: int = 0
+
+    def to_params(self) -> dict[str, Any]:
+        """The `kvtier` sub-dict of `kv_transfer_params`: only the fields that say something."""
+        params: dict[str, Any] = {}
+        if self.session is not None:
+            params["session"] = self.session
+        if self.next_turn_s is not None:
+            params["next_turn_s"] = self.next_turn_s
+        if self.end_session:
+            params["end_session"] = True
+        if self.retain_s is not None:
+            params["retain_s"] = self.retain_s
+        if self.priority:
+            params["priority"] = self.priority
+        return params
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,16 +88,22 @@ class TraceRequest:
         input_length: prompt tokens.
         output_length: generated tokens.
         hash_ids: one prefix id per prompt block (`block_tokens` tokens), the last maybe partial.
+        hints: what the client tells kvtier about it (None: nothing; see `kvtier.sim.hints`).
     """
 
     timestamp_ms: int
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    hints: ClientHints | None = None
 
     def num_full_blocks(self, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> int:
         """Prompt blocks that are whole (only those can be cached)."""
         return min(self.input_length // block_tokens, len(self.hash_ids))
+
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """What the engine's request carries for kvtier: the hints, if any."""
+        return None if self.hints is None else {"kvtier": self.hints.to_params()}
 
 
 def load_mooncake(path: str | Path, limit: int | None = None,
