@@ -2,12 +2,15 @@
 
     kvtier simulate ../shared/traces/mooncake_conversation.jsonl --host-fraction 0.05
     kvtier simulate synthetic:200 --policy arc --json
+    kvtier simulate agentic:100 --engine-blocks 256 --hints exact
     kvtier simulate TRACE --sweep --capacities 0.01,0.05,0.2 --policies lru,arc --out out/sweep
 
-TRACE is a Mooncake JSONL file, or `synthetic[:N]` for N generated chat/agent conversations
-(`kvtier.sim.synthetic`, seeded by `--seed`). Every field of `SimOptions` and of its cost model
-is a flag (`host_fraction` -> `--host-fraction`), so the simulator's options and this command
-never disagree. `--sweep` replays every capacity x policy and writes the PNG and CSV there.
+TRACE is a Mooncake JSONL file, `synthetic[:N]` for N generated chat/agent conversations
+(`kvtier.sim.synthetic`) or `agentic[:N]` for N agent sessions (`kvtier.sim.agentic`), both seeded
+by `--seed`; `--hints exact|noisy` gives each request its client's hints (`kvtier.sim.hints`).
+Every field of `SimOptions` and of its cost model is a flag (`host_fraction` -> `--host-fraction`),
+so the simulator's options and this command never disagree. `--sweep` replays every capacity x
+policy and writes the PNG and CSV there.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ def add_simulate_flags(parser: argparse.ArgumentParser) -> None:
     from kvtier.sim.costs import CostModel
     from kvtier.sim.options import SimOptions
 
-    parser.add_argument("trace", metavar="TRACE", help="A Mooncake JSONL trace, or synthetic[:N] (N conversations).")
+    parser.add_argument("trace", metavar="TRACE",
+                        help="A Mooncake JSONL trace, synthetic[:N] (N conversations) or agentic[:N] (N sessions).")
     parser.add_argument("--limit", type=int, default=None, help="Replay only the first N requests.")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of a synthetic trace (default: 0).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of a generated trace (default: 0).")
     add_dataclass_flags(parser.add_argument_group("simulation"), SimOptions, _SIM, skip=("costs",))
     add_dataclass_flags(parser.add_argument_group("cost model (load decisions and TTFT estimate)"), CostModel, _COST)
     sweep = parser.add_argument_group("sweep")
@@ -132,13 +136,15 @@ def render_sweep(points: list[dict[str, Any]], capacities: list[float]) -> str:
 
 
 def _load(trace: str, limit: int | None, seed: int) -> list:
-    if trace == "synthetic" or trace.startswith("synthetic:"):
+    name, _, count = trace.partition(":")
+    if name in ("synthetic", "agentic"):
+        from kvtier.sim.agentic import agentic
         from kvtier.sim.synthetic import synthetic
 
-        count = trace.partition(":")[2]
         if count and not count.isdigit():
-            raise ConfigError(f"TRACE: expected synthetic:N with N conversations, got {trace!r}")
-        requests = synthetic(int(count) if count else 200, seed=seed)
+            raise ConfigError(f"TRACE: expected {name}:N with N {name} conversations or sessions, got {trace!r}")
+        generate = synthetic if name == "synthetic" else agentic
+        requests = generate(int(count) if count else (200 if name == "synthetic" else 100), seed=seed)
         return requests[:limit] if limit is not None else requests
     from kvtier.sim.trace import load_mooncake
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from kvtier.errors import ConfigError
 from kvtier.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["synthetic"]
+__all__ = ["BlockIds", "synthetic"]
 
 _Span = tuple[int, int]  # (low, high) inclusive
 
@@ -64,7 +64,7 @@ def synthetic(num_conversations: int = 200, *, seed: int = 0, agent_fraction: fl
     if conversations_per_s <= 0 or block_tokens < 1 or not 1 <= system_prompt_tokens[0] <= system_prompt_tokens[1]:
         raise ConfigError("synthetic: conversations_per_s > 0, block_tokens >= 1 and 1 <= low <= high tokens")
     rng = random.Random(seed)
-    ids = _BlockIds(block_tokens)
+    ids = BlockIds(block_tokens)
     prompts = [[(-1 - i, rng.randint(*system_prompt_tokens))] for i in range(num_system_prompts)]
     weights = [1.0 / (rank + 1) for rank in range(num_system_prompts)]
     rows: list[tuple[int, int, int, TraceRequest]] = []
@@ -79,7 +79,7 @@ def synthetic(num_conversations: int = 200, *, seed: int = 0, agent_fraction: fl
     return [row[3] for row in rows]
 
 
-def _conversation(rng: random.Random, ids: _BlockIds, kind: _Kind, history: list[tuple[int, int]],
+def _conversation(rng: random.Random, ids: BlockIds, kind: _Kind, history: list[tuple[int, int]],
                   start_ms: int) -> list[TraceRequest]:
     """One conversation's requests; `history` is its segments (segment id, tokens), system prompt first."""
     requests = []
@@ -94,7 +94,7 @@ def _conversation(rng: random.Random, ids: _BlockIds, kind: _Kind, history: list
     return requests
 
 
-class _BlockIds:
+class BlockIds:
     """Content-addressed block ids: (parent id, the block's pieces of segments) -> id."""
 
     def __init__(self, block_tokens: int):
