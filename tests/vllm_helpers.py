@@ -60,13 +60,17 @@ def conversations(num_convs: int, system_tokens: int, seed: int = 0) -> tuple[li
     return system, users
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int = 8, cache_salt: str | None = None) -> list[dict]:
+def generate(llm, prompts: list[list[int]], max_tokens: int = 8, cache_salt: str | None = None,
+             kv_transfer_params: dict | None = None) -> list[dict]:
     """Greedy outputs with the top-3 logprobs, in prompt order, from one `generate` call (one batch);
-    `cache_salt` isolates the prompts' cache entries as a tenant's."""
+    `cache_salt` isolates the prompts' cache entries as a tenant's; `kv_transfer_params` reach the
+    connector as the OpenAI server passes them (`SamplingParams.extra_args`)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True, detokenize=False)
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True, detokenize=False,
+                            extra_args=extra)
     salt = {} if cache_salt is None else {"cache_salt": cache_salt}
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(p), **salt) for p in prompts], params, use_tqdm=False)
     return [summarize(o) for o in outs]
