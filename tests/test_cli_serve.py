@@ -124,6 +124,29 @@ def test_serve_answers_a_completion_and_exposes_kvtier_metrics(server):
     assert samples["kvtier:miss_tokens_total"] + samples["kvtier:hit_tokens_total"] >= 512
 
 
+def test_serve_passes_kv_transfer_params_from_the_request_body_to_kvtier(server):
+    """The hints API over HTTP: vLLM's OpenAI server hands `kv_transfer_params` to the connector,
+    which counts the request as hinted; a malformed hint is ignored, the request still served."""
+    def hinted_requests() -> float:
+        status, text = server.get("/metrics")
+        assert status == 200
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("kvtier:hinted_requests_total"))
+
+    before = hinted_requests()
+    for hints in ({"session": "chat-7", "retain_s": 300, "next_turn_s": 30},
+                  {"session": "chat-7", "end_session": True, "priority": "high"}):
+        status, body = server.post("/v1/completions", {
+            "model": "tiny", "prompt": tokens(300, seed=8), "max_tokens": 2, "temperature": 0.0,
+            "ignore_eos": True, "kv_transfer_params": {"kvtier": hints}})
+        assert status == 200, body
+    deadline = time.monotonic() + 10  # the stat logger ships counters with the engine's next steps
+    while hinted_requests() < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hinted_requests() == before + 2
+    assert "kvtier hint 'priority' must be an integer" in server.log_path.read_text(errors="replace")
+
+
 def test_serve_stops_cleanly_on_ctrl_c(server):
     logged_before = len(server.log_path.read_text(errors="replace"))
     status = server.stop()
