@@ -287,3 +287,36 @@ def test_quotas_stay_exact_through_random_stores_failures_pins_and_resets():
         m.check()
         for name, limit in (("a", 4), ("b", 3), ("", 3)):
             assert m._quotas.held(name) <= limit
+
+
+# -- behind the CPU tier: the disk tier evicts by the same book; Redis keeps kept values longer --
+
+
+def test_the_disk_tier_keeps_a_sessions_chunks_through_unhinted_traffic(tmp_path):
+    from kvtier.base import LookupResult
+    from tier_helpers import make_tiered, put, settle
+
+    manager, slabs = make_tiered(tmp_path, num_slots=4, disk_chunks=6)
+    manager.use_clock(Clock())
+    # a session's turn stores [1,2] to keep for 10 minutes; every chunk is written through to disk
+    put(manager, slabs, keys(1, 2), ctx("w-h", session="h", retain_s=600))
+    settle(manager)
+    # 12 unhinted chunks then pass through RAM and disk (6 files): only unhinted files are evicted
+    for i in range(3, 15):
+        put(manager, slabs, keys(i))
+        settle(manager)
+    disk = manager.tiers[0]
+    assert [disk.lookup(k) for k in keys(1, 2)] == [LookupResult.HIT, LookupResult.HIT]
+    assert disk.lookup(key(3)) is LookupResult.MISS
+
+
+def test_a_redis_value_lives_at_least_as_long_as_its_hint_asks(fresh_redis):
+    from kvtier.tiers.remote.redis import RedisStore
+
+    store = RedisStore(fresh_redis.url, ttl_s=30)
+    store.put([("keep:a", [b"a"]), ("keep:b", [b"b"]), ("keep:c", [b"c"])], keep_s=[0.0, 600.0, 10.0])
+    raw = fresh_redis.client()
+    # the store's TTL, unless a hint asks for longer
+    assert 25_000 < raw.pttl("keep:a") <= 30_000 and 595_000 < raw.pttl("keep:b") <= 600_000
+    assert 25_000 < raw.pttl("keep:c") <= 30_000
+    store.close()

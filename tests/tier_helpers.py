@@ -158,6 +158,9 @@ class HeldTier(SecondaryTier):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.inner.touch(keys)
 
+    def use_retention(self, book) -> None:
+        self.inner.use_retention(book)
+
     def take_events(self) -> list[OffloadingEvent]:
         return self.inner.take_events()
 
