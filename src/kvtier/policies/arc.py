@@ -105,6 +105,15 @@ class ARCPolicy(CachePolicy):
             self._to_ghost(key, self.t1 if is_t1 else self.t2, self.b1 if is_t1 else self.b2)
         return [key for key, _ in plan]
 
+    def evict_keys(self, keys: Sequence[OffloadKey]) -> None:
+        """Forget `keys` as evicted, chosen by another policy (`kvtier.policies.adaptive`): each
+        becomes a ghost of its list, as if ARC had chosen it; keys not held are ignored."""
+        for key in keys:
+            if key in self.t1:
+                self._to_ghost(key, self.t1, self.b1)
+            elif key in self.t2:
+                self._to_ghost(key, self.t2, self.b2)
+
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         held = []
         for key in keys:

@@ -45,6 +45,11 @@ class LRUPolicy(CachePolicy):
             del self._order[key]
         return victims
 
+    def evict_keys(self, keys: Sequence[OffloadKey]) -> None:
+        """Forget `keys` as evicted, chosen by another policy (`kvtier.policies.adaptive`); LRU
+        keeps no history, so this is `discard`."""
+        self.discard(keys)
+
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         order, held = self._order, []
         for key in keys:

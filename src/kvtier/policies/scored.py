@@ -60,6 +60,13 @@ class ScoredPolicy(CachePolicy):
             self._forget(key, evicted=True)
         return list(victims)
 
+    def evict_keys(self, keys: Sequence[OffloadKey]) -> None:
+        """Forget `keys` as evicted, chosen by another policy (`kvtier.policies.adaptive`),
+        leaving the history an eviction leaves; keys not held are ignored."""
+        for key in keys:
+            if self.scores.pop(key, None) is not None:  # its heap entries go stale
+                self._forget(key, evicted=True)
+
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         held = [key for key in dict.fromkeys(keys) if key in self.scores]
         for key in held:
