@@ -1,4 +1,5 @@
-"""Miniature simulations: pick a policy's setting by replaying a sample of its own traffic.
+"""Miniature simulations: pick a policy's setting, or a whole policy, by replaying a sample of
+its own traffic.
 
 A `SettingSelector` runs one small cache per candidate setting over the keys whose hash
 falls in a 1/`sample` slice, each with 1/`sample` of the real capacity (Waldspurger et al.,
@@ -11,6 +12,10 @@ hits — a proxy that ranks settings, not a hit rate.
 Each miniature evicts the lowest score, score = last access + `bonus(setting, level)`, the
 rule of the policy that owns the selector (`kvtier.policies.turns`).
 
+A `PolicySelector` runs the same experiment with whole policies (`CachePolicy` instances of
+1/`sample` of the capacity) as the miniatures, for a policy that follows the best of several
+(`kvtier.policies.adaptive`).
+
 Thread-safety: not thread-safe; the owning policy serializes calls.
 """
 
@@ -20,11 +25,19 @@ import heapq
 import zlib
 from collections.abc import Callable, Sequence
 
+from kvtier.errors import InvariantError
 from kvtier.keys import OffloadKey
+from kvtier.policies.base import CachePolicy
 
-__all__ = ["SettingSelector"]
+__all__ = ["PolicySelector", "SettingSelector", "is_sampled"]
 
 Bonus = Callable[[float, int], float]  # (setting, level) -> bonus in key time
+MakePolicy = Callable[[str, int], CachePolicy]  # (name, capacity) -> a fresh policy
+
+
+def is_sampled(key: OffloadKey, sample: int) -> bool:
+    """Whether `key` falls in the 1/`sample` slice of the key space the miniatures see."""
+    return zlib.crc32(key) % sample == 0
 
 
 class _Miniature:
@@ -81,7 +94,7 @@ class SettingSelector:
         Returns:
             True when `best` changed.
         """
-        if not self._minis or zlib.crc32(key) % self.sample:
+        if not self._minis or not is_sampled(key, self.sample):
             return False
         for mini in self._minis:
             mini.access(key, now + self.bonus(mini.setting, level))
@@ -99,3 +112,103 @@ class SettingSelector:
             mini.scores.clear()
             mini.heap.clear()
             mini.hits = 0.0
+
+
+class PolicySelector:
+    """Miniatures of whole policies, one per candidate (see the module docstring).
+
+    Unlike `SettingSelector`, every capacity runs miniatures: the sample shrinks (down to every
+    key) until each miniature has `min_keys` slots, or the whole capacity when it is smaller.
+
+    Args:
+        capacity: the real cache's capacity (keys).
+        names: the candidate policies; the first is the answer until the miniatures know better.
+        make: builds a candidate by name at a capacity.
+        max_sample: at most one key in `max_sample` is simulated.
+        period: `best` is chosen again every `period` x capacity accesses.
+        memory: hits are counted with a decay: x (1 - 1/`memory`) at every choice.
+        margin: another candidate replaces `best` when the keys only it held outnumber those only
+            `best` held by `margin` x the square root of their sum (McNemar's test: the keys both
+            held or both missed, most of them, say nothing about which is better).
+    """
+
+    def __init__(self, capacity: int, names: Sequence[str], make: MakePolicy, max_sample: int = 8,
+                 min_keys: int = 64, period: int = 4, memory: float = 2.0, margin: float = 0.0):
+        self.sample = max(1, min(max_sample, capacity // min_keys))
+        self.best = names[0]
+        self.minis = {name: make(name, max(1, capacity // self.sample)) for name in names}
+        self.hits = dict.fromkeys(names, 0.0)
+        self.wins = {(a, b): 0.0 for a in names for b in names if a != b}  # keys a held and b did not
+        self._period = period * capacity
+        self._keep = 1.0 - 1.0 / memory
+        self._margin = margin
+        self._accesses = 0
+
+    def access(self, keys: Sequence[OffloadKey]) -> bool:
+        """The policy saw `keys` used (`touch`: hits) or stored (`insert`: misses), head first.
+
+        Each miniature counts the sampled keys it holds as hits and stores the others.
+
+        Returns:
+            True when `best` changed.
+        """
+        sampled = list(dict.fromkeys(k for k in keys if is_sampled(k, self.sample)))
+        if not sampled:
+            return False
+        held = {name: _replay(mini, sampled) for name, mini in self.minis.items()}
+        for name, keys_held in held.items():
+            self.hits[name] += len(keys_held)
+        for a, b in self.wins:
+            self.wins[a, b] += len(held[a] - held[b])
+        self._accesses += len(sampled) * self.sample
+        if self._accesses < self._period:
+            return False
+        self._accesses = 0
+        best = self.best
+        self._choose()
+        for counts in (self.hits, self.wins):
+            for name in counts:
+                counts[name] *= self._keep
+        return best != self.best
+
+    def _choose(self) -> None:
+        top = max(self.hits, key=lambda name: (self.hits[name], name == self.best))  # a tie keeps best
+        if top == self.best:
+            return
+        won, lost = self.wins[top, self.best], self.wins[self.best, top]
+        if won - lost > self._margin * (won + lost) ** 0.5:
+            self.best = top
+
+    def order_chain(self, keys: Sequence[OffloadKey]) -> None:
+        """`keys` are one prefix chain, head first: each miniature ranks the sampled ones it holds."""
+        sampled = [k for k in keys if is_sampled(k, self.sample)]
+        for mini in self.minis.values():
+            mini.order_chain([k for k in sampled if k in mini])
+
+    def clear(self) -> None:
+        for mini in self.minis.values():
+            mini.clear()
+        self.hits = dict.fromkeys(self.hits, 0.0)
+        self.wins = dict.fromkeys(self.wins, 0.0)
+        self._accesses = 0
+
+
+def _replay(mini: CachePolicy, keys: list[OffloadKey]) -> set[OffloadKey]:
+    """One access of `keys` (distinct, head first) in a miniature, as its tier would do it:
+    touch the held ones, store as many of the rest as there is room for (heads first).
+
+    Returns:
+        The hits: the keys it held.
+    """
+    held = [k for k in keys if k in mini]
+    hits = set(held)
+    mini.touch(held)
+    missing = [k for k in keys if k not in mini][:mini.capacity - len(held)]  # the held ones stay
+    if not missing:
+        return hits
+    mini.prepare_insert(missing)
+    num_needed = len(mini) + len(missing) - mini.capacity
+    if num_needed > 0 and mini.evict(num_needed, set(held)) is None:
+        raise InvariantError(f"miniature {mini.name!r} could not evict {num_needed} of {len(mini)} keys")
+    mini.insert(missing)
+    return hits
