@@ -9,12 +9,14 @@ from __future__ import annotations
 import importlib
 
 from kvtier.errors import ConfigError
+from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.turns import TurnsPolicy
 
-__all__ = ["ARCPolicy", "CachePolicy", "LRUPolicy", "TurnsPolicy", "make_policy", "policy_names", "register_policy"]
+__all__ = ["ARCPolicy", "AdaptivePolicy", "CachePolicy", "LRUPolicy", "TurnsPolicy", "make_policy", "policy_names",
+           "register_policy"]
 
 _REGISTRY: dict[str, type[CachePolicy]] = {}
 
@@ -57,3 +59,4 @@ def _import_policy(spec: str) -> type[CachePolicy]:
 register_policy(LRUPolicy)
 register_policy(ARCPolicy)
 register_policy(TurnsPolicy)
+register_policy(AdaptivePolicy)
