@@ -296,7 +296,7 @@ def test_stats_add_up(manager):
 
 
 def test_unknown_policy_names_the_choices():
-    with pytest.raises(ConfigError, match=r"unknown policy 'fifo'.*\['arc', 'lru', 'turns'\]"):
+    with pytest.raises(ConfigError, match=r"unknown policy 'fifo'.*\['adaptive', 'arc', 'lru', 'turns'\]"):
         CPUTierManager(num_slots=4, policy="fifo")
 
 
