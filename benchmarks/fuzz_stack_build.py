@@ -70,6 +70,7 @@ class FuzzConfig:
     max_deferrals: int
     evict_lookahead: int | None
     load_costs: str = "off"  # a key of `LOAD_COSTS`, or "off" (no decision: every found chunk loads)
+    quotas: tuple[tuple[str, int], ...] = ()  # CPU-tier slots per tenant ("tenant-b", "*"), or none
 
     @classmethod
     def draw(cls, seed: int) -> FuzzConfig:
@@ -89,7 +90,8 @@ class FuzzConfig:
                    max_tokens_per_step=rng.choice([5, 8, 16, 64]),
                    max_deferrals=rng.choice([0, 2, 8]), evict_lookahead=rng.choice([None, 1, 2, 4]),
                    # a generator of its own: the draws above stay what they were for every seed
-                   load_costs=random.Random(seed * 7919 + 1).choice(["off", *LOAD_COSTS]))
+                   load_costs=random.Random(seed * 7919 + 1).choice(["off", *LOAD_COSTS]),
+                   quotas=random.Random(seed * 7919 + 2).choice([(), (), (("tenant-b", 1),), (("*", 2 * bpc),)]))
 
     def groups(self) -> tuple[GroupSpec, ...]:
         full = GroupSpec(tokens_per_block=BLOCK, blocks_per_chunk=self.blocks_per_chunk)
@@ -103,7 +105,8 @@ class FuzzConfig:
         return (f"seed={self.seed} {self.store_mode}/{self.load_mode} bpc={self.blocks_per_chunk} {groups} "
                 f"{self.policy} disk={self.disk} redis={self.redis} min_offers={self.min_offers} "
                 f"slots={self.num_slots} blocks={self.num_blocks} step={self.max_tokens_per_step} "
-                f"deferrals={self.max_deferrals} lookahead={self.evict_lookahead} costs={self.load_costs}")
+                f"deferrals={self.max_deferrals} lookahead={self.evict_lookahead} costs={self.load_costs} "
+                f"quotas={dict(self.quotas) or None}")
 
 
 _FAST, _SLOW = ReadEstimate(1e12, 0.0), ReadEstimate(1e3, 0.1)
@@ -172,7 +175,7 @@ class Stack:
             store = RedisStore(redis_url, timeout_ms=300, connect_timeout_ms=200)
             self.remote = RemoteTier(store, namespace, prefix=f"fuzz-{config.seed}-{id(self)}", absent_ttl_s=0.05)
             tiers.append((self.remote, TierRules(config.redis, config.min_offers)))
-        primary = CPUTierManager(config.num_slots, policy=config.policy)
+        primary = CPUTierManager(config.num_slots, policy=config.policy, tenant_quotas=dict(config.quotas))
         self.manager = TieredManager(primary, [self.slab.rows], tiers, job_timeout_s=tier_timeout_s) if tiers \
             else primary
         policy, costs = LOAD_COSTS.get(config.load_costs, ("always", None))

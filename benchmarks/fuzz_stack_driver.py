@@ -80,6 +80,10 @@ class Driver:
             prompt = shared + [rng.randrange(1000, 2000) for _ in range(rng.randint(1, 2 * BLOCK + 1))]
         prompt = prompt[: self.max_tokens() - new_tokens]
         params = rng.choice([None] * 8 + [{"kvtier": {"store": False}}, {"kvtier": {"load": False}}])
+        if params is None and rng.random() < 0.4:  # hints: kept, ranked, dropped chunks in every tier
+            params = {"kvtier": {"session": rng.choice(["s0", "s1"]), "retain_s": rng.choice([0, 0.05, 5]),
+                                 "priority": rng.choice([-1, 0, 0, 2]), "next_turn_s": rng.choice([0, 1]),
+                                 "end_session": rng.random() < 0.2}}
         self._next_id += 1
         engine.add_request(f"r{self._next_id}", prompt, max_new_tokens=new_tokens, kv_transfer_params=params,
                            cache_salt=rng.choice([None] * 9 + ["tenant-b"]))

@@ -40,7 +40,7 @@ class SimRequest:
     def view(self) -> RequestView:
         return RequestView(req_id=self.req_id, block_hashes=self.block_hashes, num_tokens=self.num_tokens,
                            num_prompt_tokens=len(self.prompt), num_computed_tokens=self.num_computed,
-                           kv_transfer_params=self.kv_transfer_params)
+                           kv_transfer_params=self.kv_transfer_params, tenant=self.cache_salt)
 
     def as_scheduled(self, new_block_ids: BlockIds | None, is_new: bool, n: int) -> ScheduledRequest:
         """This request in a step that computes `n` of its tokens."""
