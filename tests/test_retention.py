@@ -16,6 +16,7 @@ from kvtier.hints import NO_HINTS, Hints, parse_hints
 from kvtier.policies import make_policy, policy_names
 from kvtier.policies.retention import ORDINARY, RetainingPolicy, RetentionBook
 from kvtier.scheduler.params import parse_kv_transfer_params
+from kvtier.tiers.cascade import TierRules
 
 _requests = itertools.count()
 
@@ -320,3 +321,27 @@ def test_a_redis_value_lives_at_least_as_long_as_its_hint_asks(fresh_redis):
     assert 25_000 < raw.pttl("keep:a") <= 30_000 and 595_000 < raw.pttl("keep:b") <= 600_000
     assert 25_000 < raw.pttl("keep:c") <= 30_000
     store.close()
+
+
+def test_a_tenant_at_its_disk_quota_replaces_its_own_files_never_anothers(tmp_path):
+    from kvtier.base import LookupResult
+    from kvtier.tiers.cpu.manager import CPUTierManager as CPU
+    from kvtier.tiers.disk.tier import DiskTier
+    from kvtier.tiers.tiered import TieredManager
+    from tier_helpers import SLOT_BYTES, make_slabs, namespace, put, settle
+
+    file_bytes = SLOT_BYTES + 4096
+    disk = DiskTier(tmp_path / "disk", namespace(), 8 * file_bytes, tenant_quotas={"flood": 3 * file_bytes})
+    assert disk.wait_scanned(5.0)
+    slabs = make_slabs(4)
+    manager = TieredManager(CPU(4, policy="lru"), slabs, [(disk, TierRules())])
+    # tenant a writes 4 chunks through to disk; the flooding tenant then writes 12
+    put(manager, slabs, keys(1, 2, 3, 4), tenant("a"))
+    settle(manager)
+    for i in range(10, 22):
+        put(manager, slabs, keys(i), tenant("flood"))
+        settle(manager)
+    # disk holds 8 files: a's 4, and the flood's last 3 (it replaced its own)
+    assert all(disk.lookup(k) is LookupResult.HIT for k in keys(1, 2, 3, 4))
+    assert [disk.lookup(k) is LookupResult.HIT for k in keys(18, 19, 20, 21)] == [False, True, True, True]
+    manager.close()

@@ -21,6 +21,10 @@ other session or unhinted request used, so a shared system prompt stays. Any lat
 dropped chunk makes it ordinary again. The book remembers the last `max_entries` hinted chunks;
 older ones become ordinary.
 
+The book also remembers which tenant (`cache_salt`) stored each of the last `max_entries` chunks,
+once a tier behind the CPU tier enforces tenant quotas (`track_tenants`): such a tier gets only
+keys from the manager, never the request.
+
 Thread-safety: the book is locked (the scheduler thread writes it, a disk tier's threads read
 it while evicting). A `RetainingPolicy` is as thread-safe as the policy it wraps: its tier
 serializes calls.
@@ -76,6 +80,8 @@ class RetentionBook:
         self._entries: OrderedDict[OffloadKey, _Entry] = OrderedDict()
         self._sessions: dict[str, dict[OffloadKey, None]] = {}
         self._low: dict[OffloadKey, None] = {}  # entries ranked below ORDINARY (rank never expires there)
+        self.track_tenants = False  # set by a tier with tenant quotas
+        self._tenants: OrderedDict[OffloadKey, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def set_clock(self, clock: Callable[[], float]) -> None:
@@ -92,6 +98,21 @@ class RetentionBook:
             until = self.clock() + hints.keep_s if hints.keep_s > 0 else float("-inf")
             for key in keys:
                 self._hint(key, hints, until)
+
+    def note_tenant(self, keys: Iterable[OffloadKey], tenant: str | None) -> None:
+        """`tenant`'s request stored `keys` (remembered only while a tier tracks tenants)."""
+        if not self.track_tenants:
+            return
+        with self._lock:
+            for key in keys:
+                self._tenants[key] = tenant or ""
+                self._tenants.move_to_end(key)
+            while len(self._tenants) > self.max_entries:
+                self._tenants.popitem(last=False)
+
+    def tenant_of(self, key: OffloadKey) -> str | None:
+        """The tenant that stored `key`, if remembered."""
+        return self._tenants.get(key)
 
     def end_session(self, hints: Hints, keys: Iterable[OffloadKey]) -> None:
         """The request with `hints` (its `end_session` set) ended having used `keys`: its session's
@@ -132,6 +153,7 @@ class RetentionBook:
             self._entries.clear()
             self._sessions.clear()
             self._low.clear()
+            self._tenants.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -145,6 +145,7 @@ class ChunkStores:
                 self._free(key, chunk)
         if ready:
             self.retention.note(ready, ctx.hints)
+            self.retention.note_tenant(ready, ctx.tenant)
             self._policy.insert(ready)
             self._policy.order_chain([k for k in self._ledger.chain(ctx.req_id) if k in self._policy])
             self._num_evictable += len(ready)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvtier.settings import choice, flag, integer, policy, seconds, setting, size, text, validate
+from kvtier.settings import choice, flag, integer, policy, quotas, seconds, setting, size, text, validate
 from kvtier.tiers.cascade import WRITE_MODES, TierRules
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier
@@ -35,6 +35,8 @@ class DiskConfig:
         1, integer(1), "Write to disk only chunks that at least this many requests stored or reused.")
     eviction_policy: str = setting(
         "lru", policy, "The disk tier's eviction policy: lru, arc, turns or an out-of-tree module:Class.")
+    tenant_quotas: tuple[tuple[str, int], ...] = setting(
+        (), quotas, "Bytes of the disk tier each tenant (cache_salt) may hold, as tenant_quotas for RAM.")
     file_mode: str = setting(
         "0600", choice("0600", "0640"),
         "Permissions of chunk files: 0600 (this user only) or 0640 (its group may read them too).")
@@ -70,5 +72,5 @@ class DiskConfig:
         direct = None if self.direct_io == "auto" else bool(self.direct_io)
         tier = DiskTier(self.path, namespace, self.bytes, policy=self.eviction_policy, fsync=self.fsync,
                         direct_io=direct, enable_events=enable_events, rescan_s=self.rescan_s,
-                        file_mode=int(self.file_mode, 8))
+                        file_mode=int(self.file_mode, 8), tenant_quotas=dict(self.tenant_quotas))
         return tier, self.rules()

@@ -24,6 +24,7 @@ from collections.abc import Callable, Container, Sequence
 from kvtier.keys import OffloadKey
 from kvtier.policies import CachePolicy, make_policy
 from kvtier.policies.retention import RetainingPolicy, RetentionBook
+from kvtier.tiers.quotas import TenantQuotas
 
 __all__ = ["DiskIndex", "Spared"]
 
@@ -47,9 +48,13 @@ class DiskIndex:
         policy_spec: eviction policy name ("lru", "arc") or "module:Class".
         capacity_files: how many files the tier may hold (READY + pending).
         cond: the tier's condition; its lock guards the index.
+        tenant_quotas: files each tenant may hold ({cache_salt or "*": files}; `kvtier.tiers.quotas`).
+            A chunk's tenant is the one the manager's retention book remembers storing it; files
+            the start-up scan found, or whose tenant is forgotten, count for no tenant.
     """
 
-    def __init__(self, policy_spec: str, capacity_files: int, cond: threading.Condition):
+    def __init__(self, policy_spec: str, capacity_files: int, cond: threading.Condition,
+                 tenant_quotas: dict[str, int] | None = None):
         self.capacity_files = capacity_files
         self.policy = make_policy(policy_spec, capacity_files)
         self.pending: dict[OffloadKey, int] = {}
@@ -60,12 +65,14 @@ class DiskIndex:
         self.left_for_store: set[OffloadKey] = set()
         self._policy_spec, self._cond = policy_spec, cond
         self._retention: RetentionBook | None = None
+        self.quotas = TenantQuotas(tenant_quotas)
         self._tickets = itertools.count(1)
 
     def use_retention(self, book: RetentionBook) -> None:
         """Evict by the requests' hints from now on (`kvtier.policies.retention`); under the lock."""
         self._retention = book
         self.policy = self._ranked(self.policy)
+        book.track_tenants |= self.quotas.is_enabled
 
     def new_policy(self) -> CachePolicy:
         """An empty policy of the index's kind (for the start-up scan to fill without the lock)."""
@@ -98,7 +105,9 @@ class DiskIndex:
 
     def forget(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """Drop READY `keys` (their files are lost or bad); returns those that were READY."""
-        return self.policy.discard(keys)
+        dropped = self.policy.discard(keys)
+        self.quotas.release(dropped)
+        return dropped
 
     # -- stores -----------------------------------------------------------------------------
 
@@ -112,18 +121,33 @@ class DiskIndex:
         Returns:
             The store's ticket, or None when there is no room now (every key is being read).
         """
-        if len(self.policy) + len(self.pending) >= self.capacity_files:
+        tenant = self._tenant(key)
+        if tenant is not None and self.quotas.excess(tenant, 1) > 0:  # at its quota: one of its own goes
+            evicted = self.policy.evict(1, self.quotas.all_but(tenant, spared))
+        elif len(self.policy) + len(self.pending) >= self.capacity_files:
             evicted = self.policy.evict(1, spared)
-            if not evicted:
-                return None
-            victims.extend(evicted)
+        else:
+            evicted = []
+        if evicted is None:
+            return None
+        victims.extend(evicted)
+        self.quotas.release(evicted)
+        if tenant is not None:
+            self.quotas.charge([key], tenant)
         ticket = self.pending[key] = next(self._tickets)
         return ticket
+
+    def _tenant(self, key: OffloadKey) -> str | None:
+        """The tenant a new file of `key` counts for (None: none, or no quotas)."""
+        if not self.quotas.is_enabled or self._retention is None:
+            return None
+        return self._retention.tenant_of(key)
 
     def give_back(self, key: OffloadKey, ticket: int) -> None:
         """The store holding `ticket` failed: its reservation is free again."""
         if self.pending.get(key) == ticket:
             del self.pending[key]
+            self.quotas.release([key])
 
     def commit(self, key: OffloadKey, ticket: int) -> bool:
         """The store holding `ticket` gave `key`'s file its final name: READY (its claim is
@@ -168,6 +192,7 @@ class DiskIndex:
         scanned.insert(fresh)  # stored during the scan: more recent than any scanned file
         excess = len(scanned) + len(self.pending) - self.capacity_files
         victims = (scanned.evict(excess, Spared(set(fresh), self.pinned)) or []) if excess > 0 else []
+        self.quotas.release(victims)
         self.policy = self._ranked(scanned)
         return victims
 
@@ -182,6 +207,7 @@ class DiskIndex:
     def clear(self) -> None:
         """Forget every key (`reset()`); claims in `busy` stay with their threads."""
         self.policy.clear()
+        self.quotas.clear()
         self.pending.clear()
         self.pinned.clear()
         self.left_for_store.clear()

@@ -64,6 +64,8 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
         enable_events: record stored/removed events for `take_events`.
         rescan_s: every so many seconds, adopt files other engines wrote (None = never).
         file_mode: mode of the chunk files, 0o600 or 0o640 (directories: 0o700, 0o750).
+        tenant_quotas: bytes of files each tenant may hold ({cache_salt or "*": bytes}; see
+            `kvtier.tiers.disk.index.DiskIndex`).
     Raises:
         ConfigError: the root is not a writable directory, another user owns it or every user
             may write it (see `kvtier.tiers.disk.root`), the budget holds no file, or
@@ -75,7 +77,7 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
     def __init__(self, root: str | Path, namespace: Namespace, capacity_bytes: int, *, policy: str = "lru",
                  fsync: bool = False, direct_io: bool | None = None, num_read_threads: int = 4,
                  num_write_threads: int = 4, enable_events: bool = True, rescan_s: float | None = None,
-                 file_mode: int = 0o600):
+                 file_mode: int = 0o600, tenant_quotas: dict[str, int] | None = None):
         if min(num_read_threads, num_write_threads) < 1 or (rescan_s is not None and rescan_s <= 0):
             raise ConfigError("num_read_threads and num_write_threads must be >= 1, rescan_s > 0 or None")
         directory, dir_fd = make_directory(Path(root), namespace, file_mode)
@@ -97,7 +99,9 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
         self.namespace, self.enable_events = namespace, enable_events
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._index = DiskIndex(policy, self.capacity_files, self._cond)
+        self._index = DiskIndex(policy, self.capacity_files, self._cond,
+                                {tenant: max(1, num_bytes // self.file_bytes)
+                                 for tenant, num_bytes in (tenant_quotas or {}).items()})
         self._book = DiskReports(self.medium, enable_events, namespace.payload_bytes)
         self._counters = self._book.counters
         self._log = FailureLog(logger)
