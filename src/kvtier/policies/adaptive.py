@@ -99,6 +99,7 @@ class AdaptivePolicy(CachePolicy):
         return held
 
     def clear(self) -> None:
+        """Forget every key and history, but not which expert leads (as turns keeps its bonus)."""
         for policy in self.policies.values():
             policy.clear()
         self.selector.clear()
@@ -115,7 +116,7 @@ class AdaptivePolicy(CachePolicy):
     def _miniature(self, name: str, capacity: int) -> _Expert:
         mini = _EXPERTS[name](capacity)
         if isinstance(mini, TurnsPolicy):
-            mini.selector = _SameBonus(self.policies[name].selector)  # type: ignore[union-attr]
+            mini.selector = _SameBonus(self.policies[name].selector)  # type: ignore[union-attr,assignment]
         return mini
 
 
