@@ -54,7 +54,7 @@ def test_unknown_key_lists_the_valid_ones():
 @pytest.mark.parametrize("key, value, message", [
     ("blocks_per_chunk", 0, "blocks_per_chunk: expected an integer >= 1"),
     ("blocks_per_chunk", "2", "blocks_per_chunk: expected an integer >= 1"),
-    ("eviction_policy", "fifo", r"eviction_policy: expected one of \['arc', 'lru', 'turns'\]"),
+    ("eviction_policy", "fifo", r"eviction_policy: expected one of \['adaptive', 'arc', 'lru', 'turns'\]"),
     ("offload_prompt_only", "yes", "offload_prompt_only: expected true or false"),
     ("max_defer_s", -1, "max_defer_s: expected seconds >= 0"),
     ("disk_path", "", "disk_path: expected a non-empty string"),

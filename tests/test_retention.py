@@ -14,7 +14,8 @@ from kvtier import CPUTierManager
 from kvtier.base import ReqContext
 from kvtier.hints import NO_HINTS, Hints, parse_hints
 from kvtier.policies import make_policy, policy_names
-from kvtier.policies.retention import ORDINARY, RetainingPolicy, RetentionBook
+from kvtier.policies.retaining import RetainingPolicy
+from kvtier.policies.retention import ORDINARY, RetentionBook
 from kvtier.scheduler.params import parse_kv_transfer_params
 from kvtier.tiers.cascade import TierRules
 
@@ -135,14 +136,14 @@ def test_a_chunk_another_request_uses_is_never_below_ordinary():
     assert run(m, (5,)) == [2]  # 2 is still the batch job's alone; 1 is ordinary again
 
 
-def test_when_only_kept_chunks_are_left_they_are_evicted_soonest_expiry_first():
+def test_when_only_kept_chunks_are_left_the_one_kept_furthest_ahead_goes_first():
     m, _ = manager()
     run(m, (1,), ctx(retain_s=50))
     run(m, (2,), ctx(retain_s=10))
     run(m, (3,), ctx(retain_s=30))
     run(m, (4,))
-    # room for 2: the ordinary 4, then the kept chunk that expires first
-    assert sorted(run(m, (5, 6))) == [2, 4]
+    # room for 2: the ordinary 4, then the kept chunk whose hint reaches furthest (Belady's choice)
+    assert sorted(run(m, (5, 6))) == [1, 4]
 
 
 def test_with_every_chunk_pinned_or_kept_too_few_a_store_is_refused_and_nothing_changes():
@@ -345,3 +346,60 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_never_anothers(tmp_pa
     assert all(disk.lookup(k) is LookupResult.HIT for k in keys(1, 2, 3, 4))
     assert [disk.lookup(k) is LookupResult.HIT for k in keys(18, 19, 20, 21)] == [False, True, True, True]
     manager.close()
+
+
+# -- found in review: the write-down, arrival order, tenants' sessions, the book's bounds ----------
+
+
+def test_writing_chunks_down_to_disk_is_no_use_that_undoes_their_hints(tmp_path):
+    from tier_helpers import make_tiered, put, settle
+
+    manager, slabs = make_tiered(tmp_path, num_slots=4, disk_chunks=8)
+    book = manager.primary.retention
+    # a batch job's chunk (priority -5) and a session's chunk are written through to disk: the
+    # write-down pins them under kvtier's own context, which must not count as someone's use
+    put(manager, slabs, keys(1), ctx("batch", priority=-5))
+    last = ctx("chat", session="s", end_session=True)
+    put(manager, slabs, keys(2), last)
+    manager.on_request_finished(last)
+    settle(manager)
+    assert book.rank(key(1), 0.0) == (0, -5) and book.rank(key(2), 0.0)[0] == -1
+
+
+def test_a_system_prompt_stored_before_any_hint_is_not_one_sessions_to_drop():
+    m, _ = manager()
+    run(m, (1,))  # an unhinted request stores the shared prompt first
+    turn = ctx(session="A", end_session=True)
+    m.touch(keys(1), turn)  # a session's only turn reuses it, and ends the session
+    run(m, (2,), turn)
+    assert m.retention.rank(key(1), 0.0) == ORDINARY and m.retention.rank(key(2), 0.0)[0] == -1
+
+
+def test_sessions_are_per_tenant():
+    m, _ = manager()
+    a_turn = ReqContext("a1", None, Hints(session="chat-1", retain_s=600), "tenant-a")
+    run(m, (1, 2), a_turn)
+    b_end = ReqContext("b1", None, Hints(session="chat-1", end_session=True), "tenant-b")
+    m.on_request_finished(b_end)  # tenant b ends *its* chat-1
+    assert m.retention.rank(key(1), 0.0)[0] == 1  # a's chunks are still kept
+
+
+def test_the_book_forgets_a_key_in_every_session_that_hinted_it():
+    clock = Clock()
+    book = RetentionBook(clock, max_entries=4)
+    for i in range(100):
+        book.note(keys(i), Hints(session="A", next_turn_s=1), "t", is_new=True)
+        book.note(keys(i), Hints(session="B", next_turn_s=1), "t")
+    assert len(book) == 4 and sum(len(s) for s in book._sessions.values()) <= 8
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_kept_chunks_wait_beside_the_policy_so_an_eviction_never_walks_past_them(policy):
+    m, clock = manager(policy, slots=40)
+    run(m, tuple(range(1, 37)), ctx(session="s", next_turn_s=60))  # 36 kept chunks
+    run(m, (100, 101, 102, 103))  # 4 ordinary ones
+    inner = m._policy.inner
+    assert len(inner) == 4 and len(m._policy) == 40
+    assert run(m, (200,)) == [103]  # an ordinary chunk (the tail of its store), by the wrapped policy
+    clock.now += 61  # the hint expired: the 36 are ordinary again, back in the wrapped policy
+    assert len(run(m, (201,))) == 1 and len(m._policy.inner) == 40

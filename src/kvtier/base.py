@@ -78,6 +78,11 @@ class ReqContext:
         if not isinstance(self.req_id, str):
             raise ConfigError(f"ReqContext.req_id must be the request id as a str, got {type(self.req_id).__name__}")
 
+    @property
+    def is_internal(self) -> bool:
+        """kvtier's own context (a write-down, lazy mode's stores): no engine request id starts with NUL."""
+        return self.req_id.startswith("\x00")
+
 
 class LookupResult(enum.Enum):
     """What a tier knows about one key right now."""

@@ -18,6 +18,7 @@ from kvtier.config import KVTierConfig
 from kvtier.tiers.cascade import TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.quotas import in_slots
 from kvtier.tiers.secondary import SecondaryTier
 from kvtier.tiers.tiered import TieredManager
 
@@ -59,8 +60,7 @@ def build_manager(cfg: KVTierConfig, num_slots: int, key_bytes: int, slabs: Sequ
     slot_bytes = sum(slab.shape[1] for slab in slabs)
     primary = CPUTierManager(num_slots, policy=cfg.eviction_policy, store_threshold=cfg.store_threshold,
                              enable_events=cfg.enable_events, key_bytes=key_bytes,
-                             tenant_quotas={tenant: max(1, num_bytes // slot_bytes)
-                                            for tenant, num_bytes in cfg.tenant_quotas})
+                             tenant_quotas=in_slots(dict(cfg.tenant_quotas), slot_bytes))
     tiers = secondary_tiers(cfg, namespace)
     if not tiers:
         return primary

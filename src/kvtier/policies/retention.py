@@ -1,67 +1,61 @@
-"""Client hints at eviction time: what requests asked to keep or to drop, honored by every policy.
+"""Client hints at eviction time: what requests asked to keep or to drop (`RetentionBook`).
 
-A `RetentionBook` records, per chunk, what the requests that used it said (`kvtier.hints`): how
-long to keep it, its priority, its session, whether that session ended. One book serves every
-tier of a manager (the CPU tier and the disk tier evict by it; a shared store sets a value's
-lifetime from `kept_until`). `RetainingPolicy` wraps any `CachePolicy` (LRU, ARC, turns, an
-out-of-tree one) so that its tier evicts by rank, lowest first:
-
-1. chunks of ended sessions that nothing else used (`end_session`), then chunks of a priority
-   below 0 — lowest first, each rank in the order its chunks were last hinted;
-2. ordinary chunks (no hint, or an expired one, priority 0): in the wrapped policy's own order;
-3. chunks kept (`retain_s` / `next_turn_s` not yet expired) or of a priority above 0, by
-   (kept, priority), soonest expiry first — only when no ordinary chunk is left to evict.
-
-So a hint moves a chunk between ranks and never reorders ordinary chunks: traffic without hints
-is evicted exactly as the wrapped policy would (the book is then empty and `evict` delegates).
+The book records, per chunk, what the requests that used it said (`kvtier.hints`): how long to
+keep it, its priority, its sessions, whether they ended. One book serves every tier of a manager:
+the CPU and disk tiers evict by its ranks (`kvtier.policies.retaining.RetainingPolicy`, which
+subscribes to its changes), a shared store sets a value's lifetime from `kept_until`. Ranks,
+lowest evicted first: -1 dropped (an ended session's chunk nothing else used), then by priority;
+0 not kept; 1 kept (`retain_s` / `next_turn_s` not expired). ORDINARY is (0, 0).
 
 Priority: the highest any request gave the chunk; never below 0 once a request without that
-wish (another session, an unhinted request) used it. A session's end drops only the chunks no
-other session or unhinted request used, so a shared system prompt stays. Any later use of a
-dropped chunk makes it ordinary again. The book remembers the last `max_entries` hinted chunks;
-older ones become ordinary.
+wish used it (another session, an unhinted request, or one that found the chunk already stored).
+A session (per tenant: `cache_salt`) ending drops only the chunks no one else used. Any later
+use of a dropped chunk makes it ordinary again. The book remembers the last `max_entries` hinted
+chunks (older ones become ordinary), and which tenant stored each recent chunk once a tier
+enforces tenant quotas (`track_tenants`): such a tier gets keys from the manager, never requests.
 
-The book also remembers which tenant (`cache_salt`) stored each of the last `max_entries` chunks,
-once a tier behind the CPU tier enforces tenant quotas (`track_tenants`): such a tier gets only
-keys from the manager, never the request.
-
-Thread-safety: the book is locked (the scheduler thread writes it, a disk tier's threads read
-it while evicting). A `RetainingPolicy` is as thread-safe as the policy it wraps: its tier
-serializes calls.
+Thread-safety: locked; it calls its subscribers after releasing its lock.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
-from kvtier.errors import ConfigError, InvariantError
+from kvtier.errors import ConfigError
 from kvtier.hints import Hints
 from kvtier.keys import OffloadKey
-from kvtier.policies.base import CachePolicy
 
-__all__ = ["ORDINARY", "RetainingPolicy", "RetentionBook"]
+__all__ = ["ORDINARY", "Rank", "RetentionBook"]
 
 Rank = tuple[int, int]  # (band: -1 dropped, 0 not kept, 1 kept; priority)
 ORDINARY: Rank = (0, 0)
+_NEVER = float("-inf")
 
 
 class _Entry:
-    __slots__ = ("is_dropped", "is_shared", "priority", "session", "until")
+    __slots__ = ("is_dropped", "is_shared", "priority", "seq", "sessions", "until")
 
-    def __init__(self) -> None:
-        self.until = float("-inf")  # kept until then (the scheduler's clock)
+    def __init__(self, seq: int) -> None:
+        self.until = _NEVER  # kept until then (the scheduler's clock)
         self.priority = 0
-        self.session: str | None = None  # the first session that used it
-        self.is_shared = False  # used outside that session: its end does not drop it
+        self.sessions: set[str] = set()  # the (tenant, session) names that hinted it
+        self.is_shared = False  # used outside its sessions: their end does not drop it
         self.is_dropped = False  # its session ended
+        self.seq = seq  # when it was last hinted (a counter)
 
     def rank(self, now: float) -> Rank:
         if self.is_dropped:
             return (-1, self.priority)
         return (1 if self.until > now else 0, self.priority)
+
+
+class RankListener(Protocol):
+    def ranks_changed(self, keys: Sequence[OffloadKey]) -> None: ...
 
 
 class RetentionBook:
@@ -77,27 +71,47 @@ class RetentionBook:
             raise ConfigError(f"a retention book needs room for entries, got max_entries={max_entries}")
         self.clock = clock
         self.max_entries = max_entries
+        self.track_tenants = False  # set by a tier with tenant quotas
         self._entries: OrderedDict[OffloadKey, _Entry] = OrderedDict()
         self._sessions: dict[str, dict[OffloadKey, None]] = {}
-        self._low: dict[OffloadKey, None] = {}  # entries ranked below ORDINARY (rank never expires there)
-        self.track_tenants = False  # set by a tier with tenant quotas
         self._tenants: OrderedDict[OffloadKey, str] = OrderedDict()
+        self._listeners: list[RankListener] = []
+        self._seq = itertools.count()
         self._lock = threading.Lock()
 
     def set_clock(self, clock: Callable[[], float]) -> None:
         self.clock = clock
 
-    def note(self, keys: Iterable[OffloadKey], hints: Hints) -> None:
-        """A request with `hints` used (loaded, stored, hit) `keys` now."""
+    def subscribe(self, listener: RankListener) -> None:
+        """`listener.ranks_changed(keys)` after every change of ranks (not expiries: those are read)."""
+        self._listeners.append(listener)
+
+    def note(self, keys: Sequence[OffloadKey], hints: Hints, tenant: str | None = None, is_new: bool = False) -> None:
+        """A request of `tenant` with `hints` used `keys` now; `is_new`: it stored them (else they were
+        already there, so someone else used them first)."""
         with self._lock:
             if hints.is_empty:
-                for key in keys:
-                    if (entry := self._entries.get(key)) is not None:
-                        self._share(key, entry)
-                return
-            until = self.clock() + hints.keep_s if hints.keep_s > 0 else float("-inf")
-            for key in keys:
-                self._hint(key, hints, until)
+                changed = [key for key in keys if self._share(key)]
+            else:
+                until = self.clock() + hints.keep_s if hints.keep_s > 0 else _NEVER
+                session = None if hints.session is None else f"{tenant or ''}\x00{hints.session}"
+                changed = [key for key in keys if self._hint(key, hints, until, session, is_new)]
+        self._tell(changed)
+
+    def end_session(self, hints: Hints, keys: Iterable[OffloadKey], tenant: str | None = None) -> None:
+        """The request of `tenant` with `hints` (its `end_session` set) ended having used `keys`: its
+        session's chunks that nothing else used go first from now on."""
+        with self._lock:
+            ended = dict.fromkeys(keys)
+            if hints.session is not None:
+                ended.update(self._sessions.pop(f"{tenant or ''}\x00{hints.session}", {}))
+            changed = []
+            for key in ended:
+                entry = self._entries.get(key)
+                if entry is not None and not entry.is_shared and not entry.is_dropped:
+                    entry.is_dropped = True
+                    changed.append(key)
+        self._tell(changed)
 
     def note_tenant(self, keys: Iterable[OffloadKey], tenant: str | None) -> None:
         """`tenant`'s request stored `keys` (remembered only while a tier tracks tenants)."""
@@ -114,172 +128,68 @@ class RetentionBook:
         """The tenant that stored `key`, if remembered."""
         return self._tenants.get(key)
 
-    def end_session(self, hints: Hints, keys: Iterable[OffloadKey]) -> None:
-        """The request with `hints` (its `end_session` set) ended having used `keys`: its session's
-        chunks that nothing else used go first from now on."""
-        with self._lock:
-            ended = dict.fromkeys(keys)
-            if hints.session is not None:
-                ended.update(self._sessions.pop(hints.session, {}))
-            for key in ended:
-                entry = self._entries.get(key)
-                if entry is not None and not entry.is_shared:
-                    entry.is_dropped = True
-                    self._low[key] = None
-
     def rank(self, key: OffloadKey, now: float) -> Rank:
         entry = self._entries.get(key)
         return ORDINARY if entry is None else entry.rank(now)
 
+    def order(self, key: OffloadKey) -> tuple[float, int]:
+        """(kept until, last hinted) of `key`: ties within a rank are broken by them."""
+        entry = self._entries.get(key)
+        return (_NEVER, 0) if entry is None else (entry.until, entry.seq)
+
     def kept_until(self, key: OffloadKey) -> float | None:
         """Until when (the book's clock) `key` is to be kept, or None."""
         entry = self._entries.get(key)
-        return None if entry is None or entry.is_dropped or entry.until == float("-inf") else entry.until
-
-    def low(self, now: float) -> list[tuple[Rank, OffloadKey]]:
-        """The chunks ranked below ORDINARY, lowest rank first (then least recently hinted)."""
-        with self._lock:
-            ranked = [(self._entries[key].rank(now), key) for key in self._low]
-        return sorted((pair for pair in ranked if pair[0] < ORDINARY), key=lambda pair: pair[0])
-
-    def high(self, now: float) -> list[tuple[Rank, float, OffloadKey]]:
-        """The chunks ranked above ORDINARY: (rank, kept until, key), lowest rank and soonest expiry first."""
-        with self._lock:
-            ranked = [(entry.rank(now), entry.until, key) for key, entry in self._entries.items()]
-        return sorted((item for item in ranked if item[0] > ORDINARY), key=lambda item: item[:2])
+        return None if entry is None or entry.is_dropped or entry.until == _NEVER else entry.until
 
     def clear(self) -> None:
         with self._lock:
+            keys = list(self._entries)
             self._entries.clear()
             self._sessions.clear()
-            self._low.clear()
             self._tenants.clear()
+        self._tell(keys)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _hint(self, key: OffloadKey, hints: Hints, until: float) -> None:
+    def _hint(self, key: OffloadKey, hints: Hints, until: float, session: str | None, is_new: bool) -> bool:
         entry = self._entries.get(key)
+        before = None if entry is None else (entry.rank(self.clock()), entry.until)
         if entry is None:
-            entry = self._entries[key] = _Entry()
-            entry.priority, entry.session = hints.priority, hints.session
+            entry = self._entries[key] = _Entry(next(self._seq))
+            entry.priority, entry.is_shared = hints.priority, not is_new  # found stored: someone's before
             self._forget_oldest()
         else:
             self._entries.move_to_end(key)
-            entry.priority = max(entry.priority, hints.priority)
-            entry.is_shared |= hints.session != entry.session
-        entry.until = max(entry.until, until)
-        entry.is_dropped = False
+            entry.priority, entry.seq = max(entry.priority, hints.priority), next(self._seq)
+            entry.is_shared |= session not in entry.sessions
+        entry.until, entry.is_dropped = max(entry.until, until), False
         if entry.is_shared:
             entry.priority = max(entry.priority, 0)
-        if hints.session is not None:
-            self._sessions.setdefault(hints.session, {})[key] = None
-        self._rank_changed(key, entry)
+        if session is not None:
+            entry.sessions.add(session)
+            self._sessions.setdefault(session, {})[key] = None
+        return before != (entry.rank(self.clock()), entry.until)
 
-    def _share(self, key: OffloadKey, entry: _Entry) -> None:
+    def _share(self, key: OffloadKey) -> bool:
         """An unhinted request used `key`: it is nobody's alone, and no longer dropped."""
-        entry.is_shared, entry.is_dropped = True, False
-        entry.priority = max(entry.priority, 0)
-        self._rank_changed(key, entry)
-
-    def _rank_changed(self, key: OffloadKey, entry: _Entry) -> None:
-        if entry.is_dropped or entry.priority < 0:
-            self._low[key] = None
-        else:
-            self._low.pop(key, None)
+        entry = self._entries.get(key)
+        if entry is None or (entry.is_shared and not entry.is_dropped and entry.priority >= 0):
+            return False
+        entry.is_shared, entry.is_dropped, entry.priority = True, False, max(entry.priority, 0)
+        return True
 
     def _forget_oldest(self) -> None:
         while len(self._entries) > self.max_entries:
             key, entry = self._entries.popitem(last=False)
-            self._low.pop(key, None)
-            if entry.session is not None and (keys := self._sessions.get(entry.session)) is not None:
-                keys.pop(key, None)
-                if not keys:
-                    del self._sessions[entry.session]
+            for session in entry.sessions:
+                if (keys := self._sessions.get(session)) is not None:
+                    keys.pop(key, None)
+                    if not keys:
+                        del self._sessions[session]
 
-
-class RetainingPolicy(CachePolicy):
-    """`inner`, evicting by the ranks of `book`; see the module docstring."""
-
-    def __init__(self, inner: CachePolicy, book: RetentionBook):
-        super().__init__(inner.capacity)
-        self.inner, self.book = inner, book
-        self.name = inner.name
-
-    def prepare_insert(self, keys: Sequence[OffloadKey]) -> None:
-        self.inner.prepare_insert(keys)
-
-    def insert(self, keys: Sequence[OffloadKey]) -> None:
-        self.inner.insert(keys)
-
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
-        self.inner.touch(keys)
-
-    def order_chain(self, keys: Sequence[OffloadKey]) -> None:
-        self.inner.order_chain(keys)
-
-    def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-        return self.inner.discard(keys)
-
-    def clear(self) -> None:
-        self.inner.clear()
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.inner
-
-    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
-        if n <= 0 or not len(self.book):
-            return self.inner.evict(n, protected)  # nothing hinted: the wrapped policy alone
-        now = self.book.clock()
-        low = [key for _, key in self.book.low(now) if key in self.inner and key not in protected][:n]
-        not_ordinary = _NotOrdinary(protected, self.book, now)
-        ordinary = self._ordinary(n - len(low), not_ordinary, now, protected)
-        if ordinary is None:
-            return None
-        victims, high = ordinary
-        self._discard(low)
-        self._discard(high)
-        return [*low, *victims, *high]
-
-    def _ordinary(self, n: int, not_ordinary: _NotOrdinary, now: float,
-                  protected: Container[OffloadKey]) -> tuple[list[OffloadKey], list[OffloadKey]] | None:
-        """`n` victims: as many ordinary ones as there are (the wrapped policy's choice), the rest
-        kept ones; None (nothing evicted) when there are not `n`."""
-        if n == 0:
-            return [], []
-        victims = self.inner.evict(n, not_ordinary)
-        if victims is not None:
-            return victims, []
-        high = [key for _, _, key in self.book.high(now) if key in self.inner and key not in protected]
-        victims = []
-        if (least := n - len(high)) > 0:  # the ordinary ones that must exist for `n` to be found
-            victims = self.inner.evict(least, not_ordinary)
-            if victims is None:
-                return None
-        step = n - len(victims)
-        while step > 0 and len(victims) < n:  # every ordinary one left: their count is not known
-            more = self.inner.evict(min(step, n - len(victims)), not_ordinary)
-            if more is None:
-                step //= 2
-            else:
-                victims.extend(more)
-        return victims, high[:n - len(victims)]
-
-    def _discard(self, keys: list[OffloadKey]) -> None:
-        if keys and len(self.inner.discard(keys)) != len(keys):
-            raise InvariantError(f"policy {self.name!r} lost keys it held while evicting by rank")
-
-
-class _NotOrdinary:
-    """Protects `protected` and every chunk the book ranks other than ORDINARY."""
-
-    __slots__ = ("book", "now", "protected")
-
-    def __init__(self, protected: Container[OffloadKey], book: RetentionBook, now: float):
-        self.protected, self.book, self.now = protected, book, now
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.protected or self.book.rank(key, self.now) != ORDINARY  # type: ignore[arg-type]
+    def _tell(self, keys: Sequence[OffloadKey]) -> None:
+        if keys:
+            for listener in self._listeners:
+                listener.ranks_changed(keys)

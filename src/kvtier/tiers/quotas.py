@@ -21,9 +21,14 @@ from collections.abc import Container, Iterable, Sequence
 
 from kvtier.keys import OffloadKey
 
-__all__ = ["ANY_TENANT", "TenantQuotas"]
+__all__ = ["ANY_TENANT", "TenantQuotas", "in_slots"]
 
 ANY_TENANT = "*"
+
+
+def in_slots(bytes_by_tenant: dict[str, int] | None, slot_bytes: int) -> dict[str, int]:
+    """Quotas in bytes as whole slots of `slot_bytes` (at least one each)."""
+    return {tenant: max(1, num_bytes // slot_bytes) for tenant, num_bytes in (bytes_by_tenant or {}).items()}
 
 
 class TenantQuotas:

@@ -35,7 +35,8 @@ from kvtier.base import (
 from kvtier.errors import ConfigError, InvariantError, NotReadyError
 from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey, key_length_error
 from kvtier.policies import make_policy
-from kvtier.policies.retention import RetainingPolicy, RetentionBook
+from kvtier.policies.retaining import RetainingPolicy
+from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.admission import ReuseGate
 from kvtier.tiers.cpu.ledger import RequestLedger
 from kvtier.tiers.cpu.slots import Chunk, SlotAllocator
@@ -143,13 +144,13 @@ class CPUTierManager(ChunkStores, OffloadingManager):
             chunk.pins += 1
             self._ledger.pin(ctx.req_id, key)
             slot_ids[i] = chunk.slot
-        self.retention.note(keys, ctx.hints)
+        self._note(keys, ctx)
         return SlotSpec(self.medium, slot_ids)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys)
         self._ledger.extend_chain(ctx.req_id, keys)
-        self.retention.note(keys, ctx.hints)
+        self._note(keys, ctx)
 
     def join_chain(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """`keys` belong to the request's prefix (a lookup found them): its promotions spare them
@@ -173,11 +174,11 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         self.retention.set_clock(clock)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        if not ctx.hints.is_empty:  # kept from the request's end; its session's end drops them
+        if not ctx.hints.is_empty and not ctx.is_internal:  # kept from the request's end
             chain = self._ledger.chain(ctx.req_id)
-            self.retention.note(chain, ctx.hints)
-            if ctx.hints.end_session:
-                self.retention.end_session(ctx.hints, chain)
+            self.retention.note(chain, ctx.hints, ctx.tenant)
+            if ctx.hints.end_session:  # its session's end drops them
+                self.retention.end_session(ctx.hints, chain, ctx.tenant)
         for key, count in self._ledger.release(ctx.req_id).items():
             for _ in range(count):
                 self._released_pins += 1
@@ -249,6 +250,12 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         return len(self._policy)
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _note(self, keys: Sequence[OffloadKey], ctx: ReqContext, is_new: bool = False) -> None:
+        """A request used `keys` (stored them: `is_new`): tell the retention book, unless kvtier
+        itself is the user (a write-down's pins, lazy mode's stores)."""
+        if not ctx.is_internal:
+            self.retention.note(keys, ctx.hints, ctx.tenant, is_new)
 
     def _unpin(self, key: OffloadKey) -> None:
         chunk = self._chunks[key]

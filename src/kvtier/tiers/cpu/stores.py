@@ -54,6 +54,7 @@ class ChunkStores:
     _policy: CachePolicy
     retention: RetentionBook
     _quotas: TenantQuotas
+    _note: Callable[..., None]  # (and the manager's `_free` and `_emit`)
     _gate: ReuseGate
     _slots: SlotAllocator
     _chunks: dict[OffloadKey, Chunk]
@@ -144,7 +145,7 @@ class ChunkStores:
                 self._failed_stores += 1
                 self._free(key, chunk)
         if ready:
-            self.retention.note(ready, ctx.hints)
+            self._note(ready, ctx, is_new=True)
             self.retention.note_tenant(ready, ctx.tenant)
             self._policy.insert(ready)
             self._policy.order_chain([k for k in self._ledger.chain(ctx.req_id) if k in self._policy])

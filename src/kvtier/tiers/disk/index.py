@@ -23,7 +23,8 @@ from collections.abc import Callable, Container, Sequence
 
 from kvtier.keys import OffloadKey
 from kvtier.policies import CachePolicy, make_policy
-from kvtier.policies.retention import RetainingPolicy, RetentionBook
+from kvtier.policies.retaining import RetainingPolicy
+from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.quotas import TenantQuotas
 
 __all__ = ["DiskIndex", "Spared"]
@@ -71,18 +72,12 @@ class DiskIndex:
     def use_retention(self, book: RetentionBook) -> None:
         """Evict by the requests' hints from now on (`kvtier.policies.retention`); under the lock."""
         self._retention = book
-        self.policy = self._ranked(self.policy)
+        self.policy = RetainingPolicy(self.policy, book, self._cond)
         book.track_tenants |= self.quotas.is_enabled
 
     def new_policy(self) -> CachePolicy:
         """An empty policy of the index's kind (for the start-up scan to fill without the lock)."""
         return make_policy(self._policy_spec, self.capacity_files)
-
-    def _ranked(self, policy: CachePolicy) -> CachePolicy:
-        """`policy` evicting by the hints' ranks, once there is a book of them."""
-        if self._retention is None or isinstance(policy, RetainingPolicy):
-            return policy
-        return RetainingPolicy(policy, self._retention)
 
     def is_ready(self, key: OffloadKey) -> bool:
         return key in self.policy
@@ -192,8 +187,13 @@ class DiskIndex:
         scanned.insert(fresh)  # stored during the scan: more recent than any scanned file
         excess = len(scanned) + len(self.pending) - self.capacity_files
         victims = (scanned.evict(excess, Spared(set(fresh), self.pinned)) or []) if excess > 0 else []
-        self.quotas.release(victims)
-        self.policy = self._ranked(scanned)
+        self.quotas.release([key for key in victims if key not in self.pending])  # a store still owns those
+        if isinstance(self.policy, RetainingPolicy):
+            self.policy.inner = scanned  # the wrapper's aside chunks are among `fresh`, still held
+            self.policy.refile(fresh)
+        else:
+            self.policy = scanned
+        return victims
         return victims
 
     def adopt(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:

@@ -10,9 +10,8 @@ tier that keeps the directory and the index in agreement) and `workers` (the thr
   `get_finished`. A housekeeping thread rebuilds the index from the directory at start
   (lookups answer MISS until it is done), deletes everything after `reset()`, and with
   `rescan_s` adopts files that other engines sharing the directory wrote.
-- A store in flight at `reset()` (its ticket is gone) deletes its own file instead of
-  publishing. Evicted files become spares that later stores overwrite (see `files`);
-  lost or corrupt files are unlinked, their keys discarded from the policy (O(1)).
+- A store in flight at `reset()` (its ticket is gone) deletes its own file instead of publishing.
+  Evicted files become spares later stores overwrite (`files`); lost or corrupt ones are unlinked.
 - Deadlines (`TierJob.deadline`): a chunk whose I/O has not started by then is not read or
   written (`expired`); a read that ends after it is reported failed (`late`), its file kept.
 
@@ -42,6 +41,7 @@ from kvtier.tiers.disk.reports import DiskJob, DiskReports, FailureLog
 from kvtier.tiers.disk.root import make_directory
 from kvtier.tiers.disk.upkeep import DirectoryUpkeep
 from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.quotas import in_slots
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
 from kvtier.tiers.workers import Workers
 
@@ -64,8 +64,7 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
         enable_events: record stored/removed events for `take_events`.
         rescan_s: every so many seconds, adopt files other engines wrote (None = never).
         file_mode: mode of the chunk files, 0o600 or 0o640 (directories: 0o700, 0o750).
-        tenant_quotas: bytes of files each tenant may hold ({cache_salt or "*": bytes}; see
-            `kvtier.tiers.disk.index.DiskIndex`).
+        tenant_quotas: bytes of files each tenant may hold ({cache_salt or "*": bytes}; `DiskIndex`).
     Raises:
         ConfigError: the root is not a writable directory, another user owns it or every user
             may write it (see `kvtier.tiers.disk.root`), the budget holds no file, or
@@ -99,9 +98,7 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
         self.namespace, self.enable_events = namespace, enable_events
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._index = DiskIndex(policy, self.capacity_files, self._cond,
-                                {tenant: max(1, num_bytes // self.file_bytes)
-                                 for tenant, num_bytes in (tenant_quotas or {}).items()})
+        self._index = DiskIndex(policy, self.capacity_files, self._cond, in_slots(tenant_quotas, self.file_bytes))
         self._book = DiskReports(self.medium, enable_events, namespace.payload_bytes)
         self._counters = self._book.counters
         self._log = FailureLog(logger)

@@ -1,0 +1,181 @@
+"""Any eviction policy, honoring the client's hints: `RetainingPolicy`.
+
+It wraps a `CachePolicy` (LRU, ARC, turns, adaptive, an out-of-tree one) so that its tier evicts
+by the ranks of a `kvtier.policies.retention.RetentionBook`, lowest first:
+
+1. chunks of ended sessions that nothing else used (`end_session`), then chunks of a priority
+   below 0 — lowest rank first, then the least recently hinted;
+2. ordinary chunks (no hint, or an expired one, priority 0): in the wrapped policy's own order;
+3. chunks kept (`retain_s` / `next_turn_s` not yet expired) or of a priority above 0 — only when
+   no ordinary chunk is left — by (kept, priority), and among equals the one whose hint reaches
+   furthest first (its next use is the furthest away: what Belady's MIN evicts), tails before heads.
+
+The wrapped policy holds only the chunks filed ordinary; the others wait beside it in heaps, so
+an eviction costs what the wrapped policy's costs, however many chunks are kept. A chunk moves
+when the book changes its rank (the book tells every policy that subscribed) and when its hint
+expires (found at the next eviction); one that comes back is as recent as a new one. Traffic
+without hints is evicted exactly as by the wrapped policy alone.
+
+Thread-safety: as the policy it wraps (its tier serializes calls). `ranks_changed` comes from the
+thread that writes the book (the scheduler's) and takes the tier's lock when it has one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Container, Iterable, Sequence
+
+from kvtier.keys import OffloadKey
+from kvtier.policies.base import CachePolicy
+from kvtier.policies.retention import ORDINARY, Rank, RetentionBook
+
+__all__ = ["RetainingPolicy"]
+
+Filing = tuple[Rank, float, int]  # a chunk set aside: its rank, kept until, last hinted (the book's order)
+
+
+class RetainingPolicy(CachePolicy):
+    """`inner`, evicting by the ranks of `book`; see the module docstring.
+
+    Args:
+        lock: held while the book's changes are filed (the tier's lock, when its policy is
+            called from several threads); None: the tier is driven from one thread.
+    """
+
+    def __init__(self, inner: CachePolicy, book: RetentionBook, lock: threading.Condition | None = None):
+        super().__init__(inner.capacity)
+        self.inner, self.book, self.name = inner, book, inner.name
+        self._aside: dict[OffloadKey, Filing] = {}  # held, not in `inner`: how each was filed
+        self._low: list[tuple] = []  # heaps of (order..., filing, key); an entry not its key's filing is stale
+        self._high: list[tuple] = []
+        self._expiries: list[tuple[float, OffloadKey]] = []
+        self._lock = lock
+        book.subscribe(self)
+
+    def prepare_insert(self, keys: Sequence[OffloadKey]) -> None:
+        self.inner.prepare_insert(keys)
+
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        self.inner.insert(keys)
+        if len(self.book):
+            self._file(keys, self.book.clock())
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        self.inner.touch(keys)  # keys set aside: their order is the book's
+
+    def order_chain(self, keys: Sequence[OffloadKey]) -> None:
+        self.inner.order_chain([key for key in keys if key in self.inner])
+
+    def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        held = set(self.inner.discard(keys))
+        held.update(key for key in keys if self._aside.pop(key, None) is not None)
+        return [key for key in dict.fromkeys(keys) if key in held]
+
+    def clear(self) -> None:
+        self.inner.clear()
+        self._aside.clear()
+        self._low, self._high, self._expiries = [], [], []
+
+    def __len__(self) -> int:
+        return len(self.inner) + len(self._aside)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.inner or key in self._aside
+
+    def ranks_changed(self, keys: Sequence[OffloadKey]) -> None:
+        """The book changed these keys' ranks: file the ones held again."""
+        if self._lock is None:
+            self._file(keys, self.book.clock())
+            return
+        with self._lock:
+            self._file(keys, self.book.clock())
+
+    def refile(self, keys: Sequence[OffloadKey]) -> None:
+        """`keys` were inserted into `inner` directly (a disk tier's start-up scan swapped it): set
+        aside again those the book ranks other than ORDINARY. Under the tier's lock."""
+        self.inner.discard([key for key in keys if key in self._aside])
+        self._file(keys, self.book.clock(), force=True)
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
+        if n <= 0 or (not self._aside and not len(self.book)):
+            return self.inner.evict(n, protected)  # nothing hinted: the wrapped policy alone
+        now = self.book.clock()
+        self._expire(now)
+        low = self._take(self._low, n, protected, now)
+        ordinary = self._take_ordinary(n - len(low), protected, now)
+        high = self._take(self._high, n - len(low) - len(ordinary), protected, now)
+        if len(low) + len(ordinary) + len(high) < n:  # not enough: all back (the ordinary ones as recent)
+            self.inner.prepare_insert(ordinary)
+            self.inner.insert(ordinary)
+            self._file([*low, *high], now, force=True)
+            return None
+        for key in (*low, *high):
+            del self._aside[key]
+        return [*low, *ordinary, *high]
+
+    def _take_ordinary(self, n: int, protected: Container[OffloadKey], now: float) -> list[OffloadKey]:
+        """Up to `n` ordinary victims in the wrapped policy's order; chunks it offers whose rank
+        changed meanwhile are set aside as they come (each once, however many chunks are kept)."""
+        victims: list[OffloadKey] = []
+        step = n
+        while len(victims) < n and step > 0:
+            offered = self.inner.evict(min(step, n - len(victims)), protected)
+            if offered is None:
+                step //= 2
+                continue
+            ranked = [(key, self.book.rank(key, now)) for key in offered]
+            victims.extend(key for key, rank in ranked if rank == ORDINARY)
+            self._set_aside([(key, rank) for key, rank in ranked if rank != ORDINARY], now)
+        return victims
+
+    def _take(self, heap: list, n: int, protected: Container[OffloadKey], now: float) -> list[OffloadKey]:
+        """Up to `n` keys set aside, in `heap`'s order, unprotected; stale entries dropped."""
+        taken: list[OffloadKey] = []
+        skipped: list = []
+        while heap and len(taken) < n:
+            item = heapq.heappop(heap)
+            key = item[-1]
+            if self._aside.get(key) != item[-2] or key in taken:
+                continue  # evicted, moved back, or filed again since
+            (skipped if key in protected else taken).append(item if key in protected else key)
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return taken
+
+    def _expire(self, now: float) -> None:
+        expired = []
+        while self._expiries and self._expiries[0][0] <= now:
+            expired.append(heapq.heappop(self._expiries)[1])
+        self._file([key for key in expired if key in self._aside], now)
+
+    def _file(self, keys: Iterable[OffloadKey], now: float, force: bool = False) -> None:
+        """Put each held key where its rank says: in the wrapped policy, or aside (`force`: aside
+        again even if its rank is unchanged, its heap entries having been taken)."""
+        back: list[OffloadKey] = []
+        aside: list[tuple[OffloadKey, Rank]] = []
+        for key in dict.fromkeys(keys):
+            rank = self.book.rank(key, now)
+            if key in self._aside:
+                if rank == ORDINARY:
+                    del self._aside[key]
+                    back.append(key)
+                elif force or self._aside[key] != (rank, *self.book.order(key)):
+                    aside.append((key, rank))
+            elif rank != ORDINARY and key in self.inner:
+                self.inner.discard([key])
+                aside.append((key, rank))
+        if back:
+            self.inner.insert(back)  # as recent as a new chunk
+        self._set_aside(aside, now)
+
+    def _set_aside(self, ranked: Sequence[tuple[OffloadKey, Rank]], now: float) -> None:
+        for key, rank in ranked:
+            until, seq = self.book.order(key)
+            filing = self._aside[key] = (rank, until, seq)
+            if rank < ORDINARY:
+                heapq.heappush(self._low, (rank, seq, filing, key))
+            else:
+                heapq.heappush(self._high, (rank, -until, -seq, filing, key))
+            if rank[0] == 1:
+                heapq.heappush(self._expiries, (until, key))
