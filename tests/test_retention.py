@@ -358,7 +358,9 @@ def test_writing_chunks_down_to_disk_is_no_use_that_undoes_their_hints(tmp_path)
     book = manager.primary.retention
     # a batch job's chunk (priority -5) and a session's chunk are written through to disk: the
     # write-down pins them under kvtier's own context, which must not count as someone's use
-    put(manager, slabs, keys(1), ctx("batch", priority=-5))
+    batch = ctx("batch", priority=-5)
+    put(manager, slabs, keys(1), batch)
+    manager.on_request_finished(batch)  # its own end is no one else's use either
     last = ctx("chat", session="s", end_session=True)
     put(manager, slabs, keys(2), last)
     manager.on_request_finished(last)

@@ -38,12 +38,12 @@ _NEVER = float("-inf")
 
 
 class _Entry:
-    __slots__ = ("is_dropped", "is_shared", "priority", "seq", "sessions", "until")
+    __slots__ = ("is_dropped", "is_shared", "owners", "priority", "seq", "until")
 
     def __init__(self, seq: int) -> None:
         self.until = _NEVER  # kept until then (the scheduler's clock)
         self.priority = 0
-        self.sessions: set[str] = set()  # the (tenant, session) names that hinted it
+        self.owners: set[str] = set()  # who hinted it: (tenant, session) names, or requests without one
         self.is_shared = False  # used outside its sessions: their end does not drop it
         self.is_dropped = False  # its session ended
         self.seq = seq  # when it was last hinted (a counter)
@@ -86,16 +86,18 @@ class RetentionBook:
         """`listener.ranks_changed(keys)` after every change of ranks (not expiries: those are read)."""
         self._listeners.append(listener)
 
-    def note(self, keys: Sequence[OffloadKey], hints: Hints, tenant: str | None = None, is_new: bool = False) -> None:
-        """A request of `tenant` with `hints` used `keys` now; `is_new`: it stored them (else they were
-        already there, so someone else used them first)."""
+    def note(self, keys: Sequence[OffloadKey], hints: Hints, tenant: str | None = None, is_new: bool = False,
+             req_id: str = "") -> None:
+        """Request `req_id` of `tenant` with `hints` used `keys` now; `is_new`: it stored them (else
+        they were already there, so someone else used them first)."""
         with self._lock:
             if hints.is_empty:
                 changed = [key for key in keys if self._share(key)]
             else:
                 until = self.clock() + hints.keep_s if hints.keep_s > 0 else _NEVER
                 session = None if hints.session is None else f"{tenant or ''}\x00{hints.session}"
-                changed = [key for key in keys if self._hint(key, hints, until, session, is_new)]
+                owner = session or f"\x01{req_id}"  # a request without a session owns what it alone used
+                changed = [key for key in keys if self._hint(key, hints, until, session, owner, is_new)]
         self._tell(changed)
 
     def end_session(self, hints: Hints, keys: Iterable[OffloadKey], tenant: str | None = None) -> None:
@@ -153,7 +155,8 @@ class RetentionBook:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _hint(self, key: OffloadKey, hints: Hints, until: float, session: str | None, is_new: bool) -> bool:
+    def _hint(self, key: OffloadKey, hints: Hints, until: float, session: str | None, owner: str,
+              is_new: bool) -> bool:
         entry = self._entries.get(key)
         before = None if entry is None else (entry.rank(self.clock()), entry.until)
         if entry is None:
@@ -163,13 +166,15 @@ class RetentionBook:
         else:
             self._entries.move_to_end(key)
             entry.priority, entry.seq = max(entry.priority, hints.priority), next(self._seq)
-            entry.is_shared |= session not in entry.sessions
+            entry.is_shared |= owner not in entry.owners
         entry.until, entry.is_dropped = max(entry.until, until), False
-        if entry.is_shared:
+        if entry.is_shared:  # nobody's alone: no session's end drops it, so no session lists it
             entry.priority = max(entry.priority, 0)
-        if session is not None:
-            entry.sessions.add(session)
-            self._sessions.setdefault(session, {})[key] = None
+            self._unlist(key, entry)
+        else:
+            entry.owners.add(owner)
+            if session is not None:
+                self._sessions.setdefault(session, {})[key] = None
         return before != (entry.rank(self.clock()), entry.until)
 
     def _share(self, key: OffloadKey) -> bool:
@@ -178,16 +183,21 @@ class RetentionBook:
         if entry is None or (entry.is_shared and not entry.is_dropped and entry.priority >= 0):
             return False
         entry.is_shared, entry.is_dropped, entry.priority = True, False, max(entry.priority, 0)
+        self._unlist(key, entry)
         return True
 
     def _forget_oldest(self) -> None:
         while len(self._entries) > self.max_entries:
-            key, entry = self._entries.popitem(last=False)
-            for session in entry.sessions:
-                if (keys := self._sessions.get(session)) is not None:
-                    keys.pop(key, None)
-                    if not keys:
-                        del self._sessions[session]
+            self._unlist(*self._entries.popitem(last=False))
+
+    def _unlist(self, key: OffloadKey, entry: _Entry) -> None:
+        """Take `key` out of every session's list (its owners' sessions)."""
+        for owner in entry.owners:
+            if (keys := self._sessions.get(owner)) is not None:
+                keys.pop(key, None)
+                if not keys:
+                    del self._sessions[owner]
+        entry.owners.clear()
 
     def _tell(self, keys: Sequence[OffloadKey]) -> None:
         if keys:

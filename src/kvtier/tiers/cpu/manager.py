@@ -176,7 +176,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
     def on_request_finished(self, ctx: ReqContext) -> None:
         if not ctx.hints.is_empty and not ctx.is_internal:  # kept from the request's end
             chain = self._ledger.chain(ctx.req_id)
-            self.retention.note(chain, ctx.hints, ctx.tenant)
+            self.retention.note(chain, ctx.hints, ctx.tenant, req_id=ctx.req_id)
             if ctx.hints.end_session:  # its session's end drops them
                 self.retention.end_session(ctx.hints, chain, ctx.tenant)
         for key, count in self._ledger.release(ctx.req_id).items():
@@ -255,7 +255,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         """A request used `keys` (stored them: `is_new`): tell the retention book, unless kvtier
         itself is the user (a write-down's pins, lazy mode's stores)."""
         if not ctx.is_internal:
-            self.retention.note(keys, ctx.hints, ctx.tenant, is_new)
+            self.retention.note(keys, ctx.hints, ctx.tenant, is_new, ctx.req_id)
 
     def _unpin(self, key: OffloadKey) -> None:
         chunk = self._chunks[key]
