@@ -256,7 +256,7 @@ def test_simulate_a_mooncake_trace_as_json(tmp_path, capsys):
     assert status == 0
     report = json.loads(out)
     assert (report["num_requests"], report["unique_blocks"], report["host_slots"]) == (4, 8, 16)
-    assert report["policy"] == "turns" and report["engine_blocks"] == 64  # the defaults
+    assert report["policy"] == "adaptive" and report["engine_blocks"] == 64  # the defaults
     assert report["total_hit_rate"] == pytest.approx(report["engine_hit_rate"] + report["kvtier_hit_rate"])
     # the text form carries the same figures
     status, out, _ = run_cli(capsys, "simulate", str(trace), "--host-slots", "16", "--engine-blocks", "64")

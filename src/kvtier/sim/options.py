@@ -63,7 +63,7 @@ class SimOptions:
     host_fraction: float = 0.05
     host_slots: int | None = None
     engine_blocks: int = 2048
-    policy: str = "turns"  # the CPU tier's default (KVTierConfig.eviction_policy)
+    policy: str = "adaptive"  # the CPU tier's default (KVTierConfig.eviction_policy)
     store_mode: str = "eager"
     evict_lookahead: int | None = None
     store_threshold: int = 1
