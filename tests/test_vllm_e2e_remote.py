@@ -36,7 +36,8 @@ SHARED_PROMPTS = [tokens(900, seed=60 + i) for i in range(2)]  # 7 whole blocks 
 SHARED_QUERIES = [p + tokens(40, seed=70 + i) for i, p in enumerate(SHARED_PROMPTS)]
 SALT = "tenant-b"
 METRICS = ("kvtier:hit_tokens_total", "kvtier:tier_promotions_total", "kvtier:tier_breaker_opens_total",
-           "kvtier:tier_breaker_closes_total", "kvtier:tier_chunks_total", "kvtier:tier_corrupt_total")
+           "kvtier:tier_breaker_closes_total", "kvtier:tier_chunks_total", "kvtier:tier_corrupt_total",
+           "kvtier:deferral_timeouts_total", "kvtier:load_decisions_total")
 
 
 def read_metrics() -> dict[str, float]:
@@ -112,7 +113,10 @@ def _wait_for_breaker_to_close(llm, timeout_s: float = 30.0) -> bool:
 
 @pytest.fixture(scope="module")
 def second_engine(model, first_engine, redis_server):
-    llm = make_llm(model, "KVTierConnector", extra=remote_config(redis_server.url), disable_log_stats=False)
+    # waits bounded by max_defer_s alone: 64 deferrals are ~0.2 s on an idle engine, which a Redis probe
+    # and 7 promotions outlast when the suite loads both cores (query 2 then recomputed: 1 run in CI)
+    extra = {**remote_config(redis_server.url), "max_deferrals": 100_000}
+    llm = make_llm(model, "KVTierConnector", extra=extra, disable_log_stats=False)
     try:
         shared = [generate(llm, [q], max_tokens=4)[0] for q in SHARED_QUERIES]
         salted = generate(llm, SHARED_QUERIES[:1], max_tokens=4, cache_salt=SALT)
