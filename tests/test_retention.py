@@ -405,3 +405,15 @@ def test_kept_chunks_wait_beside_the_policy_so_an_eviction_never_walks_past_them
     assert run(m, (200,)) == [103]  # an ordinary chunk (the tail of its store), by the wrapped policy
     clock.now += 61  # the hint expired: the 36 are ordinary again, back in the wrapped policy
     assert len(run(m, (201,))) == 1 and len(m._policy.inner) == 40
+
+
+def test_a_chunk_the_book_forgets_is_ordinary_again_in_the_policy():
+    clock = Clock()
+    book = RetentionBook(clock, max_entries=2)
+    ranked = RetainingPolicy(make_policy("lru", 8), book)
+    ranked.insert(keys(1, 2, 3))
+    book.note(keys(1), Hints(priority=-3), is_new=True)  # 1 goes first: set aside, below ordinary
+    assert key(1) not in ranked.inner
+    book.note(keys(2, 3), Hints(retain_s=60), is_new=True)  # the book keeps 2 entries: it forgets 1
+    assert book.rank(key(1), clock.now) == ORDINARY and key(1) in ranked.inner
+    assert ranked.evict(1, set()) == [key(1)]  # the only ordinary chunk left

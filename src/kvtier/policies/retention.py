@@ -76,6 +76,7 @@ class RetentionBook:
         self._sessions: dict[str, dict[OffloadKey, None]] = {}
         self._tenants: OrderedDict[OffloadKey, str] = OrderedDict()
         self._listeners: list[RankListener] = []
+        self._forgotten: list[OffloadKey] = []  # forgotten while the lock is held: ordinary now, to tell
         self._seq = itertools.count()
         self._lock = threading.Lock()
 
@@ -98,6 +99,8 @@ class RetentionBook:
                 session = None if hints.session is None else f"{tenant or ''}\x00{hints.session}"
                 owner = session or f"\x01{req_id}"  # a request without a session owns what it alone used
                 changed = [key for key in keys if self._hint(key, hints, until, session, owner, is_new)]
+            changed += self._forgotten
+            self._forgotten = []
         self._tell(changed)
 
     def end_session(self, hints: Hints, keys: Iterable[OffloadKey], tenant: str | None = None) -> None:
@@ -188,7 +191,9 @@ class RetentionBook:
 
     def _forget_oldest(self) -> None:
         while len(self._entries) > self.max_entries:
-            self._unlist(*self._entries.popitem(last=False))
+            key, entry = self._entries.popitem(last=False)
+            self._unlist(key, entry)
+            self._forgotten.append(key)
 
     def _unlist(self, key: OffloadKey, entry: _Entry) -> None:
         """Take `key` out of every session's list (its owners' sessions)."""
