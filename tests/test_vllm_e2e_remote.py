@@ -47,7 +47,7 @@ def read_metrics() -> dict[str, float]:
 
 
 def remote_config(url: str) -> dict:
-    # a CPU tier of 12 chunks (2 MiB each): the conversations' ~50 chunks per turn come back from Redis
+    # a CPU tier of 12 chunks (2 MiB each, 128 tokens of the tiny Llama)
     return {"cpu_bytes": "24MiB", "redis_url": url, "redis_timeout_ms": 500, "redis_connect_timeout_ms": 200,
             "remote_breaker_failures": 3, "remote_breaker_retry_s": 0.2}
 
@@ -66,7 +66,13 @@ def baseline(model):
 @pytest.fixture(scope="module")
 def first_engine(model, baseline, redis_server):
     redis_server.flush()
-    llm = make_llm(model, "KVTierConnector", extra=remote_config(redis_server.url), disable_log_stats=False)
+    # a CPU tier of 8 chunks: turn 1 stores ~13 (4 of the system prompt, 1-2 per conversation), so turn 2
+    # finds some only in Redis whatever the eviction policy keeps (4 promotions here). (With 12, the adaptive
+    # policy once kept every chunk turn 2 needed: 0 promotions, 1 CI run.) It loads what it finds: the
+    # cost model may rightly recompute a chunk whose read queues behind turn 1's write-through (seen
+    # here: 3 of 6), and this engine is about reuse through Redis and its death; (c) tests the choice.
+    extra = {**remote_config(redis_server.url), "cpu_bytes": "16MiB", "load_policy": "always"}
+    llm = make_llm(model, "KVTierConnector", extra=extra, disable_log_stats=False)
     try:
         histories = [list(SYSTEM) for _ in USERS]
         turns, seconds, metrics = [], [], []
@@ -77,6 +83,8 @@ def first_engine(model, baseline, redis_server):
             turns.append(_turn(llm, histories, turn))
             seconds.append(time.monotonic() - started)
             metrics.append(read_metrics())
+            if turn == 1:
+                decisions = decision_counters()
         redis_server.start()  # back, and empty
         closed = _wait_for_breaker_to_close(llm)
         for prompt in SHARED_PROMPTS:  # what the second engine will find in Redis
@@ -87,7 +95,8 @@ def first_engine(model, baseline, redis_server):
         shutdown(llm)  # waits (bounded) for the writes in flight
     with redis_server.client() as client:
         stored = sum(1 for _ in client.scan_iter(match="kvtier:*", count=1000))
-    return {"turns": turns, "seconds": seconds, "metrics": metrics, "closed": closed, "stored": stored}
+    return {"turns": turns, "seconds": seconds, "metrics": metrics, "closed": closed, "stored": stored,
+            "decisions": decisions}
 
 
 def _turn(llm, histories: list[list[int]], turn: int) -> list[dict]:
@@ -113,9 +122,9 @@ def _wait_for_breaker_to_close(llm, timeout_s: float = 30.0) -> bool:
 
 @pytest.fixture(scope="module")
 def second_engine(model, first_engine, redis_server):
-    # waits bounded by max_defer_s alone: 64 deferrals are ~0.2 s on an idle engine, which a Redis probe
-    # and 7 promotions outlast when the suite loads both cores (query 2 then recomputed: 1 run in CI)
-    extra = {**remote_config(redis_server.url), "max_deferrals": 100_000}
+    # the default bounds (max_defer_s 2 s; max_deferrals 4096 steps, a backstop) let a Redis probe and 7
+    # promotions finish under the suite's load (the old default of 64 steps, ~0.2 s idle, did not: 1 CI run)
+    extra = remote_config(redis_server.url)
     llm = make_llm(model, "KVTierConnector", extra=extra, disable_log_stats=False)
     try:
         shared = [generate(llm, [q], max_tokens=4)[0] for q in SHARED_QUERIES]
@@ -130,9 +139,9 @@ def test_reuse_through_redis_and_a_killed_server_with_identical_outputs(baseline
         assert_same_outputs(expected, got, f"turn {turn + 1}")
     before_kill, after_kill = first_engine["metrics"][1], first_engine["metrics"][2]
     print("first engine: seconds per turn", first_engine["seconds"], "metrics", first_engine["metrics"],
-          "values in Redis", first_engine["stored"])
-    # turn 2 re-sent histories far larger than the CPU tier: their prefixes came from Redis
-    assert before_kill["kvtier:tier_promotions_total"] > 0, before_kill
+          "values in Redis", first_engine["stored"], "decisions", first_engine["decisions"])
+    # turn 2 re-sent histories larger than the CPU tier: some of their chunks came from Redis
+    assert before_kill["kvtier:tier_promotions_total"] > 0, (before_kill, first_engine["decisions"])
     # turn 3 ran against a dead server: the breaker opened; after the restart it closed again
     assert after_kill["kvtier:tier_breaker_opens_total"] >= 1, after_kill
     assert first_engine["closed"]

@@ -42,7 +42,8 @@ class KVTierConfig:
     max_defer_s: float = setting(
         2.0, SCHEDULER_CHECKS["max_defer_s"], "The longest a request waits for writes of its prefix still in flight.")
     max_deferrals: int = setting(
-        64, SCHEDULER_CHECKS["max_deferrals"], "The most steps a request waits for writes still in flight.")
+        4096, SCHEDULER_CHECKS["max_deferrals"],
+        "A backstop on the steps a request waits (max_defer_s is the bound; an idle engine steps every ~2.5 ms).")
     job_timeout_s: float = setting(
         10.0, SCHEDULER_CHECKS["job_timeout_s"],
         "A transfer not done by then is abandoned: a load is recomputed, a store dropped.")

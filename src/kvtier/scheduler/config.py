@@ -93,7 +93,8 @@ class SchedulerOffloadConfig:
         groups: the model's KV-cache groups, in the engine's group order.
         offload_prompt_only: store prompt chunks only (not generated tokens).
         max_defer_s: a request waits at most this long for pending writes or probes.
-        max_deferrals: and is asked again at most this many times.
+        max_deferrals: and is asked again at most this many times (a backstop: an idle engine
+            asks again every few milliseconds, so a step count is no measure of time).
         job_timeout_s: a job's deadline after it is created: workers abandon it then, and
             the scheduler fails it once as long again has passed without every report.
         num_workers: workers that must acknowledge each job.
@@ -116,7 +117,7 @@ class SchedulerOffloadConfig:
     groups: tuple[GroupSpec, ...] = (GroupSpec(),)
     offload_prompt_only: bool = False
     max_defer_s: float = 2.0
-    max_deferrals: int = 64
+    max_deferrals: int = 4096
     job_timeout_s: float = 10.0
     num_workers: int = 1
     hash_block_size: int | None = None
