@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.errors import ConfigError
+from kvtier.mrc import MissRatioCurve
 from kvtier.tiers.admission import ReuseGate
 from kvtier.tiers.secondary import SecondaryTier
 
@@ -60,15 +61,16 @@ class TierRules:
 
 class SecondarySlot:
     """One secondary tier as the manager sees it: the tier, its rules, its admission gate,
-    its backpressure state and the manager's counters for it."""
+    its backpressure state, the manager's counters for it and its miss-ratio curve."""
 
-    __slots__ = ("counters", "gate", "rules", "store_seconds", "tier")
+    __slots__ = ("counters", "gate", "mrc", "rules", "store_seconds", "tier")
 
     def __init__(self, tier: SecondaryTier, rules: TierRules, max_tracked: int):
         self.tier, self.rules = tier, rules
         self.gate = ReuseGate(rules.min_offers, max_tracked) if rules.min_offers > 1 else None
         self.store_seconds = 0.0  # moving average of store jobs' latency, submit to result
         self.counters: Counter[str] = Counter()
+        self.mrc = MissRatioCurve()  # the tier's hit ratio at other sizes, from its lookups and writes
 
     @property
     def is_write_through(self) -> bool:

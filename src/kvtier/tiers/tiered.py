@@ -47,12 +47,13 @@ from kvtier.base import (
 from kvtier.costmodel.estimates import ReadEstimate
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
+from kvtier.mrc import MissRatioCurve, curve_gauges
 from kvtier.tiers.cascade import SecondarySlot, TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.flights import Flight, FlightKind, Flights
 from kvtier.tiers.promotions import Promotions
 from kvtier.tiers.rates import TierRates
-from kvtier.tiers.secondary import SecondaryTier, TierJob, TierStats
+from kvtier.tiers.secondary import HEADER_BYTES, SecondaryTier, TierJob, TierStats
 from kvtier.tiers.writedown import WriteDown
 
 __all__ = ["TieredManager"]
@@ -107,6 +108,10 @@ class TieredManager(Promotions, OffloadingManager):
     def tiers(self) -> list[SecondaryTier]:
         return [t.tier for t in self._tiers]
 
+    @property
+    def mrc(self) -> MissRatioCurve:
+        return self.primary.mrc
+
     # -- lookups and loads -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -117,6 +122,7 @@ class TieredManager(Promotions, OffloadingManager):
             self.primary.join_chain([key], ctx)
             return result
         for index, slot in enumerate(self._tiers):
+            slot.mrc.lookup(key, ctx.req_id)
             found = slot.tier.lookup(key)
             if found is _RETRY:
                 return _RETRY
@@ -220,6 +226,9 @@ class TieredManager(Promotions, OffloadingManager):
         for slot in self._tiers:
             stats = slot.tier.stats()
             stats.counters.update(slot.counters)
+            # a tier whose server sets its size (Redis maxmemory): 1x is what it holds now
+            chunk_bytes = self.payload_bytes + HEADER_BYTES
+            stats.gauges.update(curve_gauges(slot.mrc, (stats.capacity_bytes or stats.used_bytes) / chunk_bytes))
             out.append(stats)
         return out
 
@@ -252,6 +261,8 @@ class TieredManager(Promotions, OffloadingManager):
             self._promoting_bytes += job.num_bytes
             self._tiers[index].tier.submit_load(job)
         else:
+            for key in keys:
+                self._tiers[index].mrc.store(key)
             self._tiers[index].tier.submit_store(job)
 
     def _poll(self) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["COUNTERS", "GAUGES", "TIER_COUNTERS", "TIER_GAUGES", "KVTierPromMetrics", "KVTierStats",
-           "decision_stat_name", "read_metric", "tier_stat_name"]
+__all__ = ["COUNTERS", "GAUGES", "PREDICTED_HIT_RATIO_DOC", "TIER_COUNTERS", "TIER_GAUGES", "KVTierPromMetrics",
+           "KVTierStats", "decision_stat_name", "read_metric", "tier_stat_name"]
 
 # name -> documentation; counters are deltas, gauges the latest value
 COUNTERS = {
@@ -81,6 +81,10 @@ TIER_GAUGES = {
                              "the engine).",
     "read_latency_seconds": "A tier's read latency as the load-or-recompute decision estimates it.",
 }
+PREDICTED_HIT_RATIO_DOC = (
+    "The hit ratio a tier would get with capacity_factor x its capacity (in chunks), estimated online from its "
+    "lookups (kvtier.mrc, SHARDS; an LRU estimate: the tier's own policy may do better or worse).")
+_PREDICTED = "predicted_hit_ratio"  # reported as "tier.<medium>.predicted_hit_ratio.<factor>"
 _DIRECTIONS = ("load", "store")
 
 
@@ -172,6 +176,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         self._tier_families.update({
             name: self._gauge_cls(name=f"kvtier:tier_{name}", documentation=doc, labelnames=[*labelnames, "tier"])
             for name, doc in TIER_GAUGES.items()})
+        self._predicted = self._gauge_cls(name=f"kvtier:tier_{_PREDICTED}", documentation=PREDICTED_HIT_RATIO_DOC,
+                                          labelnames=[*labelnames, "tier", "capacity_factor"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.get("counters", {}).items():
@@ -191,6 +197,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def _observe_tier(self, name: str, value: float, engine_idx: int, is_gauge: bool) -> None:
         _, medium, what = name.split(".", 2)
         labels = [*self._engine_labels[engine_idx], medium]
+        if is_gauge and what.startswith(f"{_PREDICTED}."):
+            self._predicted.labels(*labels, what.removeprefix(f"{_PREDICTED}.")).set(value)
+            return
         direction, _, base = what.partition("_")
         if direction in _DIRECTIONS and base in _TIER_DIRECTIONAL:
             what, labels = base, [*labels, direction]

@@ -25,6 +25,7 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetada
 from kvtier.integrations.vllm.metrics import KVTierStats, decision_stat_name, tier_stat_name
 from kvtier.jobs import check_slab_slots
 from kvtier.keys import GROUP_INDEX_BYTES
+from kvtier.mrc import curve_gauges
 from kvtier.scheduler import OffloadScheduler, SchedulerStats
 from kvtier.slab import HostSlab, remove_stale_slabs
 from kvtier.tiers.namespace import Namespace
@@ -164,8 +165,9 @@ class SchedulerSide:
 
     def _add_tier_stats(self, stats: KVTierStats, cpu: ManagerStats) -> None:
         """Per tier: counter deltas since the last report, used and capacity bytes."""
+        cpu_curve = curve_gauges(getattr(self.core.manager, "mrc", None), cpu.num_slots)
         tiers = [("cpu", Counter(evictions=cpu.evictions), cpu.used_slots * self.payload_bytes,
-                  cpu.num_slots * self.payload_bytes, {})]
+                  cpu.num_slots * self.payload_bytes, cpu_curve)]
         tiers += [(t.medium, t.counters, t.used_bytes, t.capacity_bytes, t.gauges)
                   for t in self.core.manager.tier_stats()]
         for medium, counters, used, capacity, gauges in tiers:

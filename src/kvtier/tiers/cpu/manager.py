@@ -34,6 +34,7 @@ from kvtier.base import (
 )
 from kvtier.errors import ConfigError, InvariantError, NotReadyError
 from kvtier.keys import OFFLOAD_KEY_BYTES, OffloadKey, key_length_error
+from kvtier.mrc import MissRatioCurve
 from kvtier.policies import make_policy
 from kvtier.policies.retaining import RetainingPolicy
 from kvtier.policies.retention import RetentionBook
@@ -87,6 +88,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         self._gate = ReuseGate(store_threshold, max_tracked=max(4 * num_slots, 1024))
         self._slots = SlotAllocator(num_slots)
         self._chunks: dict[OffloadKey, Chunk] = {}
+        self.mrc = MissRatioCurve()  # this tier's hit ratio at other sizes, from its lookups and stores
         self._ledger = RequestLedger()
         self._events: list[OffloadingEvent] = []
         self._num_pending = self._num_pinned = self._num_evictable = self._num_retired = 0
@@ -98,6 +100,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         if len(key) != self.key_bytes:
             raise key_length_error(key, self.key_bytes)
+        self.mrc.lookup(key, ctx.req_id)
         chunk = self._chunks.get(key)
         if chunk is None or chunk.state is _RETIRED:
             self._misses += 1

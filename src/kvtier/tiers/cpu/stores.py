@@ -21,6 +21,7 @@ import numpy as np
 from kvtier.base import ChunkState, PrepareStoreOutput, ReqContext, SlotSpec
 from kvtier.errors import InvariantError
 from kvtier.keys import OffloadKey, key_length_error
+from kvtier.mrc import MissRatioCurve
 from kvtier.policies import CachePolicy
 from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.admission import ReuseGate
@@ -56,6 +57,7 @@ class ChunkStores:
     _quotas: TenantQuotas
     _note: Callable[..., None]  # (and the manager's `_free` and `_emit`)
     _gate: ReuseGate
+    mrc: MissRatioCurve
     _slots: SlotAllocator
     _chunks: dict[OffloadKey, Chunk]
     _ledger: RequestLedger
@@ -68,6 +70,8 @@ class ChunkStores:
     _rejected_stores: int  # (and the manager's `_free` and `_emit`)
 
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        for key in keys:
+            self.mrc.store(key, ctx.req_id)
         return self._reserve(keys, ctx, admit=self._gate.admit, spare=())
 
     def prepare_promotion(self, keys: Sequence[OffloadKey], ctx: ReqContext,
