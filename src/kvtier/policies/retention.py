@@ -5,7 +5,8 @@ keep it, its priority, its sessions, whether they ended. One book serves every t
 the CPU and disk tiers evict by its ranks (`kvtier.policies.retaining.RetainingPolicy`, which
 subscribes to its changes), a shared store sets a value's lifetime from `kept_until`. Ranks,
 lowest evicted first: -1 dropped (an ended session's chunk nothing else used), then by priority;
-0 not kept; 1 kept (`retain_s` / `next_turn_s` not expired). ORDINARY is (0, 0).
+0 not kept; 1 expected (`next_turn_s` not expired: a prediction, which a tier may find wrong and
+stop honoring); 2 retained (`retain_s` not expired: the client's instruction). ORDINARY is (0, 0).
 
 Priority: the highest any request gave the chunk; never below 0 once a request without that
 wish used it (another session, an unhinted request, or one that found the chunk already stored).
@@ -38,10 +39,11 @@ _NEVER = float("-inf")
 
 
 class _Entry:
-    __slots__ = ("is_dropped", "is_shared", "owners", "priority", "seq", "until")
+    __slots__ = ("is_dropped", "is_shared", "owners", "priority", "retained", "seq", "until")
 
     def __init__(self, seq: int) -> None:
-        self.until = _NEVER  # kept until then (the scheduler's clock)
+        self.until = _NEVER  # kept until then (the scheduler's clock): retained or expected
+        self.retained = _NEVER  # retained until then (`retain_s`; never after `until`)
         self.priority = 0
         self.owners: set[str] = set()  # who hinted it: (tenant, session) names, or requests without one
         self.is_shared = False  # used outside its sessions: their end does not drop it
@@ -51,7 +53,11 @@ class _Entry:
     def rank(self, now: float) -> Rank:
         if self.is_dropped:
             return (-1, self.priority)
-        return (1 if self.until > now else 0, self.priority)
+        return (2 if self.retained > now else 1 if self.until > now else 0, self.priority)
+
+    def next_change(self, now: float) -> float:
+        """When its rank drops next by time alone."""
+        return self.retained if self.retained > now else self.until
 
 
 class RankListener(Protocol):
@@ -95,10 +101,12 @@ class RetentionBook:
             if hints.is_empty:
                 changed = [key for key in keys if self._share(key)]
             else:
-                until = self.clock() + hints.keep_s if hints.keep_s > 0 else _NEVER
+                now = self.clock()
+                until = now + hints.keep_s if hints.keep_s > 0 else _NEVER
+                retained = now + hints.retain_s if hints.retain_s > 0 else _NEVER
                 session = None if hints.session is None else f"{tenant or ''}\x00{hints.session}"
                 owner = session or f"\x01{req_id}"  # a request without a session owns what it alone used
-                changed = [key for key in keys if self._hint(key, hints, until, session, owner, is_new)]
+                changed = [key for key in keys if self._hint(key, hints, (until, retained), session, owner, is_new)]
             changed += self._forgotten
             self._forgotten = []
         self._tell(changed)
@@ -142,6 +150,16 @@ class RetentionBook:
         entry = self._entries.get(key)
         return (_NEVER, 0) if entry is None else (entry.until, entry.seq)
 
+    def next_change(self, key: OffloadKey, now: float) -> float:
+        """When `key`'s rank drops next by time alone (-inf: never)."""
+        entry = self._entries.get(key)
+        return _NEVER if entry is None else entry.next_change(now)
+
+    def keys(self) -> list[OffloadKey]:
+        """Every chunk the book remembers."""
+        with self._lock:
+            return list(self._entries)
+
     def kept_until(self, key: OffloadKey) -> float | None:
         """Until when (the book's clock) `key` is to be kept, or None."""
         entry = self._entries.get(key)
@@ -158,10 +176,10 @@ class RetentionBook:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _hint(self, key: OffloadKey, hints: Hints, until: float, session: str | None, owner: str,
+    def _hint(self, key: OffloadKey, hints: Hints, until: tuple[float, float], session: str | None, owner: str,
               is_new: bool) -> bool:
         entry = self._entries.get(key)
-        before = None if entry is None else (entry.rank(self.clock()), entry.until)
+        before = None if entry is None else (entry.rank(self.clock()), entry.until, entry.retained)
         if entry is None:
             entry = self._entries[key] = _Entry(next(self._seq))
             entry.priority, entry.is_shared = hints.priority, not is_new  # found stored: someone's before
@@ -170,7 +188,7 @@ class RetentionBook:
             self._entries.move_to_end(key)
             entry.priority, entry.seq = max(entry.priority, hints.priority), next(self._seq)
             entry.is_shared |= owner not in entry.owners
-        entry.until, entry.is_dropped = max(entry.until, until), False
+        entry.until, entry.retained, entry.is_dropped = max(entry.until, until[0]), max(entry.retained, until[1]), False
         if entry.is_shared:  # nobody's alone: no session's end drops it, so no session lists it
             entry.priority = max(entry.priority, 0)
             self._unlist(key, entry)
@@ -178,7 +196,7 @@ class RetentionBook:
             entry.owners.add(owner)
             if session is not None:
                 self._sessions.setdefault(session, {})[key] = None
-        return before != (entry.rank(self.clock()), entry.until)
+        return before != (entry.rank(self.clock()), entry.until, entry.retained)
 
     def _share(self, key: OffloadKey) -> bool:
         """An unhinted request used `key`: it is nobody's alone, and no longer dropped."""
