@@ -51,10 +51,10 @@ from kvtier.scheduler.load_cost import LoadCosts
 from kvtier.scheduler.lookup import may_defer, scan_hits
 from kvtier.scheduler.state import JobRecord, LookupAnswer, PendingLoad, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
-from kvtier.scheduler.stores import EVICTIONS_REQ_ID, StorePlanning
+from kvtier.scheduler.stores import EVICTIONS_REQ_ID, StoreObserver, StorePlanning
 from kvtier.scheduler.types import RequestView, StepView
 
-__all__ = ["EVICTIONS_REQ_ID", "OffloadScheduler"]
+__all__ = ["EVICTIONS_REQ_ID", "OffloadScheduler", "StoreObserver"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         self._lazy = config.store_mode == "lazy"
         self._ledger = EvictionLedger()  # lazy mode: computed chunks not stored yet
         self._expired: list[JobRecord] = []  # failed at this step's expiry, completed at its output
+        self.store_observer: StoreObserver | None = None  # the adapter's: chunks offered to the tiers (events)
         for g in config.unsupported_groups():
             logger.warning("kvtier: KV-cache group %d cannot be offloaded (%s); this model gets no kvtier hits",
                            g, config.groups[g].reason or "unsupported kind")

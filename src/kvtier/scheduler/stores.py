@@ -13,9 +13,9 @@ scheduler's requests, job book, ledger and next plan. Thread-safety: the schedul
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from kvtier.base import OffloadingManager
+from kvtier.base import OffloadingManager, ReqContext
 from kvtier.jobs import StepPlan
 from kvtier.keys import OffloadKey
 from kvtier.scheduler.config import SchedulerOffloadConfig
@@ -25,11 +25,15 @@ from kvtier.scheduler.state import RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
 from kvtier.scheduler.types import RequestView
 
-__all__ = ["EVICTIONS_REQ_ID", "StorePlanning"]
+__all__ = ["EVICTIONS_REQ_ID", "StoreObserver", "StorePlanning"]
 
 logger = logging.getLogger("kvtier.scheduler.core")  # the scheduler's logger, as before this part moved here
 
 EVICTIONS_REQ_ID = "\x00kvtier:evictions"  # owns lazy mode's stores (no engine request id starts with NUL)
+
+# (request, its context, keys, (group, chunk) of each key): the chunks of this step a request offers to the
+# tiers, at once (eager) or later (lazy); an adapter reads what its events need from the request here
+StoreObserver = Callable[[RequestView, ReqContext, list[OffloadKey], list[tuple[int, int]]], None]
 
 
 class StorePlanning:
@@ -46,6 +50,7 @@ class StorePlanning:
     _is_supported: bool
     _lazy: bool
     _ledger: EvictionLedger
+    store_observer: StoreObserver | None
 
     def _plan_stores(self, state: RequestOffloadState, num_tokens: int, window_from: int, plan: StepPlan) -> None:
         """Offer every whole, computed chunk after the store cursor to the manager."""
@@ -58,6 +63,8 @@ class StorePlanning:
         keys, chunks = self._jobs.store_candidates(state, end, window_from)
         if not keys:
             return
+        if self.store_observer is not None:
+            self.store_observer(state.req, state.req_context, keys, chunks)
         groups = [group for group, _ in chunks]
         blocks = [state.group_states[group].chunk_blocks(chunk) for group, chunk in chunks]
         if self._lazy:  # stored when the engine is about to evict them (`plan_evictions`)

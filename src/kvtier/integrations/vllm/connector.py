@@ -28,6 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.convert import namespace_for, worker_rank
+from kvtier.integrations.vllm.events import group_event_kinds
 from kvtier.integrations.vllm.layout import check_slot_bytes, engine_layout
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierPromMetrics, KVTierStats
@@ -65,7 +66,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._slots_reported = False
         if role == KVConnectorRole.SCHEDULER:
             namespace = namespace_for(cfg, vllm_config, kv_cache_config, layout)  # hashes the weights: here only
-            self._scheduler = SchedulerSide(cfg, vllm_config, layout, namespace)
+            self._scheduler = SchedulerSide(cfg, vllm_config, layout, namespace, group_event_kinds(kv_cache_config))
         else:
             self._worker = WorkerSide(
                 num_slots=layout.num_slots,

@@ -33,6 +33,7 @@ def request_view(request: Any) -> RequestView:
         num_computed_tokens=request.num_computed_tokens,
         kv_transfer_params=request.kv_transfer_params,
         tenant=getattr(request, "cache_salt", None),
+        engine_request=request,
     )
 
 

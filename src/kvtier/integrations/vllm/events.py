@@ -1,30 +1,223 @@
-"""kvtier's offloading events -> vLLM KV cache events (`BlockStored` / `BlockRemoved`)."""
+"""kvtier's offloading events -> vLLM's KV cache events, in the shape vLLM gives its own blocks, so that a
+KV-aware router (llm-d, Dynamo, Ray Serve) indexes kvtier's tiers as it indexes the engine's GPU blocks.
+
+A tier reports a chunk by its key alone (`kvtier.base.OffloadingEvent`). What a router needs beside it —
+the chunk's token ids, the hash of every block in it, its parent (the hash of the block before it), LoRA
+and `cache_salt` (`extra_keys`, filled by vLLM's own `generate_block_hash_extra_keys`), the session — is
+taken from the live request when the scheduler offers the chunk to the tiers (`chunk_info`, called for the
+chunks of the current step only) and kept by `KVEventTranslator` while a tier holds the chunk.
+
+Media: every event names its tier in the engine's vocabulary:
+
+| tier  | medium    | locality | ownership      |
+| ----- | --------- | -------- | -------------- |
+| cpu   | `CPU`     | `LOCAL`  | `kvtier:cpu`   |
+| disk  | `STORAGE` | `LOCAL`  | `kvtier:disk`  |
+| redis | `STORAGE` | `REMOTE` | `kvtier:redis` |
+| s3    | `STORAGE` | `REMOTE` | `kvtier:s3`    |
+
+(`ownership` is set for the CPU tier too, unlike vLLM's own offloading connector: a router can then tell
+kvtier's RAM from vLLM's native CPU offloading on the same engine.) A chunk of `blocks_per_chunk` blocks is
+announced as that many blocks, as vLLM's offloading connector does; its `BlockRemoved` lists the same hashes.
+
+Bound: one `ChunkInfo` per chunk a tier holds (~0.5 KB for 16 tokens, ~0.9 KB for 128), at most `max_entries`,
+plus the last `_MAX_DROPPED` no tier holds any more; past that the oldest are forgotten and their chunks' events
+carry the hash alone (`token_ids=[]`, `block_size=0`, vLLM's own placeholder), as do chunks the engine never
+offered (a disk found at start, a shared store's).
+
+Thread-safety: not thread-safe; vLLM's scheduler thread calls it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from array import array
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
 from kvtier.base import OffloadingEvent
-from kvtier.keys import split_offload_key
+from kvtier.keys import OffloadKey, split_offload_key
+from kvtier.scheduler.config import GroupSpec
 
-__all__ = ["to_kv_events"]
+__all__ = ["TIER_MEDIA", "ChunkInfo", "KVEventTranslator", "chunk_info", "group_event_kinds"]
 
-_MEDIUM = {"cpu": "CPU", "disk": "DISK", "redis": "REDIS"}
+# tier name -> (medium, locality, ownership) of its events; an unknown (out-of-tree) tier is remote storage
+TIER_MEDIA: dict[str, tuple[str, str, str]] = {
+    "cpu": ("CPU", "LOCAL", "kvtier:cpu"),
+    "disk": ("STORAGE", "LOCAL", "kvtier:disk"),
+    "redis": ("STORAGE", "REMOTE", "kvtier:redis"),
+    "s3": ("STORAGE", "REMOTE", "kvtier:s3"),
+}
 
 
-def to_kv_events(events: Iterable[OffloadingEvent]) -> Iterator[KVCacheEvent]:
-    """One vLLM event per kvtier event and group; a chunk is named by its last block's hash."""
-    for event in events:
-        medium = _MEDIUM.get(event.medium, event.medium.upper())
-        by_group: dict[int, list[bytes]] = {}
-        for key in event.keys:
-            block_hash, group = split_offload_key(key)
-            by_group.setdefault(group, []).append(block_hash)
-        for group, hashes in by_group.items():
-            if event.removed:
-                yield BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
-            else:
-                yield BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=0,
-                                  lora_id=None, medium=medium, lora_name=None, group_idx=group)
+_MAX_DROPPED = 4096  # chunks no tier holds, still described (see KVEventTranslator._dropped)
+
+
+def _media(tier: str) -> tuple[str, str, str]:
+    return TIER_MEDIA.get(tier, ("STORAGE", "REMOTE", f"kvtier:{tier}"))
+
+
+@dataclass(slots=True)
+class ChunkInfo:
+    """What a `BlockStored` of one chunk says beside its medium: one entry per block for hashes and extra keys."""
+
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: array  # uint32, the chunk's tokens
+    block_size: int
+    group: int
+    lora_id: int | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None  # untagged, as vLLM publishes them
+    session_id: str | None = None
+    tiers: tuple[str, ...] = ()  # the tiers that hold it now (a tuple: a set would double an entry's size)
+
+    def enter(self, tier: str) -> None:
+        if tier not in self.tiers:
+            self.tiers += (tier,)
+
+    def leave(self, tier: str) -> None:
+        self.tiers = tuple(t for t in self.tiers if t != tier)
+
+
+def chunk_info(request: Any, spec: GroupSpec, group: int, chunk: int, hash_block_size: int,
+               session_id: str | None) -> ChunkInfo:
+    """`ChunkInfo` of chunk `chunk` of `group` of a live `vllm.v1.request.Request`, as vLLM's block pool
+    describes its own blocks (`BlockPool.cache_full_blocks`): hashes and extra keys per block of the group's
+    block size, the parent is the hash of the block before the chunk."""
+    tpb, bpc = spec.tokens_per_block, spec.blocks_per_chunk
+    scale, first_block = tpb // hash_block_size, chunk * bpc
+    raw = request.block_hashes
+    hashes = tuple(raw[(first_block + j + 1) * scale - 1] for j in range(bpc))
+    start = first_block * tpb
+    extra, mm_idx = [], 0
+    for j in range(bpc):
+        keys, mm_idx = generate_block_hash_extra_keys(request, start + j * tpb, start + (j + 1) * tpb, mm_idx)
+        extra.append(keys)
+    lora = request.lora_request
+    return ChunkInfo(
+        block_hashes=hashes, parent_block_hash=raw[first_block * scale - 1] if first_block else None,
+        token_ids=array("I", request.all_token_ids[start:start + bpc * tpb]), block_size=tpb, group=group,
+        lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
+        extra_keys=to_event_extra_keys(extra),
+        session_id=session_id or getattr(request, "session_id", None))
+
+
+def group_event_kinds(kv_cache_config: Any) -> tuple[tuple[str | None, int | None], ...]:
+    """(kv_cache_spec_kind, sliding window) of each KV-cache group, as vLLM's KVCacheManager tags its events."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+    return tuple((get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+                 for g in kv_cache_config.kv_cache_groups)
+
+
+class KVEventTranslator:
+    """Turns the tiers' events into vLLM's, from the `ChunkInfo` recorded when the chunks were offered.
+
+    Args:
+        max_entries: the most chunks described at once (the oldest recorded are forgotten first).
+        group_kinds: `group_event_kinds` of the engine (empty: events carry no spec kind).
+    """
+
+    def __init__(self, max_entries: int, group_kinds: Sequence[tuple[str | None, int | None]] = ()):
+        self.max_entries = max_entries
+        self.group_kinds = tuple(group_kinds)
+        self._infos: OrderedDict[OffloadKey, ChunkInfo] = OrderedDict()
+        # chunks no tier holds any more, the latest few: a disk written on RAM's evictions (`on_evict`)
+        # announces a chunk some steps after RAM dropped it
+        self._dropped: OrderedDict[OffloadKey, ChunkInfo] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def record(self, key: OffloadKey, info: ChunkInfo) -> None:
+        """Describe `key` (a chunk being offered to the tiers now); keeps the tiers of an earlier record."""
+        old = self._infos.pop(key, None) or self._dropped.pop(key, None)
+        if old is not None:
+            info.tiers = old.tiers
+        self._infos[key] = info
+        if len(self._infos) > self.max_entries:
+            self._infos.popitem(last=False)
+
+    def translate(self, events: Iterable[OffloadingEvent]) -> list[KVCacheEvent]:
+        """One vLLM event per kvtier event and group, in order; a chunk no tier holds any more is forgotten."""
+        out: list[KVCacheEvent] = []
+        gone: set[OffloadKey] = set()
+        for event in events:
+            by_group: dict[int, list[Any]] = {}
+            for key in event.keys:
+                info = self._infos.get(key)
+                if event.removed:
+                    if info is not None:
+                        info.leave(event.medium)
+                        gone.add(key)
+                    hashes, group = self._hashes(key, info)
+                    by_group.setdefault(group, []).extend(hashes)
+                else:
+                    info = info or self._dropped.get(key) or self._placeholder(key)
+                    if key not in self._infos:
+                        self.record(key, info)
+                    info.enter(event.medium)
+                    out.append(self._stored(info, event.medium))
+            out.extend(self._removed(event.medium, by_group))
+        for key in gone:  # (after the batch: a removal may come before another tier's store of the chunk)
+            info = self._infos.get(key)
+            if info is not None and not info.tiers:
+                self._drop(key)
+        return out
+
+    def remove_all(self, tiers: Container[str]) -> list[KVCacheEvent]:
+        """`BlockRemoved` of every chunk described in one of `tiers` (reset, for tiers that do not report
+        what a reset drops), which no longer hold it."""
+        by_tier: dict[str, dict[int, list[Any]]] = {}
+        for key, info in list(self._infos.items()):
+            for tier in [t for t in info.tiers if t in tiers]:
+                hashes, group = self._hashes(key, info)
+                by_tier.setdefault(tier, {}).setdefault(group, []).extend(hashes)
+                info.leave(tier)
+            if not info.tiers:
+                self._drop(key)
+        return [e for tier, by_group in by_tier.items() for e in self._removed(tier, by_group)]
+
+    def _drop(self, key: OffloadKey) -> None:
+        self._dropped[key] = self._infos.pop(key)
+        if len(self._dropped) > _MAX_DROPPED:
+            self._dropped.popitem(last=False)
+
+    @staticmethod
+    def _removed(tier: str, by_group: dict[int, list[Any]]) -> list[KVCacheEvent]:
+        medium, locality, ownership = _media(tier)
+        return [BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group, locality=locality,
+                             ownership=ownership) for group, hashes in by_group.items()]
+
+    def _placeholder(self, key: OffloadKey) -> ChunkInfo:
+        """A chunk the engine never offered (found on disk, in a shared store, or forgotten): its hash alone."""
+        block_hash, group = split_offload_key(key)
+        return ChunkInfo(block_hashes=(block_hash,), parent_block_hash=None, token_ids=array("I"), block_size=0,
+                         group=group)
+
+    @staticmethod
+    def _hashes(key: OffloadKey, info: ChunkInfo | None) -> tuple[list[Any], int]:
+        if info is not None:
+            return [maybe_convert_block_hash(h) for h in info.block_hashes], info.group
+        block_hash, group = split_offload_key(key)
+        return [maybe_convert_block_hash(block_hash)], group
+
+    def _stored(self, info: ChunkInfo, tier: str) -> BlockStored:
+        medium, locality, ownership = _media(tier)
+        if info.block_size == 0:  # vLLM's placeholder: the hash alone
+            return BlockStored(block_hashes=self._hashes(b"", info)[0], parent_block_hash=None, token_ids=[],
+                               block_size=0, lora_id=None, medium=medium, lora_name=None, group_idx=info.group,
+                               locality=locality, ownership=ownership)
+        kind, window = self.group_kinds[info.group] if info.group < len(self.group_kinds) else (None, None)
+        parent = info.parent_block_hash
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in info.block_hashes],
+            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+            token_ids=info.token_ids.tolist(), block_size=info.block_size, lora_id=info.lora_id, medium=medium,
+            lora_name=info.lora_name, extra_keys=info.extra_keys, group_idx=info.group, kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window, locality=locality, ownership=ownership, session_id=info.session_id)

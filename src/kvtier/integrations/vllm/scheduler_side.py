@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from kvtier.base import ManagerStats, OffloadingManager
+from kvtier.base import ManagerStats, OffloadingManager, ReqContext
 from kvtier.build import build_manager
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.convert import (
@@ -19,14 +19,14 @@ from kvtier.integrations.vllm.convert import (
     scheduler_config,
     step_view,
 )
-from kvtier.integrations.vllm.events import to_kv_events
+from kvtier.integrations.vllm.events import KVEventTranslator, chunk_info
 from kvtier.integrations.vllm.layout import EngineLayout
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierStats, decision_stat_name, tier_stat_name
 from kvtier.jobs import check_slab_slots
-from kvtier.keys import GROUP_INDEX_BYTES
+from kvtier.keys import GROUP_INDEX_BYTES, OffloadKey
 from kvtier.mrc import curve_gauges
-from kvtier.scheduler import OffloadScheduler, SchedulerStats
+from kvtier.scheduler import OffloadScheduler, RequestView, SchedulerStats
 from kvtier.slab import HostSlab, remove_stale_slabs
 from kvtier.tiers.namespace import Namespace
 
@@ -35,6 +35,8 @@ __all__ = ["SchedulerSide"]
 logger = logging.getLogger(__name__)
 
 _REPORT_EVERY_S = 1.0  # with no scheduler counter changed, tier counters and gauges are reported this often
+_EVENT_ENTRIES_BEYOND_LOCAL = 16384  # chunks described beyond what RAM and disk hold: Redis, S3, offers in flight
+_TIERS_SILENT_ON_RESET = ("disk", "redis", "s3")
 _SCHEDULER_COUNTERS = ("deferrals", "deferral_timeouts", "store_alloc_failures", "failed_load_chunks",
                        "failed_store_chunks", "expired_jobs", "hinted_requests")
 
@@ -50,7 +52,8 @@ class SchedulerSide:
     thread calls it.
     """
 
-    def __init__(self, cfg: KVTierConfig, vllm_config: Any, layout: EngineLayout, namespace: Namespace):
+    def __init__(self, cfg: KVTierConfig, vllm_config: Any, layout: EngineLayout, namespace: Namespace,
+                 group_kinds: tuple[tuple[str | None, int | None], ...] = ()):
         self.layout = layout
         self.num_slots = layout.num_slots  # HostSlab rejects 0
         remove_stale_slabs()
@@ -71,6 +74,12 @@ class SchedulerSide:
             raise
         self.core = OffloadScheduler(scheduler_config(cfg, vllm_config, layout), self.manager)
         self._block_pool: Any = None  # vLLM's BlockPool (lazy store mode reads its free queue)
+        self._events: KVEventTranslator | None = None
+        self._reset_events: list[Any] = []  # published at the next take_events
+        if cfg.enable_events:
+            disk_chunks = cfg.disk.bytes // max(self.payload_bytes, 1) if cfg.disk.path else 0
+            self._events = KVEventTranslator(self.num_slots + disk_chunks + _EVENT_ENTRIES_BEYOND_LOCAL, group_kinds)
+            self.core.store_observer = self._describe_chunks
         self._evict_lookahead = evict_lookahead(vllm_config, layout)
         self._reported = SchedulerStats()
         self._reported_at = float("-inf")
@@ -109,13 +118,34 @@ class SchedulerSide:
         ended: the moment for a lazy store mode to look at what the next allocations will evict."""
         if self.core.config.store_mode == "lazy" and self._block_pool is not None:
             self.core.plan_evictions(evictable_blocks(self._block_pool, self._evict_lookahead))
-        return to_kv_events(self.core.take_events())
+        if self._events is None:
+            return []
+        events, self._reset_events = self._reset_events, []
+        return events + self._events.translate(self.core.take_events())
+
+    def _describe_chunks(self, req: RequestView, ctx: ReqContext, keys: list[OffloadKey],
+                         chunks: list[tuple[int, int]]) -> None:
+        """The scheduler offers these chunks of `req` to the tiers: note what their events will say."""
+        request = req.engine_request
+        if request is None or self._events is None:
+            return
+        groups, hash_block_size = self.core.config.groups, self.core.config.tokens_per_hash
+        for key, (group, chunk) in zip(keys, chunks, strict=True):
+            self._events.record(key, chunk_info(request, groups[group], group, chunk, hash_block_size,
+                                                ctx.hints.session))
 
     def has_pending_push_work(self) -> bool:
         return self.core.has_jobs_in_flight()
 
     def reset_cache(self) -> bool:
-        return self.core.reset_cache()
+        """Forget every chunk. The CPU tier reports what it drops; for the tiers behind it (which cannot
+        list their keys cheaply) removals are published of every chunk the events said they hold."""
+        if self._events is not None:
+            self._reset_events += self._events.translate(self.core.take_events())  # what came before the reset
+        done = self.core.reset_cache()
+        if self._events is not None:
+            self._reset_events += self._events.remove_all(_TIERS_SILENT_ON_RESET)
+        return done
 
     def shutdown(self) -> None:
         """Stop the tiers (their writes in flight end first, bounded), then unlink the host slabs
