@@ -182,9 +182,11 @@ def test_a_damaged_value_is_a_counted_miss_and_is_deleted(make_tier, damage):
     value = bytes(tier.store.get([name])[0])
     tier.store.delete([name])
     assert tier.store.put([(name, [damage(tier, name, value)])]) == [True]
-    # the load fails (never serves the bytes), counts it, deletes the value, forgets the key
+    assert [(e.keys, e.removed) for e in tier.take_events()] == [(k, False)]
+    # the load fails (never serves the bytes), counts it, deletes the value, forgets the key: a removal event
     assert load(tier, slab, k).failed_keys == frozenset(k)
     assert tier.stats().counters["corrupt"] == 1
+    assert [(sorted(e.keys), e.removed) for e in tier.take_events()] == [(sorted(k), True)]
     assert tier.store.exists([name]) == [False]
     assert answer(tier, k[0]) is MISS
 
@@ -198,6 +200,7 @@ def test_a_value_the_server_dropped_is_a_failed_load_and_forgotten(make_tier):
     assert tier.lookup(k[0]) is HIT  # the tier cannot know yet
     assert load(tier, slab, k).failed_keys == frozenset(k)
     assert tier.stats().counters["load_missing"] == 1
+    assert [e.removed for e in tier.take_events()] == [False, True]  # stored, then known to be gone
     assert answer(tier, k[0]) is MISS
 
 

@@ -87,6 +87,8 @@ class RemoteIO:
             self._counters["load_missing"] += len(failed) - len(corrupt) if error is None else 0
             if error is None:  # absent or bad values: forget them (a server error says nothing about a key)
                 self._keys.forget(list(failed))
+                if generation == self._reset.generation:  # (a reset dropped them all already)
+                    self._book.emit(sorted(failed), removed=True)
             if generation != self._reset.generation:
                 failed, error = set(job.keys), "reset while in flight"
             elif time.monotonic() > job.deadline:  # the manager has given up on it: it only frees the slots
