@@ -252,6 +252,10 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         """Number of readable (READY) chunks."""
         return len(self._policy)
 
+    def ready_keys(self) -> list[OffloadKey]:
+        """The readable (READY) chunks' keys: what this tier's events say it holds (O(n); tests, inspection)."""
+        return [k for k, c in self._chunks.items() if c.state is _READY]
+
     # -- helpers -----------------------------------------------------------------------
 
     def _note(self, keys: Sequence[OffloadKey], ctx: ReqContext, is_new: bool = False) -> None:
