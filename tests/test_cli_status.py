@@ -124,8 +124,9 @@ def test_a_tiers_lookups_reach_the_status_screen_through_prometheus(tmp_path, ca
     for batch in (keys(1, 2), keys(3, 4)):  # RAM holds 2 chunks: 1 and 2 end up on disk only
         put(manager, slabs, batch)
         settle(manager)
-    for k in keys(3, 1):
+    for k in keys(3, 1):  # a request's scan, then its admission
         manager.lookup(k, CTX)
+    manager.count_query(keys(3, 1), CTX)
     side = SimpleNamespace(core=SimpleNamespace(manager=manager), payload_bytes=4096, _reported_tiers={})
     stats = KVTierStats()
     SchedulerSide._add_tier_stats(side, stats, manager.stats())

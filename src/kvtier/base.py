@@ -236,6 +236,10 @@ class OffloadingManager(ABC):
     def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027 (an optional hook)
         """The request will make no more calls; release what it still holds."""
 
+    def count_query(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:  # noqa: B027 (an optional hook)
+        """The engine admitted the request that asked for `keys` (its chunks after the engine's own
+        hits, in prefix order): once per request, for the tiers' miss-ratio curves (`kvtier.mrc`)."""
+
     @abstractmethod
     def reset(self) -> None:
         """Forget every chunk; chunks still in transfer are freed when it ends."""

@@ -17,10 +17,13 @@ and one comparison.
 The curve is LRU's: a tier whose policy keeps chunks better than LRU (the CPU tier's default
 `adaptive`) gets more hits than predicted, one worse gets fewer.
 
-What counts as a use (see `lookup` and `store`): a lookup counts toward the hit ratio; a store
-(a chunk written into the tier) makes the key most recent without counting. A request asking
-again for a key it already asked for (a deferred request's scan is repeated every step) is the
-same use, not a new one.
+What counts as a use (see `lookup` and `store`): a lookup counts toward the hit ratio and makes
+a cached key the most recent; a store (a chunk written into the tier) caches the key, most
+recent, without counting. A key is cached by its store, not by the lookup that missed it: two
+requests admitted together ask for a prefix neither has computed yet, and the second cannot hit
+(a synthetic replay through the simulator: predicted 0.25 where the tier got 0). A plain cache's
+stream (every miss stored) is `lookup` then `store` per reference. A tier's owner counts each
+request's lookups once (`kvtier.tiers.curves`).
 
 Thread-safety: not thread-safe; a tier's owner calls it from one thread (the scheduler's).
 """
@@ -36,12 +39,11 @@ from kvtier.errors import ConfigError
 __all__ = ["CAPACITY_FACTORS", "DEFAULT_MAX_SAMPLES", "MissRatioCurve", "curve_gauges"]
 
 CAPACITY_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-DEFAULT_MAX_SAMPLES = 16384  # ~2.6 MB per tier; bench_mrc: error and cost by max_samples
+DEFAULT_MAX_SAMPLES = 8192  # SHARDS' s_max; bench_mrc: error <= 0.012, 1.5 MB
 _HASH_SPACE = 2**64
 _ALL = 2**63  # hash() is uniform over [-2**63, 2**63): a threshold of 2**63 samples every key
 _EXACT_BUCKETS = 256  # reuse distances below this are counted one bucket per chunk
 _BUCKETS_PER_DOUBLING = 32  # above it, geometric buckets ~2 % wide
-_MAX_RUNS = 4096  # requests whose lookups are remembered (to count a request's repeated scan once)
 _BLOCK = 512  # times per block of `_Uses`
 _TIME_ROOM = 4  # the time record has room for this many uses per sampled key before it is compacted
 
@@ -53,51 +55,34 @@ class MissRatioCurve:
         max_samples: sampled keys kept at most (bounds memory; more is more accurate).
     """
 
-    __slots__ = ("_cold", "_counted", "_heap", "_histogram", "_last", "_owner", "_rate", "_run_first",
-                 "_run_length", "_run_req", "_runs", "_threshold", "_uses", "max_samples")
+    __slots__ = ("_cold", "_heap", "_histogram", "_last", "_rate", "_threshold", "_uses", "max_samples",
+                 "num_lookups")
 
     def __init__(self, max_samples: int = DEFAULT_MAX_SAMPLES):
         if max_samples < 1:
             raise ConfigError(f"max_samples must be >= 1, got {max_samples}")
         self.max_samples = max_samples
+        self.num_lookups = 0  # every lookup, sampled or not
         self._threshold = _ALL  # a key is sampled when hash(key) < threshold
         self._rate = 1.0
-        self._last: dict[int, int] = {}  # sampled key's hash -> time of its last use
-        self._owner: dict[int, Hashable] = {}  # sampled key's hash -> the request of that use
+        self._last: dict[int, int] = {}  # sampled cached key's hash -> time of its last use
         self._heap: list[int] = []  # -hash of every sampled key: the largest leaves first
         self._uses = _Uses(_TIME_ROOM * max_samples)  # the times of the sampled keys' last uses
         self._histogram: list[float] = []  # weighted lookups by reuse-distance bucket
-        self._cold = 0.0  # weighted lookups of keys not seen before
-        # every lookup, sampled or not, counted once per request: a request's lookups count as its
-        # longest run (consecutive lookups, ended by another request's or by its first key again:
-        # a deferred request scans the same prefix again at every step, maybe further)
-        self._counted = 0
-        self._runs: dict[Hashable, int] = {}  # request -> its longest run so far (the latest requests)
-        self._run_req: Hashable = None
-        self._run_first = 0  # hash of the run's first key
-        self._run_length = 0
+        self._cold = 0.0  # weighted lookups of keys not cached (never stored)
 
-    def lookup(self, key: Hashable, req_id: Hashable = None) -> None:
-        """A lookup of `key` (counts toward the hit ratio) by request `req_id` (None: every lookup
-        is a new use)."""
-        h = hash(key)
-        if req_id is not self._run_req or h == self._run_first:
-            self._end_run(req_id, h)
-        self._run_length += 1
-        if h < self._threshold:
-            self._use(h, req_id, is_lookup=True)
-
-    def store(self, key: Hashable, req_id: Hashable = None) -> None:
-        """`key` was written into the tier: it is now the most recent, no lookup counted."""
+    def lookup(self, key: Hashable) -> None:
+        """A lookup of `key`: counts toward the hit ratio; a cached key becomes the most recent."""
+        self.num_lookups += 1
         h = hash(key)
         if h < self._threshold:
-            self._use(h, req_id, is_lookup=False)
+            self._use(h, is_lookup=True)
 
-    @property
-    def num_lookups(self) -> int:
-        """Lookups counted so far (a request's repeated lookups of a key once)."""
-        best = self._runs.get(self._run_req, 0) if self._run_req is not None else 0
-        return self._counted + max(0, self._run_length - best)
+    def store(self, key: Hashable) -> None:
+        """`key` was written into the tier: cached, the most recent, no lookup counted."""
+        h = hash(key)
+        if h < self._threshold:
+            self._use(h, is_lookup=False)
 
     def hit_ratio(self, capacity: float) -> float:
         """The predicted LRU hit ratio with room for `capacity` chunks (0.0 before any lookup).
@@ -131,31 +116,17 @@ class MissRatioCurve:
     def num_samples(self) -> int:
         return len(self._last)
 
-    def _end_run(self, req_id: Hashable, first: int) -> None:
-        """Count the run of lookups that ended, beyond what its request's earlier runs counted."""
-        prev, runs = self._run_req, self._runs
-        if prev is None:
-            self._counted += self._run_length
-        elif self._run_length > (best := runs.get(prev, 0)):
-            self._counted += self._run_length - best
-            runs.pop(prev, None)  # the latest at the end: the oldest request leaves first
-            runs[prev] = self._run_length
-            if len(runs) > _MAX_RUNS:
-                del runs[next(iter(runs))]
-        self._run_req, self._run_first, self._run_length = req_id, first, 0
-
-    def _use(self, h: int, req_id: Hashable, is_lookup: bool) -> None:
+    def _use(self, h: int, is_lookup: bool) -> None:
         book, uses = self._last, self._uses
         last = book.get(h)
         if last is None:
-            if is_lookup:
+            if is_lookup:  # never written (or not since it left the sample): a miss, and not cached
                 self._cold += 1.0 / self._rate
+                return
             if len(book) < self.max_samples:
                 heapq.heappush(self._heap, -h)
             elif not self._make_room(h):
                 return  # the new key has the largest hash: it is the one that leaves
-        elif req_id is not None and self._owner[h] == req_id:
-            return  # the same request asking again (a deferred scan): not a new use
         else:
             if is_lookup:
                 self._count(uses.count_after(last) / self._rate)
@@ -164,7 +135,6 @@ class MissRatioCurve:
         if uses.now + 1 >= uses.size:
             book, uses = self._renumber()
         book[h] = uses.mark_next()
-        self._owner[h] = req_id
 
     def _count(self, distance: float) -> None:
         if distance < _EXACT_BUCKETS:
@@ -185,7 +155,6 @@ class MissRatioCurve:
         if largest == h:
             return False
         self._uses.unmark(self._last.pop(largest))
-        del self._owner[largest]
         return True
 
     def _renumber(self) -> tuple[dict[int, int], _Uses]:

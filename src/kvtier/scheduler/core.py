@@ -48,7 +48,7 @@ from kvtier.scheduler.config import SchedulerOffloadConfig
 from kvtier.scheduler.jobs import TransferJobBook
 from kvtier.scheduler.lazy import EvictionLedger
 from kvtier.scheduler.load_cost import LoadCosts
-from kvtier.scheduler.lookup import may_defer, scan_hits
+from kvtier.scheduler.lookup import count_query, may_defer, scan_hits
 from kvtier.scheduler.state import JobRecord, LookupAnswer, PendingLoad, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
 from kvtier.scheduler.stores import EVICTIONS_REQ_ID, StoreObserver, StorePlanning
@@ -152,6 +152,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         if state is None:
             return
         self._on_written(state.set_block_ids(block_ids, replace=True), self._next_plan)
+        count_query(state, self.manager, self.config.tokens_per_chunk)  # before loads: promotions still known
         pending, state.pending_load = state.pending_load, None
         loaded = 0
         if pending is not None and num_external_tokens > 0:

@@ -20,7 +20,7 @@ from kvtier.scheduler.config import GroupKind, SchedulerOffloadConfig
 from kvtier.scheduler.state import RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
 
-__all__ = ["HitScan", "may_defer", "scan_hits"]
+__all__ = ["HitScan", "count_query", "may_defer", "scan_hits"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,19 @@ def _window_scan(state: RequestOffloadState, group: int, lookup: _Lookups, start
             return h, must_wait
         must_wait |= any(r is not _HIT and r is not LookupResult.MISS for r in results)
     return start, must_wait
+
+
+def count_query(state: RequestOffloadState, manager: OffloadingManager, tokens_per_chunk: int) -> None:
+    """The engine admits the request: tell the manager the chunks it asked for (each full-attention
+    group's, after the engine's own hits, as its latest answer counted them), once per request."""
+    answer = state.answer
+    if answer is None or not state.params.load:
+        return
+    start = answer.num_local_tokens // tokens_per_chunk
+    end = min(state.num_hashed_chunks(), (answer.num_local_tokens + answer.num_query_tokens) // tokens_per_chunk)
+    for gs in state.group_states:
+        if gs.spec.kind is GroupKind.FULL and start < end:
+            manager.count_query(state.keys(gs.group, start, end), state.req_context)
 
 
 def may_defer(state: RequestOffloadState, config: SchedulerOffloadConfig, now: float, stats: SchedulerStats) -> bool:

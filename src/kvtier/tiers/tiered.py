@@ -19,7 +19,8 @@ their own — never on the scheduler's thread, never inside the forward pass.
 - **write down**: chunks are written to the secondaries as they become READY (write-through)
   or as the CPU tier evicts them (`on_evict`); see `kvtier.tiers.writedown`.
 - A failed promotion frees its slot; the tier forgets a key it could not serve. Events and
-  stats are per tier (`medium` "cpu", "disk", …).
+  stats are per tier (`medium` "cpu", "disk", …), with each tier's miss-ratio curve
+  (`kvtier.tiers.curves`).
 
 Thread-safety: not thread-safe; the scheduler calls it from one thread. Tiers report
 finished jobs through `get_finished`, which this manager polls at each call.
@@ -47,13 +48,13 @@ from kvtier.base import (
 from kvtier.costmodel.estimates import ReadEstimate
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
-from kvtier.mrc import MissRatioCurve, curve_gauges
 from kvtier.tiers.cascade import SecondarySlot, TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
+from kvtier.tiers.curves import TierCurves
 from kvtier.tiers.flights import Flight, FlightKind, Flights
 from kvtier.tiers.promotions import Promotions
 from kvtier.tiers.rates import TierRates
-from kvtier.tiers.secondary import HEADER_BYTES, SecondaryTier, TierJob, TierStats
+from kvtier.tiers.secondary import SecondaryTier, TierJob, TierStats
 from kvtier.tiers.writedown import WriteDown
 
 __all__ = ["TieredManager"]
@@ -64,7 +65,7 @@ _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _CLOSE_DRAIN_S = 10.0
 
 
-class TieredManager(Promotions, OffloadingManager):
+class TieredManager(Promotions, TierCurves, OffloadingManager):
     """Metadata of a CPU tier and its secondary tiers, and the jobs between them.
 
     Args:
@@ -108,10 +109,6 @@ class TieredManager(Promotions, OffloadingManager):
     def tiers(self) -> list[SecondaryTier]:
         return [t.tier for t in self._tiers]
 
-    @property
-    def mrc(self) -> MissRatioCurve:
-        return self.primary.mrc
-
     # -- lookups and loads -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -122,7 +119,6 @@ class TieredManager(Promotions, OffloadingManager):
             self.primary.join_chain([key], ctx)
             return result
         for index, slot in enumerate(self._tiers):
-            slot.mrc.lookup(key, ctx.req_id)
             found = slot.tier.lookup(key)
             if found is _RETRY:
                 return _RETRY
@@ -226,9 +222,7 @@ class TieredManager(Promotions, OffloadingManager):
         for slot in self._tiers:
             stats = slot.tier.stats()
             stats.counters.update(slot.counters)
-            # a tier whose server sets its size (Redis maxmemory): 1x is what it holds now
-            chunk_bytes = self.payload_bytes + HEADER_BYTES
-            stats.gauges.update(curve_gauges(slot.mrc, (stats.capacity_bytes or stats.used_bytes) / chunk_bytes))
+            self._add_curve(slot, stats)
             out.append(stats)
         return out
 

@@ -100,7 +100,6 @@ class CPUTierManager(ChunkStores, OffloadingManager):
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         if len(key) != self.key_bytes:
             raise key_length_error(key, self.key_bytes)
-        self.mrc.lookup(key, ctx.req_id)
         chunk = self._chunks.get(key)
         if chunk is None or chunk.state is _RETIRED:
             self._misses += 1
@@ -126,6 +125,10 @@ class CPUTierManager(ChunkStores, OffloadingManager):
             if found[i] is None:
                 break
         return found
+
+    def count_query(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        for key in reversed(keys):
+            self.mrc.lookup(key)
 
     def is_readable(self, key: OffloadKey) -> bool:
         """Whether `key` is READY (counts no hit or miss)."""

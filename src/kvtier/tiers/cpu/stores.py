@@ -70,8 +70,8 @@ class ChunkStores:
     _rejected_stores: int  # (and the manager's `_free` and `_emit`)
 
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
-        for key in keys:
-            self.mrc.store(key, ctx.req_id)
+        for key in reversed(keys):
+            self.mrc.store(key)
         return self._reserve(keys, ctx, admit=self._gate.admit, spare=())
 
     def prepare_promotion(self, keys: Sequence[OffloadKey], ctx: ReqContext,
