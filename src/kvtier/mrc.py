@@ -12,7 +12,7 @@ The sample set holds at most `max_samples` keys: past that the key with the larg
 and the threshold drops to it, so memory stays bounded whatever the traffic. A lookup counts
 with weight 1/rate at its time (the paper's rescaling), so lookups sampled at a higher rate
 early on do not outweigh later ones. Most keys cost one `hash()` (cached on the bytes object)
-and one comparison.
+and one comparison; Python seeds `hash()` per process, so each process samples other keys.
 
 The curve is LRU's: a tier whose policy keeps chunks better than LRU (the CPU tier's default
 `adaptive`) gets more hits than predicted, one worse gets fewer.

@@ -54,6 +54,8 @@ class TierCurves:
 
     def _add_curve(self, slot: SecondarySlot, stats: TierStats) -> None:
         """The tier's predicted hit ratios into its stats' gauges; a tier whose server sets its size
-        (Redis maxmemory) reports no capacity: 1x is then what it holds now."""
+        (Redis maxmemory) reports no capacity: 1x is then what it holds now. Chunks per byte of
+        capacity ignore the disk tier's padding to 4 KiB: nothing beside MiB-sized chunks, a lot
+        beside the tests' 4 KiB ones."""
         chunk_bytes = self.payload_bytes + HEADER_BYTES
         stats.gauges.update(curve_gauges(slot.mrc, (stats.capacity_bytes or stats.used_bytes) / chunk_bytes))
