@@ -50,6 +50,14 @@ def read_metrics() -> dict[str, float]:
     return {name: read_metric(name) for name in METRICS}
 
 
+def read_curves() -> dict[tuple[str, str], float]:
+    """{(tier, capacity_factor): predicted hit ratio} as this process's registry holds them."""
+    from prometheus_client import REGISTRY
+
+    return {(s.labels["tier"], s.labels["capacity_factor"]): s.value for m in REGISTRY.collect()
+            for s in m.samples if s.name == "kvtier:tier_predicted_hit_ratio"}
+
+
 @pytest.fixture(scope="module")
 def baseline(model):
     llm = make_llm(model)
@@ -67,7 +75,7 @@ def first_engine(model, baseline, disk_dir):
         turns = run_turns(llm, SYSTEM, USERS, reset_between_turns=True)
         for prompt in RESTART_PROMPTS:  # what the second engine will find on disk
             generate(llm, [prompt], max_tokens=1)
-        return {"turns": turns, "metrics": read_metrics()}
+        return {"turns": turns, "metrics": read_metrics(), "curves": read_curves()}
     finally:
         shutdown(llm)
 
@@ -88,11 +96,18 @@ def test_a_small_cpu_tier_serves_reused_prefixes_from_disk_with_identical_output
     for turn, (expected, got) in enumerate(zip(baseline["turns"], first_engine["turns"], strict=True)):
         assert_same_outputs(expected, got, f"turn {turn}")
     m = first_engine["metrics"]
-    print("first engine:", m)  # for the record (pytest -s)
+    print("first engine:", m, first_engine["curves"])  # for the record (pytest -s)
     # turns 2 and 3 re-send histories far larger than the 8-chunk CPU tier: hits came from disk
     assert m["kvtier:tier_promotions_total"] > 0, m
     assert m["kvtier:hit_tokens_total"] >= 2 * 600, m
     assert m["kvtier:tier_failures_total"] == 0 and m["kvtier:tier_corrupt_total"] == 0, m
+    # each tier's miss-ratio curve reached /metrics: every factor, never lower at a larger size, and
+    # the 12-chunk CPU tier's grows with it (turns re-send ~50-chunk histories)
+    curves = first_engine["curves"]
+    for tier in ("cpu", "disk"):
+        ratios = [curves[tier, f] for f in ("0.25", "0.5", "1", "2", "4", "8")]
+        assert ratios == sorted(ratios) and ratios[0] >= 0.0 and ratios[-1] <= 1.0, (tier, curves)
+    assert curves["cpu", "8"] > curves["cpu", "0.25"], curves
 
 
 def test_a_restarted_engine_gets_its_first_prefix_from_disk(baseline, second_engine):
