@@ -43,7 +43,7 @@ from kvtier.base import OffloadingEvent
 from kvtier.keys import OffloadKey, split_offload_key
 from kvtier.scheduler.config import GroupSpec
 
-__all__ = ["TIER_MEDIA", "ChunkInfo", "KVEventTranslator", "chunk_info", "group_event_kinds"]
+__all__ = ["TIER_MEDIA", "ChunkInfo", "KVEventTranslator", "chunk_info", "engine_publishes_events", "group_event_kinds"]
 
 # tier name -> (medium, locality, ownership) of its events; an unknown (out-of-tree) tier is remote storage
 TIER_MEDIA: dict[str, tuple[str, str, str]] = {
@@ -105,6 +105,12 @@ def chunk_info(request: Any, spec: GroupSpec, group: int, chunk: int, hash_block
         lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
         extra_keys=to_event_extra_keys(extra),
         session_id=session_id or getattr(request, "session_id", None))
+
+
+def engine_publishes_events(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV events (`--kv-events-config` with `enable_kv_cache_events`)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
 
 
 def group_event_kinds(kv_cache_config: Any) -> tuple[tuple[str | None, int | None], ...]:

@@ -19,7 +19,7 @@ from kvtier.integrations.vllm.convert import (
     scheduler_config,
     step_view,
 )
-from kvtier.integrations.vllm.events import KVEventTranslator, chunk_info
+from kvtier.integrations.vllm.events import KVEventTranslator, chunk_info, engine_publishes_events
 from kvtier.integrations.vllm.layout import EngineLayout
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierStats, decision_stat_name, tier_stat_name
@@ -76,7 +76,7 @@ class SchedulerSide:
         self._block_pool: Any = None  # vLLM's BlockPool (lazy store mode reads its free queue)
         self._events: KVEventTranslator | None = None
         self._reset_events: list[Any] = []  # published at the next take_events
-        if cfg.enable_events:
+        if cfg.enable_events and engine_publishes_events(vllm_config):  # else describing chunks is wasted work
             disk_chunks = cfg.disk.bytes // max(self.payload_bytes, 1) if cfg.disk.path else 0
             self._events = KVEventTranslator(self.num_slots + disk_chunks + _EVENT_ENTRIES_BEYOND_LOCAL, group_kinds)
             self.core.store_observer = self._describe_chunks
@@ -118,10 +118,11 @@ class SchedulerSide:
         ended: the moment for a lazy store mode to look at what the next allocations will evict."""
         if self.core.config.store_mode == "lazy" and self._block_pool is not None:
             self.core.plan_evictions(evictable_blocks(self._block_pool, self._evict_lookahead))
+        events = self.core.take_events()  # (taken even if not published: the tiers' lists would grow)
         if self._events is None:
             return []
-        events, self._reset_events = self._reset_events, []
-        return events + self._events.translate(self.core.take_events())
+        published, self._reset_events = self._reset_events, []
+        return published + self._events.translate(events)
 
     def _describe_chunks(self, req: RequestView, ctx: ReqContext, keys: list[OffloadKey],
                          chunks: list[tuple[int, int]]) -> None:
