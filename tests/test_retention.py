@@ -428,7 +428,8 @@ def _policy_with_age(age_s: float) -> tuple[RetainingPolicy, RetentionBook, Cloc
     victims, fed through the real insert/evict path)."""
     clock = Clock()
     book = RetentionBook(clock)
-    ranked = RetainingPolicy(make_policy("lru", 8), book)
+    ranked = RetainingPolicy(make_policy("lru", 8), book, guard=False)
+    ranked.horizon_factor = 1.0  # the mechanism alone (the guard chooses it: see below)
     book.note(keys(999), Hints(session="other", retain_s=1))  # a non-empty book: ages are measured
     sampled = [key(i) for i in range(10_000, 20_000) if is_sampled(key(i), ranked.age_sample)][:40]
     for k in sampled:  # each lasts `age_s` unused, then is evicted
@@ -485,3 +486,49 @@ def test_a_failed_eviction_leaves_the_wrapped_policys_order_as_it_was(policy):
     book.note(keys(6), Hints(retain_s=60), is_new=True)  # set aside: 1 spare beside the ordinary ones
     assert ranked.evict(5, set(keys(4, 5))) is None and twin.evict(5, set(keys(4, 5))) is None
     assert ranked.evict(3, set()) == twin.evict(3, set())  # the same victims, in the same order
+
+
+def _drive(ranked: RetainingPolicy, book: RetentionBook, clock: Clock, steps: int, step) -> None:
+    """As a tier drives its policy: each access touches a held key or stores it, evicting one
+    first when full; `step(t)` gives the step's accesses as (key, hints or None)."""
+    for t in range(steps):
+        clock.now += 1
+        for k, hints in step(t):
+            if k in ranked:
+                ranked.touch([k])
+            else:
+                if len(ranked) >= ranked.capacity:
+                    assert ranked.evict(1, set()) is not None
+                ranked.prepare_insert([k])
+                ranked.insert([k])
+            if hints is not None:
+                book.note([k], hints, is_new=True)
+
+
+def test_the_guard_stops_honoring_far_next_turns_that_crowd_out_reused_chunks():
+    """Each step a new chunk announced back in 1,000 s that never comes back, and one of 100
+    ordinary chunks reused in turn: holding every announced chunk fills the tier with them; the
+    guard's miniatures see it and honor a next turn only when it nears."""
+    clock = Clock()
+    book = RetentionBook(clock)
+    ranked = RetainingPolicy(make_policy("lru", 256), book)
+    assert ranked.guard is not None and ranked.guard.best == "all"  # every hint honored until measured
+    _drive(ranked, book, clock, 4000, lambda t: [(key(100_000 + t), Hints(session=f"s{t}", next_turn_s=1000)),
+                                                  (key(t % 100), None)])
+    assert ranked.guard.best == "near" and ranked.horizon_factor == RetainingPolicy.horizon_factor
+
+
+def test_the_guard_keeps_honoring_far_next_turns_that_come_back():
+    """50 sessions, each back every 300 s as announced (beyond how long ordinary chunks last: a
+    flood of chunks used once): only chunks held from the announcement on are still there."""
+    clock = Clock()
+    book = RetentionBook(clock)
+    ranked = RetainingPolicy(make_policy("lru", 256), book)
+
+    def step(t: int) -> list:
+        flood = [(key(1_000_000 + 2 * t + i), None) for i in range(2)]
+        turn = [(key(t % 300), Hints(session=f"s{t % 300}", next_turn_s=400))] if t % 300 < 50 else []
+        return flood + turn
+
+    _drive(ranked, book, clock, 4000, step)
+    assert ranked.guard is not None and ranked.guard.best == "all" and ranked.horizon_factor == float("inf")

@@ -11,20 +11,20 @@ by the ranks of a `kvtier.policies.retention.RetentionBook`, lowest first:
    reaches furthest first (its next use is the furthest away: what Belady's MIN evicts), tails
    before heads.
 
-A `next_turn_s` is a prediction, and holding a chunk for a turn far away costs the room of every
-chunk it displaces meanwhile: keeping all expected chunks above ordinary ones hit 0.539 on the
-agentic trace at 5 % against 0.571 without hints. So an expected chunk is ordinary until its
-turn is near: until `horizon_factor` x the tier's eviction age (how long an ordinary chunk lasts
-here unused, measured on a sample of them) before its hint runs out — a chunk due within that
-time would have lasted anyway under recency, one due later is worth its room only as its turn
-nears (Belady's MIN keeps what comes back soonest). Then it is set aside as above (0.595 on that
-trace). Retained and priority chunks are the client's instructions: always honored.
+A `next_turn_s` is a prediction: holding a chunk for a far turn costs the room of every chunk it
+displaces meanwhile. Where those are reused sooner (agentic trace, 5 %: 0.539 holding every
+expected chunk, 0.571 without hints), an expected chunk is better ordinary until its turn nears:
+within `horizon_factor` x the tier's eviction age (how long an unused ordinary chunk lasts here,
+sampled) of its hint's end (0.595). Where they are not (conversation trace: most chunks are used
+once), holding all wins (0.252 against 0.203). A guard chooses online, as the adaptive policy
+chooses its expert: LRU miniatures "all" and "near" over a hash-sampled slice of the traffic
+(`kvtier.policies.minisim.PolicySelector`). Retained and priority chunks are always honored.
 
 The wrapped policy holds only the chunks filed ordinary; the others wait beside it in heaps, so
 an eviction costs what the wrapped policy's costs, however many chunks are kept. A chunk moves
 when the book changes its rank (the book tells every policy that subscribed) and when its hint
-expires or its turn nears (found at the next eviction); one that comes back is as recent as a new one. Traffic
-without hints is evicted exactly as by the wrapped policy alone.
+expires or its turn nears (found at the next eviction); one that comes back is as recent as a
+new one. Traffic without hints is evicted exactly as by the wrapped policy alone.
 
 Thread-safety: as the policy it wraps (its tier serializes calls). `ranks_changed` comes from the
 thread that writes the book (the scheduler's) and takes the tier's lock when it has one.
@@ -32,13 +32,15 @@ thread that writes the book (the scheduler's) and takes the tier's lock when it 
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import threading
 from collections.abc import Container, Iterable, Sequence
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
-from kvtier.policies.minisim import is_sampled
+from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.minisim import PolicySelector, is_sampled
 from kvtier.policies.retention import ORDINARY, Rank, RetentionBook
 
 __all__ = ["RetainingPolicy"]
@@ -54,13 +56,11 @@ class RetainingPolicy(CachePolicy):
             called from several threads); None: the tier is driven from one thread.
     """
 
-    # an expected chunk outranks ordinary ones from `horizon_factor` x the eviction age before its
-    # hint runs out (agentic trace, 5 %, quick: 0.5 -> 0.578, 1 -> 0.595, 1.5 -> 0.572, 2 -> 0.554,
-    # every one -> 0.539; conversation trace: 1 -> 0.203, 2 -> 0.217, every one -> 0.252; no hints
-    # 0.571 and 0.095); the age is measured on 1 key in `age_sample`, averaged over ~`age_memory`
+    # "near", agentic 5 % quick: 0.5 -> 0.578, 1 -> 0.595, 2 -> 0.554; ages: 1 key in 16, over ~64 victims
     horizon_factor, age_sample, age_memory = 1.0, 16, 64.0
 
-    def __init__(self, inner: CachePolicy, book: RetentionBook, lock: threading.Condition | None = None):
+    def __init__(self, inner: CachePolicy, book: RetentionBook, lock: threading.Condition | None = None,
+                 guard: bool = True, listen: bool = True):
         super().__init__(inner.capacity)
         self.inner, self.book, self.name = inner, book, inner.name
         self._aside: dict[OffloadKey, Filing] = {}  # held, not in `inner`: how each was filed
@@ -72,7 +72,19 @@ class RetainingPolicy(CachePolicy):
         self._seen: dict[OffloadKey, float] = {}  # sampled ordinary keys: last used
         self._soon: list[tuple[float, OffloadKey]] = []  # expected chunks not yet honored: from when
         self._soon_at: dict[OffloadKey, float] = {}  # each one's entry in `_soon` (others are stale)
-        book.subscribe(self)
+        self.guard = PolicySelector(inner.capacity, ("all", "near"), self._miniature, min_keys=64, period=4,
+                                    memory=8.0, margin=2.0) if guard else None  # "all" leads until measured
+        self.horizon_factor = type(self).horizon_factor if self.guard is None else float("inf")
+        if listen:
+            book.subscribe(self)
+
+    def _horizon(self, leader: str) -> float:
+        return type(self).horizon_factor if leader == "near" else float("inf")
+
+    def _miniature(self, name: str, capacity: int) -> CachePolicy:
+        mini = RetainingPolicy(LRUPolicy(capacity), self.book, guard=False, listen=False)  # told by its owner
+        mini.horizon_factor = self._horizon(name)
+        return mini
 
     def prepare_insert(self, keys: Sequence[OffloadKey]) -> None:
         self.inner.prepare_insert(keys)
@@ -93,6 +105,9 @@ class RetainingPolicy(CachePolicy):
             for key in keys:
                 if is_sampled(key, self.age_sample):
                     self._seen[key] = now
+            if self.guard is not None and self.guard.access(keys):
+                self.horizon_factor = self._horizon(self.guard.best)
+                self._file([*self._aside, *(key for key in self.book.hinted_keys() if key in self.inner)], now)
 
     def _forget(self, keys: Iterable[OffloadKey]) -> None:
         for key in keys:
@@ -116,7 +131,8 @@ class RetainingPolicy(CachePolicy):
         return (0, rank[1]) if rank[0] == 1 and self._near_from(key) > now else rank
 
     def _near_from(self, key: OffloadKey) -> float:
-        return self.book.order(key)[0] - self.horizon_factor * self.eviction_age
+        factor = self.horizon_factor
+        return float("-inf") if factor == float("inf") else self.book.order(key)[0] - factor * self.eviction_age
 
     def order_chain(self, keys: Sequence[OffloadKey]) -> None:
         self.inner.order_chain([key for key in keys if key in self.inner])
@@ -131,6 +147,8 @@ class RetainingPolicy(CachePolicy):
         self.inner.clear()
         self._seen.clear()
         self._soon, self._soon_at = [], {}
+        if self.guard is not None:
+            self.guard.clear()
         self._aside.clear()
         self._low, self._high, self._expiries = [], [], []
 
@@ -142,11 +160,14 @@ class RetainingPolicy(CachePolicy):
 
     def ranks_changed(self, keys: Sequence[OffloadKey]) -> None:
         """The book changed these keys' ranks: file the ones held again."""
-        if self._lock is None:
-            self._file(keys, self.book.clock())
-            return
-        with self._lock:
-            self._file(keys, self.book.clock())
+        with self._lock or contextlib.nullcontext():
+            self._changed(keys)
+
+    def _changed(self, keys: Sequence[OffloadKey]) -> None:
+        now = self.book.clock()
+        self._file(keys, now)
+        for mini in self.guard.minis.values() if self.guard is not None else ():
+            mini._file(keys, now)  # type: ignore[attr-defined]
 
     def refile(self, keys: Sequence[OffloadKey]) -> None:
         """`keys` were inserted into `inner` directly (a disk tier's start-up scan swapped it): set

@@ -155,7 +155,7 @@ class RetentionBook:
         entry = self._entries.get(key)
         return _NEVER if entry is None else entry.next_change(now)
 
-    def keys(self) -> list[OffloadKey]:
+    def hinted_keys(self) -> list[OffloadKey]:
         """Every chunk the book remembers."""
         with self._lock:
             return list(self._entries)
