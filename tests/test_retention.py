@@ -431,7 +431,7 @@ def _policy_with_age(age_s: float) -> tuple[RetainingPolicy, RetentionBook, Cloc
     ranked = RetainingPolicy(make_policy("lru", 8), book, guard=False)
     ranked.horizon_factor = 1.0  # the mechanism alone (the guard chooses it: see below)
     book.note(keys(999), Hints(session="other", retain_s=1))  # a non-empty book: ages are measured
-    sampled = [key(i) for i in range(10_000, 20_000) if is_sampled(key(i), ranked.age_sample)][:40]
+    sampled = [key(i) for i in range(10_000, 20_000) if is_sampled(key(i), ranked.age.sample)][:40]
     for k in sampled:  # each lasts `age_s` unused, then is evicted
         ranked.prepare_insert([k])
         ranked.insert([k])
@@ -439,7 +439,7 @@ def _policy_with_age(age_s: float) -> tuple[RetainingPolicy, RetentionBook, Cloc
         if len(ranked) == 8:
             ranked.evict(1, set())
     ranked.evict(len(ranked), set())
-    assert ranked.eviction_age == pytest.approx(age_s, rel=0.2)
+    assert ranked.age.seconds == pytest.approx(age_s, rel=0.2)
     return ranked, book, clock
 
 

@@ -140,10 +140,12 @@ def test_unknown_and_forgotten_chunks_get_vllms_placeholder(request_and_gpu_even
     for chunk, key in enumerate(keys[:3]):  # 3 offered, room to describe 2: the first is forgotten
         events.record(key, chunk_info(request, GroupSpec(GroupKind.FULL, BLOCK, 1), 0, chunk, BLOCK, None))
     assert [e.block_size for e in events.translate([stored(keys[1:3])])] == [BLOCK, BLOCK]
-    # the forgotten one, and one never offered (found on disk at start): the hash alone
+    # the forgotten one is still described (among the latest dropped: its removal must name all its
+    # blocks); one never offered (found on disk at start) gets the hash alone
     out = events.translate([stored([keys[0], keys[5]], "disk")])
-    assert [(e.block_hashes, e.token_ids, e.block_size, e.parent_block_hash) for e in out] == [
-        ([gpu.block_hashes[0]], [], 0, None), ([gpu.block_hashes[5]], [], 0, None)]
+    assert [(e.block_hashes, e.block_size, e.parent_block_hash) for e in out] == [
+        ([gpu.block_hashes[0]], BLOCK, None), ([gpu.block_hashes[5]], 0, None)]
+    assert len(out[0].token_ids) == BLOCK and out[1].token_ids == []
     assert len(events) == 2  # still bounded: placeholders take room too (they track where the chunk is)
 
 

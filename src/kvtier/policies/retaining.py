@@ -34,16 +34,20 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import logging
 import threading
 from collections.abc import Container, Iterable, Sequence
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
+from kvtier.policies.eviction_age import EvictionAge
 from kvtier.policies.lru import LRUPolicy
-from kvtier.policies.minisim import PolicySelector, is_sampled
+from kvtier.policies.minisim import PolicySelector
 from kvtier.policies.retention import ORDINARY, Rank, RetentionBook
 
 __all__ = ["RetainingPolicy"]
+
+logger = logging.getLogger(__name__)
 
 Filing = tuple[Rank, float, int]  # a chunk set aside: its rank, kept until, last hinted (the book's order)
 
@@ -57,7 +61,7 @@ class RetainingPolicy(CachePolicy):
     """
 
     # "near", agentic 5 % quick: 0.5 -> 0.578, 1 -> 0.595, 2 -> 0.554; ages: 1 key in 16, over ~64 victims
-    horizon_factor, age_sample, age_memory = 1.0, 16, 64.0
+    horizon_factor = 1.0
 
     def __init__(self, inner: CachePolicy, book: RetentionBook, lock: threading.Condition | None = None,
                  guard: bool = True, listen: bool = True):
@@ -68,8 +72,7 @@ class RetainingPolicy(CachePolicy):
         self._high: list[tuple] = []
         self._expiries: list[tuple[float, OffloadKey]] = []
         self._lock = lock
-        self.eviction_age = float("inf")  # how long an ordinary chunk lasts unused here (seconds)
-        self._seen: dict[OffloadKey, float] = {}  # sampled ordinary keys: last used
+        self.age = EvictionAge()  # how long an ordinary chunk lasts unused here
         self._soon: list[tuple[float, OffloadKey]] = []  # expected chunks not yet honored: from when
         self._soon_at: dict[OffloadKey, float] = {}  # each one's entry in `_soon` (others are stale)
         self.guard = PolicySelector(inner.capacity, ("all", "near"), self._miniature, min_keys=64, period=4,
@@ -97,33 +100,27 @@ class RetainingPolicy(CachePolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.inner.touch(keys)  # keys set aside: their order is the book's
-        self._measure(keys)
+        self._measure([key for key in keys if key in self])  # a tier may be told of keys it lacks
 
     def _measure(self, keys: Sequence[OffloadKey]) -> None:
-        if len(self.book):
-            now = self.book.clock()
-            for key in keys:
-                if is_sampled(key, self.age_sample):
-                    self._seen[key] = now
-            if self.guard is not None and self.guard.access(keys):
-                self.horizon_factor = self._horizon(self.guard.best)
-                self._file([*self._aside, *(key for key in self.book.hinted_keys() if key in self.inner)], now)
+        if not len(self.book):
+            return
+        now = self.book.clock()
+        self.age.used(keys, now)
+        try:
+            switched = self.guard is not None and self.guard.access(keys)
+        except Exception:  # a miniature's fault must not reach the tier: honor every hint from now on
+            logger.exception("kvtier: the next_turn_s guard failed; every next_turn_s is honored from now on")
+            self.guard, switched = None, self.horizon_factor != float("inf")
+            self.horizon_factor = float("inf")
+        if switched:
+            self.horizon_factor = self._horizon(self.guard.best) if self.guard is not None else float("inf")
+            self._file([*self._aside, *(key for key in self.book.hinted_keys() if key in self.inner)], now)
 
     def _forget(self, keys: Iterable[OffloadKey]) -> None:
+        self.age.forget(keys)
         for key in keys:
-            self._seen.pop(key, None)
             self._soon_at.pop(key, None)
-
-    def _aged(self, victims: Sequence[OffloadKey], now: float) -> None:
-        """Ordinary `victims` evicted now: how long the sampled ones had lasted unused."""
-        keep = 1.0 - 1.0 / self.age_memory
-        for key in victims:
-            self._soon_at.pop(key, None)
-            seen = self._seen.pop(key, None)
-            if seen is not None:
-                age = now - seen
-                self.eviction_age = age if self.eviction_age == float("inf") else \
-                    keep * self.eviction_age + (1.0 - keep) * age
 
     def rank_here(self, key: OffloadKey, now: float) -> Rank:
         """`key`'s rank in this tier: the book's, an expected chunk's not before its turn is near."""
@@ -132,7 +129,7 @@ class RetainingPolicy(CachePolicy):
 
     def _near_from(self, key: OffloadKey) -> float:
         factor = self.horizon_factor
-        return float("-inf") if factor == float("inf") else self.book.order(key)[0] - factor * self.eviction_age
+        return float("-inf") if factor == float("inf") else self.book.order(key)[0] - factor * self.age.seconds
 
     def order_chain(self, keys: Sequence[OffloadKey]) -> None:
         self.inner.order_chain([key for key in keys if key in self.inner])
@@ -145,7 +142,7 @@ class RetainingPolicy(CachePolicy):
 
     def clear(self) -> None:
         self.inner.clear()
-        self._seen.clear()
+        self.age.clear()
         self._soon, self._soon_at = [], {}
         if self.guard is not None:
             self.guard.clear()
@@ -167,7 +164,7 @@ class RetainingPolicy(CachePolicy):
         now = self.book.clock()
         self._file(keys, now)
         for mini in self.guard.minis.values() if self.guard is not None else ():
-            mini._file(keys, now)  # type: ignore[attr-defined]
+            mini._file([key for key in keys if key in mini], now)  # type: ignore[attr-defined]
 
     def refile(self, keys: Sequence[OffloadKey]) -> None:
         """`keys` were inserted into `inner` directly (a disk tier's start-up scan swapped it): set
@@ -181,14 +178,16 @@ class RetainingPolicy(CachePolicy):
         now = self.book.clock()
         self._expire(now)
         low = self._take(self._low, n, protected, now)
-        ordinary = self._ordinary_or_none(n - len(low), protected, now)
-        if ordinary is None:  # fewer ordinary ones than wanted: the rest from the high ones
-            spare = self._available(self._high, protected)
-            ordinary = self._ordinary_or_none(max(0, n - len(low) - spare), protected, now)
-            if ordinary is None:  # not enough at all: nothing taken from the wrapped policy
+        want = n - len(low)
+        ordinary = self._ordinary_or_none(want, protected, now)
+        while ordinary is None:  # fewer ordinary ones than wanted: the rest from the high ones
+            aside = len(self._aside)
+            ordinary = self._ordinary_or_none(max(0, want - self._available(self._high, protected)), protected, now)
+            if ordinary is not None:
+                ordinary += self._take_ordinary(want - len(ordinary), protected, now)
+            elif len(self._aside) == aside:  # not enough at all (else offered ones were set aside: again)
                 self._file(low, now, force=True)
                 return None
-            ordinary += self._take_ordinary(n - len(low) - len(ordinary), protected, now)
         high = self._take(self._high, n - len(low) - len(ordinary), protected, now)
         if len(low) + len(ordinary) + len(high) < n:  # ranks changed meanwhile: all back (ordinary as recent)
             self.inner.prepare_insert(ordinary)
@@ -197,8 +196,8 @@ class RetainingPolicy(CachePolicy):
             return None
         for key in (*low, *high):
             del self._aside[key]
-        self._aged(ordinary, now)
-        self._forget((*low, *high))
+        self.age.evicted(ordinary, now)
+        self._forget((*ordinary, *low, *high))
         return [*low, *ordinary, *high]
 
     def _ordinary_or_none(self, n: int, protected: Container[OffloadKey], now: float) -> list[OffloadKey] | None:
@@ -262,7 +261,7 @@ class RetainingPolicy(CachePolicy):
             if self._soon_at.get(key) == near:
                 del self._soon_at[key]
                 due.append(key)
-        self._file([key for key in due if key in self.inner], now)
+        self._file([key for key in due if key in self], now)
 
     def _file(self, keys: Iterable[OffloadKey], now: float, force: bool = False) -> None:
         """Put each held key where its rank says: in the wrapped policy, or aside (`force`: aside
@@ -271,8 +270,8 @@ class RetainingPolicy(CachePolicy):
         aside: list[tuple[OffloadKey, Rank]] = []
         for key in dict.fromkeys(keys):
             rank = self.rank_here(key, now)
-            if rank[0] == 0 and (near := self._near_from(key)) > now and self.book.rank(key, now)[0] == 1 \
-                    and self._soon_at.get(key) != near:
+            if rank[0] == 0 and key in self and (near := self._near_from(key)) > now \
+                    and self.book.rank(key, now)[0] == 1 and self._soon_at.get(key) != near:
                 self._soon_at[key] = near  # to be filed again then
                 heapq.heappush(self._soon, (near, key))
             if key in self._aside:

@@ -64,7 +64,11 @@ class StorePlanning:
         if not keys:
             return
         if self.store_observer is not None:
-            self.store_observer(state.req, state.req_context, keys, chunks)
+            try:  # describing chunks for events must never fail a step: without it, events go on undescribed
+                self.store_observer(state.req, state.req_context, keys, chunks)
+            except Exception:
+                logger.exception("kvtier: describing chunks for KV events failed; they are published by hash alone")
+                self.store_observer = None
         groups = [group for group, _ in chunks]
         blocks = [state.group_states[group].chunk_blocks(chunk) for group, chunk in chunks]
         if self._lazy:  # stored when the engine is about to evict them (`plan_evictions`)

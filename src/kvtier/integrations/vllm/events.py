@@ -146,8 +146,8 @@ class KVEventTranslator:
         if old is not None:
             info.tiers = old.tiers
         self._infos[key] = info
-        if len(self._infos) > self.max_entries:
-            self._infos.popitem(last=False)
+        if len(self._infos) > self.max_entries:  # forgotten, but its removal still names all its blocks
+            self._drop(next(iter(self._infos)))
 
     def translate(self, events: Iterable[OffloadingEvent]) -> list[KVCacheEvent]:
         """One vLLM event per kvtier event and group, in order; a chunk no tier holds any more is forgotten."""
@@ -161,7 +161,7 @@ class KVEventTranslator:
                     if info is not None:
                         info.leave(event.medium)
                         gone.add(key)
-                    hashes, group = self._hashes(key, info)
+                    hashes, group = self._hashes(key, info or self._dropped.get(key))
                     by_group.setdefault(group, []).extend(hashes)
                 else:
                     info = info or self._dropped.get(key) or self._placeholder(key)
