@@ -111,10 +111,9 @@ class RetainingPolicy(CachePolicy):
             switched = self.guard is not None and self.guard.access(keys)
         except Exception:  # a miniature's fault must not reach the tier: honor every hint from now on
             logger.exception("kvtier: the next_turn_s guard failed; every next_turn_s is honored from now on")
-            self.guard, switched = None, self.horizon_factor != float("inf")
-            self.horizon_factor = float("inf")
+            self.guard, switched = None, True
         if switched:
-            self.horizon_factor = self._horizon(self.guard.best) if self.guard is not None else float("inf")
+            self.horizon_factor = self._horizon(self.guard.best if self.guard is not None else "all")
             self._file([*self._aside, *(key for key in self.book.hinted_keys() if key in self.inner)], now)
 
     def _forget(self, keys: Iterable[OffloadKey]) -> None:
@@ -124,12 +123,14 @@ class RetainingPolicy(CachePolicy):
 
     def rank_here(self, key: OffloadKey, now: float) -> Rank:
         """`key`'s rank in this tier: the book's, an expected chunk's not before its turn is near."""
-        rank = self.book.rank(key, now)
-        return (0, rank[1]) if rank[0] == 1 and self._near_from(key) > now else rank
+        return self._ranked(key, now)[0]
 
-    def _near_from(self, key: OffloadKey) -> float:
-        factor = self.horizon_factor
-        return float("-inf") if factor == float("inf") else self.book.order(key)[0] - factor * self.age.seconds
+    def _ranked(self, key: OffloadKey, now: float) -> tuple[Rank, float | None]:
+        """`rank_here`, and for an expected chunk ranked ordinary for now, when its turn is near."""
+        rank = self.book.rank(key, now)
+        near = self.book.order(key)[0] - self.horizon_factor * self.age.seconds \
+            if rank[0] == 1 and self.horizon_factor != float("inf") else None
+        return ((0, rank[1]), near) if near is not None and near > now else (rank, None)
 
     def order_chain(self, keys: Sequence[OffloadKey]) -> None:
         self.inner.order_chain([key for key in keys if key in self.inner])
@@ -143,11 +144,10 @@ class RetainingPolicy(CachePolicy):
     def clear(self) -> None:
         self.inner.clear()
         self.age.clear()
-        self._soon, self._soon_at = [], {}
         if self.guard is not None:
             self.guard.clear()
         self._aside.clear()
-        self._low, self._high, self._expiries = [], [], []
+        self._low, self._high, self._expiries, self._soon, self._soon_at = [], [], [], [], {}
 
     def __len__(self) -> int:
         return len(self.inner) + len(self._aside)
@@ -212,10 +212,14 @@ class RetainingPolicy(CachePolicy):
                     self.inner.prepare_insert(victims)
                     self.inner.insert(victims)
                 return None
-            ranked = [(key, self.rank_here(key, now)) for key in offered]
-            victims.extend(key for key, rank in ranked if rank == ORDINARY)
-            self._set_aside([(key, rank) for key, rank in ranked if rank != ORDINARY], now)
+            victims.extend(self._keep_ordinary(offered, now))
         return victims
+
+    def _keep_ordinary(self, offered: Sequence[OffloadKey], now: float) -> list[OffloadKey]:
+        """The ordinary ones of the victims the wrapped policy offered; the others are set aside."""
+        ranked = [(key, self.rank_here(key, now)) for key in offered]
+        self._set_aside([(key, rank) for key, rank in ranked if rank != ORDINARY], now)
+        return [key for key, rank in ranked if rank == ORDINARY]
 
     def _available(self, heap: list, protected: Container[OffloadKey]) -> int:
         """Keys set aside in `heap` that an eviction may take."""
@@ -231,9 +235,7 @@ class RetainingPolicy(CachePolicy):
             if offered is None:
                 step //= 2
                 continue
-            ranked = [(key, self.rank_here(key, now)) for key in offered]
-            victims.extend(key for key, rank in ranked if rank == ORDINARY)
-            self._set_aside([(key, rank) for key, rank in ranked if rank != ORDINARY], now)
+            victims.extend(self._keep_ordinary(offered, now))
         return victims
 
     def _take(self, heap: list, n: int, protected: Container[OffloadKey], now: float) -> list[OffloadKey]:
@@ -269,9 +271,8 @@ class RetainingPolicy(CachePolicy):
         back: list[OffloadKey] = []
         aside: list[tuple[OffloadKey, Rank]] = []
         for key in dict.fromkeys(keys):
-            rank = self.rank_here(key, now)
-            if rank[0] == 0 and key in self and (near := self._near_from(key)) > now \
-                    and self.book.rank(key, now)[0] == 1 and self._soon_at.get(key) != near:
+            rank, near = self._ranked(key, now)
+            if near is not None and key in self and self._soon_at.get(key) != near:
                 self._soon_at[key] = near  # to be filed again then
                 heapq.heappush(self._soon, (near, key))
             if key in self._aside:
