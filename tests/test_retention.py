@@ -532,3 +532,38 @@ def test_the_guard_keeps_honoring_far_next_turns_that_come_back():
 
     _drive(ranked, book, clock, 4000, step)
     assert ranked.guard is not None and ranked.guard.best == "all" and ranked.horizon_factor == float("inf")
+
+
+# -- review regressions: the eviction age moving, keys the tier does not hold ---------------------
+
+
+def test_an_eviction_succeeds_when_a_chunks_turn_nears_in_the_middle_of_it():
+    """The eviction age grows during an eviction (its victims had lasted 3,000 s), so an expected
+    chunk the wrapped policy then offers is no longer ordinary: it is set aside and taken from the
+    high ones, not a None while every held key may go (inside the guard's miniature, that None
+    raised out of the tier's insert)."""
+    ranked, book, clock = _policy_with_age(10.0)
+    late = [key(i) for i in range(40_000, 60_000) if is_sampled(key(i), ranked.age.sample)][:3]
+    ranked.insert(late)  # 3 ordinary chunks, left unused
+    clock.now += 3000
+    ranked.insert(keys(1, 2, 3))
+    book.note(keys(2), Hints(session="b", next_turn_s=100), is_new=True)  # near in ~90 s: ordinary now
+    book.note(keys(3), Hints(session="h", retain_s=1000), is_new=True)  # retained: aside
+    assert ranked.evict(3, set(keys(1, 2, 3))) is not None  # the late ones: the age grows to ~3,000 s
+    assert ranked.rank_here(key(2), clock.now) == (1, 0)
+    victims = ranked.evict(3, set())
+    assert victims is not None and sorted(victims) == sorted(keys(1, 2, 3)) and len(ranked) == 0
+
+
+def test_keys_the_tier_does_not_hold_teach_it_nothing():
+    """A disk tier is told of every key a request used, held there or not: its ages and its
+    guard's miniatures learn only from those it holds (they grew without bound)."""
+    clock = Clock()
+    book = RetentionBook(clock)
+    disk = RetainingPolicy(make_policy("lru", 1024), book)
+    book.note(keys(1), Hints(session="s", retain_s=60))  # any hint: the book is in use
+    for i in range(20_000):
+        clock.now += 0.001
+        disk.touch([key(1_000_000 + i)])
+    assert len(disk) == 0 and len(disk.age) == 0
+    assert disk.guard is not None and all(len(mini) == 0 for mini in disk.guard.minis.values())
