@@ -26,7 +26,7 @@ from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.remote.tier import RemoteTier
 
-__all__ = ["MUTATIONS", "mutation"]
+__all__ = ["MUTATIONS", "mutation", "reaches"]
 
 
 class _OneEntryPerBlockLedger(lazy.EvictionLedger):
@@ -113,6 +113,20 @@ _PATCHES = {
     "defect4": [(RemoteTier, "_rejected_locked", _rejected_only_while_broken)],
 }
 MUTATIONS = tuple(_PATCHES)
+
+# the configurations in which each defect can show at all (a FuzzConfig -> bool): a run with a
+# mutation draws only these, so its budget is not spent where the defect has no code to run
+_REACH = {
+    "defect1": lambda config: config.store_mode == "lazy" and config.blocks_per_chunk > 1,
+    "defect2": lambda config: config.disk is not None,
+    "defect3": lambda config: config.disk is not None or config.redis is not None,
+    "defect4": lambda config: config.redis is not None,
+}
+
+
+def reaches(name: str | None, config) -> bool:
+    """Whether mutation `name` (None: none) has code to run in configuration `config`."""
+    return name is None or _REACH[name](config)
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fuzz_mutations import MUTATIONS, mutation
+from fuzz_mutations import MUTATIONS, mutation, reaches
 from fuzz_stack_build import FuzzConfig, Stack
 from fuzz_stack_checks import Violation, check_quiet, check_step
 from fuzz_stack_driver import Driver, HangError
@@ -119,8 +119,8 @@ def run_fuzz(*, seed: int, minutes: float | None = None, max_configs: int | None
              mutation_name: str | None = None, hang_s: float = 300.0, config_seed: int | None = None,
              out=print) -> list[Outcome]:
     """Run configurations drawn from `seed` until `minutes` pass or `max_configs` ran (or, with a
-    mutation, the first failure); `config_seed`: only the configuration a failure named. Returns
-    their outcomes."""
+    mutation, the first failure; only configurations where the mutated code runs are drawn then);
+    `config_seed`: only the configuration a failure named. Returns their outcomes."""
     deadline = None if minutes is None else time.monotonic() + 60 * minutes
     rng, outcomes = random.Random(seed), []
     if config_seed is not None:
@@ -128,8 +128,10 @@ def run_fuzz(*, seed: int, minutes: float | None = None, max_configs: int | None
     with RedisServer.temporary(prefix="kvtier-bench-redis-") as redis, mutation(mutation_name):
         while (deadline is None or time.monotonic() < deadline) and (max_configs is None or
                                                                      len(outcomes) < max_configs):
-            drawn = rng.randrange(1 << 31) if config_seed is None else config_seed
-            outcome = _run_guarded(FuzzConfig.draw(drawn), redis, num_actions, hang_s)
+            config = FuzzConfig.draw(rng.randrange(1 << 31) if config_seed is None else config_seed)
+            if config_seed is None and not reaches(mutation_name, config):
+                continue  # a defect put back is looked for only where its code runs
+            outcome = _run_guarded(config, redis, num_actions, hang_s)
             outcomes.append(outcome)
             out(outcome.line())
             if mutation_name is not None and outcome.kind is not None:

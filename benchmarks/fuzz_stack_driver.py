@@ -51,6 +51,9 @@ class Driver:
     _next_id: int = 0
 
     def __post_init__(self) -> None:
+        # hints and tenants come from a generator of their own, so they leave every other draw of
+        # a seed's walk as it was before they existed (the walks that meet issue 20's defects)
+        self._hint_rng = random.Random(self.stack.config.seed * 7919 + 3)
         rng = self.rng
         limit = self.max_tokens()
         self._prefixes = [[rng.randrange(1, 1000) for _ in range(limit)] for _ in range(3)]
@@ -80,13 +83,14 @@ class Driver:
             prompt = shared + [rng.randrange(1000, 2000) for _ in range(rng.randint(1, 2 * BLOCK + 1))]
         prompt = prompt[: self.max_tokens() - new_tokens]
         params = rng.choice([None] * 8 + [{"kvtier": {"store": False}}, {"kvtier": {"load": False}}])
-        if params is None and rng.random() < 0.4:  # hints: kept, ranked, dropped chunks in every tier
-            params = {"kvtier": {"session": rng.choice(["s0", "s1"]), "retain_s": rng.choice([0, 0.05, 5]),
-                                 "priority": rng.choice([-1, 0, 0, 2]), "next_turn_s": rng.choice([0, 1]),
-                                 "end_session": rng.random() < 0.2}}
+        hint_rng = self._hint_rng
+        if params is None and hint_rng.random() < 0.4:  # hints: kept, ranked, dropped chunks in every tier
+            params = {"kvtier": {"session": hint_rng.choice(["s0", "s1"]), "retain_s": hint_rng.choice([0, 0.05, 5]),
+                                 "priority": hint_rng.choice([-1, 0, 0, 2]), "next_turn_s": hint_rng.choice([0, 1]),
+                                 "end_session": hint_rng.random() < 0.2}}
         self._next_id += 1
         engine.add_request(f"r{self._next_id}", prompt, max_new_tokens=new_tokens, kv_transfer_params=params,
-                           cache_salt=rng.choice([None] * 9 + ["tenant-b"]))
+                           cache_salt=hint_rng.choice([None] * 9 + ["tenant-b"]))
         self.prompts.append(prompt)
         return None
 
