@@ -567,3 +567,32 @@ def test_keys_the_tier_does_not_hold_teach_it_nothing():
         disk.touch([key(1_000_000 + i)])
     assert len(disk) == 0 and len(disk.age) == 0
     assert disk.guard is not None and all(len(mini) == 0 for mini in disk.guard.minis.values())
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_session_hinted_at_every_turn_holds_a_bounded_number_of_entries(guard):
+    """The review's finding: each turn refiles the session's chunks, and every refiling left its
+    old heap entry behind (`_high` grew by the prompt's chunks per turn, for as long as the tier ran)."""
+    clock = Clock()
+    book = RetentionBook(clock)
+    ranked = RetainingPolicy(make_policy("lru", 64), book, guard=guard)
+    prompt = keys(*range(1, 9))
+    ranked.insert(prompt)
+    for turn in range(3000):
+        clock.now += 1.0
+        hints = Hints(session="s", retain_s=30, next_turn_s=5, priority=turn % 3) if turn % 7 else \
+            Hints(session="s", next_turn_s=2)
+        book.note(prompt, hints, is_new=False)
+        ranked.touch(prompt)
+        other = keys(1000 + turn)
+        ranked.prepare_insert(other)
+        ranked.insert(other)
+        if len(ranked) > 32:
+            assert ranked.evict(1, set()) is not None
+        assert all(ranked.rank_here(k, clock.now) != ORDINARY and k not in ranked.inner for k in prompt)
+    entries = len(ranked._low) + len(ranked._high) + ranked._expiries.entries() + ranked._soon.entries()
+    assert entries <= 4 * (2 * len(ranked) + 64), entries  # without pruning: ~8 per turn, 24,000
+    clock.now += 31  # the time-bound hints have run out; every held chunk can still be evicted, once
+    held = len(ranked)
+    evicted = ranked.evict(held, set())
+    assert set(prompt) <= set(evicted) and len(set(evicted)) == held and len(ranked) == 0

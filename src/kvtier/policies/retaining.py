@@ -40,6 +40,7 @@ from collections.abc import Container, Iterable, Sequence
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
+from kvtier.policies.due_times import DueTimes
 from kvtier.policies.eviction_age import EvictionAge
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.minisim import PolicySelector
@@ -70,11 +71,10 @@ class RetainingPolicy(CachePolicy):
         self._aside: dict[OffloadKey, Filing] = {}  # held, not in `inner`: how each was filed
         self._low: list[tuple] = []  # heaps of (order..., filing, key); an entry not its key's filing is stale
         self._high: list[tuple] = []
-        self._expiries: list[tuple[float, OffloadKey]] = []
+        self._expiries = DueTimes()  # when a chunk set aside changes rank
         self._lock = lock
         self.age = EvictionAge()  # how long an ordinary chunk lasts unused here
-        self._soon: list[tuple[float, OffloadKey]] = []  # expected chunks not yet honored: from when
-        self._soon_at: dict[OffloadKey, float] = {}  # each one's entry in `_soon` (others are stale)
+        self._soon = DueTimes()  # expected chunks not yet honored: from when
         self.guard = PolicySelector(inner.capacity, ("all", "near"), self._miniature, min_keys=64, period=4,
                                     memory=8.0, margin=2.0) if guard else None  # "all" leads until measured
         self.horizon_factor = type(self).horizon_factor if self.guard is None else float("inf")
@@ -118,8 +118,8 @@ class RetainingPolicy(CachePolicy):
 
     def _forget(self, keys: Iterable[OffloadKey]) -> None:
         self.age.forget(keys)
-        for key in keys:
-            self._soon_at.pop(key, None)
+        self._soon.forget(keys)
+        self._expiries.forget(keys)
 
     def rank_here(self, key: OffloadKey, now: float) -> Rank:
         """`key`'s rank in this tier: the book's, an expected chunk's not before its turn is near."""
@@ -147,7 +147,9 @@ class RetainingPolicy(CachePolicy):
         if self.guard is not None:
             self.guard.clear()
         self._aside.clear()
-        self._low, self._high, self._expiries, self._soon, self._soon_at = [], [], [], [], {}
+        self._low, self._high = [], []
+        self._expiries.clear()
+        self._soon.clear()
 
     def __len__(self) -> int:
         return len(self.inner) + len(self._aside)
@@ -253,17 +255,8 @@ class RetainingPolicy(CachePolicy):
         return taken
 
     def _expire(self, now: float) -> None:
-        expired = []
-        while self._expiries and self._expiries[0][0] <= now:
-            expired.append(heapq.heappop(self._expiries)[1])
-        self._file([key for key in expired if key in self._aside], now)
-        due = []
-        while self._soon and self._soon[0][0] <= now:
-            near, key = heapq.heappop(self._soon)
-            if self._soon_at.get(key) == near:
-                del self._soon_at[key]
-                due.append(key)
-        self._file([key for key in due if key in self], now)
+        self._file([key for key in self._expiries.due(now) if key in self._aside], now)
+        self._file([key for key in self._soon.due(now) if key in self], now)
 
     def _file(self, keys: Iterable[OffloadKey], now: float, force: bool = False) -> None:
         """Put each held key where its rank says: in the wrapped policy, or aside (`force`: aside
@@ -272,9 +265,8 @@ class RetainingPolicy(CachePolicy):
         aside: list[tuple[OffloadKey, Rank]] = []
         for key in dict.fromkeys(keys):
             rank, near = self._ranked(key, now)
-            if near is not None and key in self and self._soon_at.get(key) != near:
-                self._soon_at[key] = near  # to be filed again then
-                heapq.heappush(self._soon, (near, key))
+            if near is not None and key in self:
+                self._soon.set(key, near)  # to be filed again then
             if key in self._aside:
                 if rank == ORDINARY:
                     del self._aside[key]
@@ -292,9 +284,15 @@ class RetainingPolicy(CachePolicy):
         for key, rank in ranked:
             until, seq = self.book.order(key)
             filing = self._aside[key] = (rank, until, seq)
-            if rank < ORDINARY:
-                heapq.heappush(self._low, (rank, seq, filing, key))
-            else:
-                heapq.heappush(self._high, (rank, -until, -seq, filing, key))
+            self._push(*((self._low, (rank, seq, filing, key)) if rank < ORDINARY else
+                         (self._high, (rank, -until, -seq, filing, key))))
             if rank[0] >= 1:
-                heapq.heappush(self._expiries, (self.book.next_change(key, now), key))
+                self._expiries.set(key, self.book.next_change(key, now))
+
+    def _push(self, heap: list, item: tuple) -> None:
+        """Push `item`; once stale entries (a key filed again, moved back, evicted) outnumber the
+        live ones, drop them: a session's chunks hinted at every turn would leave one per turn."""
+        heapq.heappush(heap, item)
+        if len(heap) > 2 * len(self._aside) + 64:
+            heap[:] = dict.fromkeys(entry for entry in heap if self._aside.get(entry[-1]) == entry[-2])
+            heapq.heapify(heap)
