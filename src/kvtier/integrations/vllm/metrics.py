@@ -14,6 +14,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvtier.costmodel.decision import DECISIONS
+
 __all__ = ["COUNTERS", "GAUGES", "PREDICTED_HIT_RATIO_DOC", "TIER_COUNTERS", "TIER_GAUGES", "KVTierPromMetrics",
            "KVTierStats", "decision_stat_name", "read_metric", "tier_stat_name"]
 
@@ -178,6 +180,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             for name, doc in TIER_GAUGES.items()})
         self._predicted = self._gauge_cls(name=f"kvtier:tier_{_PREDICTED}", documentation=PREDICTED_HIT_RATIO_DOC,
                                           labelnames=[*labelnames, "tier", "capacity_factor"])
+        self._tiers_seen: set[tuple[int, str]] = set()
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.get("counters", {}).items():
@@ -197,6 +200,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def _observe_tier(self, name: str, value: float, engine_idx: int, is_gauge: bool) -> None:
         _, medium, what = name.split(".", 2)
         labels = [*self._engine_labels[engine_idx], medium]
+        if (engine_idx, medium) not in self._tiers_seen:
+            self._start_tier(engine_idx, medium)
         if is_gauge and what.startswith(f"{_PREDICTED}."):
             self._predicted.labels(*labels, what.removeprefix(f"{_PREDICTED}.")).set(value)
             return
@@ -210,6 +215,19 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             family.labels(*labels).set(value)
         elif value > 0:
             family.labels(*labels).inc(value)
+
+
+    def _start_tier(self, engine_idx: int, medium: str) -> None:
+        """Every counter of a tier first reported, at 0 (its gauges come with each report): a
+        series that exists only from its first event hides that event from `rate()` and
+        `increase()`, so an alert on a tier's first failures or timeouts would never fire."""
+        self._tiers_seen.add((engine_idx, medium))
+        labels = [*self._engine_labels[engine_idx], medium]
+        for name in TIER_COUNTERS:
+            for direction in _DIRECTIONS if name in _TIER_DIRECTIONAL else (None,):
+                self._tier_families[name].labels(*labels, *([direction] if direction else []))
+        for decision in DECISIONS:
+            self._decisions.labels(*self._engine_labels[engine_idx], decision, medium)
 
 
 def _unregister_kvtier_metrics() -> None:
