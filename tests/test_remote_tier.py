@@ -418,6 +418,47 @@ def test_a_store_that_skipped_a_known_key_does_not_bring_it_back(make_tier, back
     assert answer(tier, other) is HIT
 
 
+# -- a TTL runs from the last use ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["redis", "redis_cluster"], indirect=True)
+def test_a_value_used_again_lives_another_ttl_and_a_longer_one_is_never_shortened(make_tier, backend):
+    """With `redis_ttl_s`, a hot prefix must not expire every TTL while engines keep loading it:
+    a load, a store that finds the value present (another engine's), and a store of a key the tier
+    knows each give it another TTL; a TTL a hint made longer stays."""
+    server, make_store = backend
+    ns = namespace()
+    first, second, slab = make_tier(ns, store=make_store(ttl_s=30)), make_tier(ns, store=make_store(ttl_s=30)), \
+        Slab(4, ns)
+    raw = server.client()
+    loaded, found, known, long = keys(60, 61, 62, 63)
+    store(first, slab, [loaded, found, known, long])
+    names = {k: first.codec.name(k) for k in (loaded, found, known, long)}
+    for k in (loaded, found, known):
+        raw.pexpire(names[k], 2_000)  # about to expire
+    raw.pexpire(names[long], 600_000)  # kept longer by a hint
+    assert answer(second, loaded) is HIT and load(second, slab, [loaded, long]).failed_keys == frozenset()
+    store(second, slab, [found])  # present: SET NX writes nothing
+    store(first, slab, [known])  # known to the tier: no SET at all
+    assert first.stats().counters["store_existing"] == 0 and second.stats().counters["store_existing"] == 1
+    assert all(25_000 < raw.pttl(names[k]) <= 30_000 for k in (loaded, found, known)), \
+        {what: raw.pttl(names[k]) for what, k in (("loaded", loaded), ("found", found), ("known", known))}
+    assert raw.pttl(names[long]) > 590_000
+
+
+def test_without_a_ttl_a_value_never_gains_one(make_tier, backend):
+    server, make_store = backend
+    ns = namespace()
+    tier, slab = make_tier(ns, store=make_store()), Slab(2, ns)
+    k = keys(64)
+    store(tier, slab, k)
+    assert load(tier, slab, k).failed_keys == frozenset()
+    store(tier, slab, k)
+    if not hasattr(server, "bucket"):  # Redis: no TTL set; S3 objects never expire
+        assert server.client().pttl(tier.codec.name(k[0])) == -1
+    assert tier.stats().counters["errors"] == 0
+
+
 # -- deadlines -------------------------------------------------------------------------------------
 
 

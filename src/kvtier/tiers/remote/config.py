@@ -150,8 +150,8 @@ class RedisConfig:
         None, text, "A file holding the ACL user's password (else KVTIER_REDIS_PASSWORD).")
     ca_file: str | None = setting(None, text, "The CA bundle that rediss:// checks the server against.")
     ttl_s: float | None = setting(
-        None, seconds(1.0, optional=True), "A time to live on every value; without it the server's maxmemory "
-        "policy evicts.")
+        None, seconds(1.0, optional=True), "A time to live on every value, from its last use (a load, or a store "
+        "finding it present); without it the server's maxmemory policy evicts.")
     timeout_ms: int = setting(1000, integer(1), "The timeout of each Redis operation.")
     connect_timeout_ms: int = setting(500, integer(1), "The timeout of connecting to Redis.")
     required: bool = setting(

@@ -97,6 +97,7 @@ class RemoteIO:
             num_bytes = self.codec.payload_bytes * (len(job.keys) - len(failed))
             self._book.count("load", len(job.keys) - len(failed), len(failed), num_bytes, started)
             self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
+        self._renew([key for key in job.keys if key not in failed])  # used again: another TTL (after the report)
 
     def _refuse_bad_values(self, keys: Sequence[OffloadKey], sizes: Sequence[int | None],
                            parts: Sequence[tuple[memoryview, ...]], failed: set[OffloadKey]) -> list[str]:
@@ -116,7 +117,7 @@ class RemoteIO:
         return corrupt
 
     def _store(self, job: TierJob, generation: int, todo: list[tuple[OffloadKey, tuple[memoryview, ...]]],
-               bad: set[OffloadKey], started: float) -> None:
+               bad: set[OffloadKey], known: list[OffloadKey], started: float) -> None:
         if not self._may_start(job, generation, len(todo) * self.codec.payload_bytes):
             return
         failed, error, written = set(bad), None, [False] * len(todo)
@@ -143,6 +144,20 @@ class RemoteIO:
             num_bytes = len(new_keys) * self.codec.payload_bytes
             self._book.count("store", len(new_keys), len(failed), num_bytes, started)
             self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
+        if error is None:  # values stored again (here or by another replica): another TTL, and the new hints
+            self._renew([*known, *(k for (k, _), is_new in zip(todo, written, strict=True) if not is_new)])
+
+    def _renew(self, keys: Sequence[OffloadKey]) -> None:
+        """Give these values another TTL where the store's values expire (no more than one round trip,
+        never failing the job: a failure is logged once and counted, the breaker is not told)."""
+        if not keys or not self.store.expires:
+            return
+        try:
+            self.store.renew([self.codec.name(k) for k in keys], self._keep_s(keys))
+        except Exception as exc:
+            with self._cond:
+                self._counters["errors"] += 1
+            self._log.log_once("renew", f"{self.medium} tier: renewing values' TTL failed: {redact(str(exc))}")
 
     def _keep_s(self, keys: Sequence[OffloadKey]) -> list[float] | None:
         """How long each value is to be kept at least, by the requests' hints (None: no book)."""

@@ -1,8 +1,8 @@
 """`RedisStore`: the remote-store operations on one Redis / Valkey server or a Redis Cluster.
 
 redis-py owns the connections: the pool, AUTH (password or ACL user), TLS, the connect and
-read timeouts, and in cluster mode the slot map. The four hot commands (EXISTS, GET,
-SET NX, UNLINK) are framed and parsed here (`redis_wire`) on redis-py's connections instead,
+read timeouts, and in cluster mode the slot map. The hot commands (EXISTS, GET, SET NX,
+PEXPIRE, UNLINK) are framed and parsed here (`redis_wire`) on redis-py's connections instead,
 because redis-py copies a value several times on its way (benchmarks/bench_remote.py
 --clients, same server, same run; figures in benchmarks/README.md):
 
@@ -18,8 +18,8 @@ because redis-py copies a value several times on its way (benchmarks/bench_remot
 - valkey-glide's sync client (`valkey-glide-sync`, a separate package) was slower on both
   (1 MiB: put 1.5, get 2.0 GB/s) and cannot send a value as parts.
 
-Pipelining: a call's commands to one node go out in windows of at most `_WINDOW_BYTES` of
-values; every node's window is sent before any reply is read. A name goes to the primary
+Pipelining: a call's commands to one node go out in windows of at most `redis_wire.WINDOW_BYTES`
+of values; every node's window is sent before any reply is read. A name goes to the primary
 that owns its hash slot (redis-py's cached slot map); a MOVED or ASK reply (a slot being
 moved) sends that one command again through redis-py's cluster client, which follows the
 redirect and refreshes the map for the next calls.
@@ -44,20 +44,13 @@ from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError
+from kvtier.tiers.remote import redis_wire
 from kvtier.tiers.remote.redis_wire import Reply, ServerError, command, nbytes, read_replies, send_pieces, set_command
 from kvtier.tiers.remote.store import RemoteStore, ValueParts
 
 __all__ = ["RedisStore"]
 
 _SCAN_COUNT = 1000  # names per SCAN page
-# Value bytes one connection has in flight at most (at least one command). The server copies every
-# reply of a window into its output buffer before it writes the first byte, while the client's
-# thread waits: at 8 MiB a load thread spent a third of its time waiting for replies' first bytes
-# (1 MiB values, 2 threads). bench_remote --quick, RemoteTier loads / redis-benchmark GET, lowest
-# over 1, 2, 4 MiB values, runs taking turns (issue 22): 8 MiB windows 0.60 and 0.42 (1 MiB
-# values), 4 MiB 0.73, 0.86 and 0.74, 2 MiB 0.86 and 0.84 (stores 0.84 and 0.79, against
-# 0.71 and 0.67 at 8 MiB). A larger value is sent alone.
-_WINDOW_BYTES = 2 << 20
 _REDIRECTS = ("MOVED ", "ASK ")
 
 
@@ -70,7 +63,8 @@ class RedisStore(RemoteStore):
         username, password: an ACL user and its password (or only a password: `requirepass`).
         ca_file: the CA bundle that signs the server's certificate (`rediss://` only).
         connect_timeout_ms, timeout_ms: for opening a connection; for each send or receive.
-        ttl_s: every value written expires after this many seconds (None: never).
+        ttl_s: every value expires this many seconds after it was last written, read or found
+            present by a write (None: never).
         max_connections: the most calls running at once, so the most connections per node.
     """
 
@@ -167,9 +161,7 @@ class RedisStore(RemoteStore):
         """SET NX (with PX when the store has a TTL: the longer of it and the item's `keep_s`) per
         item; the parts are sent without copying."""
         names = [name for name, _ in items]
-        ttl_ms = [self._ttl_ms] * len(items)
-        if keep_s is not None and self._ttl_ms is not None:
-            ttl_ms = [max(self._ttl_ms, math.ceil(1000 * keep)) for keep in keep_s]
+        ttl_ms = self._ttls(len(items), keep_s)
         commands = [set_command(name.encode(), parts, () if ttl is None else (b"PX", b"%d" % ttl))
                     for (name, parts), ttl in zip(items, ttl_ms, strict=True)]
 
@@ -178,6 +170,23 @@ class RedisStore(RemoteStore):
 
         weights = [sum(map(nbytes, parts)) for _, parts in items]
         return [reply is not None for reply in self._run(names, commands, put_one, weights=weights)]
+
+    @property
+    def expires(self) -> bool:
+        return self._ttl_ms is not None
+
+    def renew(self, names: Sequence[str], keep_s: Sequence[float] | None = None) -> None:
+        """PEXPIRE … GT per name (Redis >= 7, Valkey): a longer TTL, or none, is left as it is."""
+        if self._ttl_ms is not None and names:
+            ttls = self._ttls(len(names), keep_s)
+            commands = [[command(b"PEXPIRE", n.encode(), b"%d" % t, b"GT")] for n, t in zip(names, ttls, strict=True)]
+            self._run(names, commands, lambda i: self._client().pexpire(names[i], ttls[i], gt=True))
+
+    def _ttls(self, n: int, keep_s: Sequence[float] | None) -> list[int | None]:
+        """The TTL in ms of n values (None: none), never shorter than each one's `keep_s`."""
+        if keep_s is None or self._ttl_ms is None:
+            return [self._ttl_ms] * n
+        return [max(self._ttl_ms, math.ceil(1000 * keep)) for keep in keep_s]
 
     def delete(self, names: Sequence[str]) -> None:
         """UNLINK each name (the server frees large values off its main thread)."""
@@ -242,7 +251,7 @@ class RedisStore(RemoteStore):
              weights: Sequence[int] | None = None) -> list[Reply]:
         """Send command i (its pieces) for names[i] to the node owning it, and read its reply.
 
-        Each node gets its commands in windows of at most `_WINDOW_BYTES` of `weights` (the
+        Each node gets its commands in windows of at most `WINDOW_BYTES` of `weights` (the
         value bytes each command moves); every node's window is sent before any reply is
         read, so the nodes work at once. A server error raises `ResponseError` (after every
         reply of the window has been read, so that the connections stay usable); a redirect
@@ -255,7 +264,7 @@ class RedisStore(RemoteStore):
             held = []
             try:
                 for pool, indices in self._pools(names).items():
-                    held.append((pool, pool.get_connection(), _windows(indices, weights)))
+                    held.append((pool, pool.get_connection(), redis_wire.windows(indices, weights)))
                 for step in range(max(len(windows) for _, _, windows in held)):
                     sent = [(conn, windows[step]) for _, conn, windows in held if step < len(windows)]
                     for conn, window in sent:
@@ -277,21 +286,6 @@ class RedisStore(RemoteStore):
                     raise ResponseError(f"{self._endpoint}: {reply}")
                 replies[i] = redirected(i)
         return replies
-
-
-def _windows(indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
-    """`indices` cut into runs of at most `_WINDOW_BYTES` of weight (at least one index each)."""
-    if weights is None:
-        return [indices]
-    windows: list[list[int]] = [[]]
-    load = 0
-    for i in indices:
-        if windows[-1] and load + weights[i] > _WINDOW_BYTES:
-            windows.append([])
-            load = 0
-        windows[-1].append(i)
-        load += weights[i]
-    return windows
 
 
 def _glob_escape(text: str) -> str:

@@ -35,8 +35,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.tiers.remote.store import ValueParts
 
-__all__ = ["Reply", "ServerError", "command", "nbytes", "read_replies", "send_pieces", "set_command"]
+__all__ = ["WINDOW_BYTES", "Reply", "ServerError", "command", "nbytes", "read_replies", "send_pieces", "set_command",
+           "windows"]
 
+# Value bytes one connection has in flight at most (at least one command). The server copies every
+# reply of a window into its output buffer before it writes the first byte, while the client's
+# thread waits: at 8 MiB a load thread spent a third of its time waiting for replies' first bytes
+# (1 MiB values, 2 threads). bench_remote --quick, RemoteTier loads / redis-benchmark GET, lowest
+# over 1, 2, 4 MiB values, runs taking turns (issue 22): 8 MiB windows 0.60 and 0.42 (1 MiB
+# values), 4 MiB 0.73, 0.86 and 0.74, 2 MiB 0.86 and 0.84 (stores 0.84 and 0.79, against
+# 0.71 and 0.67 at 8 MiB). A larger value is sent alone.
+WINDOW_BYTES = 2 << 20
 _SMALL = 1 << 16  # pieces shorter than this are joined before sending: one send for many headers
 _RECV_BYTES = 1 << 16  # what one receive asks for while looking for the end of a reply's first line
 _MAX_LINE = 1 << 16  # longest reply line accepted (the server's error messages are far shorter)
@@ -211,3 +220,18 @@ class _Replies:
         while len(self._buf) - self._pos < 2:
             self._receive()
         self._pos += 2
+
+
+def windows(indices: list[int], weights: Sequence[int] | None) -> list[list[int]]:
+    """`indices` cut into runs of at most `WINDOW_BYTES` of weight (at least one index each)."""
+    if weights is None:
+        return [indices]
+    windows: list[list[int]] = [[]]
+    load = 0
+    for i in indices:
+        if windows[-1] and load + weights[i] > WINDOW_BYTES:
+            windows.append([])
+            load = 0
+        windows[-1].append(i)
+        load += weights[i]
+    return windows

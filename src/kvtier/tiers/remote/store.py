@@ -9,7 +9,8 @@ from its own threads. The primitives:
 2. `get(names)`: the whole value of each name (None when absent), batched; `get_into(names,
    buffers)` the same, received into the caller's buffers (the tier's load path).
 3. `put(items)`: write each value (its parts back to back) unless the name already exists.
-4. `delete(names)`, `list_names(prefix)` (for reset), `ping()`, `close()`.
+4. `delete(names)`, `list_names(prefix)` (for reset), `ping()`, `close()`; `renew(names)` where
+   values expire (a value read or found again lives another TTL from then).
 
 A store raises on any failure (connection refused, timeout, an authentication error, a
 server error); `is_timeout(exc)` says which of them were timeouts, for the tier's counters.
@@ -79,6 +80,15 @@ class RemoteStore(ABC):
         copies as its client allows. A store with a TTL sets it on every value it writes, and
         never shorter than the value's `keep_s` (seconds a request asked it be kept, or 0).
         """
+
+    @property
+    def expires(self) -> bool:
+        """Whether values expire (a TTL): then `renew` gives a value used again another TTL."""
+        return False
+
+    def renew(self, names: Sequence[str], keep_s: Sequence[float] | None = None) -> None:  # noqa: B027
+        """Restart each present name's TTL from now, never shorter than its `keep_s` and never
+        shortening a longer one; absent names are ignored. A store without a TTL does nothing."""
 
     @abstractmethod
     def delete(self, names: Sequence[str]) -> None:

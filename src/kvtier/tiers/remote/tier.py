@@ -162,8 +162,9 @@ class RemoteTier(RemoteIO, SecondaryTier):
             self._counters["bad_jobs"] += len(bad)
             todo = [(k, bufs) for k, bufs in zip(job.keys, job.buffers, strict=True)
                     if k not in self._keys and k not in bad]
+            known = [k for k in job.keys if k in self._keys and k not in bad] if self.store.expires else []
             self._queued_store_bytes += len(todo) * self.codec.payload_bytes
-        self._workers.write(self._job, self._store, job, generation, todo, bad, time.perf_counter())
+        self._workers.write(self._job, self._store, job, generation, todo, bad, known, time.perf_counter())
 
     # -- what the manager reads -------------------------------------------------------------------
 
