@@ -353,3 +353,23 @@ def test_requests_are_forgotten_and_manager_is_told_once():
         engine.step()
     assert finished == ["A"] and engine.scheduler.request_state("A") is None
     assert not engine.scheduler.has_jobs_in_flight()
+
+
+def test_an_event_observer_that_raises_never_fails_a_step_and_chunks_are_still_stored(caplog):
+    """The store observer describes chunks for KV events (vLLM's publisher); if describing fails, the
+    step goes on, the chunks are stored and reused, and the observer is dropped (events by hash alone)."""
+    engine = make_engine()
+    calls = []
+
+    def observer(req, ctx, keys, chunks):
+        calls.append(len(keys))
+        raise RuntimeError("describing failed")
+
+    engine.scheduler.store_observer = observer
+    with caplog.at_level(logging.ERROR, logger="kvtier"):
+        serve(engine, "A", P20)
+        engine.reset_prefix_cache()
+        b = serve(engine, "B", P20 + [7, 7, 7])
+    assert calls == [calls[0]] and engine.scheduler.store_observer is None  # called once, then dropped
+    assert b.num_external_tokens > 0  # A's chunks were stored and loaded
+    assert "describing chunks for KV events failed" in caplog.text
