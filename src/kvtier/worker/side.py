@@ -170,6 +170,8 @@ class WorkerSide:
         """Bytes and seconds per direction, cancelled jobs, and tasks of other jobs failed with
         them (`cancel_cut_tasks`: batched with a cancelled job's copy, which was cut short), since
         the last call."""
+        if not self._stats:
+            return {}
         stats, self._stats = dict(self._stats), Counter()
         return stats
 
@@ -206,6 +208,8 @@ class WorkerSide:
             left = [job for job in left if job.deadline > first]
 
     def _cancel_expired(self) -> None:
+        if not self._running:  # the usual step: nothing in flight, nothing to check (called 3x a step)
+            return
         now = self._clock()
         due = [job for job in self._running.values() if job.deadline <= now]
         if due:
@@ -224,7 +228,7 @@ class WorkerSide:
                 self._stats["cancel_cut_tasks"] += self.transfer.num_cut_tasks - num_cut
 
     def _collect(self) -> None:
-        if self.transfer is None:
+        if self.transfer is None or not self._running:  # a result of no running job would be dropped anyway
             return
         for result in self.transfer.get_finished():
             job = self._running.get(result.job_id)

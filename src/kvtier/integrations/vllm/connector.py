@@ -173,8 +173,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return self._scheduler.get_stats()
         if self._worker is None:
             return None
+        taken = self._worker.take_stats()
+        if not taken:  # most steps: nothing moved, no report built
+            return None
         stats = KVTierStats()
-        for name, value in self._worker.take_stats().items():
+        for name, value in taken.items():
             stats.add(name, value)
         return None if stats.is_empty() else stats
 
