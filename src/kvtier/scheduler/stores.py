@@ -60,6 +60,8 @@ class StorePlanning:
             num_tokens = min(num_tokens, state.req.num_prompt_tokens)
         end = min(num_tokens // self.config.tokens_per_chunk, state.num_hashed_chunks(),
                   *(gs.num_allocated_chunks() for gs in state.group_states))
+        if all(gs.next_store_chunk >= end for gs in state.group_states):
+            return  # most decode steps: no chunk completed since the last store (no candidates either)
         keys, chunks = self._jobs.store_candidates(state, end, window_from)
         if not keys:
             return
