@@ -284,8 +284,10 @@ class RetainingPolicy(CachePolicy):
         for key, rank in ranked:
             until, seq = self.book.order(key)
             filing = self._aside[key] = (rank, until, seq)
-            self._push(*((self._low, (rank, seq, filing, key)) if rank < ORDINARY else
-                         (self._high, (rank, -until, -seq, filing, key))))
+            if rank < ORDINARY:
+                self._push(self._low, (rank, seq, filing, key))
+            else:
+                self._push(self._high, (rank, -until, -seq, filing, key))
             if rank[0] >= 1:
                 self._expiries.set(key, self.book.next_change(key, now))
 

@@ -216,7 +216,6 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         elif value > 0:
             family.labels(*labels).inc(value)
 
-
     def _start_tier(self, engine_idx: int, medium: str) -> None:
         """Every counter of a tier first reported, at 0 (its gauges come with each report): a
         series that exists only from its first event hides that event from `rate()` and

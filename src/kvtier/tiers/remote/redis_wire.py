@@ -226,12 +226,12 @@ def windows(indices: list[int], weights: Sequence[int] | None) -> list[list[int]
     """`indices` cut into runs of at most `WINDOW_BYTES` of weight (at least one index each)."""
     if weights is None:
         return [indices]
-    windows: list[list[int]] = [[]]
+    runs: list[list[int]] = [[]]
     load = 0
     for i in indices:
-        if windows[-1] and load + weights[i] > WINDOW_BYTES:
-            windows.append([])
+        if runs[-1] and load + weights[i] > WINDOW_BYTES:
+            runs.append([])
             load = 0
-        windows[-1].append(i)
+        runs[-1].append(i)
         load += weights[i]
-    return windows
+    return runs
