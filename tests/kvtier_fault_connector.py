@@ -25,10 +25,10 @@ from kvtier.worker import TransferEngine
 
 
 class _LoadFailingTransferEngine(TransferEngine):
-    def submit(self, job: TransferJob) -> None:
+    def submit(self, job: TransferJob, slices=None) -> None:
         flag = os.environ.get("KVTIER_TEST_FAIL_LOADS")
         if not (job.is_load and flag and Path(flag).exists()):
-            return super().submit(job)
+            return super().submit(job, slices)
         seen = Path(flag).with_suffix(".seen")
         seen.write_text(str(int(seen.read_text() or 0) + 1) if seen.exists() else "1")
         return self._report(job.failed("injected load failure"))
@@ -42,12 +42,12 @@ SLOW_LOAD_S = 1.0
 
 
 class _LoadDelayingTransferEngine(TransferEngine):
-    def submit(self, job: TransferJob) -> None:
+    def submit(self, job: TransferJob, slices=None) -> None:
         flag = os.environ.get("KVTIER_TEST_SLOW_LOADS")
         if not (job.is_load and flag and Path(flag).exists()):
-            return super().submit(job)
+            return super().submit(job, slices)
         Path(flag).with_suffix(".seen").write_text(str(job.req_id))
-        threading.Timer(SLOW_LOAD_S, super().submit, [job]).start()
+        threading.Timer(SLOW_LOAD_S, super().submit, [job, slices]).start()
         return None
 
 
@@ -82,10 +82,10 @@ class _StoreStickingTransferEngine(TransferEngine):
         super().__init__(*args, **kwargs)
         self._stuck: dict[int, TransferJob] = {}
 
-    def submit(self, job: TransferJob) -> None:
+    def submit(self, job: TransferJob, slices=None) -> None:
         flag = _flag("KVTIER_TEST_STUCK_STORES")
         if not (job.is_store and job.parts and flag):
-            return super().submit(job)
+            return super().submit(job, slices)
         _count_seen(flag)
         with self._cond:  # in flight for `wait` (a flush waits for it in vain), but no copy ever starts
             self._stuck[job.job_id] = job

@@ -171,6 +171,9 @@ def test_failed_load_reports_exactly_the_loaded_blocks():
     bad_part = dataclasses.replace(part, slot_ids=part.slot_ids + np.array([0, 10**6, 0, 0]))
     bad = dataclasses.replace(job, parts=(bad_part,))
     engine.worker.start_load_kv(StepPlan(load_jobs=[bad]))
+    for layer in engine.kv.tensors:  # the forward pass (the loads are copied layer by layer by now)
+        engine.worker.wait_for_layer_load(layer)
+    engine.worker.finish_layered_loads()
     assert engine.worker.take_load_errors() == {32}
     sched.update_connector_output(engine.worker.take_results())
     assert sched.stats.failed_load_chunks == 1 and not sched.has_jobs_in_flight()

@@ -225,8 +225,9 @@ class FakeEngine(FakeModel):
         _check_plan(plan)
         self.worker.handle_preemptions(plan)
         self.worker.start_load_kv(plan)
-        # vLLM reads load errors after the forward pass and drops those requests' outputs;
-        # skipping their forward here is the same, without computing on invalid blocks.
+        for layer in self.kv.tensors:  # as vLLM's forward pass asks before each attention
+            self.worker.wait_for_layer_load(layer)
+        self.worker.finish_layered_loads()  # vLLM: in wait_for_save; it drops outputs on load errors (here: no forward)
         invalid, self._late_invalid = self.worker.take_load_errors() | self._late_invalid, set()
         done = [req for req, n, _ in scheduled if not self._rewind_if_invalid(req, invalid) and self._forward(req, n)]
         self.worker.wait_for_save(plan)
@@ -286,8 +287,7 @@ def make_slab(kv: KVCache, blocks_per_chunk: int, num_slots: int) -> HostSlab:
     """The engine's host slab, made by its scheduler part before its worker maps it by name.
 
     A test that gives the scheduler a `TieredManager` makes it first (over a `KVCache` of the
-    engine's shape) and passes it as `FakeEngine(slab=...)`: the manager needs its rows.
-    """
+    engine's shape) and passes it as `FakeEngine(slab=...)`: the manager needs its rows."""
     slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, blocks_per_chunk, kv.layer_groups))
     name = slab_name(f"sim{os.getpid()}-{time.time_ns()}", 0, 0)
     return HostSlab(name, num_slots, slot_bytes, owner=True, populate=False)  # the worker populates its mapping

@@ -20,7 +20,7 @@ Faults (`Faults`, mutable while a simulation runs):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ class Faults:
 class _Held:
     job: TransferJob
     due_step: float  # math.inf: stuck
+    slices: Sequence[frozenset[str]] | None = None  # a load copied layer by layer
 
 
 class SimTransferEngine(TransferEngine):
@@ -62,26 +63,31 @@ class SimTransferEngine(TransferEngine):
     def held_store_ids(self) -> set[int]:
         return set(self._held)
 
-    def submit(self, job: TransferJob) -> None:
+    def submit(self, job: TransferJob, slices: Sequence[frozenset[str]] | None = None) -> None:
         if job.is_load:
             self.loads.append(job)
             if self.faults.fail_load(job):
                 self._report(job.failed("injected load failure"))
                 return
             if self.faults.load_delay_steps:
-                self._held[job.job_id] = _Held(job, self.step + self.faults.load_delay_steps)
+                self._held[job.job_id] = _Held(job, self.step + self.faults.load_delay_steps, slices)
                 return
         if job.is_store:
             due = math.inf if self.faults.stuck_stores else self.step + self.faults.store_delay_steps
             self._held[job.job_id] = _Held(job, due)
             return
-        super().submit(job)
+        super().submit(job, slices)
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
         wanted = set(job_ids)
         stuck = {i for i in wanted & self._held.keys() if self._held[i].due_step == math.inf}
         self._release(wanted & self._held.keys() - stuck)
         return super().wait(wanted - stuck, timeout) and not stuck
+
+    def wait_layer(self, job_ids: Iterable[int], layer: str, timeout: float | None = None) -> bool:
+        wanted = set(job_ids)  # a load held back starts when a layer of it is awaited (never stuck)
+        self._release(wanted & self._held.keys())
+        return super().wait_layer(wanted, layer, timeout)
 
     def cancel(self, job_ids: Iterable[int], timeout: float = 5.0) -> bool:
         wanted = set(job_ids)
@@ -98,4 +104,5 @@ class SimTransferEngine(TransferEngine):
 
     def _release(self, job_ids: set[int]) -> None:
         for job_id in sorted(job_ids):
-            super().submit(self._held.pop(job_id).job)
+            held = self._held.pop(job_id)
+            super().submit(held.job, held.slices)

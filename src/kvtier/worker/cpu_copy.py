@@ -191,12 +191,13 @@ class CpuBackend:
     def _addresses(self, batch: list[CopyTask]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(dst, src, nbytes) of every run of the batch, planned once per direction and group."""
         parts = []
-        for is_store, group in {(task.is_store, task.group) for task in batch}:
-            tasks = [task for task in batch if task.is_store == is_store and task.group == group]
+        for is_store, group, layers in {(task.is_store, task.group, task.layers) for task in batch}:
+            tasks = [task for task in batch if (task.is_store, task.group, task.layers) == (is_store, group, layers)]
             block_ids = np.concatenate([task.block_ids for task in tasks])
             slot_ids = np.concatenate([task.slot_ids for task in tasks])
             first_pages = np.concatenate([task.first_pages() for task in tasks])
-            runs = plan_copies(block_ids, slot_ids, self._layouts[group], self._slot_bytes, first_pages)
+            runs = plan_copies(block_ids, slot_ids, self._layouts[group], self._slot_bytes, first_pages,
+                               tasks[0].planes)
             engine = self._plane_ptrs[group][runs.plane] + runs.engine_offset
             slab = self._slab_ptr + runs.slab_offset
             parts.append((slab, engine, runs.nbytes) if is_store else (engine, slab, runs.nbytes))

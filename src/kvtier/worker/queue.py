@@ -4,7 +4,9 @@ Loads are urgent (the engine waits for them before its forward pass) and stores 
 not, so a load may run before stores submitted earlier, unless it conflicts with one
 of them: no task starts before an earlier-submitted task that touches the same slot or
 engine block where one of the two writes it (a store reads blocks and writes slots, a
-load reads slots and writes blocks). Within a direction, tasks run first-in first-out.
+load reads slots and writes blocks). Within a direction, tasks run first-in first-out. A
+slice of a part (some of its layers: `kvtier.worker.layered`) is a batch of its own, so that
+it is reported as soon as it is copied.
 
 Why the head store can always run when the head load cannot: the load is blocked by
 an earlier store, so the head store is older than every queued load, and only an older
@@ -52,7 +54,7 @@ class TaskQueue:
     def pop_batch(self, max_tasks: int, max_bytes: int, running: Sequence[CopyTask] = ()) -> list[CopyTask]:
         """Remove tasks that may run together, and beside `running` (tasks popped earlier and not
         finished yet): `pop_next` order, stopping before a task that conflicts with one taken or
-        running, or when the batch reaches `max_tasks` or `max_bytes`.
+        running, or when the batch reaches `max_tasks` or `max_bytes`; a slice of layers alone.
 
         Returns:
             The batch; at least one task if any is queued and nothing is running.
@@ -62,6 +64,8 @@ class TaskQueue:
         while len(batch) < max_tasks and num_bytes < max_bytes:
             side = self._next_side()
             if not side or any(side[0].conflicts_with(other) for other in itertools.chain(batch, running)):
+                break
+            if batch and (side[0].layers is not None or batch[-1].layers is not None):
                 break
             batch.append(side.popleft())
             num_bytes += batch[-1].num_bytes

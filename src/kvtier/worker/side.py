@@ -9,8 +9,12 @@ policy decision. Per engine step:
    old owner's KV before the new owner's forward pass overwrites it.
 2. `start_load_kv(plan)`: the loads run and end before the forward pass reads their blocks;
    the asynchronous loads start and run in the background (their requests are parked).
-3. (the engine's forward pass)
+3. (the engine's forward pass; before each layer's attention, `wait_for_layer_load(layer)`)
 4. `wait_for_save(plan)`: the plan's other stores start; they run in the background.
+
+Once a forward pass was seen asking for every layer, step 2's loads are copied layer by layer
+(`kvtier.worker.layered`): each `wait_for_layer_load` waits for its own layer only, and
+`wait_for_save` (`finish_layered_loads`) ends them.
 5. `take_finished_loads()`: requests whose asynchronous load ended (and those of them that
    failed); `take_results()`, `take_load_errors()`, `take_stats()`: what goes back to the
    scheduler.
@@ -34,6 +38,7 @@ Thread-safety: one engine thread calls it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -44,13 +49,13 @@ from kvtier.errors import ConfigError
 from kvtier.jobs import JobResult, StepPlan, TransferJob
 from kvtier.slab import HostSlab
 from kvtier.worker.affinity import copy_threads_off_compute_cores
+from kvtier.worker.layered import ForwardOrder
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 from kvtier.worker.transfer import TransferEngine
 
 __all__ = ["WorkerSide"]
 
 logger = logging.getLogger(__name__)
-
 
 IDLE_STEP_WAIT_S = 0.05  # how long a step with nothing to compute waits for its asynchronous loads
 
@@ -89,6 +94,9 @@ class WorkerSide:
         self._finished_loads: set[str] = set()  # requests whose asynchronous load ended
         self._failed_loads: set[str] = set()  # ... and failed (reported whole)
         self._stats: Counter[str] = Counter()
+        self._order: ForwardOrder | None = None  # the forward pass's layers (CPU copies only)
+        self._layered: list[TransferJob] = []  # this step's loads, copied layer by layer
+        self._unasked: set[int] = set()  # ... whose pass did not ask for every layer: they fail
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         """Map this rank's slab (creating it if the scheduler side has not yet) and start copying.
@@ -108,6 +116,7 @@ class WorkerSide:
         except BaseException:
             self._close_slab()
             raise
+        self._order = ForwardOrder(list(kv_caches)) if self.transfer.can_slice else None
         where = f"shared memory {self.slab.path}" if self.slab is not None else "private memory"
         logger.info("kvtier: host slab of %d slots x %d bytes in %s; copy threads on %s", self.num_slots,
                     self.transfer.slot_bytes, where, sorted(cores) if cores else "the engine's cores")
@@ -129,13 +138,42 @@ class WorkerSide:
         for job in plan.async_load_jobs:
             self._async_load_ids.add(job.job_id)
             self._submit(job)
+        slices = self._order.slices if self._order is not None else None
         for job in plan.load_jobs:
-            self._submit(job)
-        self._await([self._running[job.job_id] for job in plan.load_jobs if job.job_id in self._running])
+            self._submit(job, slices)
+        loads = [self._running[job.job_id] for job in plan.load_jobs if job.job_id in self._running]
+        if slices and loads:  # each layer awaited by `wait_for_layer_load`, all by `finish_layered_loads`
+            self._layered = loads
+            return
+        self._await(loads)
         if plan.engine_idle and plan.async_load_jobs and self.transfer is not None:
             # nothing else runs in this step: reporting the loads now saves the engine empty
             # round trips (each ~1-3 ms on vLLM); a load that is slower is reported later
             self.transfer.wait([job.job_id for job in plan.async_load_jobs], timeout=IDLE_STEP_WAIT_S)
+        self._collect()
+
+    def wait_for_layer_load(self, layer: str) -> None:
+        """Before `layer`'s attention: wait (until their deadline) for this step's loads of it."""
+        if self._order is None:
+            return
+        self._order.saw(layer)
+        if self._layered and (transfer := self.transfer) is not None:
+            self._await(self._layered, lambda ids, timeout: transfer.wait_layer(ids, layer, timeout))
+
+    def finish_layered_loads(self) -> None:
+        """After the forward pass: end this step's layered loads; if the pass did not ask for
+        every layer, fail them whole (a layer may have been read before its copy) and load whole
+        from now on. Their results are collected here, never before."""
+        if self._order is None:
+            return
+        asked_all = self._order.step_ended()
+        if not self._layered:
+            return
+        self._await(self._layered)
+        if not asked_all:
+            self._unasked |= {job.job_id for job in self._layered}
+            self._order.turn_off("a forward pass with layer-by-layer loads did not ask for every layer")
+        self._layered = []
         self._collect()
 
     def take_finished_loads(self) -> tuple[set[str], set[str]]:
@@ -148,7 +186,8 @@ class WorkerSide:
         return finished, failed
 
     def wait_for_save(self, plan: StepPlan) -> None:
-        """After the forward pass: start the plan's stores (in the background)."""
+        """After the forward pass: end its layered loads, start the plan's stores (in the background)."""
+        self.finish_layered_loads()
         for job in plan.store_jobs:
             if job.job_id not in self._started_early:
                 self._submit(job)
@@ -187,20 +226,23 @@ class WorkerSide:
         if self.slab is not None:
             self.slab.close()  # the transfer engine's view keeps the mapping until it is gone
 
-    def _submit(self, job: TransferJob) -> None:
+    def _submit(self, job: TransferJob, slices: list[frozenset[str]] | None = None) -> None:
         self._running[job.job_id] = job
         if self.transfer is None:  # no KV caches registered: nothing can move, the job fails
             self._end(job, job.failed("no KV caches registered"))
-            return
-        self.transfer.submit(job)
+        elif slices:
+            self.transfer.submit(job, slices)
+        else:
+            self.transfer.submit(job)
 
-    def _await(self, jobs: Iterable[TransferJob]) -> None:
-        """Wait for `jobs`, each until its deadline; cancel those still running at it."""
+    def _await(self, jobs: Iterable[TransferJob], wait: Callable[[list[int], float], bool] | None = None) -> None:
+        """Wait for `jobs` (`wait(ids, timeout)`: all of them, by default), each until its deadline;
+        cancel those still running at it."""
         left = list(jobs)
         while left and self.transfer is not None:
             now = self._clock()
             first = min(job.deadline for job in left)
-            if self.transfer.wait([job.job_id for job in left], timeout=max(0.0, first - now)):
+            if (wait or self.transfer.wait)([job.job_id for job in left], max(0.0, first - now)):
                 return
             # the wait ran to `first`: every job due by then is abandoned
             due = [job for job in left if job.deadline <= first]
@@ -237,6 +279,10 @@ class WorkerSide:
 
     def _end(self, job: TransferJob, result: JobResult) -> None:
         del self._running[job.job_id]
+        if job.job_id in self._unasked:  # copied, but maybe after the forward pass read it
+            self._unasked.discard(job.job_id)
+            result = dataclasses.replace(result, failed_chunks=tuple(range(job.num_chunks)), num_bytes=0,
+                                         error="loaded by layer, but the forward pass did not ask for every layer")
         direction = "load" if job.is_load else "store"
         self._stats[f"{direction}_bytes"] += result.num_bytes
         self._stats[f"{direction}_seconds"] += result.seconds

@@ -49,6 +49,9 @@ class CopyTask:
     block_set / slot_set: what it touches, for the ordering rule (see `TaskQueue`).
     skip_blocks: a load leaves the first `skip_blocks` blocks of its first chunk alone
         (the engine's own prefix cache already holds them, shared and read-only).
+    layers / planes / memory: a slice of the part (`kvtier.worker.layered`): only these layers,
+        the planes of its group with those numbers, in the engine storages at these addresses
+        (layers of two groups may share one); None: every layer.
     """
 
     job_id: int
@@ -65,6 +68,9 @@ class CopyTask:
     num_bytes: int  # bytes its good chunks move
     seq: int = 0
     skip_blocks: int = 0
+    layers: frozenset[str] | None = None
+    planes: np.ndarray | None = None
+    memory: frozenset[int] | None = None
 
     def first_pages(self) -> np.ndarray:
         """Per chunk, the first page to copy (0 except for a load's partial first chunk)."""
@@ -77,8 +83,10 @@ class CopyTask:
         """True when one of the two writes a slot or block the other touches.
 
         A store reads blocks and writes slots, a load the reverse; two stores conflict only on
-        slots, two loads only on blocks.
+        slots, two loads only on blocks; slices in disjoint engine storages never.
         """
+        if self.memory is not None and other.memory is not None and self.memory.isdisjoint(other.memory):
+            return False
         if self.is_store == other.is_store:
             written, others = (self.slot_set, other.slot_set) if self.is_store else (self.block_set, other.block_set)
             return not written.isdisjoint(others)
@@ -241,24 +249,26 @@ def plan_copies(
     layout: GroupLayout,
     slot_bytes: int,
     first_pages: np.ndarray | None = None,
+    planes: np.ndarray | None = None,
 ) -> CopyRuns:
-    """Byte runs for chunks `block_ids[i]` <-> `slot_ids[i]`: one per plane per run of
-    consecutive block ids in a chunk, from page `first_pages[i]` of the chunk on.
+    """Byte runs for chunks `block_ids[i]` <-> `slot_ids[i]`: one per plane (of `planes`, plane
+    numbers; None: all) per run of consecutive block ids in a chunk, from page `first_pages[i]` on.
 
     A dense plane copies a whole run at once; a strided plane (rows spaced wider than they
     are long) copies page by page. Computed for all planes at once (arrays plane x run):
     a Python loop over planes cost ~90 us per job, as much as copying 1 MiB here.
     """
     runs = _runs(block_ids, first_pages)
+    chosen = np.arange(len(layout.planes)) if planes is None else planes
     if layout.is_dense:
-        return _plan(block_ids, slot_ids, layout, np.arange(len(layout.planes)), *runs, slot_bytes)
+        return _plan(block_ids, slot_ids, layout, chosen, *runs, slot_bytes)
     pages = np.arange(block_ids.size)
     if first_pages is not None:
         pages = pages[(pages % block_ids.shape[1]) >= np.repeat(first_pages, block_ids.shape[1])]
-    dense = np.array([p.is_dense for p in layout.planes])
+    dense = np.array([p.is_dense for p in layout.planes])[chosen]
     parts = [
-        _plan(block_ids, slot_ids, layout, np.flatnonzero(dense), *runs, slot_bytes),
-        _plan(block_ids, slot_ids, layout, np.flatnonzero(~dense), pages, np.ones_like(pages), slot_bytes),
+        _plan(block_ids, slot_ids, layout, chosen[dense], *runs, slot_bytes),
+        _plan(block_ids, slot_ids, layout, chosen[~dense], pages, np.ones_like(pages), slot_bytes),
     ]
     columns = zip(*((r.plane, r.engine_offset, r.slab_offset, r.nbytes) for r in parts), strict=True)
     return CopyRuns(*(np.concatenate(column) for column in columns))

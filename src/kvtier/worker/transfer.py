@@ -6,7 +6,8 @@ The worker side of kvtier. It makes no policy decision: it runs `kvtier.jobs.Tra
 
 1. `submit(job)`: start a job (one part per KV-cache group), asynchronously.
 2. `get_finished()`: the results since the last call, each job exactly once.
-3. `wait(job_ids, timeout)`: block until those jobs finished (e.g. loads before a forward).
+3. `wait(job_ids, timeout)`: block until those jobs finished (e.g. loads before a forward);
+   `wait_layer(job_ids, layer, timeout)`: until their copies of one layer did.
 4. `cancel(job_ids)`: jobs past their deadline fail whole; it returns once none of them copies.
 5. `shutdown()`.
 
@@ -25,7 +26,8 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -34,8 +36,9 @@ from kvtier.jobs import JobResult, TransferJob
 from kvtier.slab import HostSlab
 from kvtier.worker.cpu_copy import CpuBackend
 from kvtier.worker.cuda import CudaBackend, cuda_usable
+from kvtier.worker.layered import slice_task
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
-from kvtier.worker.results import CANCELLED, EndedPart, OpenJob
+from kvtier.worker.results import ALL_LAYERS, CANCELLED, EndedPart, OpenJob
 from kvtier.worker.tasks import CopyTask, TaskOutcome, make_task
 
 __all__ = ["TransferEngine"]
@@ -122,11 +125,17 @@ class TransferEngine:
             return CudaBackend(self._layouts, self.slab, self._on_done, device)
         raise ConfigError(f"KV caches on {device} are not supported; kvtier moves KV on cpu or cuda devices")
 
-    def submit(self, job: TransferJob) -> None:
+    @property
+    def can_slice(self) -> bool:
+        """Whether `submit` copies a job slice by slice of layers (CPU copies only)."""
+        return isinstance(self._backend, CpuBackend)
+
+    def submit(self, job: TransferJob, slices: Sequence[frozenset[str]] | None = None) -> None:
         """Start `job` asynchronously; its result comes back once, from `get_finished`.
 
         Bad parts or chunks fail alone (see `kvtier.worker.tasks`); a job id that is still
         in flight, a direction other than engine <-> slab or a closed engine fail the job.
+        `slices` (where `can_slice`): copied slice after slice of layers, each seen by `wait_layer`.
         Raises:
             ConfigError: `job.job_id` is not an integer (a caller bug: there is no id to report).
         """
@@ -135,24 +144,37 @@ class TransferEngine:
         except TypeError:
             raise ConfigError(f"job_id must be an int, got {type(job.job_id).__name__}") from None
         refusal = None if job.is_load or job.is_store else f"cannot move {job.src.value} -> {job.dst.value}"
+        items: list[CopyTask | tuple[EndedPart, TaskOutcome]] = []
+        if refusal is None:
+            for index, part in enumerate(job.parts):
+                task = make_task(job_id, index, job.is_store, part, self._layouts, self.blocks_per_chunk,
+                                 self.num_slots)
+                if isinstance(task, TaskOutcome):
+                    items.append((EndedPart(job_id, index), task))
+                elif slices and self.can_slice:
+                    items += slice_task(task, slices, self._layouts[task.group], self.blocks_per_chunk)
+                else:
+                    items.append(task)
         with self._cond:
             if refusal is None and self._closed:
                 refusal = "engine is shut down"
             elif refusal is None and job_id in self._open:
                 refusal = f"job id {job_id} is already in flight"
             if refusal is None and job.parts:
-                self._open[job_id] = OpenJob([offset for offset, _ in job.chunk_offsets()], len(job.parts),
+                self._open[job_id] = OpenJob([offset for offset, _ in job.chunk_offsets()], len(items),
                                               job.num_chunks)
+                if slices:
+                    self._open[job_id].copying = Counter(layer for item in items if isinstance(item, CopyTask)
+                                                         for layer in _layers_of(item))
         if refusal is not None:
             return self._report(job.failed(refusal))
         if not job.parts:  # moves nothing: done now
             return self._report(JobResult(job_id=job_id))
-        for index, part in enumerate(job.parts):
-            task = make_task(job_id, index, job.is_store, part, self._layouts, self.blocks_per_chunk, self.num_slots)
-            if isinstance(task, TaskOutcome):
-                self._on_done([(EndedPart(job_id, index), task)])
+        for item in items:
+            if isinstance(item, CopyTask):
+                self._start_task(item)
             else:
-                self._start_task(task)
+                self._on_done([item])
         return None
 
     def _start_task(self, task: CopyTask) -> None:
@@ -174,7 +196,7 @@ class TransferEngine:
                 job = self._open.get(task.job_id)
                 if job is None:
                     continue  # defensive: every task belongs to a job opened by `submit`
-                job.add(task.part, outcome)
+                job.add(task.part, outcome, _layers_of(task) if isinstance(task, CopyTask) else None)
                 if job.parts_left == 0:
                     del self._open[task.job_id]
                     self._finished.append(job.result(task.job_id))
@@ -195,12 +217,24 @@ class TransferEngine:
             True if all finished, False if `timeout` seconds passed first.
         """
         wanted = set(job_ids)
+        return self._wait_until(lambda: wanted.isdisjoint(self._open), timeout)
+
+    def wait_layer(self, job_ids: Iterable[int], layer: str, timeout: float | None = None) -> bool:
+        """As `wait`, for the tasks of `job_ids` that copy `layer` (a slice holding it, or all
+        layers) only: True once none of them copies any more, False if `timeout` passed first."""
+        jobs = [self._open.get(job_id) for job_id in set(job_ids)]  # (a job that ended is done with every layer)
+        return self._wait_until(lambda: not any(job.parts_left if job.copying is None else
+                                                job.copying[layer] > 0 or job.copying[ALL_LAYERS] > 0
+                                                for job in jobs if job is not None), timeout)
+
+    def _wait_until(self, is_done: Callable[[], bool], timeout: float | None) -> bool:
+        """Block until `is_done()` (called under the lock) or `timeout` seconds passed (False)."""
         deadline = None if timeout is None else time.monotonic() + min(timeout, threading.TIMEOUT_MAX)
         poll_s = _CUDA_POLL_S if isinstance(self._backend, CudaBackend) else None
         while True:
             self._backend.poll()
             with self._cond:
-                if wanted.isdisjoint(self._open):
+                if is_done():
                     return True
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -259,3 +293,8 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _layers_of(task: CopyTask) -> frozenset[str]:
+    """The keys a task counts under in `OpenJob.copying`."""
+    return task.layers if task.layers is not None else frozenset((ALL_LAYERS,))

@@ -130,7 +130,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # start_load_kv already waited for the step's synchronous loads
+        self._work().wait_for_layer_load(layer_name)  # the step's synchronous loads of this layer
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # whole chunks are stored after the forward pass (wait_for_save)
