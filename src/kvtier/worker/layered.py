@@ -47,7 +47,7 @@ def layer_slices(order: Sequence[str], max_slices: int = MAX_SLICES) -> list[fro
     if not order:
         return []
     rest = list(order[1:])
-    num_rest = min(len(rest), max(0, max_slices - 1))
+    num_rest = min(len(rest), max(1, max_slices - 1))  # (never fewer slices than it takes to hold every layer)
     runs = [frozenset(part.tolist()) for part in np.array_split(np.array(rest, dtype=object), num_rest)] \
         if num_rest else []
     return [frozenset(order[:1]), *runs]

@@ -11,13 +11,13 @@ policy decision. Per engine step:
    the asynchronous loads start and run in the background (their requests are parked).
 3. (the engine's forward pass; before each layer's attention, `wait_for_layer_load(layer)`)
 4. `wait_for_save(plan)`: the plan's other stores start; they run in the background.
-
-Once a forward pass was seen asking for every layer, step 2's loads are copied layer by layer
-(`kvtier.worker.layered`): each `wait_for_layer_load` waits for its own layer only, and
-`wait_for_save` (`finish_layered_loads`) ends them.
 5. `take_finished_loads()`: requests whose asynchronous load ended (and those of them that
    failed); `take_results()`, `take_load_errors()`, `take_stats()`: what goes back to the
    scheduler.
+
+Once a pass was seen asking for every layer, step 2's loads are copied layer by layer
+(`kvtier.worker.layered`), each `wait_for_layer_load` waiting for its own layer only; the
+pass's end (`finish_layered_loads`: in `wait_for_save`, or before any result is taken) ends them.
 
 A failed load's blocks are reported as load errors (the engine recomputes from the first
 one), except for an asynchronous load of a model with several KV-cache groups: block ids
@@ -164,10 +164,8 @@ class WorkerSide:
         """After the forward pass: end this step's layered loads; if the pass did not ask for
         every layer, fail them whole (a layer may have been read before its copy) and load whole
         from now on. Their results are collected here, never before."""
-        if self._order is None:
-            return
-        asked_all = self._order.step_ended()
-        if not self._layered:
+        asked_all = self._order is not None and self._order.step_ended()
+        if not self._layered or self._order is None:
             return
         self._await(self._layered)
         if not asked_all:
@@ -270,6 +268,8 @@ class WorkerSide:
                 self._stats["cancel_cut_tasks"] += self.transfer.num_cut_tasks - num_cut
 
     def _collect(self) -> None:
+        if self._layered:  # vLLM may take results before wait_for_save (speculative decoding): end the pass's loads
+            self.finish_layered_loads()  # first, or a layered load whose pass skipped a layer would count as loaded
         if self.transfer is None or not self._running:  # a result of no running job would be dropped anyway
             return
         for result in self.transfer.get_finished():
@@ -280,7 +280,7 @@ class WorkerSide:
     def _end(self, job: TransferJob, result: JobResult) -> None:
         del self._running[job.job_id]
         if job.job_id in self._unasked:  # copied, but maybe after the forward pass read it
-            self._unasked.discard(job.job_id)
+            self._unasked.remove(job.job_id)
             result = dataclasses.replace(result, failed_chunks=tuple(range(job.num_chunks)), num_bytes=0,
                                          error="loaded by layer, but the forward pass did not ask for every layer")
         direction = "load" if job.is_load else "store"

@@ -1,0 +1,367 @@
+"""Synchronous loads copied layer by layer (`kvtier.worker.layered`), on the real CPU copy path.
+
+A sliced load writes exactly the bytes a whole one writes; `wait_layer` returns once its layer
+is copied, not before and not only once all are; slices keep the submission order wherever two
+tasks touch the same bytes; and `WorkerSide` slices only after a forward pass asked for every
+layer, failing whole the loads of a pass that skipped one.
+
+Where a test must see a later slice *not yet* copied, `held` holds the copy threads (ctypes path)
+after a given number of batches: a gate in front of the real copy, which still runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier.worker.memmove as memmove
+from helpers import load_job, store_job
+from kvtier.jobs import Endpoint, StepPlan, TransferJob, TransferPart
+from kvtier.worker import TransferEngine, WorkerSide
+from kvtier.worker.layered import layer_slices, slice_task
+from kvtier.worker.layouts import build_group_layouts
+from kvtier.worker.queue import TaskQueue
+from kvtier.worker.tasks import make_task
+from sched_helpers import FakeClock, close_after_test
+
+LAYERS = [f"layer.{i}" for i in range(4)]
+KV = dict[str, torch.Tensor]
+
+
+def kv_cache(layout: str, num_layers: int, num_blocks: int, content: int) -> KV:
+    """Zeroed int32 KV tensors: one per layer, or views of one buffer ("strided": blocks outside layers)."""
+    if layout == "strided":
+        buffer = torch.zeros(num_blocks, num_layers, 2, 4, content, dtype=torch.int32)
+        return {f"layer.{i}": buffer[:, i] for i in range(num_layers)}
+    shape = (num_blocks, 2, 4, content) if layout == "blocks_first" else (2, num_blocks, 4, 2, content)
+    return {f"layer.{i}": torch.zeros(shape, dtype=torch.int32) for i in range(num_layers)}
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return np.array_equal(a.numpy(), b.numpy())  # torch.equal takes ~8 ms per 128 KiB on this host
+
+
+def randomize(kv: KV, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for t in kv.values():
+        t.random_(generator=gen)
+
+
+def fill_slots(engine: TransferEngine, kv: KV, ids: list[int]) -> list[torch.Tensor]:
+    """Store random blocks `ids` into slots `ids` (blocks_first), then zero every block; returns
+    each layer's stored blocks."""
+    randomize(kv, seed=1000)
+    engine.submit(store_job(1000, ids, ids))
+    assert engine.wait([1000], timeout=10) and engine.get_finished()[0].success
+    stored = [t[ids].clone() for t in kv.values()]
+    for t in kv.values():
+        t.zero_()
+    return stored
+
+
+class HeldCopies:
+    """Once `hold_after(n)`: the copy threads copy n more batches, then hold each later one until
+    `release()`, its cancel, or 10 s (so that a failing test ends)."""
+
+    def __init__(self) -> None:
+        self.budget, self.passed, self.released, self.lock = math.inf, set(), threading.Event(), threading.Lock()
+
+    def hold_after(self, num_batches: int) -> None:
+        self.budget = num_batches
+        self.released.clear()
+
+    def release(self) -> None:
+        self.released.set()
+
+    def copy_part(self, copy_part, dst, src, nbytes, handle: memmove.CopyHandle) -> bool:
+        with self.lock:
+            if handle not in self.passed and self.budget > 0:
+                self.passed.add(handle)
+                self.budget -= 1
+        end = time.monotonic() + 10
+        while handle not in self.passed and not (self.released.is_set() or handle.is_cancelled
+                                                 or time.monotonic() > end):
+            time.sleep(0.0005)
+        return copy_part(dst, src, nbytes, handle)
+
+
+@pytest.fixture
+def held(monkeypatch):
+    monkeypatch.setattr(memmove, "_copyruns", None)
+    copies = HeldCopies()
+    monkeypatch.setattr(memmove, "_copy_part", functools.partial(copies.copy_part, memmove._copy_part))
+    yield copies
+    copies.release()
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3, 8, 9, 40])
+def test_layer_slices_put_the_first_layer_alone_and_keep_every_layer_once_in_order(num_layers):
+    order = [f"l{i}" for i in reversed(range(num_layers))]  # the forward's order, not the names'
+    slices = layer_slices(order)
+    assert slices[0] == {order[0]} and len(slices) == min(num_layers, 8)
+    # each slice a run of consecutive layers, the runs in order: every layer once
+    assert [layer for run in slices for layer in sorted(run, key=order.index)] == order
+    sizes = [len(run) for run in slices[1:]]
+    assert not sizes or max(sizes) - min(sizes) <= 1, sizes
+    assert layer_slices([]) == []
+
+
+CASES = [("blocks_first", 1, 0), ("blocks_first", 2, 1), ("kv_first", 2, 0), ("kv_first", 2, 1), ("strided", 2, 1)]
+
+
+@pytest.mark.parametrize("bad_chunk", [False, True])
+@pytest.mark.parametrize("layout, bpc, skip", CASES)
+def test_a_sliced_load_writes_exactly_the_bytes_of_a_whole_load(layout, bpc, skip, bad_chunk):
+    kv = kv_cache(layout, num_layers=5, num_blocks=16, content=8)
+    names = list(kv)
+    slot_ids = [3, 0, 5] + ([99] if bad_chunk else [])  # slot 99 is out of range: that chunk fails alone
+    block_ids = np.random.default_rng(bpc).permutation(16)[: len(slot_ids) * bpc]
+    odd = [frozenset(names[3:4]), frozenset(names[0:5:4]), frozenset(names[1:3])]  # not runs of the names
+    outcomes = []
+    with TransferEngine(kv, bpc, num_slots=6) as engine:
+        engine.slab.copy_(torch.randint(-128, 127, engine.slab.shape, dtype=torch.int8))
+        for job_id, slices in enumerate([None, layer_slices(names[::-1]), odd]):
+            randomize(kv, seed=7)  # the same background each time: a stray write shows
+            engine.submit(load_job(job_id, slot_ids, block_ids, skip_blocks=skip), slices)
+            assert engine.wait([job_id], timeout=10)
+            (result,) = engine.get_finished()
+            outcomes.append((result, [t.clone() for t in kv.values()]))
+    (whole, want), *sliced = outcomes
+    assert whole.success != bad_chunk and whole.num_bytes > 0
+    for result, got in sliced:
+        assert (result.failed_chunks, result.num_bytes) == (whole.failed_chunks, whole.num_bytes)
+        for name, w, g in zip(names, want, got, strict=True):
+            assert same(w, g), f"{name} differs from the whole load's"
+
+
+def test_wait_layer_returns_once_its_slice_is_copied_while_later_slices_are_held(held):
+    kv = kv_cache("blocks_first", num_layers=4, num_blocks=8, content=8)
+    with TransferEngine(kv, 1, num_slots=8) as engine:
+        stored = fill_slots(engine, kv, [0, 1, 2, 3])
+        held.hold_after(1)  # the first slice (layer.0) copies; the later ones are held
+        engine.submit(load_job(1, [0, 1, 2, 3], [4, 5, 6, 7]), layer_slices(LAYERS))
+        assert engine.wait_layer([1], "layer.0", timeout=5), "layer.0 was copied, yet wait_layer waits"
+        assert same(kv["layer.0"][4:], stored[0])
+        assert not engine.wait_layer([1], "layer.1", timeout=0.05), "layer.1 is held, yet wait_layer returned"
+        assert not engine.wait([1], timeout=0)
+        assert not any(kv[layer][4:].any() for layer in LAYERS[1:]), "a later layer was copied with the first"
+        held.release()
+        assert engine.wait([1], timeout=10) and engine.get_finished()[0].success
+    assert all(same(t[4:], want) for t, want in zip(kv.values(), stored, strict=True))
+
+
+def test_a_slice_waits_for_a_running_slice_of_its_layers_into_its_blocks_only():
+    layouts = build_group_layouts(kv_cache("blocks_first", num_layers=4, num_blocks=8, content=8), 1)
+
+    def sliced(job_id: int, block_ids: list[int]) -> list:
+        part = TransferPart(group=0, slot_ids=np.array([0, 1]), block_ids=np.array(block_ids))
+        return slice_task(make_task(job_id, 0, False, part, layouts, 1, 4), layer_slices(LAYERS), layouts[0], 1)
+
+    a, b = sliced(1, [4, 5]), sliced(2, [5, 6])  # both write block 5, a first
+    queue = TaskQueue()
+    for task in a + b:
+        queue.push(task)
+    # while a's layer.0 slice copies, a's other slices may run beside it, but not b's layer.0 slice
+    assert queue.pop_batch(64, 1 << 30) == a[:1]
+    assert [queue.pop_batch(64, 1 << 30, a[:1]) for _ in range(4)] == [a[1:2], a[2:3], a[3:4], []]
+    # once it ended, b's layer.0 slice runs beside a's others; b's layer.1 slice waits for a's
+    assert queue.pop_batch(64, 1 << 30, a[1:]) == b[:1]
+    assert queue.pop_batch(64, 1 << 30, a[1:] + b[:1]) == []
+
+
+POISON = -1  # a model tag: what a failed (maybe half-done) copy left; nothing to check
+
+
+class Model:
+    """What blocks and slots hold if the jobs ran one by one in submission order: a tag per block
+    (one content of all its layers) and per slot page; a failed job leaves its targets POISON."""
+
+    def __init__(self, num_blocks: int, num_slots: int, bpc: int) -> None:
+        self.block_tag = list(range(1, num_blocks + 1))  # tag 0: zeros, the slab's first content
+        self.slot_tags = [[0] * bpc for _ in range(num_slots)]
+
+    def apply(self, job: TransferJob, ok: bool) -> None:
+        part = job.parts[0]
+        for c, (slot, chunk) in enumerate(zip(part.slot_ids, part.block_ids.reshape(len(part.slot_ids), -1),
+                                              strict=True)):
+            if job.is_store:
+                self.slot_tags[slot] = [self.block_tag[b] if ok else POISON for b in chunk]
+                continue
+            for page in range(part.skip_blocks if c == 0 else 0, len(chunk)):  # a load's first chunk may skip
+                self.block_tag[chunk[page]] = self.slot_tags[slot][page] if ok else POISON
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_stores_and_sliced_loads_end_as_if_run_one_by_one_in_submission_order(seed):
+    rng, bpc, num_blocks = np.random.default_rng(seed), 1 + seed % 2, 24
+    kv = kv_cache("blocks_first", num_layers=4, num_blocks=num_blocks + bpc, content=1024)  # 32 KiB pages
+    model, next_tag = Model(num_blocks, num_slots=8, bpc=bpc), num_blocks + 1
+    base = torch.randint(-(2**31), 2**31 - 1, (4, *kv["layer.0"].shape[1:]), dtype=torch.int32)
+    order = list(rng.permutation(LAYERS))  # the forward's order (not the names')
+
+    def content(tag: int) -> torch.Tensor:  # a block's bytes (all layers) that carry `tag`
+        return base * 0 if tag == 0 else base + tag
+
+    def holds(block: int, tag: int) -> bool:
+        return same(torch.stack([kv[layer][block] for layer in LAYERS]), content(tag))
+
+    def write(block: int, tag: int) -> None:  # the forward pass (re)computes a block
+        for layer, t in zip(LAYERS, content(tag), strict=True):
+            kv[layer][block] = t
+        model.block_tag[block] = tag
+
+    for block, tag in enumerate(model.block_tag):
+        write(block, tag)
+    job_id = 0
+    with TransferEngine(kv, bpc, num_slots=8) as engine:
+        for _step in range(6):
+            jobs, cancelled = [], set()
+            for _ in range(int(rng.integers(2, 6))):  # each one 1-6 chunks anywhere: they overlap
+                n = int(rng.integers(1, 7))
+                slots, blocks = rng.choice(8, n, replace=False), rng.choice(num_blocks, n * bpc, replace=False)
+                if rng.random() < 0.4:
+                    jobs.append(store_job(job_id := job_id + 1, blocks, slots))
+                else:
+                    jobs.append(load_job(job_id := job_id + 1, slots, blocks, skip_blocks=int(rng.integers(bpc))))
+                engine.submit(jobs[-1], layer_slices(order) if jobs[-1].is_load and rng.random() < 0.7 else None)
+                if rng.random() < 0.15:  # past its deadline: a job of this step, maybe ended already
+                    cancelled.add(victim := int(rng.choice([job.job_id for job in jobs])))
+                    engine.cancel([victim])
+            assert engine.wait([job.job_id for job in jobs], timeout=10)
+            results = {r.job_id: r for r in engine.get_finished()}
+            for job in jobs:  # all or nothing; failed only if cancelled, or cut short with one that was
+                result = results[job.job_id]
+                assert result.failed_chunks in ((), tuple(range(job.num_chunks))), result
+                assert result.success or job.job_id in cancelled or "cut short" in result.error, result
+                model.apply(job, result.success)
+            for block, tag in enumerate(model.block_tag):
+                assert tag == POISON or holds(block, tag), f"block {block} is not tag {tag}"
+                if tag == POISON:  # the engine recomputes it
+                    write(block, next_tag := next_tag + 1)
+        spare = list(range(num_blocks, num_blocks + bpc))
+        for slot, tags in enumerate(model.slot_tags):  # every slot, read back whole into the spare blocks
+            engine.submit(load_job(job_id := job_id + 1, [slot], spare))
+            assert engine.wait([job_id], timeout=10) and engine.get_finished()[0].success
+            assert all(tag == POISON or holds(block, tag) for block, tag in zip(spare, tags, strict=True)), slot
+
+
+def layered_worker(clock=time.monotonic) -> tuple[WorkerSide, KV, list[torch.Tensor]]:
+    """A worker whose slots 0-3 hold blocks 0-3 (returned per layer); every block zeroed."""
+    kv = kv_cache("blocks_first", num_layers=4, num_blocks=8, content=8)
+    worker = close_after_test(WorkerSide(num_slots=8, blocks_per_chunk=1, clock=clock))
+    worker.register_kv_caches(kv)
+    return worker, kv, fill_slots(worker.transfer, kv, [0, 1, 2, 3])
+
+
+def start_load(worker: WorkerSide, job_id: int, deadline: float | None = None) -> StepPlan:
+    """A step loading slots 0-3 into blocks 4-7, up to the forward pass."""
+    part = TransferPart(group=0, slot_ids=np.arange(4), block_ids=np.arange(4, 8))
+    deadline = time.monotonic() + 60 if deadline is None else deadline
+    plan = StepPlan(load_jobs=[TransferJob(job_id=job_id, req_id="r", src=Endpoint.SLAB, dst=Endpoint.ENGINE,
+                                           parts=(part,), deadline=deadline)])
+    worker.handle_preemptions(plan)
+    worker.start_load_kv(plan)
+    return plan
+
+
+def forward(worker: WorkerSide, plan: StepPlan, asked: list[str]) -> None:
+    """The rest of the step: a forward pass asking for the layers `asked`, in that order."""
+    for layer in asked:
+        worker.wait_for_layer_load(layer)
+    worker.wait_for_save(plan)
+
+
+def loaded(kv: KV, stored: list[torch.Tensor], layers: list[str] = LAYERS) -> bool:
+    return all(same(kv[layer][4:], stored[LAYERS.index(layer)]) for layer in layers)
+
+
+def load_whole(worker: WorkerSide, kv: KV, stored: list[torch.Tensor], held: HeldCopies, job_id: int,
+               asked: list[str]) -> None:
+    """A step whose load must have ended when `start_load_kv` returned (held lets one batch copy:
+    a whole load, not a sliced one), and whose pass asks for `asked`."""
+    for t in kv.values():
+        t[4:].zero_()
+    held.hold_after(1)
+    plan = start_load(worker, job_id)
+    assert worker.transfer.wait([job_id], timeout=0) and loaded(kv, stored), "start_load_kv did not wait for it"
+    forward(worker, plan, asked)
+    assert [r.success for r in worker.take_results()] == [True] and not worker.take_load_errors()
+
+
+def test_loads_are_waited_for_whole_until_a_forward_pass_asked_for_every_layer(held):
+    worker, kv, stored = layered_worker()
+    load_whole(worker, kv, stored, held, 1, asked=[])  # no forward pass seen yet
+    load_whole(worker, kv, stored, held, 2, asked=LAYERS[:-1])  # a pass that skipped layer.3 (no slices)
+    load_whole(worker, kv, stored, held, 3, asked=LAYERS)  # only from the next step on
+
+
+def test_after_a_pass_that_asked_for_every_layer_each_layer_is_waited_for_alone(held):
+    worker, kv, stored = layered_worker()
+    order = ["layer.2", "layer.0", "layer.3", "layer.1"]  # the engine's order: slices follow it
+    forward(worker, StepPlan(), asked=order)
+    held.hold_after(1)  # the first slice (layer.2) copies; the later ones are held
+    plan = start_load(worker, 2)
+    assert not worker.transfer.wait([2], timeout=0), "start_load_kv waited for the whole load"
+    worker.wait_for_layer_load("layer.2")
+    assert loaded(kv, stored, ["layer.2"]) and not any(kv[layer][4:].any() for layer in order[1:])
+    held.release()
+    for layer in order[1:]:
+        worker.wait_for_layer_load(layer)
+        assert loaded(kv, stored, [layer]), f"{layer} not loaded when its attention may read it"
+    worker.wait_for_save(plan)
+    (result,) = worker.take_results()
+    assert result.success and result.num_bytes == 4 * worker.transfer.slot_bytes
+    assert not worker.take_load_errors()
+
+
+def test_a_pass_that_skipped_a_layer_fails_its_layered_loads_whole_and_slicing_stops(held):
+    worker, kv, stored = layered_worker()
+    forward(worker, StepPlan(), asked=LAYERS)
+    # layered; the pass read layer.2 without asking: maybe before its copy
+    forward(worker, start_load(worker, 2), asked=["layer.0", "layer.1", "layer.3"])
+    assert worker.take_load_errors() == {4, 5, 6, 7}
+    (result,) = worker.take_results()
+    assert result.failed_chunks == (0, 1, 2, 3) and "did not ask" in result.error
+    # from now on loads are waited for whole, also after passes that ask for every layer
+    load_whole(worker, kv, stored, held, 3, asked=LAYERS)
+    load_whole(worker, kv, stored, held, 4, asked=LAYERS)
+
+
+def test_a_layered_load_past_its_deadline_is_cancelled_while_its_layer_is_awaited(held):
+    clock = FakeClock(now=0.0)
+    worker, kv, _ = layered_worker(clock)
+    forward(worker, StepPlan(), asked=LAYERS)
+    held.hold_after(0)  # no slice copies, until cancelled
+    plan = start_load(worker, 2, deadline=1.0)
+    clock.now = 2.0
+    worker.wait_for_layer_load("layer.0")
+    assert worker.transfer.wait([2], timeout=0), "the load still runs past its deadline"
+    forward(worker, plan, asked=LAYERS[1:])
+    assert worker.take_load_errors() == {4, 5, 6, 7}
+    (result,) = worker.take_results()
+    assert result.failed_chunks == (0, 1, 2, 3) and "cancelled" in result.error
+    assert worker.take_stats()["cancelled_jobs"] == 1 and not any(t[4:].any() for t in kv.values())
+
+
+def test_results_taken_before_wait_for_save_end_the_pass_first(held):
+    # vLLM with speculative decoding (defer_finalize) takes the connector's results after the
+    # target model's pass and before wait_for_save: a layered load whose pass skipped a layer
+    # must already be reported failed there, never as loaded (helper-24's reproduction)
+    worker, kv, stored = layered_worker()
+    forward(worker, StepPlan(), asked=LAYERS)
+    plan = start_load(worker, 2)
+    for layer in ["layer.0", "layer.1", "layer.3"]:  # the pass read layer.2 without asking
+        worker.wait_for_layer_load(layer)
+    assert worker.take_finished_loads() == (set(), set())
+    assert worker.take_load_errors() == {4, 5, 6, 7}
+    (result,) = worker.take_results()
+    assert result.failed_chunks == (0, 1, 2, 3) and "did not ask" in result.error
+    worker.wait_for_save(plan)
+    assert not worker.take_results() and not worker.take_load_errors()
+    load_whole(worker, kv, stored, held, 3, asked=LAYERS)
