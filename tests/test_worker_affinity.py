@@ -32,7 +32,14 @@ def _bound_to(cores: set[int], work):
 
 
 def _task_affinities() -> dict[int, set[int]]:
-    return {int(t.name): os.sched_getaffinity(int(t.name)) for t in Path("/proc/self/task").iterdir()}
+    """Each live thread's CPUs (a thread of an earlier test may end while they are read: left out)."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            out[int(task.name)] = os.sched_getaffinity(int(task.name))
+        except ProcessLookupError:
+            continue
+    return out
 
 
 def test_threads_started_inside_run_on_the_other_cores_and_the_caller_keeps_its_own():
