@@ -82,8 +82,8 @@ class ForwardOrder:
     """The layers the engine's forward pass asks for (`wait_for_layer_load`), in its order.
 
     `saw(layer)` on each ask; `step_ended()` after each pass. Once one pass asked for every
-    registered layer, `slices` is that order cut by `layer_slices` (`slice_of`: each layer's
-    slice); until then, and once turned off, None.
+    registered layer, `slices` is that order cut by `layer_slices`; until then, and once turned
+    off, None.
     """
 
     def __init__(self, layers: Sequence[str]) -> None:
@@ -91,7 +91,6 @@ class ForwardOrder:
         self._seen: list[str] = []
         self._seen_set: set[str] = set()
         self.slices: list[frozenset[str]] | None = None
-        self.slice_of: dict[str, int] = {}
         self.is_off = not self._registered  # no layers, or turned off after a pass that skipped some
 
     def saw(self, layer: str) -> None:
@@ -105,7 +104,6 @@ class ForwardOrder:
         asked_all = self._seen_set == self._registered
         if asked_all and self.slices is None and not self.is_off:
             self.slices = layer_slices(self._seen)
-            self.slice_of = {layer: i for i, run in enumerate(self.slices) for layer in run}
             logger.info("kvtier: synchronous loads are copied layer by layer (%d slices of %d layers)",
                         len(self.slices), len(self._seen))
         self._seen, self._seen_set = [], set()
@@ -114,4 +112,4 @@ class ForwardOrder:
     def turn_off(self, why: str) -> None:
         if not self.is_off:
             logger.warning("kvtier: layer-by-layer loading turned off: %s; loads are waited for whole", why)
-        self.is_off, self.slices, self.slice_of = True, None, {}
+        self.is_off, self.slices = True, None

@@ -228,10 +228,8 @@ class WorkerSide:
         self._running[job.job_id] = job
         if self.transfer is None:  # no KV caches registered: nothing can move, the job fails
             self._end(job, job.failed("no KV caches registered"))
-        elif slices:
-            self.transfer.submit(job, slices)
         else:
-            self.transfer.submit(job)
+            self.transfer.submit(job, slices)
 
     def _await(self, jobs: Iterable[TransferJob], wait: Callable[[list[int], float], bool] | None = None) -> None:
         """Wait for `jobs` (`wait(ids, timeout)`: all of them, by default), each until its deadline;
