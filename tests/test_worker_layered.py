@@ -365,3 +365,35 @@ def test_results_taken_before_wait_for_save_end_the_pass_first(held):
     worker.wait_for_save(plan)
     assert not worker.take_results() and not worker.take_load_errors()
     load_whole(worker, kv, stored, held, 3, asked=LAYERS)
+
+
+def test_a_load_cancelled_in_one_layers_wait_is_counted_once_while_another_still_copies(held):
+    # two loads of one step with different deadlines: the one past it is cancelled in layer.0's
+    # wait; in the later layers' waits it comes first again while the other still copies
+    clock = FakeClock(now=0.0)
+    kv = kv_cache("blocks_first", num_layers=4, num_blocks=8, content=8)
+    one_thread = functools.partial(TransferEngine, num_copy_threads=1)  # batches copy in queue order
+    worker = close_after_test(WorkerSide(num_slots=8, blocks_per_chunk=1, clock=clock, transfer_factory=one_thread))
+    worker.register_kv_caches(kv)
+    stored = fill_slots(worker.transfer, kv, [0, 1, 2, 3])
+    forward(worker, StepPlan(), asked=LAYERS)
+
+    def load(job_id: int, slots: list[int], deadline: float) -> TransferJob:
+        part = TransferPart(group=0, slot_ids=np.array(slots), block_ids=np.array(slots) + 4)
+        return TransferJob(job_id=job_id, req_id=f"r{job_id}", src=Endpoint.SLAB, dst=Endpoint.ENGINE,
+                           parts=(part,), deadline=deadline)
+
+    plan = StepPlan(load_jobs=[load(3, [0, 1], deadline=60.0), load(2, [2, 3], deadline=1.0)])
+    held.hold_after(1)  # job 3's first slice (layer.0) copies; every later batch waits
+    worker.handle_preemptions(plan)
+    worker.start_load_kv(plan)
+    assert worker.transfer.wait_layer([3], "layer.0", timeout=10)
+    clock.now = 2.0  # job 2 is past its deadline, job 3 is not
+    worker.wait_for_layer_load("layer.0")
+    threading.Timer(0.2, held.release).start()  # job 3's later slices copy only after layer.1's wait began
+    forward(worker, plan, asked=LAYERS[1:])
+    assert worker.take_load_errors() == {6, 7}
+    results = {result.job_id: result for result in worker.take_results()}
+    assert results[3].success and "cancelled" in results[2].error
+    assert all(same(kv[layer][4:6], stored[i][:2]) for i, layer in enumerate(LAYERS))
+    assert worker.take_stats()["cancelled_jobs"] == 1

@@ -97,6 +97,7 @@ class WorkerSide:
         self._order: ForwardOrder | None = None  # the forward pass's layers (CPU copies only)
         self._layered: list[TransferJob] = []  # this step's loads, copied layer by layer
         self._unasked: set[int] = set()  # ... whose pass did not ask for every layer: they fail
+        self._cut: set[int] = set()  # cancelled, result not taken yet (a later layer's wait must not cancel again)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         """Map this rank's slab (creating it if the scheduler side has not yet) and start copying.
@@ -255,7 +256,8 @@ class WorkerSide:
             self._cancel([job for job in due if job.job_id in self._running])
 
     def _cancel(self, jobs: list[TransferJob]) -> None:
-        if jobs and self.transfer is not None:
+        if self.transfer is not None and (jobs := [job for job in jobs if job.job_id not in self._cut]):
+            self._cut |= {job.job_id for job in jobs}
             logger.warning("kvtier: %d transfer job(s) past their deadline; cancelled (loads are recomputed, "
                            "stores dropped)", len(jobs))
             self._stats["cancelled_jobs"] += len(jobs)
@@ -277,6 +279,7 @@ class WorkerSide:
 
     def _end(self, job: TransferJob, result: JobResult) -> None:
         del self._running[job.job_id]
+        self._cut.discard(job.job_id)
         if job.job_id in self._unasked:  # copied, but maybe after the forward pass read it
             self._unasked.remove(job.job_id)
             result = dataclasses.replace(result, failed_chunks=tuple(range(job.num_chunks)), num_bytes=0,
@@ -284,8 +287,7 @@ class WorkerSide:
         direction = "load" if job.is_load else "store"
         self._stats[f"{direction}_bytes"] += result.num_bytes
         self._stats[f"{direction}_seconds"] += result.seconds
-        is_async = job.job_id in self._async_load_ids
-        if is_async:
+        if is_async := job.job_id in self._async_load_ids:
             self._async_load_ids.discard(job.job_id)
             self._finished_loads.add(job.req_id)
         if job.is_load and result.failed_chunks:
