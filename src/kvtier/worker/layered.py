@@ -60,9 +60,10 @@ def slice_task(task: CopyTask, slices: Sequence[frozenset[str]], layout: GroupLa
     plane_layers = [plane.layer for plane in layout.planes]
     pages = len(task.slot_ids) * blocks_per_chunk - task.skip_blocks
     nbytes = layout.plane_arrays[2]
+    group_layers = set(layout.layers)
     out: list[CopyTask] = []
     for layers in slices:
-        mine = layers & set(layout.layers)
+        mine = layers & group_layers
         if not mine:
             continue
         planes = np.array([i for i, layer in enumerate(plane_layers) if layer in mine], dtype=np.int64)
@@ -73,7 +74,7 @@ def slice_task(task: CopyTask, slices: Sequence[frozenset[str]], layout: GroupLa
                                        failed_chunks=task.failed_chunks if first else (),
                                        error=task.error if first else None))
     covered = set().union(*(t.layers for t in out)) if out else set()
-    if covered != set(layout.layers):  # a layer no slice holds: never left out, copy the task whole
+    if covered != group_layers:  # a layer no slice holds: never left out, copy the task whole
         return [task]
     return out
 
@@ -88,25 +89,22 @@ class ForwardOrder:
 
     def __init__(self, layers: Sequence[str]) -> None:
         self._registered = frozenset(layers)
-        self._seen: list[str] = []
-        self._seen_set: set[str] = set()
+        self._seen: dict[str, None] = {}  # the layers this pass asked for, each once, in its order
         self.slices: list[frozenset[str]] | None = None
         self.is_off = not self._registered  # no layers, or turned off after a pass that skipped some
 
     def saw(self, layer: str) -> None:
-        if layer not in self._seen_set:
-            self._seen_set.add(layer)
-            self._seen.append(layer)
+        self._seen.setdefault(layer)
 
     def step_ended(self) -> bool:
         """After a forward pass: whether it asked for every registered layer (then, the first
         time, the slices are set from its order)."""
-        asked_all = self._seen_set == self._registered
+        asked_all = self._seen.keys() == self._registered
         if asked_all and self.slices is None and not self.is_off:
-            self.slices = layer_slices(self._seen)
+            self.slices = layer_slices(list(self._seen))
             logger.info("kvtier: synchronous loads are copied layer by layer (%d slices of %d layers)",
                         len(self.slices), len(self._seen))
-        self._seen, self._seen_set = [], set()
+        self._seen = {}
         return asked_all
 
     def turn_off(self, why: str) -> None:

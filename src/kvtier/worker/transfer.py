@@ -222,10 +222,10 @@ class TransferEngine:
     def wait_layer(self, job_ids: Iterable[int], layer: str, timeout: float | None = None) -> bool:
         """As `wait`, for the tasks of `job_ids` that copy `layer` (a slice holding it, or all
         layers) only: True once none of them copies any more, False if `timeout` passed first."""
-        jobs = [self._open.get(job_id) for job_id in set(job_ids)]  # (a job that ended is done with every layer)
+        wanted = set(job_ids)  # (a job that ended, no longer open, is done with every layer)
         return self._wait_until(lambda: not any(job.parts_left if job.copying is None else
                                                 job.copying[layer] > 0 or job.copying[ALL_LAYERS] > 0
-                                                for job in jobs if job is not None), timeout)
+                                                for job in map(self._open.get, wanted) if job is not None), timeout)
 
     def _wait_until(self, is_done: Callable[[], bool], timeout: float | None) -> bool:
         """Block until `is_done()` (called under the lock) or `timeout` seconds passed (False)."""
