@@ -6,9 +6,12 @@ cancelled job touches engine blocks or slab slots any more, and a cancelled job 
 chunk failed — a store whose blocks the next forward pass rewrites mid-copy must never be
 reported stored.
 
-A copy is made "running" with plain size: 256 chunks of 1 MiB (about 0.1 s on the 2-core
+A copy is made "running" with plain size: 256 chunks of 1 MiB (25-60 ms on the 2-core
 development machine), observed to have begun before the cancel. The copier is the real one,
-on both paths (the C helper and the ctypes fallback).
+on both paths (the C helper and the ctypes fallback). A test thread scheduled late sees a copy
+only near or past its end (measured here: the first slot seen written 1-20 ms after the submit,
+once 244 ms; the ctypes path takes the GIL back after every run): such an attempt tests nothing,
+so it is run again (`mid_copy`), never passed.
 """
 
 from __future__ import annotations
@@ -58,146 +61,199 @@ def wait_until(condition, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.0002)
 
 
+class CopyEnded(Exception):
+    """The copy ended before the test could act while it ran: the attempt tests nothing."""
+
+
+def still_copying(engine: TransferEngine, job_ids: list[int]) -> None:
+    if engine.wait(job_ids, timeout=0):
+        raise CopyEnded
+
+
+def mid_copy(scenario, attempts: int = 8) -> None:
+    """Run `scenario()` (which raises `CopyEnded` when it came too late) until one attempt caught
+    its copy running."""
+    for _ in range(attempts):
+        try:
+            return scenario()
+        except CopyEnded:
+            continue
+    pytest.fail(f"in {attempts} attempts the copy always ended before the test could act on it")
+
+
 def whole_store(job_id: int) -> TransferJob:
     return store_job(job_id, np.arange(NUM_CHUNKS), np.arange(NUM_CHUNKS))
 
 
 def test_a_store_cancelled_while_it_copies_fails_every_chunk():
-    kv = big_kv(OLD)
-    with TransferEngine(kv, 1, num_slots=NUM_CHUNKS) as engine:
-        engine.submit(whole_store(1))
-        # the copy has begun (slot 0 written) and not ended (the job is still in flight)
-        wait_until(lambda: bool(ints(engine.slab)[0, :16].any()), "the copy begins")
-        assert not engine.wait([1], timeout=0)
-        engine.cancel([1])
-        (result,) = engine.get_finished()
-    # cancelled mid-copy: not one chunk may become readable
-    assert result.failed_chunks == tuple(range(NUM_CHUNKS)), f"cancelled store reported {result}"
-    assert "cancelled" in result.error
+    def scenario():
+        with TransferEngine(big_kv(OLD), 1, num_slots=NUM_CHUNKS) as engine:
+            engine.submit(whole_store(1))
+            # the copy has begun (slot 0 written) and not ended (the job is still in flight)
+            wait_until(lambda: bool(ints(engine.slab)[0, :16].any()), "the copy begins")
+            still_copying(engine, [1])
+            engine.cancel([1])
+            (result,) = engine.get_finished()
+        # cancelled mid-copy: not one chunk may become readable
+        assert result.failed_chunks == tuple(range(NUM_CHUNKS)), f"cancelled store reported {result}"
+        assert "cancelled" in result.error
+
+    mid_copy(scenario)
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
 def test_after_cancel_returns_no_byte_of_the_slots_or_blocks_changes(direction):
-    kv = big_kv(OLD if direction == "store" else 0)
-    with TransferEngine(kv, 1, num_slots=NUM_CHUNKS) as engine:
-        if direction == "store":
-            engine.submit(whole_store(1))
-            target = ints(engine.slab).view(NUM_CHUNKS, -1)
-        else:
-            ints(engine.slab).fill_(NEW)
-            engine.submit(load_job(1, np.arange(NUM_CHUNKS), np.arange(NUM_CHUNKS)))
-            target = ints(kv["layer.0"])
-        wait_until(lambda: bool(target[0, :16].any()), "the copy begins")
-        assert not engine.wait([1], timeout=0)
-        # A cancel wait shorter than the copy: a host where a batch outlives the wait. Each
-        # share of the copy writes its last page last: those are read first, before a copy
-        # that went on could reach them.
-        engine.cancel([1], timeout=0.01)
-        ended_at_return = engine.wait([1], timeout=0)
-        last_pages = target[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]].clone()
-        snapshot = target.clone()
-        assert engine.wait([1], timeout=10)
-        time.sleep(0.05)  # a copy that went on would have written more by now
-        assert torch.equal(target[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]], last_pages), "a copy wrote after cancel()"
-        assert torch.equal(target, snapshot), "a copy wrote after cancel() returned"
-        assert ended_at_return, "cancel() returned while the job was still copying"
-        (result,) = engine.get_finished()
-        assert not result.success
+    def scenario():
+        kv = big_kv(OLD if direction == "store" else 0)
+        with TransferEngine(kv, 1, num_slots=NUM_CHUNKS) as engine:
+            if direction == "store":
+                engine.submit(whole_store(1))
+                target = ints(engine.slab).view(NUM_CHUNKS, -1)
+            else:
+                ints(engine.slab).fill_(NEW)
+                engine.submit(load_job(1, np.arange(NUM_CHUNKS), np.arange(NUM_CHUNKS)))
+                target = ints(kv["layer.0"])
+            wait_until(lambda: bool(target[0, :16].any()), "the copy begins")
+            still_copying(engine, [1])
+            # A cancel wait shorter than the copy: a host where a batch outlives the wait. Each
+            # share of the copy writes its last page last: those are read first, before a copy
+            # that went on could reach them.
+            engine.cancel([1], timeout=0.01)
+            ended_at_return = engine.wait([1], timeout=0)
+            last_pages = target[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]].clone()
+            snapshot = target.clone()
+            assert engine.wait([1], timeout=10)
+            time.sleep(0.05)  # a copy that went on would have written more by now
+            assert torch.equal(target[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]], last_pages), "a copy wrote after cancel()"
+            assert torch.equal(target, snapshot), "a copy wrote after cancel() returned"
+            assert ended_at_return, "cancel() returned while the job was still copying"
+            (result,) = engine.get_finished()
+            assert not result.success
+
+    mid_copy(scenario)
 
 
 def test_a_copy_that_cannot_be_cut_short_is_waited_for_however_long(monkeypatch, caplog):
     # as on CUDA, where a copy on a stream cannot be interrupted: here the cut is switched off
     for handle in (memmove.CopyHandle, memmove._NativeCopyHandle):
         monkeypatch.setattr(handle, "cancel", lambda self: None, raising=False)
-    kv = big_kv(OLD)
-    with TransferEngine(kv, 1, num_slots=NUM_CHUNKS) as engine:
-        engine.submit(whole_store(1))
-        wait_until(lambda: bool(ints(engine.slab)[0, :16].any()), "the copy begins")
-        assert not engine.wait([1], timeout=0)
-        with caplog.at_level(logging.ERROR, logger="kvtier.worker.transfer"):
-            engine.cancel([1], timeout=0.01)  # the copy outlives this: logged, and waited for
-        assert engine.wait([1], timeout=0), "cancel() returned while the job was still copying"
-        assert torch.equal(ints(engine.slab)[-1], ints(kv["layer.0"])[-1])  # its last page was copied
-        (result,) = engine.get_finished()
-    assert result.failed_chunks == tuple(range(NUM_CHUNKS))  # copied whole, yet past its deadline
-    assert "still copying after" in caplog.text
+
+    def scenario():
+        caplog.clear()
+        kv = big_kv(OLD)
+        with TransferEngine(kv, 1, num_slots=NUM_CHUNKS) as engine:
+            engine.submit(whole_store(1))
+            wait_until(lambda: bool(ints(engine.slab)[0, :16].any()), "the copy begins")
+            still_copying(engine, [1])
+            with caplog.at_level(logging.ERROR, logger="kvtier.worker.transfer"):
+                # the shortest wait (1 ms); True: the copy ended within it, nothing was tested
+                if engine.cancel([1], timeout=0):
+                    raise CopyEnded
+            assert engine.wait([1], timeout=0), "cancel() returned while the job was still copying"
+            assert torch.equal(ints(engine.slab)[-1], ints(kv["layer.0"])[-1])  # its last page was copied
+            (result,) = engine.get_finished()
+        assert result.failed_chunks == tuple(range(NUM_CHUNKS))  # copied whole, yet past its deadline
+        assert "still copying after" in caplog.text  # the copy outlived the wait: logged, and waited for
+
+    mid_copy(scenario)
 
 
 def test_a_flush_past_its_deadline_does_not_return_while_the_store_still_copies(monkeypatch):
     # a copy that outlives the cancel wait (5 s; cut to 10 ms here so that this copy does)
     monkeypatch.setattr(TransferEngine.cancel, "__defaults__", (0.01,))
-    clock = FakeClock(now=0.0)
-    kv = big_kv(OLD)
-    worker = close_after_test(WorkerSide(num_slots=NUM_CHUNKS, blocks_per_chunk=1, clock=clock))
-    worker.register_kv_caches(kv)
-    part = TransferPart(group=0, slot_ids=np.arange(NUM_CHUNKS), block_ids=np.arange(NUM_CHUNKS))
-    store = TransferJob(job_id=1, req_id="A", src=Endpoint.ENGINE, dst=Endpoint.SLAB, parts=(part,), deadline=1.0)
-    # step 1: A's store starts after the forward pass, in the background
-    worker.wait_for_save(StepPlan(store_jobs=[store]))
-    slab = ints(worker.transfer.slab)
-    wait_until(lambda: bool(slab[0, :16].any()), "the copy begins")
-    assert not worker.transfer.wait([1], timeout=0)
-    # step 2, past the store's deadline: its blocks go to a new owner, so it is flushed (and cancelled)
-    clock.now = 2.0
-    worker.handle_preemptions(StepPlan(flush_job_ids={1}))
-    last_pages = slab[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]].clone()
-    snapshot = slab.clone()
-    ints(kv["layer.0"]).fill_(NEW)  # the new owner's forward pass
-    assert worker.transfer.wait([1], timeout=10)
-    time.sleep(0.05)
-    assert torch.equal(slab[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]], last_pages), "the store copied after the flush"
-    assert torch.equal(slab, snapshot), "the store still copied after the flush returned"
-    (result,) = worker.take_results()
-    assert result.failed_chunks == tuple(range(NUM_CHUNKS)), f"a store cancelled mid-copy reported {result}"
-    assert worker.take_stats()["cancelled_jobs"] == 1
+
+    def scenario():
+        clock = FakeClock(now=0.0)
+        kv = big_kv(OLD)
+        worker = close_after_test(WorkerSide(num_slots=NUM_CHUNKS, blocks_per_chunk=1, clock=clock))
+        try:
+            worker.register_kv_caches(kv)
+            part = TransferPart(group=0, slot_ids=np.arange(NUM_CHUNKS), block_ids=np.arange(NUM_CHUNKS))
+            store = TransferJob(job_id=1, req_id="A", src=Endpoint.ENGINE, dst=Endpoint.SLAB, parts=(part,),
+                                deadline=1.0)
+            # step 1: A's store starts after the forward pass, in the background
+            worker.wait_for_save(StepPlan(store_jobs=[store]))
+            slab = ints(worker.transfer.slab)
+            wait_until(lambda: bool(slab[0, :16].any()), "the copy begins")
+            still_copying(worker.transfer, [1])
+            # step 2, past the store's deadline: its blocks go to a new owner, so it is flushed (and cancelled)
+            clock.now = 2.0
+            worker.handle_preemptions(StepPlan(flush_job_ids={1}))
+            last_pages = slab[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]].clone()
+            snapshot = slab.clone()
+            ints(kv["layer.0"]).fill_(NEW)  # the new owner's forward pass
+            assert worker.transfer.wait([1], timeout=10)
+            time.sleep(0.05)
+            last_now = slab[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]]
+            assert torch.equal(last_now, last_pages), "the store copied after the flush"
+            assert torch.equal(slab, snapshot), "the store still copied after the flush returned"
+            (result,) = worker.take_results()
+            assert result.failed_chunks == tuple(range(NUM_CHUNKS)), f"a store cancelled mid-copy reported {result}"
+            assert worker.take_stats()["cancelled_jobs"] == 1
+        finally:
+            worker.shutdown()  # its copy threads and 256 MiB go before another attempt
+
+    mid_copy(scenario)
 
 
 def test_a_job_cancelled_after_one_of_its_parts_ended_fails_every_chunk(monkeypatch):
     monkeypatch.setattr(cpu_copy, "_BATCH_MAX_TASKS", 1)  # each part copies in a batch of its own
-    kv = {"small": torch.zeros((4, PAGE_INTS), dtype=torch.int32).view(torch.float32), **big_kv(OLD)}
-    with TransferEngine(kv, 1, num_slots=NUM_CHUNKS + 1, layer_groups=[["small"], ["layer.0"]]) as engine:
-        small = TransferPart(group=0, slot_ids=np.array([0]), block_ids=np.array([0]))
-        big = TransferPart(group=1, slot_ids=np.arange(1, NUM_CHUNKS + 1), block_ids=np.arange(NUM_CHUNKS))
-        engine.submit(TransferJob(job_id=1, req_id="r", src=Endpoint.ENGINE, dst=Endpoint.SLAB, parts=(small, big),
-                                  deadline=0.0))
-        # the small part has ended (its one chunk copied); the big one copies
-        wait_until(lambda: engine._open[1].parts_left == 1 and bool(ints(engine.slab)[1, :16].any()),
-                   "the small part ends and the big one copies")
-        engine.cancel([1])
-        (result,) = engine.get_finished()
-    # chunk 0 was copied before the cancel, but the job is past its deadline: it fails too
-    assert result.failed_chunks == tuple(range(1 + NUM_CHUNKS)), f"cancelled job reported {result}"
+
+    def scenario():
+        kv = {"small": torch.zeros((4, PAGE_INTS), dtype=torch.int32).view(torch.float32), **big_kv(OLD)}
+        with TransferEngine(kv, 1, num_slots=NUM_CHUNKS + 1, layer_groups=[["small"], ["layer.0"]]) as engine:
+            small = TransferPart(group=0, slot_ids=np.array([0]), block_ids=np.array([0]))
+            big = TransferPart(group=1, slot_ids=np.arange(1, NUM_CHUNKS + 1), block_ids=np.arange(NUM_CHUNKS))
+            engine.submit(TransferJob(job_id=1, req_id="r", src=Endpoint.ENGINE, dst=Endpoint.SLAB,
+                                      parts=(small, big), deadline=0.0))
+            # the small part has ended (its one chunk copied); the big one copies
+            wait_until(lambda: (1 not in engine._open or engine._open[1].parts_left < 2)
+                       and bool(ints(engine.slab)[1, :16].any()), "the small part ends and the big one copies")
+            still_copying(engine, [1])
+            engine.cancel([1])
+            (result,) = engine.get_finished()
+        # chunk 0 was copied before the cancel, but the job is past its deadline: it fails too
+        assert result.failed_chunks == tuple(range(1 + NUM_CHUNKS)), f"cancelled job reported {result}"
+
+    mid_copy(scenario)
 
 
 def test_tasks_batched_with_a_cancelled_copy_fail_and_are_counted(monkeypatch):
     monkeypatch.setattr(cpu_copy, "_BATCH_MAX_BYTES", 1 << 30)
-    gate, reached = threading.Event(), threading.Event()
     original = MemmoveCopier.start
-
-    def held(self, *args):  # the first batch waits, so that the next two jobs queue together
-        reached.set()
-        gate.wait(10)
-        return original(self, *args)
-
-    monkeypatch.setattr(MemmoveCopier, "start", held)
     half = NUM_CHUNKS // 2
-    with TransferEngine(big_kv(OLD), 1, num_slots=NUM_CHUNKS + 1) as engine:
-        engine.submit(store_job(0, [0], [NUM_CHUNKS]))
-        assert reached.wait(10)
-        engine.submit(store_job(1, np.arange(half), np.arange(half)))
-        engine.submit(store_job(2, np.arange(half, NUM_CHUNKS), np.arange(half, NUM_CHUNKS)))
-        gate.set()
-        # jobs 1 and 2 copy as one batch (one share each); cancel job 2 while they copy
-        wait_until(lambda: bool(ints(engine.slab)[half, :16].any()), "the batch copies")
-        assert not engine.wait([1, 2], timeout=0)
-        engine.cancel([2])
-        assert engine.wait([0, 1, 2], timeout=10)
-        results = {r.job_id: r for r in engine.get_finished()}
-        # job 1 was not cancelled, but its bytes were cut short with the batch: failed, and counted
-        assert results[0].success
-        assert results[1].failed_chunks == tuple(range(half)) and "job(s) [2]" in results[1].error
-        assert results[2].failed_chunks == tuple(range(half)) and "cancelled" in results[2].error
-        assert engine.num_cut_tasks == 1
+
+    def scenario():
+        gate, reached = threading.Event(), threading.Event()
+
+        def held(self, *args):  # the first batch waits, so that the next two jobs queue together
+            reached.set()
+            gate.wait(10)
+            return original(self, *args)
+
+        monkeypatch.setattr(MemmoveCopier, "start", held)
+        kv = big_kv(OLD)
+        with TransferEngine(kv, 1, num_slots=NUM_CHUNKS + 1) as engine:
+            engine.submit(store_job(0, [0], [NUM_CHUNKS]))
+            assert reached.wait(10)
+            engine.submit(store_job(1, np.arange(half), np.arange(half)))
+            engine.submit(store_job(2, np.arange(half, NUM_CHUNKS), np.arange(half, NUM_CHUNKS)))
+            gate.set()
+            # jobs 1 and 2 copy as one batch (one share each); cancel job 2 while they copy
+            wait_until(lambda: bool(ints(engine.slab)[half, :16].any()), "the batch copies")
+            still_copying(engine, [1, 2])
+            engine.cancel([2])
+            assert engine.wait([0, 1, 2], timeout=10)
+            if torch.equal(ints(engine.slab)[:half], ints(kv["layer.0"])[:half]):
+                raise CopyEnded  # job 1's share had ended: nothing of it was cut short
+            results = {r.job_id: r for r in engine.get_finished()}
+            # job 1 was not cancelled, but its bytes were cut short with the batch: failed, and counted
+            assert results[0].success
+            assert results[1].failed_chunks == tuple(range(half)) and "job(s) [2]" in results[1].error
+            assert results[2].failed_chunks == tuple(range(half)) and "cancelled" in results[2].error
+            assert engine.num_cut_tasks == 1
+
+    mid_copy(scenario)
 
 
 # -- a seeded random race: many jobs, cancels at random moments of their copies ------------------
