@@ -31,8 +31,14 @@ run (8 per key). Before (issue 22) a --quick round read 64 MiB against redis-ben
 a single pass of 30-60 ms on a tier's fresh connections, whose first 8 MiB window of each
 connection takes 1.5-2x as long as the next ones (scratch measurements in issue 22's report).
 
+Brackets (issue 22): each side runs between two redis-benchmark runs of its direction (GET
+of a working set kept in db 1; SET of new keys in db 2, emptied after each run), and its ratio
+is to their mean. This VM's loopback throughput drifts 2-4x within seconds (a plain socket
+pair: 0.3-1.8 GB/s), and a round's first baseline ran 5-20 s before the tier's loads; the
+ratio to it is still printed in parentheses.
+
 Each GB/s figure is the best over rounds; each ratio is the median over rounds of that
-round's side / baseline. The RESULT ratios are the tier's, the lowest over the sizes.
+round's side / its brackets' mean. The RESULT ratios are the tier's, the lowest over the sizes.
 
 Usage: python benchmarks/bench_remote.py [--quick] [--rounds R] [--threads T] [--batch B] [--clients] [--no-s3]
 Last line: RESULT redis_store_ratio=<x> redis_load_ratio=<y> s3_store_ratio=<z> s3_load_ratio=<w>
@@ -86,11 +92,48 @@ def redis_benchmark(port: int, size: int, clients: int, pipeline: int, working_s
 
 
 def _redis_benchmark(port: int, size: int, clients: int, pipeline: int, tests: str, keys: int,
-                     requests: int) -> dict[str, float]:
+                     requests: int, db: int = 0) -> dict[str, float]:
     done = subprocess.run(["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-d", str(size), "-t", tests,
-                           "-c", str(clients), "-P", str(pipeline), "-r", str(keys), "-n", str(requests), "--csv"],
+                           "-c", str(clients), "-P", str(pipeline), "-r", str(keys), "-n", str(requests),
+                           "--dbnum", str(db), "--csv"],
                           capture_output=True, text=True, check=True)
     return {row[0]: float(row[1]) * size / GB for row in csv.reader(done.stdout.splitlines()[1:]) if row}
+
+
+class Brackets:
+    """redis-benchmark run right before and right after each side, on databases of its own (1: the
+    GET run's keys, kept for the round; 2: SETs of new keys, emptied after each run), so that each
+    side is compared with the machine and server of its own moment: on this VM loopback
+    throughput drifts by 2-4x within seconds, more than any difference between the sides.
+
+    `around(direction, fn)` runs fn (which returns seconds) between two baseline runs of that
+    direction ("store": SET of new keys; "load": GET) and records their mean as that side's
+    bracket; `pipeline` is the round's better `-P` for that direction."""
+
+    def __init__(self, port: int, size: int, clients: int, pipelines: dict[str, int], working_set: int):
+        self.port, self.size, self.clients, self.pipelines = port, size, clients, pipelines
+        self.keys = max(8, working_set // size)
+        # db 1: GET's working set (8 SETs per key: nearly every key is set, as in redis_benchmark())
+        _redis_benchmark(port, size, clients, pipelines["load"], "set", self.keys, GET_PER_KEY * self.keys, db=1)
+
+    def rate(self, direction: str) -> float:
+        """One baseline run of `direction` now: GB/s."""
+        if direction == "load":
+            return _redis_benchmark(self.port, self.size, self.clients, self.pipelines["load"], "get", self.keys,
+                                    GET_PER_KEY * self.keys, db=1)["GET"]
+        rate = _redis_benchmark(self.port, self.size, self.clients, self.pipelines["store"], "set", NEW_KEYS,
+                                SET_PER_KEY * self.keys, db=2)["SET"]
+        redis.Redis(port=self.port, db=2).flushdb()
+        return rate
+
+    def around(self, direction: str, fn: Callable[[], float]) -> tuple[float, float]:
+        """(fn's seconds, the mean GB/s of the baseline runs just before and just after it)."""
+        before = self.rate(direction)
+        seconds = fn()
+        return seconds, (before + self.rate(direction)) / 2
+
+    def close(self) -> None:
+        redis.Redis(port=self.port, db=1).flushdb()
 
 
 def in_threads(threads: int, batch: int, count: int, work: Callable[[int, range], None]) -> float:
@@ -108,8 +151,9 @@ def in_threads(threads: int, batch: int, count: int, work: Callable[[int, range]
     return time.perf_counter() - start
 
 
-def store_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str) -> dict[str, float]:
-    """RedisStore put / get / get_into GB/s."""
+def store_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str,
+                brackets: Brackets) -> dict[str, float]:
+    """RedisStore put / get / get_into GB/s (and each one's `brackets`' GB/s, under "<side> bracket")."""
     store = RedisStore(url, max_connections=threads)
     names = [f"bench:{tag}:{i}" for i in range(count)]
     parts = [os.urandom(HEADER_BYTES), memoryview(np.random.default_rng(0).integers(0, 256, size - HEADER_BYTES,
@@ -130,20 +174,23 @@ def store_rates(url: str, size: int, count: int, threads: int, batch: int, tag: 
         if store.get_into([names[i] for i in idx], dests[thread][:len(idx)]) != [size] * len(idx):
             raise RuntimeError("a value is missing or of another size")
 
-    out = {"put": count * size / in_threads(threads, batch, count, put) / GB}
-    out.update({side: LOAD_PASSES * count * size / sum(in_threads(threads, batch, count, fn)
-                                                         for _ in range(LOAD_PASSES)) / GB
-                for side, fn in (("get", get), ("get_into", get_into))})
+    out = {}
+    for side, fn, passes in (("put", put, 1), ("get", get, LOAD_PASSES), ("get_into", get_into, LOAD_PASSES)):
+        seconds, out[f"{side} bracket"] = brackets.around(
+            "store" if side == "put" else "load",
+            lambda fn=fn, passes=passes: sum(in_threads(threads, batch, count, fn) for _ in range(passes)))
+        out[side] = passes * count * size / seconds / GB
     if bytes(dests[0][0][1]) != bytes(parts[1]):
         raise RuntimeError("get_into received other bytes")
     store.close()
     return out
 
 
-def tier_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str,
+def tier_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str, brackets: Brackets,
                key_secret: bytes | None = None) -> dict[str, float]:
     """RemoteTier store / load GB/s (bytes of values, header included, as the other sides; keyed
-    mode's tag not counted, so that both modes move the same KV per GB/s)."""
+    mode's tag not counted, so that both modes move the same KV per GB/s), each with its
+    `brackets`' GB/s ("<side> bracket") and this process's CPU seconds per GB ("<side> cpu")."""
 
     namespace = Namespace("bench", "bfloat16", "blocks", 16, 4, "sha256_cbor", 1, size - HEADER_BYTES)
     tier = RemoteTier(RedisStore(url, max_connections=2 * threads), namespace, prefix=f"bench-tier-{tag}",
@@ -152,11 +199,18 @@ def tier_rates(url: str, size: int, count: int, threads: int, batch: int, tag: s
     rows = np.random.default_rng(1).integers(0, 256, (batch * in_flight, size - HEADER_BYTES), np.uint8)
     out = {}
     try:
-        for side, passes in (("store", 1), ("load", LOAD_PASSES)):
-            cpu = time.process_time()  # this process only: the client's CPU, not the server's
+        cpu: dict[str, float] = {}
+
+        def run(side: str, passes: int) -> float:
+            start = time.process_time()  # this process only: the client's CPU, not the server's
             seconds = sum(run_jobs(tier, rows, count, batch, side == "store", poll_s=0.0002) for _ in range(passes))
+            cpu[side] = time.process_time() - start
+            return seconds
+
+        for side, passes in (("store", 1), ("load", LOAD_PASSES)):
+            seconds, out[f"{side} bracket"] = brackets.around(side, lambda side=side, passes=passes: run(side, passes))
             out[side] = passes * count * size / seconds / GB
-            out[f"{side} cpu"] = (time.process_time() - cpu) / (passes * count * size / GB)
+            out[f"{side} cpu"] = cpu[side] / (passes * count * size / GB)
         return out
     finally:
         tier.close()
@@ -214,14 +268,20 @@ def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: s
     out = {f"bench {test}": max(rates[test] for rates in by_pipeline.values()) for test in ("set", "set over", "get")}
     out.update({f"bench {test} -P{pipeline}": rate for pipeline, rates in by_pipeline.items()
                 for test, rate in rates.items()})
-    flush = redis.Redis(port=port).flushall
-    out.update({f"store {k}": v for k, v in store_rates(url, size, count, threads, batch, tag).items()})
-    flush()
-    for mode in ("keyed", "plain") if keyed_first else ("plain", "keyed"):
-        secret = KEY_SECRET if mode == "keyed" else None
-        rates = tier_rates(url, size, count, threads, batch, f"{tag}-{mode}", secret)
-        out.update({f"tier {'keyed ' if secret else ''}{k}": v for k, v in rates.items()})
+    best = {direction: max(by_pipeline, key=lambda p, test=test: by_pipeline[p][test])
+            for direction, test in (("store", "set"), ("load", "get"))}
+    brackets = Brackets(port, size, threads, best, working_set)
+    flush = redis.Redis(port=port, db=0).flushdb  # the sides' values (the brackets' are in dbs 1 and 2)
+    try:
+        out.update({f"store {k}": v for k, v in store_rates(url, size, count, threads, batch, tag, brackets).items()})
         flush()
+        for mode in ("keyed", "plain") if keyed_first else ("plain", "keyed"):
+            secret = KEY_SECRET if mode == "keyed" else None
+            rates = tier_rates(url, size, count, threads, batch, f"{tag}-{mode}", brackets, secret)
+            out.update({f"tier {'keyed ' if secret else ''}{k}": v for k, v in rates.items()})
+            flush()
+    finally:
+        brackets.close()
     if args.clients:
         out.update(client_rates(port, size, count, threads, batch))
     return out
@@ -229,8 +289,12 @@ def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: s
 
 def report(size: int, results: list[dict[str, float]]) -> dict[str, float]:
     """Print one size's figures; its ratios (median over rounds)."""
-    best = {name: (min if name.endswith("cpu") else max)(r[name] for r in results) for name in results[0]}
-    ratio = {side: statistics.median(r[side] / r[f"bench {base}"] for r in results)
+    best = {name: (min if name.endswith("cpu") else max)(r[name] for r in results) for name in results[0]
+            if not name.endswith("bracket")}
+    # against the baseline runs right before and after the side; the round's first baseline in parentheses
+    ratio = {side: statistics.median(r[side] / r[f"{side} bracket"] for r in results)
+             for side in ("store put", "store get", "store get_into", "tier store", "tier load") if side in best}
+    first = {side: statistics.median(r[side] / r[f"bench {base}"] for r in results)
              for side, base in (("store put", "set"), ("store get", "get"), ("store get_into", "get"),
                                 ("tier store", "set"), ("tier load", "get")) if side in best}
     ratio.update({f"tier keyed {side}": statistics.median(r[f"tier keyed {side}"] / r[f"tier {side}"] for r in results)
@@ -240,7 +304,11 @@ def report(size: int, results: list[dict[str, float]]) -> dict[str, float]:
     print(f"      ({', '.join(f'{k[6:]} {v:.2f}' for k, v in best.items() if k.startswith('bench ') and '-P' in k)})")
     for side, value in best.items():
         if not side.startswith("bench"):
-            extra = f"  ({ratio[side]:.2f}x{' plain' if 'keyed' in side else ''})" if side in ratio else ""
+            extra = ""
+            if side in first:
+                extra = f"  ({ratio[side]:.2f}x its brackets, {first[side]:.2f}x the round's first baseline)"
+            elif side in ratio:
+                extra = f"  ({ratio[side]:.2f}x plain)"
             unit = "s/GB of client CPU" if side.endswith("cpu") else "GB/s"
             print(f"      {side:20s} {value:5.2f} {unit}{extra}")
     return ratio
