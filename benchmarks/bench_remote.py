@@ -32,8 +32,8 @@ a single pass of 30-60 ms on a tier's fresh connections, whose first 8 MiB windo
 connection takes 1.5-2x as long as the next ones (scratch measurements in issue 22's report).
 
 Brackets (issue 22): each side runs between two redis-benchmark runs of its direction (GET
-of a working set kept in db 1; SET of new keys in db 2, emptied after each run), and its ratio
-is to their mean. This VM's loopback throughput drifts 2-4x within seconds (a plain socket
+over as many values as each side writes, kept in db 1; SET of new keys in db 2, emptied after
+each run), and its ratio is to their mean. This VM's loopback throughput drifts 2-4x within seconds (a plain socket
 pair: 0.3-1.8 GB/s), and a round's first baseline ran 5-20 s before the tier's loads; the
 ratio to it is still printed in parentheses.
 
@@ -102,24 +102,35 @@ def _redis_benchmark(port: int, size: int, clients: int, pipeline: int, tests: s
 
 class Brackets:
     """redis-benchmark run right before and right after each side, on databases of its own (1: the
-    GET run's keys, kept for the round; 2: SETs of new keys, emptied after each run), so that each
+    GET run's values, kept for the round; 2: SETs of new keys, emptied after each run), so that each
     side is compared with the machine and server of its own moment: on this VM loopback
     throughput drifts by 2-4x within seconds, more than any difference between the sides.
 
+    Each run moves the bytes of one side: a SET run writes `SET_PER_KEY` values per key of the
+    working set (new keys), a GET run reads `GET_PER_KEY`, at random over `span` keys: as many
+    distinct values as each side writes and then reads back (twice each, on average).
+
     `around(direction, fn)` runs fn (which returns seconds) between two baseline runs of that
     direction ("store": SET of new keys; "load": GET) and records their mean as that side's
-    bracket; `pipeline` is the round's better `-P` for that direction."""
+    bracket; `pipelines` is the round's better `-P` per direction."""
 
-    def __init__(self, port: int, size: int, clients: int, pipelines: dict[str, int], working_set: int):
+    def __init__(self, port: int, size: int, clients: int, pipelines: dict[str, int], working_set: int, span: int):
         self.port, self.size, self.clients, self.pipelines = port, size, clients, pipelines
-        self.keys = max(8, working_set // size)
-        # db 1: GET's working set (8 SETs per key: nearly every key is set, as in redis_benchmark())
-        _redis_benchmark(port, size, clients, pipelines["load"], "set", self.keys, GET_PER_KEY * self.keys, db=1)
+        self.keys, self.span = max(8, working_set // size), span
+        # db 1: the GET runs' values, under redis-benchmark's names (`key:` and 12 digits), each one set
+        client = redis.Redis(port=port, db=1)
+        value = os.urandom(size)
+        for start in range(0, span, 8):
+            pipe = client.pipeline(transaction=False)
+            for i in range(start, min(start + 8, span)):
+                pipe.set(f"key:{i:012d}", value)
+            pipe.execute()
+        client.close()
 
     def rate(self, direction: str) -> float:
         """One baseline run of `direction` now: GB/s."""
         if direction == "load":
-            return _redis_benchmark(self.port, self.size, self.clients, self.pipelines["load"], "get", self.keys,
+            return _redis_benchmark(self.port, self.size, self.clients, self.pipelines["load"], "get", self.span,
                                     GET_PER_KEY * self.keys, db=1)["GET"]
         rate = _redis_benchmark(self.port, self.size, self.clients, self.pipelines["store"], "set", NEW_KEYS,
                                 SET_PER_KEY * self.keys, db=2)["SET"]
@@ -270,7 +281,7 @@ def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: s
                 for test, rate in rates.items()})
     best = {direction: max(by_pipeline, key=lambda p, test=test: by_pipeline[p][test])
             for direction, test in (("store", "set"), ("load", "get"))}
-    brackets = Brackets(port, size, threads, best, working_set)
+    brackets = Brackets(port, size, threads, best, working_set, count)
     flush = redis.Redis(port=port, db=0).flushdb  # the sides' values (the brackets' are in dbs 1 and 2)
     try:
         out.update({f"store {k}": v for k, v in store_rates(url, size, count, threads, batch, tag, brackets).items()})
