@@ -46,7 +46,9 @@ class _LoadDelayingTransferEngine(TransferEngine):
         flag = os.environ.get("KVTIER_TEST_SLOW_LOADS")
         if not (job.is_load and flag and Path(flag).exists()):
             return super().submit(job, slices)
-        Path(flag).with_suffix(".seen").write_text(str(job.req_id))
+        seen = Path(flag).with_suffix(".seen")  # written whole, then renamed: a test polls for it
+        seen.with_suffix(".seen-tmp").write_text(str(job.req_id))
+        os.replace(seen.with_suffix(".seen-tmp"), seen)
         threading.Timer(SLOW_LOAD_S, super().submit, [job, slices]).start()
         return None
 
