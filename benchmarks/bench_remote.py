@@ -303,11 +303,10 @@ def report(size: int, results: list[dict[str, float]]) -> dict[str, float]:
     best = {name: (min if name.endswith("cpu") else max)(r[name] for r in results) for name in results[0]
             if not name.endswith("bracket")}
     # against the baseline runs right before and after the side; the round's first baseline in parentheses
-    ratio = {side: statistics.median(r[side] / r[f"{side} bracket"] for r in results)
-             for side in ("store put", "store get", "store get_into", "tier store", "tier load") if side in best}
-    first = {side: statistics.median(r[side] / r[f"bench {base}"] for r in results)
-             for side, base in (("store put", "set"), ("store get", "get"), ("store get_into", "get"),
-                                ("tier store", "set"), ("tier load", "get")) if side in best}
+    bases = {side: base for side, base in (("store put", "set"), ("store get", "get"), ("store get_into", "get"),
+                                           ("tier store", "set"), ("tier load", "get")) if side in best}
+    ratio = {side: statistics.median(r[side] / r[f"{side} bracket"] for r in results) for side in bases}
+    first = {side: statistics.median(r[side] / r[f"bench {base}"] for r in results) for side, base in bases.items()}
     ratio.update({f"tier keyed {side}": statistics.median(r[f"tier keyed {side}"] / r[f"tier {side}"] for r in results)
                   for side in ("store", "load")})  # against the plain tier, not redis-benchmark
     print(f"{size >> 20} MiB  redis-benchmark SET (new keys) {best['bench set']:.2f}, GET {best['bench get']:.2f} "

@@ -29,8 +29,7 @@ class _LoadFailingTransferEngine(TransferEngine):
         flag = os.environ.get("KVTIER_TEST_FAIL_LOADS")
         if not (job.is_load and flag and Path(flag).exists()):
             return super().submit(job, slices)
-        seen = Path(flag).with_suffix(".seen")
-        seen.write_text(str(int(seen.read_text() or 0) + 1) if seen.exists() else "1")
+        _count_seen(Path(flag))
         return self._report(job.failed("injected load failure"))
 
 
@@ -46,9 +45,7 @@ class _LoadDelayingTransferEngine(TransferEngine):
         flag = os.environ.get("KVTIER_TEST_SLOW_LOADS")
         if not (job.is_load and flag and Path(flag).exists()):
             return super().submit(job, slices)
-        seen = Path(flag).with_suffix(".seen")  # written whole, then renamed: a test polls for it
-        seen.with_suffix(".seen-tmp").write_text(str(job.req_id))
-        os.replace(seen.with_suffix(".seen-tmp"), seen)
+        _write_seen(Path(flag), str(job.req_id))
         threading.Timer(SLOW_LOAD_S, super().submit, [job, slices]).start()
         return None
 
@@ -72,9 +69,17 @@ def _flag(env: str) -> Path | None:
     return Path(flag) if flag and Path(flag).exists() else None
 
 
+def _write_seen(flag: Path, text: str) -> None:
+    """`<flag>.seen` := text, written whole and then renamed into place: a test in another process
+    polls for it and must never read it between its creation and its write."""
+    partial = flag.with_suffix(".seen-tmp")
+    partial.write_text(text)
+    os.replace(partial, flag.with_suffix(".seen"))
+
+
 def _count_seen(flag: Path, num: int = 1) -> None:
     seen = flag.with_suffix(".seen")
-    seen.write_text(str(int(seen.read_text() or 0) + num) if seen.exists() else str(num))
+    _write_seen(flag, str(int(seen.read_text() or 0) + num) if seen.exists() else str(num))
 
 
 class _StoreStickingTransferEngine(TransferEngine):
