@@ -211,7 +211,7 @@ class ThrottledProxy:
         listener.settimeout(ACCEPT_POLL_S)
         self._listener = listener
         self._port = listener.getsockname()[1]
-        self._spawn(self._accept_loop, f"throttle-{self._port}-accept")
+        self._spawn(self._thread(self._accept_loop, f"throttle-{self._port}-accept"))
         return self
 
     def close(self) -> None:
@@ -241,12 +241,28 @@ class ThrottledProxy:
 
     # -- the threads ----------------------------------------------------------------------------
 
-    def _spawn(self, target, name: str, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    def _spawn(self, *threads: threading.Thread, link: _Link | None = None) -> bool:
+        """Register and start `threads` (and `link`) at once; False, starting none, once closing.
+
+        All under the lock that close() takes to list what it joins: a connection accepted while
+        close() runs has either both its threads joined, or neither started (close() set the flag
+        first). Registering one direction's thread, then the other's, let close() list the first
+        and miss the second, which then outlived the proxy.
+        """
         with self._lock:
+            if self._stop.is_set():
+                return False
+            if link is not None:
+                self._links.add(link)
             self._threads = [t for t in self._threads if t.is_alive()]  # the list stays as long as the live ones
-            self._threads.append(thread)
-        thread.start()
+            self._threads.extend(threads)
+            for thread in threads:
+                thread.start()
+        return True
+
+    @staticmethod
+    def _thread(target, name: str, *args: object) -> threading.Thread:
+        return threading.Thread(target=target, args=args, name=name, daemon=True)
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -272,14 +288,11 @@ class ThrottledProxy:
         for sock in (client, target):  # the proxy already sends in pieces: Nagle would only add delay
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = _Link(client, target)
-        with self._lock:
-            if self._stop.is_set():  # close() ran while we connected: it will not see this link
-                link.close()
-                return
-            self._links.add(link)
         name = f"throttle-{self._port}-{count}"
-        self._spawn(self._forward, f"{name}-up", link, client, target, self._up)
-        self._spawn(self._forward, f"{name}-down", link, target, client, self._down)
+        up = self._thread(self._forward, f"{name}-up", link, client, target, self._up)
+        down = self._thread(self._forward, f"{name}-down", link, target, client, self._down)
+        if not self._spawn(up, down, link=link):  # close() ran while we connected: it will not see this link
+            link.close()
 
     def _forward(self, link: _Link, src: socket.socket, dst: socket.socket, bucket: _TokenBucket) -> None:
         """One direction of one connection, until its source's EOF, an error or close()."""
