@@ -341,9 +341,12 @@ def test_a_plan_survives_pickling_to_the_workers():
 
 
 @pytest.mark.parametrize("idle", [True, False])
-def test_a_step_that_computes_nothing_waits_a_little_for_its_asynchronous_loads(idle):
+def test_a_step_that_computes_nothing_waits_a_little_for_its_asynchronous_loads(idle, monkeypatch):
     """vLLM asks for finished loads right after start_load_kv in a step with nothing to compute;
     reporting them then saves the engine empty round trips before the parked request runs."""
+    # the wait returns when the load ends; its 50 ms was too little for a loaded machine's copy
+    # thread to wake. Without the wait the held load never starts, so that still fails.
+    monkeypatch.setattr("kvtier.worker.side.IDLE_STEP_WAIT_S", 30.0)
     kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
     # loads held back until the step ends, unless a wait starts them (the simulator's slow device)
     slow = functools.partial(SimTransferEngine, faults=Faults(load_delay_steps=1))

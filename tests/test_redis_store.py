@@ -202,7 +202,7 @@ def test_a_paused_server_times_out_and_then_serves_again(fresh_redis):
             store.get(["t:a"])
         elapsed = time.monotonic() - start
     assert store.is_timeout(raised.value)
-    assert 0.15 < elapsed < 1.5
+    assert 0.15 < elapsed < 3.0  # slack for a loaded machine; a read without a timeout never returns
     # resumed → the broken connection was dropped; a new one serves the value
     assert bytes(store.get(["t:a"])[0]) == b"a"
     store.close()

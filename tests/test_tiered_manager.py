@@ -250,10 +250,13 @@ def test_a_promotion_past_its_deadline_is_given_up_but_its_slot_waits_for_the_la
     and its request waited for it (HIT_PENDING) until its own budget ran out. Past the job's
     deadline the manager gives up on it: the chunk reads as a miss, the budget is free again —
     but the slot is handed to no other chunk until the tier reports the read, however late."""
-    manager, slabs = make_tiered(tmp_path, held="loads", job_timeout_s=0.05)
+    # every tier job gets this deadline: the write-through stores and the second promotion below
+    # must start within it (50 ms, before, was not always enough on a loaded machine)
+    timeout_s = 2.0
+    manager, slabs = make_tiered(tmp_path, held="loads", job_timeout_s=timeout_s)
     evict_1_to_4_to_disk(manager, slabs)
     assert manager.lookup(key(1), CTX) is PENDING  # its read is stuck (held)
-    time.sleep(0.1)
+    time.sleep(timeout_s + 0.1)
     assert manager.lookup(key(1), CTX) is MISS  # given up: a miss, not a wait
     stats = manager.stats()
     assert stats.extra["promoting_bytes"] == 0 and counters(manager)["expired_jobs"] == 1

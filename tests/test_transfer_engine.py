@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import tracemalloc
 
 import numpy as np
@@ -255,8 +256,15 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
     assert gate.reached.wait(5)  # job 0 is held mid-flight; the next 39 queue behind it
     for i in range(1, 40):
         engine.submit(store_job(i, [i], [i]))
-    # let the held batch go only once shutdown has begun: the queued jobs are failed, not run
-    threading.Timer(0.1, gate.set).start()
+    # let the held batch go only once shutdown has begun: the queued jobs are failed, not run.
+    # (Opened on a 0.1 s timer before, the gate could open first on a loaded machine.)
+    def open_once_stopping() -> None:
+        deadline = time.monotonic() + 10
+        while not engine._backend._stopping and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gate.set()
+
+    threading.Thread(target=open_once_stopping, daemon=True).start()
     engine.shutdown()
     results = engine.get_finished()
     assert sorted(r.job_id for r in results) == list(range(40))
