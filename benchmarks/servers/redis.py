@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .ports import MIN_PORT, ephemeral_low
+
 if TYPE_CHECKING:  # redis-py is imported when a server is first asked something
     import redis
 
@@ -58,9 +60,11 @@ def _is_free(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A loopback port that is free, and whose cluster bus port (+10000) is free too."""
+    """A loopback port that is free, and whose cluster bus port (+10000) is free too; both below
+    the ephemeral range (see servers/ports.py), so that a server restarted on them finds them free."""
+    high = ephemeral_low() - 10000  # the bus port too
     for _ in range(200):
-        port = random.randint(20000, 50000)
+        port = random.randrange(MIN_PORT, high)
         if _is_free(port) and _is_free(port + 10000):
             return port
     raise RuntimeError("no free loopback port pair found")

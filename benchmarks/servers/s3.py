@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from .ports import MIN_PORT, ephemeral_low
 from .tls import make_certificates
 
 __all__ = ["WEED_MISSING", "SeaweedFS", "find_weed", "free_ports"]
@@ -43,7 +44,6 @@ WEED_MISSING = ("SeaweedFS's `weed` binary was not found beside the Python inter
 _PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
                "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
 _WARM_UP = "kvtier-warm-up"
-_MIN_PORT = 12000  # weed's gRPC ports default to HTTP + 10000: stay clear of the well-known ones
 # SIGTERM → gone takes 1.2 s with -volume.preStopSeconds=0 (3.2 s with the default 1), but weed 4.48's
 # graceful shutdown hangs in ~1 stop of 4: SIGKILL after 2 s
 _STOP_WAIT_S = 2.0
@@ -66,10 +66,10 @@ def free_ports(count: int) -> list[int]:
     Outside that range because weed checks some ports only once other parts already run: an
     ephemeral port (what bind(0) hands out) can meanwhile become the source port of one of its
     own connections, and `weed mini` then refuses to start (seen once in ~40 restarts)."""
-    low = _ephemeral_low()
+    low = ephemeral_low()
     chosen: list[int] = []
     with contextlib.ExitStack() as stack:
-        for port in random.sample(range(_MIN_PORT, low), min(64 * count, low - _MIN_PORT)):
+        for port in random.sample(range(MIN_PORT, low), min(64 * count, low - MIN_PORT)):
             sock = stack.enter_context(socket.socket())
             try:
                 sock.bind(("127.0.0.1", port))
@@ -78,13 +78,7 @@ def free_ports(count: int) -> list[int]:
             chosen.append(port)
             if len(chosen) == count:
                 return chosen
-    raise RuntimeError(f"no {count} free loopback ports between {_MIN_PORT} and {low}")
-
-
-def _ephemeral_low() -> int:
-    with contextlib.suppress(OSError, ValueError):
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    return 32768  # Linux's default
+    raise RuntimeError(f"no {count} free loopback ports between {MIN_PORT} and {low}")
 
 
 class SeaweedFS:
