@@ -54,7 +54,9 @@ class Server:
              "tiny", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
              "--seed", "0", "--cpu-bytes", "256MiB", "--max-defer-s", "1.0", "--shutdown-timeout", str(GRACE_S),
              *extra_args],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            # the engine's own wait for its workers (vLLM: 5 s, then SIGTERM) gets the same room
+            env={**os.environ, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(GRACE_S)})
 
     def log_tail(self, num_lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])

@@ -15,6 +15,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 # 1 ulp (4.8e-7) in some logprobs (measured on the 2-core machine). Across engines a tolerance
 # far below any token-changing difference is asserted; within one engine, bit equality.
 LOGPROB_TOL = 1e-5  # ~20 ulp at the logprob magnitudes here (-7 .. -9)
+SHUTDOWN_S = 60  # how long an engine's processes get to exit on their own (idle here: ~4 s)
 
 
 def engine_env() -> None:
@@ -22,6 +23,8 @@ def engine_env() -> None:
     from kvtier.integrations.vllm.binding import pin_reserved_cpus
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: a 20-40 s start instead of 90 s
+    # vLLM waits 5 s for its workers to exit before it signals them; on 2 busy cores that is short
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_S))
     pin_reserved_cpus()  # engines with and without kvtier compute on the same cores
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
 
@@ -41,7 +44,9 @@ def make_llm(model: Path, connector: str | None = None, module: str = "kvtier.in
 
 
 def shutdown(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    # vLLM's default gives the EngineCore 5 s, its own wait for the workers included, before it
+    # kills it; killed, it leaves kvtier's host slab behind (a loaded machine took longer)
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
     del llm
     gc.collect()
 
