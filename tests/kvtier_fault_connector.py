@@ -4,11 +4,12 @@
 
 The flag paths come from the KVTIER_TEST_FAIL_LOADS / KVTIER_TEST_SLOW_LOADS environment
 variables, which the engine's worker process inherits when it is spawned; the test creates
-and removes the file to inject the fault at a chosen moment. A slow load starts its copies
-`SLOW_LOAD_S` after it was submitted, on a thread of its own (as a slow device would: the
-engine's thread is never blocked by it). The fault sits where a real one would: in
-the transfer engine, which reports every chunk of such a load failed and copies nothing;
-the real `WorkerSide` and connector handle the rest.
+and removes the file to inject the fault at a chosen moment. A slow load is held, then starts
+its copies once `<flag>.release` exists (at the latest `HOLD_LIMIT_S` after it was submitted),
+on a thread of its own (as a slow device would: the engine's thread is never blocked by it):
+the test, not a timer, says when it ends. A failed load is where a real one would be: in the
+transfer engine, which reports every chunk of such a load failed and copies nothing; the real
+`WorkerSide` and connector handle the rest.
 """
 
 from __future__ import annotations
@@ -37,21 +38,35 @@ class FaultyKVTierConnector(KVTierConnector):
     transfer_factory = _LoadFailingTransferEngine
 
 
-SLOW_LOAD_S = 2.5  # 1.0 was not enough on a slow day: the other request's 24 tokens took 1.1 s (CI-like run)
+# A held load starts at the latest this long after it was submitted (a test that never releases
+# it must not hang). A fixed delay (1 s, then 2.5 s) was twice too short on a loaded machine.
+HOLD_LIMIT_S = 120.0
 
 
-class _LoadDelayingTransferEngine(TransferEngine):
+def release_path(flag: Path) -> Path:
+    return flag.with_suffix(".release")
+
+
+class _LoadHoldingTransferEngine(TransferEngine):
     def submit(self, job: TransferJob, slices=None) -> None:
         flag = os.environ.get("KVTIER_TEST_SLOW_LOADS")
         if not (job.is_load and flag and Path(flag).exists()):
             return super().submit(job, slices)
         _write_seen(Path(flag), str(job.req_id))
-        threading.Timer(SLOW_LOAD_S, super().submit, [job, slices]).start()
+        release, start = release_path(Path(flag)), super().submit
+
+        def start_once_released() -> None:
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            start(job, slices)
+
+        threading.Thread(target=start_once_released, daemon=True).start()
         return None
 
 
 class SlowLoadKVTierConnector(KVTierConnector):
-    transfer_factory = _LoadDelayingTransferEngine
+    transfer_factory = _LoadHoldingTransferEngine
 
 
 # -- the served soak's faults (benchmarks/soak.py): a stuck store copy, late job reports ---------
