@@ -79,6 +79,19 @@ def check_quiet(stack: Stack, remote_kept_values: bool) -> None:
         if stack.disk is not None:
             stack.disk.check()
         if stack.remote is not None and remote_kept_values and not stack.remote.breaker.is_open:
-            stack.remote.check()
+            _check_remote(stack.remote)
     except InvariantError as exc:
         raise Violation(str(exc)) from exc
+
+
+def _check_remote(remote, tries: int = 3) -> None:
+    """`remote.check()`, asked again when its request timed out: the fuzzed store's 300 ms is
+    one stall of a loaded machine, not a defect (a phantom raises InvariantError every time)."""
+    for attempt in range(tries):
+        try:
+            return remote.check()
+        except InvariantError:
+            raise
+        except Exception as exc:
+            if attempt == tries - 1 or not remote.store.is_timeout(exc):
+                raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
@@ -15,6 +16,16 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def run_until_done(engine: FakeEngine, timeout_s: float = 30.0) -> None:
+    """Step `engine` until every request finished. With a real tier beside it (a disk read takes
+    milliseconds of real time, a fake step microseconds) a count of steps is no bound: 10,000 of
+    them (`FakeEngine.run`'s) pass in ~1 s, which one stall of a loaded machine outlasts."""
+    deadline = time.monotonic() + timeout_s
+    while engine.waiting or engine.running or engine.parked:
+        assert time.monotonic() < deadline, f"requests still unfinished after {timeout_s} s of steps"
+        engine.step()
 
 
 def make_engine(

@@ -223,6 +223,9 @@ def scraped(stack) -> tuple[Server, Prometheus]:
     server, prometheus = stack.server, stack.prometheus
     prompts = {name: tokens(4 * CHUNK_TOKENS + 40, seed=seed) for seed, name in enumerate("abc", start=70)}
     complete(server, prompts["a"])  # stores a's 4 chunks in RAM, on disk and in Redis
+    # the hit ratio is a rate(): Prometheus must hold a sample from before the hits, or they are
+    # in its first sample and never counted (the next request takes well under a 1 s scrape)
+    assert prometheus.wait_for_result("kvtier:hit_tokens_total"), prometheus.log_tail()
     complete(server, prompts["a"][:-5] + [7, 7, 7, 7, 7])  # the same 4 chunks again: loaded from RAM
     complete(server, prompts["b"])  # 8 chunks in RAM: full
     complete(server, prompts["c"])  # evicts a's chunks (RAM holds 8)

@@ -19,7 +19,7 @@ from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.tiered import TieredManager
-from sched_helpers import FakeClock, close_after_test, prompt
+from sched_helpers import FakeClock, close_after_test, prompt, run_until_done
 from test_tiered_scheduler import _ClosesTiers, serve, settle
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 32, 4, 4
@@ -118,7 +118,7 @@ def test_the_request_cap_bounds_what_the_cost_model_would_load(tmp_path):
     p = prompt(12, seed=1)
     only_on_disk(engine, p)
     req = engine.add_request("capped", p + [7], 1, kv_transfer_params={"kvtier": {"max_load_tokens": 4}})
-    engine.run()
+    run_until_done(engine)
     assert req.num_external_tokens == 4
     assert promotions(engine) == 1  # only the chunk it may load is read up
 
@@ -189,5 +189,5 @@ def test_a_preempted_request_decides_again_when_it_resumes(tmp_path):
     engine.step()
     assert engine.scheduler.stats.loaded_chunks - loaded_before == 3
     assert decisions(engine) == {("recompute", "disk"): 1, ("load", "cpu"): 1}
-    engine.run()
+    run_until_done(engine)
     assert q.is_finished

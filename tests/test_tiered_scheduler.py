@@ -16,7 +16,7 @@ from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.tiered import TieredManager
-from sched_helpers import FakeClock, close_after_test, prompt
+from sched_helpers import FakeClock, close_after_test, prompt, run_until_done
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 32, 4, 4
 
@@ -53,7 +53,7 @@ class _ClosesTiers:
 
 def serve(engine, req_id, tokens, max_new_tokens=1):
     req = engine.add_request(req_id, tokens, max_new_tokens)
-    engine.run()
+    run_until_done(engine)
     return req
 
 
