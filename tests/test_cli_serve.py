@@ -55,8 +55,9 @@ class Server:
              "--seed", "0", "--cpu-bytes", "256MiB", "--max-defer-s", "1.0", "--shutdown-timeout", str(GRACE_S),
              *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            # the engine's own wait for its workers (vLLM: 5 s, then SIGTERM) gets the same room
-            env={**os.environ, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(GRACE_S)})
+            # the engine's own wait for its workers (vLLM: 5 s, then SIGTERM) gets room too, within
+            # the grace, so that a stuck worker is still signalled before the EngineCore is killed
+            env={**os.environ, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(GRACE_S // 2)})
 
     def log_tail(self, num_lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])

@@ -61,9 +61,10 @@ def slow_engine(model, tmp_path_factory):
 
 
 @contextlib.contextmanager
-def held_loads(flag: Path) -> Iterator[Path]:
-    """While inside, every kvtier load is held until the yielded release file is created; on the
-    way out the loads are released (none is left held) and new ones are no longer held."""
+def held_loads(engine, flag: Path, request_ids: list[str]) -> Iterator[Path]:
+    """While inside, every kvtier load is held until the yielded release file is created. On the
+    way out the loads are released (none is left held), new ones are no longer held, and the
+    test's requests (`request_ids`) are gone: a failed test leaves none to the next one's steps."""
     release = release_path(flag)
     release.unlink(missing_ok=True)
     flag.with_suffix(".seen").unlink(missing_ok=True)
@@ -73,14 +74,20 @@ def held_loads(flag: Path) -> Iterator[Path]:
     finally:
         release.touch()
         flag.unlink()
+        engine.abort_request(request_ids)  # finished or unknown ones are passed over
+        deadline = time.monotonic() + STEPS_S
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            engine.step()
 
 
 def step_until(engine, done: Callable[[dict], bool]) -> dict:
-    """Step `engine` until `done(outputs)`; `outputs`: the latest output of each request that had one."""
+    """Step `engine` until `done(outputs)`; `outputs`: the latest output of each request that had one.
+    With no request left a step would wait for outputs forever: that fails at once instead."""
     outputs: dict = {}
     deadline = time.monotonic() + STEPS_S
     while not done(outputs):
         assert time.monotonic() < deadline, f"not done after {STEPS_S} s of steps: {sorted(outputs)}"
+        assert engine.has_unfinished_requests(), f"no request left, not done: {sorted(outputs)}"
         outputs |= {out.request_id: out for out in engine.step()}
     return outputs
 
@@ -96,7 +103,7 @@ def test_a_slow_load_parks_only_its_request(slow_engine):
     computed = generate(llm, [PREFIXED], max_tokens=4)  # computed; its chunks are stored
     llm.reset_prefix_cache(reset_connector=False)  # only kvtier holds the prefix now
     engine = llm.llm_engine
-    with held_loads(flag) as release:
+    with held_loads(engine, flag, ["loaded", "other"]) as release:
         engine.add_request("loaded", TokensPrompt(prompt_token_ids=PREFIXED), params(4))
         engine.add_request("other", TokensPrompt(prompt_token_ids=OTHER), params(OTHER_TOKENS))
         # the load is held: the other request decodes every token while the loaded one is parked
@@ -121,7 +128,7 @@ def test_a_request_aborted_while_its_load_runs(slow_engine):
     computed = generate(llm, [prompt], max_tokens=4)
     llm.reset_prefix_cache(reset_connector=False)
     engine = llm.llm_engine
-    with held_loads(flag):
+    with held_loads(engine, flag, ["victim", "bystander"]):
         engine.add_request("victim", TokensPrompt(prompt_token_ids=prompt), params(4))
         bystander = tokens(150, seed=32)  # never seen before: nothing of it to load
         engine.add_request("bystander", TokensPrompt(prompt_token_ids=bystander), params(OTHER_TOKENS))

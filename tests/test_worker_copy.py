@@ -193,8 +193,8 @@ def in_some_attempt(attempt, tries: int = 8):
 def test_a_cancel_stops_a_copy_inside_a_long_run_and_nothing_is_written_after_it(num_shares):
     copier = copyruns.Copier(2)
 
-    def attempt() -> tuple[np.ndarray, int, int]:
-        _, dst, runs = one_long_run()
+    def attempt() -> tuple[np.ndarray, np.ndarray, int, int]:
+        src, dst, runs = one_long_run()  # returned: `runs` holds only addresses of src and dst
         ticket = copier.start(*runs, num_shares)
         wait_for_first_byte(dst)
         assert copier.cancel(ticket) is True
@@ -205,9 +205,9 @@ def test_a_cancel_stops_a_copy_inside_a_long_run_and_nothing_is_written_after_it
         # cut short: wait returned once every thread stopped, within a slice of the cancel
         assert is_complete is False and seconds >= 0
         assert 0 < copied < RUN
-        return dst, copied, ticket
+        return src, dst, copied, ticket
 
-    dst, copied, ticket = in_some_attempt(attempt)
+    src, dst, copied, ticket = in_some_attempt(attempt)  # both kept mapped while a late write is looked for
     time.sleep(0.05)
     assert int(np.count_nonzero(dst)) == copied, "a thread wrote after wait() returned"
     # the ticket is gone; the copier copies the next batch whole
@@ -235,8 +235,8 @@ def test_a_cancelled_handle_says_it_was_cut_short_on_either_path(path, monkeypat
         monkeypatch.setattr(memmove, "_copyruns", None)
     copier = MemmoveCopier(2)
 
-    def attempt() -> tuple[np.ndarray, int]:
-        _, dst, runs = one_long_run()
+    def attempt() -> tuple[np.ndarray, np.ndarray, int]:
+        src, dst, runs = one_long_run()  # returned: `runs` holds only addresses of src and dst
         handle = copier.start(*runs)
         wait_for_first_byte(dst)
         handle.cancel()
@@ -245,9 +245,9 @@ def test_a_cancelled_handle_says_it_was_cut_short_on_either_path(path, monkeypat
         if not cut and copied == RUN:
             raise CopyEnded
         assert cut and 0 < copied < RUN
-        return dst, copied
+        return src, dst, copied
 
-    dst, copied = in_some_attempt(attempt)
+    src, dst, copied = in_some_attempt(attempt)  # both kept mapped while a late write is looked for
     time.sleep(0.05)
     assert int(np.count_nonzero(dst)) == copied
     small = Runs(20, 1000, seed=7)

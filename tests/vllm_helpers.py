@@ -23,8 +23,9 @@ def engine_env() -> None:
     from kvtier.integrations.vllm.binding import pin_reserved_cpus
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: a 20-40 s start instead of 90 s
-    # vLLM waits 5 s for its workers to exit before it signals them; on 2 busy cores that is short
-    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_S))
+    # vLLM waits 5 s for its workers to exit before it signals them; on 2 busy cores that is short.
+    # Half the EngineCore's own grace: a stuck worker is still signalled before that runs out
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_S // 2))
     pin_reserved_cpus()  # engines with and without kvtier compute on the same cores
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
 

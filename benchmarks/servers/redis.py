@@ -62,9 +62,11 @@ def _is_free(port: int) -> bool:
 def free_port() -> int:
     """A loopback port that is free, and whose cluster bus port (+10000) is free too; both below
     the ephemeral range (see servers/ports.py), so that a server restarted on them finds them free."""
-    high = ephemeral_low() - 10000  # the bus port too
+    low, high = MIN_PORT, ephemeral_low() - 10000  # the bus port too
+    if high - low < 1000:  # a host whose ephemeral range starts low: any port, as a last resort
+        low, high = 20000, 50000
     for _ in range(200):
-        port = random.randrange(MIN_PORT, high)
+        port = random.randrange(low, high)
         if _is_free(port) and _is_free(port + 10000):
             return port
     raise RuntimeError("no free loopback port pair found")

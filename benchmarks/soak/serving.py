@@ -35,8 +35,10 @@ __all__ = ["EngineSpec", "Metrics", "ServedEngine", "is_alive"]
 KVTIER = str(Path(sys.executable).parent / "kvtier")
 TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"  # the fault-injecting connectors live there
 DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
-# how long a stopped server's engine and workers get to exit on their own (idle: ~4 s). Killed,
-# an EngineCore leaves kvtier's host slab in /dev/shm, which the shutdown checks count as a fault
+# a kvtier server's --shutdown-timeout: how long a stopped engine drains its requests and its
+# processes get to exit on their own (idle: ~4 s), before vLLM kills the EngineCore, which then
+# leaves kvtier's host slab in /dev/shm (the shutdown checks count that as a fault). Its workers
+# get half of it before they are signalled. The baseline keeps vLLM's default (0: abort at once).
 SHUTDOWN_GRACE_S = 30
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -81,10 +83,10 @@ class EngineSpec:
         vllm = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--skip-tokenizer-init",
                 "--dtype", "float32", "--max-model-len", str(self.max_model_len), "--enforce-eager", "--seed", "0",
                 "--num-gpu-blocks-override", str(self.num_gpu_blocks), "--max-num-seqs", str(self.max_num_seqs),
-                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-                "--shutdown-timeout", str(SHUTDOWN_GRACE_S)]
+                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
         if self.kvtier is None:
             return [KVTIER, "vllm", "serve", str(self.model), *vllm]
+        vllm += ["--shutdown-timeout", str(SHUTDOWN_GRACE_S)]
         if self.connector is None:  # what users run: kvtier's flags
             return [KVTIER, "serve", str(self.model), *vllm, *_flags(self.kvtier)]
         from kvtier.cli.config import transfer_config
@@ -128,7 +130,7 @@ class ServedEngine:
         from kvtier.integrations.vllm.binding import RESERVED_CPUS_ENV
 
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "KVTIER_SOAK_SERVER": "1",
-               "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(SHUTDOWN_GRACE_S), **self.spec.env}
+               "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(SHUTDOWN_GRACE_S // 2), **self.spec.env}
         env.setdefault(RESERVED_CPUS_ENV, "1")  # both servers compute on the same cores (see binding.py)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
