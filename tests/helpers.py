@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from kvtier.base import ReqContext
 from kvtier.jobs import Endpoint, TransferJob, TransferPart
 from kvtier.keys import make_offload_key
@@ -41,3 +43,19 @@ def store_job(job_id, block_ids, slot_ids, group=0):
 def load_job(job_id, slot_ids, block_ids, group=0, skip_blocks=0):
     part = TransferPart(group=group, slot_ids=slot_ids, block_ids=block_ids, skip_blocks=skip_blocks)
     return TransferJob(job_id=job_id, req_id="r", src=Endpoint.SLAB, dst=Endpoint.ENGINE, parts=(part,), deadline=0.0)
+
+
+class CopyEnded(Exception):
+    """The copy ended before the test could act while it ran: the attempt tests nothing."""
+
+
+def mid_copy(scenario, attempts: int = 8):
+    """`scenario()`'s result from the first attempt that caught its copy running (`scenario` raises
+    `CopyEnded` when it came too late: a loaded machine may wake the test after a short copy ended).
+    A cancel that never cuts a copy fails every attempt."""
+    for _ in range(attempts):
+        try:
+            return scenario()
+        except CopyEnded:
+            continue
+    pytest.fail(f"in {attempts} attempts the copy always ended before the test could act on it")

@@ -26,7 +26,7 @@ import torch
 
 import kvtier.worker.cpu_copy as cpu_copy
 import kvtier.worker.memmove as memmove
-from helpers import load_job, store_job
+from helpers import CopyEnded, load_job, mid_copy, store_job
 from kvtier.jobs import Endpoint, StepPlan, TransferJob, TransferPart
 from kvtier.worker import TransferEngine, WorkerSide
 from kvtier.worker.memmove import MemmoveCopier
@@ -61,24 +61,9 @@ def wait_until(condition, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.0002)
 
 
-class CopyEnded(Exception):
-    """The copy ended before the test could act while it ran: the attempt tests nothing."""
-
-
 def still_copying(engine: TransferEngine, job_ids: list[int]) -> None:
     if engine.wait(job_ids, timeout=0):
         raise CopyEnded
-
-
-def mid_copy(scenario, attempts: int = 8) -> None:
-    """Run `scenario()` (which raises `CopyEnded` when it came too late) until one attempt caught
-    its copy running."""
-    for _ in range(attempts):
-        try:
-            return scenario()
-        except CopyEnded:
-            continue
-    pytest.fail(f"in {attempts} attempts the copy always ended before the test could act on it")
 
 
 def whole_store(job_id: int) -> TransferJob:

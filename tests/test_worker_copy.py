@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvtier.worker.memmove as memmove
+from helpers import CopyEnded, mid_copy
 from kvtier.worker.memmove import MemmoveCopier
 
 copyruns = pytest.importorskip("kvtier.worker._copyruns", reason="C helper not built (python setup.py build_ext)")
@@ -174,21 +175,6 @@ def wait_for_first_byte(dst: np.ndarray) -> None:
     raise AssertionError("the copy never began")
 
 
-class CopyEnded(Exception):
-    """The whole run was copied before the cancel came: this attempt is too late to cut it."""
-
-
-def in_some_attempt(attempt, tries: int = 8):
-    """`attempt()`'s result from the first attempt whose cancel came while the copy ran. A loaded
-    machine may wake the test after the ~0.1 s copy ended; a cancel that never cuts fails all."""
-    for _ in range(tries):
-        try:
-            return attempt()
-        except CopyEnded:
-            continue
-    pytest.fail(f"the copy ended before its cancel in all {tries} attempts")
-
-
 @pytest.mark.parametrize("num_shares", [1, 2])
 def test_a_cancel_stops_a_copy_inside_a_long_run_and_nothing_is_written_after_it(num_shares):
     copier = copyruns.Copier(2)
@@ -207,7 +193,7 @@ def test_a_cancel_stops_a_copy_inside_a_long_run_and_nothing_is_written_after_it
         assert 0 < copied < RUN
         return src, dst, copied, ticket
 
-    src, dst, copied, ticket = in_some_attempt(attempt)  # both kept mapped while a late write is looked for
+    src, dst, copied, ticket = mid_copy(attempt)  # both kept mapped while a late write is looked for
     time.sleep(0.05)
     assert int(np.count_nonzero(dst)) == copied, "a thread wrote after wait() returned"
     # the ticket is gone; the copier copies the next batch whole
@@ -247,7 +233,7 @@ def test_a_cancelled_handle_says_it_was_cut_short_on_either_path(path, monkeypat
         assert cut and 0 < copied < RUN
         return src, dst, copied
 
-    src, dst, copied = in_some_attempt(attempt)  # both kept mapped while a late write is looked for
+    src, dst, copied = mid_copy(attempt)  # both kept mapped while a late write is looked for
     time.sleep(0.05)
     assert int(np.count_nonzero(dst)) == copied
     small = Runs(20, 1000, seed=7)
