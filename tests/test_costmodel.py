@@ -259,3 +259,28 @@ def test_jobs_submitted_together_do_not_read_their_queueing_as_latency():
     measured = rate.estimate()
     assert measured.latency_s == pytest.approx(0.006, abs=1e-3)
     assert measured.bytes_per_s == pytest.approx(70 * MB / 0.706, rel=1e-6)
+
+
+def test_one_load_copied_by_two_workers_is_one_sample_of_both_halves():
+    """Issue 32, defect 6: with tensor parallelism each worker copies its half of a load and reports
+    it; the decision charges a chunk every worker's bytes, so the RAM estimate must see a job's
+    bytes summed over its workers and its time as the longest of theirs (they copy side by side).
+    Worker 1's report of a job may come a step after worker 0's: the job is one sample once both
+    reported."""
+    from kvtier.jobs import JobResult
+    from kvtier.scheduler import OffloadScheduler, SchedulerOffloadConfig
+    from kvtier.tiers.cpu.manager import CPUTierManager
+
+    costs = OffloadScheduler(SchedulerOffloadConfig(num_workers=2), CPUTierManager(4)).costs
+    half = 4 * 2**20
+    samples_after_one_half = []
+    for job_id in range(3):  # three loads; each worker copies its 4 MiB half in 1 ms (or less)
+        costs.worker_results([(JobResult(job_id=job_id, num_bytes=half, seconds=0.001), True)], now=10.0 * job_id)
+        samples_after_one_half.append(costs.cpu.num_samples)
+        costs.worker_results([(JobResult(job_id=job_id, num_bytes=half, seconds=0.0008), True)],
+                             now=10.0 * job_id + 0.1)
+    measured = costs.cpu.estimate()
+    print("RAM read estimate of 8 MiB loads in 1 ms:", measured.bytes_per_s, "samples", measured.num_samples,
+          "after one half of each job", samples_after_one_half)
+    assert measured.bytes_per_s == pytest.approx(2 * half / 0.001, rel=1e-6)
+    assert measured.num_samples == 3 and samples_after_one_half == [0, 1, 2]  # half a job says nothing yet

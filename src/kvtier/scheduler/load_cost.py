@@ -22,6 +22,7 @@ Thread-safety: the scheduler's (one thread).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvtier.base import NOT_KNOWN_YET, OffloadingManager
 from kvtier.costmodel.decision import CPU, CostSnapshot, choose_load
@@ -34,6 +35,15 @@ from kvtier.scheduler.stats import SchedulerStats
 from kvtier.scheduler.types import StepView
 
 __all__ = ["LoadCosts"]
+
+
+@dataclass(slots=True)
+class _LoadTiming:
+    """What the workers reported of one load job so far."""
+
+    num_bytes: int = 0  # summed over the workers
+    seconds: float = 0.0  # the longest copy
+    num_reports: int = 0
 
 
 class LoadCosts:
@@ -51,7 +61,7 @@ class LoadCosts:
         self.config, self.manager, self.stats, self.fixed = config, manager, stats, fixed
         self.prefill = PrefillRate(min_tokens=max(128, 2 * config.tokens_per_chunk), lag=config.steps_planned_ahead)
         self.cpu = TransferRate(read_prior(CPU))
-        self._copy_s: dict[int, float] = {}  # load job id -> the longest copy a worker reported
+        self._loads: dict[int, _LoadTiming] = {}  # load job id -> what its workers reported so far
         # nothing to weigh with (chunk size unknown, or no full-attention group): load what the scan finds
         self._decides = bool(config.chunk_bytes) and any(g.kind is GroupKind.FULL for g in config.groups)
 
@@ -69,23 +79,37 @@ class LoadCosts:
         self.prefill.step_started(now, tokens, frozenset(s.req_id for s in step.scheduled))
 
     def worker_results(self, results: Iterable[tuple[JobResult, bool]], now: float) -> None:
-        """Load results (`(result, is_load)`): the host RAM tier's bytes and copy seconds. A worker
-        copies one batch after another, so results reported together are placed end to end."""
-        loads = [r for r, is_load in results if is_load]
-        start = now - sum(r.seconds for r in loads if r.num_bytes > 0)
-        for result in loads:
-            if result.num_bytes > 0:
-                self.cpu.add(result.num_bytes, start, result.seconds)
-                start += result.seconds
-            if self.fixed is None:  # a simulation's loads take its clock's time, not the real copies'
-                self._copy_s[result.job_id] = max(self._copy_s.get(result.job_id, 0.0), result.seconds)
+        """Load results (`(result, is_load)`): the host RAM tier's bytes and copy seconds.
+
+        One load is one sample once every worker reported it (a worker's report may come a step
+        after another's): its workers copied their shares side by side, so the sample is the
+        bytes they moved together over the longest copy (issue 32: placed end to end, N workers'
+        loads read N times slower than they ran, and a decision charges every worker's bytes). The
+        loads completed in one call ran one after another (a worker copies one batch after
+        another): their samples are placed end to end, ending now."""
+        completed: list[_LoadTiming] = []
+        for result, is_load in results:
+            if not is_load:
+                continue
+            timing = self._loads.setdefault(result.job_id, _LoadTiming())
+            timing.num_bytes += result.num_bytes
+            timing.seconds = max(timing.seconds, result.seconds)
+            timing.num_reports += 1
+            if timing.num_reports == self.config.num_workers and timing.num_bytes > 0:
+                completed.append(timing)
+        start = now - sum(t.seconds for t in completed)
+        for timing in completed:
+            self.cpu.add(timing.num_bytes, start, timing.seconds)
+            start += timing.seconds
 
     def load_started(self, state: RequestOffloadState, decided: DecidedLoad | None, now: float) -> None:
         state.timed_load = None if decided is None else (decided, now - decided.decided_at)
 
     def loaded(self, state: RequestOffloadState, job_id: int) -> None:
         """The request's load ended: its decision's expected seconds against the measured ones."""
-        copy_s = self._copy_s.pop(job_id, 0.0)
+        timing = self._loads.pop(job_id, None)
+        # a simulation's loads take its clock's time, not the real copies'
+        copy_s = timing.seconds if timing is not None and self.fixed is None else 0.0
         timed, state.timed_load = state.timed_load, None
         if timed is not None and timed[0].choice.num_chunks > 0:
             self.stats.expected_load_us += int(timed[0].choice.load_s * 1e6)
