@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.base import ReqContext
 from kvtier.scheduler.lazy import EvictionLedger
 from sched_helpers import make_engine, prompt
 
 BLOCK = 4
+# the contexts of the requests that computed the chunks a ledger test records
+REQ_A = ReqContext("a")
+REQ_B = ReqContext("b")
+REQ_R = ReqContext("r")
 
 
 def _cycle(engine, num_prompts: int, prompt_tokens: int, rounds: int) -> None:
@@ -72,8 +77,8 @@ def test_lazy_store_fenced_before_its_blocks_are_rewritten():
 
 def test_rewritten_blocks_are_never_stored_lazily():
     ledger = EvictionLedger()
-    ledger.record(b"k1", 0, [1, 2], "r", 0)
-    ledger.record(b"k2", 0, [3, 4], "r", 1)
+    ledger.record(b"k1", 0, [1, 2], REQ_R, 0)
+    ledger.record(b"k2", 0, [3, 4], REQ_R, 1)
     ledger.forget([2])  # block 2 handed to a new owner: chunk k1 is no longer whole
     assert [e.key for e in ledger.take([1, 2, 3])] == [b"k2"]
     assert len(ledger) == 0
@@ -82,8 +87,8 @@ def test_rewritten_blocks_are_never_stored_lazily():
 def test_ledger_takes_chunks_head_first_per_request():
     ledger = EvictionLedger()
     for chunk in range(3):
-        ledger.record(bytes([chunk]), 0, [10 + chunk], "a", chunk)
-    ledger.record(b"x", 0, [20], "b", 0)
+        ledger.record(bytes([chunk]), 0, [10 + chunk], REQ_A, chunk)
+    ledger.record(b"x", 0, [20], REQ_B, 0)
     taken = ledger.take([12, 20, 11, 10])  # an engine evicts tails first
     assert [(e.req_id, e.chunk) for e in taken] == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
     ledger.restore(taken)
@@ -120,8 +125,8 @@ def test_blocks_rewritten_before_they_were_reported_are_not_stored_under_their_o
 
 def test_a_block_shared_by_two_chunks_drops_both_when_rewritten():
     ledger = EvictionLedger()
-    ledger.record(b"a0", 0, [0, 1], "a", 0)  # A's chunk 0
-    ledger.record(b"b0", 0, [0, 3], "b", 0)  # B reused block 0 from the engine's cache: chunk 0 is [0, 3]
+    ledger.record(b"a0", 0, [0, 1], REQ_A, 0)  # A's chunk 0
+    ledger.record(b"b0", 0, [0, 3], REQ_B, 0)  # B reused block 0 from the engine's cache: chunk 0 is [0, 3]
     ledger.forget([0])  # block 0 goes to a new owner: neither chunk is whole any more
     assert ledger.take([1, 3]) == []
     assert len(ledger) == 0
@@ -129,8 +134,8 @@ def test_a_block_shared_by_two_chunks_drops_both_when_rewritten():
 
 def test_a_shared_block_does_not_hide_the_other_chunk_that_holds_it():
     ledger = EvictionLedger()
-    ledger.record(b"a0", 0, [0, 1], "a", 0)
-    ledger.record(b"b0", 0, [0, 3], "b", 0)
+    ledger.record(b"a0", 0, [0, 1], REQ_A, 0)
+    ledger.record(b"b0", 0, [0, 3], REQ_B, 0)
     ledger.forget([3])  # B's own block rewritten: only B's chunk goes
     assert [e.key for e in ledger.take([0])] == [b"a0"]  # A's chunk is still found through block 0
 

@@ -67,21 +67,39 @@ class ReqContext:
         hints: what the request says about its future, validated (`kvtier.hints`); the
             scheduler reads them from `kv_transfer_params`.
         tenant: the request's `cache_salt` (None: none), for tenant quotas (`kvtier.tiers.quotas`).
+        on_behalf_of: set on kvtier's own context (an internal `req_id`) when it stores chunks that
+            this engine request computed (lazy store mode stores them after the request may have
+            ended): the tiers count the store as that request's use (its tenant's quota, its hints,
+            its session) while `req_id` keeps the store's own pins and chain. None on an engine
+            request's context and on kvtier's contexts that act for nobody (a write-down's pins).
     """
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
     hints: Hints = NO_HINTS
     tenant: str | None = None
+    on_behalf_of: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.req_id, str):
             raise ConfigError(f"ReqContext.req_id must be the request id as a str, got {type(self.req_id).__name__}")
+        if self.on_behalf_of is not None and not (self.is_internal and isinstance(self.on_behalf_of, str)):
+            raise ConfigError("ReqContext.on_behalf_of names an engine request (a str) for kvtier's own context "
+                              f"(a req_id starting with NUL), got req_id={self.req_id!r}, "
+                              f"on_behalf_of={self.on_behalf_of!r}")
 
     @property
     def is_internal(self) -> bool:
         """kvtier's own context (a write-down, lazy mode's stores): no engine request id starts with NUL."""
         return self.req_id.startswith("\x00")
+
+    @property
+    def user_id(self) -> str | None:
+        """The engine request whose use of chunks a call is, for hints and quotas: this request, the
+        one kvtier stores for (`on_behalf_of`), or None for kvtier's own use (a write-down's pins)."""
+        if self.on_behalf_of is not None:
+            return self.on_behalf_of
+        return None if self.is_internal else self.req_id
 
 
 class LookupResult(enum.Enum):

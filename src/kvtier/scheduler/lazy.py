@@ -7,6 +7,11 @@ request holds that the engine's next allocations would evict to
 `OffloadScheduler.plan_evictions` — so the host tier holds what the engine is losing rather
 than a second copy of what it still has.
 
+Each entry keeps the context of the request that computed it (its tenant, hints and session):
+the store made for it later is charged to that tenant's quota and hinted as that request asked
+(issue 32, defects 1 and 3: under one owner of kvtier's own, every tenant shared one quota and
+every hint was lost).
+
 An entry is valid only while its blocks hold what they held when it was recorded: every
 block the engine hands to a new owner (a request's newly written blocks) is forgotten
 (`forget`), and an entry is dropped the moment any of its blocks is — also where a block
@@ -22,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvtier.base import ReqContext
 from kvtier.keys import OffloadKey
 
 __all__ = ["LedgerEntry", "EvictionLedger"]
@@ -30,13 +36,19 @@ __all__ = ["LedgerEntry", "EvictionLedger"]
 @dataclass(frozen=True, slots=True, eq=False)
 class LedgerEntry:
     """One computed, unstored chunk of one KV-cache group, and the engine blocks holding it;
-    `req_id` and `chunk` say which request computed it and where in its prompt."""
+    `owner` (the context of the request that computed it) and `chunk` say whose it is and where
+    in its prompt."""
 
     key: OffloadKey
     group: int
     blocks: tuple[int, ...]
-    req_id: str
+    owner: ReqContext
     chunk: int
+
+    @property
+    def req_id(self) -> str:
+        """The id of the request that computed it."""
+        return self.owner.req_id
 
 
 class EvictionLedger:
@@ -58,10 +70,10 @@ class EvictionLedger:
         """Chunks recorded and not stored, forgotten or taken."""
         return self._num_entries
 
-    def record(self, key: OffloadKey, group: int, blocks: Iterable[int], req_id: str, chunk: int) -> None:
-        """Chunk `chunk` of request `req_id` (key `key`, group `group`) is computed in `blocks`
-        (chunks recorded earlier in the same blocks stay: a shared prefix block holds both)."""
-        self._add(LedgerEntry(key, group, tuple(blocks), req_id, chunk))
+    def record(self, key: OffloadKey, group: int, blocks: Iterable[int], owner: ReqContext, chunk: int) -> None:
+        """Chunk `chunk` of the request whose context is `owner` (key `key`, group `group`) is computed
+        in `blocks` (chunks recorded earlier in the same blocks stay: a shared prefix block holds both)."""
+        self._add(LedgerEntry(key, group, tuple(blocks), owner, chunk))
 
     def forget(self, blocks: Iterable[int]) -> None:
         """`blocks` are being rewritten: no chunk they held is there any more."""
@@ -73,15 +85,17 @@ class EvictionLedger:
         """The recorded chunks holding any of `evictable`, each once; they leave the ledger
         (`restore` puts back the ones that could not be stored).
 
-        Ordered request by request (the request whose blocks go first, first) and head first
-        within a request, the order a request offers its chunks in eager mode — eviction
-        policies rank a chain's tail before its head by that order.
+        Ordered request by request (the request whose blocks go first, first; one request is
+        one `owner` context, so a reused request id is another request) and head first within a
+        request, the order a request offers its chunks in eager mode — eviction policies rank a
+        chain's tail before its head by that order.
         """
-        taken: dict[str, list[LedgerEntry]] = {}
+        # keyed by the owner's identity: a context is not hashable (its kv_transfer_params are a dict)
+        taken: dict[int, list[LedgerEntry]] = {}
         for block in evictable:
             for entry in list(self._by_block.get(block, ())):
                 self._drop(entry)
-                taken.setdefault(entry.req_id, []).append(entry)
+                taken.setdefault(id(entry.owner), []).append(entry)
         return [e for entries in taken.values() for e in sorted(entries, key=lambda e: (e.chunk, e.group))]
 
     def restore(self, entries: Iterable[LedgerEntry]) -> None:

@@ -3,8 +3,11 @@ cursor, offered to the manager — at once ("eager"), when the engine is about t
 blocks ("lazy", `kvtier.scheduler.lazy`), and a finished request's last chunks.
 
 In lazy mode the requests that computed the chunks may have ended long before: each step's
-evict-time stores belong to an owner of their own, named after `EVICTIONS_REQ_ID`, which ends
-(for the manager, `on_request_finished`) with its jobs.
+evict-time stores belong to owners of their own, one per request whose chunks they are, named
+after `EVICTIONS_REQ_ID`, which end (for the manager, `on_request_finished`) with their jobs.
+Each owner's context acts `on_behalf_of` its request (`ReqContext`): the tiers charge the store
+to that request's tenant and hint it as the request asked, exactly as an eager store would be
+(issue 32, defects 1 and 3).
 
 `StorePlanning` is a part of `kvtier.scheduler.core.OffloadScheduler` (a mixin): it shares the
 scheduler's requests, job book, ledger and next plan. Thread-safety: the scheduler's.
@@ -12,6 +15,7 @@ scheduler's requests, job book, ledger and next plan. Thread-safety: the schedul
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
@@ -29,7 +33,8 @@ __all__ = ["EVICTIONS_REQ_ID", "StoreObserver", "StorePlanning"]
 
 logger = logging.getLogger("kvtier.scheduler.core")  # the scheduler's logger, as before this part moved here
 
-EVICTIONS_REQ_ID = "\x00kvtier:evictions"  # owns lazy mode's stores (no engine request id starts with NUL)
+# owns lazy mode's stores, one owner per step and request stored for (no engine request id starts with NUL)
+EVICTIONS_REQ_ID = "\x00kvtier:evictions"
 
 # (request, its context, keys, (group, chunk) of each key): the chunks of this step a request offers to the
 # tiers, at once (eager) or later (lazy); an adapter reads what its events need from the request here
@@ -75,7 +80,7 @@ class StorePlanning:
         blocks = [state.group_states[group].chunk_blocks(chunk) for group, chunk in chunks]
         if self._lazy:  # stored when the engine is about to evict them (`plan_evictions`)
             for key, (group, chunk), chunk_blocks in zip(keys, chunks, blocks, strict=True):
-                self._ledger.record(key, group, chunk_blocks, state.req_id, chunk)
+                self._ledger.record(key, group, chunk_blocks, state.req_context, chunk)
         elif not self._store(state, keys, groups, blocks, plan):
             return  # no room now: the cursor stays, retried next step
         for gs in state.group_states:
@@ -89,19 +94,40 @@ class StorePlanning:
         if not self._lazy:
             return
         plan = self._next_plan
-        entries = self._ledger.take(evictable)
-        if not entries:
-            return
-        owner = RequestOffloadState(self.config, RequestView(req_id=f"{EVICTIONS_REQ_ID}:{self._step}",
-                                                             block_hashes=(), num_tokens=0, num_prompt_tokens=0))
-        owner.is_finished, owner.finished_at_step = True, self._step
-        self._requests[owner.req_id] = owner
-        if self._store(owner, [e.key for e in entries], [e.group for e in entries], [e.blocks for e in entries],
-                       plan):
-            self.stats.lazy_offered_chunks += len(entries)
-        else:
-            self._ledger.restore(entries)  # no room now: retried next step, unless the blocks go first
-        self._release_if_done(owner)
+        # One store per request whose chunks these are (`take` lists them request by request):
+        # each under its own owner, so that quotas and hints are that request's.
+        for _, group in itertools.groupby(self._ledger.take(evictable), key=lambda e: id(e.owner)):
+            entries = list(group)
+            owner = self._eviction_owner(entries[0].owner)
+            if self._store(owner, [e.key for e in entries], [e.group for e in entries],
+                           [e.blocks for e in entries], plan):
+                self.stats.lazy_offered_chunks += len(entries)
+            else:
+                self._ledger.restore(entries)  # no room now: retried next step, unless the blocks go first
+            self._release_if_done(owner)
+
+    def _eviction_owner(self, computed_by: ReqContext) -> RequestOffloadState:
+        """A finished request of kvtier's own that stores, in this step, chunks the request with
+        context `computed_by` computed: the manager sees its tenant and hints, and whose use it is
+        (`ReqContext.on_behalf_of`), under a request id of its own (its pins and chain are not the
+        request's, which may still run: a preempted request, a sliding window's dropped blocks)."""
+        base = f"{EVICTIONS_REQ_ID}:{self._step}:{computed_by.req_id}"
+        req_id = base
+        num_taken = 0
+        # taken only if `plan_evictions` ran twice in one step, or for a request id an engine reused
+        while req_id in self._requests:
+            num_taken += 1
+            req_id = f"{base}:{num_taken}"
+        owner = RequestOffloadState(self.config, RequestView(req_id=req_id, block_hashes=(), num_tokens=0,
+                                                             num_prompt_tokens=0))
+        # not the context its view would give (its own, acting for nobody): every manager call for
+        # its store says whose chunks these are
+        owner.req_context = ReqContext(req_id, computed_by.kv_transfer_params, computed_by.hints, computed_by.tenant,
+                                       on_behalf_of=computed_by.req_id)
+        owner.is_finished = True
+        owner.finished_at_step = self._step
+        self._requests[req_id] = owner
+        return owner
 
     def _store(self, state: RequestOffloadState, keys: list[OffloadKey], groups: list[int],
                blocks: list[Sequence[int]], plan: StepPlan) -> bool:

@@ -180,9 +180,14 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         self.retention.set_clock(clock)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        if not ctx.hints.is_empty and not ctx.is_internal:  # kept from the request's end
+        # Hints are kept from the request's end. A lazy store's context (`on_behalf_of`) ends once
+        # its chunks are stored, usually after the request that computed them ended: its end is
+        # theirs, and the request's `end_session` drops them as the request's own end would have
+        # (also while it still runs, preempted or past a sliding window: its session is ending).
+        user_id = ctx.user_id
+        if not ctx.hints.is_empty and user_id is not None:
             chain = self._ledger.chain(ctx.req_id)
-            self.retention.note(chain, ctx.hints, ctx.tenant, req_id=ctx.req_id)
+            self.retention.note(chain, ctx.hints, ctx.tenant, req_id=user_id)
             if ctx.hints.end_session:  # its session's end drops them
                 self.retention.end_session(ctx.hints, chain, ctx.tenant)
         for key, count in self._ledger.release(ctx.req_id).items():
@@ -262,10 +267,11 @@ class CPUTierManager(ChunkStores, OffloadingManager):
     # -- helpers -----------------------------------------------------------------------
 
     def _note(self, keys: Sequence[OffloadKey], ctx: ReqContext, is_new: bool = False) -> None:
-        """A request used `keys` (stored them: `is_new`): tell the retention book, unless kvtier
-        itself is the user (a write-down's pins, lazy mode's stores)."""
-        if not ctx.is_internal:
-            self.retention.note(keys, ctx.hints, ctx.tenant, is_new, ctx.req_id)
+        """A request used `keys` (stored them: `is_new`), itself or through a lazy store made on its
+        behalf: tell the retention book, unless kvtier itself is the user (a write-down's pins)."""
+        user_id = ctx.user_id
+        if user_id is not None:
+            self.retention.note(keys, ctx.hints, ctx.tenant, is_new, user_id)
 
     def _unpin(self, key: OffloadKey) -> None:
         chunk = self._chunks[key]
