@@ -1,6 +1,7 @@
 """S3Store against a real SeaweedFS (the `s3_server` fixture): no-overwrite puts, values made of
-parts, batches, delete, paged listings by prefix, a hung server, a wrong secret, a restart,
-HTTPS with a private CA, and an endpoint description that never shows a secret.
+parts, batches (one ends only once every request of it has), delete, paged listings by prefix,
+a hung server, a wrong secret, a restart, HTTPS with a private CA, and an endpoint description
+that never shows a secret.
 
 Every test writes under a prefix of its own (the bucket is shared by the session).
 """
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import itertools
 import socket
+import threading
 import time
 
 import numpy as np
 import pytest
 
+import kvtier.tiers.remote.store as store_contract
 from kvtier.errors import ConfigError
 from kvtier.tiers.remote.s3 import S3Store, S3StoreError
 
@@ -287,3 +290,80 @@ def test_get_into_reports_every_piece_so_the_value_is_verified_as_it_is_copied(s
     # every byte was reported as it landed: the check uses that digest, and it is the payload's
     assert incoming.num_received == codec.value_bytes and codec.check(key, codec.value_bytes, incoming) is None
     assert b"".join(bytes(r) for r in rows) == payload.tobytes()
+
+
+# -- a batch ends only once every request of it has ended (issue 32, defect 4) ---------------------
+
+
+@pytest.mark.parametrize("op", ["put", "get_into"])
+def test_a_failed_request_ends_its_batch_only_once_the_others_have_ended(store, make_store, prefix, monkeypatch,
+                                                                         op):
+    """A PUT reads the caller's buffers until its request ends, a GET copies into them: a batch
+    that raised at its first failure let the caller hand them on while another request still
+    used them (the next owner's bytes uploaded under the old name, or overwritten by the old value)."""
+    from held_requests import CEILING_S, HeldRequests, first_of, logged
+
+    failing, held = prefix + "fails", prefix + "held"
+    value, next_owner = bytes(range(256)) * 16, b"\x5a" * 4096
+    if op == "get_into":
+        store.put([(held, [value])])
+    # the first request fails at once (the old code raised it without waiting for the second), the second is held
+    requests = HeldRequests(monkeypatch, "put" if op == "put" else "get", held=held, failing=failing,
+                            fails_after=1)
+    rows = [bytearray(value), bytearray(value if op == "put" else bytes(len(value)))]
+    outcome: list[object] = []
+    returned = threading.Event()
+
+    def call() -> None:
+        try:
+            if op == "put":
+                outcome.append(store.put([(failing, [memoryview(rows[0])]), (held, [memoryview(rows[1])])]))
+            else:
+                outcome.append(store.get_into([failing, held], [[memoryview(rows[0])], [memoryview(rows[1])]]))
+        except Exception as exc:
+            outcome.append(exc)
+        finally:
+            returned.set()
+
+    caller = threading.Thread(target=call)
+    with logged("kvtier.tiers.remote.s3", "still running") as batch_waits:
+        caller.start()
+        assert requests.has_failed.wait(CEILING_S) and requests.is_held.wait(CEILING_S)
+        # the call either ends now, its held request still running, or says it waits for it
+        first = first_of({"returned": returned.is_set, "waits": batch_waits.is_set})
+    # the caller hands its buffer to another owner as soon as the call is over
+    if first == "returned":
+        rows[1][:] = next_owner
+    requests.release()
+    caller.join(CEILING_S)
+    if first != "returned":
+        rows[1][:] = next_owner
+    store.close()  # waits for any request still running on the pool
+    if op == "put":
+        (stored,) = values(make_store(), [held])
+        damage = None if stored == value else "the next owner's bytes were uploaded under the held name"
+    else:
+        damage = None if rows[1] == next_owner else "the held GET overwrote the next owner's bytes"
+    assert (first, damage) == ("waits", None), f"the batch ended with {outcome} while its held request ran"
+    # the failure is reported for its item only; the other's result is there
+    (failed,) = outcome
+    assert isinstance(failed, store_contract.ItemsFailed) and list(failed.errors) == [0]
+    assert isinstance(failed.first, S3StoreError) and "injected" in str(failed.first)
+    assert failed.results == [None, True if op == "put" else len(value)]
+
+
+def test_a_partly_failed_batch_reports_each_item_and_a_wholly_failed_one_raises_the_first_error(store, prefix,
+                                                                                                  monkeypatch):
+    from held_requests import HeldRequests
+
+    HeldRequests(monkeypatch, "put", failing=prefix + "b", fails_after=2)
+    # a, b, c → b fails once a and c are sent, and they are written: each item's outcome, the failure by index
+    with pytest.raises(store_contract.ItemsFailed) as caught:
+        store.put([(prefix + n, [n.encode()]) for n in "abc"])
+    assert caught.value.results == [True, None, True] and list(caught.value.errors) == [1]
+    assert store.exists([prefix + n for n in "abc"]) == [True, False, True]
+    assert not store.is_timeout(caught.value)
+    # every item fails (two of the one failing name) → the first failure itself, as a single item's would be
+    HeldRequests(monkeypatch, "put", failing=prefix + "d")
+    with pytest.raises(S3StoreError, match="injected"):
+        store.put([(prefix + "d", [b"d"]), (prefix + "d", [b"d again"])])

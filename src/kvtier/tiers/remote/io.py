@@ -24,7 +24,7 @@ from kvtier.tiers.remote.credentials import redact
 from kvtier.tiers.remote.keys import KnownKeys
 from kvtier.tiers.remote.reports import RemoteReports
 from kvtier.tiers.remote.reset import ResetSweep
-from kvtier.tiers.remote.store import RemoteStore
+from kvtier.tiers.remote.store import ItemsFailed, RemoteStore
 from kvtier.tiers.remote.values import ValueCodec
 from kvtier.tiers.secondary import TierJob
 
@@ -73,22 +73,28 @@ class RemoteIO:
     def _load(self, job: TierJob, generation: int, started: float) -> None:
         if not self._may_start(job, generation, 0):
             return
-        failed: set[OffloadKey] = set()
         error = None
         parts = [self.codec.receiving_parts(bufs) for bufs in job.buffers]
+        names = [self.codec.name(k) for k in job.keys]
+        unread: set[int] = set()  # the items whose GET failed: that says nothing about their keys
         try:  # each value's header (and tag) into buffers of its own, its payload straight into the slab rows
-            sizes = self.store.get_into([self.codec.name(k) for k in job.keys], parts)
+            sizes = self.store.get_into(names, parts)
             self.breaker.record_success()
+        except ItemsFailed as exc:
+            sizes, unread, error = exc.results, set(exc.errors), self._failed(exc, "load")
         except Exception as exc:
-            sizes, failed, error = [None] * len(job.keys), set(job.keys), self._failed(exc, "load")
-        corrupt = [] if error is not None else self._refuse_bad_values(job.keys, sizes, parts, failed)
+            sizes, unread, error = [None] * len(job.keys), set(range(len(job.keys))), self._failed(exc, "load")
+        read = [i for i in range(len(job.keys)) if i not in unread]
+        gone: set[OffloadKey] = set()  # absent or bad values: forgotten
+        corrupt = self._refuse_bad_values([job.keys[i] for i in read], [sizes[i] for i in read],
+                                          [parts[i] for i in read], gone)
+        failed = gone | {job.keys[i] for i in unread}
         with self._cond:
             self._counters["corrupt"] += len(corrupt)
-            self._counters["load_missing"] += len(failed) - len(corrupt) if error is None else 0
-            if error is None:  # absent or bad values: forget them (a server error says nothing about a key)
-                self._keys.forget(list(failed))
-                if generation == self._reset.generation:  # (a reset dropped them all already)
-                    self._book.emit(sorted(failed), removed=True)
+            self._counters["load_missing"] += len(gone) - len(corrupt)
+            self._keys.forget(list(gone))
+            if generation == self._reset.generation:  # (a reset dropped them all already)
+                self._book.emit(sorted(gone), removed=True)
             if generation != self._reset.generation:
                 failed, error = set(job.keys), "reset while in flight"
             elif time.monotonic() > job.deadline:  # the manager has given up on it: it only frees the slots
@@ -126,6 +132,10 @@ class RemoteIO:
                 written = self.store.put([(self.codec.name(k), self.codec.pack(k, bufs)) for k, bufs in todo],
                                          self._keep_s([k for k, _ in todo]))
                 self.breaker.record_success()
+        except ItemsFailed as exc:  # the others were written (or found): their keys are stored
+            written = [bool(is_new) for is_new in exc.results]
+            failed.update(todo[i][0] for i in exc.errors)
+            error = self._failed(exc, "store")
         except Exception as exc:
             failed.update(k for k, _ in todo)
             error = self._failed(exc, "store")

@@ -28,10 +28,19 @@ Choices that a reader might not expect:
   `IncomingValue` that hashes it while in cache: the value is verified by the time it is copied.
 - A batch runs its items on a pool of `max_connections` threads (the client releases the GIL
   while it waits), one request per item; a batch of one runs in the calling thread.
+- **A batch returns only once every request of it has ended,** even after one failed. A PUT
+  reads the caller's buffers until its request ends (obstore sends them without copying) and a
+  GET copies into them: the tier hands a job's slab rows to other chunks once the call returns,
+  and a reset's sweep lists the bucket once the jobs from before it are over (issue 32: a batch
+  that raised at its first failure left PUTs uploading the rows' next owner under the old names,
+  and after a reset). The first failure cancels the requests not started yet (a failing server
+  would fail them too, one timeout per round of the pool); failures are reported per item
+  (`ItemsFailed`), or as the first one's error when no item succeeded.
 - Names are object_store paths: `/`-separated, no empty, `.` or `..` segments.
 
 Errors: every client failure is raised as `S3StoreError`, one line long (the client's own
-message runs to 40 lines of debug output), with `timed_out` set for timeouts.
+message runs to 40 lines of debug output), with `timed_out` set for timeouts; a batch whose
+items failed in part raises `ItemsFailed`, which holds each item's `S3StoreError`.
 
 Thread-safety: every method may be called from several threads at once; obstore's store is
 shared (it is `Send + Sync` in Rust) and the pool is the only other state.
@@ -39,9 +48,10 @@ shared (it is `Send + Sync` in Rust) and the pool is the only other state.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -53,9 +63,11 @@ from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
 from obstore.store import S3Store as _ObjectStore
 
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.tiers.remote.store import RemoteStore, ValueParts
+from kvtier.tiers.remote.store import ItemsFailed, RemoteStore, ValueParts
 
 __all__ = ["S3Store", "S3StoreError"]
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -129,19 +141,19 @@ class S3Store(RemoteStore):
         return self._endpoint
 
     def exists(self, names: Sequence[str]) -> list[bool]:
-        return self._each(self._exists_one, names)
+        return self._each("HEAD", self._exists_one, names)
 
     def get(self, names: Sequence[str]) -> list[bytes | memoryview | None]:
-        return self._each(self._get_one, names)
+        return self._each("GET", self._get_one, names)
 
     def get_into(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
         """Each name's value copied into `buffers[i]` when its size is theirs; its size (None when absent)."""
-        return self._each(lambda item: self._get_one_into(*item), list(zip(names, buffers, strict=True)))
+        return self._each("GET", lambda item: self._get_one_into(*item), list(zip(names, buffers, strict=True)))
 
     def put(self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None) -> list[bool]:
         """PUT if absent, per item; `keep_s` needs nothing: kvtier never expires an object (a bucket's
         lifecycle rule may, and then the value is a miss)."""
-        return self._each(self._put_one, items)
+        return self._each("PUT", self._put_one, items)
 
     def delete(self, names: Sequence[str]) -> None:
         """One DeleteObjects request per 1,000 names (S3 ignores absent ones)."""
@@ -164,6 +176,9 @@ class S3Store(RemoteStore):
         _call("LIST", _PING_PREFIX, lambda: next(iter(obstore.list(self._store, _PING_PREFIX, chunk_size=1)), None))
 
     def is_timeout(self, exc: BaseException) -> bool:
+        """Whether `exc` timed out (for `ItemsFailed`: its first failure)."""
+        if isinstance(exc, ItemsFailed):
+            exc = exc.first
         return isinstance(exc, TimeoutError) or (isinstance(exc, S3StoreError) and exc.timed_out)
 
     def close(self) -> None:
@@ -217,12 +232,42 @@ class S3Store(RemoteStore):
             return False
         return True
 
-    def _each(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-        """`fn` of every item, in order: on the pool, or in this thread for a single item."""
+    def _each(self, op: str, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        """`fn` of every item, in order: on the pool, or in this thread for a single item. Returns
+        (or raises) only once every item's request has ended; see the module docstring.
+
+        Raises:
+            ItemsFailed: some items failed, others did not (`results` holds the others').
+            S3StoreError: every item failed (the first one's error), or the store is closed.
+        """
         self._check_open()
         if len(items) <= 1:
             return [fn(item) for item in items]
-        return list(self._pool.map(fn, items))
+        futures = self._submit_all(fn, items)
+        done, running = wait(futures, return_when=FIRST_EXCEPTION)
+        if running and any(future.exception() is not None for future in done):
+            # the requests not started yet are not sent; those running are waited for
+            for future in running:
+                future.cancel()
+            still_running = [future for future in running if not future.cancelled()]
+            logger.debug("kvtier: an S3 %s of a batch of %d failed; waiting for the %d request(s) still running",
+                         op, len(items), len(still_running))
+            wait(still_running)
+        return _results(op, futures)
+
+    def _submit_all(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[Future[_R]]:
+        """One future per item on the pool; a pool that shut down meanwhile (`close()`) raises,
+        once the items already submitted have ended."""
+        futures: list[Future[_R]] = []
+        try:
+            for item in items:
+                futures.append(self._pool.submit(fn, item))
+        except RuntimeError as exc:
+            for future in futures:
+                future.cancel()
+            wait(futures)
+            raise S3StoreError(f"S3 store {self._endpoint} is closed") from exc
+        return futures
 
     def _check_open(self) -> None:
         if self._is_closed:
@@ -274,6 +319,24 @@ def _error(op: str, name: str, exc: BaseException) -> S3StoreError:
         outer, inner = causes[-1]
         detail = f" ({outer}({inner}))" if inner else f" ({outer})"
     return S3StoreError(f"S3 {op} {name}: {summary}{detail}", timed_out=timed_out)
+
+
+def _results(op: str, futures: Sequence[Future[_R]]) -> list[_R]:
+    """Each ended future's result, in order; its failures raised as the `_each` docstring says."""
+    results: list[_R | None] = []
+    errors: dict[int, BaseException] = {}
+    for i, future in enumerate(futures):
+        if future.cancelled():
+            errors[i] = S3StoreError(f"S3 {op}: not sent (another request of its batch failed first)")
+        elif (exc := future.exception()) is not None:
+            errors[i] = exc
+        results.append(None if i in errors else future.result())
+    if not errors:
+        return results  # type: ignore[return-value]  (no item failed: every one has its result)
+    first = next((exc for i, exc in errors.items() if not futures[i].cancelled()), errors[min(errors)])
+    if len(errors) == len(futures):
+        raise first
+    raise ItemsFailed(results, errors, first)
 
 
 def _byte_view(part: bytes | memoryview) -> memoryview:

@@ -14,6 +14,16 @@ from its own threads. The primitives:
 
 A store raises on any failure (connection refused, timeout, an authentication error, a
 server error); `is_timeout(exc)` says which of them were timeouts, for the tier's counters.
+A store whose batch runs its items as separate requests (S3) may see some fail and others
+succeed: it then raises `ItemsFailed`, which holds the others' results, so that the tier fails
+only the keys that failed.
+
+A call returns, or raises, only once every request it started has ended: once it returns, no
+request of it reads or writes the buffers it was given, and none of its writes is still on its
+way. The tier relies on both: it hands a job's slab rows to other chunks when the job is
+reported, after its calls returned, and a reset's sweep lists the values once the jobs from
+before it are over (`kvtier.tiers.remote.reset`). A store that raised at its first failure
+while other requests still ran broke both (issue 32).
 Values are opaque bytes to a store; it never interprets or logs them, and never logs a
 credential (`describe()` names the endpoint without one).
 
@@ -25,9 +35,27 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
-__all__ = ["RemoteStore", "ValueParts"]
+from kvtier.errors import KVTierError
+
+__all__ = ["ItemsFailed", "RemoteStore", "ValueParts"]
 
 ValueParts = Sequence[bytes | memoryview]  # one value = its parts back to back (header, then one per rank)
+
+
+class ItemsFailed(KVTierError):
+    """Some items of a batch failed and others did not; raised once every item has ended.
+
+    Attributes:
+        results: each item's result, in order (None where it failed).
+        errors: each failed item's exception, by its index.
+        first: the failure of the lowest index (the message's; `is_timeout` asks about it).
+    """
+
+    def __init__(self, results: Sequence[object], errors: dict[int, BaseException], first: BaseException):
+        super().__init__(f"{len(errors)} of {len(results)} items failed; the first: {first}")
+        self.results = list(results)
+        self.errors = errors
+        self.first = first
 
 
 class RemoteStore(ABC):
