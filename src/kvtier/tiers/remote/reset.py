@@ -20,6 +20,29 @@ it (waited for). Refusing is the simplest rule that holds: a generation per valu
 the value format, and forgetting what the sweep deletes would need the key of each listed name
 (keyed names cannot be turned back into keys). What is refused would mostly have been deleted.
 
+Nor does a value written before the reset outlive the sweep (issue 32: an S3 job reported
+while an upload of it still ran let that upload land after the sweep, and a later probe served
+the pre-reset value as a HIT). Waiting for the jobs covers every write from before the reset:
+
+- Every write of the tier is made by a job: `put` and `renew` by stores, `delete` of bad
+  values by loads (`kvtier.tiers.remote.io`); the probe thread and `check()` only ask `exists`,
+  and only the sweep itself deletes otherwise.
+- A job is counted from its admission (`admit_locked`, before it is queued) until its last
+  store call has returned (`job_over`, in a `finally` around the whole job).
+- A store call returns, or raises, only once every request it started has ended (the
+  `RemoteStore` contract; an S3 batch waits for each of its requests even after one failed).
+
+So when the count reaches zero, every write from before the reset is in the store, for the
+sweep to list, or has failed. A generation in each value's header would not need the wait,
+but it changes the value format and needs one generation shared by every replica of the
+namespace.
+
+What the rule cannot see: a request the client gave up on (its timeout, or the first attempt
+of an S3 request it retried) that the server still applies afterwards. The call has raised by
+then, so the sweep may list before that write lands; the value then stays until the next reset
+or the server's own eviction, and a probe can find it. It takes a server that keeps working on
+a request for longer than the client's timeout (seconds).
+
 Another replica sharing the namespace is not covered: its sweep can delete what this tier
 stored; this tier's load then fails (`load_missing`) and forgets the key, as for any value
 the server drops.
@@ -30,6 +53,7 @@ tier's housekeeping thread and holds the lock only between its round trips.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -39,6 +63,8 @@ from kvtier.tiers.remote.store import RemoteStore
 from kvtier.tiers.workers import Workers
 
 __all__ = ["ResetSweep"]
+
+logger = logging.getLogger(__name__)
 
 _DELETE_BATCH = 512  # names per delete call
 _WAIT_POLL_S = 0.1  # how often a sweep waiting for old jobs looks whether the tier closed
@@ -68,7 +94,7 @@ class ResetSweep:
         return self.generation
 
     def job_over(self) -> None:
-        """A job admitted by `admit_locked` does no more I/O."""
+        """A job admitted by `admit_locked` does no more I/O: every store call it made has returned."""
         with self._cond:
             self._num_jobs -= 1
             self._cond.notify_all()
@@ -83,6 +109,9 @@ class ResetSweep:
         """Wait for the jobs from before the reset, then delete every value of the namespace;
         retried until it succeeds or the tier closes (see the module docstring)."""
         with self._cond:
+            if self._num_jobs:
+                logger.debug("kvtier: %s tier reset waits for %d job(s) admitted before it",
+                             self._store.medium, self._num_jobs)
             while self._num_jobs and generation == self.generation and not self._workers.is_closed:
                 self._cond.wait(_WAIT_POLL_S)
             if generation != self.generation:
