@@ -44,8 +44,10 @@ def test_one_stalled_job_lowers_the_estimate_for_a_while_only():
         t += 1.0
     rate.add(MB, submitted_at=t, seconds=10.0)  # a job stuck for 10 s (given up on at its timeout)
     stalled = rate.estimate().bytes_per_s
-    # it counts as at most 4 median jobs (40 ms), not 10 s: the tier does not look dead
-    assert 8 * MB / 0.11 * 0.99 < stalled < 100 * MB
+    # it counts as at most 4 median jobs (40 ms), not 10 s: the tier does not look dead. (It ended
+    # 10 s after the others: the estimate covers it and the two jobs before it, the fewest it
+    # stands on, 3 MB in 60 ms; uncapped it would be 3 MB in 10.02 s.)
+    assert 3 * MB / 0.06 * 0.99 < stalled < 100 * MB
     for _ in range(8):  # the window moves on past it
         t += 20.0
         rate.add(MB, submitted_at=t, seconds=0.01)
@@ -284,3 +286,24 @@ def test_one_load_copied_by_two_workers_is_one_sample_of_both_halves():
           "after one half of each job", samples_after_one_half)
     assert measured.bytes_per_s == pytest.approx(2 * half / 0.001, rel=1e-6)
     assert measured.num_samples == 3 and samples_after_one_half == [0, 1, 2]  # half a job says nothing yet
+
+
+# -- estimates age, and a written-off tier is explored (issue 32, defect 2) ---------------------
+
+def test_a_slow_spell_stops_counting_once_newer_jobs_ended_well_after_it():
+    """Issue 32, defect 2: a window of 32 jobs kept a slow spell for the next 29 jobs; now the jobs
+    that ended more than 2 s before the newest no longer count once three newer ones did."""
+    rate = TransferRate(PRIOR)
+    for i in range(3):  # a slow spell: 10 MB in 1 s, one job after another
+        rate.add(10 * MB, submitted_at=float(i), seconds=1.0)
+    assert rate.estimate().bytes_per_s == pytest.approx(10 * MB)
+    t = 10.0
+    for i in range(3):  # 10 s later the tier reads 1 GB/s again
+        rate.add(10 * MB, submitted_at=t + i, seconds=0.01)
+        if i < 2:  # too few jobs since: the spell still counts
+            assert rate.estimate().bytes_per_s < 100 * MB
+    print("after a slow spell and three fast jobs:", rate.estimate())
+    assert rate.estimate().bytes_per_s == pytest.approx(1000 * MB)
+    # a tier nobody used since keeps its last figure: time passing alone says nothing of its speed
+    assert rate.num_samples == 6 and rate.last_ended_at == pytest.approx(12.01)
+

@@ -2,14 +2,21 @@
 the engine prefills, as measured while it runs.
 
 - **A tier's transfers** (`TransferRate`): from the jobs it completed — bytes, when each was
-  submitted, how long it took — over the last `window` jobs. Throughput is bytes over *busy*
-  time (the union of the jobs' [submitted, ended] intervals), so concurrent jobs are not
+  submitted, how long it took — over its recent jobs: those that ended within `_SPAN_S` of the
+  newest one (at least the newest `_MIN_SAMPLES`, at most `window`). Throughput is bytes over
+  *busy* time (the union of the jobs' [submitted, ended] intervals), so concurrent jobs are not
   mistaken for slow ones; latency is the least any job took beyond its bytes at that
   throughput (what a job waited behind the others is queueing, counted at decision time). A
   job's share of busy time is capped at `_STALL_FACTOR` times the window's median job time:
   one stalled job (a network hiccup, a job given up on) lowers the estimate for a while, it
   does not make the tier look dead for the next `window` jobs. A tier that is
   slow on every job moves the median itself, so the cap follows it.
+  Estimates age with the tier's own activity, not with time alone: a slow spell leaves the
+  estimate once `_MIN_SAMPLES` newer jobs ended more than `_SPAN_S` after it (issue 32: a window
+  of 32 jobs kept three reads given up on for good), while a tier nobody used since keeps its
+  last figure — time passing says nothing about its speed, and forgetting it would make the next
+  request bet its TTFT on a prior. What measures a written-off tier again is exploration
+  (`kvtier.costmodel.exploration`).
 - **The engine's prefill** (`PrefillRate`): tokens per second of the engine's steps, from the
   time between two consecutive steps of a busy engine and the tokens the first one computed:
   the median over prefill-sized steps of their tokens over their time less a step's fixed part
@@ -28,10 +35,12 @@ manager already observe. Thread-safety: not thread-safe; one owner calls it from
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 from itertools import pairwise
+from typing import NamedTuple
 
 from kvtier.errors import ConfigError
 
@@ -41,6 +50,10 @@ __all__ = ["PRIOR_PREFILL_TOKENS_PER_S", "READ_PRIORS", "PrefillRate", "ReadEsti
 _STALL_FACTOR = 4.0  # a job counts at most this many median job times of busy time
 _MIN_SAMPLES = 3  # fewer measured jobs or steps than this: the prior still stands
 _MIN_PREFILL_STEPS = 2  # an engine that serves mostly hits computes few prefill-sized steps
+# jobs that ended this long before a tier's newest one no longer count once _MIN_SAMPLES newer ones
+# did: long enough to cover several jobs of a busy tier, short enough that three explorations of a
+# recovered tier (one a second at most, `kvtier.costmodel.exploration`) outweigh a slow spell
+_SPAN_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,19 +96,28 @@ def read_prior(medium: str) -> ReadEstimate:
     return READ_PRIORS.get(medium, _UNKNOWN_TIER_PRIOR)
 
 
+class _Job(NamedTuple):
+    """One measured job of a `TransferRate`."""
+
+    num_bytes: int
+    busy_s: float  # its share of the tier's busy time (capped, see the module docstring)
+    seconds: float  # how long it took
+    ended_at: float  # when it ended, on the owner's clock: its age counts from there
+
+
 class TransferRate:
-    """Throughput and latency of one tier in one direction, from its last `window` jobs.
+    """Throughput and latency of one tier in one direction, from its recent jobs.
 
     Args:
         prior: the estimate until `_MIN_SAMPLES` jobs were measured.
-        window: how many recent jobs the estimate covers.
+        window: how many recent jobs the estimate covers at most.
     """
 
     def __init__(self, prior: ReadEstimate, window: int = 32):
         if window < _MIN_SAMPLES:
             raise ConfigError(f"a transfer window needs at least {_MIN_SAMPLES} jobs, got {window}")
         self.prior = prior
-        self._jobs: deque[tuple[int, float, float]] = deque(maxlen=window)  # (bytes, busy s, job s)
+        self._jobs: deque[_Job] = deque(maxlen=window)
         self._busy_until = float("-inf")
         self._estimate: ReadEstimate | None = None  # cached until the next job
 
@@ -103,15 +125,28 @@ class TransferRate:
     def num_samples(self) -> int:
         return len(self._jobs)
 
-    def add(self, num_bytes: int, submitted_at: float, seconds: float) -> None:
-        """A job of `num_bytes` submitted at `submitted_at` (monotonic) ended after `seconds`."""
+    @property
+    def last_ended_at(self) -> float:
+        """When the newest job ended (-inf: none measured yet)."""
+        return self._jobs[-1].ended_at if self._jobs else -math.inf
+
+    @property
+    def last_seconds(self) -> float:
+        """How long the newest job took (0: none measured yet)."""
+        return self._jobs[-1].seconds if self._jobs else 0.0
+
+    def add(self, num_bytes: int, submitted_at: float, seconds: float, ended_at: float | None = None) -> None:
+        """A job of `num_bytes` submitted at `submitted_at` (monotonic) ended after `seconds`.
+
+        `ended_at`: when its end was seen, on the clock the owner ages its estimates with (default
+        `submitted_at + seconds`: the same clock)."""
         seconds = max(seconds, 0.0)
         ended = submitted_at + seconds
         busy = max(0.0, ended - max(submitted_at, self._busy_until))
         self._busy_until = max(self._busy_until, ended)
         if len(self._jobs) >= _MIN_SAMPLES:
-            busy = min(busy, _STALL_FACTOR * statistics.median(s for _, _, s in self._jobs))
-        self._jobs.append((max(num_bytes, 0), busy, seconds))
+            busy = min(busy, _STALL_FACTOR * statistics.median(j.seconds for j in self._jobs))
+        self._jobs.append(_Job(max(num_bytes, 0), busy, seconds, ended if ended_at is None else ended_at))
         self._estimate = None
 
     def estimate(self, queued_bytes: int = 0) -> ReadEstimate:
@@ -120,19 +155,28 @@ class TransferRate:
             self._estimate = self._measure()
         return replace(self._estimate, queued_bytes=max(queued_bytes, 0)) if queued_bytes else self._estimate
 
+    def _recent(self) -> list[_Job]:
+        """The jobs the estimate covers: those that ended within `_SPAN_S` of the newest one, and at
+        least the newest `_MIN_SAMPLES`."""
+        jobs = list(self._jobs)
+        newest = jobs[-1].ended_at
+        recent = [j for j in jobs if newest - j.ended_at <= _SPAN_S]
+        return recent if len(recent) >= _MIN_SAMPLES else jobs[-_MIN_SAMPLES:]
+
     def _measure(self) -> ReadEstimate:
         if len(self._jobs) < _MIN_SAMPLES:
             return self.prior
-        num_bytes = sum(b for b, _, _ in self._jobs)
-        busy = sum(s for _, s, _ in self._jobs)
+        jobs = self._recent()
+        num_bytes = sum(j.num_bytes for j in jobs)
+        busy = sum(j.busy_s for j in jobs)
         if num_bytes <= 0 or busy <= 0:
             return self.prior
         rate = num_bytes / busy
         # the least a job took beyond its bytes: jobs submitted together also waited for each other,
         # which a decision counts separately (`queued_bytes`); seven promotions submitted at once
         # read a 6 ms latency as 34 ms through their median
-        latency = min(max(0.0, s - b / rate) for b, _, s in self._jobs)
-        return ReadEstimate(rate, latency, num_samples=len(self._jobs))
+        latency = min(max(0.0, j.seconds - j.num_bytes / rate) for j in jobs)
+        return ReadEstimate(rate, latency, num_samples=len(jobs))
 
 
 class PrefillRate:
