@@ -307,3 +307,81 @@ def test_a_slow_spell_stops_counting_once_newer_jobs_ended_well_after_it():
     # a tier nobody used since keeps its last figure: time passing alone says nothing of its speed
     assert rate.num_samples == 6 and rate.last_ended_at == pytest.approx(12.01)
 
+
+def _redis_rates():
+    from kvtier.base import ReqContext
+    from kvtier.tiers.flights import Flight, FlightKind
+    from kvtier.tiers.rates import TierRates
+    from kvtier.tiers.secondary import TierResult
+
+    class Named:
+        medium = "redis"
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    rates = TierRates([Named()], clock=clock)
+    ids = iter(range(1_000))
+
+    def flight(kind: FlightKind) -> Flight:
+        made = Flight(kind, 0, (b"k",), ReqContext("r"), 10 * MB, clock.now, clock.now + 100.0)
+        rates.submitted(made)
+        return made
+
+    def ok(seconds: float) -> TierResult:
+        return TierResult(job_id=next(ids), num_bytes=10 * MB, seconds=seconds)
+
+    return rates, clock, flight, ok, FlightKind
+
+
+def test_a_tier_written_off_by_expired_reads_is_explored_once_its_wait_passed():
+    """Issue 32, defect 2: three promotions given up on at a 0.5 s deadline wrote Redis off for
+    good. Now it may be explored when nothing in flight measures it and its last job is old enough
+    (3x the 0.5 s it took: a slow tier spends at most a quarter of its time on explorations)."""
+    from kvtier.costmodel.exploration import EXPLORE_AFTER_S
+
+    rates, clock, flight, ok, kind = _redis_rates()
+    for _ in range(3):
+        rates.expired(flight(kind.PROMOTION), timeout_s=0.5)
+    assert rates.estimates()["redis"].bytes_per_s < 100 * MB  # three reads of 10 MB in 0.5 s each
+    clock.now = 1.0
+    assert not rates.may_explore(0)  # 1 s after: the 0.5 s reads wait 1.5 s
+    clock.now = 1.5
+    assert rates.may_explore(0)
+    rates.explored(0)
+    read = flight(kind.PROMOTION)
+    assert not rates.may_explore(0)  # a read in flight will measure it
+    rates.ended(read, ok(0.01))
+    clock.now += EXPLORE_AFTER_S - 0.01
+    assert not rates.may_explore(0)  # one exploration per interval at most
+    for _ in range(2):
+        clock.now += EXPLORE_AFTER_S
+        assert rates.may_explore(0)
+        rates.explored(0)
+        rates.ended(flight(kind.PROMOTION), ok(0.01))
+    print("Redis after three expired reads and three explorations:", rates.estimates()["redis"])
+    assert rates.estimates()["redis"].bytes_per_s == pytest.approx(1000 * MB)
+
+
+def test_a_tier_measured_by_writes_still_draining_is_not_explored():
+    """The slow-link e2e test's case (tests/test_vllm_e2e_remote.py, (c)): Redis's estimate stands
+    on write-through stores still draining through the link when requests recompute rather than
+    read from it. Those writes will measure it: no exploration (it would read through the link
+    the decision just refused)."""
+    rates, clock, flight, ok, kind = _redis_rates()
+    for _ in range(3):  # 10 MB at 2 MB/s each, one after another
+        write = flight(kind.CASCADE)
+        clock.now += 5.0
+        rates.ended(write, ok(5.0))
+    assert rates.estimates()["redis"].bytes_per_s == pytest.approx(2 * MB)  # measured by its writes
+    draining = [flight(kind.CASCADE) for _ in range(3)]
+    clock.now += 60.0
+    assert not rates.may_explore(0)  # three writes still in flight
+    for write in draining:
+        rates.ended(write, ok(5.0))
+    clock.now += 15.0
+    assert rates.may_explore(0)  # nothing left to measure it, and its last job ended 3 x 5 s ago

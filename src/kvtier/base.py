@@ -19,7 +19,8 @@ touches tensors. The primitives, in call order:
 
 For the load-or-recompute decision (`kvtier.costmodel`), before the lookups of a request:
 `locate(keys, ctx)` says which tier holds each key without moving a byte, and
-`read_estimates()` what reading from each tier behind this one costs now.
+`read_estimates()` what reading from each tier behind this one costs now; `explore(medium, keys,
+ctx)` reads a chunk of a tier the decision wrote off, to measure it again.
 
 Every call carries a `ReqContext`: its required `req_id` is what lets the layers
 below track a request (bounded waiting, pins released on finish).
@@ -304,6 +305,16 @@ class OffloadingManager(ABC):
         """What reading a chunk from each tier behind this one costs now, by `medium` (measured
         from the tier's recent jobs; a tier not listed is read at its prior)."""
         return {}
+
+    def explore(self, medium: str, keys: Sequence[OffloadKey], ctx: ReqContext) -> bool:
+        """The load-or-recompute decision wrote off the tier `medium` behind this one (`ctx`'s
+        request recomputes chunks found there): read one of `keys` from it in the background, no
+        request waiting for it, if its read estimate is stale (`kvtier.costmodel.exploration`).
+
+        Returns:
+            True if a read started.
+        """
+        return False
 
     def drain(self, timeout_s: float) -> bool:
         """Wait for the background jobs of the tiers behind this one (simulations, tests).

@@ -80,7 +80,7 @@ class LoadChoice:
 
 
 def choose_load(locations: Sequence[str], chunk_bytes: int, chunk_tokens: int, costs: CostSnapshot,
-                policy: str = "cost") -> LoadChoice:
+                policy: str = "cost", min_chunks: int = 0) -> LoadChoice:
     """How many of the found chunks to load; see the module docstring.
 
     Args:
@@ -90,6 +90,8 @@ def choose_load(locations: Sequence[str], chunk_bytes: int, chunk_tokens: int, c
         costs: the figures to decide with.
         policy: "cost" (the smallest expected TTFT) or "always" (every found chunk; the
             expectation is still computed, for the stats).
+        min_chunks: the head loads at least this many (<= len(locations)): an exploration of
+            RAM (`kvtier.costmodel.exploration`) loads the RAM head its estimate wrote off.
     """
     cpu = costs.read(CPU)
     saving = chunk_tokens / costs.prefill_tokens_per_s
@@ -103,8 +105,9 @@ def choose_load(locations: Sequence[str], chunk_bytes: int, chunk_tokens: int, c
             if head_bytes else 0.0
         load = wait + cpu.seconds_for(n * chunk_bytes)
         load_at.append(load)
-        if load - n * saving <= best_delta:
-            best_n, best_delta, best_load = n, load - n * saving, load
+        delta = load - n * saving
+        if n == min_chunks or (n > min_chunks and delta <= best_delta):
+            best_n, best_delta, best_load = n, delta, load
     if policy == "always":
         best_n, best_load = len(locations), load_at[-1]
     return LoadChoice(best_n, len(locations), _tier_of(locations, best_n), best_load, best_n * saving)

@@ -16,6 +16,13 @@ ends adds its expected and measured seconds: from the decision to the load's sta
 promotions), plus the workers' copy (the longest a worker reported; not the forward pass of a
 sync load's step).
 
+A decision that writes off a tier — its head stops before a chunk found there — still tries it
+when that tier's estimate is stale (`kvtier.costmodel.exploration`; issue 32: estimates fed only
+by the jobs they allow locked a tier out for good after one slow spell): a secondary tier reads
+that chunk in the background (`manager.explore`: the request still recomputes it), RAM is tried
+by this decision loading its RAM head anyway. Explorations are counted per tier
+(`SchedulerStats.explorations`); a simulation's fixed figures are never explored.
+
 Thread-safety: the scheduler's (one thread).
 """
 
@@ -25,8 +32,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvtier.base import NOT_KNOWN_YET, OffloadingManager
-from kvtier.costmodel.decision import CPU, CostSnapshot, choose_load
+from kvtier.costmodel.decision import CPU, CostSnapshot, LoadChoice, choose_load
 from kvtier.costmodel.estimates import PrefillRate, TransferRate, read_prior
+from kvtier.costmodel.exploration import Exploration
 from kvtier.jobs import JobResult
 from kvtier.scheduler.config import GroupKind, SchedulerOffloadConfig
 from kvtier.scheduler.lookup import may_defer
@@ -62,6 +70,7 @@ class LoadCosts:
         self.prefill = PrefillRate(min_tokens=max(128, 2 * config.tokens_per_chunk), lag=config.steps_planned_ahead)
         self.cpu = TransferRate(read_prior(CPU))
         self._loads: dict[int, _LoadTiming] = {}  # load job id -> what its workers reported so far
+        self._ram_exploration = Exploration()
         # nothing to weigh with (chunk size unknown, or no full-attention group): load what the scan finds
         self._decides = bool(config.chunk_bytes) and any(g.kind is GroupKind.FULL for g in config.groups)
 
@@ -103,7 +112,10 @@ class LoadCosts:
             start += timing.seconds
 
     def load_started(self, state: RequestOffloadState, decided: DecidedLoad | None, now: float) -> None:
+        """The request's load job (`state.load_job_id`) goes to the workers."""
         state.timed_load = None if decided is None else (decided, now - decided.decided_at)
+        if state.load_job_id is not None:
+            self._loads.setdefault(state.load_job_id, _LoadTiming())
 
     def loaded(self, state: RequestOffloadState, job_id: int) -> None:
         """The request's load ended: its decision's expected seconds against the measured ones."""
@@ -141,11 +153,43 @@ class LoadCosts:
             locations = locations[: locations.index(NOT_KNOWN_YET)]
         if not locations:
             return start
-        choice = choose_load(locations, self.config.chunk_bytes, self.config.tokens_per_chunk, self.snapshot(),
+        costs = self.snapshot()
+        choice = choose_load(locations, self.config.chunk_bytes, self.config.tokens_per_chunk, costs,
                              self.config.load_policy)
+        if choice.num_chunks < len(locations) and self.fixed is None:
+            choice = self._explore(state, start, locations, choice, costs, now)
         state.decided_load = DecidedLoad(start, choice, now)
         self.stats.count_decision(choice.decision, choice.tier)
         return start + choice.num_chunks
+
+    def _explore(self, state: RequestOffloadState, start: int, locations: list[str], choice: LoadChoice,
+                 costs: CostSnapshot, now: float) -> LoadChoice:
+        """`choice` wrote off the tier of the chunk its head stops before: try that tier if its
+        estimate is stale (see the module docstring). Returns the choice to keep."""
+        tier = locations[choice.num_chunks]
+        if tier == CPU:
+            if not self._may_explore_ram(now):
+                return choice
+            self._ram_exploration.started(now)
+            ram_end = choice.num_chunks
+            while ram_end < len(locations) and locations[ram_end] == CPU:
+                ram_end += 1
+            choice = choose_load(locations, self.config.chunk_bytes, self.config.tokens_per_chunk, costs,
+                                 self.config.load_policy, min_chunks=ram_end)
+        else:
+            chunk = start + choice.num_chunks
+            keys = [state.keys(gs.group, chunk, chunk + 1)[0] for gs in state.group_states
+                    if gs.spec.kind is GroupKind.FULL]
+            if not self.manager.explore(tier, keys, state.req_context):
+                return choice
+        self.stats.explorations[tier] += 1
+        return choice
+
+    def _may_explore_ram(self, now: float) -> bool:
+        """RAM is measured by loads only: not while one is in flight (it will measure it), nor
+        sooner than the exploration rules allow."""
+        in_flight = any(t.num_reports < self.config.num_workers for t in self._loads.values())
+        return not in_flight and self._ram_exploration.is_due(self.cpu, now)
 
     def _locate(self, state: RequestOffloadState, start: int, end: int) -> list[str]:
         """Per chunk from `start`: the slowest tier any full-attention group's key is in, up to

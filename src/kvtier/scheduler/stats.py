@@ -36,6 +36,8 @@ class SchedulerStats:
     # load or recompute (`kvtier.scheduler.load_cost`): decisions by (decision, tier), and the
     # loads that ended, with the seconds they were expected to take and took (microseconds)
     load_decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # by tier: decisions that tried a tier they wrote off (`kvtier.costmodel.exploration`)
+    explorations: Counter[str] = field(default_factory=Counter)
     timed_loads: int = 0
     expected_load_us: int = 0
     measured_load_us: int = 0
@@ -52,7 +54,10 @@ class SchedulerStats:
         self.load_decisions[(decision, tier)] += 1
 
     def as_dict(self) -> dict[str, int]:
-        """The counters (the decisions as `load_decisions_<decision>_<tier>`)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "load_decisions"}
+        """The counters (the decisions as `load_decisions_<decision>_<tier>`, the explorations as
+        `explorations_<tier>`)."""
+        by_key = ("load_decisions", "explorations")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in by_key}
         out.update({f"load_decisions_{d}_{t}": n for (d, t), n in self.load_decisions.items()})
+        out.update({f"explorations_{t}": n for t, n in self.explorations.items()})
         return out

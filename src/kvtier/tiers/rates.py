@@ -8,15 +8,23 @@ write-through stores start with the first request); until then, its prior. A job
 (past its deadline) counts as taking the whole timeout: the tier was that slow for it. Reads
 queued ahead of a new one are the promotions in flight to that tier.
 
+A tier's estimate ages on the manager's clock (the scheduler's): each job is stamped when the
+manager sees it end. `may_explore` says whether a tier the decision wrote off may be read once
+more to measure it (`kvtier.costmodel.exploration`): not while a job that feeds its estimate is in
+flight (it will feed it, in time or at its deadline), and not sooner than the exploration rules
+allow after its newest job and its last exploration.
+
 Thread-safety: not thread-safe; the manager calls it from one thread.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.costmodel.estimates import ReadEstimate, TransferRate, read_prior
+from kvtier.costmodel.exploration import Exploration
 from kvtier.tiers.flights import Flight, FlightKind
 from kvtier.tiers.secondary import SecondaryTier, TierResult
 
@@ -28,15 +36,24 @@ _MIN_READS = 3  # fewer measured reads: the tier's writes stand in
 class TierRates:
     """A read and a write `TransferRate` per secondary tier, in the manager's tier order."""
 
-    def __init__(self, tiers: Sequence[SecondaryTier]):
+    def __init__(self, tiers: Sequence[SecondaryTier], clock: Callable[[], float] = time.monotonic):
         self._media = [t.medium for t in tiers]
         self._reads = [TransferRate(read_prior(t.medium)) for t in tiers]
         self._writes = [TransferRate(read_prior(t.medium)) for t in tiers]
         self._queued = Counter[int]()  # tier index -> bytes of promotions in flight
+        self._writing = Counter[int]()  # tier index -> writes in flight
+        self._explorations = [Exploration() for _ in tiers]
+        self._clock = clock
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """The clock estimates age on (the scheduler's; monotonic seconds)."""
+        self._clock = clock
 
     def submitted(self, flight: Flight) -> None:
         if flight.kind is FlightKind.PROMOTION:
             self._queued[flight.tier] += flight.num_bytes
+        else:
+            self._writing[flight.tier] += 1
 
     def ended(self, flight: Flight, result: TierResult) -> None:
         """`flight` ended with `result` (one given up on was counted by `expired` already). A job with
@@ -46,22 +63,37 @@ class TierRates:
             return
         self._unqueue(flight)
         if not result.failed_keys and result.num_bytes > 0:
-            self._rate(flight).add(result.num_bytes, flight.submitted_at, result.seconds)
+            self._rate(flight).add(result.num_bytes, flight.submitted_at, result.seconds, ended_at=self._clock())
 
     def expired(self, flight: Flight, timeout_s: float) -> None:
         """`flight` passed its deadline: it is counted as having taken `timeout_s`."""
         self._unqueue(flight)
-        self._rate(flight).add(flight.num_bytes, flight.submitted_at, timeout_s)
+        self._rate(flight).add(flight.num_bytes, flight.submitted_at, timeout_s, ended_at=self._clock())
 
     def estimates(self) -> dict[str, ReadEstimate]:
         """Each tier's read estimate, with its promotions in flight queued ahead (first tier of a
         medium wins: media are unique in practice)."""
         out: dict[str, ReadEstimate] = {}
         for index, medium in enumerate(self._media):
-            reads = self._reads[index]
-            rate = reads if reads.num_samples >= _MIN_READS else self._writes[index]
-            out.setdefault(medium, rate.estimate(self._queued[index]))
+            out.setdefault(medium, self._estimated_by(index).estimate(self._queued[index]))
         return out
+
+    def may_explore(self, index: int) -> bool:
+        """Whether tier `index` may be read now to measure it again (see the module docstring)."""
+        rate = self._estimated_by(index)
+        by_writes = rate is self._writes[index]
+        if self._queued[index] or (by_writes and self._writing[index]):
+            return False
+        return self._explorations[index].is_due(rate, self._clock())
+
+    def explored(self, index: int) -> None:
+        """A read of tier `index` was started to measure it."""
+        self._explorations[index].started(self._clock())
+
+    def _estimated_by(self, index: int) -> TransferRate:
+        """The rate tier `index`'s read estimate stands on: its reads once it read enough, else its writes."""
+        reads = self._reads[index]
+        return reads if reads.num_samples >= _MIN_READS else self._writes[index]
 
     def _rate(self, flight: Flight) -> TransferRate:
         return (self._reads if flight.kind is FlightKind.PROMOTION else self._writes)[flight.tier]
@@ -69,3 +101,5 @@ class TierRates:
     def _unqueue(self, flight: Flight) -> None:
         if flight.kind is FlightKind.PROMOTION:
             self._queued[flight.tier] -= flight.num_bytes
+        else:
+            self._writing[flight.tier] -= 1

@@ -15,7 +15,8 @@ their own — never on the scheduler's thread, never inside the forward pass.
   with a small CPU tier. Promotions in flight are capped
   in bytes (`max_promotion_bytes`): past the cap a lookup answers RETRY until some end. The
   scheduler bounds each request's wait; a promotion it stopped waiting for still completes,
-  for the next request.
+  for the next request. A promotion for nobody (`explore`) measures a tier the load-or-recompute
+  decision wrote off (issue 32): the chunk it reads stays in RAM, no request waits for it.
 - **write down**: chunks are written to the secondaries as they become READY (write-through)
   or as the CPU tier evicts them (`on_evict`); see `kvtier.tiers.writedown`.
 - A failed promotion frees its slot; the tier forgets a key it could not serve. Events and
@@ -149,6 +150,19 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
         self._poll()
         return self._rates.estimates()
 
+    def explore(self, medium: str, keys: Sequence[OffloadKey], ctx: ReqContext) -> bool:
+        """A promotion of the first of `keys` the tier `medium` holds, that no request waits for: it
+        measures the tier (and leaves the chunk in RAM), when its estimate is stale
+        (`kvtier.tiers.rates`). Tried at most once per exploration interval, started or not."""
+        self._poll()
+        index = next((i for i, slot in enumerate(self._tiers) if slot.tier.medium == medium), None)
+        if index is None or not self._rates.may_explore(index):
+            return False
+        self._rates.explored(index)
+        tier = self._tiers[index].tier
+        key = next((k for k in keys if self.primary.place(k) is None and tier.lookup(k) is _HIT), None)
+        return key is not None and self._promote(key, index, ctx, for_request=False) is LookupResult.HIT_PENDING
+
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
         spec = self.primary.prepare_load(keys, ctx)
         awaited = self._awaited.get(ctx.req_id)
@@ -194,6 +208,7 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         self.primary.use_clock(clock)  # its retention book is the tiers'
+        self._rates.use_clock(clock)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         self._awaited.pop(ctx.req_id, None)

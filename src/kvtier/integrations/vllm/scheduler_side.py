@@ -178,7 +178,8 @@ class SchedulerSide:
         stats.set_gauge("jobs_in_flight", self.core.num_jobs_in_flight())
         stats.set_gauge("tier_jobs_in_flight", cpu.extra.get("tier_jobs_in_flight", 0))
         self._add_decision_stats(stats, now, before)
-        self._reported = dataclasses.replace(now, load_decisions=Counter(now.load_decisions))  # a copy
+        self._reported = dataclasses.replace(now, load_decisions=Counter(now.load_decisions),  # copies
+                                             explorations=Counter(now.explorations))
         self._add_tier_stats(stats, cpu)
         return stats
 
@@ -186,6 +187,8 @@ class SchedulerSide:
         """Load-or-recompute: decisions and load seconds since the last report, the current estimates."""
         for (decision, medium), count in now.load_decisions.items():
             stats.add(decision_stat_name(decision, medium), count - before.load_decisions.get((decision, medium), 0))
+        for medium, count in now.explorations.items():
+            stats.add(tier_stat_name(medium, "explorations"), count - before.explorations.get(medium, 0))
         stats.add("expected_load_seconds", (now.expected_load_us - before.expected_load_us) / 1e6)
         stats.add("measured_load_seconds", (now.measured_load_us - before.measured_load_us) / 1e6)
         costs = self.core.costs.snapshot()

@@ -1,0 +1,53 @@
+"""Exploration: when a tier the load-or-recompute decision wrote off is tried again.
+
+An estimate fed only by the jobs it lets run stops being measured once it says "slower than
+recomputing": no job starts, and one slow spell disables a tier (or RAM) for good (issue 32). So a
+decision whose head stops before a chunk found in tier T still tries T, when T's estimate is
+stale:
+
+- nothing in flight will measure it (a read, or while the tier's writes stand in for its reads, a
+  write: each ends or is given up on within its deadline, and feeds the estimate either way);
+- its newest job ended, and its last exploration started, at least `wait_s` ago: `EXPLORE_AFTER_S`
+  after a fast job, longer after a slow one (`_EXPLORE_SHARE`: a tier that really is slow spends at
+  most that share of its time on explorations), never more than `_EXPLORE_MAX_WAIT_S`.
+
+How a tier is tried is the caller's: a secondary tier reads the chunk in the background into RAM
+(a promotion no request waits for: the request recomputes as decided, and exploring costs it
+nothing but a chunk of that tier's bandwidth); RAM is tried by one decision loading its RAM head
+anyway (a copy into the engine needs the request's blocks).
+
+Thread-safety: not thread-safe; one owner calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvtier.costmodel.estimates import TransferRate
+
+__all__ = ["EXPLORE_AFTER_S", "Exploration"]
+
+# at most one exploration of a tier a second: a recovered tier is trusted again after three
+# (`kvtier.costmodel.estimates`'s _MIN_SAMPLES newest jobs), within seconds
+EXPLORE_AFTER_S = 1.0
+# after an exploration that took s seconds, none for 3 s more: a slow tier spends at most a quarter
+# of its time on them (a 2 MB/s link reading 2 MiB chunks: one every ~4 s)
+_EXPLORE_SHARE = 0.25
+# a read given up on at a 10 s deadline is tried again 30 s later, not 40 s
+_EXPLORE_MAX_WAIT_S = 30.0
+
+
+class Exploration:
+    """When one tier was last explored, and whether it may be now."""
+
+    def __init__(self) -> None:
+        self.started_at = -math.inf
+
+    def is_due(self, rate: TransferRate, now: float) -> bool:
+        """Whether a tier whose estimate is `rate` (nothing in flight to measure it: the caller's
+        check) may be explored at `now`."""
+        wait_s = min(max(EXPLORE_AFTER_S, rate.last_seconds * (1 / _EXPLORE_SHARE - 1)), _EXPLORE_MAX_WAIT_S)
+        return now - max(rate.last_ended_at, self.started_at) >= wait_s
+
+    def started(self, now: float) -> None:
+        self.started_at = now

@@ -1,0 +1,253 @@
+"""Measuring what decides is also exploring (issue 32, defect 2): a tier the load-or-recompute
+decision wrote off is measured again, so one slow spell never disables it (or RAM) for good.
+
+The fake engine drives the real OffloadScheduler with its cost model measuring (no fixed figures),
+a TieredManager over a 4-slot CPU tier and a real disk tier, and the real worker. Time is a
+`FakeClock` the test moves on by `REQUEST_GAP_S` before each request (the estimates age on it, and
+explorations are spaced on it); the engine's prefill speed is injected (`PrefillRate`'s prior, which
+a fake engine's steps never replace: its clock stands still within a request), so a chunk's 4 tokens
+are worth 0.1 s of prefill: a read that takes 1 s or more per chunk is written off, one that takes
+microseconds or milliseconds (the real tiers here) is not, whatever the machine's speed.
+
+Block size 4 tokens, chunks of 1 block, prefixes of 3 chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import pairwise
+
+import pytest
+
+from kvtier.costmodel import PrefillRate
+from kvtier.jobs import JobResult
+from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
+from kvtier.sim import FakeEngine, KVCache
+from kvtier.sim.fake_engine import make_slab
+from kvtier.tiers.cascade import TierRules
+from kvtier.tiers.cpu.manager import CPUTierManager
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult
+from kvtier.tiers.tiered import TieredManager
+from sched_helpers import FakeClock, close_after_test, prompt
+from test_tiered_scheduler import _ClosesTiers, serve, settle
+from tier_helpers import HeldTier
+
+NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 32, 4, 4
+PREFIX_TOKENS = 12
+PREFILL_TOKENS_PER_S = 40.0  # a chunk's 4 tokens: 0.1 s to recompute
+TIER_JOB_TIMEOUT_S = 1.0  # a read given up on counts as 1 s: ten times recomputing its chunk
+REQUEST_GAP_S = 0.25  # fake seconds between two requests
+MAX_REQUESTS = 40  # 10 fake seconds of requests: a tier that recovered is loaded from again within them
+
+
+class SlowReads(HeldTier):
+    """A real tier whose reads can be held (`hold_loads`, as `HeldTier`) or report the time they
+    would take over a link of `read_bytes_per_s` (they end at once: on a fake clock, only the
+    seconds a job reports say how slow the tier is)."""
+
+    def __init__(self, inner: SecondaryTier):
+        super().__init__(inner, hold_stores=False)
+        self.hold_loads = False
+        self.read_bytes_per_s: float | None = None
+        self._load_ids: set[int] = set()
+
+    def submit_load(self, job: TierJob) -> None:
+        self._load_ids.add(job.job_id)
+        super().submit_load(job)
+
+    def get_finished(self) -> list[TierResult]:
+        return [self._slowed(r) for r in super().get_finished()]
+
+    def _slowed(self, result: TierResult) -> TierResult:
+        if self.read_bytes_per_s is None or result.job_id not in self._load_ids:
+            return result
+        return dataclasses.replace(result, seconds=result.num_bytes / self.read_bytes_per_s)
+
+
+def measuring_scheduler(manager, chunk_bytes: int, clock: FakeClock) -> OffloadScheduler:
+    """A scheduler whose cost model measures (prefill injected); job deadlines far beyond the test."""
+    config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),), max_defer_s=60.0,
+                                    max_deferrals=1_000_000, job_timeout_s=1e6, chunk_bytes=chunk_bytes)
+    scheduler = OffloadScheduler(config, manager, clock=clock)
+    scheduler.costs.prefill = PrefillRate(prior_tokens_per_s=PREFILL_TOKENS_PER_S)
+    return scheduler
+
+
+def disk_engine(tmp_path, clock: FakeClock, num_prefixes: int) -> tuple[FakeEngine, SlowReads, list[list[int]]]:
+    """An engine over RAM + disk, with `num_prefixes` prefixes on disk only (computed once, written
+    through, then pushed out of RAM by two fillers)."""
+    slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
+    namespace = Namespace("sim", "float32", "sim", BLOCK_SIZE, 1, "sha256", 1, slab.rows.shape[1])
+    # room for every chunk many times over: the disk evicts nothing here
+    disk = DiskTier(tmp_path, namespace, 16 * (num_prefixes + 4) * (slab.rows.shape[1] + 4096))
+    assert disk.wait_scanned(5.0)
+    tier = SlowReads(disk)
+    manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(tier, TierRules())],
+                            job_timeout_s=TIER_JOB_TIMEOUT_S)
+    engine = close_after_test(_ClosesTiers(FakeEngine(measuring_scheduler(manager, slab.rows.shape[1], clock),
+                                                      num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, clock=clock,
+                                                      slab=slab), manager))
+    prefixes = [prompt(PREFIX_TOKENS, seed=s) for s in range(1, 1 + num_prefixes)]
+    for i, p in enumerate(prefixes):
+        serve(engine, f"first-{i}", p)
+        settle(engine)
+    for i in range(2):
+        serve(engine, f"filler-{i}", prompt(PREFIX_TOKENS, seed=100 + i))
+        settle(engine)
+    return engine, tier, prefixes
+
+
+def tier_counters(engine) -> dict:
+    return dict(engine.manager.tier_stats()[0].counters)
+
+
+def chunk_seconds(engine, medium: str) -> float:
+    """What the cost model expects one chunk from `medium` to take now."""
+    return engine.scheduler.costs.snapshot().read(medium).seconds_for(engine.scheduler.config.chunk_bytes)
+
+
+@dataclasses.dataclass
+class Served:
+    """One request after the slow spell, as the test saw it."""
+
+    at: float  # fake seconds since the tier answered again
+    loaded_tokens: int
+    explored: bool  # its decision tried the tier it wrote off
+    deferrals: int  # times it was asked to wait
+
+
+def serve_one(engine, clock: FakeClock, req_id: str, tokens: list[int], medium: str, since: float) -> Served:
+    """Serve one request (the engine's own cache emptied first) and see what it did."""
+    explorations, deferrals = _explorations(engine, medium), engine.scheduler.stats.deferrals
+    engine.reset_prefix_cache()
+    req = serve(engine, req_id, tokens)
+    manager = engine.scheduler.manager
+    if isinstance(manager, TieredManager):
+        settle(engine)
+        manager.stats()  # the tier jobs that ended are applied: the estimate sees them
+    return Served(clock() - since, req.num_external_tokens, _explorations(engine, medium) > explorations,
+                  engine.scheduler.stats.deferrals - deferrals)
+
+
+def _explorations(engine, medium: str) -> int:
+    return engine.scheduler.stats.as_dict().get(f"explorations_{medium}", 0)
+
+
+def test_a_tier_written_off_by_a_stall_is_loaded_from_again_once_it_answers(tmp_path):
+    """Three promotions expire while the disk holds its reads; then it answers at full speed.
+    Before exploration, its estimate (three reads of a whole timeout each) wrote it off for good:
+    no promotion started again, so nothing measured it again."""
+    clock = FakeClock()
+    engine, disk, prefixes = disk_engine(tmp_path, clock, 1 + MAX_REQUESTS)
+    engine.reset_prefix_cache()
+    # the disk stalls: the first prefix's 3 promotions are held until their deadline passes (real
+    # time: TIER_JOB_TIMEOUT_S), the request recomputes; each counts as a read of a whole timeout
+    disk.hold_loads = True
+    stalled = serve(engine, "stalled", prefixes[0] + [7])
+    assert stalled.num_external_tokens == 0 and tier_counters(engine)["expired_jobs"] == 3
+    disk.hold_loads = False
+    disk.release()  # the held reads end late: ignored (given up on), their slots freed
+    settle(engine)
+    assert chunk_seconds(engine, "disk") > BLOCK_SIZE / PREFILL_TOKENS_PER_S  # written off
+    # the disk answers at full speed again; a request every REQUEST_GAP_S, each with a prefix only on disk
+    healthy_at = clock()
+    served = []
+    for i, p in enumerate(prefixes[1:]):
+        clock.now += REQUEST_GAP_S
+        served.append(serve_one(engine, clock, f"again-{i}", p + [7], "disk", healthy_at))
+        if served[-1].loaded_tokens == PREFIX_TOKENS:
+            break
+    print("after the stall:", [(s.at, s.loaded_tokens, "explored" if s.explored else "") for s in served])
+    print("decisions:", dict(engine.scheduler.stats.load_decisions), "disk:",
+          {k: v for k, v in tier_counters(engine).items() if "promotion" in k or "expired" in k})
+    assert served[-1].loaded_tokens == PREFIX_TOKENS, served
+    explored = [s for s in served if s.explored]
+    # a request that explored recomputed as decided, without waiting for the read it started
+    assert explored and all(s.loaded_tokens == 0 and s.deferrals == 0 for s in explored), explored
+    assert len(explored) <= 3, explored  # the newest three reads outweigh the stall
+
+
+def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_request_waits(tmp_path):
+    """A disk whose reads take 1 s a chunk stays written off: each exploration measures it slow
+    again. What that costs: one chunk read every few seconds, in the background."""
+    clock = FakeClock()
+    num_requests = 4 * MAX_REQUESTS
+    engine, disk, prefixes = disk_engine(tmp_path, clock, 20)
+    chunk_bytes = engine.scheduler.config.chunk_bytes
+    disk.read_bytes_per_s = chunk_bytes / 1.0
+    engine.reset_prefix_cache()
+    # the first request finds the prior (1 GB/s) and loads; its 3 reads report 1 s each
+    first = serve(engine, "first-read", prefixes[0] + [7])
+    settle(engine)
+    assert first.num_external_tokens == PREFIX_TOKENS
+    assert chunk_seconds(engine, "disk") > BLOCK_SIZE / PREFILL_TOKENS_PER_S  # written off
+    reads_before = tier_counters(engine)["promotions"]
+    start = clock()
+    served = []
+    for i in range(num_requests):  # 40 fake seconds, prefixes on disk in turn
+        clock.now += REQUEST_GAP_S
+        served.append(serve_one(engine, clock, f"q-{i}", prefixes[1 + i % 19] + [7], "disk", start))
+    explored = [s.at for s in served if s.explored]
+    reads = tier_counters(engine)["promotions"] - reads_before
+    seconds = clock() - start
+    print(f"a disk reading a chunk a second, over {seconds:.0f} fake s and {num_requests} requests:",
+          f"{len(explored)} explorations at", explored, f"= {reads} chunk reads ({reads * chunk_bytes} bytes),",
+          f"the disk busy with them {reads * 1.0 / seconds:.0%} of the time")
+    assert all(s.loaded_tokens == 0 and s.deferrals == 0 for s in served)  # nobody loaded from it, nor waited
+    assert reads == len(explored)
+    # a read of 1 s is followed by 3 s without one: at most one every 4 s (a quarter of the link)
+    assert all(b - a >= 3.0 for a, b in pairwise(explored)), explored
+    assert len(explored) >= seconds / 5  # and it is measured again all along
+
+
+def test_ram_written_off_by_three_slow_copies_is_loaded_from_again(tmp_path):
+    """Three host -> engine copies that happened to be slow (a descheduled worker, first-touch page
+    faults) wrote RAM off: every later request recomputed with its whole prefix in RAM, and since
+    only loads measure RAM, nothing measured it again."""
+    clock = FakeClock()
+    slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 8)
+    scheduler = measuring_scheduler(CPUTierManager(8), slab.rows.shape[1], clock)
+    engine = close_after_test(FakeEngine(scheduler, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, clock=clock,
+                                         slab=slab))
+    chunk_bytes = scheduler.config.chunk_bytes
+    p = prompt(PREFIX_TOKENS, seed=1)
+    serve(engine, "p", p)
+    # three loads of 3 chunks, one a second, that took 1 s each: 0.33 s a chunk, 3 times recomputing it
+    for i in range(3):
+        clock.now += 1.0
+        scheduler.costs.worker_results([(JobResult(job_id=-1 - i, num_bytes=3 * chunk_bytes, seconds=1.0), True)],
+                                       now=clock())
+    assert chunk_seconds(engine, "cpu") > BLOCK_SIZE / PREFILL_TOKENS_PER_S
+    slow_at = clock()
+    served = [serve_one(engine, clock, "first", p + [7], "cpu", slow_at)]
+    for i in range(MAX_REQUESTS):
+        clock.now += REQUEST_GAP_S
+        served.append(serve_one(engine, clock, f"again-{i}", p + [7], "cpu", slow_at))
+    print("after the slow copies:", [(s.at, s.loaded_tokens, "explored" if s.explored else "") for s in served])
+    print("decisions:", dict(scheduler.stats.load_decisions))
+    assert served[0].loaded_tokens == 0  # written off: recomputed
+    explored = [i for i, s in enumerate(served) if s.explored]
+    # each exploration loaded the RAM head; after at most three, RAM is trusted again: every later
+    # request loads from it without exploring
+    assert explored and len(explored) <= 3, explored
+    assert all(served[i].loaded_tokens == PREFIX_TOKENS for i in explored)
+    assert all(s.loaded_tokens == PREFIX_TOKENS for s in served[explored[-1]:]), served
+
+
+def test_explorations_are_a_metric_per_tier():
+    """`kvtier:tier_explorations_total{tier}`, from the scheduler's counter (`tier.<medium>.explorations`)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    from kvtier.integrations.vllm.metrics import KVTierPromMetrics
+
+    prom = KVTierPromMetrics(SimpleNamespace(kv_transfer_config=None),
+                             {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, ["engine"], {0: ["0"]})
+    prom.observe({"counters": {"tier.cpu.explorations": 2, "tier.redis.explorations": 1}, "gauges": {}})
+    found = {s.labels["tier"]: s.value for m in REGISTRY.collect() for s in m.samples
+             if s.name == "kvtier:tier_explorations_total"}
+    assert found == {"cpu": 2, "redis": 1}
