@@ -85,6 +85,14 @@ class AdaptivePolicy(CachePolicy):
             policy.order_chain(keys)
         self.selector.order_chain(keys)
 
+    def rank_last(self, keys: Sequence[OffloadKey]) -> None:
+        for policy in self.policies.values():
+            policy.rank_last(keys)
+
+    def rank_first(self, keys: Sequence[OffloadKey]) -> None:
+        for policy in self.policies.values():
+            policy.rank_first(keys)
+
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         victims = self.policies[self.leader].evict(n, protected)
         if victims is not None:

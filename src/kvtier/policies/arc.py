@@ -85,6 +85,22 @@ class ARCPolicy(CachePolicy):
         for key in reversed(keys):
             (self.t1 if key in self.t1 else self.t2).move_to_end(key)
 
+    def rank_last(self, keys: Sequence[OffloadKey]) -> None:
+        """To the most recent end of its own list (not a use: a T1 key stays in T1)."""
+        for key in keys:
+            if key in self.t1:
+                self.t1.move_to_end(key)
+            elif key in self.t2:
+                self.t2.move_to_end(key)
+
+    def rank_first(self, keys: Sequence[OffloadKey]) -> None:
+        """To the least recent end of its own list."""
+        for key in reversed(keys):
+            if key in self.t1:
+                self.t1.move_to_end(key, last=False)
+            elif key in self.t2:
+                self.t2.move_to_end(key, last=False)
+
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         from_t1 = self._candidates(self.t1, protected)
         from_t2 = self._candidates(self.t2, protected)

@@ -2,8 +2,10 @@
 
 A `CachePolicy` only orders the READY keys of one tier. Slots, states and pins
 belong to the tier manager, which tells the policy what happened (prepare_insert,
-insert, touch, order_chain, discard, clear) and asks it for victims (`evict`). Each
-policy overrides these few hooks; none of them re-implements accounting.
+insert, touch, order_chain, discard, clear), asks it for victims (`evict`), and may
+move keys to either end of the order without counting a use (`rank_last`,
+`rank_first`). Each policy overrides these few hooks; none of them re-implements
+accounting.
 
 Thread-safety: not thread-safe; the owning tier serializes calls.
 """
@@ -55,6 +57,21 @@ class CachePolicy(ABC):
         that counts uses in `touch` (ARC) overrides it.
         """
         self.touch(keys)
+
+    def rank_last(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (an optional hook)
+        """Rank held `keys` to be evicted no sooner than a key used now (in the order given), without
+        counting a use: the tier cannot evict them for a while (`kvtier.tiers.cpu.chains`), and they
+        must not stand in the way of every eviction's scan meanwhile.
+
+        The default does nothing: they stay where they are, skipped by each scan.
+        """
+
+    def rank_first(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (an optional hook)
+        """Rank held `keys` to be evicted before every other key, in the order given, without counting
+        a use: the deeper chunks of their prefix were just evicted, and so would they have been next.
+
+        The default does nothing: they keep their place.
+        """
 
     @abstractmethod
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:

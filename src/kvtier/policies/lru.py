@@ -37,6 +37,18 @@ class LRUPolicy(CachePolicy):
             if key in order:
                 move(key)
 
+    def rank_last(self, keys: Sequence[OffloadKey]) -> None:
+        order, move = self._order, self._order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
+
+    def rank_first(self, keys: Sequence[OffloadKey]) -> None:
+        order, move = self._order, self._order.move_to_end
+        for key in reversed(keys):
+            if key in order:
+                move(key, last=False)
+
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         victims = list(islice((k for k in self._order if k not in protected), n))
         if len(victims) < n:

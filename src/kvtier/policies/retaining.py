@@ -135,6 +135,13 @@ class RetainingPolicy(CachePolicy):
     def order_chain(self, keys: Sequence[OffloadKey]) -> None:
         self.inner.order_chain([key for key in keys if key in self.inner])
 
+    def rank_last(self, keys: Sequence[OffloadKey]) -> None:
+        # keys set aside keep the book's order: their rank says when they go
+        self.inner.rank_last([key for key in keys if key in self.inner])
+
+    def rank_first(self, keys: Sequence[OffloadKey]) -> None:
+        self.inner.rank_first([key for key in keys if key in self.inner])
+
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         held = set(self.inner.discard(keys))
         held.update(key for key in keys if self._aside.pop(key, None) is not None)

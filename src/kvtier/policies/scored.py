@@ -85,6 +85,37 @@ class ScoredPolicy(CachePolicy):
     def __contains__(self, key: object) -> bool:
         return key in self.scores
 
+    def rank_last(self, keys: Sequence[OffloadKey]) -> None:
+        """Scored no lower than a key used now (`clock`), in the order given."""
+        for key in keys:
+            if key in self.scores:
+                self.clock += 1.0
+                self._raise_to(key, self.clock)
+
+    def rank_first(self, keys: Sequence[OffloadKey]) -> None:
+        """Scored below every key held, the first given lowest."""
+        held = [key for key in keys if key in self.scores]
+        lowest = self._lowest_score()
+        for i, key in enumerate(held):
+            self._lower_to(key, lowest - (len(held) - i))
+
+    def _raise_to(self, key: OffloadKey, score: float) -> None:
+        """`rank_last`: score `key` at least `score` (a subclass whose scores derive from its own
+        state sets that state instead)."""
+        if self.scores[key] < score:
+            self._set(key, score)
+
+    def _lower_to(self, key: OffloadKey, score: float) -> None:
+        """`rank_first`: score `key` `score`, below every other (as `_raise_to`)."""
+        self._set(key, score)
+
+    def _lowest_score(self) -> float:
+        """The lowest score held (stale heap entries on top are dropped), or `clock` when none is held."""
+        heap, scores = self._heap, self.scores
+        while heap and scores.get(heap[0][2]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else self.clock
+
     def _forget(self, key: OffloadKey, evicted: bool) -> None:
         """`key` left the policy (`evicted`, or lost: `discard`): drop what a subclass keeps about it."""
 

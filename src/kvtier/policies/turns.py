@@ -110,6 +110,15 @@ class TurnsPolicy(ScoredPolicy):
         self.level[key] = max(self.level[key], depth)
         self._rescore(key)
 
+    def _raise_to(self, key: OffloadKey, score: float) -> None:
+        # as recent as `score` in key time (its level's bonus kept): a later rescore keeps it
+        self.last_use[key] = max(self.last_use[key], score)
+        self._rescore(key)
+
+    def _lower_to(self, key: OffloadKey, score: float) -> None:
+        self.last_use[key] = score - self._bonus(self.level[key])
+        self._rescore(key)
+
     def _rescore(self, key: OffloadKey) -> None:
         score = self.last_use[key] + self._bonus(self.level[key])
         if self.scores[key] != score:

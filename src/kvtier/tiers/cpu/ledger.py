@@ -3,10 +3,12 @@
 - Pins: a load pins the chunks it reads; `complete_load` (or the request's end) unpins.
 - Chain: the keys a request touched or offered for storing, in the order it did, which is
   head first: a request's prefix grows at its tail, so its calls arrive head first, chunk
-  by chunk across KV-cache groups. The tier re-ranks the chain after each store the
-  request completes, so a chunk is never evicted before a deeper chunk of the same
-  prefix — a tail is useless without its head — also when the prefix was stored over
-  several calls (chunked prefill, decode, retries) and across groups.
+  by chunk across KV-cache groups. Each key is remembered with the key before it in the chain
+  and the key before it in its own KV-cache group (its parents): the tier links a chunk that
+  becomes READY to the first of them that is READY (`kvtier.tiers.cpu.chains`), so that a chunk
+  is never evicted before a deeper chunk of the same prefix — a tail is useless without its
+  head — also when the prefix was stored over several calls (chunked prefill, decode, retries)
+  and across groups.
 
 Thread-safety: not thread-safe; the owning tier serializes calls.
 """
@@ -14,11 +16,26 @@ Thread-safety: not thread-safe; the owning tier serializes calls.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-from kvtier.keys import OffloadKey
+from kvtier.keys import GROUP_INDEX_BYTES, OffloadKey
 
-__all__ = ["RequestLedger"]
+__all__ = ["Parents", "RequestLedger"]
+
+
+Parents = tuple[OffloadKey | None, OffloadKey | None]  # (the key before in the chain, before in its group)
+_NO_PARENTS: Parents = (None, None)
+
+
+class _Chain:
+    """One request's keys, head first, each with its parents."""
+
+    __slots__ = ("last", "last_of_group", "parents_of")
+
+    def __init__(self) -> None:
+        self.parents_of: dict[OffloadKey, Parents] = {}  # insertion-ordered: the chain
+        self.last: OffloadKey | None = None
+        self.last_of_group: dict[bytes, OffloadKey] = {}  # group index bytes -> its deepest key so far
 
 
 class RequestLedger:
@@ -26,7 +43,7 @@ class RequestLedger:
 
     def __init__(self) -> None:
         self._pins: dict[str, Counter[OffloadKey]] = {}
-        self._chains: dict[str, dict[OffloadKey, None]] = {}  # an insertion-ordered set per request
+        self._chains: dict[str, _Chain] = {}
 
     def pin(self, req_id: str, key: OffloadKey) -> None:
         self._pins.setdefault(req_id, Counter())[key] += 1
@@ -44,12 +61,37 @@ class RequestLedger:
         return True
 
     def extend_chain(self, req_id: str, keys: Iterable[OffloadKey]) -> None:
-        """Append keys the request touched or offered (already listed ones keep their place)."""
-        self._chains.setdefault(req_id, {}).update(dict.fromkeys(keys))
+        """Append keys the request touched or offered (already listed ones keep their place). O(keys)."""
+        chain = self._chains.get(req_id)
+        if chain is None:
+            chain = self._chains[req_id] = _Chain()
+        parents_of, last_of_group = chain.parents_of, chain.last_of_group
+        for key in keys:
+            if key in parents_of:
+                continue
+            group = key[-GROUP_INDEX_BYTES:]
+            parents_of[key] = (chain.last, last_of_group.get(group))
+            chain.last = key
+            last_of_group[group] = key
 
     def chain(self, req_id: str) -> list[OffloadKey]:
-        """The request's keys, head first."""
-        return list(self._chains.get(req_id, ()))
+        """The request's keys, head first (O(chain): once per request)."""
+        chain = self._chains.get(req_id)
+        return [] if chain is None else list(chain.parents_of)
+
+    def chain_keys(self, req_id: str) -> Mapping[OffloadKey, object]:
+        """The request's keys, for membership tests (O(1) each; a live view, not a copy)."""
+        chain = self._chains.get(req_id)
+        return {} if chain is None else chain.parents_of
+
+    def parents(self, req_id: str, keys: Sequence[OffloadKey]) -> list[Parents]:
+        """For each of `keys`, the key before it in the request's chain and the one before it in its
+        KV-cache group (None: none, or not in the chain)."""
+        chain = self._chains.get(req_id)
+        if chain is None:
+            return [_NO_PARENTS] * len(keys)
+        parents_of = chain.parents_of
+        return [parents_of.get(key, _NO_PARENTS) for key in keys]
 
     def release(self, req_id: str) -> Counter[OffloadKey]:
         """Forget the request; returns the pins it still held (to be unpinned)."""

@@ -9,7 +9,8 @@ live in the host slab; this class never sees them.
 Invariants (verified by `check()`):
 - every chunk has exactly one slot; used + free slots = num_slots;
 - the policy holds exactly the READY chunks (PENDING and RETIRED are invisible to it),
-  so a PENDING chunk is never evicted; pinned READY chunks are protected at eviction;
+  so a PENDING chunk is never evicted; pinned READY chunks, and heads whose tail is held
+  (`kvtier.tiers.cpu.chains`), are protected at eviction;
 - a chunk's pin count equals the pins its requests hold.
 
 Thread-safety: not thread-safe. The scheduler calls it from one thread.
@@ -39,6 +40,7 @@ from kvtier.policies import make_policy
 from kvtier.policies.retaining import RetainingPolicy
 from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.admission import ReuseGate
+from kvtier.tiers.cpu.chains import ChainLinks
 from kvtier.tiers.cpu.ledger import RequestLedger
 from kvtier.tiers.cpu.slots import Chunk, SlotAllocator
 from kvtier.tiers.cpu.stores import ChunkStores
@@ -90,6 +92,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         self._chunks: dict[OffloadKey, Chunk] = {}
         self.mrc = MissRatioCurve()  # this tier's hit ratio at other sizes, from its lookups and stores
         self._ledger = RequestLedger()
+        self._chains = ChainLinks(self._policy)
         self._events: list[OffloadingEvent] = []
         self._num_pending = self._num_pinned = self._num_evictable = self._num_retired = 0
         self._hits = self._misses = self._evictions = self._stores = 0
@@ -155,6 +158,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys)
+        self._chains.used(keys)
         self._ledger.extend_chain(ctx.req_id, keys)
         self._note(keys, ctx)
 
@@ -209,6 +213,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
                 self._free(key, chunk)
         self._num_pending = self._num_evictable = 0
         self._policy.clear()
+        self._chains.clear()
         self._gate.clear()
         self.retention.clear()
         self._emit(removed, removed=True)
@@ -245,6 +250,7 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         ready = {k for k, c in chunks.items() if c.state is _READY}
         _require(len(self._policy) == len(ready) and all(k in self._policy for k in ready),
                  "the policy does not hold exactly the READY chunks")
+        self._chains.check(ready)
         held = self._ledger.all_pins()
         _require(all(held[k] == c.pins for k, c in chunks.items()), "pin counts differ from the pins requests hold")
         _require(all(k in chunks for k in held), "a request pins an unknown chunk")

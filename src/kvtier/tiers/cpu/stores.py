@@ -14,7 +14,7 @@ manager's chunks, slots, policy, ledger and counters. Thread-safety: the manager
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from kvtier.mrc import MissRatioCurve
 from kvtier.policies import CachePolicy
 from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.admission import ReuseGate
+from kvtier.tiers.cpu.chains import ChainLinks
 from kvtier.tiers.cpu.ledger import RequestLedger
 from kvtier.tiers.cpu.slots import Chunk, SlotAllocator
 from kvtier.tiers.quotas import TenantQuotas
@@ -35,15 +36,26 @@ _PENDING, _READY, _RETIRED = ChunkState.PENDING, ChunkState.READY, ChunkState.RE
 
 
 class _Protected:
-    """Keys an eviction must spare: the call's own keys and every pinned chunk."""
+    """Keys an eviction must spare: the call's own keys, those of `spared`, every pinned chunk and
+    every parked one (a head whose tail is held); the parked ones a scan asked about are `passed`."""
 
-    __slots__ = ("chunks", "own")
+    __slots__ = ("chains", "chunks", "own", "passed", "spared")
 
-    def __init__(self, own: set[OffloadKey], chunks: dict[OffloadKey, Chunk]):
-        self.own, self.chunks = own, chunks
+    def __init__(self, own: set[OffloadKey], spared: Sequence[Container[OffloadKey]], chunks: dict[OffloadKey, Chunk],
+                 chains: ChainLinks):
+        self.own = own
+        self.spared = spared
+        self.chunks = chunks
+        self.chains = chains
+        self.passed: dict[OffloadKey, None] = {}
 
     def __contains__(self, key: object) -> bool:
-        return key in self.own or self.chunks[key].pins > 0  # type: ignore[index]
+        if key in self.own or self.chunks[key].pins > 0:  # type: ignore[index]
+            return True
+        if self.chains.is_parked(key):  # type: ignore[arg-type]
+            self.passed[key] = None  # type: ignore[index]
+            return True
+        return any(key in spared for spared in self.spared)
 
 
 class ChunkStores:
@@ -61,6 +73,8 @@ class ChunkStores:
     _slots: SlotAllocator
     _chunks: dict[OffloadKey, Chunk]
     _ledger: RequestLedger
+    _chains: ChainLinks
+    is_readable: Callable[[OffloadKey], bool]
     _num_pending: int
     _num_evictable: int
     _num_retired: int
@@ -72,7 +86,7 @@ class ChunkStores:
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         for key in reversed(keys):
             self.mrc.store(key)
-        return self._reserve(keys, ctx, admit=self._gate.admit, spare=())
+        return self._reserve(keys, ctx, admit=self._gate.admit, spared=())
 
     def prepare_promotion(self, keys: Sequence[OffloadKey], ctx: ReqContext,
                           spare: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
@@ -81,11 +95,11 @@ class ChunkStores:
         the request's own chain is evicted for it (its prefix would thrash: promoting chunk
         n+1 must not evict chunk 0 that the same request is about to load), nor any of `spare`
         (chunks promoted for other requests that have not loaded them yet)."""
-        return self._reserve(keys, ctx, admit=None, spare=[*self._ledger.chain(ctx.req_id), *spare])
+        return self._reserve(keys, ctx, admit=None, spared=(self._ledger.chain_keys(ctx.req_id), set(spare)))
 
     def _reserve(self, keys: Sequence[OffloadKey], ctx: ReqContext,
                  admit: Callable[[OffloadKey, str], bool] | None,
-                 spare: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+                 spared: Sequence[Container[OffloadKey]]) -> PrepareStoreOutput | None:
         for key in keys:
             if len(key) != self.key_bytes:
                 raise key_length_error(key, self.key_bytes)
@@ -96,16 +110,16 @@ class ChunkStores:
         if (limit := quotas.limit(tenant)) is not None:
             new_keys = new_keys[:limit]  # a store beyond the whole quota keeps its head
         self._policy.prepare_insert(new_keys)  # before evicting: ARC's ghost hits
-        protected = _Protected({*keys, *spare}, chunks)
+        protected = _Protected(set(keys), spared, chunks, self._chains)
         evicted: list[OffloadKey] = []
         if (excess := quotas.excess(tenant, len(new_keys))) > 0:  # the tenant makes room among its own
-            victims = self._policy.evict(excess, quotas.all_but(tenant, protected))
+            victims = self._evict(excess, quotas.all_but(tenant, protected), protected)
             if victims is None:
                 self._rejected_stores += 1
                 return None
             evicted = victims
         if (num_needed := len(new_keys) - self._slots.num_free - len(evicted)) > 0:
-            victims = self._policy.evict(num_needed, protected)
+            victims = self._evict(num_needed, protected, protected)
             if victims is None and not evicted:
                 self._rejected_stores += 1
                 return None
@@ -152,7 +166,12 @@ class ChunkStores:
             self._note(ready, ctx, is_new=True)
             self.retention.note_tenant(ready, ctx.tenant)
             self._policy.insert(ready)
-            self._policy.order_chain([k for k in self._ledger.chain(ctx.req_id) if k in self._policy])
+            # what the chunks continue ranks them too (turns: their depth); their heads leave the
+            # eviction order while they are held (`kvtier.tiers.cpu.chains`): O(chunks), not O(prefix)
+            parents = self._ledger.parents(ctx.req_id, ready)
+            head = parents[0][0]
+            self._policy.order_chain(ready if head is None or not self.is_readable(head) else [head, *ready])
+            self._chains.link(ready, parents, self.is_readable)
             self._num_evictable += len(ready)
             self._stores += len(ready)
             self._emit(ready, removed=False)
@@ -168,6 +187,46 @@ class ChunkStores:
                 chunk.state = _RETIRED
                 self._num_pending -= 1
                 self._num_retired += 1
+
+    def _evict(self, n: int, protected: Container[OffloadKey], spared: _Protected) -> list[OffloadKey] | None:
+        """`n` victims in the policy's order, none of them `protected` (`spared` is or is wrapped in
+        it), or None when fewer can go.
+
+        A parked head is spared until its last continuation goes (`kvtier.tiers.cpu.chains`), and
+        is then the next victim: so while chains are held, victims are asked for one at a time,
+        and more at once (doubling) only after a round that freed no head. (A round of several
+        takes whatever follows a freed head in the policy's order: its head then waits for the
+        next eviction.) Should the victims fall short (heads kept by pinned tails), those taken
+        stay evicted — they were next in line — and None is returned.
+        """
+        if n > self._num_evictable:
+            return None
+        if not self._chains.num_parked:
+            return self._victims(n, protected, spared)[0]
+        taken: list[OffloadKey] = []
+        size = 1
+        while len(taken) < n:
+            victims, num_freed = self._victims(min(size, n - len(taken)), protected, spared)
+            if victims is None and size == 1:
+                break
+            if victims is None:  # fewer without a held continuation than asked: each may free its head
+                size = 1
+                continue
+            taken += victims
+            size = 1 if num_freed else 2 * size
+        if len(taken) < n:
+            self._drop_evicted(taken)
+            return None
+        return taken
+
+    def _victims(self, n: int, protected: Container[OffloadKey],
+                 spared: _Protected) -> tuple[list[OffloadKey] | None, int]:
+        """The policy's `evict`; then the parked chunks it passed are ranked out of its way again,
+        and heads whose last continuation it took are evictable. Returns (victims, heads freed)."""
+        victims = self._policy.evict(n, protected)
+        self._chains.rank_last(list(spared.passed))
+        spared.passed.clear()
+        return victims, 0 if victims is None else self._chains.unlink(victims)
 
     def _drop_evicted(self, victims: list[OffloadKey]) -> list[OffloadKey]:
         chunks = self._chunks

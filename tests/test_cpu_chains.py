@@ -1,0 +1,181 @@
+"""Prefix chains in the CPU tier (`kvtier.tiers.cpu.chains`): a head is never evicted before its
+tail, and storing one more chunk of a long prefix costs the same as storing the first (issue 32).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers import key, keys, make_req_context, nums
+from kvtier import CPUTierManager, LookupResult
+from kvtier.policies import CachePolicy
+
+POLICIES = ("lru", "arc", "turns", "adaptive")
+
+
+class _Counted(CachePolicy):
+    """The tier's policy, counting the keys each call hands it (what a call costs in the policy)."""
+
+    def __init__(self, inner: CachePolicy):
+        super().__init__(inner.capacity)
+        self.inner = inner
+        self.num_keys = 0
+
+    def _count(self, keys) -> None:
+        self.num_keys += len(keys)
+
+    def prepare_insert(self, keys):
+        self._count(keys)
+        self.inner.prepare_insert(keys)
+
+    def insert(self, keys):
+        self._count(keys)
+        self.inner.insert(keys)
+
+    def touch(self, keys):
+        self._count(keys)
+        self.inner.touch(keys)
+
+    def order_chain(self, keys):
+        self._count(keys)
+        self.inner.order_chain(keys)
+
+    def rank_last(self, keys):
+        self._count(keys)
+        self.inner.rank_last(keys)
+
+    def rank_first(self, keys):
+        self._count(keys)
+        self.inner.rank_first(keys)
+
+    def evict(self, n, protected):
+        return self.inner.evict(n, protected)
+
+    def discard(self, keys):
+        return self.inner.discard(keys)
+
+    def clear(self):
+        self.inner.clear()
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __contains__(self, k):
+        return k in self.inner
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_store_hands_the_policy_its_own_chunks_whatever_the_prefix_length(policy):
+    # one request stores a 600-chunk prefix one chunk per call (decode, chunked prefill)
+    m = CPUTierManager(1024, policy=policy)
+    m._policy.inner = counted = _Counted(m._policy.inner)
+    ctx = make_req_context("long")
+    per_store = []
+    for i in range(600):
+        before = counted.num_keys
+        out = m.prepare_store([key(i)], ctx)
+        m.complete_store(out.keys_to_store, ctx)
+        per_store.append(counted.num_keys - before)
+    # each store hands the policy a few keys (the chunk, the one it continues), never the prefix:
+    # re-ranking the whole chain made the 600th store cost 600 times the first (0838b54: 603 keys)
+    assert max(per_store) <= 6, (per_store[:3], per_store[-3:])
+    m.check()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_prefix_stored_chunk_by_chunk_is_evicted_tail_first(policy):
+    m = CPUTierManager(8, policy=policy)
+    a = make_req_context("A")
+    # A stores its prefix [0..7] one chunk per call: the tier is full
+    for i in range(8):
+        m.complete_store(m.prepare_store([key(i)], a).keys_to_store, a)
+    # B stores 3 new chunks: A's tail [7, 6, 5] goes, its head [0..4] stays usable
+    b = make_req_context("B")
+    out = m.prepare_store(keys(100, 101, 102), b)
+    assert sorted(nums(out.evicted_keys)) == [5, 6, 7]
+    m.complete_store(out.keys_to_store, b)
+    assert [m.lookup(k, a) for k in keys(0, 1, 2, 3, 4, 5)] == [LookupResult.HIT] * 5 + [LookupResult.MISS]
+    m.check()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_head_stays_while_a_pinned_tail_holds_it(policy):
+    m = CPUTierManager(3, policy=policy)
+    a = make_req_context("A")
+    # A stores [1, 2] one chunk per call; a load pins the tail [2] (its head [1] is not pinned)
+    for i in (1, 2):
+        m.complete_store(m.prepare_store([key(i)], a).keys_to_store, a)
+    reader = make_req_context("reader")
+    m.prepare_load(keys(2), reader)
+    # B stores 2 chunks: one slot is free, one chunk must go; the head [1] must not (its tail is held)
+    assert m.prepare_store(keys(10, 11), make_req_context("B")) is None
+    # the load ends: now the tail goes first, then its head
+    m.complete_load(keys(2), reader)
+    out = m.prepare_store(keys(10, 11), make_req_context("B"))
+    assert nums(out.evicted_keys) == [2]
+    m.check()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_heads_outlive_their_tails_under_random_traffic(policy):
+    # Requests walk a prefix tree (documents with shared heads), storing and touching their
+    # chains a few chunks at a time, loading prefixes (pins) and finishing, on a small tier.
+    # After every step: no READY chunk's head (the chunk it was stored after, READY then) is gone.
+    for seed in range(6):
+        rng = random.Random(seed)
+        m = CPUTierManager(24, policy=policy)
+        heads: dict[bytes, bytes] = {}  # chunk stored after its head was READY -> that head
+        running: dict[str, tuple[list[bytes], int]] = {}  # request -> (its chain, chunks stored)
+        loads: list[tuple[str, list[bytes]]] = []
+        for step in range(400):
+            roll = rng.random()
+            if roll < 0.15 or not running:
+                req_id = f"r{step}"
+                doc = rng.randrange(4)
+                shared = rng.randrange(1, 6)
+                # a document's head is shared; each request continues it with chunks of its own
+                chain = [key(1000 * doc + i) for i in range(shared)]
+                chain += [key(100_000 + 100 * step + i) for i in range(rng.randrange(1, 30))]
+                running[req_id] = (chain, 0)
+                ctx = make_req_context(req_id)
+                hits = []
+                for k in chain:
+                    if m.lookup(k, ctx) is not LookupResult.HIT:
+                        break
+                    hits.append(k)
+                m.touch(hits, ctx)
+                if hits and rng.random() < 0.5:
+                    m.prepare_load(hits, ctx)
+                    loads.append((req_id, hits))
+                running[req_id] = (chain, len(hits))
+            elif roll < 0.8:
+                req_id = rng.choice(sorted(running))
+                chain, done = running[req_id]
+                new = chain[done:done + rng.randrange(1, 5)]
+                ctx = make_req_context(req_id)
+                out = m.prepare_store(new, ctx)
+                if out is not None:
+                    ok = rng.random() < 0.9
+                    ready_before = {k for k in chain[:done + len(new)] if m.lookup(k, ctx) is LookupResult.HIT}
+                    m.complete_store(out.keys_to_store, ctx, success=ok)
+                    for k in out.keys_to_store if ok else ():
+                        i = chain.index(k)
+                        if i and chain[i - 1] in ready_before:
+                            heads[k] = chain[i - 1]
+                    running[req_id] = (chain, done + len(new))
+            elif roll < 0.9 and loads:
+                req_id, pinned = loads.pop(rng.randrange(len(loads)))
+                m.complete_load(pinned, make_req_context(req_id))
+            else:
+                req_id = rng.choice(sorted(running))
+                del running[req_id]
+                loads = [(r, ks) for r, ks in loads if r != req_id]
+                m.on_request_finished(make_req_context(req_id))
+            ready = set(m.ready_keys())
+            for k in [k for k in heads if k not in ready]:
+                del heads[k]
+            orphans = [k for k, head in heads.items() if head not in ready]
+            assert not orphans, (seed, step, nums(orphans[:3]))
+            m.check()
