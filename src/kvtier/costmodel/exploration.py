@@ -6,7 +6,9 @@ decision whose head stops before a chunk found in tier T still tries T, when T's
 stale:
 
 - nothing in flight will measure it (a read, or while the tier's writes stand in for its reads, a
-  write: each ends or is given up on within its deadline, and feeds the estimate either way);
+  write: each ends or is given up on within its deadline, and feeds the estimate either way), and
+  no read given up on is still unanswered (the tier is hung: another read would hang too, holding
+  a RAM slot until the tier answers);
 - its newest job ended, and its last exploration started, at least `wait_s` ago: `EXPLORE_AFTER_S`
   after a fast job, longer after a slow one (`_EXPLORE_SHARE`: a tier that really is slow spends at
   most that share of its time on explorations), never more than `_EXPLORE_MAX_WAIT_S`.
@@ -33,8 +35,10 @@ EXPLORE_AFTER_S = 1.0
 # after an exploration that took s seconds, none for 3 s more: a slow tier spends at most a quarter
 # of its time on them (a 2 MB/s link reading 2 MiB chunks: one every ~4 s)
 _EXPLORE_SHARE = 0.25
-# a read given up on at a 10 s deadline is tried again 30 s later, not 40 s
-_EXPLORE_MAX_WAIT_S = 30.0
+# a read given up on at the default 10 s deadline (`job_timeout_s`) is tried again 10 s later, not
+# 30 s: a tier whose stall ended is loaded from again within seconds, and a tier slower than any
+# deadline costs one chunk per 20 s
+_EXPLORE_MAX_WAIT_S = 10.0
 
 
 class Exploration:

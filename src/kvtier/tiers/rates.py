@@ -11,8 +11,9 @@ queued ahead of a new one are the promotions in flight to that tier.
 A tier's estimate ages on the manager's clock (the scheduler's): each job is stamped when the
 manager sees it end. `may_explore` says whether a tier the decision wrote off may be read once
 more to measure it (`kvtier.costmodel.exploration`): not while a job that feeds its estimate is in
-flight (it will feed it, in time or at its deadline), and not sooner than the exploration rules
-allow after its newest job and its last exploration.
+flight (it will feed it, in time or at its deadline), nor while a read given up on is still
+unanswered, and not sooner than the exploration rules allow after its newest job and its last
+exploration.
 
 Thread-safety: not thread-safe; the manager calls it from one thread.
 """
@@ -42,6 +43,7 @@ class TierRates:
         self._writes = [TransferRate(read_prior(t.medium)) for t in tiers]
         self._queued = Counter[int]()  # tier index -> bytes of promotions in flight
         self._writing = Counter[int]()  # tier index -> writes in flight
+        self._unanswered = Counter[int]()  # tier index -> promotions given up on, not reported yet
         self._explorations = [Exploration() for _ in tiers]
         self._clock = clock
 
@@ -60,6 +62,8 @@ class TierRates:
         a failed key is not measured: a rejected or missing read takes no time for no bytes, and
         would make the tier look faster than it reads."""
         if flight.is_expired:
+            if flight.kind is FlightKind.PROMOTION:
+                self._unanswered[flight.tier] -= 1
             return
         self._unqueue(flight)
         if not result.failed_keys and result.num_bytes > 0:
@@ -68,6 +72,8 @@ class TierRates:
     def expired(self, flight: Flight, timeout_s: float) -> None:
         """`flight` passed its deadline: it is counted as having taken `timeout_s`."""
         self._unqueue(flight)
+        if flight.kind is FlightKind.PROMOTION:
+            self._unanswered[flight.tier] += 1
         self._rate(flight).add(flight.num_bytes, flight.submitted_at, timeout_s, ended_at=self._clock())
 
     def estimates(self) -> dict[str, ReadEstimate]:
@@ -82,7 +88,7 @@ class TierRates:
         """Whether tier `index` may be read now to measure it again (see the module docstring)."""
         rate = self._estimated_by(index)
         by_writes = rate is self._writes[index]
-        if self._queued[index] or (by_writes and self._writing[index]):
+        if self._queued[index] or self._unanswered[index] or (by_writes and self._writing[index]):
             return False
         return self._explorations[index].is_due(rate, self._clock())
 
