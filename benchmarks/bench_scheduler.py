@@ -10,6 +10,15 @@ kvtier adds to scheduling), kvtier's own share, and the token hit rate it delive
     python benchmarks/bench_scheduler.py [--quick]
 
 Last line: RESULT sched_us_per_step=<kvtier µs per request-step> hit_rate=<token hit rate>
+
+`--prefix-lengths 1024,16384,131072` measures instead what one long request costs the scheduler
+side as its prefix grows (issue 32): a prompt of each length, prefilled 2,048 tokens a step and
+stored as it is computed, then 512 decoded tokens (a chunk stored every 16), with the engine and
+the CPU tier (`--policy`, the connector's default `adaptive`) large enough to hold it all. Per
+length: µs per step in prefill and in decode, and µs per stored chunk; the baseline is the
+shortest prefix, measured in the same run. Last line:
+RESULT long_prompt_us_per_chunk=<per length, '/'-separated> flat_ratio=<longest / shortest per chunk>
+decode_us_per_step=<per length> decode_flat_ratio=<longest / shortest>
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
@@ -86,13 +97,77 @@ def run(requests: list[TraceRequest], offload: bool, num_blocks: int, num_slots:
     }
 
 
+# A forward pass runs between two scheduler calls: the scheduler's data is out of the caches by
+# then. The fake engine's own bookkeeping evicts it at long prompts only (the 131k-token one walks
+# 8,000 blocks a step), which alone doubled kvtier's measured µs per decode step there; so every
+# step starts by walking a buffer larger than the last-level cache, at every length alike.
+_COLD_CACHE_BYTES = 64 << 20
+
+
+def run_long_prompt(num_prompt_tokens: int, policy: str, num_decode_tokens: int = 512) -> dict:
+    """One request of `num_prompt_tokens`: kvtier's µs per prefill step and per chunk it stored, and
+    per decode step."""
+    num_blocks = (num_prompt_tokens + num_decode_tokens) // BLOCK + 64
+    config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK),))
+    sched = TimedScheduler(config, CPUTierManager(num_blocks, policy=policy))
+    engine = FakeEngine(sched, num_blocks=num_blocks, block_size=BLOCK, max_tokens_per_step=2048,
+                        check_content=False)
+    cold = np.zeros(_COLD_CACHE_BYTES // 8)
+    try:
+        prompt = [(i * 7919) % 32000 for i in range(num_prompt_tokens)]
+        request = engine.add_request("long", prompt, max_new_tokens=num_decode_tokens)
+        seconds = {"prefill": 0.0, "decode": 0.0}
+        steps = {"prefill": 0, "decode": 0}
+        stored = {"prefill": 0, "decode": 0}
+        while engine.waiting or engine.running:
+            phase = "prefill" if request.num_computed < num_prompt_tokens else "decode"
+            np.add(cold, 1.0, out=cold)
+            before, stored_before = sched.seconds, sched.stats.stored_chunks
+            engine.step()
+            seconds[phase] += sched.seconds - before
+            steps[phase] += 1
+            stored[phase] += sched.stats.stored_chunks - stored_before
+    finally:
+        engine.close()
+    return {"prefill_us_per_step": seconds["prefill"] / steps["prefill"] * 1e6,
+            "prefill_us_per_chunk": seconds["prefill"] / max(1, stored["prefill"]) * 1e6,
+            "decode_us_per_step": seconds["decode"] / steps["decode"] * 1e6,
+            "stored": stored["prefill"] + stored["decode"]}
+
+
+def long_prompts(lengths: list[int], policy: str, rounds: int) -> None:
+    print(f"one request per prefix length; blocks of {BLOCK} tokens, 2,048 tokens per prefill step, "
+          f"512 decoded; policy {policy}; best of {rounds} interleaved rounds", flush=True)
+    runs: dict[int, list[dict]] = {n: [] for n in lengths}
+    for _ in range(rounds):
+        for n in lengths:
+            runs[n].append(run_long_prompt(n, policy))
+    best = {n: {k: min(r[k] for r in results) for k in results[0]} for n, results in runs.items()}
+    for n, r in best.items():
+        print(f"{n:>7} tokens: {r['prefill_us_per_step']:9.1f} µs per prefill step, {r['prefill_us_per_chunk']:6.2f} "
+              f"µs per chunk stored in prefill, {r['decode_us_per_step']:6.1f} µs per decode step "
+              f"({r['stored']:.0f} chunks stored)")
+    short, long = best[min(lengths)], best[max(lengths)]
+    per_chunk = "/".join(f"{best[n]['prefill_us_per_chunk']:.2f}" for n in lengths)
+    decode = "/".join(f"{best[n]['decode_us_per_step']:.1f}" for n in lengths)
+    print(f"RESULT long_prompt_us_per_chunk={per_chunk} "
+          f"flat_ratio={long['prefill_us_per_chunk'] / short['prefill_us_per_chunk']:.2f} "
+          f"decode_us_per_step={decode} "
+          f"decode_flat_ratio={long['decode_us_per_step'] / short['decode_us_per_step']:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="first 1,000 requests")
+    parser.add_argument("--quick", action="store_true", help="first 1,000 requests (with --prefix-lengths: 1 round)")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--engine-blocks", type=int, default=2048, help="the engine's own KV blocks")
     parser.add_argument("--tier-slots", type=int, default=32768, help="kvtier CPU slots (chunks)")
+    parser.add_argument("--prefix-lengths", help="comma-separated prompt lengths: one long request each")
+    parser.add_argument("--policy", default="adaptive", help="the CPU tier's policy (with --prefix-lengths)")
     args = parser.parse_args()
+    if args.prefix_lengths:
+        long_prompts([int(n) for n in args.prefix_lengths.split(",")], args.policy, 1 if args.quick else 3)
+        return
     requests = load_trace(args.trace, limit=1000 if args.quick else None)
     print(f"{len(requests)} requests; engine {args.engine_blocks} blocks of {BLOCK} tokens; "
           f"kvtier {args.tier_slots} slots")
