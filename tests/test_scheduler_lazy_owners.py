@@ -326,3 +326,15 @@ def _step_and_check(engine: FakeEngine, primary: _WatchedTier, clock: FakeClock,
                 kept = [k for k in spared if rank_of[k] == ORDINARY and tenant_of[k] == tenant_of[key]]
                 assert not kept, f"a hinted chunk of {tenant_of[key]!r} was evicted before {len(kept)} unhinted"
     primary.evictions.clear()
+
+
+def test_a_lazy_store_retried_at_the_next_step_is_still_one_offer():
+    # store_threshold 2: a chunk is stored once two requests offered it. A lazy store is made under a
+    # new internal id each step; one request's chunk offered at two steps is still its one offer.
+    m = CPUTierManager(4, policy="lru", store_threshold=2)
+    k = make_offload_key(b"\x07" * 32, 0)
+    for step in (1, 2):
+        ctx = ReqContext(f"\x00kvtier:evictions:{step}:A", on_behalf_of="A")
+        assert m.prepare_store([k], ctx).keys_to_store == []
+    # another request's offer is the second one: stored
+    assert m.prepare_store([k], ReqContext("B")).keys_to_store == [k]

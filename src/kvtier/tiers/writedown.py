@@ -63,7 +63,8 @@ class WriteDown:
         for index, slot in enumerate(self._tiers):
             if slot.gate is None:
                 continue
-            newly = [k for k in keys if not slot.gate.has_admitted(k) and slot.gate.admit(k, ctx.req_id)]
+            offered_by = ctx.user_id or ctx.req_id  # as the CPU tier's gate counts it
+            newly = [k for k in keys if not slot.gate.has_admitted(k) and slot.gate.admit(k, offered_by)]
             ready = [k for k in newly if self.primary.is_readable(k)]
             if ready and slot.is_write_through:
                 self._cascade_to(index, ready)

@@ -103,9 +103,12 @@ class ChunkStores:
         for key in keys:
             if len(key) != self.key_bytes:
                 raise key_length_error(key, self.key_bytes)
-        chunks, req_id = self._chunks, ctx.req_id
-        self._ledger.extend_chain(req_id, keys)
-        new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and (admit is None or admit(k, req_id))]
+        chunks = self._chunks
+        self._ledger.extend_chain(ctx.req_id, keys)
+        # an offer is the request's whose chunk it is (a lazy store's, retried at the next step under
+        # another internal id, is still one offer of the request that computed it)
+        offered_by = ctx.user_id or ctx.req_id
+        new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and (admit is None or admit(k, offered_by))]
         tenant, quotas = ctx.tenant or "", self._quotas
         if (limit := quotas.limit(tenant)) is not None:
             new_keys = new_keys[:limit]  # a store beyond the whole quota keeps its head
