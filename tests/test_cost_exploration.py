@@ -2,11 +2,13 @@
 decision wrote off is measured again, so one slow spell never disables it (or RAM) for good.
 
 The fake engine drives the real OffloadScheduler with its cost model measuring (no fixed figures),
-a TieredManager over a 4-slot CPU tier and a real disk tier, and the real worker. Time is a
+a TieredManager over a 4-slot CPU tier and a real disk tier (RAM's test: the CPU tier alone), and
+the real worker; `SlowReads` holds the disk's reads or answers them late, as a stalled or slow
+disk would (real time: the timeouts and delays are the faults, not guesses). Time is a
 `FakeClock` the test moves on by `REQUEST_GAP_S` before each request (the estimates age on it, and
 explorations are spaced on it); the engine's prefill speed is injected (`PrefillRate`'s prior, which
 a fake engine's steps never replace: its clock stands still within a request), so a chunk's 4 tokens
-are worth 0.1 s of prefill: a read that takes 1 s or more per chunk is written off, one that takes
+are worth 0.4 s of prefill: a read that takes 1 s or more per chunk is written off, one that takes
 microseconds or milliseconds (the real tiers here) is not, whatever the machine's speed.
 
 Block size 4 tokens, chunks of 1 block, prefixes of 3 chunks.
@@ -15,6 +17,7 @@ Block size 4 tokens, chunks of 1 block, prefixes of 3 chunks.
 from __future__ import annotations
 
 import dataclasses
+import time
 from itertools import pairwise
 
 import pytest
@@ -36,34 +39,52 @@ from tier_helpers import HeldTier
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 32, 4, 4
 PREFIX_TOKENS = 12
-PREFILL_TOKENS_PER_S = 40.0  # a chunk's 4 tokens: 0.1 s to recompute
-TIER_JOB_TIMEOUT_S = 1.0  # a read given up on counts as 1 s: ten times recomputing its chunk
+PREFILL_TOKENS_PER_S = 10.0  # a chunk's 4 tokens: 0.4 s to recompute
+# a read given up on counts as 1 s: three given up on together read as 1 s a chunk, 2.5x recomputing it
+TIER_JOB_TIMEOUT_S = 1.0
 REQUEST_GAP_S = 0.25  # fake seconds between two requests
 MAX_REQUESTS = 40  # 10 fake seconds of requests: a tier that recovered is loaded from again within them
 
 
 class SlowReads(HeldTier):
-    """A real tier whose reads can be held (`hold_loads`, as `HeldTier`) or report the time they
-    would take over a link of `read_bytes_per_s` (they end at once: on a fake clock, only the
-    seconds a job reports say how slow the tier is)."""
+    """A real tier whose reads can be held (`hold_loads`, as `HeldTier`) or answered `read_delay_s`
+    late (a slow link): a read's result is reported once that long has passed since it was
+    submitted, with the seconds that really passed."""
 
     def __init__(self, inner: SecondaryTier):
         super().__init__(inner, hold_stores=False)
         self.hold_loads = False
-        self.read_bytes_per_s: float | None = None
-        self._load_ids: set[int] = set()
+        self.read_delay_s = 0.0
+        self._submitted: dict[int, float] = {}  # read job id -> when it was submitted (monotonic)
+        self._early: list[TierResult] = []  # reads the inner tier ended, not yet due
 
     def submit_load(self, job: TierJob) -> None:
-        self._load_ids.add(job.job_id)
+        self._submitted[job.job_id] = time.monotonic()
         super().submit_load(job)
 
     def get_finished(self) -> list[TierResult]:
-        return [self._slowed(r) for r in super().get_finished()]
+        now = time.monotonic()
+        results, self._early = self._early + super().get_finished(), []
+        due = []
+        for result in results:
+            submitted = self._submitted.get(result.job_id)
+            if submitted is None or self.read_delay_s == 0:
+                due.append(result)
+            elif now - submitted >= self.read_delay_s:
+                due.append(dataclasses.replace(result, seconds=now - submitted))
+            else:
+                self._early.append(result)
+        for result in due:
+            self._submitted.pop(result.job_id, None)
+        return due
 
-    def _slowed(self, result: TierResult) -> TierResult:
-        if self.read_bytes_per_s is None or result.job_id not in self._load_ids:
-            return result
-        return dataclasses.replace(result, seconds=result.num_bytes / self.read_bytes_per_s)
+    def drain(self, timeout: float) -> bool:
+        """The inner tier's jobs ended, and every read is due (the delay is the fault: waited out)."""
+        if not super().drain(timeout):
+            return False
+        if self.read_delay_s and self._submitted:
+            time.sleep(max(0.0, max(self._submitted.values()) + self.read_delay_s - time.monotonic()))
+        return True
 
 
 def measuring_scheduler(manager, chunk_bytes: int, clock: FakeClock) -> OffloadScheduler:
@@ -75,7 +96,8 @@ def measuring_scheduler(manager, chunk_bytes: int, clock: FakeClock) -> OffloadS
     return scheduler
 
 
-def disk_engine(tmp_path, clock: FakeClock, num_prefixes: int) -> tuple[FakeEngine, SlowReads, list[list[int]]]:
+def disk_engine(tmp_path, clock: FakeClock, num_prefixes: int, tier_timeout_s: float = TIER_JOB_TIMEOUT_S
+                ) -> tuple[FakeEngine, SlowReads, list[list[int]]]:
     """An engine over RAM + disk, with `num_prefixes` prefixes on disk only (computed once, written
     through, then pushed out of RAM by two fillers)."""
     slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
@@ -85,7 +107,7 @@ def disk_engine(tmp_path, clock: FakeClock, num_prefixes: int) -> tuple[FakeEngi
     assert disk.wait_scanned(5.0)
     tier = SlowReads(disk)
     manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(tier, TierRules())],
-                            job_timeout_s=TIER_JOB_TIMEOUT_S)
+                            job_timeout_s=tier_timeout_s)
     engine = close_after_test(_ClosesTiers(FakeEngine(measuring_scheduler(manager, slab.rows.shape[1], clock),
                                                       num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, clock=clock,
                                                       slab=slab), manager))
@@ -170,15 +192,18 @@ def test_a_tier_written_off_by_a_stall_is_loaded_from_again_once_it_answers(tmp_
 
 
 def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_request_waits(tmp_path):
-    """A disk whose reads take 1 s a chunk stays written off: each exploration measures it slow
-    again. What that costs: one chunk read every few seconds, in the background."""
+    """A disk whose reads answer 1 s late stays written off: each exploration measures it slow
+    again. What that costs: one chunk read every few seconds, in the background. (The reads take 1 s
+    of real time: 7 explorations over 20 fake seconds, about 8 s of this test.)"""
     clock = FakeClock()
-    num_requests = 4 * MAX_REQUESTS
-    engine, disk, prefixes = disk_engine(tmp_path, clock, 20)
+    read_s = 1.0
+    num_requests = int(20 / REQUEST_GAP_S)
+    # a deadline the slow reads never reach: they end, slowly
+    engine, disk, prefixes = disk_engine(tmp_path, clock, 20, tier_timeout_s=30.0)
     chunk_bytes = engine.scheduler.config.chunk_bytes
-    disk.read_bytes_per_s = chunk_bytes / 1.0
+    disk.read_delay_s = read_s
     engine.reset_prefix_cache()
-    # the first request finds the prior (1 GB/s) and loads; its 3 reads report 1 s each
+    # the first request finds the prior (1 GB/s) and loads; its 3 reads, side by side, take 1 s
     first = serve(engine, "first-read", prefixes[0] + [7])
     settle(engine)
     assert first.num_external_tokens == PREFIX_TOKENS
@@ -186,19 +211,19 @@ def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_
     reads_before = tier_counters(engine)["promotions"]
     start = clock()
     served = []
-    for i in range(num_requests):  # 40 fake seconds, prefixes on disk in turn
+    for i in range(num_requests):  # prefixes on disk in turn
         clock.now += REQUEST_GAP_S
         served.append(serve_one(engine, clock, f"q-{i}", prefixes[1 + i % 19] + [7], "disk", start))
     explored = [s.at for s in served if s.explored]
     reads = tier_counters(engine)["promotions"] - reads_before
     seconds = clock() - start
-    print(f"a disk reading a chunk a second, over {seconds:.0f} fake s and {num_requests} requests:",
+    print(f"a disk reading a chunk in {read_s} s, over {seconds:.0f} fake s and {num_requests} requests:",
           f"{len(explored)} explorations at", explored, f"= {reads} chunk reads ({reads * chunk_bytes} bytes),",
-          f"the disk busy with them {reads * 1.0 / seconds:.0%} of the time")
+          f"the disk busy with them {reads * read_s / seconds:.0%} of the time")
     assert all(s.loaded_tokens == 0 and s.deferrals == 0 for s in served)  # nobody loaded from it, nor waited
     assert reads == len(explored)
-    # a read of 1 s is followed by 3 s without one: at most one every 4 s (a quarter of the link)
-    assert all(b - a >= 3.0 for a, b in pairwise(explored)), explored
+    # a read of 1 s is followed by 3 s without one: at most one every 4 s (a quarter of the disk's time)
+    assert all(b - a >= 3 * read_s for a, b in pairwise(explored)), explored
     assert len(explored) >= seconds / 5  # and it is measured again all along
 
 
@@ -214,10 +239,10 @@ def test_ram_written_off_by_three_slow_copies_is_loaded_from_again(tmp_path):
     chunk_bytes = scheduler.config.chunk_bytes
     p = prompt(PREFIX_TOKENS, seed=1)
     serve(engine, "p", p)
-    # three loads of 3 chunks, one a second, that took 1 s each: 0.33 s a chunk, 3 times recomputing it
+    # three loads of a chunk, one after another, that took 1 s each: 2.5x recomputing it
     for i in range(3):
         clock.now += 1.0
-        scheduler.costs.worker_results([(JobResult(job_id=-1 - i, num_bytes=3 * chunk_bytes, seconds=1.0), True)],
+        scheduler.costs.worker_results([(JobResult(job_id=-1 - i, num_bytes=chunk_bytes, seconds=1.0), True)],
                                        now=clock())
     assert chunk_seconds(engine, "cpu") > BLOCK_SIZE / PREFILL_TOKENS_PER_S
     slow_at = clock()
