@@ -46,9 +46,9 @@ class _Counted(CachePolicy):
         self._count(keys)
         self.inner.rank_last(keys)
 
-    def rank_first(self, keys):
+    def take_places(self, keys, victims):
         self._count(keys)
-        self.inner.rank_first(keys)
+        self.inner.take_places(keys, victims)
 
     def evict(self, n, protected):
         return self.inner.evict(n, protected)
@@ -101,20 +101,26 @@ def test_a_prefix_stored_chunk_by_chunk_is_evicted_tail_first(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_head_stays_while_a_pinned_tail_holds_it(policy):
+def test_a_head_whose_tail_is_pinned_goes_only_when_nothing_else_can(policy):
     m = CPUTierManager(3, policy=policy)
     a = make_req_context("A")
-    # A stores [1, 2] one chunk per call; a load pins the tail [2] (its head [1] is not pinned)
+    # A stores [1, 2] one chunk per call; a write-through pins the tail [2] (not its head [1])
     for i in (1, 2):
         m.complete_store(m.prepare_store([key(i)], a).keys_to_store, a)
-    reader = make_req_context("reader")
-    m.prepare_load(keys(2), reader)
-    # B stores 2 chunks: one slot is free, one chunk must go; the head [1] must not (its tail is held)
-    assert m.prepare_store(keys(10, 11), make_req_context("B")) is None
-    # the load ends: now the tail goes first, then its head
-    m.complete_load(keys(2), reader)
-    out = m.prepare_store(keys(10, 11), make_req_context("B"))
-    assert nums(out.evicted_keys) == [2]
+    writer = make_req_context("\x00writer")
+    m.prepare_load(keys(2), writer)
+    # X stores [5]: the tier is full
+    x = make_req_context("X")
+    m.complete_store(m.prepare_store(keys(5), x).keys_to_store, x)
+    # B stores [10]: [5] goes, not the head [1] its tail [2] stands on
+    b = make_req_context("B")
+    out = m.prepare_store(keys(10), b)
+    assert nums(out.evicted_keys) == [5]
+    m.complete_store(out.keys_to_store, b)
+    # [10] is pinned too; C stores [20]: only the head [1] can go, and a store is not refused for it
+    m.prepare_load(keys(10), writer)
+    out = m.prepare_store(keys(20), make_req_context("C"))
+    assert out is not None and nums(out.evicted_keys) == [1]
     m.check()
 
 

@@ -89,9 +89,9 @@ class AdaptivePolicy(CachePolicy):
         for policy in self.policies.values():
             policy.rank_last(keys)
 
-    def rank_first(self, keys: Sequence[OffloadKey]) -> None:
+    def take_places(self, keys: Sequence[OffloadKey], victims: Sequence[OffloadKey]) -> None:
         for policy in self.policies.values():
-            policy.rank_first(keys)
+            policy.take_places(keys, victims)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         victims = self.policies[self.leader].evict(n, protected)

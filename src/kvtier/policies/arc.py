@@ -93,13 +93,18 @@ class ARCPolicy(CachePolicy):
             elif key in self.t2:
                 self.t2.move_to_end(key)
 
-    def rank_first(self, keys: Sequence[OffloadKey]) -> None:
-        """To the least recent end of its own list."""
-        for key in reversed(keys):
-            if key in self.t1:
-                self.t1.move_to_end(key, last=False)
-            elif key in self.t2:
+    def take_places(self, keys: Sequence[OffloadKey], victims: Sequence[OffloadKey]) -> None:
+        """To the least recent end of the list its victim left (its ghost says which): a head is used at
+        least as often as its tail, so one whose tail left T2 moves into T2; one in T2 whose tail left
+        T1 keeps its place."""
+        for key, victim in zip(reversed(keys), reversed(victims), strict=True):
+            if victim in self.b2 and key in self.t1:
+                del self.t1[key]
+                self.t2[key] = None
+            if key in self.t2 and victim in self.b2:
                 self.t2.move_to_end(key, last=False)
+            elif key in self.t1:
+                self.t1.move_to_end(key, last=False)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         from_t1 = self._candidates(self.t1, protected)

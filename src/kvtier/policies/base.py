@@ -3,9 +3,8 @@
 A `CachePolicy` only orders the READY keys of one tier. Slots, states and pins
 belong to the tier manager, which tells the policy what happened (prepare_insert,
 insert, touch, order_chain, discard, clear), asks it for victims (`evict`), and may
-move keys to either end of the order without counting a use (`rank_last`,
-`rank_first`). Each policy overrides these few hooks; none of them re-implements
-accounting.
+move keys in the order without counting a use (`rank_last`, `take_places`). Each
+policy overrides these few hooks; none of them re-implements accounting.
 
 Thread-safety: not thread-safe; the owning tier serializes calls.
 """
@@ -66,9 +65,10 @@ class CachePolicy(ABC):
         The default does nothing: they stay where they are, skipped by each scan.
         """
 
-    def rank_first(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (an optional hook)
-        """Rank held `keys` to be evicted before every other key, in the order given, without counting
-        a use: the deeper chunks of their prefix were just evicted, and so would they have been next.
+    def take_places(self, keys: Sequence[OffloadKey], victims: Sequence[OffloadKey]) -> None:  # noqa: B027
+        """Each held `keys[i]` takes the place `victims[i]` had, just before it was evicted: the deeper
+        chunk of its prefix was the next victim, and so would it have been (in the list it was in,
+        for a policy with several). Not a use; keys ranked first in the order given.
 
         The default does nothing: they keep their place.
         """

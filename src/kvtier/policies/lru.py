@@ -43,7 +43,8 @@ class LRUPolicy(CachePolicy):
             if key in order:
                 move(key)
 
-    def rank_first(self, keys: Sequence[OffloadKey]) -> None:
+    def take_places(self, keys: Sequence[OffloadKey], victims: Sequence[OffloadKey]) -> None:
+        """The victims were the oldest keys: to the oldest end."""
         order, move = self._order, self._order.move_to_end
         for key in reversed(keys):
             if key in order:

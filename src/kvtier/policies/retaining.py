@@ -139,8 +139,9 @@ class RetainingPolicy(CachePolicy):
         # keys set aside keep the book's order: their rank says when they go
         self.inner.rank_last([key for key in keys if key in self.inner])
 
-    def rank_first(self, keys: Sequence[OffloadKey]) -> None:
-        self.inner.rank_first([key for key in keys if key in self.inner])
+    def take_places(self, keys: Sequence[OffloadKey], victims: Sequence[OffloadKey]) -> None:
+        pairs = [(key, victim) for key, victim in zip(keys, victims, strict=True) if key in self.inner]
+        self.inner.take_places([key for key, _ in pairs], [victim for _, victim in pairs])
 
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         held = set(self.inner.discard(keys))

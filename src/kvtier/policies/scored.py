@@ -92,8 +92,8 @@ class ScoredPolicy(CachePolicy):
                 self.clock += 1.0
                 self._raise_to(key, self.clock)
 
-    def rank_first(self, keys: Sequence[OffloadKey]) -> None:
-        """Scored below every key held, the first given lowest."""
+    def take_places(self, keys: Sequence[OffloadKey], victims: Sequence[OffloadKey]) -> None:
+        """The victims had the lowest scores: scored below every key held, the first given lowest."""
         held = [key for key in keys if key in self.scores]
         lowest = self._lowest_score()
         for i, key in enumerate(held):
@@ -106,7 +106,7 @@ class ScoredPolicy(CachePolicy):
             self._set(key, score)
 
     def _lower_to(self, key: OffloadKey, score: float) -> None:
-        """`rank_first`: score `key` `score`, below every other (as `_raise_to`)."""
+        """`take_places`: score `key` `score`, below every other (as `_raise_to`)."""
         self._set(key, score)
 
     def _lowest_score(self) -> float:

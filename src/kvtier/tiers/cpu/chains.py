@@ -3,12 +3,13 @@ evicted before its tail (`ChainLinks`).
 
 A tail is useless without its head: a lookup stops at the first chunk that is missing. So the
 tier evicts a chunk only when no deeper chunk of its prefix is held — leaves first, as a
-radix-tree prefix cache does. A chunk that has a held continuation is *parked*: every eviction
-spares it (the tier's protected set asks `is_parked`), and it is ranked out of the way of the
-eviction scans (`CachePolicy.rank_last`, not a use), again whenever a scan had to pass it. When
-its last continuation is evicted it is ranked first (`CachePolicy.rank_first`): the next victim,
-as it would have been had the whole chain been ranked behind its tail — unless a request used
-it while it was parked, which put it where that use belongs.
+radix-tree prefix cache does. A chunk that has a held continuation is *parked*: an eviction
+spares it (the tier's protected set asks `is_parked`) — unless nothing else can go: a tail
+pinned a moment (its write-through) must not fail a store — and it is ranked out of the way of
+the eviction scans (`CachePolicy.rank_last`, not a use), again whenever a scan had to pass it. When
+its last continuation is evicted it takes that one's place (`CachePolicy.take_places`): the next
+victim, as it would have been had the whole chain been ranked behind its tail — unless a request
+used it while it was parked, which put it where that use belongs.
 
 This replaced re-ranking a request's whole chain after every store it completed, O(prefix) per
 store (issue 32: a one-chunk store of a 4,000-chunk prefix took 1.3 ms with LRU and 10 ms with
@@ -43,15 +44,15 @@ class ChainLinks:
     def __init__(self, policy: CachePolicy):
         self._policy = policy
         self._parent: dict[OffloadKey, OffloadKey] = {}  # linked chunk -> the chunk it continues
-        self._num_children: dict[OffloadKey, int] = {}  # parked chunk -> its linked continuations
+        self._children: dict[OffloadKey, set[OffloadKey]] = {}  # parked chunk -> its linked continuations
         self._used: set[OffloadKey] = set()  # parked chunks used since they were last ranked last
 
     @property
     def num_parked(self) -> int:
-        return len(self._num_children)
+        return len(self._children)
 
     def is_parked(self, key: OffloadKey) -> bool:
-        return key in self._num_children
+        return key in self._children
 
     def link(self, keys: Sequence[OffloadKey], parents: Sequence[Parents],
              is_ready: Callable[[OffloadKey], bool]) -> None:
@@ -64,10 +65,11 @@ class ChainLinks:
             if parent is None:
                 continue
             self._parent[key] = parent
-            num_children = self._num_children.get(parent, 0)
-            self._num_children[parent] = num_children + 1
-            if num_children == 0:
+            children = self._children.get(parent)
+            if children is None:
+                children = self._children[parent] = set()
                 newly_parked.append(parent)
+            children.add(key)
         self.rank_last(newly_parked)
 
     def rank_last(self, keys: Sequence[OffloadKey]) -> None:
@@ -78,38 +80,44 @@ class ChainLinks:
 
     def used(self, keys: Iterable[OffloadKey]) -> None:
         """A request used `keys` (a touch): parked ones keep the place that use gave them."""
-        num_children = self._num_children
+        parked = self._children
         for key in keys:
-            if key in num_children:
+            if key in parked:
                 self._used.add(key)
 
     def unlink(self, victims: Iterable[OffloadKey]) -> int:
         """`victims` were evicted: heads left without a continuation are evictable again, first in
-        line unless used while parked. Returns how many heads that freed."""
-        first: list[OffloadKey] = []
+        line unless used while parked. (A parked victim, evicted because nothing else could go,
+        leaves its continuations unlinked.) Returns how many heads that freed."""
+        heads: list[OffloadKey] = []
+        tails: list[OffloadKey] = []
         num_freed = 0
         for key in victims:
+            for child in self._children.pop(key, ()):
+                del self._parent[child]
+            self._used.discard(key)
             parent = self._parent.pop(key, None)
             if parent is None:
                 continue
-            num_children = self._num_children[parent] - 1
-            if num_children:
-                self._num_children[parent] = num_children
+            children = self._children[parent]
+            children.discard(key)
+            if children:
                 continue
-            del self._num_children[parent]
+            del self._children[parent]
             num_freed += 1
             if parent in self._used:
                 self._used.discard(parent)
             else:
-                first.append(parent)
-        if first:
-            self._policy.rank_first(first)
+                heads.append(parent)
+                tails.append(key)
+        if heads:
+            self._policy.take_places(heads, tails)
         return num_freed
 
     def clear(self) -> None:
         """Forget every link (a reset: every chunk leaves)."""
         self._parent.clear()
-        self._num_children.clear()
+        self._children.clear()
         self._used.clear()
 
     def check(self, ready: set[OffloadKey]) -> None:
@@ -118,12 +126,12 @@ class ChainLinks:
         Raises:
             InvariantError: naming the first inconsistency found.
         """
-        counts: dict[OffloadKey, int] = {}
+        children: dict[OffloadKey, set[OffloadKey]] = {}
         for key, parent in self._parent.items():
             if key not in ready or parent not in ready:
                 raise InvariantError("a chain link names a chunk that is not READY")
-            counts[parent] = counts.get(parent, 0) + 1
-        if counts != self._num_children:
+            children.setdefault(parent, set()).add(key)
+        if children != self._children:
             raise InvariantError("the parked chunks differ from the chunks with a linked continuation")
-        if not self._used <= counts.keys():
+        if not self._used <= children.keys():
             raise InvariantError("a chunk is marked used while parked but is not parked")

@@ -39,7 +39,7 @@ class _Protected:
     """Keys an eviction must spare: the call's own keys, those of `spared`, every pinned chunk and
     every parked one (a head whose tail is held); the parked ones a scan asked about are `passed`."""
 
-    __slots__ = ("chains", "chunks", "own", "passed", "spared")
+    __slots__ = ("chains", "chunks", "own", "passed", "spare_parked", "spared")
 
     def __init__(self, own: set[OffloadKey], spared: Sequence[Container[OffloadKey]], chunks: dict[OffloadKey, Chunk],
                  chains: ChainLinks):
@@ -48,11 +48,12 @@ class _Protected:
         self.chunks = chunks
         self.chains = chains
         self.passed: dict[OffloadKey, None] = {}
+        self.spare_parked = True
 
     def __contains__(self, key: object) -> bool:
         if key in self.own or self.chunks[key].pins > 0:  # type: ignore[index]
             return True
-        if self.chains.is_parked(key):  # type: ignore[arg-type]
+        if self.spare_parked and self.chains.is_parked(key):  # type: ignore[arg-type]
             self.passed[key] = None  # type: ignore[index]
             return True
         return any(key in spared for spared in self.spared)
@@ -199,8 +200,10 @@ class ChunkStores:
         is then the next victim: so while chains are held, victims are asked for one at a time,
         and more at once (doubling) only after a round that freed no head. (A round of several
         takes whatever follows a freed head in the policy's order: its head then waits for the
-        next eviction.) Should the victims fall short (heads kept by pinned tails), those taken
-        stay evicted — they were next in line — and None is returned.
+        next eviction.) Should that fall short (heads kept by pinned tails: a write-through pins
+        each chunk it writes), the rest are taken from the parked heads too, in the policy's
+        order, rather than fail the store; only if even they fall short is None returned (the
+        victims taken stay evicted: they were next in line).
         """
         if n > self._num_evictable:
             return None
@@ -218,8 +221,13 @@ class ChunkStores:
             taken += victims
             size = 1 if num_freed else 2 * size
         if len(taken) < n:
-            self._drop_evicted(taken)
-            return None
+            spared.spare_parked = False
+            victims = self._victims(n - len(taken), protected, spared)[0]
+            spared.spare_parked = True
+            if victims is None:
+                self._drop_evicted(taken)
+                return None
+            taken += victims
         return taken
 
     def _victims(self, n: int, protected: Container[OffloadKey],
