@@ -1,19 +1,22 @@
-"""The randomized full-stack checker (issue 20): random requests, resets and faults over the real
-kvtier stack, with its invariants checked after every step.
+"""The randomized full-stack checker (issue 20, extended by issue 32): random requests, resets and
+faults over the real kvtier stack, with its invariants checked after every step.
 
     python benchmarks/fuzz_stack.py --minutes 30            # the long run
     python benchmarks/fuzz_stack.py --minutes 2 --seed 7    # another walk
     python benchmarks/fuzz_stack.py --mutation defect1      # with one of issue 20's defects put back
+    python benchmarks/fuzz_stack.py --mutation i32-defect4 --config-seed 523127052  # issue 32's, on its configuration
     python benchmarks/fuzz_stack.py --config-seed 157866499 # again the configuration a failure named
 
 Each configuration (`fuzz_stack_build.FuzzConfig`, drawn from the run's seed) builds the real
-stack — fake engine, `OffloadScheduler`, `TieredManager` (CPU tier in a shared-memory slab, a
-disk tier, a Redis tier on a real `redis-server`), `WorkerSide` and `TransferEngine` — takes
-`--steps` random actions (`fuzz_stack_driver`), checking the invariants of
-`fuzz_stack_checks` after each, then runs to a quiet end and checks the rest. A configuration
-that fails is reported with its seed and the action it failed at, and the run goes on with
-the next one. A hang is an action that did not end in `--hang-s` seconds (all threads'
-stacks are printed), or a bounded wait that ran out.
+stack — fake engine (one rank or two), `OffloadScheduler`, `TieredManager` (CPU tier in a
+shared-memory slab, a disk tier, a Redis tier on a real `redis-server`, an S3 tier on a real
+SeaweedFS), `WorkerSide` and `TransferEngine` — takes `--steps` random actions
+(`fuzz_stack_driver`, and the episodes of `fuzz_stack_episodes`), checking the invariants of
+`fuzz_stack_checks` after each, then runs to a quiet end, checks the rest, closes the tiers and
+reads what the remote ones left. A configuration that fails is reported with its seed and the
+action it failed at, and the run goes on with the next one. A hang is an action that did not end
+in `--hang-s` seconds (all threads' stacks are printed), or a bounded wait that ran out.
+A `lockstep` configuration walks the same way on every run: `--config-seed` replays it exactly.
 
 Prints one line per configuration, then
 `RESULT steps=<n> configs=<n> mismatches=<n> hangs=<n> violations=<n> crashes=<n>` (steps:
@@ -26,22 +29,26 @@ Exit status 0 when nothing failed (or, with `--mutation`, when the defect was fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import random
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fuzz_mutations import MUTATIONS, mutation, reaches
 from fuzz_stack_build import FuzzConfig, Stack
-from fuzz_stack_checks import Violation, check_quiet, check_step
+from fuzz_stack_checks import Violation, check_closed, check_quiet, check_step
 from fuzz_stack_driver import Driver, HangError
+from fuzz_stack_remote import S3Server, obstore_faults
 from kvtier.sim import ContentMismatch
+from kvtier.tiers.remote.redis import RedisStore
 from servers.redis import RedisServer
 
 __all__ = ["Outcome", "run_config", "run_fuzz"]
@@ -49,21 +56,23 @@ __all__ = ["Outcome", "run_config", "run_fuzz"]
 
 @dataclass
 class Outcome:
-    """How one configuration ended: `kind` is None, "mismatch", "hang", "violation" or "crash"."""
+    """How one configuration ended: `kind` is None, "mismatch", "hang", "violation" or "crash";
+    `reached`: what its episodes got to (`fuzz_stack_episodes`)."""
 
     config: FuzzConfig
     num_steps: int
     kind: str | None = None
     detail: str = ""
+    reached: Counter[str] = field(default_factory=Counter)
 
     def line(self) -> str:
         verdict = "ok" if self.kind is None else f"{self.kind.upper()}: {self.detail}"
         return f"{self.config.describe()} steps={self.num_steps} {verdict}"
 
 
-def run_config(config: FuzzConfig, redis: RedisServer | None, num_actions: int) -> Outcome:
+def run_config(config: FuzzConfig, redis: RedisServer | None, num_actions: int, s3: S3Server | None = None) -> Outcome:
     """Build the stack of `config`, walk it `num_actions` random actions, then to a quiet end."""
-    stack = Stack(config, redis.url if redis is not None else None)
+    stack = Stack(config, redis.url if redis is not None else None, s3)
     driver = Driver(stack, random.Random(config.seed), redis)
     outcome = Outcome(config, 0)
     action = "build"
@@ -71,11 +80,14 @@ def run_config(config: FuzzConfig, redis: RedisServer | None, num_actions: int) 
         for i in range(num_actions):
             action = f"action {i}"
             action += f" ({driver.act()})"
-            check_step(stack, driver.remote_kept_values)
+            check_step(stack, driver)
         action = "quiesce"
         driver.quiesce()
-        check_step(stack, driver.remote_kept_values)
-        check_quiet(stack, driver.remote_kept_values)
+        check_step(stack, driver)
+        check_quiet(stack, driver)
+        action = "close"
+        stack.close_tiers()
+        check_closed(stack, lambda medium: _fresh_store(medium, redis, s3))
     except ContentMismatch as exc:
         outcome.kind, outcome.detail = "mismatch", f"at {action}: {exc}"
     except HangError as exc:
@@ -88,10 +100,18 @@ def run_config(config: FuzzConfig, redis: RedisServer | None, num_actions: int) 
         outcome.detail = f"at {action}: {type(exc).__name__}: {exc} ({_where(exc)})"
     finally:
         outcome.num_steps = driver.num_steps
+        outcome.reached = driver.reached
         if redis is not None:
             redis.resume()
         stack.close()
     return outcome
+
+
+def _fresh_store(medium: str, redis: RedisServer | None, s3: S3Server | None):
+    """A new store on the server of a tier (`check_closed` reads what the closed tier left)."""
+    if medium == "s3" and s3 is not None:
+        return s3.store()
+    return RedisStore(redis.url, timeout_ms=2000)
 
 
 def _where(exc: BaseException) -> str:
@@ -100,11 +120,12 @@ def _where(exc: BaseException) -> str:
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
 
 
-def _run_guarded(config: FuzzConfig, redis: RedisServer | None, num_actions: int, hang_s: float) -> Outcome:
+def _run_guarded(config: FuzzConfig, redis: RedisServer | None, num_actions: int, hang_s: float,
+                 s3: S3Server | None = None) -> Outcome:
     """`run_config` on a thread of its own; a configuration that does not end in time is a hang
     (its thread is abandoned: daemon)."""
     box: list[Outcome] = []
-    thread = threading.Thread(target=lambda: box.append(run_config(config, redis, num_actions)), daemon=True)
+    thread = threading.Thread(target=lambda: box.append(run_config(config, redis, num_actions, s3)), daemon=True)
     thread.start()
     thread.join(hang_s)
     if box:
@@ -125,13 +146,15 @@ def run_fuzz(*, seed: int, minutes: float | None = None, max_configs: int | None
     rng, outcomes = random.Random(seed), []
     if config_seed is not None:
         max_configs = 1
-    with RedisServer.temporary(prefix="kvtier-bench-redis-") as redis, mutation(mutation_name):
+    s3 = S3Server()  # started when a configuration first has an S3 tier
+    with RedisServer.temporary(prefix="kvtier-bench-redis-") as redis, obstore_faults(), mutation(mutation_name), \
+            contextlib.closing(s3):
         while (deadline is None or time.monotonic() < deadline) and (max_configs is None or
                                                                      len(outcomes) < max_configs):
             config = FuzzConfig.draw(rng.randrange(1 << 31) if config_seed is None else config_seed)
             if config_seed is None and not reaches(mutation_name, config):
                 continue  # a defect put back is looked for only where its code runs
-            outcome = _run_guarded(config, redis, num_actions, hang_s)
+            outcome = _run_guarded(config, redis, num_actions, hang_s, s3)
             outcomes.append(outcome)
             out(outcome.line())
             if mutation_name is not None and outcome.kind is not None:
@@ -157,7 +180,8 @@ def main() -> int:
     parser.add_argument("--configs", type=int, default=None, help="run this many configurations at most")
     parser.add_argument("--steps", type=int, default=300, help="random actions per configuration")
     parser.add_argument("--seed", type=int, default=20, help="the run's seed (configurations derive from it)")
-    parser.add_argument("--mutation", choices=MUTATIONS, default=None, help="put one of issue 20's defects back")
+    parser.add_argument("--mutation", choices=MUTATIONS, default=None,
+                        help="put one of issue 20's or 32's defects back")
     parser.add_argument("--hang-s", type=float, default=300.0, help="a configuration longer than this is a hang")
     parser.add_argument("--config-seed", type=int, default=None,
                         help="run only the configuration of this seed (the `seed=` a failure printed)")
