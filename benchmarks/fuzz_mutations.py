@@ -1,8 +1,11 @@
-"""Issue 20's defects 1-4, put back: to show that the stack fuzzer finds each of them.
+"""Issue 20's defects 1-4 and issue 32's defects 1, 3, 4 and 5, put back: to show that the stack
+fuzzer finds each of them.
 
-Each mutation is a context manager that patches the fixed code back to what main had at
-087adb5 (the smallest patch that restores the defective behaviour), and undoes it on exit.
+Each mutation is a context manager that patches the fixed code back to what main had before the
+fix (the smallest patch that restores the defective behaviour), and undoes it on exit.
 `python benchmarks/fuzz_stack.py --mutation defect1` runs the fuzzer with one applied.
+
+Issue 20 (main at 087adb5):
 
 - defect1: the lazy store mode's ledger keeps one chunk per engine block, so a block shared
   by two unstored chunks (a prefix hit ending mid-chunk) forgets the older one when it is
@@ -13,17 +16,37 @@ Each mutation is a context manager that patches the fixed code back to what main
   promotions may evict the hits its scan just found.
 - defect4: a shared tier admits stores while its reset's sweep runs: the sweep deletes
   values the tier keeps as present (phantom hits).
+
+Issue 32 (main at 0838b54):
+- i32-defect2: a decision that wrote a tier off never tries it again (no exploration): nothing
+  measures the tier any more, and no request loads from it again after a stall.
+- i32-defect1: a lazy store's owner has no tenant: every tenant's evict-time stores are
+  charged to tenant "", which shares "*": a tenant with a smaller quota holds more than it.
+- i32-defect3: a lazy store's owner has no hints and acts for nobody: a keeper's chunks stored
+  at eviction time are ordinary, and go before unhinted ones.
+- i32-defect4: an S3 batch returns at its first failure (`pool.map`), while its other uploads
+  still read the job's slab rows: once the manager hands the rows to other chunks, an upload
+  sends their bytes under its own name (a value whose checksum fails; after a reset, a value
+  the sweep missed: defect 5 on S3).
+- i32-defect5: the reset's sweep does not count the jobs in flight, so it lists and deletes
+  before an upload from before the reset lands (Redis too).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator
 
+from kvtier.hints import NO_HINTS
 from kvtier.keys import OffloadKey
 from kvtier.scheduler import core, lazy
+from kvtier.scheduler.load_cost import LoadCosts
+from kvtier.scheduler.stores import StorePlanning
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.remote.reset import ResetSweep
+from kvtier.tiers.remote.s3 import S3Store
 from kvtier.tiers.remote.tier import RemoteTier
 
 __all__ = ["MUTATIONS", "mutation", "reaches"]
@@ -106,11 +129,46 @@ def _rejected_only_while_broken(self: RemoteTier, job) -> bool:
     return True
 
 
+def _lazy_owner_losing(**lost):
+    """0838b54's lazy owner: `StorePlanning._eviction_owner` whose context loses `lost` (its
+    tenant, or its hints and whose use it is)."""
+    original = StorePlanning._eviction_owner
+
+    def eviction_owner(self, computed_by):
+        owner = original(self, computed_by)
+        owner.req_context = dataclasses.replace(owner.req_context, **lost)
+        return owner
+
+    return eviction_owner
+
+
+def _each_until_first_failure(self: S3Store, op, fn, items):
+    """0838b54's `S3Store._each`: `pool.map` returns (raises) at the first failure, in item order,
+    while the requests after it still run."""
+    self._check_open()
+    return [fn(item) for item in items] if len(items) <= 1 else list(self._pool.map(fn, items))
+
+
+def _admit_uncounted(self: ResetSweep) -> int:
+    """A sweep that does not count the jobs in flight (it never waits for them)."""
+    return self.generation
+
+
+def _job_over_uncounted(self: ResetSweep) -> None:
+    with self._cond:
+        self._cond.notify_all()
+
+
 _PATCHES = {
     "defect1": [(core, "EvictionLedger", _OneEntryPerBlockLedger)],
     "defect2": [(DiskTier, "_publish", _publish_leaving_the_claim)],
     "defect3": [(CPUTierManager, "join_chain", lambda self, keys, ctx: None)],
     "defect4": [(RemoteTier, "_rejected_locked", _rejected_only_while_broken)],
+    "i32-defect1": [(StorePlanning, "_eviction_owner", _lazy_owner_losing(tenant=None))],
+    "i32-defect2": [(LoadCosts, "_explore", lambda self, state, start, locations, choice, costs, now: choice)],
+    "i32-defect3": [(StorePlanning, "_eviction_owner", _lazy_owner_losing(hints=NO_HINTS, on_behalf_of=None))],
+    "i32-defect4": [(S3Store, "_each", _each_until_first_failure)],
+    "i32-defect5": [(ResetSweep, "admit_locked", _admit_uncounted), (ResetSweep, "job_over", _job_over_uncounted)],
 }
 MUTATIONS = tuple(_PATCHES)
 
@@ -121,6 +179,12 @@ _REACH = {
     "defect2": lambda config: config.disk is not None,
     "defect3": lambda config: config.disk is not None or config.redis is not None,
     "defect4": lambda config: config.redis is not None,
+    # lazy stores of a tenant whose quota is below another's ("*": the tenant "" the defect charged)
+    "i32-defect1": lambda config: config.store_mode == "lazy" and any(t != "*" for t, _ in config.quotas),
+    "i32-defect2": lambda config: config.load_costs == "measured",
+    "i32-defect3": lambda config: config.store_mode == "lazy" and config.keepers,
+    "i32-defect4": lambda config: config.s3 is not None,
+    "i32-defect5": lambda config: config.redis is not None or config.s3 is not None,
 }
 
 

@@ -1,12 +1,13 @@
 """The randomized full-stack checker (benchmarks/fuzz_stack.py), a bounded slice of it.
 
 Random requests with shared prefixes, aborts, preemptions, resets and faults (stuck, slow and
-failing copies; a full, failing or read-only disk; a paused or restarted Redis server) over
-the real stack: the fake engine, the real `OffloadScheduler`, `TieredManager` (CPU tier in a
-shared-memory slab, a real disk tier, a real Redis tier on a real `redis-server`),
-`WorkerSide` and `TransferEngine`. Every configuration is drawn from a seed, so a failure
-names the seed that reproduces it (`python benchmarks/fuzz_stack.py --configs 1 --seed S`
-runs the configurations of seed S). `python benchmarks/fuzz_stack.py --minutes 30` is the
+failing copies; a full, failing or read-only disk; a paused or restarted Redis server; failing,
+slow and torn S3 uploads; a tier stalled, then fast again) over the real stack: the fake engine,
+the real `OffloadScheduler`, `TieredManager` (CPU tier in a shared-memory slab, a real disk tier,
+a real Redis tier on a real `redis-server`, a real S3 tier on SeaweedFS), `WorkerSide` and
+`TransferEngine` (one rank or two), with tenants, quotas and hints. Every configuration is drawn
+from a seed, so a failure names the seed that reproduces it (`python benchmarks/fuzz_stack.py
+--config-seed S` runs it again). `python benchmarks/fuzz_stack.py --minutes 30` is the
 long run.
 """
 
@@ -48,3 +49,29 @@ def test_the_fuzzer_finds_a_defect_put_back(defect):
     outcomes = run_fuzz(seed=MUTATION_SEEDS[defect], max_configs=MUTATION_CONFIGS, num_actions=250,
                         mutation_name=defect, out=lambda line: None)
     assert any(o.kind is not None for o in outcomes), summary(outcomes, defect)
+
+
+# Issue 32's defects put back, each on one configuration (`--config-seed`) whose walk reaches the
+# defect's code and the check that finds it: CPU-only or `lockstep` configurations, whose walk is the
+# same on every run (found 2026-12-03; benchmarks/README.md lists them). The finding's text says which
+# check found it, so a seed whose walk drifted away fails here instead of passing by another route.
+I32_MUTATIONS = [
+    # lazy stores, tenant-b's quota 1 below "*"'s 5: the defect charges its lazy stores to "", and it holds 3
+    ("i32-defect1", 62483857, "tenant 'tenant-b' holds"),
+    # RAM stalled then fast (two ranks): without exploration, no decision loads from it again
+    ("i32-defect2", 95872739, "was not loaded from again"),
+    # lazy stores of a keeper's chunks: the defect leaves them ordinary
+    ("i32-defect3", 1048948905, "a keeper's chunk ('') ranks (0, 0)"),
+    # a torn S3 batch reported at its failure: its held upload sends another chunk's bytes
+    ("i32-defect4", 523127052, "payload checksum mismatch"),
+    # a Redis put held across a reset: a sweep that does not wait for it leaves its value
+    ("i32-defect5", 1830941901, "redis values after a reset during a put"),
+    # the same on S3
+    ("i32-defect5", 882552464, "s3 values after a reset during a put"),
+]
+
+
+@pytest.mark.parametrize("defect,config_seed,finding", I32_MUTATIONS, ids=[f"{d}-{s}" for d, s, _ in I32_MUTATIONS])
+def test_the_fuzzer_finds_an_issue_32_defect_put_back_on_its_configuration(defect, config_seed, finding):
+    (outcome,) = run_fuzz(seed=0, config_seed=config_seed, mutation_name=defect, out=lambda line: None)
+    assert outcome.kind == "violation" and finding in outcome.detail, outcome.line()
