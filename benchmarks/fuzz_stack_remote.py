@@ -104,15 +104,21 @@ class PutFaults:
     def tear(self, failing: str, held: str) -> None:
         """The PUT of `failing` fails once that of `held` runs, which waits for `release_torn()`."""
         with self._lock:
+            self.torn_failed, self.torn_held = threading.Event(), threading.Event()
+            self._torn_release = threading.Event()
             self._torn = (failing, held)
 
     def release_torn(self) -> None:
-        self._torn_release.set()
+        """The held PUT goes on; later PUTs of those names pass (a store of them again, after a reset)."""
+        with self._lock:
+            self._torn = None
+            self._torn_release.set()
 
     @property
     def is_holding(self) -> bool:
         """A PUT waits for the fuzzer now (torn or slow)."""
-        return (self.torn_held.is_set() and not self._torn_release.is_set()) or self._slow is not None
+        with self._lock:
+            return (self.torn_held.is_set() and not self._torn_release.is_set()) or self._slow is not None
 
     def end(self) -> None:
         """Every fault off, every held request on its way (a configuration's end)."""
@@ -126,13 +132,14 @@ class PutFaults:
         """Called in the request's thread before it is sent: raises, waits or returns."""
         with self._lock:
             torn, slow = self._torn, self._slow
+            held, failed, release = self.torn_held, self.torn_failed, self._torn_release
         if torn is not None and name == torn[1]:
-            self.torn_held.set()
-            self._torn_release.wait(CEILING_S)
+            held.set()
+            release.wait(CEILING_S)
             return
         if torn is not None and name == torn[0]:
-            self.torn_held.wait(CEILING_S)
-            self.torn_failed.set()
+            held.wait(CEILING_S)
+            failed.set()
             raise ConnectionResetError(f"injected: connection reset during the PUT of {name} (torn batch)")
         if self.fail_share and random.Random(f"{self._seed}:{name}").random() < self.fail_share:
             self.num_failed += 1
