@@ -308,8 +308,9 @@ class OffloadingManager(ABC):
 
     def explore(self, medium: str, keys: Sequence[OffloadKey], ctx: ReqContext) -> bool:
         """The load-or-recompute decision wrote off the tier `medium` behind this one (`ctx`'s
-        request recomputes chunks found there): read one of `keys` from it in the background, no
-        request waiting for it, if its read estimate is stale (`kvtier.costmodel.exploration`).
+        request recomputes chunks found there): read one of `keys` from it in the background, to
+        measure it (the bytes are not kept, no request waits for them), if its read estimate is stale
+        (`kvtier.costmodel.exploration`).
 
         Returns:
             True if a read started.

@@ -7,16 +7,16 @@ stale:
 
 - nothing in flight will measure it (a read, or while the tier's writes stand in for its reads, a
   write: each ends or is given up on within its deadline, and feeds the estimate either way), and
-  no read given up on is still unanswered (the tier is hung: another read would hang too, holding
-  a RAM slot until the tier answers);
+  no read given up on is still unanswered (the tier is hung: another read would hang too);
 - its newest job ended, and its last exploration started, at least `wait_s` ago: `EXPLORE_AFTER_S`
   after a fast job, longer after a slow one (`_EXPLORE_SHARE`: a tier that really is slow spends at
   most that share of its time on explorations), never more than `_EXPLORE_MAX_WAIT_S`.
 
-How a tier is tried is the caller's: a secondary tier reads the chunk in the background into RAM
-(a promotion no request waits for: the request recomputes as decided, and exploring costs it
-nothing but a chunk of that tier's bandwidth); RAM is tried by one decision loading its RAM head
-anyway (a copy into the engine needs the request's blocks).
+How a tier is tried is the caller's: a secondary tier reads the chunk in the background into a
+scratch buffer (`TieredManager.explore`: no RAM slot, nothing evicted, no request waits; the
+request recomputes as decided, and exploring costs it nothing but a chunk of that tier's
+bandwidth); RAM is tried by one decision loading its RAM head anyway (a copy into the engine
+needs the request's blocks).
 
 Thread-safety: not thread-safe; one owner calls it from one thread.
 """

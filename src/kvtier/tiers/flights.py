@@ -21,15 +21,20 @@ from kvtier.base import ReqContext
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 
-__all__ = ["Flight", "FlightKind", "Flights"]
+__all__ = ["READS", "Flight", "FlightKind", "Flights"]
 
 
 class FlightKind(enum.Enum):
-    """Why a tier job runs. A promotion is a load (`TierJob.is_store` False), the others stores."""
+    """Why a tier job runs. A promotion and an exploration are loads (`TierJob.is_store` False), the
+    others stores."""
 
     PROMOTION = "promotion"  # secondary -> a PENDING CPU slot
+    EXPLORATION = "exploration"  # secondary -> a scratch buffer, to measure the tier (nothing keeps it)
     CASCADE = "cascade"  # a pinned READY CPU slot -> secondary
     EVICTED = "evicted"  # a staging row (an evicted chunk's bytes) -> an on_evict secondary
+
+
+READS = (FlightKind.PROMOTION, FlightKind.EXPLORATION)  # the kinds that read from a tier
 
 
 @dataclass(slots=True)

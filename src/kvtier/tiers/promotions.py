@@ -48,9 +48,7 @@ class Promotions:
     _submit: Callable[..., None]  # (kind, tier index, keys, ctx, buffers, staging rows)
     _rows: Callable[[int], tuple[memoryview, ...]]  # a CPU slot's buffers, one per worker rank
 
-    def _promote(self, key: OffloadKey, index: int, ctx: ReqContext, for_request: bool = True) -> LookupResult:
-        """Read `key` up from tier `index` for `ctx`'s request; `for_request` False: for nobody (an
-        exploration, `TieredManager.explore`: no request waits for it, none spares it)."""
+    def _promote(self, key: OffloadKey, index: int, ctx: ReqContext) -> LookupResult:
         slot = self._tiers[index]
         if self._promoting_bytes and self._promoting_bytes + self.payload_bytes > self.max_promotion_bytes:
             slot.counters["promotions_capped"] += 1
@@ -63,8 +61,7 @@ class Promotions:
         self._write_down.write_evicted(out)
         row = int(out.store_spec.slot_ids[0])
         self._submit(FlightKind.PROMOTION, index, (key,), ctx, (self._rows(row),), ())
-        if for_request:
-            self._awaited.setdefault(ctx.req_id, set()).add(key)
+        self._awaited.setdefault(ctx.req_id, set()).add(key)
         slot.counters["promotions"] += 1
         return LookupResult.HIT_PENDING
 

@@ -1,12 +1,12 @@
 """How fast each secondary tier reads, as the `TieredManager` sees its jobs end — what the
 load-or-recompute decision weighs (`kvtier.costmodel`).
 
-Every tier job that ends feeds its tier's `TransferRate` for its direction: promotions are
-reads, cascades and evicted-chunk writes are writes. A tier's read estimate is measured from
+Every tier job that ends feeds its tier's `TransferRate` for its direction: promotions and
+explorations are reads, cascades and evicted-chunk writes are writes. A tier's read estimate is measured from
 its reads; until it has read enough, from its writes (the same link and server carry both, and
 write-through stores start with the first request); until then, its prior. A job given up on
 (past its deadline) counts as taking the whole timeout: the tier was that slow for it. Reads
-queued ahead of a new one are the promotions in flight to that tier.
+queued ahead of a new one are the reads in flight from that tier.
 
 A tier's estimate ages on the manager's clock (the scheduler's): each job is stamped when the
 manager sees it end. `may_explore` says whether a tier the decision wrote off may be read once
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.costmodel.estimates import ReadEstimate, TransferRate, read_prior
 from kvtier.costmodel.exploration import Exploration
-from kvtier.tiers.flights import Flight, FlightKind
+from kvtier.tiers.flights import READS, Flight
 from kvtier.tiers.secondary import SecondaryTier, TierResult
 
 __all__ = ["TierRates"]
@@ -41,9 +41,9 @@ class TierRates:
         self._media = [t.medium for t in tiers]
         self._reads = [TransferRate(read_prior(t.medium)) for t in tiers]
         self._writes = [TransferRate(read_prior(t.medium)) for t in tiers]
-        self._queued = Counter[int]()  # tier index -> bytes of promotions in flight
+        self._queued = Counter[int]()  # tier index -> bytes of reads in flight
         self._writing = Counter[int]()  # tier index -> writes in flight
-        self._unanswered = Counter[int]()  # tier index -> promotions given up on, not reported yet
+        self._unanswered = Counter[int]()  # tier index -> reads given up on, not reported yet
         self._explorations = [Exploration() for _ in tiers]
         self._clock = clock
 
@@ -52,7 +52,7 @@ class TierRates:
         self._clock = clock
 
     def submitted(self, flight: Flight) -> None:
-        if flight.kind is FlightKind.PROMOTION:
+        if flight.kind in READS:
             self._queued[flight.tier] += flight.num_bytes
         else:
             self._writing[flight.tier] += 1
@@ -62,7 +62,7 @@ class TierRates:
         a failed key is not measured: a rejected or missing read takes no time for no bytes, and
         would make the tier look faster than it reads."""
         if flight.is_expired:
-            if flight.kind is FlightKind.PROMOTION:
+            if flight.kind in READS:
                 self._unanswered[flight.tier] -= 1
             return
         self._unqueue(flight)
@@ -72,7 +72,7 @@ class TierRates:
     def expired(self, flight: Flight, timeout_s: float) -> None:
         """`flight` passed its deadline: it is counted as having taken `timeout_s`."""
         self._unqueue(flight)
-        if flight.kind is FlightKind.PROMOTION:
+        if flight.kind in READS:
             self._unanswered[flight.tier] += 1
         self._rate(flight).add(flight.num_bytes, flight.submitted_at, timeout_s, ended_at=self._clock())
 
@@ -102,10 +102,10 @@ class TierRates:
         return reads if reads.num_samples >= _MIN_READS else self._writes[index]
 
     def _rate(self, flight: Flight) -> TransferRate:
-        return (self._reads if flight.kind is FlightKind.PROMOTION else self._writes)[flight.tier]
+        return (self._reads if flight.kind in READS else self._writes)[flight.tier]
 
     def _unqueue(self, flight: Flight) -> None:
-        if flight.kind is FlightKind.PROMOTION:
+        if flight.kind in READS:
             self._queued[flight.tier] -= flight.num_bytes
         else:
             self._writing[flight.tier] -= 1

@@ -15,8 +15,12 @@ their own — never on the scheduler's thread, never inside the forward pass.
   with a small CPU tier. Promotions in flight are capped
   in bytes (`max_promotion_bytes`): past the cap a lookup answers RETRY until some end. The
   scheduler bounds each request's wait; a promotion it stopped waiting for still completes,
-  for the next request. A promotion for nobody (`explore`) measures a tier the load-or-recompute
-  decision wrote off (issue 32): the chunk it reads stays in RAM, no request waits for it.
+  for the next request.
+- **explore**: a tier the load-or-recompute decision wrote off is measured again by reading one
+  chunk into a scratch buffer (issue 32): no RAM slot is taken (a PENDING one made the request's
+  own prefix read as "not known yet" to every request sharing it, and a RETIRED one kept its key
+  out of RAM), nothing is evicted, no request waits, the bytes are dropped. One per tier at a
+  time, until the tier reports it.
 - **write down**: chunks are written to the secondaries as they become READY (write-through)
   or as the CPU tier evicts them (`on_evict`); see `kvtier.tiers.writedown`.
 - A failed promotion frees its slot; the tier forgets a key it could not serve. Events and
@@ -52,7 +56,7 @@ from kvtier.keys import OffloadKey
 from kvtier.tiers.cascade import SecondarySlot, TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.curves import TierCurves
-from kvtier.tiers.flights import Flight, FlightKind, Flights
+from kvtier.tiers.flights import READS, Flight, FlightKind, Flights
 from kvtier.tiers.promotions import Promotions
 from kvtier.tiers.rates import TierRates
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierStats
@@ -105,6 +109,7 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
         self._awaited: dict[str, set[OffloadKey]] = {}  # req_id -> chunks promoted for it, not loaded yet
         self._job_ids = itertools.count(1)
         self._promoting_bytes = 0
+        self._exploring: set[int] = set()  # tiers with an exploration read not reported yet
 
     @property
     def tiers(self) -> list[SecondaryTier]:
@@ -151,17 +156,23 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
         return self._rates.estimates()
 
     def explore(self, medium: str, keys: Sequence[OffloadKey], ctx: ReqContext) -> bool:
-        """A promotion of the first of `keys` the tier `medium` holds, that no request waits for: it
-        measures the tier (and leaves the chunk in RAM), when its estimate is stale
-        (`kvtier.tiers.rates`). Tried at most once per exploration interval, started or not."""
+        """Read the first of `keys` that the tier `medium` holds (and RAM does not) into a scratch
+        buffer, to measure the tier, when its estimate is stale (`kvtier.tiers.rates`); see the
+        module docstring. Tried at most once per exploration interval, started or not."""
         self._poll()
         index = next((i for i, slot in enumerate(self._tiers) if slot.tier.medium == medium), None)
-        if index is None or not self._rates.may_explore(index):
+        if index is None or index in self._exploring or not self._rates.may_explore(index):
             return False
         self._rates.explored(index)
         tier = self._tiers[index].tier
         key = next((k for k in keys if self.primary.place(k) is None and tier.lookup(k) is _HIT), None)
-        return key is not None and self._promote(key, index, ctx, for_request=False) is LookupResult.HIT_PENDING
+        if key is None:
+            return False
+        # the tier's job holds the buffers until it reports, however late: nothing else uses them
+        scratch = tuple(memoryview(np.empty(slab.shape[1], dtype=np.uint8)) for slab in self._slabs)
+        self._exploring.add(index)
+        self._submit(FlightKind.EXPLORATION, index, (key,), ctx, (scratch,), ())
+        return True
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
         spec = self.primary.prepare_load(keys, ctx)
@@ -261,13 +272,13 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
     def _submit(self, kind: FlightKind, index: int, keys: tuple[OffloadKey, ...], ctx: ReqContext,
                 buffers: tuple[tuple[memoryview, ...], ...], staging_rows: tuple[int, ...]) -> None:
         now = time.monotonic()
-        job = TierJob(job_id=next(self._job_ids), is_store=kind is not FlightKind.PROMOTION, keys=keys,
+        job = TierJob(job_id=next(self._job_ids), is_store=kind not in READS, keys=keys,
                       buffers=buffers, deadline=self._flights.deadline_for(now))
         flight = Flight(kind, index, keys, ctx, job.num_bytes, now, job.deadline, staging_rows)
         self._flights.add(job.job_id, flight)
         self._rates.submitted(flight)
-        if kind is FlightKind.PROMOTION:
-            self._promoting_bytes += job.num_bytes
+        if kind in READS:
+            self._promoting_bytes += job.num_bytes if kind is FlightKind.PROMOTION else 0
             self._tiers[index].tier.submit_load(job)
         else:
             for key in keys:
@@ -285,7 +296,9 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
                 if flight is None:
                     continue  # not ours (a tier reports each job once; defensive)
                 self._rates.ended(flight, result)
-                if flight.kind is FlightKind.PROMOTION:
+                if flight.kind is FlightKind.EXPLORATION:
+                    self._exploring.discard(flight.tier)  # measured: its bytes are dropped
+                elif flight.kind is FlightKind.PROMOTION:
                     self._end_promotion(slot, flight, result)
                 else:
                     self._write_down.ended(slot, flight, result)

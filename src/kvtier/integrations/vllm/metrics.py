@@ -61,10 +61,9 @@ TIER_COUNTERS = {
     "evictions": "Chunks a tier evicted for room.",
     "corrupt": "Values that failed a check on read (header, length, checksum): deleted, never served.",
     "backpressure_drops": "Chunks not written to a tier because its queue or latency was over its limit.",
-    "promotions": "Chunks read back from a tier into the CPU tier for a request (or to measure the tier: "
-                  "explorations).",
+    "promotions": "Chunks read back from a tier into the CPU tier for a request.",
     "explorations": "Load-or-recompute decisions that tried a tier they wrote off, its estimate stale: a chunk read "
-                    "up in the background (cpu: a request loaded its RAM head anyway).",
+                    "in the background to measure it, not kept (cpu: a request loaded its RAM head anyway).",
     "promotion_failures": "Promotions that failed (the slot was freed, the request recomputes).",
     "admission_skips": "Chunks a tier's admission rule kept out.",
     "staging_drops": "Evicted chunks an on_evict tier lost because the staging pool was full.",
