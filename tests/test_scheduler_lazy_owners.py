@@ -338,3 +338,33 @@ def test_a_lazy_store_retried_at_the_next_step_is_still_one_offer():
         assert m.prepare_store([k], ctx).keys_to_store == []
     # another request's offer is the second one: stored
     assert m.prepare_store([k], ReqContext("B")).keys_to_store == [k]
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_preempted_last_turn_keeps_its_chunks_until_it_ends(mode):
+    # review of issue 32's defect 3: a lazy store's owner ends right after its store; a request still
+    # running (preempted, waiting to resume) had its session ended there, and the chunks it needs to
+    # resume ranked "drop first" while it waited
+    clock = FakeClock(now=100.0)
+    primary = CPUTierManager(16, policy="lru")
+    config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK),), store_mode=mode,
+                                    max_defer_s=60.0, max_deferrals=1_000_000)
+    engine = close_after_test(FakeEngine(OffloadScheduler(config, primary, clock=clock), num_blocks=8,
+                                         block_size=BLOCK, max_tokens_per_step=64, clock=clock, evict_lookahead=8))
+    req = engine.add_request("last-turn", prompt(4 * BLOCK + 1, seed=1), max_new_tokens=4,
+                             kv_transfer_params={"kvtier": {"session": "s", "end_session": True}})
+    engine.step()
+    engine.step()
+    # preempted: its blocks are cached and evictable; it is kept out of the queue for two steps, in
+    # which lazy mode stores its chunks on its behalf
+    engine.preempt("last-turn")
+    engine.waiting.remove(req)
+    engine.step()
+    engine.step()
+    engine.waiting.insert(0, req)
+    keys = [make_offload_key(h, 0) for h in req.block_hashes[:4]]
+    assert all(primary.is_readable(k) for k in keys) and not req.is_finished
+    assert [primary.retention.rank(k, clock()) for k in keys] == [ORDINARY] * 4
+    # it resumes and ends: its session is over, its chunks go first
+    run_until_done(engine)
+    assert [primary.retention.rank(k, clock())[0] for k in keys] == [-1] * 4

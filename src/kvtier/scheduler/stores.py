@@ -15,6 +15,7 @@ scheduler's requests, job book, ledger and next plan. Thread-safety: the schedul
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -121,8 +122,13 @@ class StorePlanning:
         owner = RequestOffloadState(self.config, RequestView(req_id=req_id, block_hashes=(), num_tokens=0,
                                                              num_prompt_tokens=0))
         # not the context its view would give (its own, acting for nobody): every manager call for
-        # its store says whose chunks these are
-        owner.req_context = ReqContext(req_id, computed_by.kv_transfer_params, computed_by.hints, computed_by.tenant,
+        # its store says whose chunks these are. A request that still runs (preempted, or past a
+        # sliding window) has not ended its session yet: its own end does, as in eager mode
+        hints = computed_by.hints
+        running = self._requests.get(computed_by.req_id)
+        if hints.end_session and running is not None and not running.is_finished:
+            hints = dataclasses.replace(hints, end_session=False)
+        owner.req_context = ReqContext(req_id, computed_by.kv_transfer_params, hints, computed_by.tenant,
                                        on_behalf_of=computed_by.req_id)
         owner.is_finished = True
         owner.finished_at_step = self._step
