@@ -125,6 +125,31 @@ def test_a_head_whose_tail_is_pinned_goes_only_when_nothing_else_can(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_a_store_refused_for_lack_of_room_evicts_nothing(policy):
+    # review of issue 32's chains: victims taken one at a time before the store turned out impossible
+    # stayed evicted, reported nowhere (an on_evict tier never got them: the chunk was lost everywhere)
+    m = CPUTierManager(3, policy=policy)
+    a = make_req_context("A")
+    # A stores [1] then [2]: [1] stands behind its tail [2]; X stores [5], which a load pins
+    for i in (1, 2):
+        m.complete_store(m.prepare_store([key(i)], a).keys_to_store, a)
+    x = make_req_context("X")
+    m.complete_store(m.prepare_store(keys(5), x).keys_to_store, x)
+    m.prepare_load(keys(5), make_req_context("loader"))
+    m.take_events()
+    # A offers [1, 10, 11]: 2 slots needed, [1] is its own, [5] pinned: only [2] could go -> refused
+    assert m.prepare_store(keys(1, 10, 11), a) is None
+    assert m.stats().evictions == 0 and m.take_events() == []
+    assert [m.lookup(k, a) for k in keys(1, 2, 5)] == [LookupResult.HIT] * 3
+    m.check()
+    # once the load ends, [2] is again the next victim, then its head [1] (when it is not the store's)
+    m.complete_load(keys(5), make_req_context("loader"))
+    out = m.prepare_store(keys(20), make_req_context("B"))
+    assert nums(out.evicted_keys) == [2]
+    m.check()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_heads_outlive_their_tails_under_random_traffic(policy):
     # Requests walk a prefix tree (documents with shared heads), storing and touching their
     # chains a few chunks at a time, loading prefixes (pins) and finishing, on a small tier.

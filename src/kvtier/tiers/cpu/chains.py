@@ -114,6 +114,25 @@ class ChainLinks:
             self._policy.take_places(heads, tails)
         return num_freed
 
+    def links_of(self, victims: Iterable[OffloadKey]) -> list[tuple[OffloadKey, OffloadKey | None]]:
+        """Each of `victims` with the head it is linked to (None: none), for `relink`."""
+        return [(key, self._parent.get(key)) for key in victims]
+
+    def relink(self, links: Iterable[tuple[OffloadKey, OffloadKey | None]]) -> None:
+        """Undo `unlink` of victims put back (`links_of` them, in reverse order of their eviction): a
+        head they freed is parked again."""
+        newly_parked: list[OffloadKey] = []
+        for key, parent in links:
+            if parent is None:
+                continue
+            self._parent[key] = parent
+            children = self._children.get(parent)
+            if children is None:
+                children = self._children[parent] = set()
+                newly_parked.append(parent)
+            children.add(key)
+        self.rank_last(newly_parked)
+
     def clear(self) -> None:
         """Forget every link (a reset: every chunk leaves)."""
         self._parent.clear()

@@ -202,17 +202,19 @@ class ChunkStores:
         takes whatever follows a freed head in the policy's order: its head then waits for the
         next eviction.) Should that fall short (heads kept by pinned tails: a write-through pins
         each chunk it writes), the rest are taken from the parked heads too, in the policy's
-        order, rather than fail the store; only if even they fall short is None returned (the
-        victims taken stay evicted: they were next in line).
+        order, rather than fail the store; only if even they fall short is None returned, and
+        the victims taken are put back, first in line: a refused store evicts nothing (an
+        `on_evict` tier would never get them).
         """
         if n > self._num_evictable:
             return None
         if not self._chains.num_parked:
-            return self._victims(n, protected, spared)[0]
+            return self._victims(n, protected, spared, [])[0]
         taken: list[OffloadKey] = []
+        links: list[tuple[OffloadKey, OffloadKey | None]] = []  # each victim and the head it stood on
         size = 1
         while len(taken) < n:
-            victims, num_freed = self._victims(min(size, n - len(taken)), protected, spared)
+            victims, num_freed = self._victims(min(size, n - len(taken)), protected, spared, links)
             if victims is None and size == 1:
                 break
             if victims is None:  # fewer without a held continuation than asked: each may free its head
@@ -222,22 +224,35 @@ class ChunkStores:
             size = 1 if num_freed else 2 * size
         if len(taken) < n:
             spared.spare_parked = False
-            victims = self._victims(n - len(taken), protected, spared)[0]
+            victims = self._victims(n - len(taken), protected, spared, links)[0]
             spared.spare_parked = True
             if victims is None:
-                self._drop_evicted(taken)
+                self._put_back(taken, links)
                 return None
             taken += victims
         return taken
 
-    def _victims(self, n: int, protected: Container[OffloadKey],
-                 spared: _Protected) -> tuple[list[OffloadKey] | None, int]:
+    def _victims(self, n: int, protected: Container[OffloadKey], spared: _Protected,
+                 links: list[tuple[OffloadKey, OffloadKey | None]]) -> tuple[list[OffloadKey] | None, int]:
         """The policy's `evict`; then the parked chunks it passed are ranked out of its way again,
-        and heads whose last continuation it took are evictable. Returns (victims, heads freed)."""
+        and heads whose last continuation it took are evictable (each victim's head is added to
+        `links`). Returns (victims, heads freed)."""
         victims = self._policy.evict(n, protected)
         self._chains.rank_last(list(spared.passed))
         spared.passed.clear()
-        return victims, 0 if victims is None else self._chains.unlink(victims)
+        if victims is None:
+            return None, 0
+        links += self._chains.links_of(victims)
+        return victims, self._chains.unlink(victims)
+
+    def _put_back(self, victims: list[OffloadKey], links: list[tuple[OffloadKey, OffloadKey | None]]) -> None:
+        """Victims of an eviction that fell short (none a parked head), back where they were: in the
+        policy, first in line (as new keys: what a policy knew of them is lost), linked to their heads."""
+        if not victims:
+            return
+        self._policy.insert(victims)
+        self._policy.take_places(victims, victims)
+        self._chains.relink(reversed(links))
 
     def _drop_evicted(self, victims: list[OffloadKey]) -> list[OffloadKey]:
         chunks = self._chunks
