@@ -10,7 +10,10 @@ import pytest
 
 from helpers import key, keys, make_req_context, nums
 from kvtier import CPUTierManager, LookupResult
+from kvtier.base import ReqContext
+from kvtier.hints import Hints
 from kvtier.policies import CachePolicy
+from kvtier.tiers.cpu import stores
 
 POLICIES = ("lru", "arc", "turns", "adaptive")
 
@@ -81,6 +84,67 @@ def test_a_store_hands_the_policy_its_own_chunks_whatever_the_prefix_length(poli
     # each store hands the policy a few keys (the chunk, the one it continues), never the prefix:
     # re-ranking the whole chain made the 600th store cost 600 times the first (0838b54: 603 keys)
     assert max(per_store) <= 6, (per_store[:3], per_store[-3:])
+    m.check()
+
+
+@pytest.mark.parametrize("hints", [Hints(session="s", end_session=True), Hints(priority=-1), Hints(retain_s=3600)])
+def test_evicting_a_hinted_prefix_costs_a_few_tests_per_victim_whatever_its_length(hints, monkeypatch):
+    # review of issue 32's chains: chunks set aside by hints keep the book's order, where a long
+    # prefix's parked heads came first: every eviction popped and pushed back each of them (3,801
+    # tests of the protected set per one-chunk store over a 2,000-chunk ended session)
+    tests = [0]
+    contains = stores._Protected.__contains__
+
+    def counted(self, k):
+        tests[0] += 1
+        return contains(self, k)
+
+    monkeypatch.setattr(stores._Protected, "__contains__", counted)
+    clock = [0.0]
+    m = CPUTierManager(2000, policy="lru")
+    m.use_clock(lambda: clock[0])
+    r = ReqContext("R", None, hints)
+    # R stores a 2,000-chunk prefix one chunk per call, and ends
+    for i in range(2000):
+        m.complete_store(m.prepare_store([key(i)], r).keys_to_store, r)
+    m.on_request_finished(r)
+    # B stores 100 chunks one per call into the full tier. The first eviction passes each of R's
+    # parked heads once (ranking it last among its equals); after it, each costs a few tests
+    b = ReqContext("B")
+    per_store = []
+    for i in range(100):
+        tests[0] = 0
+        out = m.prepare_store([key(10**6 + i)], b)
+        m.complete_store(out.keys_to_store, b)
+        per_store.append(tests[0])
+    assert max(per_store[1:]) <= 8, per_store
+    # R's prefix went tail first (retained: only its tail, then B's own ordinary chunks)
+    assert m.lookup(key(0), r) is LookupResult.HIT and m.lookup(key(1999), r) is LookupResult.MISS
+    m.check()
+
+
+def test_a_store_of_many_chunks_among_retained_chains_walks_the_tier_once(monkeypatch):
+    # review of issue 32's chains: victims asked for one at a time each made the hint wrapper count
+    # every chunk set aside (a 64-chunk store among 1,024 retained chunks: 63,520 heap entries walked)
+    tests = [0]
+    contains = stores._Protected.__contains__
+
+    def counted(self, k):
+        tests[0] += 1
+        return contains(self, k)
+
+    monkeypatch.setattr(stores._Protected, "__contains__", counted)
+    m = CPUTierManager(1024, policy="lru")
+    m.use_clock(lambda: 0.0)
+    # 16 conversations of 64 chunks, each stored one chunk per call, all retained for an hour
+    for c in range(16):
+        ctx = ReqContext(f"c{c}", None, Hints(retain_s=3600))
+        for i in range(64):
+            m.complete_store(m.prepare_store([key(1000 * c + i)], ctx).keys_to_store, ctx)
+    tests[0] = 0
+    out = m.prepare_store([key(10**6 + i) for i in range(64)], ReqContext("B"))
+    assert len(out.evicted_keys) == 64
+    assert tests[0] <= 1024 + 64 * 8, tests[0]
     m.check()
 
 

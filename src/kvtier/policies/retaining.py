@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import logging
+import math
 import threading
 from collections.abc import Container, Iterable, Sequence
 
@@ -50,7 +51,9 @@ __all__ = ["RetainingPolicy"]
 
 logger = logging.getLogger(__name__)
 
-Filing = tuple[Rank, float, int]  # a chunk set aside: its rank, kept until, last hinted (the book's order)
+# a chunk set aside: its rank, kept until, last hinted (the book's order)[, _RANKED_LAST]
+Filing = tuple[Rank, float, int] | tuple[Rank, float, int, str]
+_RANKED_LAST = "last"  # a filing's mark: ranked last among its equals (`rank_last`)
 
 
 class RetainingPolicy(CachePolicy):
@@ -136,12 +139,31 @@ class RetainingPolicy(CachePolicy):
         self.inner.order_chain([key for key in keys if key in self.inner])
 
     def rank_last(self, keys: Sequence[OffloadKey]) -> None:
-        # keys set aside keep the book's order: their rank says when they go
+        """Ordinary keys: the wrapped policy's. A key set aside keeps its rank and goes last among its
+        equals (a head whose tail is held must not be popped and pushed back by every eviction that
+        reaches its heap: an ended session's chain would cost each eviction its length), until it
+        is filed again."""
         self.inner.rank_last([key for key in keys if key in self.inner])
+        for key in keys:
+            filing = self._aside.get(key)
+            if filing is None:
+                continue
+            rank = filing[0]
+            last = self._aside[key] = (*filing[:3], _RANKED_LAST)  # its other heap entries go stale
+            if rank < ORDINARY:
+                self._push(self._low, (rank, math.inf, last, key))
+            else:
+                self._push(self._high, (rank, math.inf, math.inf, last, key))
 
     def take_places(self, keys: Sequence[OffloadKey], victims: Sequence[OffloadKey]) -> None:
+        """Ordinary keys take their victims' places in the wrapped policy; a key set aside is filed
+        by its rank again (its place among its equals is the book's)."""
         pairs = [(key, victim) for key, victim in zip(keys, victims, strict=True) if key in self.inner]
         self.inner.take_places([key for key, _ in pairs], [victim for _, victim in pairs])
+        aside = [key for key in keys if key in self._aside]
+        if aside:
+            now = self.book.clock()
+            self._set_aside([(key, self._aside[key][0]) for key in aside], now)
 
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         held = set(self.inner.discard(keys))
@@ -192,7 +214,8 @@ class RetainingPolicy(CachePolicy):
         ordinary = self._ordinary_or_none(want, protected, now)
         while ordinary is None:  # fewer ordinary ones than wanted: the rest from the high ones
             aside = len(self._aside)
-            ordinary = self._ordinary_or_none(max(0, want - self._available(self._high, protected)), protected, now)
+            ordinary = self._ordinary_or_none(max(0, want - self._available(self._high, protected, want)), protected,
+                                              now)
             if ordinary is not None:
                 ordinary += self._take_ordinary(want - len(ordinary), protected, now)
             elif len(self._aside) == aside:  # not enough at all (else offered ones were set aside: again)
@@ -231,9 +254,18 @@ class RetainingPolicy(CachePolicy):
         self._set_aside([(key, rank) for key, rank in ranked if rank != ORDINARY], now)
         return [key for key, rank in ranked if rank == ORDINARY]
 
-    def _available(self, heap: list, protected: Container[OffloadKey]) -> int:
-        """Keys set aside in `heap` that an eviction may take."""
-        return len({item[-1] for item in heap if self._aside.get(item[-1]) == item[-2] and item[-1] not in protected})
+    def _available(self, heap: list, protected: Container[OffloadKey], enough: int) -> int:
+        """Keys set aside in `heap` that an eviction may take, counted up to `enough` (an eviction
+        asks once per victim while chains are held: a whole heap's count each time made a 64-chunk
+        store in a tier of 4,096 retained chunks walk 260,128 entries)."""
+        found: set[OffloadKey] = set()
+        for item in heap:
+            if len(found) >= enough:
+                break
+            key = item[-1]
+            if self._aside.get(key) == item[-2] and key not in protected:
+                found.add(key)
+        return len(found)
 
     def _take_ordinary(self, n: int, protected: Container[OffloadKey], now: float) -> list[OffloadKey]:
         """Up to `n` ordinary victims in the wrapped policy's order; chunks it offers whose rank
