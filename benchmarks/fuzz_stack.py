@@ -18,7 +18,7 @@ action it failed at, and the run goes on with the next one. A hang is an action 
 in `--hang-s` seconds (all threads' stacks are printed), or a bounded wait that ran out.
 A `lockstep` configuration walks the same way on every run: `--config-seed` replays it exactly.
 
-Prints one line per configuration, then
+Prints one line per configuration, then how often the episodes got where they go (`REACHED`), then
 `RESULT steps=<n> configs=<n> mismatches=<n> hangs=<n> violations=<n> crashes=<n>` (steps:
 engine steps taken; mismatches: wrong KV bytes seen by a token; violations: any other
 invariant; crashes: an exception out of kvtier into the engine). With
@@ -191,6 +191,8 @@ def main() -> int:
     outcomes = run_fuzz(seed=args.seed, minutes=minutes, max_configs=args.configs, num_actions=args.steps,
                         mutation_name=args.mutation, hang_s=args.hang_s, config_seed=args.config_seed,
                         out=lambda s: print(s, flush=True))
+    reached = sum((o.reached for o in outcomes), Counter())
+    print("REACHED " + ", ".join(f"{what}: {n}" for what, n in sorted(reached.items())), flush=True)
     print(summary(outcomes, args.mutation), flush=True)
     failed = any(o.kind is not None for o in outcomes)
     return int(failed != (args.mutation is not None))
