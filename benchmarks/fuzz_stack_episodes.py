@@ -20,9 +20,10 @@ so a configuration's walk meets the same interleaving on any machine.
   times what recomputing their chunk takes (the copies or the tier's jobs, reported late: a
   slow device, with no real time spent) — for requests on prefixes it alone holds, until the
   cost model writes it off. Then it is fast again, and requests on other prefixes it alone holds
-  come every `RECOVERY_GAP_S` fake seconds: within `RECOVERY_REQUESTS` of them, the decision of
-  one must load from it again (the cost model explores a tier it wrote off; before issue 32
-  nothing measured such a tier again, and no decision ever chose it).
+  come every `RECOVERY_GAP_S` fake seconds: within `RECOVERY_REQUESTS` of them, one must decide
+  to load from it again, other than to explore it (the cost model explores a tier it wrote off
+  and then trusts it again; before issue 32 nothing measured such a tier again, and no decision
+  ever chose it).
 
 `Episodes.draw()` picks one now and then (from the driver's own generator of issue 32's draws),
 where the configuration has the tier it needs; `reached` counts how far each one got.
@@ -168,13 +169,14 @@ class Episodes:
         if not self._chunk_s(medium) > self._recompute_s():
             return self._reached(f"stall of {medium}: not written off")
         driver.reached[f"stall of {medium}: written off"] += 1
-        decisions = stack.scheduler.stats.load_decisions
+        stats = stack.scheduler.stats
         for i, prefix in enumerate(healthy):
-            # a decision to load from it: the promotion it starts lands in RAM in real time, which a
-            # request that waits a few steps at most may not see (the fuzzer's steps take microseconds)
-            num_loads = decisions[("load", medium)]
+            # a decision to load from it that is not an exploration (RAM's explorations load too): the
+            # cost model trusts it again. (Not the tokens loaded: a promotion lands in RAM in real time,
+            # which a request that waits a few steps at most may not see.)
+            num_loads, num_explorations = stats.load_decisions[("load", medium)], stats.explorations[medium]
             self._serve(prefix, gap_s=RECOVERY_GAP_S)
-            if decisions[("load", medium)] > num_loads:
+            if stats.load_decisions[("load", medium)] > num_loads and stats.explorations[medium] == num_explorations:
                 driver.reached[f"stall of {medium}: loaded again after {i + 1} request(s)"] += 1
                 return "stall"
         raise Violation(f"{medium}, written off by a stall, was not loaded from again in the {len(healthy)} requests "
