@@ -87,8 +87,12 @@ def first_engine(model, baseline, redis_server):
                 decisions = decision_counters()
         redis_server.start()  # back, and empty
         closed = _wait_for_breaker_to_close(llm)
-        for prompt in SHARED_PROMPTS:  # what the second engine will find in Redis
+        for i, prompt in enumerate(SHARED_PROMPTS):  # what the second engine will find in Redis
             generate(llm, [prompt], max_tokens=1)
+            # a prompt's write-through runs after its answer, each chunk pinned in the CPU tier of 8 until
+            # written: the next prompt's 7 chunks find room once they are (on a loaded machine they were
+            # not yet, that store was refused, and its chunks never reached Redis: 7 values of 14, CI)
+            _wait_for_values(llm, redis_server, 7 * (i + 1))
     finally:
         if not redis_server.is_running():
             redis_server.start()
@@ -107,6 +111,18 @@ def _turn(llm, histories: list[list[int]], turn: int) -> list[dict]:
         history.extend(out["token_ids"])
     llm.reset_prefix_cache(reset_connector=False)
     return outs
+
+
+def _wait_for_values(llm, redis_server, num_values: int, timeout_s: float = 60.0) -> None:
+    """Small requests (each step polls the tier's finished writes) until Redis holds `num_values`
+    values (bounded: the count is asserted by the test)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with redis_server.client() as client:
+            if sum(1 for _ in client.scan_iter(match="kvtier:*", count=1000)) >= num_values:
+                return
+        generate(llm, [tokens(8, seed=1)], max_tokens=1)
+        time.sleep(0.2)
 
 
 def _wait_for_breaker_to_close(llm, timeout_s: float = 30.0) -> bool:
