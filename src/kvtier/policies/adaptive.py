@@ -93,6 +93,16 @@ class AdaptivePolicy(CachePolicy):
         for policy in self.policies.values():
             policy.take_places(keys, victims)
 
+    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+        """The leader decides; the others follow (evicted as the leader's victim, or in place)."""
+        evicted = self.policies[self.leader].evict_in_place(key, victim, protected)
+        for policy in self._followers():
+            if evicted:
+                policy.evict_keys((key,))
+            else:
+                policy.take_places((key,), (victim,))
+        return evicted
+
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         victims = self.policies[self.leader].evict(n, protected)
         if victims is not None:

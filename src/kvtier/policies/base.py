@@ -73,6 +73,17 @@ class CachePolicy(ABC):
         The default does nothing: they keep their place.
         """
 
+    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+        """`take_places([key], [victim])`; then, if `key` is the victim `evict(1, protected)` would
+        choose now, evict it as `evict` does. An eviction that needs more victims asks this of each
+        head a victim freed: a chain goes tail first at the cost of one such call a chunk.
+
+        Returns:
+            Whether `key` was evicted. The default never evicts (the caller asks `evict`).
+        """
+        self.take_places((key,), (victim,))
+        return False
+
     @abstractmethod
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         """Choose and forget `n` victims, none of them in `protected`.

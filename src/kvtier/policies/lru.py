@@ -50,6 +50,16 @@ class LRUPolicy(CachePolicy):
             if key in order:
                 move(key, last=False)
 
+    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+        """In the oldest place, an unprotected key is the next victim."""
+        if key not in self._order:
+            return False
+        if key in protected:
+            self._order.move_to_end(key, last=False)
+            return False
+        del self._order[key]
+        return True
+
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         victims = list(islice((k for k in self._order if k not in protected), n))
         if len(victims) < n:

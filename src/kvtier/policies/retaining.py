@@ -156,6 +156,14 @@ class RetainingPolicy(CachePolicy):
             else:
                 self._push(self._high, (rank, math.inf, math.inf, last, key))
 
+    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+        """Nothing hinted: the wrapped policy's answer (as `evict` is then the wrapped policy's);
+        otherwise in place, and `evict` decides by the ranks."""
+        if not self._aside and not len(self.book):
+            return self.inner.evict_in_place(key, victim, protected)
+        self.take_places((key,), (victim,))
+        return False
+
     def take_places(self, keys: Sequence[OffloadKey], victims: Sequence[OffloadKey]) -> None:
         """Ordinary keys take their victims' places in the wrapped policy; a key set aside is filed
         by its rank again (its place among its equals is the book's)."""

@@ -99,6 +99,17 @@ class ScoredPolicy(CachePolicy):
         for i, key in enumerate(held):
             self._lower_to(key, lowest - (len(held) - i))
 
+    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+        """Scored below every key held, an unprotected key is the next victim."""
+        if key not in self.scores:
+            return False
+        if key in protected:
+            self.take_places((key,), (victim,))
+            return False
+        del self.scores[key]  # its heap entries go stale
+        self._forget(key, evicted=True)
+        return True
+
     def _raise_to(self, key: OffloadKey, score: float) -> None:
         """`rank_last`: score `key` at least `score` (a subclass whose scores derive from its own
         state sets that state instead)."""

@@ -7,9 +7,10 @@ radix-tree prefix cache does. A chunk that has a held continuation is *parked*: 
 spares it (the tier's protected set asks `is_parked`) — unless nothing else can go: a tail
 pinned a moment (its write-through) must not fail a store — and it is ranked out of the way of
 the eviction scans (`CachePolicy.rank_last`, not a use), again whenever a scan had to pass it. When
-its last continuation is evicted it takes that one's place (`CachePolicy.take_places`): the next
-victim, as it would have been had the whole chain been ranked behind its tail — unless a request
-used it while it was parked, which put it where that use belongs.
+its last continuation is evicted it takes that one's place (`CachePolicy.take_places`, or
+`evict_in_place` when the eviction needs more victims: it is then the next one, as it would have
+been had the whole chain been ranked behind its tail) — unless a request used it while it was
+parked, which put it where that use belongs.
 
 This replaced re-ranking a request's whole chain after every store it completed, O(prefix) per
 store (issue 32: a one-chunk store of a 4,000-chunk prefix took 1.3 ms with LRU and 10 ms with
@@ -60,9 +61,12 @@ class ChainLinks:
         its group): it is linked to the first that is READY. A parent that gets its first
         continuation is parked."""
         newly_parked: list[OffloadKey] = []
-        for key, candidates in zip(keys, parents, strict=True):
-            parent = next((p for p in candidates if p is not None and p != key and is_ready(p)), None)
-            if parent is None:
+        for key, (in_chain, in_group) in zip(keys, parents, strict=True):
+            if in_chain is not None and in_chain != key and is_ready(in_chain):
+                parent = in_chain
+            elif in_group is not None and in_group != key and is_ready(in_group):
+                parent = in_group
+            else:
                 continue
             self._parent[key] = parent
             children = self._children.get(parent)
@@ -80,23 +84,27 @@ class ChainLinks:
 
     def used(self, keys: Iterable[OffloadKey]) -> None:
         """A request used `keys` (a touch): parked ones keep the place that use gave them."""
-        parked = self._children
-        for key in keys:
-            if key in parked:
-                self._used.add(key)
+        if self._children:
+            self._used.update(self._children.keys() & set(keys))
 
-    def unlink(self, victims: Iterable[OffloadKey]) -> int:
-        """`victims` were evicted: heads left without a continuation are evictable again, first in
-        line unless used while parked. (A parked victim, evicted because nothing else could go,
-        leaves its continuations unlinked.) Returns how many heads that freed."""
-        heads: list[OffloadKey] = []
-        tails: list[OffloadKey] = []
-        num_freed = 0
+    def unlink(self, victims: Iterable[OffloadKey],
+               links: list[tuple[OffloadKey, OffloadKey | None]]) -> list[tuple[OffloadKey, OffloadKey]]:
+        """`victims` were evicted: heads left without a continuation are evictable again. (A parked
+        victim, evicted because nothing else could go, leaves its continuations unlinked.) Each
+        victim's link is added to `links` (for `relink`).
+
+        Returns:
+            The freed heads that are to take their tails' places, each with its tail (those used
+            while parked keep the place that use gave them).
+        """
+        places: list[tuple[OffloadKey, OffloadKey]] = []
         for key in victims:
-            for child in self._children.pop(key, ()):
-                del self._parent[child]
-            self._used.discard(key)
+            if key in self._children:
+                for child in self._children.pop(key):
+                    del self._parent[child]
+                self._used.discard(key)
             parent = self._parent.pop(key, None)
+            links.append((key, parent))
             if parent is None:
                 continue
             children = self._children[parent]
@@ -104,23 +112,15 @@ class ChainLinks:
             if children:
                 continue
             del self._children[parent]
-            num_freed += 1
             if parent in self._used:
                 self._used.discard(parent)
             else:
-                heads.append(parent)
-                tails.append(key)
-        if heads:
-            self._policy.take_places(heads, tails)
-        return num_freed
-
-    def links_of(self, victims: Iterable[OffloadKey]) -> list[tuple[OffloadKey, OffloadKey | None]]:
-        """Each of `victims` with the head it is linked to (None: none), for `relink`."""
-        return [(key, self._parent.get(key)) for key in victims]
+                places.append((parent, key))
+        return places
 
     def relink(self, links: Iterable[tuple[OffloadKey, OffloadKey | None]]) -> None:
-        """Undo `unlink` of victims put back (`links_of` them, in reverse order of their eviction): a
-        head they freed is parked again."""
+        """Undo `unlink` of victims put back (the links it noted, in reverse order): a head they freed
+        is parked again."""
         newly_parked: list[OffloadKey] = []
         for key, parent in links:
             if parent is None:

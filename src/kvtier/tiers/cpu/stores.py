@@ -197,53 +197,70 @@ class ChunkStores:
         it), or None when fewer can go.
 
         A parked head is spared until its last continuation goes (`kvtier.tiers.cpu.chains`), and
-        is then the next victim: so while chains are held, victims are asked for one at a time,
-        and more at once (doubling) only after a round that freed no head. (A round of several
-        takes whatever follows a freed head in the policy's order: its head then waits for the
-        next eviction.) Should that fall short (heads kept by pinned tails: a write-through pins
-        each chunk it writes), the rest are taken from the parked heads too, in the policy's
-        order, rather than fail the store; only if even they fall short is None returned, and
-        the victims taken are put back, first in line: a refused store evicts nothing (an
-        `on_evict` tier would never get them).
+        then takes its place: the next victim. While more are needed, such a head goes at once if
+        the policy agrees it is next (`CachePolicy.evict_in_place`: a chain goes tail first, one
+        cheap call a chunk); if not, the next round asks the policy for one victim. Rounds that
+        free no head ask for more at once (doubling). Should that fall short (heads kept by
+        pinned tails: a write-through pins each chunk it writes), the rest are taken from the
+        parked heads too, in the policy's order, rather than fail the store; only if even they
+        fall short is None returned, and the victims taken are put back, first in line: a
+        refused store evicts nothing (an `on_evict` tier would never get them).
         """
         if n > self._num_evictable:
             return None
         if not self._chains.num_parked:
-            return self._victims(n, protected, spared, [])[0]
+            return self._victims(n, protected, spared)
         taken: list[OffloadKey] = []
         links: list[tuple[OffloadKey, OffloadKey | None]] = []  # each victim and the head it stood on
         size = 1
         while len(taken) < n:
-            victims, num_freed = self._victims(min(size, n - len(taken)), protected, spared, links)
+            victims = self._victims(min(size, n - len(taken)), protected, spared)
             if victims is None and size == 1:
                 break
             if victims is None:  # fewer without a held continuation than asked: each may free its head
                 size = 1
                 continue
-            taken += victims
-            size = 1 if num_freed else 2 * size
+            is_waiting = self._take_freed_heads(victims, n, protected, taken, links)
+            size = 1 if is_waiting else 2 * size
         if len(taken) < n:
             spared.spare_parked = False
-            victims = self._victims(n - len(taken), protected, spared, links)[0]
+            victims = self._victims(n - len(taken), protected, spared)
             spared.spare_parked = True
             if victims is None:
                 self._put_back(taken, links)
                 return None
-            taken += victims
+            self._take_freed_heads(victims, len(taken) + len(victims), protected, taken, links)
         return taken
 
-    def _victims(self, n: int, protected: Container[OffloadKey], spared: _Protected,
-                 links: list[tuple[OffloadKey, OffloadKey | None]]) -> tuple[list[OffloadKey] | None, int]:
-        """The policy's `evict`; then the parked chunks it passed are ranked out of its way again,
-        and heads whose last continuation it took are evictable (each victim's head is added to
-        `links`). Returns (victims, heads freed)."""
+    def _victims(self, n: int, protected: Container[OffloadKey], spared: _Protected) -> list[OffloadKey] | None:
+        """The policy's `evict`; then the parked chunks it passed are ranked out of its way again."""
         victims = self._policy.evict(n, protected)
-        self._chains.rank_last(list(spared.passed))
-        spared.passed.clear()
-        if victims is None:
-            return None, 0
-        links += self._chains.links_of(victims)
-        return victims, self._chains.unlink(victims)
+        if spared.passed:
+            self._chains.rank_last(list(spared.passed))
+            spared.passed.clear()
+        return victims
+
+    def _take_freed_heads(self, victims: list[OffloadKey], n: int, protected: Container[OffloadKey],
+                          taken: list[OffloadKey], links: list[tuple[OffloadKey, OffloadKey | None]]) -> bool:
+        """Add `victims` to `taken` (and their links to `links`); each head they free takes its tail's
+        place, and goes too while `taken` is short of `n` and the policy agrees it is next.
+
+        Returns:
+            Whether a freed head waits first in line (the next victim is the policy's to say).
+        """
+        taken += victims
+        places = self._chains.unlink(victims, links)
+        is_waiting = False
+        while places:
+            head, tail = places.pop()
+            if len(taken) < n and self._policy.evict_in_place(head, tail, protected):
+                taken.append(head)
+                places += self._chains.unlink((head,), links)
+                continue
+            if len(taken) >= n:
+                self._policy.take_places((head,), (tail,))
+            is_waiting = True
+        return is_waiting
 
     def _put_back(self, victims: list[OffloadKey], links: list[tuple[OffloadKey, OffloadKey | None]]) -> None:
         """Victims of an eviction that fell short (none a parked head), back where they were: in the
