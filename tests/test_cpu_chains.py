@@ -214,6 +214,28 @@ def test_a_store_refused_for_lack_of_room_evicts_nothing(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_a_retained_chunk_outlives_an_ordinary_chain_that_is_evicted_tail_first(policy):
+    # the stack fuzzer (config seed 1179472094): victims asked two at a time took a chain's tail and,
+    # its head still spared within that round, the retained chunk ranked above that head
+    m = CPUTierManager(4, policy=policy)
+
+    def store(ids, ctx):
+        out = m.prepare_store(keys(*ids), ctx)
+        m.complete_store(out.keys_to_store, ctx)
+        m.on_request_finished(ctx)
+        return out
+
+    store([4], ReqContext("keeper", hints=Hints(retain_s=3600, priority=5)))
+    store([1], make_req_context("x"))
+    store([2, 3], make_req_context("a"))  # a chain: 3 continues 2
+    # a store of 3 new chunks: the ordinary ones go (1, then the chain tail first), never the retained 4
+    out = store([10, 11, 12], make_req_context("new"))
+    assert sorted(nums(out.evicted_keys)) == [1, 2, 3]
+    assert m.lookup(key(4), make_req_context("keeper")) is LookupResult.HIT
+    m.check()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_heads_outlive_their_tails_under_random_traffic(policy):
     # Requests walk a prefix tree (documents with shared heads), storing and touching their
     # chains a few chunks at a time, loading prefixes (pins) and finishing, on a small tier.

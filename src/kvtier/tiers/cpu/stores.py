@@ -197,14 +197,15 @@ class ChunkStores:
         it), or None when fewer can go.
 
         A parked head is spared until its last continuation goes (`kvtier.tiers.cpu.chains`), and
-        then takes its place: the next victim. While more are needed, such a head goes at once if
-        the policy agrees it is next (`CachePolicy.evict_in_place`: a chain goes tail first, one
-        cheap call a chunk); if not, the next round asks the policy for one victim. Rounds that
-        free no head ask for more at once (doubling). Should that fall short (heads kept by
-        pinned tails: a write-through pins each chunk it writes), the rest are taken from the
-        parked heads too, in the policy's order, rather than fail the store; only if even they
-        fall short is None returned, and the victims taken are put back, first in line: a
-        refused store evicts nothing (an `on_evict` tier would never get them).
+        then takes its place: the next victim. So while chains are held victims are asked for one
+        at a time (a round of two could take a chain's tail and then, its head still spared, a
+        chunk ranked above that head: a retained one, found by the stack fuzzer), and a head a
+        victim frees goes at once while more are needed if the policy agrees it is next
+        (`CachePolicy.evict_in_place`: a chain goes tail first at one cheap call a chunk). Should
+        that fall short (heads kept by pinned tails: a write-through pins each chunk it writes),
+        the rest are taken from the parked heads too, in the policy's order, rather than fail the
+        store; only if even they fall short is None returned, and the victims taken are put back,
+        first in line: a refused store evicts nothing (an `on_evict` tier would never get them).
         """
         if n > self._num_evictable:
             return None
@@ -212,16 +213,11 @@ class ChunkStores:
             return self._victims(n, protected, spared)
         taken: list[OffloadKey] = []
         links: list[tuple[OffloadKey, OffloadKey | None]] = []  # each victim and the head it stood on
-        size = 1
         while len(taken) < n:
-            victims = self._victims(min(size, n - len(taken)), protected, spared)
-            if victims is None and size == 1:
+            victims = self._victims(1, protected, spared)
+            if victims is None:
                 break
-            if victims is None:  # fewer without a held continuation than asked: each may free its head
-                size = 1
-                continue
-            is_waiting = self._take_freed_heads(victims, n, protected, taken, links)
-            size = 1 if is_waiting else 2 * size
+            self._take_freed_heads(victims, n, protected, taken, links)
         if len(taken) < n:
             spared.spare_parked = False
             victims = self._victims(n - len(taken), protected, spared)
@@ -241,26 +237,18 @@ class ChunkStores:
         return victims
 
     def _take_freed_heads(self, victims: list[OffloadKey], n: int, protected: Container[OffloadKey],
-                          taken: list[OffloadKey], links: list[tuple[OffloadKey, OffloadKey | None]]) -> bool:
+                          taken: list[OffloadKey], links: list[tuple[OffloadKey, OffloadKey | None]]) -> None:
         """Add `victims` to `taken` (and their links to `links`); each head they free takes its tail's
-        place, and goes too while `taken` is short of `n` and the policy agrees it is next.
-
-        Returns:
-            Whether a freed head waits first in line (the next victim is the policy's to say).
-        """
+        place, and goes too while `taken` is short of `n` and the policy agrees it is next."""
         taken += victims
         places = self._chains.unlink(victims, links)
-        is_waiting = False
         while places:
             head, tail = places.pop()
-            if len(taken) < n and self._policy.evict_in_place(head, tail, protected):
-                taken.append(head)
-                places += self._chains.unlink((head,), links)
-                continue
             if len(taken) >= n:
                 self._policy.take_places((head,), (tail,))
-            is_waiting = True
-        return is_waiting
+            elif self._policy.evict_in_place(head, tail, protected):
+                taken.append(head)
+                places += self._chains.unlink((head,), links)
 
     def _put_back(self, victims: list[OffloadKey], links: list[tuple[OffloadKey, OffloadKey | None]]) -> None:
         """Victims of an eviction that fell short (none a parked head), back where they were: in the
