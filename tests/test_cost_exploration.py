@@ -314,6 +314,27 @@ def test_ram_written_off_by_three_slow_copies_is_loaded_from_again(tmp_path):
     assert all(s.loaded_tokens == PREFIX_TOKENS for s in served[explored[-1]:]), served
 
 
+def test_ram_written_off_while_every_prefix_is_on_disk_is_read_at_its_prior_once_long_unmeasured(tmp_path):
+    # the stack fuzzer: only loads measure RAM, and every tier's reads end in a RAM copy; with RAM
+    # written off and every prefix on disk (none in RAM to explore RAM with), nothing loaded again
+    clock = FakeClock()
+    engine, _, prefixes = disk_engine(tmp_path, clock, 4)
+    scheduler = engine.scheduler
+    chunk_bytes = scheduler.config.chunk_bytes
+    # three RAM copies of a chunk that took 1 s each: 2.5x recomputing it
+    for i in range(3):
+        clock.now += 1.0
+        scheduler.costs.worker_results([(JobResult(job_id=-1 - i, num_bytes=chunk_bytes, seconds=1.0), True)],
+                                       now=clock())
+    # a prefix only on disk (a fast one): the RAM copy alone costs more than recomputing
+    before = serve_one(engine, clock, "before", prefixes[1] + [7], "cpu", clock())
+    assert before.loaded_tokens == 0 and not before.explored
+    # 30 s without a RAM copy measured: RAM is read at its prior again, and the disk's prefix loads
+    clock.now += 31.0
+    after = serve_one(engine, clock, "after", prefixes[2] + [7], "cpu", clock())
+    assert after.loaded_tokens == PREFIX_TOKENS
+
+
 def test_explorations_are_a_metric_per_tier():
     """`kvtier:tier_explorations_total{tier}`, from the scheduler's counter (`tier.<medium>.explorations`)."""
     pytest.importorskip("vllm")

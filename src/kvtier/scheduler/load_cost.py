@@ -44,6 +44,10 @@ from kvtier.scheduler.types import StepView
 
 __all__ = ["LoadCosts"]
 
+# RAM unmeasured for this long (no load copied since) is read at its prior: a RAM copy is never as
+# slow as a dead link, so the bet costs one request's copy at worst
+_RAM_FORGET_S = 30.0
+
 
 @dataclass(slots=True)
 class _LoadTiming:
@@ -74,11 +78,17 @@ class LoadCosts:
         # nothing to weigh with (chunk size unknown, or no full-attention group): load what the scan finds
         self._decides = bool(config.chunk_bytes) and any(g.kind is GroupKind.FULL for g in config.groups)
 
-    def snapshot(self) -> CostSnapshot:
-        """The figures a decision made now would use."""
+    def snapshot(self, now: float | None = None) -> CostSnapshot:
+        """The figures a decision made at `now` would use (None: whenever; RAM's last figure stands)."""
         if self.fixed is not None:
             return self.fixed
-        reads = {**self.manager.read_estimates(), CPU: self.cpu.estimate()}
+        ram = self.cpu.estimate()
+        # Only loads measure RAM, and every tier's reads end in a RAM copy: a RAM written off,
+        # where no prefix is in RAM to try it with (`_explore`: they are on disk, Redis, S3), kept
+        # every tier out (found by the stack fuzzer). Unmeasured that long, RAM is its prior again.
+        if now is not None and now - self.cpu.last_ended_at > _RAM_FORGET_S:
+            ram = self.cpu.prior
+        reads = {**self.manager.read_estimates(), CPU: ram}
         return CostSnapshot(reads, self.prefill.tokens_per_s(), self.prefill.step_seconds())
 
     # -- what the scheduler sees -------------------------------------------------------
@@ -153,7 +163,7 @@ class LoadCosts:
             locations = locations[: locations.index(NOT_KNOWN_YET)]
         if not locations:
             return start
-        costs = self.snapshot()
+        costs = self.snapshot(now)
         choice = choose_load(locations, self.config.chunk_bytes, self.config.tokens_per_chunk, costs,
                              self.config.load_policy)
         if choice.num_chunks < len(locations) and self.fixed is None:
