@@ -33,7 +33,7 @@ from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult
 from kvtier.tiers.tiered import TieredManager
-from sched_helpers import FakeClock, close_after_test, prompt
+from sched_helpers import FakeClock, close_after_test, prompt, run_until_done
 from test_tiered_scheduler import _ClosesTiers, serve, settle
 from tier_helpers import HeldTier
 
@@ -333,6 +333,30 @@ def test_ram_written_off_while_every_prefix_is_on_disk_is_read_at_its_prior_once
     clock.now += 31.0
     after = serve_one(engine, clock, "after", prefixes[2] + [7], "cpu", clock())
     assert after.loaded_tokens == PREFIX_TOKENS
+
+
+def test_a_burst_after_ram_went_unmeasured_bets_on_its_prior_once(tmp_path):
+    # review of d829ade: every decision made before the first copy was measured read RAM at its
+    # prior, so a burst of requests all loaded from a RAM really slower than recomputing
+    clock = FakeClock()
+    slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 8)
+    scheduler = measuring_scheduler(CPUTierManager(8), slab.rows.shape[1], clock)
+    engine = close_after_test(FakeEngine(scheduler, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, clock=clock,
+                                         slab=slab))
+    chunk_bytes = scheduler.config.chunk_bytes
+    p = prompt(PREFIX_TOKENS, seed=1)
+    serve(engine, "p", p)
+    for i in range(3):  # three RAM copies of 1 s a chunk: 2.5x recomputing it
+        clock.now += 1.0
+        scheduler.costs.worker_results([(JobResult(job_id=-1 - i, num_bytes=chunk_bytes, seconds=1.0), True)],
+                                       now=clock())
+    clock.now += 31.0
+    # 6 requests arrive in one step, each with the prefix in RAM: one bets on RAM, the others recompute
+    engine.reset_prefix_cache()
+    burst = [engine.add_request(f"burst-{i}", p + [7 + i], 1) for i in range(6)]
+    run_until_done(engine)
+    assert sorted(r.num_external_tokens for r in burst) == [0] * 5 + [PREFIX_TOKENS]
+    assert _explorations(engine, "cpu") == 1
 
 
 def test_explorations_are_a_metric_per_tier():

@@ -236,6 +236,57 @@ def test_a_retained_chunk_outlives_an_ordinary_chain_that_is_evicted_tail_first(
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_an_eviction_passes_each_pinned_chunk_once_while_chains_are_held(policy, monkeypatch):
+    # review of issue 32's chains: with chains held victims are taken one at a time, and each call
+    # scanned every pinned chunk again (1,000 pinned by a slow write-through, a store of 256: 255,256
+    # tests of the protected set)
+    tests = [0]
+    contains = stores._Protected.__contains__
+
+    def counted(self, k):
+        tests[0] += 1
+        return contains(self, k)
+
+    monkeypatch.setattr(stores._Protected, "__contains__", counted)
+    m = CPUTierManager(1024, policy=policy)
+    writer = make_req_context("\x00writer")
+    # the 256 oldest chunks are pinned (a write-through still writes them down)
+    for i in range(0, 256, 64):
+        ctx = make_req_context(f"old-{i}")
+        ks = [key(i + j) for j in range(64)]
+        m.complete_store(m.prepare_store(ks, ctx).keys_to_store, ctx)
+        m.prepare_load(ks, writer)
+    # one chain held (a request stored 2 chunks one per call), the rest of the tier ordinary chunks
+    a = make_req_context("A")
+    for i in (10_000, 10_001):
+        m.complete_store(m.prepare_store([key(i)], a).keys_to_store, a)
+    for i in range(258, 1024):
+        ctx = make_req_context(f"f-{i}")
+        m.complete_store(m.prepare_store([key(20_000 + i)], ctx).keys_to_store, ctx)
+    tests[0] = 0
+    out = m.prepare_store([key(30_000 + i) for i in range(64)], make_req_context("B"))
+    assert len(out.evicted_keys) == 64
+    assert tests[0] <= 256 + 64 * 8, tests[0]
+    m.check()
+
+
+def test_arc_keeps_a_frequent_head_in_place_when_its_recent_tail_goes():
+    # review of issue 32's chains: a head in T2 whose tail left T1 keeps its place, yet it was evicted
+    # in its tail's place when ARC took from T2 next, though T2's least recent key was another one
+    m = CPUTierManager(3, policy="arc")
+    x = make_req_context("x")
+    a = make_req_context("a")
+    m.complete_store(m.prepare_store(keys(1), x).keys_to_store, x)
+    m.touch(keys(1), x)  # 1 in T2
+    m.complete_store(m.prepare_store(keys(2), a).keys_to_store, a)
+    m.touch(keys(2), a)  # the head 2 in T2, more recent than 1
+    m.complete_store(m.prepare_store(keys(3), a).keys_to_store, a)  # its tail 3 in T1
+    out = m.prepare_store(keys(10, 11), make_req_context("n"))
+    assert nums(out.evicted_keys) == [3, 1]
+    m.check()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_heads_outlive_their_tails_under_random_traffic(policy):
     # Requests walk a prefix tree (documents with shared heads), storing and touching their
     # chains a few chunks at a time, loading prefixes (pins) and finishing, on a small tier.

@@ -97,10 +97,9 @@ class AdaptivePolicy(CachePolicy):
         """The leader decides; the others follow (evicted as the leader's victim, or in place)."""
         evicted = self.policies[self.leader].evict_in_place(key, victim, protected)
         for policy in self._followers():
+            policy.take_places((key,), (victim,))
             if evicted:
                 policy.evict_keys((key,))
-            else:
-                policy.take_places((key,), (victim,))
         return evicted
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:

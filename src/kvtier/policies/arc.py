@@ -107,11 +107,14 @@ class ARCPolicy(CachePolicy):
                 self.t1.move_to_end(key, last=False)
 
     def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
-        """At the least recent end of its list, an unprotected key is the next victim when ARC takes
-        from that list now (T1 while it is larger than its target); otherwise `evict` decides."""
+        """Moved to the least recent end of its list, an unprotected key is the next victim when ARC
+        takes from that list now (T1 while it is larger than its target); otherwise (a T2 head whose
+        tail left T1 keeps its place) `evict` decides."""
         self.take_places((key,), (victim,))
         live = self.t1 if key in self.t1 else self.t2 if key in self.t2 else None
-        if live is None or key in protected or (live is self.t1) != (len(self.t1) > self.target_t1):
+        if live is None or next(iter(live)) != key or key in protected:
+            return False
+        if (live is self.t1) != (len(self.t1) > self.target_t1):
             return False
         self._to_ghost(key, live, self.b1 if live is self.t1 else self.b2)
         return True

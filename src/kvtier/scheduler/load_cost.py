@@ -29,7 +29,7 @@ Thread-safety: the scheduler's (one thread).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.base import NOT_KNOWN_YET, OffloadingManager
 from kvtier.costmodel.decision import CPU, CostSnapshot, LoadChoice, choose_load
@@ -44,8 +44,9 @@ from kvtier.scheduler.types import StepView
 
 __all__ = ["LoadCosts"]
 
-# RAM unmeasured for this long (no load copied since) is read at its prior: a RAM copy is never as
-# slow as a dead link, so the bet costs one request's copy at worst
+# RAM unmeasured for this long (no load copied since) is weighed at its prior by one decision at a
+# time (an exploration): a RAM copy is never as slow as a dead link, so the bet costs one request's
+# copy at worst, per exploration interval
 _RAM_FORGET_S = 30.0
 
 
@@ -78,17 +79,11 @@ class LoadCosts:
         # nothing to weigh with (chunk size unknown, or no full-attention group): load what the scan finds
         self._decides = bool(config.chunk_bytes) and any(g.kind is GroupKind.FULL for g in config.groups)
 
-    def snapshot(self, now: float | None = None) -> CostSnapshot:
-        """The figures a decision made at `now` would use (None: whenever; RAM's last figure stands)."""
+    def snapshot(self) -> CostSnapshot:
+        """The figures a decision made now would use."""
         if self.fixed is not None:
             return self.fixed
-        ram = self.cpu.estimate()
-        # Only loads measure RAM, and every tier's reads end in a RAM copy: a RAM written off,
-        # where no prefix is in RAM to try it with (`_explore`: they are on disk, Redis, S3), kept
-        # every tier out (found by the stack fuzzer). Unmeasured that long, RAM is its prior again.
-        if now is not None and now - self.cpu.last_ended_at > _RAM_FORGET_S:
-            ram = self.cpu.prior
-        reads = {**self.manager.read_estimates(), CPU: ram}
+        reads = {**self.manager.read_estimates(), CPU: self.cpu.estimate()}
         return CostSnapshot(reads, self.prefill.tokens_per_s(), self.prefill.step_seconds())
 
     # -- what the scheduler sees -------------------------------------------------------
@@ -163,7 +158,7 @@ class LoadCosts:
             locations = locations[: locations.index(NOT_KNOWN_YET)]
         if not locations:
             return start
-        costs = self.snapshot(now)
+        costs = self.snapshot()
         choice = choose_load(locations, self.config.chunk_bytes, self.config.tokens_per_chunk, costs,
                              self.config.load_policy)
         if choice.num_chunks < len(locations) and self.fixed is None:
@@ -176,6 +171,18 @@ class LoadCosts:
                  costs: CostSnapshot, now: float) -> LoadChoice:
         """`choice` wrote off the tier of the chunk its head stops before: try that tier if its
         estimate is stale (see the module docstring). Returns the choice to keep."""
+        # Only loads measure RAM, and a read from every tier ends in a RAM copy: RAM written off
+        # while every prefix is behind it (on disk, Redis, S3: none in RAM to try it with) kept
+        # every tier out (the stack fuzzer). Unmeasured that long, one decision at a time weighs
+        # RAM at its prior, and loads if that says so.
+        if now - self.cpu.last_ended_at > _RAM_FORGET_S and self._may_explore_ram(now):
+            at_prior = replace(costs, reads={**costs.reads, CPU: self.cpu.prior})
+            bet = choose_load(locations, self.config.chunk_bytes, self.config.tokens_per_chunk, at_prior,
+                              self.config.load_policy)
+            if bet.num_chunks > choice.num_chunks:
+                self._ram_exploration.started(now)
+                self.stats.explorations[CPU] += 1
+                return bet
         tier = locations[choice.num_chunks]
         if tier == CPU:
             if not self._may_explore_ram(now):

@@ -37,9 +37,10 @@ _PENDING, _READY, _RETIRED = ChunkState.PENDING, ChunkState.READY, ChunkState.RE
 
 class _Protected:
     """Keys an eviction must spare: the call's own keys, those of `spared`, every pinned chunk and
-    every parked one (a head whose tail is held); the parked ones a scan asked about are `passed`."""
+    every parked one (a head whose tail is held); the parked ones a scan asked about are `passed`,
+    the pinned ones `passed_pinned`."""
 
-    __slots__ = ("chains", "chunks", "own", "passed", "spare_parked", "spared")
+    __slots__ = ("chains", "chunks", "own", "passed", "passed_pinned", "spare_parked", "spared")
 
     def __init__(self, own: set[OffloadKey], spared: Sequence[Container[OffloadKey]], chunks: dict[OffloadKey, Chunk],
                  chains: ChainLinks):
@@ -48,10 +49,14 @@ class _Protected:
         self.chunks = chunks
         self.chains = chains
         self.passed: dict[OffloadKey, None] = {}
+        self.passed_pinned: dict[OffloadKey, None] = {}
         self.spare_parked = True
 
     def __contains__(self, key: object) -> bool:
-        if key in self.own or self.chunks[key].pins > 0:  # type: ignore[index]
+        if key in self.own:
+            return True
+        if self.chunks[key].pins > 0:  # type: ignore[index]
+            self.passed_pinned[key] = None  # type: ignore[index]
             return True
         if self.spare_parked and self.chains.is_parked(key):  # type: ignore[arg-type]
             self.passed[key] = None  # type: ignore[index]
@@ -214,7 +219,7 @@ class ChunkStores:
         taken: list[OffloadKey] = []
         links: list[tuple[OffloadKey, OffloadKey | None]] = []  # each victim and the head it stood on
         while len(taken) < n:
-            victims = self._victims(1, protected, spared)
+            victims = self._victims(1, protected, spared, is_one_of_many=n > 1)
             if victims is None:
                 break
             self._take_freed_heads(victims, n, protected, taken, links)
@@ -228,12 +233,20 @@ class ChunkStores:
             self._take_freed_heads(victims, len(taken) + len(victims), protected, taken, links)
         return taken
 
-    def _victims(self, n: int, protected: Container[OffloadKey], spared: _Protected) -> list[OffloadKey] | None:
-        """The policy's `evict`; then the parked chunks it passed are ranked out of its way again."""
+    def _victims(self, n: int, protected: Container[OffloadKey], spared: _Protected,
+                 is_one_of_many: bool = False) -> list[OffloadKey] | None:
+        """The policy's `evict`; then the parked chunks it passed are ranked out of its way again,
+        and, when this is one of many calls of one eviction (`is_one_of_many`), the pinned ones
+        too: a chunk in use (loaded, or written down) is as recent as a use, and each call would
+        scan them all again (1,000 pinned chunks and a store of 256: 255,256 tests of `spared`)."""
         victims = self._policy.evict(n, protected)
         if spared.passed:
             self._chains.rank_last(list(spared.passed))
             spared.passed.clear()
+        if spared.passed_pinned:
+            if is_one_of_many:
+                self._policy.rank_last(list(spared.passed_pinned))
+            spared.passed_pinned.clear()
         return victims
 
     def _take_freed_heads(self, victims: list[OffloadKey], n: int, protected: Container[OffloadKey],
