@@ -68,12 +68,7 @@ class ChainLinks:
                 parent = in_group
             else:
                 continue
-            self._parent[key] = parent
-            children = self._children.get(parent)
-            if children is None:
-                children = self._children[parent] = set()
-                newly_parked.append(parent)
-            children.add(key)
+            self._attach(key, parent, newly_parked)
         self.rank_last(newly_parked)
 
     def rank_last(self, keys: Sequence[OffloadKey]) -> None:
@@ -123,15 +118,18 @@ class ChainLinks:
         is parked again."""
         newly_parked: list[OffloadKey] = []
         for key, parent in links:
-            if parent is None:
-                continue
-            self._parent[key] = parent
-            children = self._children.get(parent)
-            if children is None:
-                children = self._children[parent] = set()
-                newly_parked.append(parent)
-            children.add(key)
+            if parent is not None:
+                self._attach(key, parent, newly_parked)
         self.rank_last(newly_parked)
+
+    def _attach(self, key: OffloadKey, parent: OffloadKey, newly_parked: list[OffloadKey]) -> None:
+        """Link `key` to `parent`; a parent that gets its first continuation is added to `newly_parked`."""
+        self._parent[key] = parent
+        children = self._children.get(parent)
+        if children is None:
+            children = self._children[parent] = set()
+            newly_parked.append(parent)
+        children.add(key)
 
     def clear(self) -> None:
         """Forget every link (a reset: every chunk leaves)."""
