@@ -121,6 +121,25 @@ def disk_engine(tmp_path, clock: FakeClock, num_prefixes: int, tier_timeout_s: f
     return engine, tier, prefixes
 
 
+def ram_engine(clock: FakeClock) -> tuple[FakeEngine, list[int]]:
+    """An engine over an 8-chunk RAM tier alone, and a prefix it computed there."""
+    slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 8)
+    scheduler = measuring_scheduler(CPUTierManager(8), slab.rows.shape[1], clock)
+    engine = close_after_test(FakeEngine(scheduler, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, clock=clock,
+                                         slab=slab))
+    p = prompt(PREFIX_TOKENS, seed=1)
+    serve(engine, "p", p)
+    return engine, p
+
+
+def slow_copies(scheduler: OffloadScheduler, clock: FakeClock) -> None:
+    """Three RAM -> engine copies of a chunk that took 1 s each (2.5x recomputing it), one a second."""
+    for i in range(3):
+        clock.now += 1.0
+        result = JobResult(job_id=-1 - i, num_bytes=scheduler.config.chunk_bytes, seconds=1.0)
+        scheduler.costs.worker_results([(result, True)], now=clock())
+
+
 def tier_counters(engine) -> dict:
     return dict(engine.manager.tier_stats()[0].counters)
 
@@ -285,18 +304,9 @@ def test_ram_written_off_by_three_slow_copies_is_loaded_from_again(tmp_path):
     faults) wrote RAM off: every later request recomputed with its whole prefix in RAM, and since
     only loads measure RAM, nothing measured it again."""
     clock = FakeClock()
-    slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 8)
-    scheduler = measuring_scheduler(CPUTierManager(8), slab.rows.shape[1], clock)
-    engine = close_after_test(FakeEngine(scheduler, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, clock=clock,
-                                         slab=slab))
-    chunk_bytes = scheduler.config.chunk_bytes
-    p = prompt(PREFIX_TOKENS, seed=1)
-    serve(engine, "p", p)
-    # three loads of a chunk, one after another, that took 1 s each: 2.5x recomputing it
-    for i in range(3):
-        clock.now += 1.0
-        scheduler.costs.worker_results([(JobResult(job_id=-1 - i, num_bytes=chunk_bytes, seconds=1.0), True)],
-                                       now=clock())
+    engine, p = ram_engine(clock)
+    scheduler = engine.scheduler
+    slow_copies(scheduler, clock)
     assert chunk_seconds(engine, "cpu") > BLOCK_SIZE / PREFILL_TOKENS_PER_S
     slow_at = clock()
     served = [serve_one(engine, clock, "first", p + [7], "cpu", slow_at)]
@@ -319,13 +329,7 @@ def test_ram_written_off_while_every_prefix_is_on_disk_is_read_at_its_prior_once
     # written off and every prefix on disk (none in RAM to explore RAM with), nothing loaded again
     clock = FakeClock()
     engine, _, prefixes = disk_engine(tmp_path, clock, 4)
-    scheduler = engine.scheduler
-    chunk_bytes = scheduler.config.chunk_bytes
-    # three RAM copies of a chunk that took 1 s each: 2.5x recomputing it
-    for i in range(3):
-        clock.now += 1.0
-        scheduler.costs.worker_results([(JobResult(job_id=-1 - i, num_bytes=chunk_bytes, seconds=1.0), True)],
-                                       now=clock())
+    slow_copies(engine.scheduler, clock)
     # a prefix only on disk (a fast one): the RAM copy alone costs more than recomputing
     before = serve_one(engine, clock, "before", prefixes[1] + [7], "cpu", clock())
     assert before.loaded_tokens == 0 and not before.explored
@@ -339,17 +343,8 @@ def test_a_burst_after_ram_went_unmeasured_bets_on_its_prior_once(tmp_path):
     # review of d829ade: every decision made before the first copy was measured read RAM at its
     # prior, so a burst of requests all loaded from a RAM really slower than recomputing
     clock = FakeClock()
-    slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 8)
-    scheduler = measuring_scheduler(CPUTierManager(8), slab.rows.shape[1], clock)
-    engine = close_after_test(FakeEngine(scheduler, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, clock=clock,
-                                         slab=slab))
-    chunk_bytes = scheduler.config.chunk_bytes
-    p = prompt(PREFIX_TOKENS, seed=1)
-    serve(engine, "p", p)
-    for i in range(3):  # three RAM copies of 1 s a chunk: 2.5x recomputing it
-        clock.now += 1.0
-        scheduler.costs.worker_results([(JobResult(job_id=-1 - i, num_bytes=chunk_bytes, seconds=1.0), True)],
-                                       now=clock())
+    engine, p = ram_engine(clock)
+    slow_copies(engine.scheduler, clock)
     clock.now += 31.0
     # 6 requests arrive in one step, each with the prefix in RAM: one bets on RAM, the others recompute
     engine.reset_prefix_cache()

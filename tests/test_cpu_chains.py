@@ -69,6 +69,20 @@ class _Counted(CachePolicy):
         return k in self.inner
 
 
+@pytest.fixture
+def protected_tests(monkeypatch) -> list[int]:
+    """[how many times an eviction asked whether a chunk is protected]: the work of its scans."""
+    tests = [0]
+    contains = stores._Protected.__contains__
+
+    def counted(self, k):
+        tests[0] += 1
+        return contains(self, k)
+
+    monkeypatch.setattr(stores._Protected, "__contains__", counted)
+    return tests
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_store_hands_the_policy_its_own_chunks_whatever_the_prefix_length(policy):
     # one request stores a 600-chunk prefix one chunk per call (decode, chunked prefill)
@@ -88,18 +102,11 @@ def test_a_store_hands_the_policy_its_own_chunks_whatever_the_prefix_length(poli
 
 
 @pytest.mark.parametrize("hints", [Hints(session="s", end_session=True), Hints(priority=-1), Hints(retain_s=3600)])
-def test_evicting_a_hinted_prefix_costs_a_few_tests_per_victim_whatever_its_length(hints, monkeypatch):
+def test_evicting_a_hinted_prefix_costs_a_few_tests_per_victim_whatever_its_length(hints, protected_tests):
     # review of issue 32's chains: chunks set aside by hints keep the book's order, where a long
     # prefix's parked heads came first: every eviction popped and pushed back each of them (3,801
     # tests of the protected set per one-chunk store over a 2,000-chunk ended session)
-    tests = [0]
-    contains = stores._Protected.__contains__
-
-    def counted(self, k):
-        tests[0] += 1
-        return contains(self, k)
-
-    monkeypatch.setattr(stores._Protected, "__contains__", counted)
+    tests = protected_tests
     clock = [0.0]
     m = CPUTierManager(2000, policy="lru")
     m.use_clock(lambda: clock[0])
@@ -123,17 +130,10 @@ def test_evicting_a_hinted_prefix_costs_a_few_tests_per_victim_whatever_its_leng
     m.check()
 
 
-def test_a_store_of_many_chunks_among_retained_chains_walks_the_tier_once(monkeypatch):
+def test_a_store_of_many_chunks_among_retained_chains_walks_the_tier_once(protected_tests):
     # review of issue 32's chains: victims asked for one at a time each made the hint wrapper count
     # every chunk set aside (a 64-chunk store among 1,024 retained chunks: 63,520 heap entries walked)
-    tests = [0]
-    contains = stores._Protected.__contains__
-
-    def counted(self, k):
-        tests[0] += 1
-        return contains(self, k)
-
-    monkeypatch.setattr(stores._Protected, "__contains__", counted)
+    tests = protected_tests
     m = CPUTierManager(1024, policy="lru")
     m.use_clock(lambda: 0.0)
     # 16 conversations of 64 chunks, each stored one chunk per call, all retained for an hour
@@ -236,18 +236,11 @@ def test_a_retained_chunk_outlives_an_ordinary_chain_that_is_evicted_tail_first(
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_an_eviction_passes_each_pinned_chunk_once_while_chains_are_held(policy, monkeypatch):
+def test_an_eviction_passes_each_pinned_chunk_once_while_chains_are_held(policy, protected_tests):
     # review of issue 32's chains: with chains held victims are taken one at a time, and each call
     # scanned every pinned chunk again (1,000 pinned by a slow write-through, a store of 256: 255,256
     # tests of the protected set)
-    tests = [0]
-    contains = stores._Protected.__contains__
-
-    def counted(self, k):
-        tests[0] += 1
-        return contains(self, k)
-
-    monkeypatch.setattr(stores._Protected, "__contains__", counted)
+    tests = protected_tests
     m = CPUTierManager(1024, policy=policy)
     writer = make_req_context("\x00writer")
     # the 256 oldest chunks are pinned (a write-through still writes them down)
