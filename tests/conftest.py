@@ -20,6 +20,19 @@ def model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def plain_llama(model):
+    """Stock vLLM (no connector) on the tiny Llama in its default configuration: the reference
+    engine of every module whose baseline runs that configuration, started once for the session
+    (an engine start is 20-45 s here). `vllm_helpers.reference` empties its prefix cache before
+    each module's workload, so a module's baseline is what a fresh engine of its own computed."""
+    from vllm_helpers import make_llm, shutdown
+
+    llm = make_llm(model)
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="session")
 def gemma() -> Path:
     """The seeded random-weight Gemma 3 (sliding-window and full-attention layers)."""
     from kvtier.integrations.vllm.tiny_model import ensure_tiny_gemma3

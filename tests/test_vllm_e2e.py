@@ -5,9 +5,10 @@ tokens, logprobs within LOGPROB_TOL across engines (vLLM on CPU is not bitwise
 reproducible across engines), and bit for bit within one engine when kvtier serves a
 prefix that vLLM's own prefix cache served before (DESIGN.md's exact reference).
 
-Every engine runs its whole workload inside its fixture and is shut down before the next
-one starts (one engine per configuration). Engines with and without kvtier are pinned to
-the same cores (`vllm_helpers.engine_env`).
+Every kvtier engine runs its whole workload inside its fixture and is shut down before the
+next one starts (one engine per configuration); the outputs without kvtier come from the
+session's stock engine (`plain_llama`, its prefix cache emptied first). Engines with and
+without kvtier are pinned to the same cores (`vllm_helpers.engine_env`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vllm_helpers import (
     conversations,
     generate,
     make_llm,
+    reference,
     run_turns,
     shutdown,
     tokens,
@@ -44,17 +46,14 @@ TIGHT_KVTIER = {"cpu_bytes": "128MiB", "blocks_per_chunk": 4}  # 2 MiB blocks: 1
 
 
 @pytest.fixture(scope="module")
-def baseline(model):
-    """Every workload's outputs on vLLM without kvtier."""
-    llm = make_llm(model)
-    try:
-        return {
-            "turns": run_turns(llm, SYSTEM, USERS, reset_between_turns=True),
-            "tails": generate(llm, TAILS, max_tokens=1),
-            "finals": generate(llm, FINALS, max_tokens=4),
-        }
-    finally:
-        shutdown(llm)
+def baseline(plain_llama):
+    """Every workload's outputs on vLLM without kvtier (the session's stock engine)."""
+    llm = reference(plain_llama)
+    return {
+        "turns": run_turns(llm, SYSTEM, USERS, reset_between_turns=True),
+        "tails": generate(llm, TAILS, max_tokens=1),
+        "finals": generate(llm, FINALS, max_tokens=4),
+    }
 
 
 def metrics() -> dict[str, float]:

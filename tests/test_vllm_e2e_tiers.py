@@ -6,7 +6,8 @@
 (b) That engine shuts down; a second engine starts on the same disk directory and gets its
     first request's prefix from disk — identical outputs again.
 
-Three engines (baseline, first, second), one at a time, each shut down in its fixture.
+Two engines (first, second), one at a time, each shut down in its fixture; the baseline runs on
+the session's stock engine (`plain_llama`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vllm_helpers import (
     conversations,
     generate,
     make_llm,
+    reference,
     run_turns,
     shutdown,
     tokens,
@@ -59,13 +61,10 @@ def read_curves() -> dict[tuple[str, str], float]:
 
 
 @pytest.fixture(scope="module")
-def baseline(model):
-    llm = make_llm(model)
-    try:
-        return {"turns": run_turns(llm, SYSTEM, USERS, reset_between_turns=True),
-                "restart": generate(llm, RESTART_QUERIES, max_tokens=4)}
-    finally:
-        shutdown(llm)
+def baseline(plain_llama):
+    llm = reference(plain_llama)
+    return {"turns": run_turns(llm, SYSTEM, USERS, reset_between_turns=True),
+            "restart": generate(llm, RESTART_QUERIES, max_tokens=4)}
 
 
 @pytest.fixture(scope="module")

