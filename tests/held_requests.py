@@ -22,9 +22,11 @@ from collections.abc import Callable, Iterator
 import obstore
 import pytest
 
+from helpers import HANG_S
+
 __all__ = ["CEILING_S", "HeldCall", "HeldRequests", "first_of", "logged"]
 
-CEILING_S = 10.0
+CEILING_S = HANG_S
 
 
 class HeldRequests:

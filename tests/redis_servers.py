@@ -40,6 +40,7 @@ import pytest
 # last on the path: a benchmark module never shadows an installed one
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+from helpers import HANG_S
 from servers.redis import HOST, RedisServer, find_redis_server, free_port  # benchmarks/servers/, on sys.path above
 from servers.tls import make_certificates
 
@@ -78,7 +79,7 @@ class RedisClusterServers:
         self.flush()
         return self
 
-    def wait_ok(self, timeout_s: float = 20.0) -> None:
+    def wait_ok(self, timeout_s: float = HANG_S) -> None:
         """Until every node says `cluster_state:ok` (bounded)."""
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from helpers import HANG_S
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim import FakeEngine
 from kvtier.tiers.cpu.manager import CPUTierManager
@@ -18,7 +19,7 @@ class FakeClock:
         return self.now
 
 
-def run_until_done(engine: FakeEngine, timeout_s: float = 30.0) -> None:
+def run_until_done(engine: FakeEngine, timeout_s: float = HANG_S) -> None:
     """Step `engine` until every request finished. With a real tier beside it (a disk read takes
     milliseconds of real time, a fake step microseconds) a count of steps is no bound: 10,000 of
     them (`FakeEngine.run`'s) pass in ~1 s, which one stall of a loaded machine outlasts."""

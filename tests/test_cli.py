@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import keys
+from helpers import HANG_S, keys
 from kvtier.cli.main import main
 from kvtier.cli.output import EngineLogs
 from kvtier.cli.vllm import serve_argv
@@ -159,7 +159,7 @@ def disk_tier_with_chunks(root: Path, num_chunks: int) -> tuple[Path, Namespace]
     ns = Namespace("tiny", "float16", "blocks", 16, 4, "sha256_cbor", 1, 4096)
     tier = DiskTier(root, ns, 16 * (4096 + ns.payload_bytes))
     try:
-        assert tier.wait_scanned(10)
+        assert tier.wait_scanned(HANG_S)
         assert store(tier, Slab(num_chunks, ns), keys(*range(1, num_chunks + 1))).failed_keys == frozenset()
     finally:
         tier.close()

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import keys
+from helpers import HANG_S, keys
 from kvtier.cli.main import main
 from kvtier.cli.status import TierCurve, advice, parse_curves
 from tier_helpers import CTX, make_tiered, put, settle
@@ -63,7 +63,7 @@ def serving(text: str, path: str = "/metrics") -> Iterator[str]:
 
 
 def run_status(capsys, url: str) -> tuple[int, str, str]:
-    status = main(["status", url, "--timeout", "5"])
+    status = main(["status", url, "--timeout", str(HANG_S)])
     out, err = capsys.readouterr()
     return status, out, err
 

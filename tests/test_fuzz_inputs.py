@@ -27,7 +27,7 @@ import pytest
 import xxhash
 from hypothesis import HealthCheck, assume, example, given, settings
 
-from helpers import key
+from helpers import HANG_S, key
 from kvtier.base import LookupResult
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
@@ -310,7 +310,7 @@ def assert_never_served(tier: SecondaryTier, slab: Slab, k: bytes, before: bytes
     assert failed == checked_bytes_changed(before, after, payload_at)
     if failed:
         assert tier.stats().counters["corrupt"] == corrupt + 1
-        assert tier.drain(10) and is_gone() and tier.lookup(k) is not LookupResult.HIT
+        assert tier.drain(HANG_S) and is_gone() and tier.lookup(k) is not LookupResult.HIT
     else:
         assert slab.holds(0, k)
 
@@ -337,7 +337,7 @@ def with_named_damages(test):
 @pytest.fixture
 def disk(tmp_path):
     tier = DiskTier(tmp_path / "disk", namespace(), 1024 * (4096 + SLOT))
-    assert tier.wait_scanned(10)
+    assert tier.wait_scanned(HANG_S)
     yield tier
     tier.close()
 
@@ -377,7 +377,7 @@ def redis_tier(redis_server):
     tier = RemoteTier(RedisStore(redis_server.ready().url), namespace(f"fuzz-{time.monotonic_ns()}"))
     yield tier
     tier.reset()
-    tier.drain(10)
+    tier.drain(HANG_S)
     tier.close()
 
 
@@ -397,7 +397,7 @@ def s3_tier(s3_server):
     tier = RemoteTier(store_, namespace(f"fuzz-{time.monotonic_ns()}"))
     yield tier
     tier.reset()
-    tier.drain(10)
+    tier.drain(HANG_S)
     tier.close()
 
 
@@ -431,7 +431,7 @@ def keyed_redis_tier(redis_server):
                       key_secret=b"fuzz deployment secret, 32 bytes")
     yield tier
     tier.reset()
-    tier.drain(10)
+    tier.drain(HANG_S)
     tier.close()
 
 
@@ -457,6 +457,6 @@ def test_a_keyed_value_changed_anywhere_is_never_served(keyed_redis_tier, edit_l
     assert failed == (after != before)
     if failed:
         assert tier.stats().counters["corrupt"] == corrupt + 1
-        assert tier.drain(10) and tier.store.exists([name]) == [False]
+        assert tier.drain(HANG_S) and tier.store.exists([name]) == [False]
     else:
         assert slab.holds(0, k)

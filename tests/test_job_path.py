@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from helpers import HANG_S
 from kvtier.base import LookupResult, ReqContext
 from kvtier.errors import ConfigError, NotReadyError
 from kvtier.jobs import Endpoint, JobResult, StepPlan, TransferJob, TransferPart, check_slab_slots
@@ -92,7 +93,7 @@ def test_a_store_the_plan_flushes_copies_its_blocks_before_the_forward_pass_rewr
     # the plan stores block 3 (its old owner's KV) and hands block 3 to a new request
     store = job(1, Endpoint.ENGINE, slots=[0], blocks=[3])
     run_plan(worker, StepPlan(store_jobs=[store], flush_job_ids={1}), forward=lambda: kv.write(0, [3], [new]))
-    assert worker.transfer.wait([1], timeout=5)
+    assert worker.transfer.wait([1], timeout=HANG_S)
     # slot 0 holds the old owner's KV: load it into block 5 and check
     run_plan(worker, StepPlan(load_jobs=[job(2, Endpoint.SLAB, slots=[0], blocks=[5])]))
     kv.check("r", 0, [0], [5], [old])
@@ -150,7 +151,7 @@ class TwoWorkers:
         for (kv, worker), delivered in zip(self.ranks, deliver, strict=True):
             contents = [kv.content(self.hashes[j], 0) for j in range(len(compute))]
             run_plan(worker, plan, forward=lambda kv=kv, contents=contents: kv.write(0, list(compute), contents))
-            assert worker.transfer.wait([j.job_id for j in plan.store_jobs], timeout=5)
+            assert worker.transfer.wait([j.job_id for j in plan.store_jobs], timeout=HANG_S)
             taken = worker.take_results()
             results += taken if delivered else []
         self.sched.update_connector_output(results)

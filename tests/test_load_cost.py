@@ -9,6 +9,7 @@ Block size 4 tokens, chunks of 1 block.
 
 from __future__ import annotations
 
+from helpers import HANG_S
 from kvtier.costmodel import CostSnapshot, ReadEstimate
 from kvtier.keys import make_offload_key
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
@@ -32,7 +33,7 @@ def engine_with(tmp_path, costs: CostSnapshot, policy: str = "cost") -> FakeEngi
     slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
     namespace = Namespace("sim", "float32", "sim", BLOCK_SIZE, 1, "sha256", 1, slab.rows.shape[1])
     disk = DiskTier(tmp_path, namespace, 64 * (slab.rows.shape[1] + 4096))
-    assert disk.wait_scanned(5.0)
+    assert disk.wait_scanned(HANG_S)
     manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules())])
     clock = FakeClock()
     config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),), max_defer_s=60.0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import key, keys, make_req_context, nums
+from helpers import HANG_S, key, keys, make_req_context, nums
 from kvtier import CPUTierManager, LookupResult, NotReadyError, ReqContext
 from kvtier.errors import ConfigError
 from kvtier.tiers.tiered import TieredManager
@@ -327,4 +327,4 @@ def test_tier_stats_list_the_tiers_behind_the_cpu_tier(manager):
     assert [t.medium for t in manager.tier_stats()] == expected
     # store [1] → its cascade (if any) ends within drain's bound
     store(manager, 1)
-    assert manager.drain(10.0)
+    assert manager.drain(HANG_S)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import key
+from helpers import HANG_S, key
 from kvtier.base import LookupResult
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
@@ -141,7 +141,7 @@ def test_disk_tiers_of_different_engines_share_nothing_and_replicas_share(tmp_pa
     def start(name: str) -> DiskTier:
         ns = engines[name]
         tiers[name] = DiskTier(root, ns, 8 * (4096 + ns.payload_bytes))
-        assert tiers[name].wait_scanned(10)
+        assert tiers[name].wait_scanned(HANG_S)
         return tiers[name]
 
     try:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import keys
+from helpers import HANG_S, keys
 from kvtier.base import LookupResult
 from kvtier.build import secondary_tiers
 from kvtier.config import KVTierConfig
@@ -86,7 +86,7 @@ def test_an_unreachable_server_turns_the_tier_on_once_it_answers(tmp_path, caplo
     try:
         assert tiers[0].breaker.is_open and "did not answer at start" in caplog.text
         server.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while tiers[0].breaker.is_open and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not tiers[0].breaker.is_open

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from helpers import key, keys, nums
+from helpers import HANG_S, key, keys, nums
 from kvtier import CPUTierManager
 from kvtier.base import ReqContext
 from kvtier.hints import NO_HINTS, Hints, parse_hints
@@ -334,7 +334,7 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_never_anothers(tmp_pa
 
     file_bytes = SLOT_BYTES + 4096
     disk = DiskTier(tmp_path / "disk", namespace(), 8 * file_bytes, tenant_quotas={"flood": 3 * file_bytes})
-    assert disk.wait_scanned(5.0)
+    assert disk.wait_scanned(HANG_S)
     slabs = make_slabs(4)
     manager = TieredManager(CPU(4, policy="lru"), slabs, [(disk, TierRules())])
     # tenant a writes 4 chunks through to disk; the flooding tenant then writes 12

@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from helpers import HANG_S
 from kvtier.base import ChunkState, ReqContext
 from kvtier.keys import OffloadKey, make_offload_key
 from kvtier.policies.retention import ORDINARY
@@ -120,7 +121,7 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_in_either_store_mode(
     file_bytes = ChunkFormat(b"", slab.rows.shape[1]).file_bytes  # a header block and the aligned payload
     namespace = Namespace("sim-disk-quotas", "float32", "sim", BLOCK, 1, "sha256", 1, slab.rows.shape[1])
     disk = DiskTier(tmp_path, namespace, 8 * file_bytes, tenant_quotas={"*": 4 * file_bytes})
-    assert disk.wait_scanned(5.0)
+    assert disk.wait_scanned(HANG_S)
     manager = TieredManager(CPUTierManager(8, policy="lru"), [slab.rows], [(disk, TierRules())])
     close_after_test(manager)  # closed after the engine (last given, first closed): its tier threads stop
     engine = make_engine(manager, mode, slab=slab)
@@ -129,9 +130,9 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_in_either_store_mode(
     for i in range(6):
         # tenant A's burst: 24 chunks pass through RAM and disk (8 files); A may hold 4 files
         serve(engine, f"a{i}", seed=10 + i, tenant="A")
-        assert disk.drain(30.0)
+        assert disk.drain(HANG_S)
     run_pending_stores(engine)
-    assert disk.drain(30.0)
+    assert disk.drain(HANG_S)
     on_disk = [disk.lookup(k) is LookupResult.HIT for k in chunk_keys(engine, "b")]
     assert on_disk == [True] * 4
     check_lazy_path_ran(engine, mode)
@@ -207,7 +208,7 @@ def test_a_lazily_stored_chunk_lives_in_redis_as_long_as_its_request_asked(fresh
     engine = make_engine(manager, "lazy", slab=slab)
     serve(engine, "h", seed=1, params={"kvtier": {"retain_s": 600}})
     serve(engine, "u", seed=2)  # its steps run h's lazy stores, written through to Redis
-    assert redis_tier.drain(30.0)
+    assert redis_tier.drain(HANG_S)
     raw = fresh_redis.client()
     ttl_ms = [raw.pttl(redis_tier.codec.name(k)) for k in chunk_keys(engine, "h")]
     assert all(ttl > 30_000 for ttl in ttl_ms), ttl_ms

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import store_job
+from helpers import HANG_S, store_job
 from kvtier import shm as slab_module
 from kvtier.errors import ConfigError
 from kvtier.jobs import StepPlan
@@ -58,7 +58,7 @@ def finish(proc: subprocess.Popen, reply: str = "") -> str:
     proc.stdin.write(reply)
     proc.stdin.close()
     out = proc.stdout.read()  # not communicate(): it would skip what readline() buffered
-    assert proc.wait(timeout=30) == 0, out
+    assert proc.wait(timeout=HANG_S) == 0, out
     return out
 
 
@@ -183,7 +183,7 @@ def test_stale_cleanup_removes_a_killed_processs_segment_and_keeps_a_live_ones(p
     killed = child(holder.format(name=prefix + "crashed"))
     alive = child(holder.format(name=prefix + "alive"))
     killed.send_signal(signal.SIGKILL)  # no finalizer runs: its segment stays behind
-    killed.wait(timeout=10)
+    killed.wait(timeout=HANG_S)
     assert segments(prefix) == [prefix + "alive", prefix + "crashed"]
     assert remove_stale_slabs(prefix) == [prefix + "crashed"]
     assert segments(prefix) == [prefix + "alive"]  # its process still maps it
@@ -246,7 +246,7 @@ def test_a_worker_maps_the_slab_the_scheduler_side_made_and_stores_into_it(prefi
         kv.write(0, [5], [kv.content(b"block five", 0)])
         # store block 5 into slot 2: the bytes land in the segment the scheduler side maps
         worker.wait_for_save(StepPlan(store_jobs=[store_job(1, np.array([5]), np.array([2]))]))
-        assert worker.transfer.wait([1], timeout=5) and worker.take_results()[0].success
+        assert worker.transfer.wait([1], timeout=HANG_S) and worker.take_results()[0].success
         expected = torch.cat([kv.tensors[name][5].flatten().view(torch.int8) for name in kv.layer_groups[0]])
         assert torch.equal(torch.from_numpy(owner.rows[2]).view(torch.int8), expected)
         worker.shutdown()

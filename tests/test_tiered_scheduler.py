@@ -8,6 +8,7 @@ Block size 4 tokens, chunks of 1 block.
 
 from __future__ import annotations
 
+from helpers import HANG_S
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.sim import FakeEngine, KVCache
 from kvtier.sim.fake_engine import make_slab
@@ -25,7 +26,7 @@ def tiered_engine(tmp_path, clock: FakeClock | None = None, max_defer_s: float =
     slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
     namespace = Namespace("sim", "float32", "sim", BLOCK_SIZE, 1, "sha256", 1, slab.rows.shape[1])
     disk = DiskTier(tmp_path, namespace, 64 * (slab.rows.shape[1] + 4096))
-    assert disk.wait_scanned(5.0)
+    assert disk.wait_scanned(HANG_S)
     manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules(**rules))])
     clock = clock or FakeClock()
     # the fake engine's steps take microseconds, the disk's reads milliseconds: the fake clock's
@@ -59,7 +60,7 @@ def serve(engine, req_id, tokens, max_new_tokens=1):
 
 def settle(engine) -> None:
     for tier in engine.manager.tiers:
-        assert tier.drain(5.0)
+        assert tier.drain(HANG_S)
 
 
 def test_prefixes_evicted_from_ram_come_back_from_disk_with_the_right_kv(tmp_path):

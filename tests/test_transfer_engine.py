@@ -12,7 +12,7 @@ import torch
 
 import kvtier.worker.cpu_copy as cpu_copy
 import kvtier.worker.memmove as memmove
-from helpers import load_job, store_job
+from helpers import HANG_S, load_job, store_job
 from kvtier.errors import ConfigError
 from kvtier.worker import TransferEngine
 from kvtier.worker.cuda import cuda_usable
@@ -74,7 +74,7 @@ def gate(monkeypatch):
 
     def gated(self, *args):
         gate.reached.set()
-        gate.wait(10)
+        gate.wait(HANG_S)
         return original(self, *args)
 
     monkeypatch.setattr(MemmoveCopier, "start", gated)
@@ -94,11 +94,11 @@ def test_store_then_load_returns_every_byte(layout, bpc, content):
     expected = block_bytes(kv, layout, block_ids.tolist())
     with TransferEngine(kv, bpc, num_slots=8) as engine:
         engine.submit(store_job(1, block_ids, slot_ids))
-        assert engine.wait([1], timeout=5)
+        assert engine.wait([1], timeout=HANG_S)
         # zero the engine's KV, then load the chunks back into the same blocks
         zero_all(kv)
         engine.submit(load_job(2, slot_ids, block_ids))
-        assert engine.wait([2], timeout=5)
+        assert engine.wait([2], timeout=HANG_S)
         results = {r.job_id: r for r in engine.get_finished()}
     assert all(r.success and r.failed_chunks == () and r.error is None for r in results.values())
     chunk_bytes = bpc * sum(t.numel() * t.element_size() for t in kv.values()) // 48
@@ -114,10 +114,10 @@ def test_second_group_uses_its_own_layers():
     expected = kv["layer.2"][[3, 4]].clone()
     with TransferEngine(kv, 2, 2, layer_groups=groups) as engine:
         engine.submit(store_job(1, [3, 4], [1], group=1))
-        engine.wait([1], timeout=5)
+        engine.wait([1], timeout=HANG_S)
         kv["layer.2"].zero_()
         engine.submit(load_job(2, [1], [9, 10], group=1))
-        engine.wait([2], timeout=5)
+        engine.wait([2], timeout=HANG_S)
         assert all(r.success for r in engine.get_finished())
     assert torch.equal(kv["layer.2"][[9, 10]].view(torch.int32), expected.view(torch.int32))
 
@@ -130,7 +130,7 @@ def test_out_of_range_ids_fail_their_chunk_and_the_engine_keeps_going():
         engine.submit(store_job(1, [0, 1, 2, 99, 6, 7, 8, 9, 4, 5], [0, 1, 7, -1, 2]))
         engine.submit(store_job(2, [0, 1], [9]))  # its only chunk is bad: the whole job fails
         engine.submit(load_job(3, [0, 2], [10, 11, 12, 13]))
-        engine.wait([1, 2, 3], timeout=5)
+        engine.wait([1, 2, 3], timeout=HANG_S)
         results = {r.job_id: r for r in engine.get_finished()}
     assert not results[1].success and results[1].failed_chunks == (1, 2, 3)
     assert "block id 99 out of range [0, 16)" in results[1].error
@@ -166,7 +166,7 @@ def test_writing_one_place_twice_fails_the_repeat_and_empty_jobs_succeed():
         engine.submit(store_job(1, [0, 1, 2], [3, 3, 1]))  # slot 3 written twice
         engine.submit(load_job(2, [0, 1], [5, 5]))  # block 5 written twice
         engine.submit(store_job(3, [], []))
-        engine.wait([1, 2, 3], timeout=5)
+        engine.wait([1, 2, 3], timeout=HANG_S)
         results = {r.job_id: r for r in engine.get_finished()}
     assert results[1].failed_chunks == (1,) and "written twice" in results[1].error
     assert results[2].failed_chunks == (1,)
@@ -180,7 +180,7 @@ def test_duplicate_job_id_in_flight_fails_the_new_job(gate):
         (refused,) = engine.get_finished()
         assert not refused.success and "already in flight" in refused.error
         gate.set()
-        assert engine.wait([1], timeout=5)
+        assert engine.wait([1], timeout=HANG_S)
         (done,) = engine.get_finished()
     assert done.success and done.job_id == 1
 
@@ -190,7 +190,7 @@ def test_wait_times_out_then_succeeds(gate):
         engine.submit(store_job(1, [0], [0]))
         assert engine.wait([1], timeout=0.05) is False
         gate.set()
-        assert engine.wait([1], timeout=5) is True
+        assert engine.wait([1], timeout=HANG_S) is True
         assert engine.wait([12345], timeout=0) is True  # unknown ids count as finished
 
 
@@ -207,9 +207,9 @@ def test_an_exception_in_a_copy_fails_the_job_not_the_thread(monkeypatch):
     monkeypatch.setattr(cpu_copy, "plan_copies", broken_once)
     with TransferEngine(random_kv("blocks_first", 1, 8, 2), 1, 4) as engine:
         engine.submit(store_job(1, [0, 1], [0, 1]))
-        engine.wait([1], timeout=5)
+        engine.wait([1], timeout=HANG_S)
         engine.submit(store_job(2, [2], [2]))
-        engine.wait([2], timeout=5)
+        engine.wait([2], timeout=HANG_S)
         results = {r.job_id: r for r in engine.get_finished()}
     assert not results[1].success and results[1].failed_chunks == (0, 1)
     assert "simulated shape mismatch" in results[1].error
@@ -231,7 +231,7 @@ def test_loads_see_the_store_they_depend_on_under_concurrency(held, gate):
             engine.submit(store_job(2 * i, [i], [i % 2]))
             engine.submit(load_job(2 * i + 1, [i % 2], [100 + i]))
         gate.set()
-        assert engine.wait(range(200), timeout=10)
+        assert engine.wait(range(200), timeout=HANG_S)
         assert all(r.success for r in engine.get_finished())
     got = block_bytes(kv, "blocks_first", list(range(100, 200)))
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
@@ -245,7 +245,7 @@ def test_a_load_into_a_block_waits_for_the_store_reading_it(gate):
         engine.submit(store_job(2, [5], [0]))  # ...this store reads block 5
         engine.submit(load_job(3, [1], [5]))  # loads are preferred, but this one overwrites block 5
         gate.set()
-        assert engine.wait([1, 2, 3], timeout=5)
+        assert engine.wait([1, 2, 3], timeout=HANG_S)
     assert torch.equal(engine.slab[0].view(torch.int32).view(-1), old_block_5.view(-1))
 
 
@@ -253,13 +253,13 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
     before = set(threading.enumerate())  # other tests' tier threads may still be winding down
     engine = TransferEngine(random_kv("blocks_first", 1, 64, 16), 1, num_slots=64)
     engine.submit(store_job(0, [0], [0]))
-    assert gate.reached.wait(5)  # job 0 is held mid-flight; the next 39 queue behind it
+    assert gate.reached.wait(HANG_S)  # job 0 is held mid-flight; the next 39 queue behind it
     for i in range(1, 40):
         engine.submit(store_job(i, [i], [i]))
     # let the held batch go only once shutdown has begun: the queued jobs are failed, not run.
     # (Opened on a 0.1 s timer before, the gate could open first on a loaded machine.)
     def open_once_stopping() -> None:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while not engine._backend._stopping and time.monotonic() < deadline:
             time.sleep(0.001)
         gate.set()
@@ -275,7 +275,7 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
     engine.submit(load_job(99, [0], [0]))
     (late,) = engine.get_finished()
     assert not late.success and "shut down" in late.error
-    assert engine.wait([99], timeout=1)
+    assert engine.wait([99], timeout=HANG_S)
     started = set(threading.enumerate()) - before
     assert not [t.name for t in started if t.name.startswith("kvtier-") and t.is_alive()]
 
@@ -296,7 +296,7 @@ def test_slab_is_allocated_once_and_jobs_allocate_no_pages(monkeypatch):
     try:
         for job in jobs:
             engine.submit(job)
-        assert engine.wait(range(40), timeout=10)
+        assert engine.wait(range(40), timeout=HANG_S)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -331,13 +331,13 @@ def test_a_load_can_skip_the_leading_blocks_of_its_first_chunk(layout):
     kv = random_kv(layout, num_layers=2, num_blocks=16, content=32)
     with TransferEngine(kv, blocks_per_chunk=4, num_slots=4) as engine:
         engine.submit(store_job(1, list(range(8)), [2, 3]))
-        assert engine.wait([1], timeout=10)
+        assert engine.wait([1], timeout=HANG_S)
         expected = block_bytes(kv, layout, list(range(8)))
         zero_all(kv)
         # two loads in one batch, each skipping a different number of blocks
         engine.submit(load_job(2, [2, 3], list(range(8)), skip_blocks=2))
         engine.submit(load_job(3, [2], [8, 9, 10, 11], skip_blocks=1))
-        assert engine.wait([2, 3], timeout=10)
+        assert engine.wait([2, 3], timeout=HANG_S)
         results = {r.job_id: r for r in engine.get_finished()}
         assert all(r.success for r in results.values())
         got = block_bytes(kv, layout, list(range(12)))
@@ -358,6 +358,6 @@ def test_skip_blocks_is_validated():
     kv = random_kv("blocks_first", num_layers=1, num_blocks=8, content=2)
     with TransferEngine(kv, blocks_per_chunk=2, num_slots=2) as engine:
         engine.submit(load_job(1, [0], [0, 1], skip_blocks=2))  # a whole chunk: not a partial one
-        engine.wait([1], timeout=10)
+        engine.wait([1], timeout=HANG_S)
         (result,) = engine.get_finished()
         assert not result.success and "skip_blocks=2" in result.error

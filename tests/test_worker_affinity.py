@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import HANG_S
 from kvtier.sim.kv_cache import KVCache
 from kvtier.worker.affinity import copy_threads_off_compute_cores, usable_cpus
 from kvtier.worker.side import WorkerSide
@@ -28,7 +29,7 @@ def _bound_to(cores: set[int], work):
 
     thread = threading.Thread(target=run)
     thread.start()
-    thread.join(30)
+    thread.join(HANG_S)
     return out
 
 
@@ -51,7 +52,7 @@ def test_threads_started_inside_run_on_the_other_cores_and_the_caller_keeps_its_
         with copy_threads_off_compute_cores() as cores:
             child = threading.Thread(target=lambda: seen.update(cores=os.sched_getaffinity(0)))
             child.start()
-            child.join(30)
+            child.join(HANG_S)
         return cores, seen["cores"]
 
     out = _bound_to(compute, work)

@@ -26,7 +26,7 @@ import torch
 
 import kvtier.worker.cpu_copy as cpu_copy
 import kvtier.worker.memmove as memmove
-from helpers import CopyEnded, load_job, mid_copy, store_job
+from helpers import HANG_S, CopyEnded, load_job, mid_copy, store_job
 from kvtier.jobs import Endpoint, StepPlan, TransferJob, TransferPart
 from kvtier.worker import TransferEngine, WorkerSide
 from kvtier.worker.memmove import MemmoveCopier
@@ -54,7 +54,7 @@ def ints(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def wait_until(condition, what: str, timeout: float = 10.0) -> None:
+def wait_until(condition, what: str, timeout: float = HANG_S) -> None:
     end = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < end, f"timed out waiting until {what}"
@@ -107,7 +107,7 @@ def test_after_cancel_returns_no_byte_of_the_slots_or_blocks_changes(direction):
             ended_at_return = engine.wait([1], timeout=0)
             last_pages = target[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]].clone()
             snapshot = target.clone()
-            assert engine.wait([1], timeout=10)
+            assert engine.wait([1], timeout=HANG_S)
             time.sleep(0.05)  # a copy that went on would have written more by now
             assert torch.equal(target[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]], last_pages), "a copy wrote after cancel()"
             assert torch.equal(target, snapshot), "a copy wrote after cancel() returned"
@@ -167,7 +167,7 @@ def test_a_flush_past_its_deadline_does_not_return_while_the_store_still_copies(
             last_pages = slab[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]].clone()
             snapshot = slab.clone()
             ints(kv["layer.0"]).fill_(NEW)  # the new owner's forward pass
-            assert worker.transfer.wait([1], timeout=10)
+            assert worker.transfer.wait([1], timeout=HANG_S)
             time.sleep(0.05)
             last_now = slab[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]]
             assert torch.equal(last_now, last_pages), "the store copied after the flush"
@@ -213,14 +213,14 @@ def test_tasks_batched_with_a_cancelled_copy_fail_and_are_counted(monkeypatch):
 
         def held(self, *args):  # the first batch waits, so that the next two jobs queue together
             reached.set()
-            gate.wait(10)
+            gate.wait(HANG_S)
             return original(self, *args)
 
         monkeypatch.setattr(MemmoveCopier, "start", held)
         kv = big_kv(OLD)
         with TransferEngine(kv, 1, num_slots=NUM_CHUNKS + 1) as engine:
             engine.submit(store_job(0, [0], [NUM_CHUNKS]))
-            assert reached.wait(10)
+            assert reached.wait(HANG_S)
             engine.submit(store_job(1, np.arange(half), np.arange(half)))
             engine.submit(store_job(2, np.arange(half, NUM_CHUNKS), np.arange(half, NUM_CHUNKS)))
             gate.set()
@@ -228,7 +228,7 @@ def test_tasks_batched_with_a_cancelled_copy_fail_and_are_counted(monkeypatch):
             wait_until(lambda: bool(ints(engine.slab)[half, :16].any()), "the batch copies")
             still_copying(engine, [1, 2])
             engine.cancel([2])
-            assert engine.wait([0, 1, 2], timeout=10)
+            assert engine.wait([0, 1, 2], timeout=HANG_S)
             if torch.equal(ints(engine.slab)[:half], ints(kv["layer.0"])[:half]):
                 raise CopyEnded  # job 1's share had ended: nothing of it was cut short
             results = {r.job_id: r for r in engine.get_finished()}
@@ -284,7 +284,7 @@ class Race:
                 # running has not reached them yet
                 for block in reversed(job.parts[0].block_ids.tolist()):
                     self.kv[block] = stamps["after"] + block
-        assert self.engine.wait([job.job_id for job in jobs], timeout=30)
+        assert self.engine.wait([job.job_id for job in jobs], timeout=HANG_S)
         self.collect()
         for i, job in enumerate(jobs):
             self._check(job, i in to_cancel, stamps)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import kvtier.worker.memmove as memmove
-from helpers import load_job, store_job
+from helpers import HANG_S, load_job, store_job
 from kvtier.jobs import Endpoint, StepPlan, TransferJob, TransferPart
 from kvtier.worker import TransferEngine, WorkerSide
 from kvtier.worker.layered import layer_slices, slice_task
@@ -58,7 +58,7 @@ def fill_slots(engine: TransferEngine, kv: KV, ids: list[int]) -> list[torch.Ten
     each layer's stored blocks."""
     randomize(kv, seed=1000)
     engine.submit(store_job(1000, ids, ids))
-    assert engine.wait([1000], timeout=10) and engine.get_finished()[0].success
+    assert engine.wait([1000], timeout=HANG_S) and engine.get_finished()[0].success
     stored = [t[ids].clone() for t in kv.values()]
     for t in kv.values():
         t.zero_()
@@ -84,7 +84,7 @@ class HeldCopies:
             if handle not in self.passed and self.budget > 0:
                 self.passed.add(handle)
                 self.budget -= 1
-        end = time.monotonic() + 10
+        end = time.monotonic() + HANG_S
         while handle not in self.passed and not (self.released.is_set() or handle.is_cancelled
                                                  or time.monotonic() > end):
             time.sleep(0.0005)
@@ -129,7 +129,7 @@ def test_a_sliced_load_writes_exactly_the_bytes_of_a_whole_load(layout, bpc, ski
         for job_id, slices in enumerate([None, layer_slices(names[::-1]), odd]):
             randomize(kv, seed=7)  # the same background each time: a stray write shows
             engine.submit(load_job(job_id, slot_ids, block_ids, skip_blocks=skip), slices)
-            assert engine.wait([job_id], timeout=10)
+            assert engine.wait([job_id], timeout=HANG_S)
             (result,) = engine.get_finished()
             outcomes.append((result, [t.clone() for t in kv.values()]))
     (whole, want), *sliced = outcomes
@@ -146,13 +146,13 @@ def test_wait_layer_returns_once_its_slice_is_copied_while_later_slices_are_held
         stored = fill_slots(engine, kv, [0, 1, 2, 3])
         held.hold_after(1)  # the first slice (layer.0) copies; the later ones are held
         engine.submit(load_job(1, [0, 1, 2, 3], [4, 5, 6, 7]), layer_slices(LAYERS))
-        assert engine.wait_layer([1], "layer.0", timeout=5), "layer.0 was copied, yet wait_layer waits"
+        assert engine.wait_layer([1], "layer.0", timeout=HANG_S), "layer.0 was copied, yet wait_layer waits"
         assert same(kv["layer.0"][4:], stored[0])
         assert not engine.wait_layer([1], "layer.1", timeout=0.05), "layer.1 is held, yet wait_layer returned"
         assert not engine.wait([1], timeout=0)
         assert not any(kv[layer][4:].any() for layer in LAYERS[1:]), "a later layer was copied with the first"
         held.release()
-        assert engine.wait([1], timeout=10) and engine.get_finished()[0].success
+        assert engine.wait([1], timeout=HANG_S) and engine.get_finished()[0].success
     assert all(same(t[4:], want) for t, want in zip(kv.values(), stored, strict=True))
 
 
@@ -233,7 +233,7 @@ def test_random_stores_and_sliced_loads_end_as_if_run_one_by_one_in_submission_o
                 if rng.random() < 0.15:  # past its deadline: a job of this step, maybe ended already
                     cancelled.add(victim := int(rng.choice([job.job_id for job in jobs])))
                     engine.cancel([victim])
-            assert engine.wait([job.job_id for job in jobs], timeout=10)
+            assert engine.wait([job.job_id for job in jobs], timeout=HANG_S)
             results = {r.job_id: r for r in engine.get_finished()}
             for job in jobs:  # all or nothing; failed only if cancelled, or cut short with one that was
                 result = results[job.job_id]
@@ -247,7 +247,7 @@ def test_random_stores_and_sliced_loads_end_as_if_run_one_by_one_in_submission_o
         spare = list(range(num_blocks, num_blocks + bpc))
         for slot, tags in enumerate(model.slot_tags):  # every slot, read back whole into the spare blocks
             engine.submit(load_job(job_id := job_id + 1, [slot], spare))
-            assert engine.wait([job_id], timeout=10) and engine.get_finished()[0].success
+            assert engine.wait([job_id], timeout=HANG_S) and engine.get_finished()[0].success
             assert all(tag == POISON or holds(block, tag) for block, tag in zip(spare, tags, strict=True)), slot
 
 
@@ -387,7 +387,7 @@ def test_a_load_cancelled_in_one_layers_wait_is_counted_once_while_another_still
     held.hold_after(1)  # job 3's first slice (layer.0) copies; every later batch waits
     worker.handle_preemptions(plan)
     worker.start_load_kv(plan)
-    assert worker.transfer.wait_layer([3], "layer.0", timeout=10)
+    assert worker.transfer.wait_layer([3], "layer.0", timeout=HANG_S)
     clock.now = 2.0  # job 2 is past its deadline, job 3 is not
     worker.wait_for_layer_load("layer.0")
     threading.Timer(0.2, held.release).start()  # job 3's later slices copy only after layer.1's wait began

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import load_job, store_job
+from helpers import HANG_S, load_job, store_job
 from kvtier.errors import ConfigError
 from kvtier.worker import TransferEngine, build_group_layouts, kv_planes
 from kvtier.worker.memmove import split_by_bytes
@@ -79,7 +79,7 @@ def test_a_block_loaded_elsewhere_equals_the_stored_block(name):
         # store block 2 into slot 1, load slot 1 into block 5: block 5 reads as block 2 did
         engine.submit(store_job(1, [2], [1]))
         engine.submit(load_job(2, [1], [5]))
-        assert engine.wait([1, 2], timeout=5)
+        assert engine.wait([1, 2], timeout=HANG_S)
         assert all(r.success for r in engine.get_finished())
     for k, t in kv.items():
         assert torch.equal(t[:, 5] if name == "kv_first" else t[5], blocks[k])

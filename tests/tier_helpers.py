@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from helpers import make_req_context
+from helpers import HANG_S, make_req_context
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.keys import OffloadKey
 from kvtier.tiers.cascade import TierRules
@@ -41,7 +41,7 @@ def disk_tiers(default_root: Path, default_namespace: Callable[[], Namespace]) -
         ns = ns or default_namespace()
         tier = DiskTier(root or default_root, ns, capacity_files * (4096 + ns.payload_bytes), **kwargs)
         tiers.append(tier)
-        assert tier.wait_scanned(10)
+        assert tier.wait_scanned(HANG_S)
         return tier
 
     try:
@@ -78,7 +78,7 @@ def make_tiered(tmp_path, num_slots: int = 4, disk_chunks: int = 16, world_size:
     "loads" only its reads."""
     disk = DiskTier(tmp_path / "disk", namespace(world_size), disk_chunks * (SLOT_BYTES * world_size + 4096))
     _made_disks.append(disk)
-    assert disk.wait_scanned(5.0)
+    assert disk.wait_scanned(HANG_S)
     tier: SecondaryTier = HeldTier(disk, hold_stores=held != "loads") if held else disk
     slabs = make_slabs(num_slots, world_size)
     manager = TieredManager(CPUTierManager(num_slots, policy=policy), slabs, [(tier, rules or TierRules())],
@@ -101,7 +101,7 @@ def put(manager: TieredManager, slabs: list[np.ndarray], keys: Sequence[OffloadK
     return out.keys_to_store
 
 
-def settle(manager: TieredManager, timeout: float = 5.0) -> None:
+def settle(manager: TieredManager, timeout: float = HANG_S) -> None:
     """Wait for every tier job, then let the manager apply the results."""
     for tier in manager.tiers:
         assert tier.drain(timeout)

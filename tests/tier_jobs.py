@@ -8,6 +8,7 @@ import mmap
 import numpy as np
 
 from disk_crash_writer import chunk_content
+from helpers import HANG_S
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult
 
@@ -37,7 +38,7 @@ class Slab:
 def run(tier: SecondaryTier, job: TierJob) -> TierResult:
     """Submit a job and wait for its result."""
     (tier.submit_store if job.is_store else tier.submit_load)(job)
-    assert tier.drain(10)
+    assert tier.drain(HANG_S)
     results = tier.get_finished()
     assert [r.job_id for r in results] == [job.job_id]
     return results[0]
