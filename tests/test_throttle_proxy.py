@@ -22,6 +22,7 @@ import pytest
 # last on the path, as tests/redis_servers.py puts it: a benchmark module never shadows an installed one
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+from helpers import HANG_S
 from servers.throttle import ThrottledProxy  # benchmarks/servers/, on sys.path above
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -66,7 +67,7 @@ class EchoServer:
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self.thread.join(5)
+        self.thread.join(HANG_S)
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def echo() -> Iterator[EchoServer]:
 
 
 def connect(proxy: ThrottledProxy) -> socket.socket:
-    return socket.create_connection((proxy.host, proxy.port), timeout=10)
+    return socket.create_connection((proxy.host, proxy.port), timeout=HANG_S)
 
 
 def read_exactly(sock: socket.socket, size: int) -> bytes:
@@ -95,7 +96,7 @@ def round_trip(sock: socket.socket, data: bytes) -> bytes:
     sender = threading.Thread(target=sock.sendall, args=(data,), daemon=True)
     sender.start()
     received = read_exactly(sock, len(data))
-    sender.join(10)
+    sender.join(HANG_S)
     return received
 
 
@@ -109,7 +110,7 @@ def exchange(proxy: ThrottledProxy, data: bytes) -> bytes:
         sender = threading.Thread(target=send, daemon=True)
         sender.start()
         received = read_exactly(sock, len(data) + 1)  # one more than sent: returns at EOF only
-        sender.join(10)
+        sender.join(HANG_S)
         return received
 
 
@@ -148,7 +149,7 @@ def test_parallel_connections_share_one_budget(echo):
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(20)
+            thread.join(HANG_S)
         elapsed = time.monotonic() - start
     # every connection got its own bytes back
     assert results == [payload(per_conn, seed=i) for i in range(conns)]
@@ -190,14 +191,15 @@ def test_close_while_a_connection_is_active(echo):
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while proxy.bytes_forwarded == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proxy.bytes_forwarded > 0
-    # closing the proxy mid-transfer returns in bounded time (never waits for the transfer)
-    start = time.monotonic()
+    # closing the proxy mid-transfer never waits for the transfer: the link forwarded less than the
+    # 4 MiB (the rate limits it to 16 s, however fast the machine; a slow one forwards less, not more).
+    # Not a bound on close()'s time: on a busy machine that is the scheduler's, not the proxy's.
     proxy.close()
-    assert time.monotonic() - start < 5
+    assert proxy.bytes_forwarded < 4 * MiB
     # a second close does nothing
     proxy.close()
     # the client sees its connection end: EOF after whatever was echoed, or a reset
@@ -205,12 +207,12 @@ def test_close_while_a_connection_is_active(echo):
         while sock.recv(256 * KiB):
             pass
     sock.close()
-    sender.join(5)
+    sender.join(HANG_S)
     assert not sender.is_alive()
     # none of the proxy's threads outlives it, and its port no longer accepts
     assert not [t for t in threading.enumerate() if t.name.startswith(f"throttle-{port}-")]
     with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        socket.create_connection(("127.0.0.1", port), timeout=HANG_S).close()
 
 
 def test_an_error_closes_only_its_connection(echo):
@@ -257,7 +259,7 @@ def test_redis_set_get_through_the_proxy(fresh_redis):
     value = payload(1 * MiB, seed=7)
     with ThrottledProxy(fresh_redis.port, 64 * MiB) as proxy:
         # a real redis-server behind the slow link: SET then GET of 1 MiB returns the same bytes
-        with redis.Redis(host=proxy.host, port=proxy.port, socket_timeout=10) as client:
+        with redis.Redis(host=proxy.host, port=proxy.port, socket_timeout=HANG_S) as client:
             assert client.set("throttle:value", value)
             assert client.get("throttle:value") == value
         # the value crossed the link twice (plus the commands and replies around it)
