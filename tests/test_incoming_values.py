@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from helpers import HANG_S
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote.redis_wire import read_replies
 from kvtier.tiers.remote.values import IncomingValue, ValueCodec
@@ -132,7 +133,7 @@ def test_read_replies_hashes_each_piece_it_receives(is_keyed):
     c = codec(is_keyed)
     value = packed(c)
     ours, theirs = socket.socketpair()
-    ours.settimeout(5)
+    ours.settimeout(HANG_S)
     try:
         reply = b"$%d\r\n%s\r\n" % (len(value), value)
         sender = threading.Thread(target=_serve, args=(theirs, reply, 777))
@@ -150,7 +151,7 @@ def test_read_replies_of_a_value_cut_short_raises_and_its_digest_is_partial():
     c = codec(False)
     value = packed(c)
     ours, theirs = socket.socketpair()
-    ours.settimeout(5)
+    ours.settimeout(HANG_S)
     try:
         reply = b"$%d\r\n%s\r\n" % (len(value), value)
         sender = threading.Thread(target=_serve, args=(theirs, reply, 1000, 6 + len(value) // 2))

@@ -12,17 +12,20 @@ import itertools
 import threading
 import time
 import tracemalloc
+from types import SimpleNamespace
 
 import pytest
 
+import kvtier.tiers.remote.io as remote_io
 from held_requests import CEILING_S, HeldCall, HeldRequests, first_of, logged
-from helpers import keys
+from helpers import HANG_MS, HANG_S, keys
 from kvtier.base import LookupResult
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote.breaker import CircuitBreaker
 from kvtier.tiers.remote.store import RemoteStore
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import HEADER_BYTES, ValueHeader, checksum
+from sched_helpers import FakeClock
 from tier_jobs import Slab, load, store
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
@@ -35,7 +38,7 @@ def namespace(world_size: int = 1, model: str | None = None) -> Namespace:
                      world_size, SLOT)
 
 
-def answer(tier: RemoteTier, key: bytes, timeout: float = 5.0) -> LookupResult:
+def answer(tier: RemoteTier, key: bytes, timeout: float = HANG_S) -> LookupResult:
     """The lookup's answer once its probe has run (RETRY until then)."""
     deadline = time.monotonic() + timeout
     while (result := tier.lookup(key)) is RETRY and time.monotonic() < deadline:
@@ -45,18 +48,22 @@ def answer(tier: RemoteTier, key: bytes, timeout: float = 5.0) -> LookupResult:
 
 @pytest.fixture(params=["redis", "redis_cluster", "s3"])
 def backend(request):
-    """(the server's fixture object, a function that builds a fresh RemoteStore on it)."""
+    """(the server's fixture object, a function that builds a fresh RemoteStore on it). No test here
+    is about a request timing out: unless a test sets its own, requests wait as long as only a hang
+    does (the stores' defaults, 2 s and 5 s, are ones a busy machine's server can take to answer)."""
     if request.param == "s3":
         from kvtier.tiers.remote.s3 import S3Store
 
         server = request.getfixturevalue("s3_server")  # shared: each test's names use a namespace of its own
         return server, lambda **kw: S3Store(server.endpoint, server.bucket, access_key_id=server.access_key_id,
-                                            secret_access_key=server.secret_access_key, **kw)
+                                            secret_access_key=server.secret_access_key,
+                                            **({"timeout_ms": HANG_MS} | kw))
     from kvtier.tiers.remote.redis import RedisStore
 
     fixture = {"redis": "redis_server"}.get(request.param, request.param)
     server = request.getfixturevalue(fixture).ready()  # running (after a fault test) and empty
-    return server, lambda **kw: RedisStore(server.url, cluster=request.param == "redis_cluster", **kw)
+    return server, lambda **kw: RedisStore(server.url, cluster=request.param == "redis_cluster",
+                                           **({"timeout_ms": HANG_MS} | kw))
 
 
 @pytest.fixture
@@ -72,7 +79,7 @@ def make_tier(backend):
     yield make
     for tier in tiers:
         tier.reset()  # leave nothing behind on the shared server
-        tier.drain(10)
+        tier.drain(HANG_S)
         tier.close()
 
 
@@ -116,7 +123,7 @@ def test_a_store_of_a_present_key_does_not_rewrite_it(make_tier):
     # the second engine stores other bytes under the same key: the value stays the first one's
     slab.rows[0] = 7
     assert second.submit_store(slab.job(True, k, [0])) is None
-    assert second.drain(10) and second.get_finished()[0].failed_keys == frozenset()
+    assert second.drain(HANG_S) and second.get_finished()[0].failed_keys == frozenset()
     assert second.stats().counters["store_existing"] == 1
     assert load(second, slab, k).failed_keys == frozenset() and slab.holds(0, k[0])
 
@@ -217,7 +224,7 @@ def test_reset_deletes_the_namespace_and_nothing_else(make_tier):
     store(other, other_slab, ks)
     tier.reset()
     assert tier.lookup(ks[0]) is MISS  # at once: nothing from before the reset is served
-    assert tier.drain(10)
+    assert tier.drain(HANG_S)
     assert list(tier.store.list_names(tier.codec.name_prefix)) == []
     assert len(list(other.store.list_names(other.codec.name_prefix))) == 2
     assert answer(tier, ks[0]) is MISS
@@ -230,20 +237,23 @@ def test_reset_deletes_the_namespace_and_nothing_else(make_tier):
 def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(make_tier, backend):
     server, make_store = backend
     ns = namespace()
-    # a stopped server refuses connections at once: the requests' timeout only has to be long
-    # enough for the restarted server's first answers on a loaded machine (500 ms was not)
-    tier = make_tier(ns, store=make_store(connect_timeout_ms=200, timeout_ms=5000),
+    # a stopped server refuses connections at once: the requests' timeout only has to be long enough
+    # for the restarted server's first answers on a loaded machine (500 ms was not), and short enough
+    # that the probes after the restart get several tries within HANG_S
+    timeout_s = HANG_S / 4
+    tier = make_tier(ns, store=make_store(connect_timeout_ms=int(1000 * timeout_s), timeout_ms=int(1000 * timeout_s)),
                      breaker=CircuitBreaker(failures=2, retry_s=0.1, max_retry_s=0.2))
     slab = Slab(4, ns)
     ks = keys(80, 81)
     store(tier, slab, ks[:1])
     server.stop()
     try:
-        # loads fail within the timeouts; two failures in a row open the breaker
+        # loads fail at once, not at a timeout: the two take less than one (a bound of 5 s was one a
+        # busy machine could reach); two failures in a row open the breaker
         started = time.monotonic()
         for _ in range(2):
             assert load(tier, slab, ks[:1]).failed_keys == frozenset(ks[:1])
-        assert time.monotonic() - started < 5.0
+        assert time.monotonic() - started < timeout_s
         assert tier.breaker.is_open
         # open: lookups answer MISS at once, jobs fail without I/O
         assert tier.lookup(ks[0]) is MISS
@@ -252,7 +262,7 @@ def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(make_tier
     finally:
         server.start()
     # the probe thread pings until the server answers, then the tier serves again
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + HANG_S
     while tier.breaker.is_open and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not tier.breaker.is_open
@@ -285,7 +295,7 @@ class Gate:
         if self._is_armed:
             self._is_armed = False
             self.reached.set()
-            assert self._open.wait(10), "the test never released the gate"
+            assert self._open.wait(HANG_S), "the test never released the gate"
 
     def release(self) -> None:
         self._open.set()
@@ -318,7 +328,7 @@ def held_redis_store():
     return HeldRedisStore
 
 
-def result_of(tier: RemoteTier, job, timeout: float = 10.0):
+def result_of(tier: RemoteTier, job, timeout: float = HANG_S):
     """Submit `job` and wait for its result (without `drain`: a held sweep would keep it waiting)."""
     (tier.submit_store if job.is_store else tier.submit_load)(job)
     deadline = time.monotonic() + timeout
@@ -348,13 +358,13 @@ def test_a_store_during_the_reset_sweep_leaves_no_phantom_hit(make_tier, backend
     # reset: the sweep is held just before it lists the namespace
     tier.store.listing.arm()
     tier.reset()
-    assert tier.store.listing.reached.wait(5)
+    assert tier.store.listing.reached.wait(HANG_S)
     # a store now would be listed and deleted by that sweep
     slab.fill(1, new)
     during = result_of(tier, slab.job(True, [new], [1]))
     # the sweep lists and deletes everything there is
     tier.store.listing.release()
-    assert tier.drain(10)
+    assert tier.drain(HANG_S)
     assert tier.store.exists([tier.codec.name(old), tier.codec.name(new)]) == [False, False]
     # whatever the tier says it holds, it can load: the store during the sweep was refused, counted
     assert_no_phantom(tier, slab, [old, new])
@@ -377,7 +387,7 @@ def test_a_store_in_flight_at_reset_leaves_no_phantom_hit(make_tier, backend):
     slab.fill(0, k)
     stale = slab.job(True, [k], [0])
     tier.submit_store(stale)
-    assert tier.store.put_done.reached.wait(5)
+    assert tier.store.put_done.reached.wait(HANG_S)
     tier.reset()
     # a sweep that does not wait for that job deletes k now (give it a second to)
     deadline = time.monotonic() + 1.0
@@ -388,7 +398,7 @@ def test_a_store_in_flight_at_reset_leaves_no_phantom_hit(make_tier, backend):
     again = result_of(tier, slab.job(True, [k], [1]))
     # the stale job ends (failed: a reset came); then the sweep deletes whatever it wrote
     tier.store.put_done.release()
-    assert tier.drain(10)
+    assert tier.drain(HANG_S)
     assert [r.job_id for r in tier.get_finished() if r.failed_keys == frozenset([k])] == [stale.job_id]
     assert_no_phantom(tier, slab, [k])
     assert tier.store.exists([name]) == [False]
@@ -411,12 +421,12 @@ def test_a_store_that_skipped_a_known_key_does_not_bring_it_back(make_tier, back
     slab.fill(1, other)
     job = slab.job(True, [k, other], [0, 1])
     tier.submit_store(job)
-    assert tier.store.put_done.reached.wait(5)
+    assert tier.store.put_done.reached.wait(HANG_S)
     # meanwhile a load finds k gone: the tier forgets it
     assert result_of(tier, slab.job(False, [k], [2])).failed_keys == frozenset([k])
     # the store ends: it must not make k known again
     tier.store.put_done.release()
-    assert tier.drain(10) and [r.job_id for r in tier.get_finished()] == [job.job_id]
+    assert tier.drain(HANG_S) and [r.job_id for r in tier.get_finished()] == [job.job_id]
     assert_no_phantom(tier, slab, [k, other])
     assert answer(tier, other) is HIT
 
@@ -477,13 +487,13 @@ def test_a_job_whose_deadline_passes_before_it_starts_never_starts(make_tier, ba
     tier.store.put_done.arm()
     slab.fill(0, first)
     tier.submit_store(slab.job(True, [first], [0]))
-    assert tier.store.put_done.reached.wait(5)
+    assert tier.store.put_done.reached.wait(HANG_S)
     slab.fill(1, late)
     tier.submit_store(dataclasses.replace(slab.job(True, [late], [1]), deadline=time.monotonic() + 0.1))
     time.sleep(0.2)
     # its deadline passed while it waited: it fails without writing, counted
     tier.store.put_done.release()
-    assert tier.drain(10)
+    assert tier.drain(HANG_S)
     results = {r.job_id: r.failed_keys for r in tier.get_finished()}
     assert sorted(results.values(), key=len) == [frozenset(), frozenset([late])]
     assert tier.store.exists([tier.codec.name(late)]) == [False]
@@ -497,23 +507,26 @@ def test_a_job_whose_deadline_passes_before_it_starts_never_starts(make_tier, ba
 
 
 @pytest.mark.parametrize("backend", ["redis"], indirect=True)
-def test_a_load_that_ends_after_its_deadline_reports_its_keys_failed(make_tier, backend):
+def test_a_load_that_ends_after_its_deadline_reports_its_keys_failed(make_tier, backend, monkeypatch):
     server, _ = backend
     ns = namespace()
     tier = make_tier(ns, store=held_redis_store()(server.url))
     slab = Slab(4, ns)
     (k,) = keys(96)
     store(tier, slab, [k])
+    # the tier's I/O reads the time off a fake clock: the load starts before its deadline however long
+    # a busy machine takes to start it (a real 1 s, then 3 s, deadline could pass first)
+    clock = FakeClock(now=0.0)
+    monkeypatch.setattr(remote_io, "time", SimpleNamespace(monotonic=clock, perf_counter=time.perf_counter))
     # the load's bytes arrive, then it is held past its deadline
     tier.store.got.arm()
-    deadline = time.monotonic() + 3.0  # time enough to start on a busy machine (1 s may not be)
-    job = dataclasses.replace(slab.job(False, [k], [1]), deadline=deadline)
+    job = dataclasses.replace(slab.job(False, [k], [1]), deadline=10.0)
     tier.submit_load(job)
-    assert tier.store.got.reached.wait(5)
-    time.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
+    assert tier.store.got.reached.wait(HANG_S)
+    clock.now = 11.0
     tier.store.got.release()
     # the manager has given up on it: the late result says failed (it only frees the slot)
-    assert tier.drain(10)
+    assert tier.drain(HANG_S)
     (result,) = tier.get_finished()
     assert result.failed_keys == frozenset([k]) and "deadline" in result.error
     assert tier.stats().counters["late"] == 1

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import kvtier.tiers.remote.store as store_contract
+from helpers import HANG_MS, HANG_S
 from kvtier.errors import ConfigError
 from kvtier.tiers.remote.s3 import S3Store, S3StoreError
 
@@ -35,7 +36,7 @@ def make_store(s3_server):
 
     def make(endpoint: str | None = None, bucket: str | None = None, **kwargs) -> S3Store:
         args = dict(access_key_id=s3_server.access_key_id, secret_access_key=s3_server.secret_access_key,
-                    timeout_ms=5000)
+                    timeout_ms=HANG_MS)
         store = S3Store(endpoint or s3_server.endpoint, bucket or s3_server.bucket, **(args | kwargs))
         stores.append(store)
         return store
@@ -131,16 +132,18 @@ def test_list_names_pages_through_more_names_than_one_page(store, prefix):
 
 
 def test_a_hung_server_times_out_within_the_timeout(make_store, s3_server, prefix):
-    store = make_store(timeout_ms=300)
+    timeout_s = 1.0
+    store = make_store(timeout_ms=int(timeout_s * 1000))
     store.put([(prefix + "a", [b"a"])])
     s3_server.pause()
     try:
-        # a batch of 8 → its requests wait side by side: one timeout (0.3 s), not eight (2.4 s),
-        # nor more retries than one; the bound leaves a loaded machine 1.2 s of slack
+        # a batch of 8 → its requests wait side by side: one timeout (1 s), not eight (8 s), nor
+        # more retries than one. The bound is half of eight: 3 s of slack for a busy machine's late
+        # timers (the old 0.3 s timeout under a 1.5 s bound left 1.2 s, which a CPU hog could take)
         started = time.perf_counter()
         with pytest.raises(S3StoreError) as caught:
             store.get([prefix + str(i) for i in range(8)])
-        assert time.perf_counter() - started < 1.5
+        assert time.perf_counter() - started < 4 * timeout_s
         assert store.is_timeout(caught.value) and "timed out" in str(caught.value)
         # ping and put time out the same way
         for call in (store.ping, lambda: store.put([(prefix + "b", [b"b"])])):
@@ -157,11 +160,14 @@ def test_a_refused_connection_raises_at_once_and_is_no_timeout(s3_server):
     with socket.socket() as sock:  # a port with nothing listening on it
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    store = S3Store(f"http://127.0.0.1:{port}", "kvtier", access_key_id="k", secret_access_key="s")
+    # timeouts only a hang reaches: a refusal that waited for them (or retried until them) would take
+    # HANG_S; one raised at once takes a small part of it, however busy the machine
+    store = S3Store(f"http://127.0.0.1:{port}", "kvtier", access_key_id="k", secret_access_key="s",
+                    connect_timeout_ms=HANG_MS, timeout_ms=HANG_MS)
     started = time.perf_counter()
     with pytest.raises(S3StoreError) as caught:
         store.exists(["x"])
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < HANG_S / 2
     assert not store.is_timeout(caught.value)
     store.close()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import key, keys
+from helpers import HANG_MS, HANG_S, key, keys
 from kvtier.base import LookupResult
 from kvtier.build import secondary_tiers
 from kvtier.cli.output import EngineLogs
@@ -109,7 +109,7 @@ def test_disk_file_mode_0640_lets_the_group_read_and_narrows_an_older_directory(
     with umask(0o077):  # a mode left to the umask would lose the group's bits here
         ((tier, _),) = secondary_tiers(cfg, ns)
         try:
-            assert tier.wait_scanned(10)
+            assert tier.wait_scanned(HANG_S)
             store(tier, Slab(1, ns), keys(1))
         finally:
             tier.close()
@@ -238,7 +238,7 @@ def test_a_symlinked_hh_directory_is_never_followed(make_disk, outside):
     assert load(tier, slab, keys(1)).failed_keys == frozenset(keys(1))
     assert tier.lookup(k) is MISS and tier.stats().counters["unsafe_paths"] >= 1
     assert store(tier, slab, keys(1)).failed_keys == frozenset(keys(1))
-    assert tier.drain(10) and tree(outside) == before
+    assert tier.drain(HANG_S) and tree(outside) == before
 
 
 def test_a_symlinked_chunk_file_is_never_read_and_a_restart_drops_it(make_disk, outside):
@@ -250,7 +250,7 @@ def test_a_symlinked_chunk_file_is_never_read_and_a_restart_drops_it(make_disk, 
     path.symlink_to(outside / "chunk")
     before = tree(outside)
     assert load(tier, slab, keys(1)).failed_keys == frozenset(keys(1))
-    assert tier.drain(10) and not path.is_symlink() and tree(outside) == before
+    assert tier.drain(HANG_S) and not path.is_symlink() and tree(outside) == before
     # planted again, the start-up scan of a restarted tier drops the link without following it
     path.symlink_to(outside / "chunk")
     tier.close()
@@ -266,7 +266,7 @@ def test_a_symlinked_spare_is_never_written_through(make_disk, outside):
     first.close()
     # restarted with room for one file: the older one, 1, becomes spare/<name>
     tier = make_disk(capacity_files=1)
-    assert tier.drain(10) and tier.lookup(key(2)) is HIT
+    assert tier.drain(HANG_S) and tier.lookup(key(2)) is HIT
     (spare,) = (Path(tier.directory) / "spare").iterdir()
     # the spare is swapped for a symlink to a file outside; the next store would reuse the spare
     spare.unlink()
@@ -328,8 +328,9 @@ def test_a_redis_password_is_never_printed_wrong_or_unreachable(redis_server_acl
                                                                  tmp_path):
     server = redis_server_acl.ready()  # its only user is ACL_USER with a password that is not ours
     caplog.set_level(logging.DEBUG)
-    base = {"redis_url": server.url, "redis_username": ACL_USER, "redis_timeout_ms": 1000,
-            "redis_connect_timeout_ms": 500}
+    # timeouts only a hang reaches: the server's AuthenticationError, not a busy machine's timeout
+    base = {"redis_url": server.url, "redis_username": ACL_USER, "redis_timeout_ms": HANG_MS,
+            "redis_connect_timeout_ms": HANG_MS}
     errors: list[str] = []
     # a wrong password from the environment: the tier starts disabled, with a warning saying why
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", REDIS_SECRET)
@@ -356,8 +357,9 @@ def test_an_s3_secret_is_never_printed_wrong_or_unreachable(s3_server, monkeypat
     caplog.set_level(logging.DEBUG)
     creds = secret_file(tmp_path / "s3.json", json.dumps({"access_key_id": s3_server.access_key_id,
                                                           "secret_access_key": S3_SECRET}))
+    # a timeout only a hang reaches: the server's SignatureDoesNotMatch, not a busy machine's timeout
     base = {"s3_endpoint": s3_server.endpoint, "s3_bucket": s3_server.bucket, "s3_credentials_file": creds,
-            "s3_timeout_ms": 3000}
+            "s3_timeout_ms": HANG_MS}
     # the server refuses the signature: disabled with a warning, or refused at start when required
     described, (tier,) = start_tiers(base)
     assert tier.breaker.is_open and "SignatureDoesNotMatch" in caplog.text
@@ -523,14 +525,14 @@ def settle(engine: FakeEngine) -> None:
     manager = engine.scheduler.manager
     manager.stats()  # cascades what became ready
     for tier in manager.tiers:
-        assert tier.drain(10)
+        assert tier.drain(HANG_S)
     manager.stats()
 
 
 def disk_at(path: Path) -> TierMaker:
     def make(ns: Namespace) -> DiskTier:
         tier = DiskTier(path, ns, 64 * (ns.payload_bytes + 4096))
-        assert tier.wait_scanned(10)
+        assert tier.wait_scanned(HANG_S)
         return tier
     return make
 
@@ -582,7 +584,7 @@ def test_a_shared_tier_keeps_tenants_apart_between_two_engines(engines, request,
     assert serve(second, "a2", salt="tenant-a") == 16
     assert second.scheduler.manager.tier_stats()[0].counters["promotions"] == 4
     second.scheduler.manager.tiers[0].reset()  # leave nothing in the shared bucket
-    assert second.scheduler.manager.tiers[0].drain(10)
+    assert second.scheduler.manager.tiers[0].drain(HANG_S)
 
 
 @pytest.mark.parametrize("backend", ["redis", "s3"])
@@ -606,4 +608,4 @@ def test_keyed_deployments_share_nothing_and_names_reveal_no_key(engines, reques
     assert len(names) == 2 * len(block_keys)  # each deployment wrote its own copy
     assert not any(k.hex() in name or k in value for k in block_keys for name in names for value in values)
     tier.reset()
-    assert tier.drain(10)
+    assert tier.drain(HANG_S)
