@@ -8,17 +8,21 @@ place shows as a byte mismatch.
 
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import kvtier.tiers.disk.tier as disk_tier
+import kvtier.tiers.tiered as tiered
+import kvtier.tiers.writedown as writedown
 from helpers import key, keys, make_req_context, nums
 from kvtier.base import LookupResult
 from kvtier.errors import ConfigError
 from kvtier.tiers.cascade import SecondarySlot, TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.tiered import TieredManager
+from sched_helpers import FakeClock
 from tier_helpers import CTX, content, counters, make_slabs, make_tiered, put, read_back, settle
 
 HIT, MISS, PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING, LookupResult.RETRY
@@ -245,18 +249,22 @@ def test_a_requests_promotions_never_evict_the_hits_its_own_scan_just_found(tmp_
     manager.check()
 
 
-def test_a_promotion_past_its_deadline_is_given_up_but_its_slot_waits_for_the_late_read(tmp_path):
+def test_a_promotion_past_its_deadline_is_given_up_but_its_slot_waits_for_the_late_read(tmp_path, monkeypatch):
     """Issue 20, S3: a read stuck in the kernel held its RAM slot and the promotion budget forever,
     and its request waited for it (HIT_PENDING) until its own budget ran out. Past the job's
     deadline the manager gives up on it: the chunk reads as a miss, the budget is free again —
     but the slot is handed to no other chunk until the tier reports the read, however late."""
-    # every tier job gets this deadline: the write-through stores and the second promotion below
-    # must start within it (50 ms, before, was not always enough on a loaded machine)
+    # the manager and the disk tier read deadlines off a fake clock that moves only when told: the
+    # write-through stores and the second promotion below start within their deadline however slow
+    # the machine (a real 50 ms, then 2 s, deadline was not always enough on a loaded machine)
+    clock = FakeClock(now=0.0)
+    for module in (tiered, writedown, disk_tier):
+        monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=clock))
     timeout_s = 2.0
     manager, slabs = make_tiered(tmp_path, held="loads", job_timeout_s=timeout_s)
     evict_1_to_4_to_disk(manager, slabs)
     assert manager.lookup(key(1), CTX) is PENDING  # its read is stuck (held)
-    time.sleep(timeout_s + 0.1)
+    clock.now += timeout_s + 0.1
     assert manager.lookup(key(1), CTX) is MISS  # given up: a miss, not a wait
     stats = manager.stats()
     assert stats.extra["promoting_bytes"] == 0 and counters(manager)["expired_jobs"] == 1
