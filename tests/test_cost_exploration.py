@@ -9,7 +9,8 @@ disk would (real time: the timeouts and delays are the faults, not guesses). Tim
 explorations are spaced on it); the engine's prefill speed is injected (`PrefillRate`'s prior, which
 a fake engine's steps never replace: its clock stands still within a request), so a chunk's 4 tokens
 are worth 0.4 s of prefill: a read that takes 1 s or more per chunk is written off, one that takes
-microseconds or milliseconds (the real tiers here) is not, whatever the machine's speed.
+microseconds or milliseconds (the real tiers here) is not. The read seconds the model sees are the
+test's figures (`SlowReads`), whatever the machine's speed.
 
 Block size 4 tokens, chunks of 1 block, prefixes of 3 chunks.
 """
@@ -22,6 +23,7 @@ from itertools import pairwise
 
 import pytest
 
+from helpers import HANG_S
 from kvtier.costmodel import PrefillRate
 from kvtier.jobs import JobResult
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
@@ -44,12 +46,15 @@ PREFILL_TOKENS_PER_S = 10.0  # a chunk's 4 tokens: 0.4 s to recompute
 TIER_JOB_TIMEOUT_S = 1.0
 REQUEST_GAP_S = 0.25  # fake seconds between two requests
 MAX_REQUESTS = 40  # 10 fake seconds of requests: a tier that recovered is loaded from again within them
+HEALTHY_READ_S = 0.001  # what a read of a disk that is not slow reports (`SlowReads`)
 
 
 class SlowReads(HeldTier):
     """A real tier whose reads can be held (`hold_loads`, as `HeldTier`) or answered `read_delay_s`
     late (a slow link): a read's result is reported once that long has passed since it was
-    submitted, with the seconds that really passed."""
+    submitted. The seconds it reports are the fault's, not the machine's: `read_delay_s` when slow,
+    `HEALTHY_READ_S` when not (the real seconds included a busy machine's scheduling delays, which
+    could make a healthy read cost more than recomputing, or a slow one space explorations wider)."""
 
     def __init__(self, inner: SecondaryTier):
         super().__init__(inner, hold_stores=False)
@@ -68,10 +73,10 @@ class SlowReads(HeldTier):
         due = []
         for result in results:
             submitted = self._submitted.get(result.job_id)
-            if submitted is None or self.read_delay_s == 0:
+            if submitted is None:
                 due.append(result)
             elif now - submitted >= self.read_delay_s:
-                due.append(dataclasses.replace(result, seconds=now - submitted))
+                due.append(dataclasses.replace(result, seconds=self.read_delay_s or HEALTHY_READ_S))
             else:
                 self._early.append(result)
         for result in due:
@@ -104,7 +109,7 @@ def disk_engine(tmp_path, clock: FakeClock, num_prefixes: int, tier_timeout_s: f
     namespace = Namespace("sim", "float32", "sim", BLOCK_SIZE, 1, "sha256", 1, slab.rows.shape[1])
     # room for every chunk many times over: the disk evicts nothing here
     disk = DiskTier(tmp_path, namespace, 16 * (num_prefixes + 4) * (slab.rows.shape[1] + 4096))
-    assert disk.wait_scanned(5.0)
+    assert disk.wait_scanned(HANG_S)
     tier = SlowReads(disk)
     manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(tier, TierRules())],
                             job_timeout_s=tier_timeout_s)
@@ -218,7 +223,7 @@ def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_
     read_s = 1.0
     num_requests = int(20 / REQUEST_GAP_S)
     # a deadline the slow reads never reach: they end, slowly
-    engine, disk, prefixes = disk_engine(tmp_path, clock, 20, tier_timeout_s=30.0)
+    engine, disk, prefixes = disk_engine(tmp_path, clock, 20, tier_timeout_s=HANG_S)
     chunk_bytes = engine.scheduler.config.chunk_bytes
     disk.read_delay_s = read_s
     engine.reset_prefix_cache()
@@ -249,7 +254,7 @@ def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_
 
 def written_off_disk(tmp_path, clock: FakeClock, num_prefixes: int):
     """A disk tier whose reads answer 1 s late, written off by a first load at its prior."""
-    engine, disk, prefixes = disk_engine(tmp_path, clock, num_prefixes, tier_timeout_s=30.0)
+    engine, disk, prefixes = disk_engine(tmp_path, clock, num_prefixes, tier_timeout_s=HANG_S)
     disk.read_delay_s = 1.0
     engine.reset_prefix_cache()
     serve(engine, "first-read", prefixes[0] + [7])

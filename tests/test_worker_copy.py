@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvtier.worker.memmove as memmove
-from helpers import CopyEnded, mid_copy
+from helpers import HANG_S, CopyEnded, mid_copy
 from kvtier.worker.memmove import MemmoveCopier
 
 copyruns = pytest.importorskip("kvtier.worker._copyruns", reason="C helper not built (python setup.py build_ext)")
@@ -168,7 +168,8 @@ def one_long_run() -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray
 
 
 def wait_for_first_byte(dst: np.ndarray) -> None:
-    for _ in range(100_000):
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
         if dst[0]:
             return
         time.sleep(0.0001)
