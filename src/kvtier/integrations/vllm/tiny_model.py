@@ -12,6 +12,7 @@ directory of the caller's choice. Config and safetensors only: engines run them 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -59,9 +60,24 @@ def ensure_tiny_gemma3(cache_dir: str | os.PathLike) -> Path:
     return _ensure(Path(cache_dir) / tag, build, TINY_GEMMA3)
 
 
+def _is_complete(path: Path) -> bool:
+    return (path / "model.safetensors").exists() and (path / "config.json").exists()
+
+
 def _ensure(path: Path, build, settings: dict) -> Path:
-    if (path / "model.safetensors").exists() and (path / "config.json").exists():
+    if _is_complete(path):
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Processes that start at once (test workers, replicas of the demo) build it one at a time:
+    # the second finds it whole instead of removing it under the first one's readers.
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_complete(path):
+            _build(path, build, settings)
+    return path
+
+
+def _build(path: Path, build, settings: dict) -> None:
     import torch
 
     torch.manual_seed(_SEED)
@@ -70,6 +86,7 @@ def _ensure(path: Path, build, settings: dict) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / "kvtier.json").write_text(json.dumps({"seed": _SEED, **settings}))
     if path.exists():
-        shutil.rmtree(path)  # an incomplete earlier attempt
-    tmp.replace(path)  # the model appears whole or not at all
-    return path
+        # an incomplete earlier attempt
+        shutil.rmtree(path)
+    # the model appears whole or not at all
+    tmp.replace(path)
