@@ -53,8 +53,9 @@ def test_a_slice_of_the_stack_fuzzer_finds_nothing():
 I20_MUTATIONS = [
     # lazy stores, 2 blocks a chunk, a sliding window: a chunk stored with its block's new owner's KV
     ("defect1", 556575535, "mismatch", "holds the KV of block hash"),
-    # a disk store whose rename and cleanup fail keeps its key claimed: still claimed at the quiet end
-    ("defect2", 297489912, "violation", "disk tier: a key is still being written, read or renamed"),
+    # a disk store whose rename and cleanup fail keeps its key claimed: still claimed at the quiet end.
+    # A disk tier alone, one rank: 297489912 (with S3, Redis and two ranks) drifted in a CI run (found=none)
+    ("defect2", 267352360, "violation", "disk tier: a key is still being written, read or renamed"),
     # a primary hit not joined to its request's chain: its own promotions evict it
     ("defect3", 400559544, "violation", "a hit found by a scan was gone when its load was prepared"),
 ]
