@@ -35,7 +35,7 @@ from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult
 from kvtier.tiers.tiered import TieredManager
-from sched_helpers import FakeClock, close_after_test, prompt, run_until_done
+from sched_helpers import UNBOUNDED_DEFERRALS, FakeClock, close_after_test, prompt, run_until_done
 from test_tiered_scheduler import _ClosesTiers, serve, settle
 from tier_helpers import HeldTier
 
@@ -95,7 +95,7 @@ class SlowReads(HeldTier):
 def measuring_scheduler(manager, chunk_bytes: int, clock: FakeClock) -> OffloadScheduler:
     """A scheduler whose cost model measures (prefill injected); job deadlines far beyond the test."""
     config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),), max_defer_s=60.0,
-                                    max_deferrals=1_000_000, job_timeout_s=1e6, chunk_bytes=chunk_bytes)
+                                    max_deferrals=UNBOUNDED_DEFERRALS, job_timeout_s=1e6, chunk_bytes=chunk_bytes)
     scheduler = OffloadScheduler(config, manager, clock=clock)
     scheduler.costs.prefill = PrefillRate(prior_tokens_per_s=PREFILL_TOKENS_PER_S)
     return scheduler

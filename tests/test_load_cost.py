@@ -20,7 +20,7 @@ from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.tiered import TieredManager
-from sched_helpers import FakeClock, close_after_test, prompt, run_until_done
+from sched_helpers import UNBOUNDED_DEFERRALS, FakeClock, close_after_test, prompt, run_until_done
 from test_tiered_scheduler import _ClosesTiers, serve, settle
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 32, 4, 4
@@ -37,7 +37,8 @@ def engine_with(tmp_path, costs: CostSnapshot, policy: str = "cost") -> FakeEngi
     manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules())])
     clock = FakeClock()
     config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),), max_defer_s=60.0,
-                                    max_deferrals=1_000_000, load_policy=policy, chunk_bytes=slab.rows.shape[1])
+                                    max_deferrals=UNBOUNDED_DEFERRALS, load_policy=policy,
+                                    chunk_bytes=slab.rows.shape[1])
     engine = FakeEngine(OffloadScheduler(config, manager, clock=clock, costs=costs), num_blocks=NUM_BLOCKS,
                         block_size=BLOCK_SIZE, clock=clock, slab=slab)
     return close_after_test(_ClosesTiers(engine, manager))

@@ -26,7 +26,7 @@ from kvtier.tiers.cascade import TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.tiered import TieredManager
-from sched_helpers import FakeClock, close_after_test, prompt, run_until_done
+from sched_helpers import UNBOUNDED_DEFERRALS, FakeClock, close_after_test, prompt, run_until_done
 
 BLOCK = 4
 NUM_BLOCKS = 8  # the engine's own cache: two prompts' worth
@@ -41,7 +41,7 @@ def make_engine(manager, mode: str, *, slab=None, max_tokens_per_step: int = 64,
     mode stores a request's chunks in the step after it ended."""
     clock = clock or FakeClock()
     config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK),), store_mode=mode,
-                                    max_defer_s=60.0, max_deferrals=1_000_000)
+                                    max_defer_s=60.0, max_deferrals=UNBOUNDED_DEFERRALS)
     engine = FakeEngine(OffloadScheduler(config, manager, clock=clock), num_blocks=NUM_BLOCKS, block_size=BLOCK,
                         max_tokens_per_step=max_tokens_per_step, clock=clock, slab=slab,
                         evict_lookahead=evict_lookahead)

@@ -42,7 +42,7 @@ from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import SecondaryTier
 from kvtier.tiers.tiered import TieredManager
 from redis_servers import ACL_USER
-from sched_helpers import FakeClock, prompt
+from sched_helpers import UNBOUNDED_DEFERRALS, FakeClock, prompt, run_until_done
 from tier_helpers import disk_tiers
 from tier_jobs import Slab, load, store
 
@@ -494,7 +494,7 @@ def engines():
         manager = TieredManager(cpu, [slab.rows], [(m(ns), TierRules()) for m in tier_makers]) if tier_makers else cpu
         clock = FakeClock()  # never advances: a request waits for its probes and promotions, however slow
         config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK),), max_defer_s=60.0,
-                                        max_deferrals=10**9)
+                                        max_deferrals=UNBOUNDED_DEFERRALS)
         engine = FakeEngine(OffloadScheduler(config, manager, clock=clock), num_blocks=NUM_BLOCKS, block_size=BLOCK,
                             clock=clock, slab=slab)
         made.append((engine, manager))
@@ -515,7 +515,9 @@ def stop(engine: FakeEngine, manager=None) -> None:
 def serve(engine: FakeEngine, req_id: str, salt: str | None) -> int:
     """Serve PROMPT + one token under `salt`; returns the tokens kvtier supplied."""
     req = engine.add_request(req_id, PROMPT + [1], 1, cache_salt=salt)
-    engine.run(max_steps=10**6)
+    # steps until it ends, for up to HANG_S: its probes and promotions take real time, which 10**6
+    # steps (~17 s on 2 busy cores, less on a faster machine) bounded before
+    run_until_done(engine)
     assert req.is_finished
     return req.num_external_tokens
 

@@ -17,7 +17,7 @@ from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.tiered import TieredManager
-from sched_helpers import FakeClock, close_after_test, prompt, run_until_done
+from sched_helpers import UNBOUNDED_DEFERRALS, FakeClock, close_after_test, prompt, run_until_done
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 32, 4, 4
 
@@ -32,7 +32,7 @@ def tiered_engine(tmp_path, clock: FakeClock | None = None, max_defer_s: float =
     # the fake engine's steps take microseconds, the disk's reads milliseconds: the fake clock's
     # seconds bound the wait, not a count of steps
     config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),), max_defer_s=max_defer_s,
-                                    max_deferrals=1_000_000)
+                                    max_deferrals=UNBOUNDED_DEFERRALS)
     engine = FakeEngine(OffloadScheduler(config, manager, clock=clock), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                         clock=clock, slab=slab)
     return close_after_test(_ClosesTiers(engine, manager))
