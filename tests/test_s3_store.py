@@ -132,18 +132,19 @@ def test_list_names_pages_through_more_names_than_one_page(store, prefix):
 
 
 def test_a_hung_server_times_out_within_the_timeout(make_store, s3_server, prefix):
-    timeout_s = 1.0
-    store = make_store(timeout_ms=int(timeout_s * 1000))
+    timeout_s, batch = 1.0, 32
+    store = make_store(timeout_ms=int(timeout_s * 1000), max_connections=batch)
     store.put([(prefix + "a", [b"a"])])
     s3_server.pause()
     try:
-        # a batch of 8 → its requests wait side by side: one timeout (1 s), not eight (8 s), nor
-        # more retries than one. The bound is half of eight: 3 s of slack for a busy machine's late
-        # timers (the old 0.3 s timeout under a 1.5 s bound left 1.2 s, which a CPU hog could take)
+        # a batch of 32 → its requests wait side by side: one timeout (1 s), not 32 (32 s), nor more
+        # retries than one. The bound is half of 32: 15 s of slack for a busy machine's late timers
+        # (a batch of 8 under a 4 s bound left 3 s; a 0.3 s timeout under 1.5 s left 1.2 s, which a
+        # CPU hog could take). A passing batch still takes one timeout.
         started = time.perf_counter()
         with pytest.raises(S3StoreError) as caught:
-            store.get([prefix + str(i) for i in range(8)])
-        assert time.perf_counter() - started < 4 * timeout_s
+            store.get([prefix + str(i) for i in range(batch)])
+        assert time.perf_counter() - started < batch / 2 * timeout_s
         assert store.is_timeout(caught.value) and "timed out" in str(caught.value)
         # ping and put time out the same way
         for call in (store.ping, lambda: store.put([(prefix + "b", [b"b"])])):
