@@ -42,7 +42,8 @@ from tier_helpers import HeldTier
 NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 32, 4, 4
 PREFIX_TOKENS = 12
 PREFILL_TOKENS_PER_S = 10.0  # a chunk's 4 tokens: 0.4 s to recompute
-# a read given up on counts as 1 s: three given up on together read as 1 s a chunk, 2.5x recomputing it
+# a read given up on counts as 1 s: three given up on together read as 1 s a chunk, 2.5x recomputing it.
+# The stall test's fault (a real deadline); every other engine's tier jobs have HANG_S
 TIER_JOB_TIMEOUT_S = 1.0
 REQUEST_GAP_S = 0.25  # fake seconds between two requests
 MAX_REQUESTS = 40  # 10 fake seconds of requests: a tier that recovered is loaded from again within them
@@ -101,7 +102,7 @@ def measuring_scheduler(manager, chunk_bytes: int, clock: FakeClock) -> OffloadS
     return scheduler
 
 
-def disk_engine(tmp_path, clock: FakeClock, num_prefixes: int, tier_timeout_s: float = TIER_JOB_TIMEOUT_S
+def disk_engine(tmp_path, clock: FakeClock, num_prefixes: int, tier_timeout_s: float = HANG_S
                 ) -> tuple[FakeEngine, SlowReads, list[list[int]]]:
     """An engine over RAM + disk, with `num_prefixes` prefixes on disk only (computed once, written
     through, then pushed out of RAM by two fillers)."""
@@ -186,7 +187,7 @@ def test_a_tier_written_off_by_a_stall_is_loaded_from_again_once_it_answers(tmp_
     Before exploration, its estimate (three reads of a whole timeout each) wrote it off for good:
     no promotion started again, so nothing measured it again."""
     clock = FakeClock()
-    engine, disk, prefixes = disk_engine(tmp_path, clock, 1 + MAX_REQUESTS)
+    engine, disk, prefixes = disk_engine(tmp_path, clock, 1 + MAX_REQUESTS, tier_timeout_s=TIER_JOB_TIMEOUT_S)
     engine.reset_prefix_cache()
     # the disk stalls: the first prefix's 3 promotions are held until their deadline passes (real
     # time: TIER_JOB_TIMEOUT_S), the request recomputes; each counts as a read of a whole timeout
@@ -223,7 +224,7 @@ def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_
     read_s = 1.0
     num_requests = int(20 / REQUEST_GAP_S)
     # a deadline the slow reads never reach: they end, slowly
-    engine, disk, prefixes = disk_engine(tmp_path, clock, 20, tier_timeout_s=HANG_S)
+    engine, disk, prefixes = disk_engine(tmp_path, clock, 20)
     chunk_bytes = engine.scheduler.config.chunk_bytes
     disk.read_delay_s = read_s
     engine.reset_prefix_cache()
@@ -254,7 +255,7 @@ def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_
 
 def written_off_disk(tmp_path, clock: FakeClock, num_prefixes: int):
     """A disk tier whose reads answer 1 s late, written off by a first load at its prior."""
-    engine, disk, prefixes = disk_engine(tmp_path, clock, num_prefixes, tier_timeout_s=HANG_S)
+    engine, disk, prefixes = disk_engine(tmp_path, clock, num_prefixes)
     disk.read_delay_s = 1.0
     engine.reset_prefix_cache()
     serve(engine, "first-read", prefixes[0] + [7])

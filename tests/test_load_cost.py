@@ -34,7 +34,7 @@ def engine_with(tmp_path, costs: CostSnapshot, policy: str = "cost") -> FakeEngi
     namespace = Namespace("sim", "float32", "sim", BLOCK_SIZE, 1, "sha256", 1, slab.rows.shape[1])
     disk = DiskTier(tmp_path, namespace, 64 * (slab.rows.shape[1] + 4096))
     assert disk.wait_scanned(HANG_S)
-    manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules())])
+    manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules())], job_timeout_s=HANG_S)
     clock = FakeClock()
     config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),), max_defer_s=60.0,
                                     max_deferrals=UNBOUNDED_DEFERRALS, load_policy=policy,

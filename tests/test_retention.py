@@ -341,7 +341,7 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_never_anothers(tmp_pa
     disk = DiskTier(tmp_path / "disk", namespace(), 8 * file_bytes, tenant_quotas={"flood": 3 * file_bytes})
     assert disk.wait_scanned(HANG_S)
     slabs = make_slabs(4)
-    manager = TieredManager(CPU(4, policy="lru"), slabs, [(disk, TierRules())])
+    manager = TieredManager(CPU(4, policy="lru"), slabs, [(disk, TierRules())], job_timeout_s=HANG_S)
     # tenant a writes 4 chunks through to disk; the flooding tenant then writes 12
     put(manager, slabs, keys(1, 2, 3, 4), tenant("a"))
     settle(manager)

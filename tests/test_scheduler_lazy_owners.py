@@ -122,7 +122,7 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_in_either_store_mode(
     namespace = Namespace("sim-disk-quotas", "float32", "sim", BLOCK, 1, "sha256", 1, slab.rows.shape[1])
     disk = DiskTier(tmp_path, namespace, 8 * file_bytes, tenant_quotas={"*": 4 * file_bytes})
     assert disk.wait_scanned(HANG_S)
-    manager = TieredManager(CPUTierManager(8, policy="lru"), [slab.rows], [(disk, TierRules())])
+    manager = TieredManager(CPUTierManager(8, policy="lru"), [slab.rows], [(disk, TierRules())], job_timeout_s=HANG_S)
     close_after_test(manager)  # closed after the engine (last given, first closed): its tier threads stop
     engine = make_engine(manager, mode, slab=slab)
     # tenant B's 4 chunks are written through to disk
@@ -203,7 +203,8 @@ def test_a_lazily_stored_chunk_lives_in_redis_as_long_as_its_request_asked(fresh
     slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK), 1, 8)
     namespace = Namespace("sim-redis-ttl", "float32", "sim", BLOCK, 1, "sha256", 1, slab.rows.shape[1])
     redis_tier = RemoteTier(RedisStore(fresh_redis.url, ttl_s=30), namespace)
-    manager = TieredManager(CPUTierManager(8, policy="lru"), [slab.rows], [(redis_tier, TierRules())])
+    manager = TieredManager(CPUTierManager(8, policy="lru"), [slab.rows], [(redis_tier, TierRules())],
+                            job_timeout_s=HANG_S)
     close_after_test(manager)
     engine = make_engine(manager, "lazy", slab=slab)
     serve(engine, "h", seed=1, params={"kvtier": {"retain_s": 600}})

@@ -491,7 +491,8 @@ def engines():
         slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK), 1, NUM_SLOTS)
         ns = Namespace(model, "float32", "sim", BLOCK, 1, "sha256", 1, slab.rows.shape[1])
         cpu = CPUTierManager(NUM_SLOTS)
-        manager = TieredManager(cpu, [slab.rows], [(m(ns), TierRules()) for m in tier_makers]) if tier_makers else cpu
+        tiers = [(m(ns), TierRules()) for m in tier_makers]
+        manager = TieredManager(cpu, [slab.rows], tiers, job_timeout_s=HANG_S) if tier_makers else cpu
         clock = FakeClock()  # never advances: a request waits for its probes and promotions, however slow
         config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK),), max_defer_s=60.0,
                                         max_deferrals=UNBOUNDED_DEFERRALS)

@@ -27,7 +27,7 @@ def tiered_engine(tmp_path, clock: FakeClock | None = None, max_defer_s: float =
     namespace = Namespace("sim", "float32", "sim", BLOCK_SIZE, 1, "sha256", 1, slab.rows.shape[1])
     disk = DiskTier(tmp_path, namespace, 64 * (slab.rows.shape[1] + 4096))
     assert disk.wait_scanned(HANG_S)
-    manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules(**rules))])
+    manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules(**rules))], job_timeout_s=HANG_S)
     clock = clock or FakeClock()
     # the fake engine's steps take microseconds, the disk's reads milliseconds: the fake clock's
     # seconds bound the wait, not a count of steps

@@ -81,6 +81,8 @@ def make_tiered(tmp_path, num_slots: int = 4, disk_chunks: int = 16, world_size:
     assert disk.wait_scanned(HANG_S)
     tier: SecondaryTier = HeldTier(disk, hold_stores=held != "loads") if held else disk
     slabs = make_slabs(num_slots, world_size)
+    # the manager gives a tier job up at its deadline: one only a hang reaches, unless a test sets its own
+    kwargs.setdefault("job_timeout_s", HANG_S)
     manager = TieredManager(CPUTierManager(num_slots, policy=policy), slabs, [(tier, rules or TierRules())],
                             **kwargs)
     return manager, slabs
