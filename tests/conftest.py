@@ -8,6 +8,34 @@ sys.path.insert(0, str(Path(__file__).parent))
 # fixtures that start real servers for the remote tiers (never a server assumed to be running)
 pytest_plugins = ["redis_servers", "s3_server"]
 
+# Tests that serve the tiny models (a vLLM engine, `kvtier serve`, the demo) use one of these.
+ENGINE_FIXTURES = frozenset({"model", "gemma", "plain_llama"})
+ENGINE_GROUP = "engines"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test's group from these marks
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n 2 --dist loadgroup` (`make test`), every test that serves a model runs in
+    one worker, in file order, and first: engines are pinned to the same cores and computed one at a
+    time, the session's stock engine (`plain_llama`) is started once, and the other worker takes the
+    rest file by file meanwhile (each file's module fixtures are set up once). Without xdist the
+    marks do nothing and the order is pytest's."""
+    for item in items:
+        group = ENGINE_GROUP if ENGINE_FIXTURES & set(item.fixturenames) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    # an xdist worker: the controller hands out groups in this order (`--no-loadscope-reorder`)
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: not (ENGINE_FIXTURES & set(item.fixturenames)))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """xdist's loadgroup marks a test's group in its node id; where it does not (pytest-xdist#1386, on
+    pytest 9), two workers would serve models at once: say so instead of running that way."""
+    if getattr(session.config.option, "loadgroup", False) and any("@" not in item.nodeid for item in session.items):
+        raise pytest.UsageError("pytest-xdist's --dist loadgroup does not group tests on this pytest "
+                                "(pytest-dev/pytest-xdist#1386): install the test extra's pytest (< 9)")
+
 
 @pytest.fixture(scope="session")
 def model() -> Path:

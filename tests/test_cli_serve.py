@@ -48,7 +48,6 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("w")
-        self.slabs_before = set(Path(SHM_DIR).glob(f"{SLAB_PREFIX}*"))
         self.process = subprocess.Popen(
             [KVTIER, "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name",
              "tiny", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
@@ -158,8 +157,24 @@ def test_serve_passes_kv_transfer_params_from_the_request_body_to_kvtier(server)
     assert "kvtier hint 'priority' must be an integer" in server.log_path.read_text(errors="replace")
 
 
+def mapped_slabs(root_pid: int) -> set[Path]:
+    """kvtier's /dev/shm segments that process `root_pid` or any process under it maps: the server's
+    own, not those of tests running beside it (another pytest worker's engines and slabs)."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    mapped = set()
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            lines = Path(f"/proc/{proc.pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        mapped |= {Path(line.split()[-1]) for line in lines if f" {SHM_DIR}/{SLAB_PREFIX}" in line}
+    return mapped
+
+
 def test_serve_stops_cleanly_on_ctrl_c(server):
-    slabs = set(Path(SHM_DIR).glob(f"{SLAB_PREFIX}*")) - server.slabs_before
+    slabs = mapped_slabs(server.process.pid)
     assert slabs, "the running server's host slab is in /dev/shm"
     logged_before = len(server.log_path.read_text(errors="replace"))
     status = server.stop()

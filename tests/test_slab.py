@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/s
 @pytest.fixture
 def prefix():
     """A name prefix no other test or engine uses; whatever is left under it is removed afterwards."""
-    prefix = f"kvtier-test-{uuid.uuid4().hex[:8]}-"
+    prefix = f"kvtest-{uuid.uuid4().hex[:8]}-"  # not "kvtier-": an engine beside us sweeps that
     yield prefix
     for leftover in [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]:
         os.unlink(os.path.join(SHM_DIR, leftover))

@@ -65,7 +65,7 @@ def remove_crash_leftovers(existing_before: set[str], killed_at: float) -> None:
     was listed and before the kill, and mapped by no live process (another engine's are)."""
     mapped = set().union(*(mapped_shm(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()))
     for path in SHM.iterdir():
-        if path.name in existing_before | mapped or path.name.startswith("kvtier-"):
+        if path.name in existing_before | mapped or path.name.startswith(("kvtier-", "kvtest-")):  # kvtest-: test_slab
             continue
         with contextlib.suppress(FileNotFoundError):
             if path.stat().st_ctime <= killed_at:
