@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import HANG_S
 from kvtier.shm import SHM_DIR, SLAB_PREFIX
 from vllm_helpers import tokens
 
@@ -150,7 +151,7 @@ def test_serve_passes_kv_transfer_params_from_the_request_body_to_kvtier(server)
             "model": "tiny", "prompt": tokens(300, seed=8), "max_tokens": 2, "temperature": 0.0,
             "ignore_eos": True, "kv_transfer_params": {"kvtier": hints}})
         assert status == 200, body
-    deadline = time.monotonic() + 10  # the stat logger ships counters with the engine's next steps
+    deadline = time.monotonic() + HANG_S  # the stat logger ships counters with the engine's next steps
     while hinted_requests() < before + 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert hinted_requests() == before + 2

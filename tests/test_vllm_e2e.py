@@ -42,7 +42,8 @@ TAILS = [base + tokens(500, seed=200 + i) for i, base in enumerate(BASES)]  # 16
 FINALS = [tail + tokens(50, seed=300 + i) for i, tail in enumerate(TAILS)]
 CHUNK_TOKENS = 4 * 128
 TIGHT_ENGINE = {"num_gpu_blocks_override": 20, "max_model_len": 2048}
-TIGHT_KVTIER = {"cpu_bytes": "128MiB", "blocks_per_chunk": 4}  # 2 MiB blocks: 16 chunks
+# "always": the tight engine is about evictions and resets, not about the cost model (the default engine is)
+TIGHT_KVTIER = {"cpu_bytes": "128MiB", "blocks_per_chunk": 4, "load_policy": "always"}  # 2 MiB blocks: 16 chunks
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +219,7 @@ def test_a_failed_load_is_recomputed_with_identical_output(model, baseline, tmp_
     flag = tmp_path / "fail-loads"
     monkeypatch.setenv("KVTIER_TEST_FAIL_LOADS", str(flag))
     llm = make_llm(model, "FaultyKVTierConnector", module="kvtier_fault_connector",
-                   extra={"cpu_bytes": "1GiB", "load_mode": load_mode})
+                   extra={"cpu_bytes": "1GiB", "load_mode": load_mode, "load_policy": "always"})
     try:
         first = SYSTEM + USERS[0][0]
         generate(llm, [first])

@@ -49,7 +49,7 @@ def slow_engine(model, tmp_path_factory):
     flag = tmp_path_factory.mktemp("slow") / "slow-loads"
     os.environ["KVTIER_TEST_SLOW_LOADS"] = str(flag)  # inherited by the worker process
     llm = make_llm(model, "SlowLoadKVTierConnector", module="kvtier_fault_connector", disable_log_stats=False,
-                   extra={"cpu_bytes": "1GiB", "load_mode": "async",
+                   extra={"cpu_bytes": "1GiB", "load_mode": "async", "load_policy": "always",
                           # an async load's deadline is its request's waiting budget: past it, the
                           # request would be recomputed instead. Longer than any test holds a load.
                           "max_defer_s": 60})

