@@ -125,12 +125,22 @@ class RedisServer:
         self.proc = _launch(_DIE_WITH_PARENT + cmd, name=f"redis-server-{self.port}")
         self.is_paused = False
         deadline = time.monotonic() + self.start_timeout_s
-        while not self.answers():
+        # its own answer: a server another process started on the port meanwhile (picked as free
+        # while ours was down) would answer PING too, while ours exits unable to bind it
+        while not (self.answers() and self._logged_ready()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
                 self.stop()
                 raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
             time.sleep(0.02)
+
+    def _logged_ready(self) -> bool:
+        """Whether this process (its pid starts each of its log lines) logged that it listens."""
+        prefix = f"{self.proc.pid}:"
+        with contextlib.suppress(OSError):
+            text = (self.dir / "redis.log").read_text(errors="replace")
+            return any(line.startswith(prefix) and "Ready to accept connections" in line for line in text.splitlines())
+        return False
 
     def answers(self) -> bool:
         with contextlib.suppress(Exception), self.client(socket_timeout=0.5, socket_connect_timeout=0.5) as client:
