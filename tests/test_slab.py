@@ -132,7 +132,11 @@ def test_an_existing_segment_of_another_size_is_a_config_error(prefix):
 
 def test_a_segment_too_big_for_dev_shm_is_a_config_error_naming_cpu_bytes(prefix):
     slot_bytes = 1 << 20
-    num_slots = shm_free_bytes() // slot_bytes + 16  # checked before anything is allocated
+    # more than /dev/shm holds in all (checked before anything is allocated): never fits, whatever
+    # another process frees meanwhile (free bytes + 16 MiB would, if an engine beside us exited)
+    fs = os.statvfs(SHM_DIR)
+    num_slots = fs.f_blocks * fs.f_frsize // slot_bytes + 16
+    assert num_slots * slot_bytes > shm_free_bytes()
     with pytest.raises(ConfigError, match="free; lower cpu_bytes"):
         HostSlab(prefix + "r0", num_slots, slot_bytes, owner=True)
     assert segments(prefix) == []
