@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 PROMPTS = [tokens(900, seed=700 + i) for i in range(8)]  # 7 whole blocks each: 56 chunks for 12 + ~19
 # "always": promotions from disk are announced whatever a busy machine's cost figures say
-TIERS = {"cpu_bytes": "24MiB", "disk_bytes": "40MiB", "load_policy": "always"}
+TIERS = {"cpu_bytes": "24MiB", "disk_bytes": "40MiB", "load_policy": "always",
+         "max_defer_s": HANG_S, "max_deferrals": 10**6, "job_timeout_s": HANG_S}  # waits only a hang reaches
 KVTIER_MEDIA = {("CPU", "LOCAL", "kvtier:cpu"), ("STORAGE", "LOCAL", "kvtier:disk")}
 SESSION = {"kvtier": {"session": "chat-7"}}
 

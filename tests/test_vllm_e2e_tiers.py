@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import HANG_S
 from vllm_helpers import (
     assert_same_outputs,
     conversations,
@@ -36,7 +37,10 @@ RESTART_QUERIES = [p + tokens(40, seed=50 + i) for i, p in enumerate(RESTART_PRO
 # 2 MiB per block of the tiny Llama: a CPU tier of 12 chunks, for turns of ~50 chunks each. (While
 # a chunk is written to disk its CPU slot stays pinned: a CPU tier smaller than one batch's stores
 # would refuse some of them.)
-TIERED = {"cpu_bytes": "24MiB", "disk_bytes": "512MiB"}
+# The waits are ones only a hang reaches: a promotion waited for past max_defer_s is recomputed, a
+# write past job_timeout_s dropped, and the assertions count what was loaded from disk.
+TIERED = {"cpu_bytes": "24MiB", "disk_bytes": "512MiB",
+          "max_defer_s": HANG_S, "max_deferrals": 10**6, "job_timeout_s": HANG_S}
 METRICS = ("kvtier:hit_tokens_total", "kvtier:tier_promotions_total", "kvtier:tier_chunks_total",
            "kvtier:tier_failures_total", "kvtier:tier_corrupt_total")
 
