@@ -13,6 +13,10 @@ ENGINE_FIXTURES = frozenset({"model", "gemma", "plain_llama"})
 ENGINE_GROUP = "engines"
 
 
+def serves_a_model(item: pytest.Item) -> bool:
+    return bool(ENGINE_FIXTURES & set(item.fixturenames))
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test's group from these marks
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n 2 --dist loadgroup` (`make test`), every test that serves a model runs in
@@ -21,11 +25,11 @@ def pytest_collection_modifyitems(config, items):
     rest file by file meanwhile (each file's module fixtures are set up once). Without xdist the
     marks do nothing and the order is pytest's."""
     for item in items:
-        group = ENGINE_GROUP if ENGINE_FIXTURES & set(item.fixturenames) else item.nodeid.split("::")[0]
+        group = ENGINE_GROUP if serves_a_model(item) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
     # an xdist worker: the controller hands out groups in this order (`--no-loadscope-reorder`)
     if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: not (ENGINE_FIXTURES & set(item.fixturenames)))
+        items.sort(key=lambda item: not serves_a_model(item))
 
 
 @pytest.hookimpl(trylast=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,6 +18,14 @@ from kvtier.keys import make_offload_key
 HANG_S = 60.0
 # the same, for a store's request timeout: a busy machine's requests never reach it
 HANG_MS = int(HANG_S * 1000)
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float = HANG_S, interval_s: float = 0.01) -> None:
+    """Poll `condition` every `interval_s` until it holds; fail naming `what` after `timeout`."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"timed out waiting until {what}"
+        time.sleep(interval_s)
 
 
 def make_req_context(req_id: str = "", kv_transfer_params: dict[str, Any] | None = None) -> ReqContext:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import HANG_S
-from kvtier.shm import SHM_DIR, SLAB_PREFIX
-from vllm_helpers import tokens
+from helpers import wait_until
+from kvtier.shm import SLAB_PREFIX
+from vllm_helpers import SHM, mapped_shm, tokens
 
 KVTIER = shutil.which("kvtier", path=str(Path(sys.executable).parent))
 START_TIMEOUT_S = 300  # an engine start is 20-40 s on 2 idle cores; far more when they are busy
@@ -151,9 +151,8 @@ def test_serve_passes_kv_transfer_params_from_the_request_body_to_kvtier(server)
             "model": "tiny", "prompt": tokens(300, seed=8), "max_tokens": 2, "temperature": 0.0,
             "ignore_eos": True, "kv_transfer_params": {"kvtier": hints}})
         assert status == 200, body
-    deadline = time.monotonic() + HANG_S  # the stat logger ships counters with the engine's next steps
-    while hinted_requests() < before + 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # the stat logger ships counters with the engine's next steps
+    wait_until(lambda: hinted_requests() >= before + 2, "both hinted requests are counted", interval_s=0.2)
     assert hinted_requests() == before + 2
     assert "kvtier hint 'priority' must be an integer" in server.log_path.read_text(errors="replace")
 
@@ -164,14 +163,7 @@ def mapped_slabs(root_pid: int) -> set[Path]:
     import psutil
 
     root = psutil.Process(root_pid)
-    mapped = set()
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            lines = Path(f"/proc/{proc.pid}/maps").read_text().splitlines()
-        except OSError:
-            continue
-        mapped |= {Path(line.split()[-1]) for line in lines if f" {SHM_DIR}/{SLAB_PREFIX}" in line}
-    return mapped
+    return {SHM / name for proc in [root, *root.children(recursive=True)] for name in mapped_shm(proc.pid, SLAB_PREFIX)}
 
 
 def test_serve_stops_cleanly_on_ctrl_c(server):

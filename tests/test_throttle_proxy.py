@@ -22,7 +22,7 @@ import pytest
 # last on the path, as tests/redis_servers.py puts it: a benchmark module never shadows an installed one
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from helpers import HANG_S
+from helpers import HANG_S, wait_until
 from servers.throttle import ThrottledProxy  # benchmarks/servers/, on sys.path above
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -264,7 +264,4 @@ def test_redis_set_get_through_the_proxy(fresh_redis):
             assert client.get("throttle:value") == value
         # the value crossed the link twice (plus the commands and replies around it). The proxy
         # counts a piece once it was sent: the client may have read the reply's last piece first
-        deadline = time.monotonic() + HANG_S
-        while proxy.bytes_forwarded <= 2 * len(value) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert proxy.bytes_forwarded > 2 * len(value)
+        wait_until(lambda: proxy.bytes_forwarded > 2 * len(value), "the proxy counted both crossings")

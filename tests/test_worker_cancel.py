@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+import helpers
 import kvtier.worker.cpu_copy as cpu_copy
 import kvtier.worker.memmove as memmove
 from helpers import HANG_S, CopyEnded, load_job, mid_copy, store_job
@@ -54,11 +55,8 @@ def ints(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def wait_until(condition, what: str, timeout: float = HANG_S) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, f"timed out waiting until {what}"
-        time.sleep(0.0002)
+def wait_until(condition, what: str) -> None:
+    helpers.wait_until(condition, what, interval_s=0.0002)  # a copy's first bytes: polled closely
 
 
 def still_copying(engine: TransferEngine, job_ids: list[int]) -> None:

@@ -16,6 +16,16 @@ TESTS_DIR = Path(__file__).resolve().parent
 # far below any token-changing difference is asserted; within one engine, bit equality.
 LOGPROB_TOL = 1e-5  # ~20 ulp at the logprob magnitudes here (-7 .. -9)
 SHUTDOWN_S = 60  # how long an engine's processes get to exit on their own (idle here: ~4 s)
+SHM = Path("/dev/shm")
+
+
+def mapped_shm(pid: int, prefix: str = "") -> set[str]:
+    """Names of the /dev/shm files under `prefix` that process `pid` maps (from /proc/<pid>/maps)."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:  # gone, or not ours to read
+        return set()
+    return {Path(line.split()[-1]).name for line in lines if f" {SHM}/{prefix}" in line}
 
 
 def engine_env() -> None:
