@@ -52,6 +52,7 @@ servers:
 # takes the rest file by file (tests/conftest.py groups them); the 40 slowest tests are listed.
 PYTEST_WORKERS := -n 2 --dist loadgroup --no-loadscope-reorder --durations=40
 test: $(VENV)/.stamp-vllm servers
+	$(PY) -m ruff format --check src tests benchmarks
 	$(PY) -m ruff check src tests benchmarks
 	$(ENGINE_ENV) $(PY) -m pytest $(PYTEST_WORKERS)
 	$(MAKE) --no-print-directory test-vllm-gpu
@@ -68,7 +69,9 @@ test-vllm-gpu: $(VENV)/.stamp-vllm $(VLLM_GPU_DIR)/.stamp
 demo: $(VENV)/.stamp-vllm
 	$(ENGINE_ENV) $(VENV)/bin/kvtier demo
 
+# `ruff format src tests benchmarks` rewrites what the first line rejects
 lint: $(VENV)/.stamp-core
+	$(PY) -m ruff format --check src tests benchmarks
 	$(PY) -m ruff check src tests benchmarks
 
 bench: $(VENV)/.stamp-core servers

@@ -57,10 +57,19 @@ SUFFIX_TOKENS = 32
 # The tiny Llama recomputes ~1,000-1,300 tokens/s here: 16-21 MB/s of KV. At 4 MB/s a prefix
 # loads 4-5x slower than it is recomputed (tests/test_vllm_e2e_remote.py's slow link too).
 LINK_BYTES_PER_S = 4e6
-SLOW_ENGINE = {"cpu_bytes": "1GiB", "redis_timeout_ms": 60_000, "job_timeout_s": 60.0, "max_defer_s": 30.0,
-               "max_deferrals": 100_000}  # a load through the link (~4 s) must not be given up on
+SLOW_ENGINE = {
+    "cpu_bytes": "1GiB",
+    "redis_timeout_ms": 60_000,
+    "job_timeout_s": 60.0,
+    "max_defer_s": 30.0,
+    "max_deferrals": 100_000,
+}  # a load through the link (~4 s) must not be given up on
 DISK_RAM_CHUNKS = 24  # the disk engine's RAM tier: 3 prefixes
-DISK_ENGINE = {"cpu_bytes": f"{2 * DISK_RAM_CHUNKS}MiB", "eviction_policy": "lru", "disk_bytes": "4GiB"}
+DISK_ENGINE = {
+    "cpu_bytes": f"{2 * DISK_RAM_CHUNKS}MiB",
+    "eviction_policy": "lru",
+    "disk_bytes": "4GiB",
+}
 WARMUPS = 3  # 640-token prompts of each engine's own
 
 
@@ -75,8 +84,16 @@ def make_engine(model: Path, extra: dict | None):
     from kvtier.integrations.vllm import kv_transfer_config
 
     transfer = None if extra is None else kv_transfer_config(**extra)
-    return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
-               max_model_len=4096, kv_transfer_config=transfer, disable_log_stats=extra is None)
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        max_model_len=4096,
+        kv_transfer_config=transfer,
+        disable_log_stats=extra is None,
+    )
 
 
 def shutdown(llm) -> None:
@@ -91,8 +108,12 @@ def ttft(llm, prompt: list[int], salt: str | None = None, max_tokens: int = 1) -
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-    request = TokensPrompt(prompt_token_ids=prompt, **({} if salt is None else {"cache_salt": salt}))
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+    )
+    request = TokensPrompt(
+        prompt_token_ids=prompt, **({} if salt is None else {"cache_salt": salt})
+    )
     started = time.perf_counter()
     llm.generate([request], params, use_tqdm=False)
     return time.perf_counter() - started
@@ -106,21 +127,38 @@ class Metrics:
     def __init__(self) -> None:
         from prometheus_client import REGISTRY
 
-        self.collectors = [c for c in list(REGISTRY._collector_to_names)
-                           if getattr(c, "_name", "").startswith("kvtier:")]
+        self.collectors = [
+            c
+            for c in list(REGISTRY._collector_to_names)
+            if getattr(c, "_name", "").startswith("kvtier:")
+        ]
 
     def __call__(self, name: str, **labels: str) -> float:
-        return sum(s.value for c in self.collectors for family in c.collect() for s in family.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for c in self.collectors
+            for family in c.collect()
+            for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     def decisions(self) -> dict[str, int]:
-        return {f"{s.labels['decision']}/{s.labels['tier']}": int(s.value) for c in self.collectors
-                for family in c.collect() for s in family.samples if s.name == "kvtier:load_decisions_total"}
+        return {
+            f"{s.labels['decision']}/{s.labels['tier']}": int(s.value)
+            for c in self.collectors
+            for family in c.collect()
+            for s in family.samples
+            if s.name == "kvtier:load_decisions_total"
+        }
 
     def estimates(self) -> str:
-        reads = {t: self("kvtier:tier_read_bytes_per_second", tier=t) for t in ("cpu", "disk", "redis")}
-        return (f"prefill {self('kvtier:prefill_tokens_per_second'):,.0f} tokens/s, reads "
-                + ", ".join(f"{t} {v / 1e6:,.1f} MB/s" for t, v in reads.items() if v))
+        reads = {
+            t: self("kvtier:tier_read_bytes_per_second", tier=t) for t in ("cpu", "disk", "redis")
+        }
+        return (
+            f"prefill {self('kvtier:prefill_tokens_per_second'):,.0f} tokens/s, reads "
+            + ", ".join(f"{t} {v / 1e6:,.1f} MB/s" for t, v in reads.items() if v)
+        )
 
 
 def warm_up(llm, salt: str) -> None:
@@ -144,7 +182,9 @@ def drain(proxies: list[ThrottledProxy], quiet_s: float = 1.5, timeout_s: float 
         time.sleep(0.25)
 
 
-def start_disk_engine(model: Path, url: str, disk_path: str, disk: list[list[int]], slow: list[list[int]]):
+def start_disk_engine(
+    model: Path, url: str, disk_path: str, disk: list[list[int]], slow: list[list[int]]
+):
     llm = make_engine(model, {**DISK_ENGINE, "redis_url": url, "disk_path": disk_path})
     metrics = Metrics()
     warm_up(llm, "disk")
@@ -160,12 +200,14 @@ def link_rounds(engines: dict, metrics: dict, slow: list[list[int]], ram: list[l
     times = {name: {"slow": [], "ram": [], "new": [], "deferrals": []} for name in names}
     for r, (slow_prefix, ram_prefix) in enumerate(zip(slow, ram, strict=True)):
         suffix = tokens(SUFFIX_TOKENS, seed=9000 + r)
-        for name in names[r % 3:] + names[: r % 3]:
+        for name in names[r % 3 :] + names[: r % 3]:
             llm, m = engines[name], metrics.get(name)
             llm.reset_prefix_cache(reset_connector=False)
             deferrals = m("kvtier:deferrals_total") if m else 0.0
             times[name]["slow"].append(ttft(llm, slow_prefix + suffix))
-            times[name]["deferrals"].append(int(m("kvtier:deferrals_total") - deferrals) if m else 0)
+            times[name]["deferrals"].append(
+                int(m("kvtier:deferrals_total") - deferrals) if m else 0
+            )
             llm.reset_prefix_cache(reset_connector=False)
             times[name]["ram"].append(ttft(llm, ram_prefix + suffix, salt=name))
     return times
@@ -176,21 +218,33 @@ def new_prefix_rounds(engines: dict, times: dict, prefixes: list[list[int]]) -> 
     links afterwards, so this pass comes after the slow-prefix rounds)."""
     names = list(engines)
     for r, prefix in enumerate(prefixes):
-        for name in names[r % 3:] + names[: r % 3]:
+        for name in names[r % 3 :] + names[: r % 3]:
             engines[name].reset_prefix_cache(reset_connector=False)
             times[name]["new"].append(ttft(engines[name], prefix, salt=name))
 
 
-def start_link_engines(stack: ExitStack, model: Path, server: RedisServer, ram: list[list[int]]) -> tuple:
+def start_link_engines(
+    stack: ExitStack, model: Path, server: RedisServer, ram: list[list[int]]
+) -> tuple:
     """always, cost (each behind a link of its own) and none, warmed up, RAM prefixes computed,
     links drained; their metrics (the kvtier ones)."""
-    links = {name: stack.enter_context(ThrottledProxy(server.port, LINK_BYTES_PER_S)) for name in ("always", "cost")}
+    links = {
+        name: stack.enter_context(ThrottledProxy(server.port, LINK_BYTES_PER_S))
+        for name in ("always", "cost")
+    }
     engines: dict = {}
     stack.callback(shutdown_all, engines)  # before the links close
     metrics = {}
     for name in ("always", "cost", "none"):  # each link drains while the next engine starts
-        extra = None if name == "none" else {**SLOW_ENGINE, "load_policy": name,
-                                             "redis_url": f"redis://{server.host}:{links[name].port}"}
+        extra = (
+            None
+            if name == "none"
+            else {
+                **SLOW_ENGINE,
+                "load_policy": name,
+                "redis_url": f"redis://{server.host}:{links[name].port}",
+            }
+        )
         engines[name] = make_engine(model, extra)
         if extra is not None:
             metrics[name] = Metrics()
@@ -211,7 +265,9 @@ def shutdown_all(engines: dict) -> None:
 
 def disk_rounds(llm, metrics: Metrics, none, prefixes: list[list[int]]) -> dict[str, list]:
     print(f"disk engine before its rounds: {metrics.estimates()}")
-    times: dict[str, list] = {k: [] for k in ("disk", "own_local", "ram", "local", "deferrals", "promotions")}
+    times: dict[str, list] = {
+        k: [] for k in ("disk", "own_local", "ram", "local", "deferrals", "promotions")
+    }
     counted = {"deferrals": "kvtier:deferrals_total", "promotions": "kvtier:tier_promotions_total"}
     for r, prefix in enumerate(prefixes):
         suffixes = [tokens(SUFFIX_TOKENS, seed=9500 + 3 * r + i) for i in range(3)]
@@ -223,7 +279,9 @@ def disk_rounds(llm, metrics: Metrics, none, prefixes: list[list[int]]) -> dict[
                 continue
             llm.reset_prefix_cache(reset_connector=False)
             before = {what: metrics(name) for what, name in counted.items()}
-            times["disk"].append(ttft(llm, prefix + suffixes[0]))  # only on disk: promoted, then loaded
+            times["disk"].append(
+                ttft(llm, prefix + suffixes[0])
+            )  # only on disk: promoted, then loaded
             for what, name in counted.items():
                 times[what].append(int(metrics(name) - before[what]))
             times["own_local"].append(ttft(llm, prefix + suffixes[1]))  # its own prefix cache
@@ -234,8 +292,10 @@ def disk_rounds(llm, metrics: Metrics, none, prefixes: list[list[int]]) -> dict[
 
 
 def run(model: Path, rounds: int) -> tuple[dict, dict]:
-    slow, ram, disk, new = ([tokens(PREFIX_TOKENS, seed=seed + r) for r in range(rounds)]
-                            for seed in (100, 200, 300, 400))
+    slow, ram, disk, new = (
+        [tokens(PREFIX_TOKENS, seed=seed + r) for r in range(rounds)]
+        for seed in (100, 200, 300, 400)
+    )
     with ExitStack() as stack:
         disk_path = tempfile.mkdtemp(prefix="kvtier-bench-disk-")
         stack.callback(shutil.rmtree, disk_path, ignore_errors=True)
@@ -248,9 +308,11 @@ def run(model: Path, rounds: int) -> tuple[dict, dict]:
         link = link_rounds(engines, metrics, slow, ram)
         new_prefix_rounds(engines, link, [p + tokens(SUFFIX_TOKENS, seed=9900) for p in new])
         for name, m in metrics.items():
-            print(f"{name}: decisions {m.decisions()}, promotions {m('kvtier:tier_promotions_total'):.0f}, "
-                  f"hit tokens {m('kvtier:hit_tokens_total'):.0f}, deferrals per slow request "
-                  f"{link[name]['deferrals']}; {m.estimates()}")
+            print(
+                f"{name}: decisions {m.decisions()}, promotions {m('kvtier:tier_promotions_total'):.0f}, "
+                f"hit tokens {m('kvtier:hit_tokens_total'):.0f}, deferrals per slow request "
+                f"{link[name]['deferrals']}; {m.estimates()}"
+            )
         return link, disk_rounds(disk_llm, disk_metrics, engines["none"], disk)
 
 
@@ -259,24 +321,35 @@ def ms(values: list[float]) -> str:
 
 
 def report(link: dict, disk: dict, rounds: int) -> None:
-    med = {name: {k: statistics.median(v) for k, v in t.items() if k != "deferrals"} for name, t in link.items()}
-    print(f"\nTTFT medians over {rounds} rounds (ms), {PREFIX_TOKENS}-token prefixes + {SUFFIX_TOKENS} new tokens, "
-          f"link {LINK_BYTES_PER_S / 1e6:.0f} MB/s")
+    med = {
+        name: {k: statistics.median(v) for k, v in t.items() if k != "deferrals"}
+        for name, t in link.items()
+    }
+    print(
+        f"\nTTFT medians over {rounds} rounds (ms), {PREFIX_TOKENS}-token prefixes + {SUFFIX_TOKENS} new tokens, "
+        f"link {LINK_BYTES_PER_S / 1e6:.0f} MB/s"
+    )
     print(f"{'engine':8} {'slow prefix':>12} {'RAM prefix':>11} {'new prefix':>11}")
     for name, t in link.items():
         print(f"{name:8} {ms(t['slow']):>12} {ms(t['ram']):>11} {ms(t['new']):>11}")
-    print(f"disk engine: disk-tier hit {ms(disk['disk'])}, RAM-tier hit {ms(disk['ram'])}, own prefix-cache hit "
-          f"{ms(disk['own_local'])}; engine without kvtier, prefix-cache hit {ms(disk['local'])}")
+    print(
+        f"disk engine: disk-tier hit {ms(disk['disk'])}, RAM-tier hit {ms(disk['ram'])}, own prefix-cache hit "
+        f"{ms(disk['own_local'])}; engine without kvtier, prefix-cache hit {ms(disk['local'])}"
+    )
     print(f"per disk hit: deferrals {disk['deferrals']}, promotions {disk['promotions']}")
     none, always, cost = med["none"], med["always"], med["cost"]
     local = statistics.median(disk["local"])
-    print(f"RAM prefix, always / recompute {always['ram'] / none['ram']:.3f}; new prefix, cost / none "
-          f"{cost['new'] / none['new']:.3f}; cost engine, slow prefix / new prefix {cost['slow'] / cost['new']:.3f}; "
-          f"RAM-tier hit / local hit {statistics.median(disk['ram']) / local:.3f}; disk-tier hit / own local hit "
-          f"{statistics.median(disk['disk']) / statistics.median(disk['own_local']):.3f}")
-    print(f"RESULT slow_vs_recompute={cost['slow'] / none['slow']:.3f} "
-          f"always_vs_recompute={always['slow'] / none['slow']:.3f} fast_vs_recompute={cost['ram'] / none['ram']:.3f} "
-          f"disk_hit_vs_local={statistics.median(disk['disk']) / local:.3f}")
+    print(
+        f"RAM prefix, always / recompute {always['ram'] / none['ram']:.3f}; new prefix, cost / none "
+        f"{cost['new'] / none['new']:.3f}; cost engine, slow prefix / new prefix {cost['slow'] / cost['new']:.3f}; "
+        f"RAM-tier hit / local hit {statistics.median(disk['ram']) / local:.3f}; disk-tier hit / own local hit "
+        f"{statistics.median(disk['disk']) / statistics.median(disk['own_local']):.3f}"
+    )
+    print(
+        f"RESULT slow_vs_recompute={cost['slow'] / none['slow']:.3f} "
+        f"always_vs_recompute={always['slow'] / none['slow']:.3f} fast_vs_recompute={cost['ram'] / none['ram']:.3f} "
+        f"disk_hit_vs_local={statistics.median(disk['disk']) / local:.3f}"
+    )
 
 
 def main() -> None:
@@ -285,13 +358,17 @@ def main() -> None:
     args = parser.parse_args()
     rounds = 3 if args.quick else 7
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("GLIBC_TUNABLES",  # as bench_overlap: glibc's arena trimming varies per engine instance
-                          "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824")
+    os.environ.setdefault(
+        "GLIBC_TUNABLES",  # as bench_overlap: glibc's arena trimming varies per engine instance
+        "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824",
+    )
     from kvtier.integrations.vllm.binding import pin_reserved_cpus
     from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
 
     pin_reserved_cpus()
-    model = ensure_tiny_llama(Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier")))
+    model = ensure_tiny_llama(
+        Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier"))
+    )
     link, disk = run(model, rounds)
     report(link, disk, rounds)
 

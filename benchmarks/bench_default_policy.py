@@ -46,21 +46,33 @@ from mooncake import DEFAULT_TRACE, load_trace
 CAPACITIES = (0.01, 0.05, 0.20)
 POLICIES = ("lru", "arc", "turns", "adaptive")
 FIXED_ENGINE_BLOCKS = {"mooncake": 2048, "agentic-s1": 256}
-ENGINE_SHARE = 2048 / 55287  # the engine cache's share of the distinct blocks, as on the Mooncake trace
+ENGINE_SHARE = (
+    2048 / 55287
+)  # the engine cache's share of the distinct blocks, as on the Mooncake trace
 
 _MIXED = {"conversations_per_s": 5.0}
-_PROMPTS = {"agent_fraction": 0.0, "conversations_per_s": 5.0, "num_system_prompts": 200,
-            "system_prompt_tokens": (4000, 12000)}
+_PROMPTS = {
+    "agent_fraction": 0.0,
+    "conversations_per_s": 5.0,
+    "num_system_prompts": 200,
+    "system_prompt_tokens": (4000, 12000),
+}
 _AGENTS = {"agent_fraction": 0.8, "conversations_per_s": 2.0}
-SYNTHETIC = {"mixed-s1": (_MIXED, 1), "mixed-s2": (_MIXED, 2), "prompts-s1": (_PROMPTS, 1),
-             "prompts-s2": (_PROMPTS, 2), "agents-s3": (_AGENTS, 3)}
+SYNTHETIC = {
+    "mixed-s1": (_MIXED, 1),
+    "mixed-s2": (_MIXED, 2),
+    "prompts-s1": (_PROMPTS, 1),
+    "prompts-s2": (_PROMPTS, 2),
+    "agents-s3": (_AGENTS, 3),
+}
 
 
 def traces(quick: bool, mooncake: Path) -> dict[str, Callable[[], list[TraceRequest]]]:
     """Each trace's name and how to build it (built one at a time: they are large)."""
     num_conversations = 400 if quick else 1500
     out: dict[str, Callable[[], list[TraceRequest]]] = {
-        "mooncake": lambda: load_trace(mooncake, limit=3000 if quick else None)}
+        "mooncake": lambda: load_trace(mooncake, limit=3000 if quick else None)
+    }
     for name, (shape, seed) in SYNTHETIC.items():
         out[name] = lambda shape=shape, seed=seed: synthetic(num_conversations, seed=seed, **shape)
     out["agentic-s1"] = lambda: agentic(40 if quick else 100, seed=1)
@@ -83,14 +95,26 @@ def print_table(name: str, result, default: str, num_requests: int, engine: int)
     print(f"{'policy':<10}" + "".join(f"{f'{c:.0%}':>9}" for c in CAPACITIES))
     for policy in (*POLICIES, "belady"):
         print(f"{policy:<10}" + "".join(f"{result.rate(policy, c):>9.4f}" for c in CAPACITIES))
-    print(f"{'gap':<10}" + "".join(f"{g:>9.4f}" for g in gaps(result, default)) + f"   (best - {default})")
+    print(
+        f"{'gap':<10}"
+        + "".join(f"{g:>9.4f}" for g in gaps(result, default))
+        + f"   (best - {default})"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3,000 Mooncake requests, 400 conversations, 40 sessions")
-    parser.add_argument("--default", default="adaptive", choices=POLICIES, help="the policy to judge")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the Mooncake conversation trace")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3,000 Mooncake requests, 400 conversations, 40 sessions",
+    )
+    parser.add_argument(
+        "--default", default="adaptive", choices=POLICIES, help="the policy to judge"
+    )
+    parser.add_argument(
+        "--trace", type=Path, default=DEFAULT_TRACE, help="the Mooncake conversation trace"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     worst = dict.fromkeys(POLICIES, 0.0)  # each policy's worst gap, as if it were the default
@@ -104,8 +128,10 @@ def main() -> None:
         print_table(name, result, args.default, len(requests), engine)
         worst = {policy: max(worst[policy], *gaps(result, policy)) for policy in POLICIES}
         print(f"   ({time.perf_counter() - started:.0f} s so far)", flush=True)
-    print("worst gap to the best, over every trace and capacity: "
-          + ", ".join(f"{policy} {gap:.4f}" for policy, gap in worst.items()))
+    print(
+        "worst gap to the best, over every trace and capacity: "
+        + ", ".join(f"{policy} {gap:.4f}" for policy, gap in worst.items())
+    )
     print(f"RESULT worst_gap={worst[args.default]:.4f} default={args.default} traces={len(built)}")
 
 

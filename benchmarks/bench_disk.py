@@ -70,7 +70,9 @@ def dd(args: list[str]) -> float:
 
 def disk_gbps(tier: DiskTier, rows: np.ndarray, chunks: range, is_store: bool) -> float:
     """Store (or load) `chunks` through `rows`, jobs of KEYS_PER_JOB, as many in flight as `rows` holds; GB/s."""
-    seconds = run_jobs(tier, rows, len(chunks), KEYS_PER_JOB, is_store, poll_s=0.0002, first_key=chunks.start)
+    seconds = run_jobs(
+        tier, rows, len(chunks), KEYS_PER_JOB, is_store, poll_s=0.0002, first_key=chunks.start
+    )
     return len(chunks) * rows.shape[1] / seconds / GB
 
 
@@ -81,24 +83,36 @@ def one_round(work: Path, chunk: int, num_chunks: int, rows: np.ndarray) -> dict
     ns = namespace(chunk)
     with DiskTier(root, ns, capacity_bytes=num_chunks * (chunk + 4096)) as tier:
         tier.wait_scanned(10)
-        out = {"fill": disk_gbps(tier, rows, range(num_chunks), is_store=True)}  # an empty tier: new files
-        out["dd_write"] = dd(["if=/dev/zero", f"of={data}", f"bs={chunk}", f"count={num_chunks}", "oflag=direct"])
-        out["store"] = disk_gbps(tier, rows, range(num_chunks, 2 * num_chunks), is_store=True)  # each evicts one
+        out = {
+            "fill": disk_gbps(tier, rows, range(num_chunks), is_store=True)
+        }  # an empty tier: new files
+        out["dd_write"] = dd(
+            ["if=/dev/zero", f"of={data}", f"bs={chunk}", f"count={num_chunks}", "oflag=direct"]
+        )
+        out["store"] = disk_gbps(
+            tier, rows, range(num_chunks, 2 * num_chunks), is_store=True
+        )  # each evicts one
         out["dd_read"] = dd([f"if={data}", "of=/dev/null", f"bs={chunk}", "iflag=direct"])
         out["load"] = disk_gbps(tier, rows, range(num_chunks, 2 * num_chunks), is_store=False)
         c = tier.stats().counters
-        out["direct"] = float(c["store_direct_chunks"] == c["store_chunks"] and c["load_buffered_chunks"] == 0)
+        out["direct"] = float(
+            c["store_direct_chunks"] == c["store_chunks"] and c["load_buffered_chunks"] == 0
+        )
     data.unlink()
     shutil.rmtree(root)
     return out
 
 
-def bench_chunk_size(work: Path, chunk: int, total_bytes: int, rounds: int,
-                     anon_rows: bool = False) -> tuple[float, float]:
+def bench_chunk_size(
+    work: Path, chunk: int, total_bytes: int, rounds: int, anon_rows: bool = False
+) -> tuple[float, float]:
     num_chunks = max(total_bytes // chunk, 2 * KEYS_PER_JOB * JOBS_IN_FLIGHT)
     num_rows = KEYS_PER_JOB * JOBS_IN_FLIGHT
     if anon_rows:  # the method before: anonymous memory, faulted in by numpy's fill
-        slab, rows = contextlib.nullcontext(), np.frombuffer(mmap.mmap(-1, num_rows * chunk), np.uint8)
+        slab, rows = (
+            contextlib.nullcontext(),
+            np.frombuffer(mmap.mmap(-1, num_rows * chunk), np.uint8),
+        )
         rows = rows.reshape(num_rows, chunk)
     else:  # the memory the tier reads into and writes from in an engine
         slab = HostSlab(f"kvtier-bench-disk-{os.getpid()}-{chunk}", num_rows, chunk, owner=True)
@@ -107,14 +121,24 @@ def bench_chunk_size(work: Path, chunk: int, total_bytes: int, rounds: int,
         rows[:] = np.random.default_rng(0).integers(0, 256, rows.shape, dtype=np.uint8)
         results = [one_round(work, chunk, num_chunks, rows) for _ in range(rounds)]
         del rows  # a live view would keep the mapping after close
-    best = {name: max(r[name] for r in results) for name in ("dd_write", "fill", "store", "dd_read", "load")}
-    fill_ratio, store_ratio, load_ratio = (statistics.median(r[side] / r[base] for r in results)
-                                           for side, base in (("fill", "dd_write"), ("store", "dd_write"),
-                                                              ("load", "dd_read")))
-    direct = "O_DIRECT" if all(r["direct"] for r in results) else "page cache (NOT O_DIRECT: figures flattered)"
-    print(f"{chunk >> 20} MiB x {num_chunks}: dd write {best['dd_write']:.2f} GB/s, tier fill {best['fill']:.2f}"
-          f" ({fill_ratio:.2f}x), tier store at capacity {best['store']:.2f} ({store_ratio:.2f}x) | dd read"
-          f" {best['dd_read']:.2f}, tier load {best['load']:.2f} ({load_ratio:.2f}x) | tier I/O: {direct}")
+    best = {
+        name: max(r[name] for r in results)
+        for name in ("dd_write", "fill", "store", "dd_read", "load")
+    }
+    fill_ratio, store_ratio, load_ratio = (
+        statistics.median(r[side] / r[base] for r in results)
+        for side, base in (("fill", "dd_write"), ("store", "dd_write"), ("load", "dd_read"))
+    )
+    direct = (
+        "O_DIRECT"
+        if all(r["direct"] for r in results)
+        else "page cache (NOT O_DIRECT: figures flattered)"
+    )
+    print(
+        f"{chunk >> 20} MiB x {num_chunks}: dd write {best['dd_write']:.2f} GB/s, tier fill {best['fill']:.2f}"
+        f" ({fill_ratio:.2f}x), tier store at capacity {best['store']:.2f} ({store_ratio:.2f}x) | dd read"
+        f" {best['dd_read']:.2f}, tier load {best['load']:.2f} ({load_ratio:.2f}x) | tier I/O: {direct}"
+    )
     return store_ratio, load_ratio
 
 
@@ -152,19 +176,29 @@ def scan_files_per_s(work: Path, num_files: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB per chunk size, 3 rounds")
-    parser.add_argument("--dir", type=Path, default=Path("."), help="where to write (the filesystem measured)")
+    parser.add_argument(
+        "--dir", type=Path, default=Path("."), help="where to write (the filesystem measured)"
+    )
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--anon-rows", action="store_true",
-                        help="anonymous-memory rows instead of a host slab (the method before; loads run slower)")
+    parser.add_argument(
+        "--anon-rows",
+        action="store_true",
+        help="anonymous-memory rows instead of a host slab (the method before; loads run slower)",
+    )
     args = parser.parse_args()
     total_bytes = (256 if args.quick else 2048) << 20
     rounds = args.rounds or (3 if args.quick else 5)
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=args.dir))
     try:
-        print(f"writing under {work} ({total_bytes >> 20} MiB per chunk size and round, {rounds} rounds, "
-              f"{os.cpu_count()} CPUs; tier: 4 read + 4 write threads, jobs of {KEYS_PER_JOB}, "
-              f"{JOBS_IN_FLIGHT} in flight; rows: {'anonymous memory' if args.anon_rows else 'host slab'})")
-        ratios = [bench_chunk_size(work, chunk, total_bytes, rounds, args.anon_rows) for chunk in CHUNK_SIZES]
+        print(
+            f"writing under {work} ({total_bytes >> 20} MiB per chunk size and round, {rounds} rounds, "
+            f"{os.cpu_count()} CPUs; tier: 4 read + 4 write threads, jobs of {KEYS_PER_JOB}, "
+            f"{JOBS_IN_FLIGHT} in flight; rows: {'anonymous memory' if args.anon_rows else 'host slab'})"
+        )
+        ratios = [
+            bench_chunk_size(work, chunk, total_bytes, rounds, args.anon_rows)
+            for chunk in CHUNK_SIZES
+        ]
         index_bytes = index_bytes_per_chunk(1_000_000)
         print(f"index: {index_bytes:.0f} bytes per chunk at 1,000,000 chunks (36-byte keys, LRU)")
         scan_rate = scan_files_per_s(work, 10_000)
@@ -172,8 +206,10 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     store_ratio, load_ratio = min(r[0] for r in ratios), min(r[1] for r in ratios)
-    print(f"RESULT disk_store_ratio={store_ratio:.2f} disk_load_ratio={load_ratio:.2f} "
-          f"index_bytes_per_chunk={index_bytes:.0f} scan_files_per_s={scan_rate:.0f}")
+    print(
+        f"RESULT disk_store_ratio={store_ratio:.2f} disk_load_ratio={load_ratio:.2f} "
+        f"index_bytes_per_chunk={index_bytes:.0f} scan_files_per_s={scan_rate:.0f}"
+    )
 
 
 if __name__ == "__main__":

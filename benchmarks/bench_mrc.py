@@ -69,7 +69,9 @@ def exact_lru(stream: Sequence[OffloadKey], capacity: int) -> tuple[float, float
     return hits / len(stream), time.perf_counter() - start
 
 
-def estimate(stream: Sequence[OffloadKey], max_samples: int, repeats: int = 1) -> tuple[MissRatioCurve, float]:
+def estimate(
+    stream: Sequence[OffloadKey], max_samples: int, repeats: int = 1
+) -> tuple[MissRatioCurve, float]:
     """The estimator fed the whole stream, and the seconds that took (the least of `repeats` runs:
     this machine is shared, and the least is the one least disturbed)."""
     best = float("inf")
@@ -95,13 +97,17 @@ def memory_of(stream: Sequence[OffloadKey], max_samples: int) -> int:
     return held
 
 
-def run(name: str, stream: list[OffloadKey], capacity_share: float, max_samples: int) -> tuple[float, float, float]:
+def run(
+    name: str, stream: list[OffloadKey], capacity_share: float, max_samples: int
+) -> tuple[float, float, float]:
     """Print one trace's table; returns (max abs error, estimator seconds, exact LRU seconds per pass)."""
     distinct = len(set(stream))
     capacity = max(1, round(capacity_share * distinct))
     mrc, seconds = estimate(stream, max_samples, repeats=3)
-    print(f"\n{name}: {len(stream):,} lookups, {distinct:,} distinct keys, capacity {capacity:,} chunks "
-          f"({capacity_share:.0%}), sampling rate {mrc.sampling_rate:.4f}, {mrc.num_samples:,} samples")
+    print(
+        f"\n{name}: {len(stream):,} lookups, {distinct:,} distinct keys, capacity {capacity:,} chunks "
+        f"({capacity_share:.0%}), sampling rate {mrc.sampling_rate:.4f}, {mrc.num_samples:,} samples"
+    )
     print(f"  {'factor':>6} {'chunks':>9} {'exact LRU':>10} {'predicted':>10} {'error':>8}")
     worst, lru_seconds = 0.0, float("inf")
     for factor in CAPACITY_FACTORS:
@@ -110,9 +116,13 @@ def run(name: str, stream: list[OffloadKey], capacity_share: float, max_samples:
         lru_seconds = min(lru_seconds, spent)
         predicted = mrc.hit_ratio(chunks)
         worst = max(worst, abs(predicted - exact))
-        print(f"  {factor:>6g} {chunks:>9,} {exact:>10.4f} {predicted:>10.4f} {predicted - exact:>+8.4f}")
-    print(f"  estimator {seconds / len(stream) * 1e6:.3f} us/lookup, exact LRU (one capacity) "
-          f"{lru_seconds / len(stream) * 1e6:.3f} us/lookup")
+        print(
+            f"  {factor:>6g} {chunks:>9,} {exact:>10.4f} {predicted:>10.4f} {predicted - exact:>+8.4f}"
+        )
+    print(
+        f"  estimator {seconds / len(stream) * 1e6:.3f} us/lookup, exact LRU (one capacity) "
+        f"{lru_seconds / len(stream) * 1e6:.3f} us/lookup"
+    )
     return worst, seconds, lru_seconds
 
 
@@ -124,27 +134,40 @@ def simulated(name: str, requests: Sequence, capacity_share: float) -> float:
     curves: list[MissRatioCurve] = []
     read_report = kvtier.sim.replay.read_report
 
-    def keep_curve(engine, manager, *args, **kwargs):  # the replay's manager is closed after its report
+    def keep_curve(
+        engine, manager, *args, **kwargs
+    ):  # the replay's manager is closed after its report
         curves.append(manager.mrc)
         return read_report(engine, manager, *args, **kwargs)
 
     kvtier.sim.replay.read_report = keep_curve
     try:
         engine_blocks = ENGINE_BLOCKS[name]
-        base = simulate(requests, SimOptions(policy="lru", host_fraction=capacity_share, engine_blocks=engine_blocks))
+        base = simulate(
+            requests,
+            SimOptions(policy="lru", host_fraction=capacity_share, engine_blocks=engine_blocks),
+        )
         capacity, curve = base.host_slots, curves[-1]
-        print(f"\n{name} through kvtier simulate: {len(requests):,} requests, engine cache {engine_blocks:,} blocks, "
-              f"CPU tier {capacity:,} chunks (LRU), {curve.num_lookups:,} chunks asked for")
-        print(f"  {'factor':>6} {'chunks':>9} {'simulated':>10} {'predicted':>10} {'error':>8} {'own stream':>11}")
+        print(
+            f"\n{name} through kvtier simulate: {len(requests):,} requests, engine cache {engine_blocks:,} blocks, "
+            f"CPU tier {capacity:,} chunks (LRU), {curve.num_lookups:,} chunks asked for"
+        )
+        print(
+            f"  {'factor':>6} {'chunks':>9} {'simulated':>10} {'predicted':>10} {'error':>8} {'own stream':>11}"
+        )
         worst = 0.0
         for factor in CAPACITY_FACTORS:
             chunks = max(1, round(factor * capacity))
-            report = simulate(requests, SimOptions(policy="lru", host_slots=chunks, engine_blocks=engine_blocks))
+            report = simulate(
+                requests, SimOptions(policy="lru", host_slots=chunks, engine_blocks=engine_blocks)
+            )
             measured = report.counters["loaded_chunks"] / max(1, curves[-1].num_lookups)
             predicted = curve.hit_ratio(chunks)
             worst = max(worst, abs(predicted - measured))
-            print(f"  {factor:>6g} {chunks:>9,} {measured:>10.4f} {predicted:>10.4f} {predicted - measured:>+8.4f} "
-                  f"{curves[-1].hit_ratio(chunks):>11.4f}")
+            print(
+                f"  {factor:>6g} {chunks:>9,} {measured:>10.4f} {predicted:>10.4f} {predicted - measured:>+8.4f} "
+                f"{curves[-1].hit_ratio(chunks):>11.4f}"
+            )
         return worst
     finally:
         kvtier.sim.replay.read_report = read_report
@@ -152,14 +175,31 @@ def simulated(name: str, requests: Sequence, capacity_share: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3,000 conversation requests, 150 synthetic conversations")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the Mooncake conversation trace")
-    parser.add_argument("--capacity", type=float, default=0.05, help="the tier's capacity, a share of distinct blocks")
-    parser.add_argument("--max-samples", type=int, default=DEFAULT_MAX_SAMPLES, help="the estimator's sample bound")
-    parser.add_argument("--sim-requests", type=int, default=None, help="requests replayed by kvtier simulate")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3,000 conversation requests, 150 synthetic conversations",
+    )
+    parser.add_argument(
+        "--trace", type=Path, default=DEFAULT_TRACE, help="the Mooncake conversation trace"
+    )
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        default=0.05,
+        help="the tier's capacity, a share of distinct blocks",
+    )
+    parser.add_argument(
+        "--max-samples", type=int, default=DEFAULT_MAX_SAMPLES, help="the estimator's sample bound"
+    )
+    parser.add_argument(
+        "--sim-requests", type=int, default=None, help="requests replayed by kvtier simulate"
+    )
     args = parser.parse_args()
-    requests = {"conversation": load_trace(args.trace, limit=3000 if args.quick else None),
-                "synthetic": synthetic(150 if args.quick else 1500, seed=1)}
+    requests = {
+        "conversation": load_trace(args.trace, limit=3000 if args.quick else None),
+        "synthetic": synthetic(150 if args.quick else 1500, seed=1),
+    }
     traces = {name: key_stream(reqs) for name, reqs in requests.items()}
     sim_requests = args.sim_requests or (1000 if args.quick else 3000)
     worst, seconds, lru_seconds, lookups = 0.0, 0.0, 0.0, 0
@@ -167,12 +207,16 @@ def main() -> None:
         err, spent, lru_spent = run(name, stream, args.capacity, args.max_samples)
         worst, seconds, lru_seconds = max(worst, err), seconds + spent, lru_seconds + lru_spent
         lookups += len(stream)
-    sim_worst = max(simulated(name, reqs[:sim_requests], args.capacity) for name, reqs in requests.items())
+    sim_worst = max(
+        simulated(name, reqs[:sim_requests], args.capacity) for name, reqs in requests.items()
+    )
     memory = max(memory_of(stream, args.max_samples) for stream in traces.values())
     us = seconds / lookups * 1e6
     print(f"\nestimator / exact LRU time per lookup: {seconds / lru_seconds:.2f}x")
-    print(f"RESULT max_abs_error={worst:.4f} us_per_lookup={us:.3f} memory_bytes={memory} "
-          f"sim_max_abs_error={sim_worst:.4f}")
+    print(
+        f"RESULT max_abs_error={worst:.4f} us_per_lookup={us:.3f} memory_bytes={memory} "
+        f"sim_max_abs_error={sim_worst:.4f}"
+    )
 
 
 if __name__ == "__main__":

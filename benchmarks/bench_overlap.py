@@ -63,8 +63,15 @@ def make_engine(model: Path, mode: str | None):
     from kvtier.integrations.vllm import kv_transfer_config
 
     transfer = None if mode is None else kv_transfer_config(cpu_bytes="2GiB", load_mode=mode)
-    return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
-               max_model_len=4096, kv_transfer_config=transfer)
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        max_model_len=4096,
+        kv_transfer_config=transfer,
+    )
 
 
 def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]]:
@@ -72,11 +79,15 @@ def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]
     from vllm.inputs import TokensPrompt
 
     prefixes = [tokens(PREFIX_TOKENS, seed=1000 + i) for i in range(num_loading)]
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prefixes], params(1), use_tqdm=False)  # stored
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prefixes], params(1), use_tqdm=False
+    )  # stored
     llm.reset_prefix_cache(reset_connector=False)
     engine = llm.llm_engine
     for i in range(num_background):
-        engine.add_request(f"bg{i}", TokensPrompt(prompt_token_ids=tokens(128, seed=2000 + i)), params(64))
+        engine.add_request(
+            f"bg{i}", TokensPrompt(prompt_token_ids=tokens(128, seed=2000 + i)), params(64)
+        )
     last_token: dict[str, float] = {}
     itls: list[float] = []
     ttfts: list[float] = []
@@ -88,7 +99,11 @@ def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]
         num_steps += 1
         if num_steps == 4:  # the background requests are decoding: the loading ones arrive
             for i, p in enumerate(prefixes):
-                engine.add_request(f"ld{i}", TokensPrompt(prompt_token_ids=p + tokens(32, seed=3000 + i)), params(4))
+                engine.add_request(
+                    f"ld{i}",
+                    TokensPrompt(prompt_token_ids=p + tokens(32, seed=3000 + i)),
+                    params(4),
+                )
                 arrived[f"ld{i}"] = time.perf_counter()
         for out in outs:
             rid = out.request_id
@@ -105,7 +120,9 @@ def zero_hit_round(llm, num_prompts: int, seed: int) -> float:
     """Wall time of one batch of unique 768-token prompts, 4 tokens each (nothing to reuse)."""
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=tokens(768, seed=seed + i)) for i in range(num_prompts)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=tokens(768, seed=seed + i)) for i in range(num_prompts)
+    ]
     started = time.perf_counter()
     llm.generate(prompts, params(4), use_tqdm=False)
     return time.perf_counter() - started
@@ -180,13 +197,17 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # glibc's malloc returns freed arenas to the kernel and faults them back in: up to 2M page faults
     # per round, and +-14 % of a worker's CPU, varying per engine instance, not per configuration
-    os.environ.setdefault("GLIBC_TUNABLES",
-                          "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824")
+    os.environ.setdefault(
+        "GLIBC_TUNABLES",
+        "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824",
+    )
     from kvtier.integrations.vllm.binding import pin_reserved_cpus
     from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
 
     pin_reserved_cpus()
-    model = ensure_tiny_llama(Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier")))
+    model = ensure_tiny_llama(
+        Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier"))
+    )
     engines = {}
     try:
         for name, mode in ENGINES:  # all three alive at once, on the same cores, measured in turns
@@ -195,10 +216,16 @@ def main() -> None:
         results = {name: {} for name in engines}
         for name, llm in engines.items():
             o = overlap(llm, num_background, num_loading)
-            results[name].update(itl_p50=p(o["itl"], 0.5), itl_p99=p(o["itl"], 0.99), ttft=statistics.median(o["ttft"]))
+            results[name].update(
+                itl_p50=p(o["itl"], 0.5),
+                itl_p99=p(o["itl"], 0.99),
+                ttft=statistics.median(o["ttft"]),
+            )
         documents = [tokens(PREFIX_TOKENS, seed=6000 + d) for d in range(NUM_DOCUMENTS)]
         user_hits = {name: [] for name in engines}
-        for r in range(hit_rounds):  # round 0 computes (and kvtier stores) the documents: not counted
+        for r in range(
+            hit_rounds
+        ):  # round 0 computes (and kvtier stores) the documents: not counted
             for name, ws in user_hit_round(engines, documents, r).items():
                 user_hits[name] += ws if r else []
         walls = {name: [] for name in engines}
@@ -207,9 +234,13 @@ def main() -> None:
         for name in hits:
             timed(engines[name], prefix)  # kvtier stores the prefix
         for r in range(rounds):
-            order = list(engines)[r % 3:] + list(engines)[: r % 3]  # each engine first, middle and last in turn
+            order = (
+                list(engines)[r % 3 :] + list(engines)[: r % 3]
+            )  # each engine first, middle and last in turn
             for name in order:
-                walls[name].append(zero_hit_round(engines[name], num_prompts, seed=10_000 + 100 * r))
+                walls[name].append(
+                    zero_hit_round(engines[name], num_prompts, seed=10_000 + 100 * r)
+                )
             for name in order:
                 if name in hits:
                     kvtier, local = own_local_round(engines[name], prefix, r)
@@ -222,25 +253,37 @@ def main() -> None:
         results[name]["zero_hit"] = statistics.median(walls[name])
         results[name]["user_hit"] = statistics.median(user_hits[name])
         if name in hits:
-            results[name]["hit_kvtier"], results[name]["hit_local"] = map(statistics.median, hits[name])
-    print(f"{'engine':8} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'TTFT ms':>9} {'zero-hit s':>11} {'hit ms':>7} "
-          f"{'own: kvtier ms':>15} {'own: local ms':>14}")
+            results[name]["hit_kvtier"], results[name]["hit_local"] = map(
+                statistics.median, hits[name]
+            )
+    print(
+        f"{'engine':8} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'TTFT ms':>9} {'zero-hit s':>11} {'hit ms':>7} "
+        f"{'own: kvtier ms':>15} {'own: local ms':>14}"
+    )
     for name, f in results.items():
-        print(f"{name:8} {f['itl_p50'] * 1e3:11.1f} {f['itl_p99'] * 1e3:11.1f} {f['ttft'] * 1e3:9.1f} "
-              f"{f['zero_hit']:11.2f} {f['user_hit'] * 1e3:7.1f} {f.get('hit_kvtier', float('nan')) * 1e3:15.1f} "
-              f"{f.get('hit_local', float('nan')) * 1e3:14.1f}")
-    print("hit walls per request (ms): " + "; ".join(f"{n} " + " ".join(f"{w * 1e3:.0f}" for w in ws)
-                                                  for n, ws in user_hits.items()))
-    print("zero-hit walls per round (s): " + "; ".join(f"{n} " + " ".join(f"{w:.2f}" for w in ws)
-                                                    for n, ws in walls.items()))
+        print(
+            f"{name:8} {f['itl_p50'] * 1e3:11.1f} {f['itl_p99'] * 1e3:11.1f} {f['ttft'] * 1e3:9.1f} "
+            f"{f['zero_hit']:11.2f} {f['user_hit'] * 1e3:7.1f} {f.get('hit_kvtier', float('nan')) * 1e3:15.1f} "
+            f"{f.get('hit_local', float('nan')) * 1e3:14.1f}"
+        )
+    print(
+        "hit walls per request (ms): "
+        + "; ".join(f"{n} " + " ".join(f"{w * 1e3:.0f}" for w in ws) for n, ws in user_hits.items())
+    )
+    print(
+        "zero-hit walls per round (s): "
+        + "; ".join(f"{n} " + " ".join(f"{w:.2f}" for w in ws) for n, ws in walls.items())
+    )
     none, a, s = results["none"], results["async"], results["sync"]
-    print(f"RESULT itl_p99_ratio_async={a['itl_p99'] / none['itl_p99']:.2f} "
-          f"itl_p99_ratio_sync={s['itl_p99'] / none['itl_p99']:.2f} ttft_ratio_async={a['ttft'] / none['ttft']:.2f} "
-          f"zero_hit_overhead={s['zero_hit'] / none['zero_hit']:.3f} "
-          f"hit_vs_local={s['user_hit'] / none['user_hit']:.3f} "
-          f"zero_hit_overhead_async={a['zero_hit'] / none['zero_hit']:.3f} "
-          f"hit_vs_local_async={a['user_hit'] / none['user_hit']:.3f} "
-          f"hit_vs_own_local={s['hit_kvtier'] / s['hit_local']:.3f}")
+    print(
+        f"RESULT itl_p99_ratio_async={a['itl_p99'] / none['itl_p99']:.2f} "
+        f"itl_p99_ratio_sync={s['itl_p99'] / none['itl_p99']:.2f} ttft_ratio_async={a['ttft'] / none['ttft']:.2f} "
+        f"zero_hit_overhead={s['zero_hit'] / none['zero_hit']:.3f} "
+        f"hit_vs_local={s['user_hit'] / none['user_hit']:.3f} "
+        f"zero_hit_overhead_async={a['zero_hit'] / none['zero_hit']:.3f} "
+        f"hit_vs_local_async={a['user_hit'] / none['user_hit']:.3f} "
+        f"hit_vs_own_local={s['hit_kvtier'] / s['hit_local']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -44,12 +44,19 @@ def choose_best(result, policies) -> str:
 
 
 def print_table(result, policies) -> None:
-    print(f"{'policy':<12}" + "".join(f"{f'{c:.0%}':>10}" for c in CAPACITIES)
-          + "".join(f"{f'gap@{c:.0%}':>10}" for c in CAPACITIES))
+    print(
+        f"{'policy':<12}"
+        + "".join(f"{f'{c:.0%}':>10}" for c in CAPACITIES)
+        + "".join(f"{f'gap@{c:.0%}':>10}" for c in CAPACITIES)
+    )
     for policy in (*policies, "belady"):
         rates = [result.rate(policy, c) for c in CAPACITIES]
         gaps = [_gap(result, policy, c) for c in CAPACITIES]
-        print(f"{policy:<12}" + "".join(f"{r:>10.4f}" for r in rates) + "".join(f"{g:>10}" for g in gaps))
+        print(
+            f"{policy:<12}"
+            + "".join(f"{r:>10.4f}" for r in rates)
+            + "".join(f"{g:>10}" for g in gaps)
+        )
     print("gap@: share of the gap between LRU and Belady's MIN that the policy closes")
 
 
@@ -64,25 +71,48 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first 3,000 requests")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    parser.add_argument("--out", type=Path, default=None, help="where sweep.csv and sweep.png go (default: a temp dir)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where sweep.csv and sweep.png go (default: a temp dir)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="replays in parallel processes")
     args = parser.parse_args()
     requests = load_trace(args.trace, limit=3000 if args.quick else None)
     out = args.out or Path(tempfile.mkdtemp(prefix="kvtier-bench-policies-"))
-    print(f"{len(requests)} requests; engine cache {ENGINE_BLOCKS} blocks; host tier at "
-          f"{', '.join(f'{c:.0%}' for c in CAPACITIES)} of the distinct blocks; policies {', '.join(POLICIES)}")
+    print(
+        f"{len(requests)} requests; engine cache {ENGINE_BLOCKS} blocks; host tier at "
+        f"{', '.join(f'{c:.0%}' for c in CAPACITIES)} of the distinct blocks; policies {', '.join(POLICIES)}"
+    )
     started = time.perf_counter()
-    has_matplotlib = importlib.util.find_spec("matplotlib") is not None  # the demo extra; without it: no PNG
-    result = sweep(requests, CAPACITIES, POLICIES, out, SimOptions(engine_blocks=ENGINE_BLOCKS),
-                   workers=args.workers, progress=lambda line: print("  " + line, flush=True), plot=has_matplotlib)
-    print(f"{len(result.reports)} replays in {time.perf_counter() - started:.0f} s; "
-          f"one replay {min(r.wall_s for r in result.reports):.1f}-{max(r.wall_s for r in result.reports):.1f} s")
+    has_matplotlib = (
+        importlib.util.find_spec("matplotlib") is not None
+    )  # the demo extra; without it: no PNG
+    result = sweep(
+        requests,
+        CAPACITIES,
+        POLICIES,
+        out,
+        SimOptions(engine_blocks=ENGINE_BLOCKS),
+        workers=args.workers,
+        progress=lambda line: print("  " + line, flush=True),
+        plot=has_matplotlib,
+    )
+    print(
+        f"{len(result.reports)} replays in {time.perf_counter() - started:.0f} s; "
+        f"one replay {min(r.wall_s for r in result.reports):.1f}-{max(r.wall_s for r in result.reports):.1f} s"
+    )
     print_table(result, POLICIES)
     best = choose_best(result, POLICIES)
     lru, top = result.rate("lru", 0.05), result.rate(best, 0.05)
-    print(f"best: {best}, {top / lru:.3f}x LRU's hit rate at 5 %; csv {result.csv_path}, png {result.png_path}")
-    print(f"RESULT lru_5pct={lru:.4f} best_5pct={top:.4f} belady_5pct={result.rate('belady', 0.05):.4f} "
-          f"best_policy={best}")
+    print(
+        f"best: {best}, {top / lru:.3f}x LRU's hit rate at 5 %; csv {result.csv_path}, png {result.png_path}"
+    )
+    print(
+        f"RESULT lru_5pct={lru:.4f} best_5pct={top:.4f} belady_5pct={result.rate('belady', 0.05):.4f} "
+        f"best_policy={best}"
+    )
 
 
 if __name__ == "__main__":

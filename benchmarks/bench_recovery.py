@@ -55,14 +55,28 @@ class Stack:
 
     def __init__(self, url: str, num_prefixes: int):
         self.slab = make_slab(KVCache(1, 32, BLOCK), 1, 4)
-        namespace = Namespace("bench-recovery", "float32", "sim", BLOCK, 1, "sha256", 1, self.slab.rows.shape[1])
-        self.tier = RemoteTier(RedisStore(url, timeout_ms=5000), namespace, prefix=f"recovery-{time.time_ns()}")
-        self.manager = TieredManager(CPUTierManager(4), [self.slab.rows], [(self.tier, TierRules())],
-                                     job_timeout_s=TIER_JOB_TIMEOUT_S)
-        config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK),), max_defer_s=5.0,
-                                        max_deferrals=10**6, chunk_bytes=self.slab.rows.shape[1])
+        namespace = Namespace(
+            "bench-recovery", "float32", "sim", BLOCK, 1, "sha256", 1, self.slab.rows.shape[1]
+        )
+        self.tier = RemoteTier(
+            RedisStore(url, timeout_ms=5000), namespace, prefix=f"recovery-{time.time_ns()}"
+        )
+        self.manager = TieredManager(
+            CPUTierManager(4),
+            [self.slab.rows],
+            [(self.tier, TierRules())],
+            job_timeout_s=TIER_JOB_TIMEOUT_S,
+        )
+        config = SchedulerOffloadConfig(
+            groups=(GroupSpec(tokens_per_block=BLOCK),),
+            max_defer_s=5.0,
+            max_deferrals=10**6,
+            chunk_bytes=self.slab.rows.shape[1],
+        )
         self.scheduler = OffloadScheduler(config, self.manager)
-        self.scheduler.costs.prefill = PrefillRate(prior_tokens_per_s=40.0, min_tokens=10**9)  # never measured
+        self.scheduler.costs.prefill = PrefillRate(
+            prior_tokens_per_s=40.0, min_tokens=10**9
+        )  # never measured
         self.engine = FakeEngine(self.scheduler, num_blocks=32, block_size=BLOCK, slab=self.slab)
         self.prefixes = [prompt(PREFIX_TOKENS, seed=s) for s in range(1, 1 + num_prefixes)]
 
@@ -72,7 +86,9 @@ class Stack:
             self.serve(f"first-{i}", p)
             self.tier.drain(10.0)
         for i in range(2):
-            self.serve(f"filler-{i}", prompt(PREFIX_TOKENS, seed=900 + i))  # (seeds equal mod 1000 collide)
+            self.serve(
+                f"filler-{i}", prompt(PREFIX_TOKENS, seed=900 + i)
+            )  # (seeds equal mod 1000 collide)
             self.tier.drain(10.0)
 
     def serve(self, req_id: str, tokens: list[int]):
@@ -92,7 +108,9 @@ class Stack:
             while time.monotonic() < started + GAP_S * i:
                 time.sleep(0.002)
             self.engine.reset_prefix_cache()
-            request = self.serve(f"q-{i}", self.prefixes[first + i % (len(self.prefixes) - first)] + [7])
+            request = self.serve(
+                f"q-{i}", self.prefixes[first + i % (len(self.prefixes) - first)] + [7]
+            )
             out.append((time.monotonic() - started, request.num_external_tokens))
         return out
 
@@ -105,7 +123,9 @@ def prompt(n: int, seed: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 1000 for i in range(n)]
 
 
-def stall(server: RedisServer, seconds: float) -> tuple[list[tuple[float, int]], list[tuple[float, int]], int]:
+def stall(
+    server: RedisServer, seconds: float
+) -> tuple[list[tuple[float, int]], list[tuple[float, int]], int]:
     """(the fresh stack's stream, the stream after the stall, explorations after the stall)."""
     num_prefixes = 1 + int(seconds / GAP_S)
     fresh = Stack(server.url, num_prefixes)
@@ -120,10 +140,14 @@ def stall(server: RedisServer, seconds: float) -> tuple[list[tuple[float, int]],
         stack.engine.reset_prefix_cache()
         server.pause()
         stalled_at = time.monotonic()
-        stalled = stack.serve("stalled", stack.prefixes[0] + [7])  # its promotions expire: Redis written off
+        stalled = stack.serve(
+            "stalled", stack.prefixes[0] + [7]
+        )  # its promotions expire: Redis written off
         expired = stack.manager.tier_stats()[0].counters.get("expired_jobs", 0)
         if stalled.num_external_tokens or not expired:
-            raise RuntimeError(f"the stalled request's reads did not expire ({expired} expired jobs)")
+            raise RuntimeError(
+                f"the stalled request's reads did not expire ({expired} expired jobs)"
+            )
         while time.monotonic() < stalled_at + STALL_S:
             time.sleep(0.01)
         server.resume()
@@ -148,8 +172,11 @@ def slow(server: RedisServer, seconds: float) -> tuple[list[tuple[float, int]], 
             explored_before = stack.scheduler.stats.explorations["redis"]
             deferrals_before = stack.scheduler.stats.deferrals
             out = stack.stream(seconds)
-            return (out, stack.scheduler.stats.explorations["redis"] - explored_before,
-                    stack.scheduler.stats.deferrals - deferrals_before)
+            return (
+                out,
+                stack.scheduler.stats.explorations["redis"] - explored_before,
+                stack.scheduler.stats.deferrals - deferrals_before,
+            )
         finally:
             stack.close()
 
@@ -157,7 +184,9 @@ def slow(server: RedisServer, seconds: float) -> tuple[list[tuple[float, int]], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 s streams (else 20 s)")
-    parser.add_argument("--seconds", type=float, default=None, help="how long each stream of requests runs")
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="how long each stream of requests runs"
+    )
     args = parser.parse_args()
     seconds = args.seconds or (5.0 if args.quick else 20.0)
     with RedisServer.temporary() as server:
@@ -165,18 +194,28 @@ def main() -> None:
         slow_stream, slow_explorations, slow_deferrals = slow(server, seconds)
     loaded = [at for at, tokens in after if tokens]
     fresh_loads = sum(1 for _, tokens in baseline if tokens)
-    print(f"stall: Redis stopped {STALL_S} s (tier jobs expire after {TIER_JOB_TIMEOUT_S} s), then a request "
-          f"every {GAP_S * 1e3:.0f} ms for {seconds:.0f} s")
-    print(f"  fresh stack, same stream: {fresh_loads} of {len(baseline)} requests loaded from Redis")
-    print(f"  after the stall: {len(loaded)} of {len(after)} loaded; the first {loaded[0] if loaded else 'none'} s "
-          f"after the resume; {explorations} explorations")
+    print(
+        f"stall: Redis stopped {STALL_S} s (tier jobs expire after {TIER_JOB_TIMEOUT_S} s), then a request "
+        f"every {GAP_S * 1e3:.0f} ms for {seconds:.0f} s"
+    )
+    print(
+        f"  fresh stack, same stream: {fresh_loads} of {len(baseline)} requests loaded from Redis"
+    )
+    print(
+        f"  after the stall: {len(loaded)} of {len(after)} loaded; the first {loaded[0] if loaded else 'none'} s "
+        f"after the resume; {explorations} explorations"
+    )
     slow_loads = sum(1 for _, tokens in slow_stream if tokens)
-    print(f"slow: Redis behind a 0.5 s-latency link, a request every {GAP_S * 1e3:.0f} ms for {seconds:.0f} s: "
-          f"{slow_explorations} explorations, {slow_loads} requests loaded from it, {slow_deferrals} deferrals")
+    print(
+        f"slow: Redis behind a 0.5 s-latency link, a request every {GAP_S * 1e3:.0f} ms for {seconds:.0f} s: "
+        f"{slow_explorations} explorations, {slow_loads} requests loaded from it, {slow_deferrals} deferrals"
+    )
     recovery = f"{loaded[0]:.2f}" if loaded else "never"
-    print(f"RESULT recovery_s={recovery} loads_vs_fresh={len(loaded) / max(1, fresh_loads):.2f} "
-          f"slow_explorations_per_s={slow_explorations / seconds:.2f} slow_loads={slow_loads} "
-          f"slow_deferrals={slow_deferrals}")
+    print(
+        f"RESULT recovery_s={recovery} loads_vs_fresh={len(loaded) / max(1, fresh_loads):.2f} "
+        f"slow_explorations_per_s={slow_explorations / seconds:.2f} slow_loads={slow_loads} "
+        f"slow_deferrals={slow_deferrals}"
+    )
 
 
 if __name__ == "__main__":

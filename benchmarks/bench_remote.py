@@ -76,11 +76,15 @@ WORKING_SET = 64 << 20  # redis-benchmark's keys x size (--quick: half)
 SET_PER_KEY, GET_PER_KEY = 4, 8  # redis-benchmark's requests per key of the working set
 LOAD_PASSES = GET_PER_KEY // SET_PER_KEY  # each read side reads what it wrote this many times
 KEY_SECRET = b"bench deployment secret, 32 byte"
-NEW_KEYS = 10**9  # redis-benchmark -r for "every SET a new key" (an int: 2^40 wraps, and every SET hits one key)
+NEW_KEYS = (
+    10**9
+)  # redis-benchmark -r for "every SET a new key" (an int: 2^40 wraps, and every SET hits one key)
 GB = 1e9
 
 
-def redis_benchmark(port: int, size: int, clients: int, pipeline: int, working_set: int) -> dict[str, float]:
+def redis_benchmark(
+    port: int, size: int, clients: int, pipeline: int, working_set: int
+) -> dict[str, float]:
     """GB/s that redis-benchmark reaches: SET of new keys; SET over and GET of `working_set` bytes of keys."""
     keys = max(8, working_set // size)
     new = _redis_benchmark(port, size, clients, pipeline, "set", NEW_KEYS, SET_PER_KEY * keys)
@@ -91,13 +95,46 @@ def redis_benchmark(port: int, size: int, clients: int, pipeline: int, working_s
     return {"set": new["SET"], "set over": reused["SET"], "get": reused["GET"]}
 
 
-def _redis_benchmark(port: int, size: int, clients: int, pipeline: int, tests: str, keys: int,
-                     requests: int, db: int = 0) -> dict[str, float]:
-    done = subprocess.run(["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-d", str(size), "-t", tests,
-                           "-c", str(clients), "-P", str(pipeline), "-r", str(keys), "-n", str(requests),
-                           "--dbnum", str(db), "--csv"],
-                          capture_output=True, text=True, check=True)
-    return {row[0]: float(row[1]) * size / GB for row in csv.reader(done.stdout.splitlines()[1:]) if row}
+def _redis_benchmark(
+    port: int,
+    size: int,
+    clients: int,
+    pipeline: int,
+    tests: str,
+    keys: int,
+    requests: int,
+    db: int = 0,
+) -> dict[str, float]:
+    done = subprocess.run(
+        [
+            "redis-benchmark",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-d",
+            str(size),
+            "-t",
+            tests,
+            "-c",
+            str(clients),
+            "-P",
+            str(pipeline),
+            "-r",
+            str(keys),
+            "-n",
+            str(requests),
+            "--dbnum",
+            str(db),
+            "--csv",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {
+        row[0]: float(row[1]) * size / GB for row in csv.reader(done.stdout.splitlines()[1:]) if row
+    }
 
 
 class Brackets:
@@ -114,7 +151,15 @@ class Brackets:
     direction ("store": SET of new keys; "load": GET) and records their mean as that side's
     bracket; `pipelines` is the round's better `-P` per direction."""
 
-    def __init__(self, port: int, size: int, clients: int, pipelines: dict[str, int], working_set: int, span: int):
+    def __init__(
+        self,
+        port: int,
+        size: int,
+        clients: int,
+        pipelines: dict[str, int],
+        working_set: int,
+        span: int,
+    ):
         self.port, self.size, self.clients, self.pipelines = port, size, clients, pipelines
         self.keys, self.span = max(8, working_set // size), span
         # db 1: the GET runs' values, under redis-benchmark's names (`key:` and 12 digits), each one set
@@ -130,10 +175,26 @@ class Brackets:
     def rate(self, direction: str) -> float:
         """One baseline run of `direction` now: GB/s."""
         if direction == "load":
-            return _redis_benchmark(self.port, self.size, self.clients, self.pipelines["load"], "get", self.span,
-                                    GET_PER_KEY * self.keys, db=1)["GET"]
-        rate = _redis_benchmark(self.port, self.size, self.clients, self.pipelines["store"], "set", NEW_KEYS,
-                                SET_PER_KEY * self.keys, db=2)["SET"]
+            return _redis_benchmark(
+                self.port,
+                self.size,
+                self.clients,
+                self.pipelines["load"],
+                "get",
+                self.span,
+                GET_PER_KEY * self.keys,
+                db=1,
+            )["GET"]
+        rate = _redis_benchmark(
+            self.port,
+            self.size,
+            self.clients,
+            self.pipelines["store"],
+            "set",
+            NEW_KEYS,
+            SET_PER_KEY * self.keys,
+            db=2,
+        )["SET"]
         redis.Redis(port=self.port, db=2).flushdb()
         return rate
 
@@ -149,6 +210,7 @@ class Brackets:
 
 def in_threads(threads: int, batch: int, count: int, work: Callable[[int, range], None]) -> float:
     """Seconds for `threads` threads to run work(thread, batch of indices) over range(count)."""
+
     def run(thread: int) -> None:
         for start in range(thread * batch, count, threads * batch):
             work(thread, range(start, min(start + batch, count)))
@@ -162,16 +224,27 @@ def in_threads(threads: int, batch: int, count: int, work: Callable[[int, range]
     return time.perf_counter() - start
 
 
-def store_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str,
-                brackets: Brackets) -> dict[str, float]:
+def store_rates(
+    url: str, size: int, count: int, threads: int, batch: int, tag: str, brackets: Brackets
+) -> dict[str, float]:
     """RedisStore put / get / get_into GB/s (and each one's `brackets`' GB/s, under "<side> bracket")."""
     store = RedisStore(url, max_connections=threads)
     names = [f"bench:{tag}:{i}" for i in range(count)]
-    parts = [os.urandom(HEADER_BYTES), memoryview(np.random.default_rng(0).integers(0, 256, size - HEADER_BYTES,
-                                                                                  np.uint8))]
+    parts = [
+        os.urandom(HEADER_BYTES),
+        memoryview(np.random.default_rng(0).integers(0, 256, size - HEADER_BYTES, np.uint8)),
+    ]
     # each thread's destinations, faulted in (as an engine's slab rows are)
-    dests = [[[memoryview(np.ones(HEADER_BYTES, np.uint8)), memoryview(np.ones(size - HEADER_BYTES, np.uint8))]
-              for _ in range(batch)] for _ in range(threads)]
+    dests = [
+        [
+            [
+                memoryview(np.ones(HEADER_BYTES, np.uint8)),
+                memoryview(np.ones(size - HEADER_BYTES, np.uint8)),
+            ]
+            for _ in range(batch)
+        ]
+        for _ in range(threads)
+    ]
 
     def put(_: int, idx: range) -> None:
         if not all(store.put([(names[i], parts) for i in idx])):
@@ -182,14 +255,21 @@ def store_rates(url: str, size: int, count: int, threads: int, batch: int, tag: 
             raise RuntimeError("a value is missing or of another size")
 
     def get_into(thread: int, idx: range) -> None:
-        if store.get_into([names[i] for i in idx], dests[thread][:len(idx)]) != [size] * len(idx):
+        if store.get_into([names[i] for i in idx], dests[thread][: len(idx)]) != [size] * len(idx):
             raise RuntimeError("a value is missing or of another size")
 
     out = {}
-    for side, fn, passes in (("put", put, 1), ("get", get, LOAD_PASSES), ("get_into", get_into, LOAD_PASSES)):
+    for side, fn, passes in (
+        ("put", put, 1),
+        ("get", get, LOAD_PASSES),
+        ("get_into", get_into, LOAD_PASSES),
+    ):
         seconds, out[f"{side} bracket"] = brackets.around(
             "store" if side == "put" else "load",
-            lambda fn=fn, passes=passes: sum(in_threads(threads, batch, count, fn) for _ in range(passes)))
+            lambda fn=fn, passes=passes: sum(
+                in_threads(threads, batch, count, fn) for _ in range(passes)
+            ),
+        )
         out[side] = passes * count * size / seconds / GB
     if bytes(dests[0][0][1]) != bytes(parts[1]):
         raise RuntimeError("get_into received other bytes")
@@ -197,29 +277,52 @@ def store_rates(url: str, size: int, count: int, threads: int, batch: int, tag: 
     return out
 
 
-def tier_rates(url: str, size: int, count: int, threads: int, batch: int, tag: str, brackets: Brackets,
-               key_secret: bytes | None = None) -> dict[str, float]:
+def tier_rates(
+    url: str,
+    size: int,
+    count: int,
+    threads: int,
+    batch: int,
+    tag: str,
+    brackets: Brackets,
+    key_secret: bytes | None = None,
+) -> dict[str, float]:
     """RemoteTier store / load GB/s (bytes of values, header included, as the other sides; keyed
     mode's tag not counted, so that both modes move the same KV per GB/s), each with its
     `brackets`' GB/s ("<side> bracket") and this process's CPU seconds per GB ("<side> cpu")."""
 
-    namespace = Namespace("bench", "bfloat16", "blocks", 16, 4, "sha256_cbor", 1, size - HEADER_BYTES)
-    tier = RemoteTier(RedisStore(url, max_connections=2 * threads), namespace, prefix=f"bench-tier-{tag}",
-                      key_secret=key_secret, io_threads=threads, enable_events=False)
+    namespace = Namespace(
+        "bench", "bfloat16", "blocks", 16, 4, "sha256_cbor", 1, size - HEADER_BYTES
+    )
+    tier = RemoteTier(
+        RedisStore(url, max_connections=2 * threads),
+        namespace,
+        prefix=f"bench-tier-{tag}",
+        key_secret=key_secret,
+        io_threads=threads,
+        enable_events=False,
+    )
     in_flight = 2 * threads
-    rows = np.random.default_rng(1).integers(0, 256, (batch * in_flight, size - HEADER_BYTES), np.uint8)
+    rows = np.random.default_rng(1).integers(
+        0, 256, (batch * in_flight, size - HEADER_BYTES), np.uint8
+    )
     out = {}
     try:
         cpu: dict[str, float] = {}
 
         def run(side: str, passes: int) -> float:
             start = time.process_time()  # this process only: the client's CPU, not the server's
-            seconds = sum(run_jobs(tier, rows, count, batch, side == "store", poll_s=0.0002) for _ in range(passes))
+            seconds = sum(
+                run_jobs(tier, rows, count, batch, side == "store", poll_s=0.0002)
+                for _ in range(passes)
+            )
             cpu[side] = time.process_time() - start
             return seconds
 
         for side, passes in (("store", 1), ("load", LOAD_PASSES)):
-            seconds, out[f"{side} bracket"] = brackets.around(side, lambda side=side, passes=passes: run(side, passes))
+            seconds, out[f"{side} bracket"] = brackets.around(
+                side, lambda side=side, passes=passes: run(side, passes)
+            )
             out[side] = passes * count * size / seconds / GB
             out[f"{side} cpu"] = cpu[side] / (passes * count * size / GB)
         return out
@@ -245,46 +348,83 @@ def client_rates(port: int, size: int, count: int, threads: int, batch: int) -> 
             pipe.get(names[i])
         pipe.execute()
 
-    out = {f"redis-py {side}": count * size / in_threads(threads, batch, count, fn) / GB
-           for side, fn in (("put", put), ("get", get))}
+    out = {
+        f"redis-py {side}": count * size / in_threads(threads, batch, count, fn) / GB
+        for side, fn in (("put", put), ("get", get))
+    }
     client.flushall()
     try:
-        from glide_sync import Batch, ConditionalChange, GlideClient, GlideClientConfiguration, NodeAddress
+        from glide_sync import (
+            Batch,
+            ConditionalChange,
+            GlideClient,
+            GlideClientConfiguration,
+            NodeAddress,
+        )
     except ImportError:
         return out
-    glide = GlideClient.create(GlideClientConfiguration([NodeAddress("127.0.0.1", port)], request_timeout=10_000))
+    glide = GlideClient.create(
+        GlideClientConfiguration([NodeAddress("127.0.0.1", port)], request_timeout=10_000)
+    )
 
     def glide_put(_: int, idx: range) -> None:
         batch_ = Batch(is_atomic=False)
         for i in idx:
-            batch_.set(names[i], b"".join(parts), conditional_set=ConditionalChange.ONLY_IF_DOES_NOT_EXIST)
+            batch_.set(
+                names[i], b"".join(parts), conditional_set=ConditionalChange.ONLY_IF_DOES_NOT_EXIST
+            )
         glide.exec(batch_, raise_on_error=True)
 
     def glide_get(_: int, idx: range) -> None:
         glide.mget([names[i] for i in idx])
 
-    out.update({f"glide-sync {side}": count * size / in_threads(threads, batch, count, fn) / GB
-                for side, fn in (("put", glide_put), ("get", glide_get))})
+    out.update(
+        {
+            f"glide-sync {side}": count * size / in_threads(threads, batch, count, fn) / GB
+            for side, fn in (("put", glide_put), ("get", glide_get))
+        }
+    )
     glide.close()
     client.flushall()
     return out
 
 
-def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: str,
-              keyed_first: bool = False) -> dict[str, float]:
+def one_round(
+    port: int, size: int, count: int, args: argparse.Namespace, tag: str, keyed_first: bool = False
+) -> dict[str, float]:
     """Every side once, the baseline first (the keyed tier before the plain one when `keyed_first`)."""
     url, threads, batch = f"redis://127.0.0.1:{port}", args.threads, args.batch
     working_set = WORKING_SET // 2 if args.quick else WORKING_SET
-    by_pipeline = {pipeline: redis_benchmark(port, size, threads, pipeline, working_set) for pipeline in (1, batch)}
-    out = {f"bench {test}": max(rates[test] for rates in by_pipeline.values()) for test in ("set", "set over", "get")}
-    out.update({f"bench {test} -P{pipeline}": rate for pipeline, rates in by_pipeline.items()
-                for test, rate in rates.items()})
-    best = {direction: max(by_pipeline, key=lambda p, test=test: by_pipeline[p][test])
-            for direction, test in (("store", "set"), ("load", "get"))}
+    by_pipeline = {
+        pipeline: redis_benchmark(port, size, threads, pipeline, working_set)
+        for pipeline in (1, batch)
+    }
+    out = {
+        f"bench {test}": max(rates[test] for rates in by_pipeline.values())
+        for test in ("set", "set over", "get")
+    }
+    out.update(
+        {
+            f"bench {test} -P{pipeline}": rate
+            for pipeline, rates in by_pipeline.items()
+            for test, rate in rates.items()
+        }
+    )
+    best = {
+        direction: max(by_pipeline, key=lambda p, test=test: by_pipeline[p][test])
+        for direction, test in (("store", "set"), ("load", "get"))
+    }
     brackets = Brackets(port, size, threads, best, working_set, count)
-    flush = redis.Redis(port=port, db=0).flushdb  # the sides' values (the brackets' are in dbs 1 and 2)
+    flush = redis.Redis(
+        port=port, db=0
+    ).flushdb  # the sides' values (the brackets' are in dbs 1 and 2)
     try:
-        out.update({f"store {k}": v for k, v in store_rates(url, size, count, threads, batch, tag, brackets).items()})
+        out.update(
+            {
+                f"store {k}": v
+                for k, v in store_rates(url, size, count, threads, batch, tag, brackets).items()
+            }
+        )
         flush()
         for mode in ("keyed", "plain") if keyed_first else ("plain", "keyed"):
             secret = KEY_SECRET if mode == "keyed" else None
@@ -300,18 +440,45 @@ def one_round(port: int, size: int, count: int, args: argparse.Namespace, tag: s
 
 def report(size: int, results: list[dict[str, float]]) -> dict[str, float]:
     """Print one size's figures; its ratios (median over rounds)."""
-    best = {name: (min if name.endswith("cpu") else max)(r[name] for r in results) for name in results[0]
-            if not name.endswith("bracket")}
+    best = {
+        name: (min if name.endswith("cpu") else max)(r[name] for r in results)
+        for name in results[0]
+        if not name.endswith("bracket")
+    }
     # against the baseline runs right before and after the side; the round's first baseline in parentheses
-    bases = {side: base for side, base in (("store put", "set"), ("store get", "get"), ("store get_into", "get"),
-                                           ("tier store", "set"), ("tier load", "get")) if side in best}
-    ratio = {side: statistics.median(r[side] / r[f"{side} bracket"] for r in results) for side in bases}
-    first = {side: statistics.median(r[side] / r[f"bench {base}"] for r in results) for side, base in bases.items()}
-    ratio.update({f"tier keyed {side}": statistics.median(r[f"tier keyed {side}"] / r[f"tier {side}"] for r in results)
-                  for side in ("store", "load")})  # against the plain tier, not redis-benchmark
-    print(f"{size >> 20} MiB  redis-benchmark SET (new keys) {best['bench set']:.2f}, GET {best['bench get']:.2f} "
-          f"GB/s; SET over existing keys {best['bench set over']:.2f}")
-    print(f"      ({', '.join(f'{k[6:]} {v:.2f}' for k, v in best.items() if k.startswith('bench ') and '-P' in k)})")
+    bases = {
+        side: base
+        for side, base in (
+            ("store put", "set"),
+            ("store get", "get"),
+            ("store get_into", "get"),
+            ("tier store", "set"),
+            ("tier load", "get"),
+        )
+        if side in best
+    }
+    ratio = {
+        side: statistics.median(r[side] / r[f"{side} bracket"] for r in results) for side in bases
+    }
+    first = {
+        side: statistics.median(r[side] / r[f"bench {base}"] for r in results)
+        for side, base in bases.items()
+    }
+    ratio.update(
+        {
+            f"tier keyed {side}": statistics.median(
+                r[f"tier keyed {side}"] / r[f"tier {side}"] for r in results
+            )
+            for side in ("store", "load")
+        }
+    )  # against the plain tier, not redis-benchmark
+    print(
+        f"{size >> 20} MiB  redis-benchmark SET (new keys) {best['bench set']:.2f}, GET {best['bench get']:.2f} "
+        f"GB/s; SET over existing keys {best['bench set over']:.2f}"
+    )
+    print(
+        f"      ({', '.join(f'{k[6:]} {v:.2f}' for k, v in best.items() if k.startswith('bench ') and '-P' in k)})"
+    )
     for side, value in best.items():
         if not side.startswith("bench"):
             extra = ""
@@ -327,9 +494,11 @@ def report(size: int, results: list[dict[str, float]]) -> dict[str, float]:
 def mac_rates() -> None:
     """Print the keyed-mode MAC candidates' GB/s on one thread (and xxh3's, for scale)."""
     key = os.urandom(32)
-    candidates = {"keyed BLAKE3": lambda buf: blake3(buf, key=key).digest(),
-                  "keyed BLAKE2b": lambda buf: hashlib.blake2b(buf, key=key).digest(),
-                  "xxh3 (unkeyed)": lambda buf: xxhash.xxh3_64_intdigest(buf)}
+    candidates = {
+        "keyed BLAKE3": lambda buf: blake3(buf, key=key).digest(),
+        "keyed BLAKE2b": lambda buf: hashlib.blake2b(buf, key=key).digest(),
+        "xxh3 (unkeyed)": lambda buf: xxhash.xxh3_64_intdigest(buf),
+    }
     for size in SIZES:
         buf = memoryview(np.random.default_rng(2).integers(0, 256, size, np.uint8))
         rates = {}
@@ -341,7 +510,11 @@ def mac_rates() -> None:
                     mac(buf)
                 best = min(best, (time.perf_counter() - start) / 4)
             rates[name] = size / best / GB
-        print(f"MACs, {size >> 20} MiB, one thread: " + ", ".join(f"{k} {v:.2f}" for k, v in rates.items()) + " GB/s")
+        print(
+            f"MACs, {size >> 20} MiB, one thread: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in rates.items())
+            + " GB/s"
+        )
 
 
 def s3_ratios(quick: bool) -> dict[str, float]:
@@ -358,36 +531,58 @@ def s3_ratios(quick: bool) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="128 MiB written per size and side, 2 rounds")
+    parser.add_argument(
+        "--quick", action="store_true", help="128 MiB written per size and side, 2 rounds"
+    )
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=2, help="client threads (redis-benchmark -c)")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="client threads (redis-benchmark -c)"
+    )
     parser.add_argument("--batch", type=int, default=8, help="names per call (redis-benchmark -P)")
-    parser.add_argument("--clients", action="store_true", help="also redis-py's pipeline and glide-sync")
-    parser.add_argument("--no-s3", action="store_true", help="skip benchmarks/s3_bench.py (its ratios: nan)")
+    parser.add_argument(
+        "--clients", action="store_true", help="also redis-py's pipeline and glide-sync"
+    )
+    parser.add_argument(
+        "--no-s3", action="store_true", help="skip benchmarks/s3_bench.py (its ratios: nan)"
+    )
     args = parser.parse_args()
     if shutil.which("redis-benchmark") is None:
-        raise SystemExit("redis-benchmark not found on PATH: apt-get install -y redis-server (or `make test`)")
+        raise SystemExit(
+            "redis-benchmark not found on PATH: apt-get install -y redis-server (or `make test`)"
+        )
     rounds = (args.rounds or 2) if args.quick else (args.rounds or 4)
-    total = SET_PER_KEY * (WORKING_SET // 2 if args.quick else WORKING_SET)  # the bytes redis-benchmark sets
+    total = SET_PER_KEY * (
+        WORKING_SET // 2 if args.quick else WORKING_SET
+    )  # the bytes redis-benchmark sets
     ratios: dict[str, list[float]] = {}
     mac_rates()
     with RedisServer.temporary(prefix="kvtier-bench-redis-") as server:
         port = server.port
         version = redis.Redis(port=port).info("server")["redis_version"]
-        print(f"redis-server {version} on 127.0.0.1:{port}; {args.threads} threads, {args.batch} names per call; "
-              f"{total >> 20} MiB written and {LOAD_PASSES * total >> 20} read per size and side, {rounds} rounds")
+        print(
+            f"redis-server {version} on 127.0.0.1:{port}; {args.threads} threads, {args.batch} names per call; "
+            f"{total >> 20} MiB written and {LOAD_PASSES * total >> 20} read per size and side, {rounds} rounds"
+        )
         for size in SIZES:
             count = max(total // size, args.threads * args.batch * 2)
-            results = [one_round(port, size, count, args, f"{size}-{r}", keyed_first=r % 2 == 1)
-                       for r in range(rounds)]
+            results = [
+                one_round(port, size, count, args, f"{size}-{r}", keyed_first=r % 2 == 1)
+                for r in range(rounds)
+            ]
             for side, value in report(size, results).items():
                 ratios.setdefault(side, []).append(value)
     redis_store, redis_load = min(ratios["tier store"]), min(ratios["tier load"])
     keyed_store, keyed_load = min(ratios["tier keyed store"]), min(ratios["tier keyed load"])
-    s3 = {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan} if args.no_s3 else s3_ratios(args.quick)
-    print(f"RESULT redis_store_ratio={redis_store:.2f} redis_load_ratio={redis_load:.2f} "
-          f"s3_store_ratio={s3['s3_store_ratio']:.2f} s3_load_ratio={s3['s3_load_ratio']:.2f} "
-          f"keyed_store_ratio={keyed_store:.2f} keyed_load_ratio={keyed_load:.2f}")
+    s3 = (
+        {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan}
+        if args.no_s3
+        else s3_ratios(args.quick)
+    )
+    print(
+        f"RESULT redis_store_ratio={redis_store:.2f} redis_load_ratio={redis_load:.2f} "
+        f"s3_store_ratio={s3['s3_store_ratio']:.2f} s3_load_ratio={s3['s3_load_ratio']:.2f} "
+        f"keyed_store_ratio={keyed_store:.2f} keyed_load_ratio={keyed_load:.2f}"
+    )
 
 
 if __name__ == "__main__":

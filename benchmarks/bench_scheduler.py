@@ -63,8 +63,13 @@ def _timed(name: str):
     return call
 
 
-for _name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-              "update_connector_output", "request_finished"):
+for _name in (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+):
     setattr(TimedScheduler, _name, _timed(_name))
 
 
@@ -93,7 +98,8 @@ def run(requests: list[TraceRequest], offload: bool, num_blocks: int, num_slots:
         "request_steps": request_steps,
         "kvtier_seconds": sched.seconds if sched else 0.0,
         "hit_rate": sum(r.num_external_tokens for r in reqs) / prompt_tokens,
-        "local_rate": sum((r.num_cached_tokens or 0) - r.num_external_tokens for r in reqs) / prompt_tokens,
+        "local_rate": sum((r.num_cached_tokens or 0) - r.num_external_tokens for r in reqs)
+        / prompt_tokens,
     }
 
 
@@ -110,8 +116,13 @@ def run_long_prompt(num_prompt_tokens: int, policy: str, num_decode_tokens: int 
     num_blocks = (num_prompt_tokens + num_decode_tokens) // BLOCK + 64
     config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK),))
     sched = TimedScheduler(config, CPUTierManager(num_blocks, policy=policy))
-    engine = FakeEngine(sched, num_blocks=num_blocks, block_size=BLOCK, max_tokens_per_step=2048,
-                        check_content=False)
+    engine = FakeEngine(
+        sched,
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        max_tokens_per_step=2048,
+        check_content=False,
+    )
     cold = np.zeros(_COLD_CACHE_BYTES // 8)
     try:
         prompt = [(i * 7919) % 32000 for i in range(num_prompt_tokens)]
@@ -129,58 +140,83 @@ def run_long_prompt(num_prompt_tokens: int, policy: str, num_decode_tokens: int 
             stored[phase] += sched.stats.stored_chunks - stored_before
     finally:
         engine.close()
-    return {"prefill_us_per_step": seconds["prefill"] / steps["prefill"] * 1e6,
-            "prefill_us_per_chunk": seconds["prefill"] / max(1, stored["prefill"]) * 1e6,
-            "decode_us_per_step": seconds["decode"] / steps["decode"] * 1e6,
-            "stored": stored["prefill"] + stored["decode"]}
+    return {
+        "prefill_us_per_step": seconds["prefill"] / steps["prefill"] * 1e6,
+        "prefill_us_per_chunk": seconds["prefill"] / max(1, stored["prefill"]) * 1e6,
+        "decode_us_per_step": seconds["decode"] / steps["decode"] * 1e6,
+        "stored": stored["prefill"] + stored["decode"],
+    }
 
 
 def long_prompts(lengths: list[int], policy: str, rounds: int) -> None:
-    print(f"one request per prefix length; blocks of {BLOCK} tokens, 2,048 tokens per prefill step, "
-          f"512 decoded; policy {policy}; best of {rounds} interleaved rounds", flush=True)
+    print(
+        f"one request per prefix length; blocks of {BLOCK} tokens, 2,048 tokens per prefill step, "
+        f"512 decoded; policy {policy}; best of {rounds} interleaved rounds",
+        flush=True,
+    )
     runs: dict[int, list[dict]] = {n: [] for n in lengths}
     for _ in range(rounds):
         for n in lengths:
             runs[n].append(run_long_prompt(n, policy))
     best = {n: {k: min(r[k] for r in results) for k in results[0]} for n, results in runs.items()}
     for n, r in best.items():
-        print(f"{n:>7} tokens: {r['prefill_us_per_step']:9.1f} µs per prefill step, {r['prefill_us_per_chunk']:6.2f} "
-              f"µs per chunk stored in prefill, {r['decode_us_per_step']:6.1f} µs per decode step "
-              f"({r['stored']:.0f} chunks stored)")
+        print(
+            f"{n:>7} tokens: {r['prefill_us_per_step']:9.1f} µs per prefill step, {r['prefill_us_per_chunk']:6.2f} "
+            f"µs per chunk stored in prefill, {r['decode_us_per_step']:6.1f} µs per decode step "
+            f"({r['stored']:.0f} chunks stored)"
+        )
     short, long = best[min(lengths)], best[max(lengths)]
     per_chunk = "/".join(f"{best[n]['prefill_us_per_chunk']:.2f}" for n in lengths)
     decode = "/".join(f"{best[n]['decode_us_per_step']:.1f}" for n in lengths)
-    print(f"RESULT long_prompt_us_per_chunk={per_chunk} "
-          f"flat_ratio={long['prefill_us_per_chunk'] / short['prefill_us_per_chunk']:.2f} "
-          f"decode_us_per_step={decode} "
-          f"decode_flat_ratio={long['decode_us_per_step'] / short['decode_us_per_step']:.2f}")
+    print(
+        f"RESULT long_prompt_us_per_chunk={per_chunk} "
+        f"flat_ratio={long['prefill_us_per_chunk'] / short['prefill_us_per_chunk']:.2f} "
+        f"decode_us_per_step={decode} "
+        f"decode_flat_ratio={long['decode_us_per_step'] / short['decode_us_per_step']:.2f}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="first 1,000 requests (with --prefix-lengths: 1 round)")
+    parser.add_argument(
+        "--quick", action="store_true", help="first 1,000 requests (with --prefix-lengths: 1 round)"
+    )
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    parser.add_argument("--engine-blocks", type=int, default=2048, help="the engine's own KV blocks")
+    parser.add_argument(
+        "--engine-blocks", type=int, default=2048, help="the engine's own KV blocks"
+    )
     parser.add_argument("--tier-slots", type=int, default=32768, help="kvtier CPU slots (chunks)")
-    parser.add_argument("--prefix-lengths", help="comma-separated prompt lengths: one long request each")
-    parser.add_argument("--policy", default="adaptive", help="the CPU tier's policy (with --prefix-lengths)")
+    parser.add_argument(
+        "--prefix-lengths", help="comma-separated prompt lengths: one long request each"
+    )
+    parser.add_argument(
+        "--policy", default="adaptive", help="the CPU tier's policy (with --prefix-lengths)"
+    )
     args = parser.parse_args()
     if args.prefix_lengths:
-        long_prompts([int(n) for n in args.prefix_lengths.split(",")], args.policy, 1 if args.quick else 3)
+        long_prompts(
+            [int(n) for n in args.prefix_lengths.split(",")], args.policy, 1 if args.quick else 3
+        )
         return
     requests = load_trace(args.trace, limit=1000 if args.quick else None)
-    print(f"{len(requests)} requests; engine {args.engine_blocks} blocks of {BLOCK} tokens; "
-          f"kvtier {args.tier_slots} slots")
+    print(
+        f"{len(requests)} requests; engine {args.engine_blocks} blocks of {BLOCK} tokens; "
+        f"kvtier {args.tier_slots} slots"
+    )
     base = run(requests, False, args.engine_blocks, args.tier_slots)
     ours = run(requests, True, args.engine_blocks, args.tier_slots)
     base_us = base["seconds"] / base["request_steps"] * 1e6
     ours_us = ours["seconds"] / ours["request_steps"] * 1e6
     sched_us = ours["kvtier_seconds"] / ours["request_steps"] * 1e6
-    print(f"engine without kvtier: {base_us:8.1f} µs per request-step, engine prefix-cache hit rate "
-          f"{base['local_rate']:.2%}")
-    print(f"engine with kvtier:    {ours_us:8.1f} µs per request-step ({ours_us / base_us:.2f}x), of which "
-          f"kvtier {sched_us:.1f} µs; engine hit rate {ours['local_rate']:.2%} + kvtier hit rate "
-          f"{ours['hit_rate']:.2%}")
+    print(
+        f"engine without kvtier: {base_us:8.1f} µs per request-step, engine prefix-cache hit rate "
+        f"{base['local_rate']:.2%}"
+    )
+    print(
+        f"engine with kvtier:    {ours_us:8.1f} µs per request-step ({ours_us / base_us:.2f}x), of which "
+        f"kvtier {sched_us:.1f} µs; engine hit rate {ours['local_rate']:.2%} + kvtier hit rate "
+        f"{ours['hit_rate']:.2%}"
+    )
     print(f"RESULT sched_us_per_step={sched_us:.1f} hit_rate={ours['hit_rate']:.4f}")
 
 

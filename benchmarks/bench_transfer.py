@@ -46,28 +46,43 @@ ENGINE, SLAB = Endpoint.ENGINE, Endpoint.SLAB
 def make_kv(layers: int, num_blocks: int, page_bytes: int) -> dict[str, torch.Tensor]:
     """KV tensors like vLLM's CPU backend registers: views into one buffer, layer outermost."""
     content = page_bytes // (4 * HEADS * TOKENS)
-    buffer = torch.randint(-(2**31), 2**31 - 1, (layers, num_blocks, HEADS, TOKENS, content), dtype=torch.int32)
+    buffer = torch.randint(
+        -(2**31), 2**31 - 1, (layers, num_blocks, HEADS, TOKENS, content), dtype=torch.int32
+    )
     buffer = buffer.view(torch.float32)
     return {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(layers)}
 
 
-def placement(case: str, num_chunks: int, bpc: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def placement(
+    case: str, num_chunks: int, bpc: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Block ids (num_chunks, bpc) and slot ids (num_chunks,) for one case."""
     if case == "contiguous":
         return np.arange(num_chunks * bpc).reshape(num_chunks, bpc), np.arange(num_chunks)
-    starts = rng.permutation(2 * num_chunks)[:num_chunks] * bpc  # the buffer has room for 2x the chunks
+    starts = (
+        rng.permutation(2 * num_chunks)[:num_chunks] * bpc
+    )  # the buffer has room for 2x the chunks
     return starts[:, None] + np.arange(bpc), rng.permutation(num_chunks)
 
 
-def run_jobs(engine: TransferEngine, is_store: bool, blocks: np.ndarray, slots: np.ndarray, per_job: int) -> float:
+def run_jobs(
+    engine: TransferEngine, is_store: bool, blocks: np.ndarray, slots: np.ndarray, per_job: int
+) -> float:
     """Submit every chunk in jobs of `per_job` chunks, wait for all; return seconds."""
     start = time.perf_counter()
     job_ids = []
     for job_id, first in enumerate(range(0, len(slots), per_job)):
         b, s = blocks[first : first + per_job].ravel(), slots[first : first + per_job]
-        engine.submit(TransferJob(job_id=job_id, req_id="bench", src=ENGINE if is_store else SLAB,
-                                  dst=SLAB if is_store else ENGINE, deadline=math.inf,
-                                  parts=(TransferPart(group=0, slot_ids=s, block_ids=b),)))
+        engine.submit(
+            TransferJob(
+                job_id=job_id,
+                req_id="bench",
+                src=ENGINE if is_store else SLAB,
+                dst=SLAB if is_store else ENGINE,
+                deadline=math.inf,
+                parts=(TransferPart(group=0, slot_ids=s, block_ids=b),),
+            )
+        )
         job_ids.append(job_id)
     if not engine.wait(job_ids, timeout=60):
         raise RuntimeError("jobs did not finish in 60 s")
@@ -78,7 +93,9 @@ def run_jobs(engine: TransferEngine, is_store: bool, blocks: np.ndarray, slots: 
     return seconds
 
 
-def check_round_trip(engine: TransferEngine, kv: dict[str, torch.Tensor], blocks: np.ndarray, slots: np.ndarray):
+def check_round_trip(
+    engine: TransferEngine, kv: dict[str, torch.Tensor], blocks: np.ndarray, slots: np.ndarray
+):
     """Store, zero the blocks, load back: the bytes must come back exactly."""
     index = torch.from_numpy(blocks.ravel())
     before = [t[index].clone() for t in kv.values()]
@@ -87,7 +104,10 @@ def check_round_trip(engine: TransferEngine, kv: dict[str, torch.Tensor], blocks
         t[index] = 0
     run_jobs(engine, False, blocks, slots, 4)
     after = [t[index] for t in kv.values()]
-    if not all(torch.equal(b.view(torch.int32), a.view(torch.int32)) for b, a in zip(before, after, strict=True)):
+    if not all(
+        torch.equal(b.view(torch.int32), a.view(torch.int32))
+        for b, a in zip(before, after, strict=True)
+    ):
         raise RuntimeError("round trip changed bytes")
 
 
@@ -102,7 +122,10 @@ def scrub_cache() -> None:
 
 
 def bench_size(
-    chunk_bytes: int, args: argparse.Namespace, rng: np.random.Generator, cases=("contiguous", "fragmented")
+    chunk_bytes: int,
+    args: argparse.Namespace,
+    rng: np.random.Generator,
+    cases=("contiguous", "fragmented"),
 ) -> dict[str, tuple]:
     """GB/s of store, load and the contiguous baseline per case, best of `args.rounds`."""
     page = chunk_bytes // (args.layers * args.bpc)
@@ -178,7 +201,9 @@ def gil_main(args: argparse.Namespace, rng: np.random.Generator) -> None:
     for path in paths:
         for spin in (False, True):
             with copy_path(path), spinning(spin):
-                store, load, copy, *_ = bench_size(2 << 20, args, rng, cases=("fragmented",))["fragmented"]
+                store, load, copy, *_ = bench_size(2 << 20, args, rng, cases=("fragmented",))[
+                    "fragmented"
+                ]
             copy = ratios.setdefault("copy", copy)  # the no-spinner baseline of the first row
             ratios[path, spin] = (store / copy, load / copy)
             print(f"{path:>7} {'yes' if spin else 'no':>8} {store:>11.2f} {load:>10.2f} {copy:>10.2f} "
@@ -193,9 +218,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--bpc", type=int, default=4, help="blocks per chunk")
     parser.add_argument("--chunks-per-job", type=int, default=4)
-    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per direction per round")
+    parser.add_argument(
+        "--total-mib", type=int, default=256, help="bytes moved per direction per round"
+    )
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--gil", action="store_true", help="2 MiB chunks beside a spinning Python thread")
+    parser.add_argument(
+        "--gil", action="store_true", help="2 MiB chunks beside a spinning Python thread"
+    )
     args = parser.parse_args()
     if args.quick:
         args.total_mib, args.rounds = 64, 5
@@ -210,7 +239,9 @@ def main() -> None:
           f"{'store/copy':>10} {'load/copy':>9}")  # fmt: skip
     ratios = {}
     for chunk in CHUNK_SIZES:
-        for case, (store, load, copy, store_ratio, load_ratio) in bench_size(chunk, args, rng).items():
+        for case, (store, load, copy, store_ratio, load_ratio) in bench_size(
+            chunk, args, rng
+        ).items():
             ratios[chunk, case] = (store_ratio, load_ratio)
             print(f"{chunk >> 10:>5} KiB {chunk // (args.layers * args.bpc) >> 10:>4} KiB {case:>11} {store:>11.2f} "
                   f"{load:>10.2f} {copy:>10.2f} {store_ratio:>10.2f} {load_ratio:>9.2f}")  # fmt: skip

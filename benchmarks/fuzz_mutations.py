@@ -61,7 +61,9 @@ class _OneEntryPerBlockLedger(lazy.EvictionLedger):
     def __len__(self) -> int:
         return len(set(map(id, self._by_block.values())))
 
-    def record(self, key: OffloadKey, group: int, blocks: Iterable[int], req_id: str, chunk: int) -> None:
+    def record(
+        self, key: OffloadKey, group: int, blocks: Iterable[int], req_id: str, chunk: int
+    ) -> None:
         entry = lazy.LedgerEntry(key, group, tuple(blocks), req_id, chunk)
         for block in entry.blocks:
             self._by_block[block] = entry
@@ -79,7 +81,11 @@ class _OneEntryPerBlockLedger(lazy.EvictionLedger):
             if entry is not None:
                 self._drop_old(entry)
                 taken.setdefault(entry.req_id, []).append(entry)
-        return [e for entries in taken.values() for e in sorted(entries, key=lambda e: (e.chunk, e.group))]
+        return [
+            e
+            for entries in taken.values()
+            for e in sorted(entries, key=lambda e: (e.chunk, e.group))
+        ]
 
     def restore(self, entries: Iterable[lazy.LedgerEntry]) -> None:
         for entry in entries:
@@ -165,10 +171,17 @@ _PATCHES = {
     "defect3": [(CPUTierManager, "join_chain", lambda self, keys, ctx: None)],
     "defect4": [(RemoteTier, "_rejected_locked", _rejected_only_while_broken)],
     "i32-defect1": [(StorePlanning, "_eviction_owner", _lazy_owner_losing(tenant=None))],
-    "i32-defect2": [(LoadCosts, "_explore", lambda self, state, start, locations, choice, costs, now: choice)],
-    "i32-defect3": [(StorePlanning, "_eviction_owner", _lazy_owner_losing(hints=NO_HINTS, on_behalf_of=None))],
+    "i32-defect2": [
+        (LoadCosts, "_explore", lambda self, state, start, locations, choice, costs, now: choice)
+    ],
+    "i32-defect3": [
+        (StorePlanning, "_eviction_owner", _lazy_owner_losing(hints=NO_HINTS, on_behalf_of=None))
+    ],
     "i32-defect4": [(S3Store, "_each", _each_until_first_failure)],
-    "i32-defect5": [(ResetSweep, "admit_locked", _admit_uncounted), (ResetSweep, "job_over", _job_over_uncounted)],
+    "i32-defect5": [
+        (ResetSweep, "admit_locked", _admit_uncounted),
+        (ResetSweep, "job_over", _job_over_uncounted),
+    ],
 }
 MUTATIONS = tuple(_PATCHES)
 
@@ -180,7 +193,8 @@ _REACH = {
     "defect3": lambda config: config.disk is not None or config.redis is not None,
     "defect4": lambda config: config.redis is not None,
     # lazy stores of a tenant whose quota is below another's ("*": the tenant "" the defect charged)
-    "i32-defect1": lambda config: config.store_mode == "lazy" and any(t != "*" for t, _ in config.quotas),
+    "i32-defect1": lambda config: config.store_mode == "lazy"
+    and any(t != "*" for t, _ in config.quotas),
     "i32-defect2": lambda config: config.load_costs == "measured",
     "i32-defect3": lambda config: config.store_mode == "lazy" and config.keepers,
     "i32-defect4": lambda config: config.s3 is not None,

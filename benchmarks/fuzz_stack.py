@@ -70,7 +70,9 @@ class Outcome:
         return f"{self.config.describe()} steps={self.num_steps} {verdict}"
 
 
-def run_config(config: FuzzConfig, redis: RedisServer | None, num_actions: int, s3: S3Server | None = None) -> Outcome:
+def run_config(
+    config: FuzzConfig, redis: RedisServer | None, num_actions: int, s3: S3Server | None = None
+) -> Outcome:
     """Build the stack of `config`, walk it `num_actions` random actions, then to a quiet end."""
     stack = Stack(config, redis.url if redis is not None else None, s3)
     driver = Driver(stack, random.Random(config.seed), redis)
@@ -120,12 +122,19 @@ def _where(exc: BaseException) -> str:
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
 
 
-def _run_guarded(config: FuzzConfig, redis: RedisServer | None, num_actions: int, hang_s: float,
-                 s3: S3Server | None = None) -> Outcome:
+def _run_guarded(
+    config: FuzzConfig,
+    redis: RedisServer | None,
+    num_actions: int,
+    hang_s: float,
+    s3: S3Server | None = None,
+) -> Outcome:
     """`run_config` on a thread of its own; a configuration that does not end in time is a hang
     (its thread is abandoned: daemon)."""
     box: list[Outcome] = []
-    thread = threading.Thread(target=lambda: box.append(run_config(config, redis, num_actions, s3)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: box.append(run_config(config, redis, num_actions, s3)), daemon=True
+    )
     thread.start()
     thread.join(hang_s)
     if box:
@@ -136,9 +145,17 @@ def _run_guarded(config: FuzzConfig, redis: RedisServer | None, num_actions: int
     return Outcome(config, 0, "hang", f"did not end in {hang_s:.0f} s (threads' stacks above)")
 
 
-def run_fuzz(*, seed: int, minutes: float | None = None, max_configs: int | None = None, num_actions: int = 300,
-             mutation_name: str | None = None, hang_s: float = 300.0, config_seed: int | None = None,
-             out=print) -> list[Outcome]:
+def run_fuzz(
+    *,
+    seed: int,
+    minutes: float | None = None,
+    max_configs: int | None = None,
+    num_actions: int = 300,
+    mutation_name: str | None = None,
+    hang_s: float = 300.0,
+    config_seed: int | None = None,
+    out=print,
+) -> list[Outcome]:
     """Run configurations drawn from `seed` until `minutes` pass or `max_configs` ran (or, with a
     mutation, the first failure; only configurations where the mutated code runs are drawn then);
     `config_seed`: only the configuration a failure named. Returns their outcomes."""
@@ -147,10 +164,15 @@ def run_fuzz(*, seed: int, minutes: float | None = None, max_configs: int | None
     if config_seed is not None:
         max_configs = 1
     s3 = S3Server()  # started when a configuration first has an S3 tier
-    with RedisServer.temporary(prefix="kvtier-bench-redis-") as redis, obstore_faults(), mutation(mutation_name), \
-            contextlib.closing(s3):
-        while (deadline is None or time.monotonic() < deadline) and (max_configs is None or
-                                                                     len(outcomes) < max_configs):
+    with (
+        RedisServer.temporary(prefix="kvtier-bench-redis-") as redis,
+        obstore_faults(),
+        mutation(mutation_name),
+        contextlib.closing(s3),
+    ):
+        while (deadline is None or time.monotonic() < deadline) and (
+            max_configs is None or len(outcomes) < max_configs
+        ):
             config = FuzzConfig.draw(rng.randrange(1 << 31) if config_seed is None else config_seed)
             if config_seed is None and not reaches(mutation_name, config):
                 continue  # a defect put back is looked for only where its code runs
@@ -163,10 +185,15 @@ def run_fuzz(*, seed: int, minutes: float | None = None, max_configs: int | None
 
 
 def summary(outcomes: list[Outcome], mutation_name: str | None) -> str:
-    count = {kind: sum(o.kind == kind for o in outcomes) for kind in ("mismatch", "hang", "violation", "crash")}
-    line = (f"RESULT steps={sum(o.num_steps for o in outcomes)} configs={len(outcomes)} "
-            f"mismatches={count['mismatch']} hangs={count['hang']} violations={count['violation']} "
-            f"crashes={count['crash']}")
+    count = {
+        kind: sum(o.kind == kind for o in outcomes)
+        for kind in ("mismatch", "hang", "violation", "crash")
+    }
+    line = (
+        f"RESULT steps={sum(o.num_steps for o in outcomes)} configs={len(outcomes)} "
+        f"mismatches={count['mismatch']} hangs={count['hang']} violations={count['violation']} "
+        f"crashes={count['crash']}"
+    )
     if mutation_name is not None:
         failed = next((o for o in outcomes if o.kind is not None), None)
         found = "none" if failed is None else failed.kind
@@ -176,21 +203,44 @@ def summary(outcomes: list[Outcome], mutation_name: str | None) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=None, help="run this long (default: 2, or --configs)")
-    parser.add_argument("--configs", type=int, default=None, help="run this many configurations at most")
+    parser.add_argument(
+        "--minutes", type=float, default=None, help="run this long (default: 2, or --configs)"
+    )
+    parser.add_argument(
+        "--configs", type=int, default=None, help="run this many configurations at most"
+    )
     parser.add_argument("--steps", type=int, default=300, help="random actions per configuration")
-    parser.add_argument("--seed", type=int, default=20, help="the run's seed (configurations derive from it)")
-    parser.add_argument("--mutation", choices=MUTATIONS, default=None,
-                        help="put one of issue 20's or 32's defects back")
-    parser.add_argument("--hang-s", type=float, default=300.0, help="a configuration longer than this is a hang")
-    parser.add_argument("--config-seed", type=int, default=None,
-                        help="run only the configuration of this seed (the `seed=` a failure printed)")
+    parser.add_argument(
+        "--seed", type=int, default=20, help="the run's seed (configurations derive from it)"
+    )
+    parser.add_argument(
+        "--mutation",
+        choices=MUTATIONS,
+        default=None,
+        help="put one of issue 20's or 32's defects back",
+    )
+    parser.add_argument(
+        "--hang-s", type=float, default=300.0, help="a configuration longer than this is a hang"
+    )
+    parser.add_argument(
+        "--config-seed",
+        type=int,
+        default=None,
+        help="run only the configuration of this seed (the `seed=` a failure printed)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 minutes")
     args = parser.parse_args()
     minutes = 2.0 if args.quick or (args.minutes is None and args.configs is None) else args.minutes
-    outcomes = run_fuzz(seed=args.seed, minutes=minutes, max_configs=args.configs, num_actions=args.steps,
-                        mutation_name=args.mutation, hang_s=args.hang_s, config_seed=args.config_seed,
-                        out=lambda s: print(s, flush=True))
+    outcomes = run_fuzz(
+        seed=args.seed,
+        minutes=minutes,
+        max_configs=args.configs,
+        num_actions=args.steps,
+        mutation_name=args.mutation,
+        hang_s=args.hang_s,
+        config_seed=args.config_seed,
+        out=lambda s: print(s, flush=True),
+    )
     reached = sum((o.reached for o in outcomes), Counter())
     print("REACHED " + ", ".join(f"{what}: {n}" for what, n in sorted(reached.items())), flush=True)
     print(summary(outcomes, args.mutation), flush=True)

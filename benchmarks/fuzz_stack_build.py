@@ -54,11 +54,24 @@ from kvtier.tiers.remote.redis import RedisStore
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.tiered import TieredManager
 
-__all__ = ["BLOCK", "KEEPER_PRIORITIES", "LOAD_COSTS", "TENANTS", "FileFaults", "FakeClock", "FuzzConfig", "Stack",
-           "keeper_hints"]
+__all__ = [
+    "BLOCK",
+    "KEEPER_PRIORITIES",
+    "LOAD_COSTS",
+    "TENANTS",
+    "FileFaults",
+    "FakeClock",
+    "FuzzConfig",
+    "Stack",
+    "keeper_hints",
+]
 
 BLOCK = 4  # tokens per engine block
-TENANTS = (None, "tenant-b", "tenant-c")  # requests' cache_salt where a configuration has several tenants
+TENANTS = (
+    None,
+    "tenant-b",
+    "tenant-c",
+)  # requests' cache_salt where a configuration has several tenants
 KEEPER_PRIORITIES = (1, 5)  # a keeper's priority (above every other request's, which is 2 at most)
 
 
@@ -101,7 +114,9 @@ class FuzzConfig:
     quotas: tuple[tuple[str, int], ...] = ()  # CPU-tier slots per tenant ("tenant-b", "*"), or none
     s3: str | None = None  # write mode of an S3 tier, or None
     num_workers: int = 1  # tensor-parallel ranks
-    tenants: tuple[str | None, ...] = ()  # what requests draw their tenant from (): one in ten "tenant-b"
+    tenants: tuple[
+        str | None, ...
+    ] = ()  # what requests draw their tenant from (): one in ten "tenant-b"
     disk_quotas: tuple[tuple[str, int], ...] = ()  # disk files per tenant, or none
     keepers: bool = False  # some requests ask to keep their own prompts (`keeper_hints`)
     lockstep: bool = False  # after each step, wait until the tiers are quiet (see `Stack.is_quiet`)
@@ -110,31 +125,56 @@ class FuzzConfig:
     def draw(cls, seed: int) -> FuzzConfig:
         rng = random.Random(seed)
         bpc = rng.choice([1, 2, 4])
-        tiers = rng.choice([(None, None), ("write_through", None), ("on_evict", None), (None, "write_through"),
-                            ("write_through", "write_through"), ("on_evict", "write_through"),
-                            ("write_through", "on_evict")])
+        tiers = rng.choice(
+            [
+                (None, None),
+                ("write_through", None),
+                ("on_evict", None),
+                (None, "write_through"),
+                ("write_through", "write_through"),
+                ("on_evict", "write_through"),
+                ("write_through", "on_evict"),
+            ]
+        )
         window = rng.choice([None, None, None, 2 * BLOCK, 3 * BLOCK])
         # several KV-cache groups always load asynchronously (`kvtier.integrations.vllm.convert.load_mode_for`)
         load_mode = rng.choice(["sync", "async"]) if window is None else "async"
         # issue 32's fields: a generator of their own, so the draws above stay what they were for every seed
         extra = cls._draw_issue32(random.Random(seed * 7919 + 4), bpc, tiers[0] is not None)
-        quotas = random.Random(seed * 7919 + 2).choice([(), (), (("tenant-b", 1),), (("*", 2 * bpc),)])
-        return cls(seed=seed, store_mode=rng.choice(["eager", "lazy"]), load_mode=load_mode,
-                   blocks_per_chunk=bpc, sliding_window=window,
-                   policy=rng.choice(["lru", "arc", "turns"]), disk=tiers[0], redis=tiers[1],
-                   min_offers=rng.choice([1, 1, 2]), num_slots=rng.randint(2, 6) * bpc,
-                   num_blocks=rng.randint(12, 28) * (1 if window is None else 2),
-                   max_tokens_per_step=rng.choice([5, 8, 16, 64]),
-                   max_deferrals=rng.choice([0, 2, 8]), evict_lookahead=rng.choice([None, 1, 2, 4]),
-                   # a generator of its own: the draws above stay what they were for every seed
-                   **{"load_costs": random.Random(seed * 7919 + 1).choice(["off", *LOAD_COSTS]), "quotas": quotas,
-                      **extra})
+        quotas = random.Random(seed * 7919 + 2).choice(
+            [(), (), (("tenant-b", 1),), (("*", 2 * bpc),)]
+        )
+        return cls(
+            seed=seed,
+            store_mode=rng.choice(["eager", "lazy"]),
+            load_mode=load_mode,
+            blocks_per_chunk=bpc,
+            sliding_window=window,
+            policy=rng.choice(["lru", "arc", "turns"]),
+            disk=tiers[0],
+            redis=tiers[1],
+            min_offers=rng.choice([1, 1, 2]),
+            num_slots=rng.randint(2, 6) * bpc,
+            num_blocks=rng.randint(12, 28) * (1 if window is None else 2),
+            max_tokens_per_step=rng.choice([5, 8, 16, 64]),
+            max_deferrals=rng.choice([0, 2, 8]),
+            evict_lookahead=rng.choice([None, 1, 2, 4]),
+            # a generator of its own: the draws above stay what they were for every seed
+            **{
+                "load_costs": random.Random(seed * 7919 + 1).choice(["off", *LOAD_COSTS]),
+                "quotas": quotas,
+                **extra,
+            },
+        )
 
     @staticmethod
     def _draw_issue32(rng: random.Random, bpc: int, has_disk: bool) -> dict:
         """Issue 32's fields: an S3 tier, two ranks, several tenants with quotas, keepers."""
-        drawn = {"s3": rng.choice([None, None, "write_through", "on_evict"]), "num_workers": rng.choice([1, 1, 2]),
-                 "keepers": rng.random() < 0.5}
+        drawn = {
+            "s3": rng.choice([None, None, "write_through", "on_evict"]),
+            "num_workers": rng.choice([1, 1, 2]),
+            "keepers": rng.random() < 0.5,
+        }
         if rng.random() < 0.5:
             # several tenants: tenant-b may hold less than anyone else ("*"), tenant-c sometimes more
             small = rng.choice([1, bpc])
@@ -153,29 +193,52 @@ class FuzzConfig:
         full = GroupSpec(tokens_per_block=BLOCK, blocks_per_chunk=self.blocks_per_chunk)
         if self.sliding_window is None:
             return (full,)
-        window = GroupSpec(GroupKind.SLIDING_WINDOW, BLOCK, self.blocks_per_chunk, sliding_window=self.sliding_window)
+        window = GroupSpec(
+            GroupKind.SLIDING_WINDOW,
+            BLOCK,
+            self.blocks_per_chunk,
+            sliding_window=self.sliding_window,
+        )
         return (full, window)
 
     def describe(self) -> str:
         groups = "full" if self.sliding_window is None else f"full+window{self.sliding_window}"
-        return (f"seed={self.seed} {self.store_mode}/{self.load_mode} bpc={self.blocks_per_chunk} {groups} "
-                f"{self.policy} disk={self.disk} redis={self.redis} min_offers={self.min_offers} "
-                f"slots={self.num_slots} blocks={self.num_blocks} step={self.max_tokens_per_step} "
-                f"deferrals={self.max_deferrals} lookahead={self.evict_lookahead} costs={self.load_costs} "
-                f"quotas={dict(self.quotas) or None} s3={self.s3} workers={self.num_workers} "
-                f"tenants={len(self.tenants) or 'few'} disk_quotas={dict(self.disk_quotas) or None} "
-                f"keepers={self.keepers} lockstep={self.lockstep}")
+        return (
+            f"seed={self.seed} {self.store_mode}/{self.load_mode} bpc={self.blocks_per_chunk} {groups} "
+            f"{self.policy} disk={self.disk} redis={self.redis} min_offers={self.min_offers} "
+            f"slots={self.num_slots} blocks={self.num_blocks} step={self.max_tokens_per_step} "
+            f"deferrals={self.max_deferrals} lookahead={self.evict_lookahead} costs={self.load_costs} "
+            f"quotas={dict(self.quotas) or None} s3={self.s3} workers={self.num_workers} "
+            f"tenants={len(self.tenants) or 'few'} disk_quotas={dict(self.disk_quotas) or None} "
+            f"keepers={self.keepers} lockstep={self.lockstep}"
+        )
 
 
 _FAST, _SLOW = ReadEstimate(1e12, 0.0), ReadEstimate(1e3, 0.1)
 # fixed figures for the decision (prefill 1,000 tokens/s: a 4-token block takes 4 ms); S3 as Redis
 LOAD_COSTS: dict[str, tuple[str, CostSnapshot]] = {
-    "always": ("always", CostSnapshot({"cpu": _FAST, "disk": _SLOW, "redis": _SLOW, "s3": _SLOW}, 1000.0)),
-    "cost-fast": ("cost", CostSnapshot({"cpu": _FAST, "disk": _FAST, "redis": _FAST, "s3": _FAST}, 1000.0)),
-    "cost-slow-disk": ("cost", CostSnapshot({"cpu": _FAST, "disk": _SLOW, "redis": _FAST, "s3": _FAST}, 1000.0)),
-    "cost-slow-redis": ("cost", CostSnapshot({"cpu": _FAST, "disk": _FAST, "redis": _SLOW, "s3": _SLOW}, 1000.0)),
-    "cost-slow-all": ("cost", CostSnapshot({"cpu": ReadEstimate(1e3, 0.0), "disk": _SLOW, "redis": _SLOW,
-                                            "s3": _SLOW}, 1000.0)),
+    "always": (
+        "always",
+        CostSnapshot({"cpu": _FAST, "disk": _SLOW, "redis": _SLOW, "s3": _SLOW}, 1000.0),
+    ),
+    "cost-fast": (
+        "cost",
+        CostSnapshot({"cpu": _FAST, "disk": _FAST, "redis": _FAST, "s3": _FAST}, 1000.0),
+    ),
+    "cost-slow-disk": (
+        "cost",
+        CostSnapshot({"cpu": _FAST, "disk": _SLOW, "redis": _FAST, "s3": _FAST}, 1000.0),
+    ),
+    "cost-slow-redis": (
+        "cost",
+        CostSnapshot({"cpu": _FAST, "disk": _FAST, "redis": _SLOW, "s3": _SLOW}, 1000.0),
+    ),
+    "cost-slow-all": (
+        "cost",
+        CostSnapshot(
+            {"cpu": ReadEstimate(1e3, 0.0), "disk": _SLOW, "redis": _SLOW, "s3": _SLOW}, 1000.0
+        ),
+    ),
 }
 
 # "measured": a chunk of 4 tokens takes 0.4 s to recompute, so a tier read (micro- to milliseconds
@@ -218,20 +281,38 @@ class Stack:
         tier_timeout_s: the tier jobs' deadline (the manager's `job_timeout_s`; real seconds).
     """
 
-    def __init__(self, config: FuzzConfig, redis_url: str | None, s3: S3Server | None = None,
-                 tier_timeout_s: float = 2.0):
+    def __init__(
+        self,
+        config: FuzzConfig,
+        redis_url: str | None,
+        s3: S3Server | None = None,
+        tier_timeout_s: float = 2.0,
+    ):
         self.config = config
         if config.lockstep:
-            tier_timeout_s = 30.0  # a job's real duration never decides anything: only a hang expires it
+            tier_timeout_s = (
+                30.0  # a job's real duration never decides anything: only a hang expires it
+            )
         self.clock = FakeClock()
         self._is_closed = False
         self._tmp = tempfile.TemporaryDirectory(prefix="kvtier-fuzz-")
         kv = KVCache(len(config.groups()), config.num_blocks, BLOCK)
-        slabs = [make_slab(kv, config.blocks_per_chunk, config.num_slots) for _ in range(config.num_workers)]
+        slabs = [
+            make_slab(kv, config.blocks_per_chunk, config.num_slots)
+            for _ in range(config.num_workers)
+        ]
         self.slab = slabs[0]
         slot_bytes = self.slab.rows.shape[1]
-        self.namespace = Namespace(f"fuzz-{config.seed}", "float32", "sim", BLOCK, config.blocks_per_chunk, "sha256",
-                                   config.num_workers, slot_bytes)
+        self.namespace = Namespace(
+            f"fuzz-{config.seed}",
+            "float32",
+            "sim",
+            BLOCK,
+            config.blocks_per_chunk,
+            "sha256",
+            config.num_workers,
+            slot_bytes,
+        )
         self.disk = self.remote = self.s3 = None
         self.file_faults: FileFaults | None = None
         self.watches: dict[str, StoreWatch] = {}  # by medium: the remote tiers' stores, watched
@@ -243,30 +324,57 @@ class Stack:
         if config.redis is not None and redis_url is not None:
             store = RedisStore(redis_url, timeout_ms=300, connect_timeout_ms=200)
             self.watches["redis"] = StoreWatch(store)
-            self.remote = RemoteTier(store, self.namespace, prefix=f"fuzz-{config.seed}-{id(self)}",
-                                     **self._remote_options())
+            self.remote = RemoteTier(
+                store,
+                self.namespace,
+                prefix=f"fuzz-{config.seed}-{id(self)}",
+                **self._remote_options(),
+            )
             tiers.append((self.remote, TierRules(config.redis, config.min_offers)))
         if config.s3 is not None and s3 is not None:
             self.s3 = self._s3_tier(s3)
             tiers.append((self.s3, TierRules(config.s3, config.min_offers)))
-        primary = CPUTierManager(config.num_slots, policy=config.policy, tenant_quotas=dict(config.quotas))
-        self.manager = TieredManager(primary, [slab.rows for slab in slabs], tiers, job_timeout_s=tier_timeout_s) \
-            if tiers else primary
+        primary = CPUTierManager(
+            config.num_slots, policy=config.policy, tenant_quotas=dict(config.quotas)
+        )
+        self.manager = (
+            TieredManager(
+                primary, [slab.rows for slab in slabs], tiers, job_timeout_s=tier_timeout_s
+            )
+            if tiers
+            else primary
+        )
         self.primary = primary
-        policy, costs = LOAD_COSTS.get(config.load_costs, ("cost" if config.load_costs == "measured" else "always",
-                                                           None))
+        policy, costs = LOAD_COSTS.get(
+            config.load_costs, ("cost" if config.load_costs == "measured" else "always", None)
+        )
         is_weighed = costs is not None or config.load_costs == "measured"
         chunk_bytes = slot_bytes * len(config.groups()) * config.num_workers if is_weighed else 0
-        sched_config = SchedulerOffloadConfig(groups=config.groups(), max_deferrals=config.max_deferrals,
-                                              max_defer_s=0.5, job_timeout_s=1.0, load_mode=config.load_mode,
-                                              store_mode=config.store_mode, load_policy=policy,
-                                              chunk_bytes=chunk_bytes, num_workers=config.num_workers)
+        sched_config = SchedulerOffloadConfig(
+            groups=config.groups(),
+            max_deferrals=config.max_deferrals,
+            max_defer_s=0.5,
+            job_timeout_s=1.0,
+            load_mode=config.load_mode,
+            store_mode=config.store_mode,
+            load_policy=policy,
+            chunk_bytes=chunk_bytes,
+            num_workers=config.num_workers,
+        )
         self.scheduler = OffloadScheduler(sched_config, self.manager, clock=self.clock, costs=costs)
         if config.load_costs == "measured":  # the fake engine's steps are no measure of a prefill
-            self.scheduler.costs.prefill = PrefillRate(prior_tokens_per_s=MEASURED_PREFILL_TOKENS_PER_S)
-        self.engine = FakeEngine(self.scheduler, num_blocks=config.num_blocks, block_size=BLOCK,
-                                 max_tokens_per_step=config.max_tokens_per_step, clock=self.clock, slab=self.slab,
-                                 evict_lookahead=config.evict_lookahead)
+            self.scheduler.costs.prefill = PrefillRate(
+                prior_tokens_per_s=MEASURED_PREFILL_TOKENS_PER_S
+            )
+        self.engine = FakeEngine(
+            self.scheduler,
+            num_blocks=config.num_blocks,
+            block_size=BLOCK,
+            max_tokens_per_step=config.max_tokens_per_step,
+            clock=self.clock,
+            slab=self.slab,
+            evict_lookahead=config.evict_lookahead,
+        )
         # every rank's copies, faulted alike or one rank alone (`Driver`)
         self.rank_faults = [self.engine.faults]
         for slab in slabs[1:]:
@@ -277,7 +385,9 @@ class Stack:
         config = self.config
         file_bytes = ChunkFormat(b"", self.namespace.payload_bytes).file_bytes
         quotas = {tenant: files * file_bytes for tenant, files in config.disk_quotas}
-        disk = DiskTier(directory, self.namespace, 3 * config.num_slots * file_bytes, tenant_quotas=quotas)
+        disk = DiskTier(
+            directory, self.namespace, 3 * config.num_slots * file_bytes, tenant_quotas=quotas
+        )
         disk.wait_scanned(10)
         self.file_faults = FileFaults(disk._files)
         return disk
@@ -288,11 +398,17 @@ class Stack:
         self.put_faults = PutFaults(self.config.seed)
         attach_put_faults(store, self.put_faults)
         self.watches["s3"] = StoreWatch(store)
-        return RemoteTier(store, self.namespace, prefix=f"fuzz-{self.config.seed}-{id(self)}",
-                          **self._remote_options())
+        return RemoteTier(
+            store,
+            self.namespace,
+            prefix=f"fuzz-{self.config.seed}-{id(self)}",
+            **self._remote_options(),
+        )
 
     def _remote_options(self) -> dict:
-        if self.config.lockstep:  # jobs end in the order they were given; an absence is not re-asked by time
+        if (
+            self.config.lockstep
+        ):  # jobs end in the order they were given; an absence is not re-asked by time
             return {"absent_ttl_s": 3600.0, "io_threads": 1}
         return {"absent_ttl_s": 0.05}
 

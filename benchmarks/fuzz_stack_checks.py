@@ -76,14 +76,23 @@ def check_step(stack: Stack, driver: Driver) -> None:
     except AssertionError as exc:
         raise Violation(f"fake engine: {exc}") from exc
     stats = stack.scheduler.stats
-    _require(stats.load_prepare_failures == 0, "a hit found by a scan was gone when its load was prepared")
+    _require(
+        stats.load_prepare_failures == 0,
+        "a hit found by a scan was gone when its load was prepared",
+    )
     for tier in stack.remote_tiers:
         counters = tier.stats().counters
         if tier is stack.s3 or remote_kept_values:
             missing = counters["load_missing"]
-            _require(missing == 0, f"{missing} {tier.medium} load(s) of a key the tier called present found no value")
+            _require(
+                missing == 0,
+                f"{missing} {tier.medium} load(s) of a key the tier called present found no value",
+            )
         corrupt = counters["corrupt"]
-        _require(corrupt == 0, f"{corrupt} {tier.medium} value(s) read back failed their checks (no fault damages one)")
+        _require(
+            corrupt == 0,
+            f"{corrupt} {tier.medium} value(s) read back failed their checks (no fault damages one)",
+        )
     driver.owners.update()
     _check_tenants(stack, driver.owners)
     if driver.evictions is not None:
@@ -104,18 +113,24 @@ def _check_tenants(stack: Stack, owners: Owners) -> None:
     held = Counter(owners.tenant(key) for key in stack.primary.ready_keys())
     for tenant, num_held in held.items():
         limit = None if tenant is None else _limit(stack.config.quotas, tenant)
-        _require(limit is None or num_held <= limit,
-                 f"tenant {tenant!r} holds {num_held} chunks in RAM, its quota is {limit} "
-                 f"(the tier charges {stack.primary._quotas.held(tenant)} to it)")
+        _require(
+            limit is None or num_held <= limit,
+            f"tenant {tenant!r} holds {num_held} chunks in RAM, its quota is {limit} "
+            f"(the tier charges {stack.primary._quotas.held(tenant)} to it)",
+        )
 
 
 def _check_disk_tenants(stack: Stack, owners: Owners) -> None:
     """No tenant holds more files in the disk tier than its disk quota (the tiers are drained)."""
-    held = Counter(owners.tenant(bytes.fromhex(path.stem)) for path in Path(stack.disk.directory).rglob("*.kv"))
+    held = Counter(
+        owners.tenant(bytes.fromhex(path.stem)) for path in Path(stack.disk.directory).rglob("*.kv")
+    )
     for tenant, num_held in held.items():
         limit = None if tenant is None else _limit(stack.config.disk_quotas, tenant)
-        _require(limit is None or num_held <= limit,
-                 f"tenant {tenant!r} holds {num_held} disk files, its quota is {limit}")
+        _require(
+            limit is None or num_held <= limit,
+            f"tenant {tenant!r} holds {num_held} disk files, its quota is {limit}",
+        )
 
 
 def _check_keepers(stack: Stack, driver: Driver) -> None:
@@ -125,24 +140,34 @@ def _check_keepers(stack: Stack, driver: Driver) -> None:
         priority = owners.keeper_priority(key)
         if priority is not None:
             rank = primary.retention.rank(key, now)
-            _require(rank == (2, priority), f"a keeper's chunk ({owners.tenant(key)!r}) ranks {rank}, "
-                                            f"its requests asked to retain it at priority {priority}")
+            _require(
+                rank == (2, priority),
+                f"a keeper's chunk ({owners.tenant(key)!r}) ranks {rank}, "
+                f"its requests asked to retain it at priority {priority}",
+            )
     for evicted, spared in driver.evictions.take():
         for key in evicted:
             if owners.keeper_priority(key) is None:
                 continue
             tenant = owners.tenant(key)
             plain = [k for k in spared if owners.tenant(k) == tenant and owners.is_plain(k)]
-            _require(not plain, f"a store evicted a keeper's chunk of {tenant!r} while {len(plain)} unhinted "
-                                "chunk(s) of that tenant could have gone")
+            _require(
+                not plain,
+                f"a store evicted a keeper's chunk of {tenant!r} while {len(plain)} unhinted "
+                "chunk(s) of that tenant could have gone",
+            )
 
 
 def check_quiet(stack: Stack, driver: Driver) -> None:
     """The invariants that hold once every request ended and the tiers are drained."""
     remote_kept_values = driver.remote_kept_values
     sched, engine = stack.scheduler, stack.engine
-    _require(not (engine.waiting or engine.running or engine.parked), "requests still in the engine")
-    _require(sched.num_requests() == 0, f"{sched.num_requests()} request states left in the scheduler")
+    _require(
+        not (engine.waiting or engine.running or engine.parked), "requests still in the engine"
+    )
+    _require(
+        sched.num_requests() == 0, f"{sched.num_requests()} request states left in the scheduler"
+    )
     _require(not sched.has_jobs_in_flight(), "transfer jobs left in flight")
     cpu = stack.manager.stats()
     _require(cpu.pinned_slots == 0, f"{cpu.pinned_slots} slots still pinned")
@@ -151,8 +176,14 @@ def check_quiet(stack: Stack, driver: Driver) -> None:
     _require(cpu.extra.get("promoting_bytes", 0) == 0, "promotion budget not given back")
     _require(cpu.extra.get("tier_jobs_in_flight", 0) == 0, "tier jobs left in flight")
     loads = stack.engine.transfer.loads
-    _require(sched.stats.load_jobs == len(loads), f"{sched.stats.load_jobs} loads planned, {len(loads)} ran")
-    _require(sched.stats.loaded_chunks == sum(job.num_chunks for job in loads), "loaded chunks do not add up")
+    _require(
+        sched.stats.load_jobs == len(loads),
+        f"{sched.stats.load_jobs} loads planned, {len(loads)} ran",
+    )
+    _require(
+        sched.stats.loaded_chunks == sum(job.num_chunks for job in loads),
+        "loaded chunks do not add up",
+    )
     try:
         if stack.disk is not None:
             stack.disk.check()
@@ -176,12 +207,17 @@ def check_closed(stack: Stack, fresh_store: Callable[[str], RemoteStore]) -> Non
         has_timed_out = tier.stats().counters["timeouts"] > 0
         store = fresh_store(tier.medium)
         try:
-            problems = check_values(store, tier.codec, None if has_timed_out else watch.names_by_epoch, watch.epoch)
+            problems = check_values(
+                store, tier.codec, None if has_timed_out else watch.names_by_epoch, watch.epoch
+            )
             # the servers outlive the configuration: what it left would pile up over a long run
             store.delete(list(store.list_names(tier.codec.name_prefix)))
         finally:
             store.close()
-        _require(not problems, f"{tier.medium} values after the end: {len(problems)} wrong: {'; '.join(problems[:3])}")
+        _require(
+            not problems,
+            f"{tier.medium} values after the end: {len(problems)} wrong: {'; '.join(problems[:3])}",
+        )
 
 
 def _check_remote(remote, tries: int = 3) -> None:

@@ -36,8 +36,18 @@ __all__ = ["Driver", "HangError"]
 
 _MAX_LIVE = 6  # requests in the engine at once at most
 _DRAIN_S = 10.0  # tier I/O on small chunks takes milliseconds: longer than this is a hang
-_ACTIONS = {"add": 3.0, "step": 6.0, "abort": 0.3, "preempt": 0.3, "engine_reset": 0.3, "kvtier_reset": 0.08,
-            "settle": 0.8, "time": 0.5, "fault": 0.4, "audit": 0.5}
+_ACTIONS = {
+    "add": 3.0,
+    "step": 6.0,
+    "abort": 0.3,
+    "preempt": 0.3,
+    "engine_reset": 0.3,
+    "kvtier_reset": 0.08,
+    "settle": 0.8,
+    "time": 0.5,
+    "fault": 0.4,
+    "audit": 0.5,
+}
 _MAX_REPLAYS = 40  # earlier prompts asked for again at the end, at most
 _NUM_KEEPER_PROMPTS = 3  # prompts that keepers ask for (each of one tenant, at one priority)
 _RANK_FAULTS = ("store_delay", "load_delay", "stuck_stores", "fail_load")  # on the workers' copies
@@ -62,8 +72,12 @@ class Driver:
     num_steps: int = 0  # engine steps taken
     remote_kept_values: bool = True  # False once the Redis server was restarted empty
     prompts: list[list[int]] = field(default_factory=list)
-    kinds: dict[str, tuple[str, int | None]] = field(default_factory=dict)  # req_id -> (kind, keeper priority)
-    reached: Counter[str] = field(default_factory=Counter)  # what the episodes got to (`fuzz_stack_episodes`)
+    kinds: dict[str, tuple[str, int | None]] = field(
+        default_factory=dict
+    )  # req_id -> (kind, keeper priority)
+    reached: Counter[str] = field(
+        default_factory=Counter
+    )  # what the episodes got to (`fuzz_stack_episodes`)
     is_settled: bool = False  # the last action drained the tiers
     _faults: list[_Fault] = field(default_factory=list)
     _next_id: int = 0
@@ -79,10 +93,20 @@ class Driver:
         self._prefixes = [[rng.randrange(1, 1000) for _ in range(limit)] for _ in range(3)]
         config, new_rng = self.stack.config, self.new_rng
         # keepers' prompts: tokens of their own (no other request shares a block with them)
-        self._keepers = [([new_rng.randrange(5000, 6000) for _ in range(new_rng.randint(BLOCK + 1, limit - 2))],
-                          new_rng.choice(config.tenants or (None,)), new_rng.choice(KEEPER_PRIORITIES))
-                         for _ in range(_NUM_KEEPER_PROMPTS if config.keepers else 0)]
-        self._salts: dict[tuple[int, ...], str | None] = {}  # several tenants: each prompt's, for replays
+        self._keepers = [
+            (
+                [
+                    new_rng.randrange(5000, 6000)
+                    for _ in range(new_rng.randint(BLOCK + 1, limit - 2))
+                ],
+                new_rng.choice(config.tenants or (None,)),
+                new_rng.choice(KEEPER_PRIORITIES),
+            )
+            for _ in range(_NUM_KEEPER_PROMPTS if config.keepers else 0)
+        ]
+        self._salts: dict[
+            tuple[int, ...], str | None
+        ] = {}  # several tenants: each prompt's, for replays
         self.owners = Owners(self.stack.engine, self.kinds)
         self.evictions = EvictionLog(self.stack.primary) if config.keepers else None
         self.episodes = Episodes(self)
@@ -124,20 +148,34 @@ class Driver:
             prompt = list(rng.choice(self.prompts))  # an earlier prompt again
         else:
             shared = rng.choice(self._prefixes)[: rng.randint(0, self.max_tokens() - 8)]
-            prompt = shared + [rng.randrange(1000, 2000) for _ in range(rng.randint(1, 2 * BLOCK + 1))]
+            prompt = shared + [
+                rng.randrange(1000, 2000) for _ in range(rng.randint(1, 2 * BLOCK + 1))
+            ]
         prompt = prompt[: self.max_tokens() - new_tokens]
-        params = rng.choice([None] * 8 + [{"kvtier": {"store": False}}, {"kvtier": {"load": False}}])
+        params = rng.choice(
+            [None] * 8 + [{"kvtier": {"store": False}}, {"kvtier": {"load": False}}]
+        )
         hint_rng = self._hint_rng
-        if params is None and hint_rng.random() < 0.4:  # hints: kept, ranked, dropped chunks in every tier
-            params = {"kvtier": {"session": hint_rng.choice(["s0", "s1"]), "retain_s": hint_rng.choice([0, 0.05, 5]),
-                                 "priority": hint_rng.choice([-1, 0, 0, 2]), "next_turn_s": hint_rng.choice([0, 1]),
-                                 "end_session": hint_rng.random() < 0.2}}
+        if (
+            params is None and hint_rng.random() < 0.4
+        ):  # hints: kept, ranked, dropped chunks in every tier
+            params = {
+                "kvtier": {
+                    "session": hint_rng.choice(["s0", "s1"]),
+                    "retain_s": hint_rng.choice([0, 0.05, 5]),
+                    "priority": hint_rng.choice([-1, 0, 0, 2]),
+                    "next_turn_s": hint_rng.choice([0, 1]),
+                    "end_session": hint_rng.random() < 0.2,
+                }
+            }
         tenant = hint_rng.choice([None] * 9 + ["tenant-b"])
         if self.stack.config.tenants:
             tenant = self.new_rng.choice(self.stack.config.tenants)
             self._salts[tuple(prompt)] = tenant
         req_id = self.new_id("r")
-        engine.add_request(req_id, prompt, max_new_tokens=new_tokens, kv_transfer_params=params, cache_salt=tenant)
+        engine.add_request(
+            req_id, prompt, max_new_tokens=new_tokens, kv_transfer_params=params, cache_salt=tenant
+        )
         self.kinds[req_id] = (HINTED if params is not None and _has_hints(params) else PLAIN, None)
         self.prompts.append(prompt)
         return None
@@ -146,14 +184,23 @@ class Driver:
         """A keeper asks for its prompt (retained an hour, at its priority; see `keeper_hints`)."""
         if self.is_full():
             return self._step()
-        self.add_keeper(self.new_rng.choice(self._keepers), max_new_tokens=self.new_rng.randint(1, 2))
+        self.add_keeper(
+            self.new_rng.choice(self._keepers), max_new_tokens=self.new_rng.randint(1, 2)
+        )
         return None
 
-    def add_keeper(self, keeper: tuple[list[int], str | None, int], max_new_tokens: int = 1) -> None:
+    def add_keeper(
+        self, keeper: tuple[list[int], str | None, int], max_new_tokens: int = 1
+    ) -> None:
         prompt, tenant, priority = keeper
         req_id = self.new_id("k")
-        self.stack.engine.add_request(req_id, prompt, max_new_tokens=max_new_tokens,
-                                      kv_transfer_params=keeper_hints(priority), cache_salt=tenant)
+        self.stack.engine.add_request(
+            req_id,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            kv_transfer_params=keeper_hints(priority),
+            cache_salt=tenant,
+        )
         self.kinds[req_id] = (KEEPER, priority)
 
     def step(self) -> None:
@@ -187,8 +234,9 @@ class Driver:
 
     def _add_prompt(self, prompt: list[int], name: str) -> None:
         """An earlier prompt again, for its own tenant (several tenants) or none, without hints."""
-        self.stack.engine.add_request(self.new_id(name), prompt, max_new_tokens=1,
-                                      cache_salt=self._salts.get(tuple(prompt)))
+        self.stack.engine.add_request(
+            self.new_id(name), prompt, max_new_tokens=1, cache_salt=self._salts.get(tuple(prompt))
+        )
 
     def _engine_reset(self) -> None:
         self.stack.engine.reset_prefix_cache()
@@ -211,7 +259,9 @@ class Driver:
         pause lets that drain, so it is not a hang; nor are slow S3 PUTs, held until their fault ends."""
         is_paused = self.redis is not None and self.redis.is_paused
         # slow S3 PUTs wait for the fault's end, as a paused server's requests wait for their timeout
-        is_paused = is_paused or (self.stack.put_faults is not None and self.stack.put_faults.is_holding)
+        is_paused = is_paused or (
+            self.stack.put_faults is not None and self.stack.put_faults.is_holding
+        )
         self.is_settled = self.stack.drain(1.0 if is_paused else _DRAIN_S)
         if not self.is_settled and not is_paused:
             raise HangError(f"tier jobs still running after {_DRAIN_S:.0f} s")
@@ -225,8 +275,11 @@ class Driver:
         names += [f"disk_{mode}" for mode in FileFaults.MODES] if stack.disk is not None else []
         # a lockstep walk leaves out the faults whose effect depends on real time (`fuzz_stack_build`)
         is_timed = not stack.config.lockstep
-        names += ["redis_pause", "redis_restart"] if stack.remote is not None and self.redis is not None and is_timed \
+        names += (
+            ["redis_pause", "redis_restart"]
+            if stack.remote is not None and self.redis is not None and is_timed
             else []
+        )
         names += ["s3_fail_put", "s3_slow_put"] if stack.s3 is not None and is_timed else []
         name = rng.choice(names)
         if any(f.name == name for f in self._faults):

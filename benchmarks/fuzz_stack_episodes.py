@@ -99,11 +99,17 @@ class Episodes:
             if not armed:
                 return self._reached("torn batch: no batch of two values")
             driver.reached["torn batch: armed"] += 1
-            answer = first_of({"reported": lambda: tier.stats().counters["errors"] > errors_before,
-                               "waits": batch_waits.is_set})
+            answer = first_of(
+                {
+                    "reported": lambda: tier.stats().counters["errors"] > errors_before,
+                    "waits": batch_waits.is_set,
+                }
+            )
         if answer is None:
             faults.release_torn()
-            raise _hang("the torn S3 batch was neither reported nor said to wait for its held request")
+            raise _hang(
+                "the torn S3 batch was neither reported nor said to wait for its held request"
+            )
         driver.reached[f"torn batch: {answer}"] += 1
         # a slot given back to the tier is taken by one of these prompts' chunks
         self._burst()
@@ -130,7 +136,9 @@ class Episodes:
             finally:
                 watch.release()
         if answer is None:
-            raise _hang(f"the {medium} tier's reset sweep neither listed its values nor waited for the held put")
+            raise _hang(
+                f"the {medium} tier's reset sweep neither listed its values nor waited for the held put"
+            )
         driver.reached[f"reset during a {medium} put: sweep {answer}"] += 1
         driver.settle()
         self._check_values(medium, with_epochs=True, when="after a reset during a put")
@@ -145,9 +153,13 @@ class Episodes:
         self._quiet()
         per_chunk = stack.config.blocks_per_chunk * 4
         # RAM: one prefix, of three chunks where they fit; a tier: a prefix of one chunk per request
-        num_chunks = max(1, min(3, (driver.max_tokens() - 2) // per_chunk)) if medium == "cpu" else 1
-        prefixes = [[driver.new_rng.randrange(9000, 10000) for _ in range(num_chunks * per_chunk + 1)]
-                    for _ in range(1 if medium == "cpu" else _STALL_REQUESTS + RECOVERY_REQUESTS)]
+        num_chunks = (
+            max(1, min(3, (driver.max_tokens() - 2) // per_chunk)) if medium == "cpu" else 1
+        )
+        prefixes = [
+            [driver.new_rng.randrange(9000, 10000) for _ in range(num_chunks * per_chunk + 1)]
+            for _ in range(1 if medium == "cpu" else _STALL_REQUESTS + RECOVERY_REQUESTS)
+        ]
         if medium != "cpu" and not self._has_room(tier, len(prefixes)):
             return self._reached(f"stall of {medium}: no room for its prefixes")
         if medium == "cpu":
@@ -174,13 +186,21 @@ class Episodes:
             # a decision to load from it that is not an exploration (RAM's explorations load too): the
             # cost model trusts it again. (Not the tokens loaded: a promotion lands in RAM in real time,
             # which a request that waits a few steps at most may not see.)
-            num_loads, num_explorations = stats.load_decisions[("load", medium)], stats.explorations[medium]
+            num_loads, num_explorations = (
+                stats.load_decisions[("load", medium)],
+                stats.explorations[medium],
+            )
             self._serve(prefix, gap_s=RECOVERY_GAP_S)
-            if stats.load_decisions[("load", medium)] > num_loads and stats.explorations[medium] == num_explorations:
+            if (
+                stats.load_decisions[("load", medium)] > num_loads
+                and stats.explorations[medium] == num_explorations
+            ):
                 driver.reached[f"stall of {medium}: loaded again after {i + 1} request(s)"] += 1
                 return "stall"
-        raise Violation(f"{medium}, written off by a stall, was not loaded from again in the {len(healthy)} requests "
-                        f"({len(healthy) * RECOVERY_GAP_S:.0f} fake seconds) after it was fast again")
+        raise Violation(
+            f"{medium}, written off by a stall, was not loaded from again in the {len(healthy)} requests "
+            f"({len(healthy) * RECOVERY_GAP_S:.0f} fake seconds) after it was fast again"
+        )
 
     def _recompute_s(self) -> float:
         costs = self.stack.scheduler.costs
@@ -208,14 +228,18 @@ class Episodes:
         """Whether `tier` holds `num_chunks` chunks beside those the burst pushing them out of RAM writes."""
         capacity = getattr(tier, "capacity_files", None)
         config = self.stack.config
-        return capacity is None or capacity >= (num_chunks + config.num_slots) * len(config.groups())
+        return capacity is None or capacity >= (num_chunks + config.num_slots) * len(
+            config.groups()
+        )
 
     def _in_ram(self, prefix: list[int]) -> bool:
         """Compute `prefix` (then a prompt of new tokens: a lazy store mode stores a chunk when the
         engine is about to evict it): True when RAM then holds each of its whole chunks (every
         request after this one finds them there)."""
         self._serve(prefix)
-        self._serve([self.driver.new_rng.randrange(8000, 9000) for _ in range(self.driver.max_tokens() - 1)])
+        self._serve(
+            [self.driver.new_rng.randrange(8000, 9000) for _ in range(self.driver.max_tokens() - 1)]
+        )
         return all(self.stack.primary.place(k) is not None for k in self._chunk_keys(prefix))
 
     def _only_in(self, tier, prefixes: list[list[int]]) -> bool:
@@ -276,7 +300,12 @@ class Episodes:
             if condition() or steps_after > 3:
                 return
             driver.step()
-            if first_of({"met": condition, "quiet": lambda: all(tier.drain(0) for tier in stack.tiers)}) is None:
+            if (
+                first_of(
+                    {"met": condition, "quiet": lambda: all(tier.drain(0) for tier in stack.tiers)}
+                )
+                is None
+            ):
                 raise _hang("the tiers neither went quiet nor reached the episode's point")
             steps_after += req.is_finished
 
@@ -301,7 +330,9 @@ class Episodes:
         epochs = watch.names_by_epoch if with_epochs else None
         problems = check_values(tier.store, tier.codec, epochs, watch.epoch)
         if problems:
-            raise Violation(f"{medium} values {when}: {len(problems)} wrong: {'; '.join(problems[:3])}")
+            raise Violation(
+                f"{medium} values {when}: {len(problems)} wrong: {'; '.join(problems[:3])}"
+            )
 
     def _reached(self, what: str) -> str:
         self.driver.reached[what] += 1
@@ -318,7 +349,11 @@ class _SlowReads:
         self._undo: list[tuple[object, str]] = []
         if medium == "cpu":
             worker, loads = stack.engine.worker, stack.engine.transfer.loads
-            self._patch(worker, "take_results", lambda real: lambda: self._slow(real(), {j.job_id for j in loads}))
+            self._patch(
+                worker,
+                "take_results",
+                lambda real: lambda: self._slow(real(), {j.job_id for j in loads}),
+            )
         else:
             tier = next(t for t in stack.tiers if t.medium == medium)
             reads: set[int] = set()
@@ -327,6 +362,7 @@ class _SlowReads:
                 def submit(job):
                     reads.add(job.job_id)
                     return real(job)
+
                 return submit
 
             self._patch(tier, "submit_load", submit_load)
@@ -338,7 +374,10 @@ class _SlowReads:
         self._undo.append((obj, name))
 
     def _slow(self, results: list, read_ids: set[int]) -> list:
-        return [dataclasses.replace(r, seconds=self._seconds) if r.job_id in read_ids else r for r in results]
+        return [
+            dataclasses.replace(r, seconds=self._seconds) if r.job_id in read_ids else r
+            for r in results
+        ]
 
     def end(self) -> None:
         for obj, name in self._undo:
@@ -349,4 +388,3 @@ def _hang(what: str) -> Exception:
     from fuzz_stack_driver import HangError
 
     return HangError(what)
-

@@ -30,7 +30,9 @@ PLAIN, HINTED, KEEPER = "plain", "hinted", "keeper"  # what a request asked (`Dr
 class _Block:
     tenant: str
     kinds: set[str] = field(default_factory=set)  # what the requests that used it asked
-    priority: int | None = None  # its keepers' (one keeper prompt per block: their tokens are their own)
+    priority: int | None = (
+        None  # its keepers' (one keeper prompt per block: their tokens are their own)
+    )
 
 
 class Owners:
@@ -84,7 +86,9 @@ class EvictionLog:
     """
 
     def __init__(self, primary: CPUTierManager):
-        self.evictions: list[tuple[list[OffloadKey], set[OffloadKey]]] = []  # (evicted, could have been)
+        self.evictions: list[
+            tuple[list[OffloadKey], set[OffloadKey]]
+        ] = []  # (evicted, could have been)
         self._primary = primary
         self._real = primary.prepare_store
         primary.prepare_store = self._prepare_store  # type: ignore[method-assign]
@@ -92,12 +96,20 @@ class EvictionLog:
     def _prepare_store(self, keys, ctx):
         chunks = self._primary._chunks
         own = set(keys)
-        before = {k for k, c in chunks.items() if c.state is ChunkState.READY and c.pins == 0 and k not in own}
+        before = {
+            k
+            for k, c in chunks.items()
+            if c.state is ChunkState.READY and c.pins == 0 and k not in own
+        }
         out = self._real(keys, ctx)
         evicted = [k for k in before if k not in chunks]
         if evicted:
             chains = getattr(self._primary, "_chains", None)
-            could_go = {k for k in before if k in chunks and not (chains is not None and chains.is_parked(k))}
+            could_go = {
+                k
+                for k in before
+                if k in chunks and not (chains is not None and chains.is_parked(k))
+            }
             self.evictions.append((evicted, could_go))
         return out
 

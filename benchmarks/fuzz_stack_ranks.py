@@ -43,18 +43,27 @@ class TwoRankKV:
     def content(self, block_hash: bytes, group: int) -> int:
         value = self.ranks[0].content(block_hash, group)
         # rank 1's name for its own value, for its error messages
-        self.ranks[1]._names.setdefault(value ^ RANK1_MASK, f"block hash {block_hash.hex()[:12]}… of group {group} "
-                                                           "(rank 1)")
+        self.ranks[1]._names.setdefault(
+            value ^ RANK1_MASK, f"block hash {block_hash.hex()[:12]}… of group {group} " "(rank 1)"
+        )
         return value
 
     def write(self, group: int, block_ids: Sequence[int], contents: Sequence[int]) -> None:
         self.ranks[0].write(group, block_ids, contents)
         self.ranks[1].write(group, block_ids, [c ^ RANK1_MASK for c in contents])
 
-    def check(self, req_id: str, group: int, positions: Sequence[int], block_ids: Sequence[int],
-              contents: Sequence[int]) -> None:
+    def check(
+        self,
+        req_id: str,
+        group: int,
+        positions: Sequence[int],
+        block_ids: Sequence[int],
+        contents: Sequence[int],
+    ) -> None:
         self.ranks[0].check(req_id, group, positions, block_ids, contents)
-        self.ranks[1].check(f"{req_id} (rank 1)", group, positions, block_ids, [c ^ RANK1_MASK for c in contents])
+        self.ranks[1].check(
+            f"{req_id} (rank 1)", group, positions, block_ids, [c ^ RANK1_MASK for c in contents]
+        )
 
     def check_unwritten(self, block_id: int, what: str) -> None:
         for rank, kv in enumerate(self.ranks):
@@ -83,7 +92,9 @@ class Ranks:
     def __init__(self, workers: Sequence[WorkerSide]):
         self.workers = list(workers)
         self.transfer = _RanksTransfer([w.transfer for w in self.workers])
-        self._load_reports: Counter[str] = Counter()  # asynchronous loads: ranks that reported each request
+        self._load_reports: Counter[str] = (
+            Counter()
+        )  # asynchronous loads: ranks that reported each request
         self._load_failed: set[str] = set()
 
     def handle_preemptions(self, plan: StepPlan) -> None:
@@ -118,7 +129,9 @@ class Ranks:
             finished, failed = worker.take_finished_loads()
             self._load_reports.update(finished)
             self._load_failed |= failed
-        done = {req_id for req_id, count in self._load_reports.items() if count == len(self.workers)}
+        done = {
+            req_id for req_id, count in self._load_reports.items() if count == len(self.workers)
+        }
         failed = done & self._load_failed
         for req_id in done:
             del self._load_reports[req_id]
@@ -130,15 +143,26 @@ class Ranks:
             worker.shutdown()
 
 
-def add_second_rank(engine: FakeEngine, slab: HostSlab, faults: Faults, clock: Callable[[], float]) -> None:
+def add_second_rank(
+    engine: FakeEngine, slab: HostSlab, faults: Faults, clock: Callable[[], float]
+) -> None:
     """Give `engine` (one worker, built over a scheduler with `num_workers=2`) a second rank on
     `slab` (owned by the engine from now on: its `close` unlinks it), its copies faulted by `faults`,
     its deadlines read on `clock` (the engine's)."""
     first = engine.worker
-    kv1 = KVCache(len(engine.groups), engine.kv.tensors[next(iter(engine.kv.tensors))].shape[0], engine.block_size)
-    second = WorkerSide(num_slots=first.num_slots, blocks_per_chunk=first.blocks_per_chunk,
-                        layer_groups=kv1.layer_groups, clock=clock, slab_name=slab.name,
-                        transfer_factory=functools.partial(SimTransferEngine, faults=faults))
+    kv1 = KVCache(
+        len(engine.groups),
+        engine.kv.tensors[next(iter(engine.kv.tensors))].shape[0],
+        engine.block_size,
+    )
+    second = WorkerSide(
+        num_slots=first.num_slots,
+        blocks_per_chunk=first.blocks_per_chunk,
+        layer_groups=kv1.layer_groups,
+        clock=clock,
+        slab_name=slab.name,
+        transfer_factory=functools.partial(SimTransferEngine, faults=faults),
+    )
     second.register_kv_caches(kv1.tensors)
     engine.slabs.append(slab)
     engine.kv = TwoRankKV(engine.kv, kv1)

@@ -39,7 +39,15 @@ from kvtier.tiers.remote.values import ValueCodec
 from kvtier.tiers.secondary import HEADER_BYTES
 from servers.s3 import SeaweedFS
 
-__all__ = ["CEILING_S", "PutFaults", "S3Server", "StoreWatch", "check_values", "logged", "obstore_faults"]
+__all__ = [
+    "CEILING_S",
+    "PutFaults",
+    "S3Server",
+    "StoreWatch",
+    "check_values",
+    "logged",
+    "obstore_faults",
+]
 
 # a held request or a wait for the tier's answer gives up after this long (only a hang reaches it)
 CEILING_S = 30.0
@@ -63,8 +71,13 @@ class S3Server:
         from kvtier.tiers.remote.s3 import S3Store
 
         server = self.get()
-        return S3Store(server.endpoint, server.bucket, access_key_id=server.access_key_id,
-                       secret_access_key=server.secret_access_key, **kwargs)
+        return S3Store(
+            server.endpoint,
+            server.bucket,
+            access_key_id=server.access_key_id,
+            secret_access_key=server.secret_access_key,
+            **kwargs,
+        )
 
     def close(self) -> None:
         if self.server is not None:
@@ -118,7 +131,9 @@ class PutFaults:
     def is_holding(self) -> bool:
         """A PUT waits for the fuzzer now (torn or slow)."""
         with self._lock:
-            return (self.torn_held.is_set() and not self._torn_release.is_set()) or self._slow is not None
+            return (
+                self.torn_held.is_set() and not self._torn_release.is_set()
+            ) or self._slow is not None
 
     def end(self) -> None:
         """Every fault off, every held request on its way (a configuration's end)."""
@@ -140,7 +155,9 @@ class PutFaults:
         if torn is not None and name == torn[0]:
             held.wait(CEILING_S)
             failed.set()
-            raise ConnectionResetError(f"injected: connection reset during the PUT of {name} (torn batch)")
+            raise ConnectionResetError(
+                f"injected: connection reset during the PUT of {name} (torn batch)"
+            )
         if self.fail_share and random.Random(f"{self._seed}:{name}").random() < self.fail_share:
             self.num_failed += 1
             raise ConnectionResetError(f"injected: connection reset during the PUT of {name}")
@@ -186,7 +203,9 @@ class StoreWatch:
     def __init__(self, store: RemoteStore):
         self.store = store
         self.epoch = 0  # the fuzzer's reset_cache() calls so far
-        self.names_by_epoch: dict[int, set[str]] = {}  # names a put call started in that epoch wrote
+        self.names_by_epoch: dict[
+            int, set[str]
+        ] = {}  # names a put call started in that epoch wrote
         self.listed = threading.Event()  # set by every listing (the reset's sweep)
         self.on_batch: Callable[[list[str]], None] | None = None  # told each put call's names first
         self._lock = threading.Lock()
@@ -234,8 +253,9 @@ class StoreWatch:
         yield from names
 
 
-def check_values(store: RemoteStore, codec: ValueCodec, names_by_epoch: dict[int, set[str]] | None,
-                 epoch: int) -> list[str]:
+def check_values(
+    store: RemoteStore, codec: ValueCodec, names_by_epoch: dict[int, set[str]] | None, epoch: int
+) -> list[str]:
     """What is wrong with the values of `codec`'s namespace in `store` (an empty list: nothing):
     a value whose header is not its own key's or whose checksum fails, and (with `names_by_epoch`)
     a name written before epoch `epoch` began (the last reset) and not written since."""

@@ -13,12 +13,16 @@ from kvtier.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_mooncake,
 
 __all__ = ["DEFAULT_TRACE", "TOKENS_PER_KEY", "TraceRequest", "load_trace", "offload_keys"]
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_conversation.jsonl"
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_conversation.jsonl"
+)
 TOKENS_PER_KEY = MOONCAKE_BLOCK_TOKENS
 
 
 def load_trace(path: Path = DEFAULT_TRACE, limit: int | None = None) -> list[TraceRequest]:
     """Read up to `limit` requests; exits with a clear message when the trace is missing."""
     if not path.exists():
-        raise SystemExit(f"trace not found at {path}; pass --trace PATH to mooncake_conversation.jsonl")
+        raise SystemExit(
+            f"trace not found at {path}; pass --trace PATH to mooncake_conversation.jsonl"
+        )
     return load_mooncake(path, limit=limit)

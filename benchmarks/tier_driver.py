@@ -15,8 +15,15 @@ def bench_key(i: int) -> bytes:
     return hashlib.sha256(i.to_bytes(8, "big")).digest() + bytes(4)
 
 
-def run_jobs(tier, rows: np.ndarray, count: int, batch: int, is_store: bool, poll_s: float,
-             first_key: int = 0) -> float:
+def run_jobs(
+    tier,
+    rows: np.ndarray,
+    count: int,
+    batch: int,
+    is_store: bool,
+    poll_s: float,
+    first_key: int = 0,
+) -> float:
     """Seconds to store (or load) keys first_key..first_key+count-1 through `rows`: jobs of `batch`
     keys, as many in flight as `rows` holds, polling the tier's results every `poll_s` (the manager
     polls once per engine step)."""
@@ -27,14 +34,20 @@ def run_jobs(tier, rows: np.ndarray, count: int, batch: int, is_store: bool, pol
     while next_key < end or running:
         while free_sets and next_key < end:
             row_ids, num = free_sets.pop(), min(batch, end - next_key)
-            job = TierJob(job_id=job_id, is_store=is_store, keys=tuple(bench_key(next_key + i) for i in range(num)),
-                          buffers=tuple((memoryview(rows[r]),) for r in row_ids[:num]))
+            job = TierJob(
+                job_id=job_id,
+                is_store=is_store,
+                keys=tuple(bench_key(next_key + i) for i in range(num)),
+                buffers=tuple((memoryview(rows[r]),) for r in row_ids[:num]),
+            )
             (tier.submit_store if is_store else tier.submit_load)(job)
             running[job_id] = row_ids
             next_key, job_id = next_key + num, job_id + 1
         for result in tier.get_finished():
             if result.failed_keys:
-                raise RuntimeError(f"job {result.job_id}: {len(result.failed_keys)} keys failed ({result.error})")
+                raise RuntimeError(
+                    f"job {result.job_id}: {len(result.failed_keys)} keys failed ({result.error})"
+                )
             free_sets.append(running.pop(result.job_id))
         time.sleep(poll_s)
     return time.perf_counter() - start

@@ -17,7 +17,9 @@ def serves_a_model(item: pytest.Item) -> bool:
     return bool(ENGINE_FIXTURES & set(item.fixturenames))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test's group from these marks
+@pytest.hookimpl(
+    tryfirst=True
+)  # before xdist's own, which names each test's group from these marks
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n 2 --dist loadgroup` (`make test`), every test that serves a model runs in
     one worker, in file order, and first: engines are pinned to the same cores and computed one at a
@@ -36,9 +38,13 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """xdist's loadgroup marks a test's group in its node id; where it does not (pytest-xdist#1386, on
     pytest 9), two workers would serve models at once: say so instead of running that way."""
-    if getattr(session.config.option, "loadgroup", False) and any("@" not in item.nodeid for item in session.items):
-        raise pytest.UsageError("pytest-xdist's --dist loadgroup does not group tests on this pytest "
-                                "(pytest-dev/pytest-xdist#1386): install the test extra's pytest (< 9)")
+    if getattr(session.config.option, "loadgroup", False) and any(
+        "@" not in item.nodeid for item in session.items
+    ):
+        raise pytest.UsageError(
+            "pytest-xdist's --dist loadgroup does not group tests on this pytest "
+            "(pytest-dev/pytest-xdist#1386): install the test extra's pytest (< 9)"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,9 @@ IN_FLIGHT = 8  # stores in flight at any time, so a kill lands mid-write
 
 
 def crash_namespace(slot_bytes: int, world_size: int) -> Namespace:
-    return Namespace("crash-model", "float16", "blocks", 16, 4, "sha256_cbor", world_size, slot_bytes)
+    return Namespace(
+        "crash-model", "float16", "blocks", 16, 4, "sha256_cbor", world_size, slot_bytes
+    )
 
 
 def crash_key(i: int) -> bytes:
@@ -42,7 +44,9 @@ def main() -> None:
     namespace = crash_namespace(slot_bytes, world_size)
     tier = DiskTier(root, namespace, capacity_bytes=1 << 40)
     rows = np.frombuffer(mmap.mmap(-1, IN_FLIGHT * world_size * slot_bytes), np.uint8)
-    rows = rows.reshape(IN_FLIGHT, world_size, slot_bytes)  # page-aligned rows: O_DIRECT where allowed
+    rows = rows.reshape(
+        IN_FLIGHT, world_size, slot_bytes
+    )  # page-aligned rows: O_DIRECT where allowed
     free_rows, keys_by_job = list(range(IN_FLIGHT)), {}
     for i in range(sys.maxsize):
         while not free_rows:
@@ -56,8 +60,14 @@ def main() -> None:
         for rank in range(world_size):
             rows[row, rank] = chunk_content(key, rank, slot_bytes)
         keys_by_job[i] = (key, row)
-        tier.submit_store(TierJob(job_id=i, is_store=True, keys=(key,),
-                                  buffers=(tuple(memoryview(rows[row, r]) for r in range(world_size)),)))
+        tier.submit_store(
+            TierJob(
+                job_id=i,
+                is_store=True,
+                keys=(key,),
+                buffers=(tuple(memoryview(rows[row, r]) for r in range(world_size)),),
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,20 @@ class HeldRequests:
     Events: `has_failed`, `is_held` (it waits now), `has_ended` (its real request returned).
     """
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, op: str, *, held: str | None = None,
-                 failing: str | None = None, fails_after: int = 0):
-        self.has_failed, self.is_held, self.has_ended = threading.Event(), threading.Event(), threading.Event()
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        op: str,
+        *,
+        held: str | None = None,
+        failing: str | None = None,
+        fails_after: int = 0,
+    ):
+        self.has_failed, self.is_held, self.has_ended = (
+            threading.Event(),
+            threading.Event(),
+            threading.Event(),
+        )
         self._released = threading.Event()
         self._started = threading.Condition()
         self._num_started = 0
@@ -49,7 +60,9 @@ class HeldRequests:
         def request(store: object, name: str, *args: object, **kwargs: object) -> object:
             if name == failing:
                 with self._started:
-                    is_due = self._started.wait_for(lambda: self._num_started >= fails_after, CEILING_S)
+                    is_due = self._started.wait_for(
+                        lambda: self._num_started >= fails_after, CEILING_S
+                    )
                 assert is_due, f"{fails_after} other requests never started"
                 self.has_failed.set()
                 raise ConnectionResetError(f"injected: connection reset during the {op} of {name}")

@@ -20,7 +20,9 @@ HANG_S = 60.0
 HANG_MS = int(HANG_S * 1000)
 
 
-def wait_until(condition: Callable[[], object], what: str, timeout: float = HANG_S, interval_s: float = 0.01) -> None:
+def wait_until(
+    condition: Callable[[], object], what: str, timeout: float = HANG_S, interval_s: float = 0.01
+) -> None:
     """Poll `condition` every `interval_s` until it holds; fail naming `what` after `timeout`."""
     end = time.monotonic() + timeout
     while not condition():
@@ -28,7 +30,9 @@ def wait_until(condition: Callable[[], object], what: str, timeout: float = HANG
         time.sleep(interval_s)
 
 
-def make_req_context(req_id: str = "", kv_transfer_params: dict[str, Any] | None = None) -> ReqContext:
+def make_req_context(
+    req_id: str = "", kv_transfer_params: dict[str, Any] | None = None
+) -> ReqContext:
     """A ReqContext for tests; the manager suites do not care which request asks."""
     return ReqContext(req_id=req_id, kv_transfer_params=kv_transfer_params)
 
@@ -54,12 +58,28 @@ def nums(ks: list[bytes] | None) -> list[int] | None:
 def store_job(job_id, block_ids, slot_ids, group=0):
     """A one-part store job (ids passed through as given: validation is under test)."""
     part = TransferPart(group=group, slot_ids=slot_ids, block_ids=block_ids)
-    return TransferJob(job_id=job_id, req_id="r", src=Endpoint.ENGINE, dst=Endpoint.SLAB, parts=(part,), deadline=0.0)
+    return TransferJob(
+        job_id=job_id,
+        req_id="r",
+        src=Endpoint.ENGINE,
+        dst=Endpoint.SLAB,
+        parts=(part,),
+        deadline=0.0,
+    )
 
 
 def load_job(job_id, slot_ids, block_ids, group=0, skip_blocks=0):
-    part = TransferPart(group=group, slot_ids=slot_ids, block_ids=block_ids, skip_blocks=skip_blocks)
-    return TransferJob(job_id=job_id, req_id="r", src=Endpoint.SLAB, dst=Endpoint.ENGINE, parts=(part,), deadline=0.0)
+    part = TransferPart(
+        group=group, slot_ids=slot_ids, block_ids=block_ids, skip_blocks=skip_blocks
+    )
+    return TransferJob(
+        job_id=job_id,
+        req_id="r",
+        src=Endpoint.SLAB,
+        dst=Endpoint.ENGINE,
+        parts=(part,),
+        deadline=0.0,
+    )
 
 
 class CopyEnded(Exception):

@@ -109,7 +109,9 @@ class _StoreStickingTransferEngine(TransferEngine):
         if not (job.is_store and job.parts and flag):
             return super().submit(job, slices)
         _count_seen(flag)
-        with self._cond:  # in flight for `wait` (a flush waits for it in vain), but no copy ever starts
+        with (
+            self._cond
+        ):  # in flight for `wait` (a flush waits for it in vain), but no copy ever starts
             self._stuck[job.job_id] = job
             self._open[job.job_id] = None  # type: ignore[assignment]
         return None
@@ -154,4 +156,6 @@ class SoakFaultKVTierConnector(KVTierConnector):
         if not due:
             return meta
         self._held = [(when, results) for when, results in self._held if when > now]
-        return KVTierWorkerMetadata(due + (list(meta.results) if meta else []), meta.slab_slots if meta else ())
+        return KVTierWorkerMetadata(
+            due + (list(meta.results) if meta else []), meta.slab_slots if meta else ()
+        )

@@ -41,11 +41,17 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from helpers import HANG_S
-from servers.redis import HOST, find_redis_server, free_port  # benchmarks/servers/, on sys.path above
+from servers.redis import (
+    HOST,
+    find_redis_server,
+    free_port,
+)  # benchmarks/servers/, on sys.path above
 from servers.redis import RedisServer as Launcher
 from servers.tls import make_certificates
 
-if TYPE_CHECKING:  # redis-py is imported when a server is first used: collecting other tests never needs it
+if (
+    TYPE_CHECKING
+):  # redis-py is imported when a server is first used: collecting other tests never needs it
     import redis
     from redis.cluster import RedisCluster
 
@@ -90,7 +96,9 @@ class RedisClusterServers:
     def ready(self) -> RedisClusterServers:
         for node in self.nodes:
             if not node.is_running():
-                raise RuntimeError(f"cluster node {node.port} was stopped by a test; restart it there")
+                raise RuntimeError(
+                    f"cluster node {node.port} was stopped by a test; restart it there"
+                )
         self.flush()
         return self
 
@@ -100,17 +108,23 @@ class RedisClusterServers:
         for node in self.nodes:
             while _cluster_state(node) != "ok":
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"cluster node {node.port} not ok after {timeout_s} s: {_cluster_state(node)}")
+                    raise RuntimeError(
+                        f"cluster node {node.port} not ok after {timeout_s} s: {_cluster_state(node)}"
+                    )
                 time.sleep(0.05)
 
 
 def _cluster_state(node: RedisServer) -> str:
     with node.client() as client:
-        return str(client.cluster("INFO").get("cluster_state"))  # redis-py parses CLUSTER INFO into a dict
+        return str(
+            client.cluster("INFO").get("cluster_state")
+        )  # redis-py parses CLUSTER INFO into a dict
 
 
 @contextlib.contextmanager
-def _servers(count: int, args: list[str], port: int | None = None, **options) -> Iterator[list[RedisServer]]:
+def _servers(
+    count: int, args: list[str], port: int | None = None, **options
+) -> Iterator[list[RedisServer]]:
     try:
         find_redis_server()
     except FileNotFoundError as exc:
@@ -139,7 +153,18 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def redis_server_acl() -> Iterator[RedisServer]:
     """A server whose only user is `ACL_USER` / `ACL_PASSWORD` (the default user is off)."""
-    acl = ["--user", "default", "off", "--user", ACL_USER, "on", f">{ACL_PASSWORD}", "~*", "&*", "+@all"]
+    acl = [
+        "--user",
+        "default",
+        "off",
+        "--user",
+        ACL_USER,
+        "on",
+        f">{ACL_PASSWORD}",
+        "~*",
+        "&*",
+        "+@all",
+    ]
     with _servers(1, acl, username=ACL_USER, password=ACL_PASSWORD) as (server,):
         yield server
 
@@ -148,13 +173,26 @@ def redis_server_acl() -> Iterator[RedisServer]:
 def redis_server_tls() -> Iterator[RedisServer]:
     """A server on TLS only, its certificate signed by `server.tls_ca`."""
     if shutil.which("openssl") is None:
-        pytest.fail("openssl not found on PATH (it makes the TLS test's certificates): apt-get install -y openssl")
+        pytest.fail(
+            "openssl not found on PATH (it makes the TLS test's certificates): apt-get install -y openssl"
+        )
     certs = Path(tempfile.mkdtemp(prefix="kvtier-redis-tls-"))
     make_certificates(certs)
     port = free_port()
-    tls = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(certs / "server.pem"),
-           "--tls-key-file", str(certs / "server.key"), "--tls-ca-cert-file", str(certs / "ca.pem"),
-           "--tls-auth-clients", "no"]
+    tls = [
+        "--port",
+        "0",
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        str(certs / "server.pem"),
+        "--tls-key-file",
+        str(certs / "server.key"),
+        "--tls-ca-cert-file",
+        str(certs / "ca.pem"),
+        "--tls-auth-clients",
+        "no",
+    ]
     with _servers(1, tls, port=port, tls_ca=certs / "ca.pem") as (server,):
         yield server
     shutil.rmtree(certs, ignore_errors=True)
@@ -165,12 +203,30 @@ def redis_cluster() -> Iterator[RedisClusterServers]:
     """Three primaries, slots spread by `redis-cli --cluster create`, waited for until ok."""
     # a node starved of CPU past the node timeout is marked failed by the others, and with no
     # replicas the cluster then refuses every command for seconds: no test here wants a failover
-    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "60000"]
+    args = [
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        "60000",
+    ]
     with _servers(3, args) as nodes:
         addresses = [f"{HOST}:{node.port}" for node in nodes]
-        subprocess.run([shutil.which("redis-cli") or "redis-cli", "--cluster", "create", *addresses,
-                        "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                shutil.which("redis-cli") or "redis-cli",
+                "--cluster",
+                "create",
+                *addresses,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         cluster = RedisClusterServers(nodes)
         cluster.wait_ok()
         yield cluster

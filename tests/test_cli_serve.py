@@ -50,14 +50,39 @@ class Server:
         self.log_path = log_path
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
-            [KVTIER, "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name",
-             "tiny", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-             "--seed", "0", "--cpu-bytes", "256MiB", "--max-defer-s", "1.0", "--shutdown-timeout", str(GRACE_S),
-             *extra_args],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                KVTIER,
+                "serve",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--served-model-name",
+                "tiny",
+                "--skip-tokenizer-init",
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "2048",
+                "--enforce-eager",
+                "--seed",
+                "0",
+                "--cpu-bytes",
+                "256MiB",
+                "--max-defer-s",
+                "1.0",
+                "--shutdown-timeout",
+                str(GRACE_S),
+                *extra_args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             # the engine's own wait for its workers (vLLM: 5 s, then SIGTERM) gets room too, within
             # the grace, so that a stuck worker is still signalled before the EngineCore is killed
-            env={**os.environ, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(GRACE_S // 2)})
+            env={**os.environ, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(GRACE_S // 2)},
+        )
 
     def log_tail(self, num_lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
@@ -66,7 +91,9 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                pytest.fail(f"kvtier serve exited with {self.process.returncode}:\n{self.log_tail()}")
+                pytest.fail(
+                    f"kvtier serve exited with {self.process.returncode}:\n{self.log_tail()}"
+                )
             try:
                 if self.get("/health")[0] == 200:
                     return
@@ -80,8 +107,11 @@ class Server:
             return response.status, response.read().decode()
 
     def post(self, path: str, body: dict) -> tuple[int, dict]:
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
                 return response.status, json.loads(response.read())
@@ -116,9 +146,17 @@ def server(model, tmp_path_factory):
 
 def test_serve_answers_a_completion_and_exposes_kvtier_metrics(server):
     prompt = tokens(600, seed=3)  # 4 whole blocks of 128 tokens: kvtier stores them
-    status, body = server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4,
-                                                   "temperature": 0.0, "ignore_eos": True,
-                                                   "return_token_ids": True})
+    status, body = server.post(
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert status == 200, body
     choice = body["choices"][0]
     assert len(choice["token_ids"]) == 4 and choice["finish_reason"] == "length"
@@ -138,23 +176,41 @@ def test_serve_answers_a_completion_and_exposes_kvtier_metrics(server):
 def test_serve_passes_kv_transfer_params_from_the_request_body_to_kvtier(server):
     """The hints API over HTTP: vLLM's OpenAI server hands `kv_transfer_params` to the connector,
     which counts the request as hinted; a malformed hint is ignored, the request still served."""
+
     def hinted_requests() -> float:
         status, text = server.get("/metrics")
         assert status == 200
-        return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("kvtier:hinted_requests_total"))
+        return sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("kvtier:hinted_requests_total")
+        )
 
     before = hinted_requests()
-    for hints in ({"session": "chat-7", "retain_s": 300, "next_turn_s": 30},
-                  {"session": "chat-7", "end_session": True, "priority": "high"}):
-        status, body = server.post("/v1/completions", {
-            "model": "tiny", "prompt": tokens(300, seed=8), "max_tokens": 2, "temperature": 0.0,
-            "ignore_eos": True, "kv_transfer_params": {"kvtier": hints}})
+    for hints in (
+        {"session": "chat-7", "retain_s": 300, "next_turn_s": 30},
+        {"session": "chat-7", "end_session": True, "priority": "high"},
+    ):
+        status, body = server.post(
+            "/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": tokens(300, seed=8),
+                "max_tokens": 2,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "kv_transfer_params": {"kvtier": hints},
+            },
+        )
         assert status == 200, body
     # the stat logger ships counters with the engine's next steps
-    wait_until(lambda: hinted_requests() >= before + 2, "both hinted requests are counted", interval_s=0.2)
+    wait_until(
+        lambda: hinted_requests() >= before + 2, "both hinted requests are counted", interval_s=0.2
+    )
     assert hinted_requests() == before + 2
-    assert "kvtier hint 'priority' must be an integer" in server.log_path.read_text(errors="replace")
+    assert "kvtier hint 'priority' must be an integer" in server.log_path.read_text(
+        errors="replace"
+    )
 
 
 def mapped_slabs(root_pid: int) -> set[Path]:
@@ -163,7 +219,11 @@ def mapped_slabs(root_pid: int) -> set[Path]:
     import psutil
 
     root = psutil.Process(root_pid)
-    return {SHM / name for proc in [root, *root.children(recursive=True)] for name in mapped_shm(proc.pid, SLAB_PREFIX)}
+    return {
+        SHM / name
+        for proc in [root, *root.children(recursive=True)]
+        for name in mapped_shm(proc.pid, SLAB_PREFIX)
+    }
 
 
 def test_serve_stops_cleanly_on_ctrl_c(server):
@@ -171,17 +231,24 @@ def test_serve_stops_cleanly_on_ctrl_c(server):
     assert slabs, "the running server's host slab is in /dev/shm"
     logged_before = len(server.log_path.read_text(errors="replace"))
     status = server.stop()
-    assert status is not None, f"kvtier serve ignored SIGINT for {STOP_TIMEOUT_S} s:\n{server.log_tail()}"
+    assert (
+        status is not None
+    ), f"kvtier serve ignored SIGINT for {STOP_TIMEOUT_S} s:\n{server.log_tail()}"
     assert status == 0, server.log_tail()
     stopping = server.log_path.read_text(errors="replace")[logged_before:]
     # what the stop did, in every process (the full log is too long for a failure message)
-    steps = "\n".join(line for line in stopping.splitlines()
-                      if "[shutdown]" in line or "kvtier" in line or "WARNING" in line or "ERROR" in line)
+    steps = "\n".join(
+        line
+        for line in stopping.splitlines()
+        if "[shutdown]" in line or "kvtier" in line or "WARNING" in line or "ERROR" in line
+    )
     # the engine's processes exit on their own (a killed EngineCore leaves kvtier's shared memory
     # behind), and kvtier's host slab is unlinked. Not asserted: no traceback — vLLM 0.32's API
     # server sometimes logs EngineDeadError from its output handler, still waiting for outputs when
     # the engine it stopped exits.
-    assert "all workers exited gracefully" in stopping and "force killing" not in stopping, steps[-6000:]
+    assert "all workers exited gracefully" in stopping and "force killing" not in stopping, steps[
+        -6000:
+    ]
     assert not any(path.exists() for path in slabs), steps[-6000:]
 
 
@@ -197,7 +264,10 @@ def test_no_kvtier_flag_shadows_a_vllm_serve_option():
     serve_parser = serve_cmd.subparser_init(vllm_parser.add_subparsers())
     vllm_flags = {s for action in serve_parser._actions for s in action.option_strings}
     kvtier_serve = build_parser("serve")._subparsers._group_actions[0].choices["serve"]
-    kvtier_flags = {s for action in kvtier_serve._actions for s in action.option_strings} - {"-h", "--help"}
+    kvtier_flags = {s for action in kvtier_serve._actions for s in action.option_strings} - {
+        "-h",
+        "--help",
+    }
     assert len(kvtier_flags) > 40 and kvtier_flags & vllm_flags == set()
     # and the JSON it builds is a KVTransferConfig vLLM accepts
     from vllm.config import KVTransferConfig

@@ -26,14 +26,20 @@ kvtier:tier_capacity_bytes{{engine="0",model_name="tiny",tier="cpu"}} 4294967296
 kvtier:tier_capacity_bytes{{engine="0",model_name="tiny",tier="disk"}} 1.7179869184e+10
 vllm:num_requests_running{{engine="0",model_name="tiny"}} 0.0
 """
-CURVES = {"cpu": (0.05, 0.09, 0.21, 0.34, 0.41, 0.43), "disk": (0.40, 0.55, 0.61, 0.612, 0.62, 0.62)}
+CURVES = {
+    "cpu": (0.05, 0.09, 0.21, 0.34, 0.41, 0.43),
+    "disk": (0.40, 0.55, 0.61, 0.612, 0.62, 0.62),
+}
 FACTORS = ("0.25", "0.5", "1", "2", "4", "8")
 
 
 def page(curves: dict[str, tuple[float, ...]]) -> str:
-    ratios = "\n".join(f'kvtier:tier_predicted_hit_ratio{{engine="0",model_name="tiny",tier="{tier}",'
-                       f'capacity_factor="{f}"}} {r}'
-                       for tier, rs in curves.items() for f, r in zip(FACTORS, rs, strict=True))
+    ratios = "\n".join(
+        f'kvtier:tier_predicted_hit_ratio{{engine="0",model_name="tiny",tier="{tier}",'
+        f'capacity_factor="{f}"}} {r}'
+        for tier, rs in curves.items()
+        for f, r in zip(FACTORS, rs, strict=True)
+    )
     return PAGE.format(ratios=ratios)
 
 
@@ -73,8 +79,19 @@ def test_status_prints_each_tiers_curve_and_advice(capsys):
         status, out, err = run_status(capsys, url)  # the bare address: /metrics is appended
     print(out)  # the screen, for the record (pytest -s)
     assert status == 0 and err == ""
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cpu ", "disk "))}
-    assert rows["cpu"][1:3] == ["4.0", "GiB"] and rows["cpu"][3:] == ["0.05", "0.09", "0.21", "0.34", "0.41", "0.43"]
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.startswith(("cpu ", "disk "))
+    }
+    assert rows["cpu"][1:3] == ["4.0", "GiB"] and rows["cpu"][3:] == [
+        "0.05",
+        "0.09",
+        "0.21",
+        "0.34",
+        "0.41",
+        "0.43",
+    ]
     assert rows["disk"][1:3] == ["16.0", "GiB"]
     assert "cpu: doubling cpu_bytes would raise its hit ratio from 0.21 to 0.34" in out
     # the disk curve is flat above 1x, and 0.5x would lose 0.06
@@ -83,9 +100,13 @@ def test_status_prints_each_tiers_curve_and_advice(capsys):
 
 def test_advice_names_a_tier_with_room_to_spare_and_the_setting_of_each_tier():
     flat = TierCurve("redis", ratios={0.5: 0.30, 1.0: 0.305, 2.0: 0.31})
-    assert advice(flat) == ("redis: halving the Redis server's maxmemory would lower its hit ratio only from "
-                            "0.30 to 0.30: it has more room than this traffic reuses")
-    assert advice(TierCurve("s3", ratios={1.0: 0.1, 2.0: 0.2})).startswith("s3: doubling what the S3 bucket keeps")
+    assert advice(flat) == (
+        "redis: halving the Redis server's maxmemory would lower its hit ratio only from "
+        "0.30 to 0.30: it has more room than this traffic reuses"
+    )
+    assert advice(TierCurve("s3", ratios={1.0: 0.1, 2.0: 0.2})).startswith(
+        "s3: doubling what the S3 bucket keeps"
+    )
 
 
 def test_status_of_an_unreachable_server_is_a_one_line_error(capsys):
@@ -93,7 +114,10 @@ def test_status_of_an_unreachable_server_is_a_one_line_error(capsys):
         pass  # closed: nothing listens on that port now
     status, out, err = run_status(capsys, url)
     assert status == 2 and out == ""
-    assert err.startswith(f"kvtier status: cannot read {url}/metrics:") and "is the server running" in err
+    assert (
+        err.startswith(f"kvtier status: cannot read {url}/metrics:")
+        and "is the server running" in err
+    )
 
 
 def test_status_of_a_page_without_kvtier_curves_says_why(capsys):
@@ -127,19 +151,36 @@ def test_a_tiers_lookups_reach_the_status_screen_through_prometheus(tmp_path, ca
     for k in keys(3, 1):  # a request's scan, then its admission
         manager.lookup(k, CTX)
     manager.count_query(keys(3, 1), CTX)
-    side = SimpleNamespace(core=SimpleNamespace(manager=manager), payload_bytes=4096, _reported_tiers={})
+    side = SimpleNamespace(
+        core=SimpleNamespace(manager=manager), payload_bytes=4096, _reported_tiers={}
+    )
     stats = KVTierStats()
     SchedulerSide._add_tier_stats(side, stats, manager.stats())
-    prom = KVTierPromMetrics(SimpleNamespace(kv_transfer_config=None),
-                             {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, ["engine"], {0: ["0"]})
+    prom = KVTierPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
+    )
     prom.observe(stats.data)
-    samples = {(s.labels["tier"], s.labels["capacity_factor"]): s.value for m in REGISTRY.collect()
-               for s in m.samples if s.name == "kvtier:tier_predicted_hit_ratio"}
-    assert {f for t, f in samples if t == "cpu"} == set(FACTORS) == {f for t, f in samples if t == "disk"}
+    samples = {
+        (s.labels["tier"], s.labels["capacity_factor"]): s.value
+        for m in REGISTRY.collect()
+        for s in m.samples
+        if s.name == "kvtier:tier_predicted_hit_ratio"
+    }
+    assert (
+        {f for t, f in samples if t == "cpu"}
+        == set(FACTORS)
+        == {f for t, f in samples if t == "disk"}
+    )
     assert samples["cpu", "8"] == stats.data["gauges"]["tier.cpu.predicted_hit_ratio.8"]
     with serving(generate_latest(REGISTRY).decode()) as url:
         status, out, _ = run_status(capsys, url)
     print(out)
     assert status == 0
-    assert [line.split()[0] for line in out.splitlines() if line.startswith(("cpu ", "disk "))] == ["cpu", "disk"]
+    assert [line.split()[0] for line in out.splitlines() if line.startswith(("cpu ", "disk "))] == [
+        "cpu",
+        "disk",
+    ]
     assert "disk: doubling disk_bytes" in out or "disk: halving disk_bytes" in out

@@ -46,7 +46,9 @@ PREFILL_TOKENS_PER_S = 10.0  # a chunk's 4 tokens: 0.4 s to recompute
 # The stall test's fault (a real deadline); every other engine's tier jobs have HANG_S
 TIER_JOB_TIMEOUT_S = 1.0
 REQUEST_GAP_S = 0.25  # fake seconds between two requests
-MAX_REQUESTS = 40  # 10 fake seconds of requests: a tier that recovered is loaded from again within them
+MAX_REQUESTS = (
+    40  # 10 fake seconds of requests: a tier that recovered is loaded from again within them
+)
 HEALTHY_READ_S = 0.001  # what a read of a disk that is not slow reports (`SlowReads`)
 
 
@@ -89,21 +91,29 @@ class SlowReads(HeldTier):
         if not super().drain(timeout):
             return False
         if self.read_delay_s and self._submitted:
-            time.sleep(max(0.0, max(self._submitted.values()) + self.read_delay_s - time.monotonic()))
+            time.sleep(
+                max(0.0, max(self._submitted.values()) + self.read_delay_s - time.monotonic())
+            )
         return True
 
 
 def measuring_scheduler(manager, chunk_bytes: int, clock: FakeClock) -> OffloadScheduler:
     """A scheduler whose cost model measures (prefill injected); job deadlines far beyond the test."""
-    config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),), max_defer_s=60.0,
-                                    max_deferrals=UNBOUNDED_DEFERRALS, job_timeout_s=1e6, chunk_bytes=chunk_bytes)
+    config = SchedulerOffloadConfig(
+        groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),),
+        max_defer_s=60.0,
+        max_deferrals=UNBOUNDED_DEFERRALS,
+        job_timeout_s=1e6,
+        chunk_bytes=chunk_bytes,
+    )
     scheduler = OffloadScheduler(config, manager, clock=clock)
     scheduler.costs.prefill = PrefillRate(prior_tokens_per_s=PREFILL_TOKENS_PER_S)
     return scheduler
 
 
-def disk_engine(tmp_path, clock: FakeClock, num_prefixes: int, tier_timeout_s: float = HANG_S
-                ) -> tuple[FakeEngine, SlowReads, list[list[int]]]:
+def disk_engine(
+    tmp_path, clock: FakeClock, num_prefixes: int, tier_timeout_s: float = HANG_S
+) -> tuple[FakeEngine, SlowReads, list[list[int]]]:
     """An engine over RAM + disk, with `num_prefixes` prefixes on disk only (computed once, written
     through, then pushed out of RAM by two fillers)."""
     slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
@@ -112,11 +122,21 @@ def disk_engine(tmp_path, clock: FakeClock, num_prefixes: int, tier_timeout_s: f
     disk = DiskTier(tmp_path, namespace, 16 * (num_prefixes + 4) * (slab.rows.shape[1] + 4096))
     assert disk.wait_scanned(HANG_S)
     tier = SlowReads(disk)
-    manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(tier, TierRules())],
-                            job_timeout_s=tier_timeout_s)
-    engine = close_after_test(_ClosesTiers(FakeEngine(measuring_scheduler(manager, slab.rows.shape[1], clock),
-                                                      num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, clock=clock,
-                                                      slab=slab), manager))
+    manager = TieredManager(
+        CPUTierManager(NUM_SLOTS), [slab.rows], [(tier, TierRules())], job_timeout_s=tier_timeout_s
+    )
+    engine = close_after_test(
+        _ClosesTiers(
+            FakeEngine(
+                measuring_scheduler(manager, slab.rows.shape[1], clock),
+                num_blocks=NUM_BLOCKS,
+                block_size=BLOCK_SIZE,
+                clock=clock,
+                slab=slab,
+            ),
+            manager,
+        )
+    )
     prefixes = [prompt(PREFIX_TOKENS, seed=s) for s in range(1, 1 + num_prefixes)]
     for i, p in enumerate(prefixes):
         serve(engine, f"first-{i}", p)
@@ -131,8 +151,9 @@ def ram_engine(clock: FakeClock) -> tuple[FakeEngine, list[int]]:
     """An engine over an 8-chunk RAM tier alone, and a prefix it computed there."""
     slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 8)
     scheduler = measuring_scheduler(CPUTierManager(8), slab.rows.shape[1], clock)
-    engine = close_after_test(FakeEngine(scheduler, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, clock=clock,
-                                         slab=slab))
+    engine = close_after_test(
+        FakeEngine(scheduler, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, clock=clock, slab=slab)
+    )
     p = prompt(PREFIX_TOKENS, seed=1)
     serve(engine, "p", p)
     return engine, p
@@ -152,7 +173,11 @@ def tier_counters(engine) -> dict:
 
 def chunk_seconds(engine, medium: str) -> float:
     """What the cost model expects one chunk from `medium` to take now."""
-    return engine.scheduler.costs.snapshot().read(medium).seconds_for(engine.scheduler.config.chunk_bytes)
+    return (
+        engine.scheduler.costs.snapshot()
+        .read(medium)
+        .seconds_for(engine.scheduler.config.chunk_bytes)
+    )
 
 
 @dataclasses.dataclass
@@ -165,7 +190,9 @@ class Served:
     deferrals: int  # times it was asked to wait
 
 
-def serve_one(engine, clock: FakeClock, req_id: str, tokens: list[int], medium: str, since: float) -> Served:
+def serve_one(
+    engine, clock: FakeClock, req_id: str, tokens: list[int], medium: str, since: float
+) -> Served:
     """Serve one request (the engine's own cache emptied first) and see what it did."""
     explorations, deferrals = _explorations(engine, medium), engine.scheduler.stats.deferrals
     engine.reset_prefix_cache()
@@ -174,8 +201,12 @@ def serve_one(engine, clock: FakeClock, req_id: str, tokens: list[int], medium: 
     if isinstance(manager, TieredManager):
         settle(engine)
         manager.stats()  # the tier jobs that ended are applied: the estimate sees them
-    return Served(clock() - since, req.num_external_tokens, _explorations(engine, medium) > explorations,
-                  engine.scheduler.stats.deferrals - deferrals)
+    return Served(
+        clock() - since,
+        req.num_external_tokens,
+        _explorations(engine, medium) > explorations,
+        engine.scheduler.stats.deferrals - deferrals,
+    )
 
 
 def _explorations(engine, medium: str) -> int:
@@ -187,7 +218,9 @@ def test_a_tier_written_off_by_a_stall_is_loaded_from_again_once_it_answers(tmp_
     Before exploration, its estimate (three reads of a whole timeout each) wrote it off for good:
     no promotion started again, so nothing measured it again."""
     clock = FakeClock()
-    engine, disk, prefixes = disk_engine(tmp_path, clock, 1 + MAX_REQUESTS, tier_timeout_s=TIER_JOB_TIMEOUT_S)
+    engine, disk, prefixes = disk_engine(
+        tmp_path, clock, 1 + MAX_REQUESTS, tier_timeout_s=TIER_JOB_TIMEOUT_S
+    )
     engine.reset_prefix_cache()
     # the disk stalls: the first prefix's 3 promotions are held until their deadline passes (real
     # time: TIER_JOB_TIMEOUT_S), the request recomputes; each counts as a read of a whole timeout
@@ -206,9 +239,16 @@ def test_a_tier_written_off_by_a_stall_is_loaded_from_again_once_it_answers(tmp_
         served.append(serve_one(engine, clock, f"again-{i}", p + [7], "disk", healthy_at))
         if served[-1].loaded_tokens == PREFIX_TOKENS:
             break
-    print("after the stall:", [(s.at, s.loaded_tokens, "explored" if s.explored else "") for s in served])
-    print("decisions:", dict(engine.scheduler.stats.load_decisions), "disk:",
-          {k: v for k, v in tier_counters(engine).items() if "promotion" in k or "expired" in k})
+    print(
+        "after the stall:",
+        [(s.at, s.loaded_tokens, "explored" if s.explored else "") for s in served],
+    )
+    print(
+        "decisions:",
+        dict(engine.scheduler.stats.load_decisions),
+        "disk:",
+        {k: v for k, v in tier_counters(engine).items() if "promotion" in k or "expired" in k},
+    )
     assert served[-1].loaded_tokens == PREFIX_TOKENS, served
     explored = [s for s in served if s.explored]
     # a request that explored recomputed as decided, without waiting for the read it started
@@ -216,7 +256,9 @@ def test_a_tier_written_off_by_a_stall_is_loaded_from_again_once_it_answers(tmp_
     assert len(explored) <= 3, explored  # the newest three reads outweigh the stall
 
 
-def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_request_waits(tmp_path):
+def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_request_waits(
+    tmp_path,
+):
     """A disk whose reads answer 1 s late stays written off: each exploration measures it slow
     again. What that costs: one chunk read every few seconds, in the background. (The reads take 1 s
     of real time: 7 explorations over 20 fake seconds, about 8 s of this test.)"""
@@ -241,12 +283,20 @@ def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_
         served.append(serve_one(engine, clock, f"q-{i}", prefixes[1 + i % 19] + [7], "disk", start))
     explored = [s.at for s in served if s.explored]
     reads = tier_counters(engine).get("load_chunks", 0) - reads_before
-    assert tier_counters(engine)["promotions"] == first.num_external_tokens // BLOCK_SIZE  # nothing read into RAM
+    assert (
+        tier_counters(engine)["promotions"] == first.num_external_tokens // BLOCK_SIZE
+    )  # nothing read into RAM
     seconds = clock() - start
-    print(f"a disk reading a chunk in {read_s} s, over {seconds:.0f} fake s and {num_requests} requests:",
-          f"{len(explored)} explorations at", explored, f"= {reads} chunk reads ({reads * chunk_bytes} bytes),",
-          f"the disk busy with them {reads * read_s / seconds:.0%} of the time")
-    assert all(s.loaded_tokens == 0 and s.deferrals == 0 for s in served)  # nobody loaded from it, nor waited
+    print(
+        f"a disk reading a chunk in {read_s} s, over {seconds:.0f} fake s and {num_requests} requests:",
+        f"{len(explored)} explorations at",
+        explored,
+        f"= {reads} chunk reads ({reads * chunk_bytes} bytes),",
+        f"the disk busy with them {reads * read_s / seconds:.0%} of the time",
+    )
+    assert all(
+        s.loaded_tokens == 0 and s.deferrals == 0 for s in served
+    )  # nobody loaded from it, nor waited
     assert reads == len(explored)
     # a read of 1 s is followed by 3 s without one: at most one every 4 s (a quarter of the disk's time)
     assert all(b - a >= 3 * read_s for a, b in pairwise(explored)), explored
@@ -296,13 +346,18 @@ def test_an_exploration_never_evicts_the_ram_head_its_decision_loads(tmp_path):
     for i in range(2):  # two one-chunk requests push P's tail out of RAM: its head [0, 1] stays
         serve(engine, f"fill-{i}", prompt(5, seed=200 + i))
         settle(engine)
-    clock.now += 20.0  # the disk's estimate is stale: the decision that stops before P's tail explores it
+    clock.now += (
+        20.0  # the disk's estimate is stale: the decision that stops before P's tail explores it
+    )
     engine.reset_prefix_cache()
     explored_before = _explorations(engine, "disk")
     deferrals_before = engine.scheduler.stats.deferrals
     a = serve(engine, "A", p + [7])
     assert _explorations(engine, "disk") == explored_before + 1
-    assert a.num_external_tokens == 2 * BLOCK_SIZE and engine.scheduler.stats.deferrals == deferrals_before
+    assert (
+        a.num_external_tokens == 2 * BLOCK_SIZE
+        and engine.scheduler.stats.deferrals == deferrals_before
+    )
 
 
 def test_ram_written_off_by_three_slow_copies_is_loaded_from_again(tmp_path):
@@ -319,7 +374,10 @@ def test_ram_written_off_by_three_slow_copies_is_loaded_from_again(tmp_path):
     for i in range(MAX_REQUESTS):
         clock.now += REQUEST_GAP_S
         served.append(serve_one(engine, clock, f"again-{i}", p + [7], "cpu", slow_at))
-    print("after the slow copies:", [(s.at, s.loaded_tokens, "explored" if s.explored else "") for s in served])
+    print(
+        "after the slow copies:",
+        [(s.at, s.loaded_tokens, "explored" if s.explored else "") for s in served],
+    )
     print("decisions:", dict(scheduler.stats.load_decisions))
     assert served[0].loaded_tokens == 0  # written off: recomputed
     explored = [i for i, s in enumerate(served) if s.explored]
@@ -327,10 +385,12 @@ def test_ram_written_off_by_three_slow_copies_is_loaded_from_again(tmp_path):
     # request loads from it without exploring
     assert explored and len(explored) <= 3, explored
     assert all(served[i].loaded_tokens == PREFIX_TOKENS for i in explored)
-    assert all(s.loaded_tokens == PREFIX_TOKENS for s in served[explored[-1]:]), served
+    assert all(s.loaded_tokens == PREFIX_TOKENS for s in served[explored[-1] :]), served
 
 
-def test_ram_written_off_while_every_prefix_is_on_disk_is_read_at_its_prior_once_long_unmeasured(tmp_path):
+def test_ram_written_off_while_every_prefix_is_on_disk_is_read_at_its_prior_once_long_unmeasured(
+    tmp_path,
+):
     # the stack fuzzer: only loads measure RAM, and every tier's reads end in a RAM copy; with RAM
     # written off and every prefix on disk (none in RAM to explore RAM with), nothing loaded again
     clock = FakeClock()
@@ -369,9 +429,19 @@ def test_explorations_are_a_metric_per_tier():
 
     from kvtier.integrations.vllm.metrics import KVTierPromMetrics
 
-    prom = KVTierPromMetrics(SimpleNamespace(kv_transfer_config=None),
-                             {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, ["engine"], {0: ["0"]})
-    prom.observe({"counters": {"tier.cpu.explorations": 2, "tier.redis.explorations": 1}, "gauges": {}})
-    found = {s.labels["tier"]: s.value for m in REGISTRY.collect() for s in m.samples
-             if s.name == "kvtier:tier_explorations_total"}
+    prom = KVTierPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
+    )
+    prom.observe(
+        {"counters": {"tier.cpu.explorations": 2, "tier.redis.explorations": 1}, "gauges": {}}
+    )
+    found = {
+        s.labels["tier"]: s.value
+        for m in REGISTRY.collect()
+        for s in m.samples
+        if s.name == "kvtier:tier_explorations_total"
+    }
     assert found == {"cpu": 2, "redis": 1}

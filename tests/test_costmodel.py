@@ -8,7 +8,14 @@ import random
 
 import pytest
 
-from kvtier.costmodel import CostSnapshot, PrefillRate, ReadEstimate, TransferRate, choose_load, read_prior
+from kvtier.costmodel import (
+    CostSnapshot,
+    PrefillRate,
+    ReadEstimate,
+    TransferRate,
+    choose_load,
+    read_prior,
+)
 from kvtier.errors import ConfigError
 
 MB = 1_000_000
@@ -16,6 +23,7 @@ PRIOR = ReadEstimate(1e6, 0.5)
 
 
 # -- a tier's transfers ------------------------------------------------------------------------
+
 
 def test_the_prior_stands_until_three_jobs_were_measured():
     rate = TransferRate(PRIOR)
@@ -70,10 +78,15 @@ def test_queued_bytes_wait_ahead_of_a_new_read():
 
 def test_a_tier_without_a_prior_of_its_own_is_read_as_slowly_as_object_storage():
     assert read_prior("my-tier") == read_prior("s3")
-    assert read_prior("cpu").bytes_per_s > read_prior("disk").bytes_per_s > read_prior("s3").bytes_per_s
+    assert (
+        read_prior("cpu").bytes_per_s
+        > read_prior("disk").bytes_per_s
+        > read_prior("s3").bytes_per_s
+    )
 
 
 # -- the engine's prefill ----------------------------------------------------------------------
+
 
 def test_prefill_is_measured_from_consecutive_steps_of_a_busy_engine():
     prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
@@ -94,7 +107,15 @@ def test_prefill_is_measured_from_consecutive_steps_of_a_busy_engine():
 def test_a_noisy_fixed_part_never_makes_prefill_look_free():
     prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
     now = 0.0
-    for tokens, seconds in [(8, 10.0), (1000, 0.2), (1000, 0.2), (1, 0.3), (1, 0.3), (1, 0.3), (1, 0.3)]:
+    for tokens, seconds in [
+        (8, 10.0),
+        (1000, 0.2),
+        (1000, 0.2),
+        (1, 0.3),
+        (1, 0.3),
+        (1, 0.3),
+        (1, 0.3),
+    ]:
         prefill.step_started(now, tokens, frozenset({"a"}))
         now += seconds
     prefill.step_started(now, 1, frozenset({"a"}))
@@ -114,8 +135,15 @@ def test_an_idle_gap_and_decode_steps_say_nothing_about_prefill_speed():
 
 # -- the decision ------------------------------------------------------------------------------
 
-COSTS = CostSnapshot({"cpu": ReadEstimate(10_000 * MB, 0.0), "disk": ReadEstimate(1000 * MB, 0.001),
-                      "s3": ReadEstimate(10 * MB, 0.05)}, prefill_tokens_per_s=1000.0, step_s=0.01)
+COSTS = CostSnapshot(
+    {
+        "cpu": ReadEstimate(10_000 * MB, 0.0),
+        "disk": ReadEstimate(1000 * MB, 0.001),
+        "s3": ReadEstimate(10 * MB, 0.05),
+    },
+    prefill_tokens_per_s=1000.0,
+    step_s=0.01,
+)
 
 
 def test_ram_and_a_fast_disk_are_loaded_a_slow_store_is_not():
@@ -155,20 +183,36 @@ def _ttft(locations, n, chunk_bytes, chunk_tokens, costs):
 def test_the_choice_is_the_fastest_head_and_never_slower_than_recomputing_or_loading_all(seed):
     rng = random.Random(seed)
     media = ["cpu", "disk", "redis", "s3"]
-    costs = CostSnapshot({m: ReadEstimate(10 ** rng.uniform(5, 10), rng.choice([0.0, 10 ** rng.uniform(-5, -1)]),
-                                          queued_bytes=rng.choice([0, rng.randrange(10 * MB)]))
-                          for m in media if rng.random() < 0.8},
-                         prefill_tokens_per_s=10 ** rng.uniform(2, 5), step_s=rng.choice([0.0, rng.uniform(0, 0.1)]))
+    costs = CostSnapshot(
+        {
+            m: ReadEstimate(
+                10 ** rng.uniform(5, 10),
+                rng.choice([0.0, 10 ** rng.uniform(-5, -1)]),
+                queued_bytes=rng.choice([0, rng.randrange(10 * MB)]),
+            )
+            for m in media
+            if rng.random() < 0.8
+        },
+        prefill_tokens_per_s=10 ** rng.uniform(2, 5),
+        step_s=rng.choice([0.0, rng.uniform(0, 0.1)]),
+    )
     locations = [rng.choice(media) for _ in range(rng.randrange(1, 12))]
     chunk_bytes, chunk_tokens = rng.choice([MB // 8, MB, 2 * MB]), rng.choice([16, 128, 256])
     choice = choose_load(locations, chunk_bytes, chunk_tokens, costs)
-    ttfts = [_ttft(locations, n, chunk_bytes, chunk_tokens, costs) for n in range(len(locations) + 1)]
+    ttfts = [
+        _ttft(locations, n, chunk_bytes, chunk_tokens, costs) for n in range(len(locations) + 1)
+    ]
     best = min(ttfts)
     assert ttfts[choice.num_chunks] == pytest.approx(best, rel=1e-9, abs=1e-12)
     # ties go to loading more: no longer head is as fast
-    assert all(t > best * (1 + 1e-9) + 1e-12 for t in ttfts[choice.num_chunks + 1:])
-    assert ttfts[choice.num_chunks] <= ttfts[0] + 1e-12 and ttfts[choice.num_chunks] <= ttfts[-1] + 1e-12
-    assert choice.load_s == pytest.approx(ttfts[choice.num_chunks] - ttfts[0] + choice.saved_s, abs=1e-9)
+    assert all(t > best * (1 + 1e-9) + 1e-12 for t in ttfts[choice.num_chunks + 1 :])
+    assert (
+        ttfts[choice.num_chunks] <= ttfts[0] + 1e-12
+        and ttfts[choice.num_chunks] <= ttfts[-1] + 1e-12
+    )
+    assert choice.load_s == pytest.approx(
+        ttfts[choice.num_chunks] - ttfts[0] + choice.saved_s, abs=1e-9
+    )
 
 
 def test_a_tie_goes_to_loading_more():
@@ -247,8 +291,13 @@ def test_loads_a_worker_reported_together_ran_one_after_another():
 
     costs = OffloadScheduler(SchedulerOffloadConfig(), CPUTierManager(4)).costs
     for step in range(3):
-        costs.worker_results([(JobResult(job_id=4 * step + i, num_bytes=64 * 2**20, seconds=0.016), True)
-                              for i in range(4)], now=10.0 + step)
+        costs.worker_results(
+            [
+                (JobResult(job_id=4 * step + i, num_bytes=64 * 2**20, seconds=0.016), True)
+                for i in range(4)
+            ],
+            now=10.0 + step,
+        )
     assert costs.cpu.estimate().bytes_per_s == pytest.approx(64 * 2**20 / 0.016, rel=1e-6)
 
 
@@ -256,7 +305,9 @@ def test_jobs_submitted_together_do_not_read_their_queueing_as_latency():
     """bench_costmodel: seven promotions submitted at once through a slow link read a 6 ms latency
     as 34 ms (each waited for the ones before it); the decision counts queued bytes separately."""
     rate = TransferRate(PRIOR)
-    for i in range(7):  # 10 MB at 100 MB/s after 6 ms, one after another: job i ends at 6 ms + (i+1) x 0.1 s
+    for i in range(
+        7
+    ):  # 10 MB at 100 MB/s after 6 ms, one after another: job i ends at 6 ms + (i+1) x 0.1 s
         rate.add(10 * MB, submitted_at=0.0, seconds=0.006 + 0.1 * (i + 1))
     measured = rate.estimate()
     assert measured.latency_s == pytest.approx(0.006, abs=1e-3)
@@ -277,18 +328,33 @@ def test_one_load_copied_by_two_workers_is_one_sample_of_both_halves():
     half = 4 * 2**20
     samples_after_one_half = []
     for job_id in range(3):  # three loads; each worker copies its 4 MiB half in 1 ms (or less)
-        costs.worker_results([(JobResult(job_id=job_id, num_bytes=half, seconds=0.001), True)], now=10.0 * job_id)
+        costs.worker_results(
+            [(JobResult(job_id=job_id, num_bytes=half, seconds=0.001), True)], now=10.0 * job_id
+        )
         samples_after_one_half.append(costs.cpu.num_samples)
-        costs.worker_results([(JobResult(job_id=job_id, num_bytes=half, seconds=0.0008), True)],
-                             now=10.0 * job_id + 0.1)
+        costs.worker_results(
+            [(JobResult(job_id=job_id, num_bytes=half, seconds=0.0008), True)],
+            now=10.0 * job_id + 0.1,
+        )
     measured = costs.cpu.estimate()
-    print("RAM read estimate of 8 MiB loads in 1 ms:", measured.bytes_per_s, "samples", measured.num_samples,
-          "after one half of each job", samples_after_one_half)
+    print(
+        "RAM read estimate of 8 MiB loads in 1 ms:",
+        measured.bytes_per_s,
+        "samples",
+        measured.num_samples,
+        "after one half of each job",
+        samples_after_one_half,
+    )
     assert measured.bytes_per_s == pytest.approx(2 * half / 0.001, rel=1e-6)
-    assert measured.num_samples == 3 and samples_after_one_half == [0, 1, 2]  # half a job says nothing yet
+    assert measured.num_samples == 3 and samples_after_one_half == [
+        0,
+        1,
+        2,
+    ]  # half a job says nothing yet
 
 
 # -- estimates age, and a written-off tier is explored (issue 32, defect 2) ---------------------
+
 
 def test_a_slow_spell_stops_counting_once_newer_jobs_ended_well_after_it():
     """Issue 32, defect 2: a window of 32 jobs kept a slow spell for the next 29 jobs; now the jobs
@@ -354,7 +420,9 @@ def test_a_tier_written_off_by_expired_reads_is_explored_once_its_wait_passed():
     clock.now = 1.0
     assert not rates.may_explore(0)  # 1 s after: the 0.5 s reads wait 1.5 s
     clock.now = 10.0
-    assert not rates.may_explore(0)  # and the tier has not answered them: hung, another read would hang
+    assert not rates.may_explore(
+        0
+    )  # and the tier has not answered them: hung, another read would hang
     for read in given_up:  # Redis answers again: the late reads end (not measured: given up on)
         rates.ended(read, ok(9.0))
     assert rates.may_explore(0)

@@ -101,8 +101,12 @@ def test_a_store_hands_the_policy_its_own_chunks_whatever_the_prefix_length(poli
     m.check()
 
 
-@pytest.mark.parametrize("hints", [Hints(session="s", end_session=True), Hints(priority=-1), Hints(retain_s=3600)])
-def test_evicting_a_hinted_prefix_costs_a_few_tests_per_victim_whatever_its_length(hints, protected_tests):
+@pytest.mark.parametrize(
+    "hints", [Hints(session="s", end_session=True), Hints(priority=-1), Hints(retain_s=3600)]
+)
+def test_evicting_a_hinted_prefix_costs_a_few_tests_per_victim_whatever_its_length(
+    hints, protected_tests
+):
     # review of issue 32's chains: chunks set aside by hints keep the book's order, where a long
     # prefix's parked heads came first: every eviction popped and pushed back each of them (3,801
     # tests of the protected set per one-chunk store over a 2,000-chunk ended session)
@@ -160,7 +164,9 @@ def test_a_prefix_stored_chunk_by_chunk_is_evicted_tail_first(policy):
     out = m.prepare_store(keys(100, 101, 102), b)
     assert sorted(nums(out.evicted_keys)) == [5, 6, 7]
     m.complete_store(out.keys_to_store, b)
-    assert [m.lookup(k, a) for k in keys(0, 1, 2, 3, 4, 5)] == [LookupResult.HIT] * 5 + [LookupResult.MISS]
+    assert [m.lookup(k, a) for k in keys(0, 1, 2, 3, 4, 5)] == [LookupResult.HIT] * 5 + [
+        LookupResult.MISS
+    ]
     m.check()
 
 
@@ -314,12 +320,14 @@ def test_heads_outlive_their_tails_under_random_traffic(policy):
             elif roll < 0.8:
                 req_id = rng.choice(sorted(running))
                 chain, done = running[req_id]
-                new = chain[done:done + rng.randrange(1, 5)]
+                new = chain[done : done + rng.randrange(1, 5)]
                 ctx = make_req_context(req_id)
                 out = m.prepare_store(new, ctx)
                 if out is not None:
                     ok = rng.random() < 0.9
-                    ready_before = {k for k in chain[:done + len(new)] if m.lookup(k, ctx) is LookupResult.HIT}
+                    ready_before = {
+                        k for k in chain[: done + len(new)] if m.lookup(k, ctx) is LookupResult.HIT
+                    }
                     m.complete_store(out.keys_to_store, ctx, success=ok)
                     for k in out.keys_to_store if ok else ():
                         i = chain.index(k)

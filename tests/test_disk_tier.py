@@ -79,7 +79,11 @@ def test_store_lookup_load_round_trip(make_tier, world_size):
     assert slab.holds(0, key(3)) and slab.holds(1, key(1))
     # stats count both directions, the hits, the miss, the occupancy
     stats = tier.stats()
-    assert stats.medium == "disk" and stats.used_bytes == 3 * tier.file_bytes and stats.queued_store_bytes == 0
+    assert (
+        stats.medium == "disk"
+        and stats.used_bytes == 3 * tier.file_bytes
+        and stats.queued_store_bytes == 0
+    )
     c = stats.counters
     assert (c["store_chunks"], c["load_chunks"], c["hits"], c["misses"]) == (3, 2, 3, 1)
     assert (c["store_bytes"], c["load_bytes"]) == (3 * ns.payload_bytes, 2 * ns.payload_bytes)
@@ -185,7 +189,9 @@ def test_reset_with_a_store_in_flight_never_yields_a_readable_key(make_tier, mon
     store(tier, slab, keys(1))
     # hold the write of 2 before it starts, reset, then let it finish
     gate, real_write = threading.Event(), tier._files.write_tmp
-    monkeypatch.setattr(tier._files, "write_tmp", lambda k, b: (gate.wait(HANG_S), real_write(k, b))[1])
+    monkeypatch.setattr(
+        tier._files, "write_tmp", lambda k, b: (gate.wait(HANG_S), real_write(k, b))[1]
+    )
     slab.fill(0, key(2))
     job = slab.job(True, keys(2), [0])
     tier.submit_store(job)
@@ -213,7 +219,9 @@ def test_interleaved_jobs_evictions_and_resets_never_serve_wrong_bytes(make_tier
         if is_store:
             ks = rng.sample(keys(*range(20)), rng.randint(1, 4))
         else:
-            ks = [k for k in rng.sample(keys(*range(20)), 4) if tier.lookup(k) is HIT][: len(free_rows)]
+            ks = [k for k in rng.sample(keys(*range(20)), 4) if tier.lookup(k) is HIT][
+                : len(free_rows)
+            ]
         rows = [free_rows.pop() for _ in ks]
         for row, k in zip(rows, ks, strict=True):
             slab.fill(row, k) if is_store else slab.rows[row].fill(0)
@@ -254,7 +262,9 @@ def test_a_restarted_tier_finds_every_complete_file_of_its_namespace(make_tier, 
     assert load(second, slab, keys(4, 3, 2, 1)).failed_keys == frozenset()
     assert all(slab.holds(row, k) for row, k in enumerate(keys(4, 3, 2, 1)))
     # it reports the files it found as stored
-    assert sorted(k for e in second.take_events() if not e.removed for k in e.keys) == sorted(keys(1, 2, 3, 4))
+    assert sorted(k for e in second.take_events() if not e.removed for k in e.keys) == sorted(
+        keys(1, 2, 3, 4)
+    )
     # a tier of another namespace on the same root sees none of them, and deletes none
     other = make_tier(ns=namespace(world_size=2, model="another"))
     assert [other.lookup(k) for k in keys(1, 2, 3, 4)] == [MISS] * 4
@@ -319,11 +329,22 @@ def test_rescans_adopt_files_another_engine_wrote(make_tier):
 
 
 def test_a_tier_killed_mid_write_leaves_no_torn_chunk(tmp_path):
-    ns = crash_namespace(slot_bytes=512 * 1024, world_size=2)  # 1 MiB writes: the kill lands mid-write
+    ns = crash_namespace(
+        slot_bytes=512 * 1024, world_size=2
+    )  # 1 MiB writes: the kill lands mid-write
     root = tmp_path / "disk"
     # a writer process stores chunks in a loop; kill it (SIGKILL) once 20 stores have finished
-    writer = subprocess.Popen([sys.executable, str(Path(__file__).parent / "disk_crash_writer.py"), str(root),
-                               str(ns.slot_bytes), str(ns.world_size)], stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "disk_crash_writer.py"),
+            str(root),
+            str(ns.slot_bytes),
+            str(ns.world_size),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     reported = []
     try:
         for line in writer.stdout:
@@ -342,7 +363,10 @@ def test_a_tier_killed_mid_write_leaves_no_torn_chunk(tmp_path):
         assert all(tier.lookup(k) is HIT for k in reported)
         indexed = [k for k in files_on_disk(tier) if tier.lookup(k) is HIT]
         slab = Slab(len(indexed), ns)
-        assert run(tier, slab.job(False, indexed, list(range(len(indexed))))).failed_keys == frozenset()
+        assert (
+            run(tier, slab.job(False, indexed, list(range(len(indexed))))).failed_keys
+            == frozenset()
+        )
         assert all(slab.holds(row, k) for row, k in enumerate(indexed))
         assert not list(Path(tier.directory).glob("??/*.tmp.*"))
         assert tier.stats().counters["tmp_removed"] == len(leftovers)
@@ -387,8 +411,18 @@ def garbage(tier, k, other):
     chunk_path(tier, k).write_bytes(os.urandom(tier.file_bytes))
 
 
-@pytest.mark.parametrize("damage", [flip_payload_byte, flip_header_byte, truncate, foreign_namespace_file,
-                                    another_keys_file, future_format_version, garbage])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        flip_payload_byte,
+        flip_header_byte,
+        truncate,
+        foreign_namespace_file,
+        another_keys_file,
+        future_format_version,
+        garbage,
+    ],
+)
 def test_a_damaged_file_is_a_counted_miss_and_is_deleted(make_tier, tmp_path, damage):
     tier, slab = make_tier(), Slab(2, namespace())
     other = make_tier(ns=namespace(model="another"), root=tmp_path / "disk")
@@ -418,9 +452,17 @@ def test_the_scan_removes_foreign_names_and_abandoned_temp_files(make_tier, tmp_
     store(first, Slab(1, namespace()), keys(1))
     first.close()
     hh = chunk_path(first, key(1)).parent
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    planted = [hh / "notes.txt", hh / "zz.kv", hh / f"{key(10).hex().upper()}.kv", hh / f"{'ab' * 36}.kv",
-               hh / f"{key(1).hex()}.kv.tmp.{int(dead.stdout)}.0", hh / f"{key(1).hex()}.kv.tmp.x.0"]
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    planted = [
+        hh / "notes.txt",
+        hh / "zz.kv",
+        hh / f"{key(10).hex().upper()}.kv",
+        hh / f"{'ab' * 36}.kv",
+        hh / f"{key(1).hex()}.kv.tmp.{int(dead.stdout)}.0",
+        hh / f"{key(1).hex()}.kv.tmp.x.0",
+    ]
     for path in planted:
         path.write_bytes(b"junk")
     # restart -> only 1 is indexed; the junk, the upper-case name, the key outside its hh
@@ -491,7 +533,9 @@ def test_a_young_temp_file_of_another_container_is_left_to_its_writer(make_tier,
     first = make_tier()
     store(first, Slab(1, namespace()), keys(1))
     hh = chunk_path(first, key(1)).parent
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     theirs = hh / f"{key(2).hex()}.kv.tmp.0123456789abcdef.{int(dead.stdout)}.0"
     old = hh / f"{key(3).hex()}.kv.tmp.0123456789abcdef.{int(dead.stdout)}.1"
     for path in (theirs, old):
@@ -512,8 +556,11 @@ def small_tmpfs(tmp_path):
     mount_point.mkdir()
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a 1 MiB tmpfs for the full-disk test")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         print(f"mount failed: {done.stderr.strip()}")
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
@@ -541,7 +588,7 @@ def test_a_full_disk_fails_stores_cleanly_and_keeps_serving(small_tmpfs):
         assert all(tier.lookup(k) is MISS for k in failed)
         assert not list(Path(tier.directory).glob("??/*.tmp.*"))
         for start in range(0, len(stored), 40):
-            batch = stored[start:start + 40]
+            batch = stored[start : start + 40]
             assert load(tier, slab, batch).failed_keys == frozenset()
             assert all(slab.holds(row, k) for row, k in enumerate(batch))
 
@@ -556,7 +603,11 @@ def test_o_direct_for_aligned_rows_and_buffered_io_otherwise(make_tier, tmp_path
     assert load(tier, slab, keys(2, 1)).failed_keys == frozenset()
     assert slab.holds(0, key(2)) and slab.holds(1, key(1))
     c = tier.stats().counters
-    assert (c["store_direct_chunks"], c["load_direct_chunks"], c["store_buffered_chunks"]) == (2, 2, 0)
+    assert (c["store_direct_chunks"], c["load_direct_chunks"], c["store_buffered_chunks"]) == (
+        2,
+        2,
+        0,
+    )
     # a row 1 byte off the page -> that chunk goes through the page cache
     raw = np.zeros(SLOT + 1, np.uint8)[1:]
     raw[:] = chunk_content(key(3), 0, SLOT)
@@ -595,7 +646,10 @@ def test_io_not_started_by_its_deadline_never_starts(make_tier):
     slab.fill(1, key(2))
     late_store = dataclasses.replace(slab.job(True, keys(2), [1]), deadline=past)
     late_load = dataclasses.replace(slab.job(False, keys(1), [0]), deadline=past)
-    assert run(tier, late_store).failed_keys == frozenset(keys(2)) and not chunk_path(tier, key(2)).exists()
+    assert (
+        run(tier, late_store).failed_keys == frozenset(keys(2))
+        and not chunk_path(tier, key(2)).exists()
+    )
     slab.rows[0] = 0
     assert run(tier, late_load).failed_keys == frozenset(keys(1)) and not slab.rows[0].any()
     assert tier.stats().counters["expired"] == 2
@@ -614,7 +668,9 @@ def test_a_failed_store_of_a_key_just_evicted_leaves_no_orphan_file(make_tier, m
     gate, real_write = threading.Event(), tier._files.write_tmp
     monkeypatch.setattr(tier._files, "write_tmp", lambda *a: (gate.wait(HANG_S), real_write(*a))[1])
     slab.fill(2, key(3))
-    tier.submit_store(slab.job(True, keys(3), [2]))  # evicts 1: its deletion queues behind 3's (held) write
+    tier.submit_store(
+        slab.job(True, keys(3), [2])
+    )  # evicts 1: its deletion queues behind 3's (held) write
     late = dataclasses.replace(slab.job(True, keys(1), [0]), deadline=time.monotonic() - 1)
     tier.submit_store(late)  # 1 again, reserved now, failing when it runs
     gate.set()
@@ -624,7 +680,9 @@ def test_a_failed_store_of_a_key_just_evicted_leaves_no_orphan_file(make_tier, m
     assert not chunk_path(tier, key(1)).exists()
 
 
-def test_a_file_from_before_a_reset_never_outlives_a_failed_store_of_its_key(make_tier, monkeypatch):
+def test_a_file_from_before_a_reset_never_outlives_a_failed_store_of_its_key(
+    make_tier, monkeypatch
+):
     """Found by the stack fuzzer: the reset's sweep found 1 being stored again and left its old file
     to that store; the store failed (a full disk), and the file from before the reset stayed — the
     next start would have served it."""

@@ -42,25 +42,74 @@ from tier_jobs import Slab, load, store
 SLOT = 4096
 VALID_KEYS = KVTierConfig.valid_keys()
 # no deadline (no timed assertions); the tiers and engines a test builds serve all of its examples
-FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 def fuzz(max_examples: int) -> settings:
     return settings(FUZZ, max_examples=max_examples)
 
+
 # -- kv_connector_extra_config ----------------------------------------------------------------------
 
 huge_ints = st.sampled_from([0, -1, 2**31, 2**63, 2**64, 10**30, -(10**30), 10**400])
-sizes = st.from_regex(r"\d{1,400}(\.\d{1,3})?\s?(GiB|MiB|k|TB|b|)\n?", fullmatch=True)  # 400 digits: inf
-scalars = st.one_of(st.none(), st.booleans(), st.integers(), huge_ints, st.floats(), st.text(max_size=12),
-                    st.binary(max_size=8), sizes)
-garbage = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
-                       | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+sizes = st.from_regex(
+    r"\d{1,400}(\.\d{1,3})?\s?(GiB|MiB|k|TB|b|)\n?", fullmatch=True
+)  # 400 digits: inf
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    huge_ints,
+    st.floats(),
+    st.text(max_size=12),
+    st.binary(max_size=8),
+    sizes,
+)
+garbage = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3)
+    | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
 # values some key accepts, so that valid configurations come up too
-plausible = st.sampled_from([
-    "4GiB", "512 MiB", 1, 2, 64, 0.5, 10.0, True, False, "lru", "arc", "auto", "write_through", "on_evict", "0600",
-    "0640", "plain", "keyed", "sync", "async", "eager", "lazy", "kvtier", "/tmp/kvtier", "redis://localhost:6379/0",
-    "redis://:hunter2@localhost:6379", "rediss://cache", "http://s3.local:9000", "my-bucket", "us-east-1", None])
+plausible = st.sampled_from(
+    [
+        "4GiB",
+        "512 MiB",
+        1,
+        2,
+        64,
+        0.5,
+        10.0,
+        True,
+        False,
+        "lru",
+        "arc",
+        "auto",
+        "write_through",
+        "on_evict",
+        "0600",
+        "0640",
+        "plain",
+        "keyed",
+        "sync",
+        "async",
+        "eager",
+        "lazy",
+        "kvtier",
+        "/tmp/kvtier",
+        "redis://localhost:6379/0",
+        "redis://:hunter2@localhost:6379",
+        "rediss://cache",
+        "http://s3.local:9000",
+        "my-bucket",
+        "us-east-1",
+        None,
+    ]
+)
 config_keys = st.one_of(st.sampled_from(VALID_KEYS), st.text(max_size=12))
 configs = st.dictionaries(config_keys, st.one_of(garbage, plausible), max_size=6)
 
@@ -86,7 +135,9 @@ def test_a_config_dict_is_valid_or_a_config_error_naming_the_key(raw):
         if unknown:
             assert message.startswith("unknown kvtier config key(s)"), message
         else:  # the first key it names is one that was given
-            assert any(message.startswith(k) for k in raw) or message.startswith("s3_endpoint and s3_bucket"), message
+            assert any(message.startswith(k) for k in raw) or message.startswith(
+                "s3_endpoint and s3_bucket"
+            ), message
         assert "\n" not in message and len(message) < 2500 + sum(len(str(k)) for k in raw), message
         return
     # a valid config re-validates to itself (what it holds is already normalized)
@@ -115,7 +166,9 @@ def bare_vllm_config():
 
 @fuzz(60)
 @given(raw=configs)
-def test_the_connector_refuses_a_bad_config_at_construction_as_from_dict_does(bare_vllm_config, raw):
+def test_the_connector_refuses_a_bad_config_at_construction_as_from_dict_does(
+    bare_vllm_config, raw
+):
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -125,8 +178,12 @@ def test_the_connector_refuses_a_bad_config_at_construction_as_from_dict_does(ba
     assume(isinstance(refused, ConfigError))  # a valid one would go on to build slabs and tiers
     # as the engine gets it: through vLLM's own (pydantic) KVTransferConfig
     bare_vllm_config.kv_transfer_config = KVTransferConfig(
-        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm", kv_role="kv_both",
-        kv_load_failure_policy="recompute", kv_connector_extra_config=raw)
+        kv_connector="KVTierConnector",
+        kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=raw,
+    )
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ConfigError) as raised:
             KVTierConnector(bare_vllm_config, role, None)
@@ -135,10 +192,17 @@ def test_the_connector_refuses_a_bad_config_at_construction_as_from_dict_does(ba
 
 # -- kv_transfer_params ------------------------------------------------------------------------------
 
-ours = st.dictionaries(st.one_of(st.sampled_from(["load", "store", "max_load_tokens"]), st.text(max_size=6)),
-                       st.one_of(st.booleans(), st.integers(-2, 40), garbage), max_size=3)
-transfer_params = st.one_of(garbage, st.dictionaries(st.sampled_from(["kvtier", "other_connector"]),
-                                                     st.one_of(ours, garbage), max_size=2))
+ours = st.dictionaries(
+    st.one_of(st.sampled_from(["load", "store", "max_load_tokens"]), st.text(max_size=6)),
+    st.one_of(st.booleans(), st.integers(-2, 40), garbage),
+    max_size=3,
+)
+transfer_params = st.one_of(
+    garbage,
+    st.dictionaries(
+        st.sampled_from(["kvtier", "other_connector"]), st.one_of(ours, garbage), max_size=2
+    ),
+)
 
 
 class Records(logging.Handler):
@@ -178,10 +242,15 @@ def expected_params(raw) -> tuple[OffloadParams, bool]:
     flags = {name: mine.get(name, True) for name in ("load", "store")}
     cap = mine.get("max_load_tokens")
     is_cap = isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0
-    is_bad = (any(k not in ("load", "store", "max_load_tokens") for k in mine)
-              or any(not isinstance(v, bool) for v in flags.values()) or (cap is not None and not is_cap))
-    return OffloadParams(**{n: v if isinstance(v, bool) else True for n, v in flags.items()},
-                         max_load_tokens=cap if is_cap else None), is_bad
+    is_bad = (
+        any(k not in ("load", "store", "max_load_tokens") for k in mine)
+        or any(not isinstance(v, bool) for v in flags.values())
+        or (cap is not None and not is_cap)
+    )
+    return OffloadParams(
+        **{n: v if isinstance(v, bool) else True for n, v in flags.items()},
+        max_load_tokens=cap if is_cap else None,
+    ), is_bad
 
 
 @fuzz(400)
@@ -196,10 +265,15 @@ def test_kv_transfer_params_never_raise_and_warn_in_a_line(raw):
     assert bool(log.records) == is_bad
     for record in log.records:
         message = record.getMessage()
-        assert record.levelno == logging.WARNING and "req-7" in message and len(message) < 600, message[:200]
+        assert (
+            record.levelno == logging.WARNING and "req-7" in message and len(message) < 600
+        ), message[:200]
 
 
-PREFIXES = {"victim": prompt(16, seed=11), "garbage": prompt(16, seed=12)}  # 4 chunks of one 4-token block each
+PREFIXES = {
+    "victim": prompt(16, seed=11),
+    "garbage": prompt(16, seed=12),
+}  # 4 chunks of one 4-token block each
 
 
 def serve_with_garbage(params) -> tuple[tuple, tuple]:
@@ -211,13 +285,17 @@ def serve_with_garbage(params) -> tuple[tuple, tuple]:
         engine.add_request(f"warm-{name}", prefix + [5], 1)
     engine.run()
     engine.reset_prefix_cache()  # what comes back now comes from kvtier
-    garbage = engine.add_request("garbage", PREFIXES["garbage"] + prompt(8, seed=13), 2, kv_transfer_params=params)
+    garbage = engine.add_request(
+        "garbage", PREFIXES["garbage"] + prompt(8, seed=13), 2, kv_transfer_params=params
+    )
     victim = engine.add_request("victim", PREFIXES["victim"] + prompt(8, seed=14), 2)
     engine.run()
     engine.close()
     assert garbage.is_finished and victim.is_finished
-    return ((victim.num_external_tokens, victim.output),
-            (garbage.num_external_tokens, garbage.output))
+    return (
+        (victim.num_external_tokens, victim.output),
+        (garbage.num_external_tokens, garbage.output),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -234,19 +312,28 @@ def test_garbage_params_on_one_request_change_nothing_for_another(reference, raw
     # the victim gets exactly what it gets next to a request without params
     assert victim == reference[0] and victim[0] == 16
     # the request with garbage is served too, as its params mean (garbage: the defaults)
-    loadable = 16 if wanted.max_load_tokens is None else wanted.max_load_tokens // 4 * 4  # whole 4-token chunks
+    loadable = (
+        16 if wanted.max_load_tokens is None else wanted.max_load_tokens // 4 * 4
+    )  # whole 4-token chunks
     assert garbage[0] == (min(16, loadable) if wanted.load else 0) and garbage[1] == reference[1][1]
     assert any("request garbage" in r.getMessage() for r in log.records) == is_bad
 
 
 # -- stored values: short, long, wrong magic, version, namespace, key, flipped bits --------------------
 
-_CHECKED_HEADER = _LAYOUT.size + _HEADER_CHECK.size  # the header's bytes its checksum covers; the rest is padding
+_CHECKED_HEADER = (
+    _LAYOUT.size + _HEADER_CHECK.size
+)  # the header's bytes its checksum covers; the rest is padding
 _FIELDS = ("magic", "version", "key_len", "namespace", "payload_bytes", "payload_checksum", "key")
-_FIELD_VALUES = {"magic": st.binary(min_size=8, max_size=8), "version": st.integers(0, 2**16 - 1),
-                 "key_len": st.integers(0, 2**16 - 1), "namespace": st.binary(min_size=16, max_size=16),
-                 "payload_bytes": st.integers(0, 2**64 - 1), "payload_checksum": st.integers(0, 2**64 - 1),
-                 "key": st.binary(max_size=64)}
+_FIELD_VALUES = {
+    "magic": st.binary(min_size=8, max_size=8),
+    "version": st.integers(0, 2**16 - 1),
+    "key_len": st.integers(0, 2**16 - 1),
+    "namespace": st.binary(min_size=16, max_size=16),
+    "payload_bytes": st.integers(0, 2**64 - 1),
+    "payload_checksum": st.integers(0, 2**64 - 1),
+    "key": st.binary(max_size=64),
+}
 
 
 def edits(size: int):
@@ -258,7 +345,10 @@ def edits(size: int):
         st.tuples(st.just("flip"), pos, st.integers(0, 7)),
         st.tuples(st.just("write"), pos, st.binary(min_size=1, max_size=32)),
         st.tuples(st.just("replace"), st.binary(min_size=size, max_size=size)),
-        st.sampled_from(_FIELDS).flatmap(lambda f: st.tuples(st.just("forge"), st.just(f), _FIELD_VALUES[f])))
+        st.sampled_from(_FIELDS).flatmap(
+            lambda f: st.tuples(st.just("forge"), st.just(f), _FIELD_VALUES[f])
+        ),
+    )
 
 
 def apply(value: bytes, edit: tuple) -> bytes:
@@ -276,8 +366,8 @@ def apply(value: bytes, edit: tuple) -> bytes:
         return forge(value, *args)
     at = args[0] % len(value)
     if kind == "flip":
-        return value[:at] + bytes([value[at] ^ (1 << args[1])]) + value[at + 1:]
-    return value[:at] + args[1] + value[at + len(args[1]):]  # write
+        return value[:at] + bytes([value[at] ^ (1 << args[1])]) + value[at + 1 :]
+    return value[:at] + args[1] + value[at + len(args[1]) :]  # write
 
 
 def forge(value: bytes, field: str, new) -> bytes:
@@ -295,15 +385,19 @@ def forge(value: bytes, field: str, new) -> bytes:
 def checked_bytes_changed(before: bytes, after: bytes, payload_at: int) -> bool:
     """Whether `after` differs from `before` anywhere a reader checks: the length, the header's
     checked bytes, or the payload (from `payload_at`)."""
-    return (len(after) != len(before) or after[:_CHECKED_HEADER] != before[:_CHECKED_HEADER]
-            or after[payload_at:] != before[payload_at:])
+    return (
+        len(after) != len(before)
+        or after[:_CHECKED_HEADER] != before[:_CHECKED_HEADER]
+        or after[payload_at:] != before[payload_at:]
+    )
 
 
 _keys = itertools.count(1000)
 
 
-def assert_never_served(tier: SecondaryTier, slab: Slab, k: bytes, before: bytes, after: bytes, payload_at: int,
-                        is_gone) -> None:
+def assert_never_served(
+    tier: SecondaryTier, slab: Slab, k: bytes, before: bytes, after: bytes, payload_at: int, is_gone
+) -> None:
     """Load `k` (stored as `before`, now `after`): served intact, or failed, counted and deleted."""
     corrupt = tier.stats().counters["corrupt"]
     failed = load(tier, slab, [k]).failed_keys == {k}
@@ -322,10 +416,20 @@ def namespace(model: str = "fuzz") -> Namespace:
 DISK_FILE_BYTES = 4096 + SLOT  # a header block, then the payload
 REMOTE_VALUE_BYTES = HEADER_BYTES + SLOT
 # each damage the issue names, alone, on every run; hypothesis adds its own (and combinations)
-NAMED = [("truncate", 100), ("truncate", DISK_FILE_BYTES - 1), ("extend", b"\x00"), ("flip", 5000, 3),
-         ("flip", 0, 0), ("forge", "magic", b"NOTKVTIE"), ("forge", "version", 2), ("forge", "namespace", bytes(16)),
-         ("forge", "key", b"another key"), ("forge", "key_len", 65), ("forge", "payload_bytes", SLOT - 1),
-         ("forge", "payload_checksum", 0)]
+NAMED = [
+    ("truncate", 100),
+    ("truncate", DISK_FILE_BYTES - 1),
+    ("extend", b"\x00"),
+    ("flip", 5000, 3),
+    ("flip", 0, 0),
+    ("forge", "magic", b"NOTKVTIE"),
+    ("forge", "version", 2),
+    ("forge", "namespace", bytes(16)),
+    ("forge", "key", b"another key"),
+    ("forge", "key_len", 65),
+    ("forge", "payload_bytes", SLOT - 1),
+    ("forge", "payload_checksum", 0),
+]
 
 
 def with_named_damages(test):
@@ -367,14 +471,18 @@ def remote_damage_test(tier: RemoteTier, edit_list: list[tuple]) -> None:
         after = apply(after, edit)
     tier.store.delete([name])
     assert tier.store.put([(name, [after])]) == [True]
-    assert_never_served(tier, slab, k, before, after, HEADER_BYTES, lambda: tier.store.exists([name]) == [False])
+    assert_never_served(
+        tier, slab, k, before, after, HEADER_BYTES, lambda: tier.store.exists([name]) == [False]
+    )
 
 
 @pytest.fixture
 def redis_tier(redis_server):
     from kvtier.tiers.remote.redis import RedisStore
 
-    tier = RemoteTier(RedisStore(redis_server.ready().url), namespace(f"fuzz-{time.monotonic_ns()}"))
+    tier = RemoteTier(
+        RedisStore(redis_server.ready().url), namespace(f"fuzz-{time.monotonic_ns()}")
+    )
     yield tier
     tier.reset()
     tier.drain(HANG_S)
@@ -392,8 +500,12 @@ def test_a_damaged_redis_value_is_never_served(redis_tier, edit_list):
 def s3_tier(s3_server):
     from kvtier.tiers.remote.s3 import S3Store
 
-    store_ = S3Store(s3_server.endpoint, s3_server.bucket, access_key_id=s3_server.access_key_id,
-                     secret_access_key=s3_server.secret_access_key)
+    store_ = S3Store(
+        s3_server.endpoint,
+        s3_server.bucket,
+        access_key_id=s3_server.access_key_id,
+        secret_access_key=s3_server.secret_access_key,
+    )
     tier = RemoteTier(store_, namespace(f"fuzz-{time.monotonic_ns()}"))
     yield tier
     tier.reset()
@@ -418,17 +530,20 @@ def reforge(value: bytes, mask: int) -> bytes:
     checksums): everything a writer without the secret can do."""
     if len(value) < HEADER_BYTES + SLOT:
         return value
-    payload = bytes(b ^ mask for b in value[HEADER_BYTES:HEADER_BYTES + SLOT])
+    payload = bytes(b ^ mask for b in value[HEADER_BYTES : HEADER_BYTES + SLOT])
     header = forge(value[:HEADER_BYTES], "payload_checksum", xxhash.xxh3_64_intdigest(payload))
-    return header + payload + value[HEADER_BYTES + SLOT:]
+    return header + payload + value[HEADER_BYTES + SLOT :]
 
 
 @pytest.fixture
 def keyed_redis_tier(redis_server):
     from kvtier.tiers.remote.redis import RedisStore
 
-    tier = RemoteTier(RedisStore(redis_server.ready().url), namespace(f"fuzz-keyed-{time.monotonic_ns()}"),
-                      key_secret=b"fuzz deployment secret, 32 bytes")
+    tier = RemoteTier(
+        RedisStore(redis_server.ready().url),
+        namespace(f"fuzz-keyed-{time.monotonic_ns()}"),
+        key_secret=b"fuzz deployment secret, 32 bytes",
+    )
     yield tier
     tier.reset()
     tier.drain(HANG_S)
@@ -436,8 +551,13 @@ def keyed_redis_tier(redis_server):
 
 
 @fuzz(30)
-@given(edit_list=st.lists(edits(KEYED_VALUE_BYTES) | st.tuples(st.just("reforge"), st.integers(1, 255)),
-                          min_size=1, max_size=3))
+@given(
+    edit_list=st.lists(
+        edits(KEYED_VALUE_BYTES) | st.tuples(st.just("reforge"), st.integers(1, 255)),
+        min_size=1,
+        max_size=3,
+    )
+)
 @example(edit_list=[("reforge", 0x5A)])
 @example(edit_list=[("flip", KEYED_VALUE_BYTES - 1, 0)])
 @example(edit_list=[("flip", HEADER_BYTES - 1, 0)])  # header padding: covered by the tag too

@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from fuzz_stack import run_fuzz, summary
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="redis-server is not installed"
+)
 
 # configurations the slice runs: a count, not minutes (a slice of 1.5 minutes ran fewer configurations
 # on a busy machine and failed its "at least 3 configurations, 200 steps"); about 75 s on a quiet one
@@ -57,14 +59,26 @@ I20_MUTATIONS = [
     # A disk tier alone, one rank: 297489912 (with S3, Redis and two ranks) drifted in a CI run (found=none)
     ("defect2", 267352360, "violation", "disk tier: a key is still being written, read or renamed"),
     # a primary hit not joined to its request's chain: its own promotions evict it
-    ("defect3", 400559544, "violation", "a hit found by a scan was gone when its load was prepared"),
+    (
+        "defect3",
+        400559544,
+        "violation",
+        "a hit found by a scan was gone when its load was prepared",
+    ),
 ]
 
 
-@pytest.mark.parametrize("defect,config_seed,kind,finding", I20_MUTATIONS,
-                         ids=[f"{d}-{s}" for d, s, _, _ in I20_MUTATIONS])
-def test_the_fuzzer_finds_an_issue_20_defect_put_back_on_its_configuration(defect, config_seed, kind, finding):
-    (outcome,) = run_fuzz(seed=0, config_seed=config_seed, mutation_name=defect, out=lambda line: None)
+@pytest.mark.parametrize(
+    "defect,config_seed,kind,finding",
+    I20_MUTATIONS,
+    ids=[f"{d}-{s}" for d, s, _, _ in I20_MUTATIONS],
+)
+def test_the_fuzzer_finds_an_issue_20_defect_put_back_on_its_configuration(
+    defect, config_seed, kind, finding
+):
+    (outcome,) = run_fuzz(
+        seed=0, config_seed=config_seed, mutation_name=defect, out=lambda line: None
+    )
     assert outcome.kind == kind and finding in outcome.detail, outcome.line()
 
 
@@ -88,7 +102,13 @@ I32_MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("defect,config_seed,finding", I32_MUTATIONS, ids=[f"{d}-{s}" for d, s, _ in I32_MUTATIONS])
-def test_the_fuzzer_finds_an_issue_32_defect_put_back_on_its_configuration(defect, config_seed, finding):
-    (outcome,) = run_fuzz(seed=0, config_seed=config_seed, mutation_name=defect, out=lambda line: None)
+@pytest.mark.parametrize(
+    "defect,config_seed,finding", I32_MUTATIONS, ids=[f"{d}-{s}" for d, s, _ in I32_MUTATIONS]
+)
+def test_the_fuzzer_finds_an_issue_32_defect_put_back_on_its_configuration(
+    defect, config_seed, finding
+):
+    (outcome,) = run_fuzz(
+        seed=0, config_seed=config_seed, mutation_name=defect, out=lambda line: None
+    )
     assert outcome.kind == "violation" and finding in outcome.detail, outcome.line()

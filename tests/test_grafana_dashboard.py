@@ -62,11 +62,15 @@ def promql(expr: str) -> str:
 
 # --- the dashboard as a Grafana JSON model (no server needed) ---
 
+
 def test_dashboard_is_a_grafana_model_on_a_prometheus_datasource_variable():
     dashboard = load_dashboard()
     assert dashboard["uid"] == "kvtier" and dashboard["title"] and dashboard["schemaVersion"] >= 36
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert (
+        variables["datasource"]["type"] == "datasource"
+        and variables["datasource"]["query"] == "prometheus"
+    )
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     for panel in query_panels():
@@ -75,20 +79,32 @@ def test_dashboard_is_a_grafana_model_on_a_prometheus_datasource_variable():
         assert panel["targets"] and {"h", "w", "x", "y"} <= panel["gridPos"].keys(), panel["title"]
         assert panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24, panel["title"]
         for target in panel["targets"]:
-            assert target["datasource"] == panel["datasource"] and target["refId"] and target["expr"]
+            assert (
+                target["datasource"] == panel["datasource"] and target["refId"] and target["expr"]
+            )
             promql(target["expr"])
 
 
 def test_dashboard_shows_what_the_issue_asks_for():
     exprs = " ".join(t["expr"] for panel in query_panels() for t in panel["targets"])
-    for metric in ("kvtier:hit_tokens_total", "kvtier:transfer_bytes_total", "kvtier:transfer_seconds_total",
-                   "kvtier:tier_bytes_total", "kvtier:tier_seconds_total", "kvtier:deferrals_total",
-                   "kvtier:deferral_timeouts_total", "kvtier:tier_timeouts_total", "kvtier:tier_breaker_open",
-                   "kvtier:load_decisions_total", MRC_METRIC):
+    for metric in (
+        "kvtier:hit_tokens_total",
+        "kvtier:transfer_bytes_total",
+        "kvtier:transfer_seconds_total",
+        "kvtier:tier_bytes_total",
+        "kvtier:tier_seconds_total",
+        "kvtier:deferrals_total",
+        "kvtier:deferral_timeouts_total",
+        "kvtier:tier_timeouts_total",
+        "kvtier:tier_breaker_open",
+        "kvtier:load_decisions_total",
+        MRC_METRIC,
+    ):
         assert metric in exprs, f"no panel shows {metric}"
 
 
 # --- against a real Prometheus ---
+
 
 class Prometheus:
     """A `prometheus` subprocess scraping one target, its data in `root`, on a loopback port."""
@@ -96,15 +112,33 @@ class Prometheus:
     def __init__(self, binary: str, target: str, root: Path):
         self.url = f"http://127.0.0.1:{free_port()}"
         config = root / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
-            "scrape_configs": [{"job_name": "kvtier", "static_configs": [{"targets": [target]}]}]}))
+        config.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "global": {
+                        "scrape_interval": f"{SCRAPE_INTERVAL_S}s",
+                        "evaluation_interval": f"{SCRAPE_INTERVAL_S}s",
+                    },
+                    "scrape_configs": [
+                        {"job_name": "kvtier", "static_configs": [{"targets": [target]}]}
+                    ],
+                }
+            )
+        )
         self.log_path = root / "prometheus.log"
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}", "--storage.tsdb.retention.time=1h"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={root / 'data'}",
+                f"--web.listen-address={self.url.removeprefix('http://')}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def log_tail(self, num_lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
@@ -114,7 +148,9 @@ class Prometheus:
         try:
             with urllib.request.urlopen(url, timeout=10) as response:
                 return json.loads(response.read())
-        except urllib.error.HTTPError as exc:  # a bad query: 400 with Prometheus's reason in the body
+        except (
+            urllib.error.HTTPError
+        ) as exc:  # a bad query: 400 with Prometheus's reason in the body
             return json.loads(exc.read())
 
     def wait_ready(self) -> None:
@@ -129,7 +165,9 @@ class Prometheus:
             except OSError:
                 pass
             time.sleep(0.5)
-        pytest.fail(f"prometheus not ready after {PROMETHEUS_START_TIMEOUT_S} s:\n{self.log_tail()}")
+        pytest.fail(
+            f"prometheus not ready after {PROMETHEUS_START_TIMEOUT_S} s:\n{self.log_tail()}"
+        )
 
     def query(self, expr: str) -> list[dict]:
         """An instant query's result (a list of series); fails the test on a query Prometheus rejects."""
@@ -165,7 +203,9 @@ class Stack:
 @pytest.fixture(scope="session")  # before the session's model and Redis: without it, nothing starts
 def prometheus_binary() -> str:
     if PROMETHEUS is None:
-        pytest.skip("the prometheus binary is not on PATH (`make servers` installs Debian's prometheus)")
+        pytest.skip(
+            "the prometheus binary is not on PATH (`make servers` installs Debian's prometheus)"
+        )
     return PROMETHEUS
 
 
@@ -175,11 +215,31 @@ def stack(prometheus_binary, model, redis_server, tmp_path_factory) -> Iterator[
     assert KVTIER is not None, "pip install -e . installs the `kvtier` console script"
     root = tmp_path_factory.mktemp("dashboard")
     redis_server.ready()  # running, not paused, empty
-    server = Server(model, root / "server.log", (
-        "--no-enable-prefix-caching", "--cpu-bytes", "8MiB", "--disk-path", str(root / "disk"),
-        "--disk-bytes", "64MiB", "--redis-url", redis_server.url, "--remote-prefix", "kvtier-dashboard",
-        "--redis-timeout-ms", "300", "--redis-connect-timeout-ms", "300", "--remote-breaker-failures", "2",
-        "--remote-breaker-retry-s", "0.2"))
+    server = Server(
+        model,
+        root / "server.log",
+        (
+            "--no-enable-prefix-caching",
+            "--cpu-bytes",
+            "8MiB",
+            "--disk-path",
+            str(root / "disk"),
+            "--disk-bytes",
+            "64MiB",
+            "--redis-url",
+            redis_server.url,
+            "--remote-prefix",
+            "kvtier-dashboard",
+            "--redis-timeout-ms",
+            "300",
+            "--redis-connect-timeout-ms",
+            "300",
+            "--remote-breaker-failures",
+            "2",
+            "--remote-breaker-retry-s",
+            "0.2",
+        ),
+    )
     prometheus = None
     try:
         prometheus = Prometheus(prometheus_binary, server.url.removeprefix("http://"), root)
@@ -193,8 +253,16 @@ def stack(prometheus_binary, model, redis_server, tmp_path_factory) -> Iterator[
 
 
 def complete(server: Server, prompt: list[int]) -> None:
-    status, body = server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2,
-                                                   "temperature": 0.0, "ignore_eos": True})
+    status, body = server.post(
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 2,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    )
     assert status == 200, body
 
 
@@ -203,8 +271,11 @@ def scraped_total(server: Server, name: str) -> float:
     from its first report, so a wait is on their values, not their names)."""
     status, text = server.get("/metrics")
     assert status == 200
-    return sum(float(line.rsplit(None, 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and line[len(name)] in "{ ")
+    return sum(
+        float(line.rsplit(None, 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name)] in "{ "
+    )
 
 
 def drive_until(server: Server, done: Callable[[], bool], what: str) -> None:
@@ -212,7 +283,9 @@ def drive_until(server: Server, done: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + WAIT_TIMEOUT_S
     seed = 1000
     while not done():
-        assert time.monotonic() < deadline, f"not seen in {WAIT_TIMEOUT_S} s: {what}\n{server.log_tail()}"
+        assert (
+            time.monotonic() < deadline
+        ), f"not seen in {WAIT_TIMEOUT_S} s: {what}\n{server.log_tail()}"
         seed += 1
         complete(server, tokens(CHUNK_TOKENS + 10, seed=seed))
 
@@ -221,22 +294,35 @@ def drive_until(server: Server, done: Callable[[], bool], what: str) -> None:
 def scraped(stack) -> tuple[Server, Prometheus]:
     """The stack after the workload, once Prometheus has scraped its end."""
     server, prometheus = stack.server, stack.prometheus
-    prompts = {name: tokens(4 * CHUNK_TOKENS + 40, seed=seed) for seed, name in enumerate("abc", start=70)}
+    prompts = {
+        name: tokens(4 * CHUNK_TOKENS + 40, seed=seed) for seed, name in enumerate("abc", start=70)
+    }
     complete(server, prompts["a"])  # stores a's 4 chunks in RAM, on disk and in Redis
     # the hit ratio is a rate(): Prometheus must hold a sample from before the hits, or they are
     # in its first sample and never counted (the next request takes well under a 1 s scrape)
     assert prometheus.wait_for_result("kvtier:hit_tokens_total"), prometheus.log_tail()
-    complete(server, prompts["a"][:-5] + [7, 7, 7, 7, 7])  # the same 4 chunks again: loaded from RAM
+    complete(
+        server, prompts["a"][:-5] + [7, 7, 7, 7, 7]
+    )  # the same 4 chunks again: loaded from RAM
     complete(server, prompts["b"])  # 8 chunks in RAM: full
     complete(server, prompts["c"])  # evicts a's chunks (RAM holds 8)
-    complete(server, prompts["a"])  # a again, from disk or Redis: loaded or recomputed as the cost model decides
+    complete(
+        server, prompts["a"]
+    )  # a again, from disk or Redis: loaded or recomputed as the cost model decides
     # Redis stalls: its operations time out, 2 failures in a row open its breaker
     with stack.redis.paused():
-        drive_until(server, lambda: scraped_total(server, "kvtier:tier_timeouts_total") > 0
-                    and scraped_total(server, "kvtier:tier_breaker_opens_total") > 0,
-                    "a Redis timeout and its breaker opening")
+        drive_until(
+            server,
+            lambda: scraped_total(server, "kvtier:tier_timeouts_total") > 0
+            and scraped_total(server, "kvtier:tier_breaker_opens_total") > 0,
+            "a Redis timeout and its breaker opening",
+        )
     # it answers again: a ping 0.2 s later closes the breaker
-    drive_until(server, lambda: scraped_total(server, "kvtier:tier_breaker_closes_total") > 0, "the breaker closing")
+    drive_until(
+        server,
+        lambda: scraped_total(server, "kvtier:tier_breaker_closes_total") > 0,
+        "the breaker closing",
+    )
     # Prometheus has scraped the end of the workload
     assert prometheus.wait_for_result("kvtier:tier_breaker_closes_total > 0"), prometheus.log_tail()
     return server, prometheus
@@ -248,7 +334,10 @@ def test_every_panel_query_returns_data_from_prometheus(scraped, panel):
     exprs = [promql(target["expr"]) for target in panel["targets"]]
     results = {expr: prometheus.wait_for_result(expr) for expr in exprs}
     for expr, result in results.items():  # shown with -rP
-        print(f"{expr}\n  -> " + ", ".join(f"{series['metric']}={series['value'][1]}" for series in result))
+        print(
+            f"{expr}\n  -> "
+            + ", ".join(f"{series['metric']}={series['value'][1]}" for series in result)
+        )
     empty = [expr for expr, result in results.items() if not result]
     assert not empty, f"no data from Prometheus for panel {panel['title']!r}: {empty}"
 
@@ -257,10 +346,16 @@ def test_the_workload_hit_and_the_model_variable_finds_the_model(scraped):
     server, prometheus = scraped
     hit_ratio = next(panel for panel in query_panels() if "hit ratio (all tiers)" in panel["title"])
     (series,) = prometheus.query(promql(hit_ratio["targets"][0]["expr"]))
-    assert 0 < float(series["value"][1]) < 1, series  # a's second request hit its 4 chunks; the rest missed
-    assert prometheus.query("sum(kvtier:tier_breaker_opens_total) >= 1"), "the Redis stall opened no breaker"
+    assert (
+        0 < float(series["value"][1]) < 1
+    ), series  # a's second request hit its 4 chunks; the rest missed
+    assert prometheus.query(
+        "sum(kvtier:tier_breaker_opens_total) >= 1"
+    ), "the Redis stall opened no breaker"
     # the dashboard's model_name variable: label_values(kvtier:num_slots, model_name)
     (variable,) = [v for v in load_dashboard()["templating"]["list"] if v["name"] == "model_name"]
-    metric, label = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["query"]["query"]).groups()
+    metric, label = re.fullmatch(
+        r"label_values\((.+), (\w+)\)", variable["query"]["query"]
+    ).groups()
     answer = prometheus.get(f"/api/v1/label/{label}/values", **{"match[]": metric})
     assert answer["data"] == ["tiny"], answer

@@ -40,8 +40,14 @@ def slab_rows() -> list[memoryview]:
     return [memoryview(np.zeros(4096, np.uint8)), memoryview(np.zeros(PAYLOAD - 4096, np.uint8))]
 
 
-def receive(incoming: IncomingValue, value: bytes, piece_bytes: int, *, report: bool = True,
-            upto: int | None = None) -> None:
+def receive(
+    incoming: IncomingValue,
+    value: bytes,
+    piece_bytes: int,
+    *,
+    report: bool = True,
+    upto: int | None = None,
+) -> None:
     """Write `value[:upto]` into the parts in pieces of at most `piece_bytes`, as a store does."""
     offset, end = 0, len(value) if upto is None else upto
     for part in incoming:
@@ -49,9 +55,9 @@ def receive(incoming: IncomingValue, value: bytes, piece_bytes: int, *, report: 
         filled = 0
         while filled < part.nbytes and offset < end:
             n = min(piece_bytes, part.nbytes - filled, end - offset)
-            part[filled:filled + n] = value[offset:offset + n]
+            part[filled : filled + n] = value[offset : offset + n]
             if report:
-                incoming.received(part[filled:filled + n])
+                incoming.received(part[filled : filled + n])
             filled, offset = filled + n, offset + n
 
 
@@ -65,7 +71,7 @@ def test_a_value_hashed_as_it_arrives_passes_and_lands_in_the_rows(is_keyed, pie
     # every byte reported once → the digest is the whole value's, and it checks out
     assert incoming.num_received == len(value) == c.value_bytes
     assert c.check(KEY, len(value), incoming) is None
-    assert b"".join(bytes(r) for r in rows) == value[128:128 + PAYLOAD]
+    assert b"".join(bytes(r) for r in rows) == value[128 : 128 + PAYLOAD]
 
 
 @pytest.mark.parametrize("is_keyed", [False, True])
@@ -85,7 +91,7 @@ def test_bytes_changed_after_they_were_hashed_are_refused(is_keyed):
     value = packed(c)
     incoming = c.receiving_parts(slab_rows())
     # the store reports one value's pieces but the rows end up holding another's: never passes
-    receive(incoming, value[:128] + bytes(PAYLOAD) + value[128 + PAYLOAD:], 4096)
+    receive(incoming, value[:128] + bytes(PAYLOAD) + value[128 + PAYLOAD :], 4096)
     receive(incoming, value, 4096, report=False)
     assert c.check(KEY, len(value), incoming) is not None
 
@@ -114,11 +120,13 @@ def test_a_value_cut_short_mid_receive_is_not_trusted_by_its_digest():
     assert c.check(KEY, c.value_bytes, incoming) == "payload checksum mismatch"
 
 
-def _serve(sock: socket.socket, reply: bytes, piece_bytes: int, close_after: int | None = None) -> None:
+def _serve(
+    sock: socket.socket, reply: bytes, piece_bytes: int, close_after: int | None = None
+) -> None:
     """A "server" sending `reply` in pieces (closing after `close_after` bytes when given)."""
     end = len(reply) if close_after is None else close_after
     for start in range(0, end, piece_bytes):
-        sock.sendall(reply[start:min(start + piece_bytes, end)])
+        sock.sendall(reply[start : min(start + piece_bytes, end)])
     if close_after is not None:
         sock.close()
 

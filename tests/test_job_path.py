@@ -44,7 +44,9 @@ def serve(engine, req_id, tokens, max_new_tokens=1, **kw):
 
 
 def view(req_id: str, hashes, num_tokens: int) -> RequestView:
-    return RequestView(req_id=req_id, block_hashes=hashes, num_tokens=num_tokens, num_prompt_tokens=num_tokens)
+    return RequestView(
+        req_id=req_id, block_hashes=hashes, num_tokens=num_tokens, num_prompt_tokens=num_tokens
+    )
 
 
 # -- defect 1: flush order, and the stores of a request that ends in its load step ---------
@@ -72,11 +74,15 @@ def one_worker(num_blocks: int = 8, num_slots: int = 4) -> tuple[KVCache, Worker
     return kv, close_after_test(worker)
 
 
-def job(job_id: int, src: Endpoint, slots: list[int], blocks: list[int], deadline: float | None = None) -> TransferJob:
+def job(
+    job_id: int, src: Endpoint, slots: list[int], blocks: list[int], deadline: float | None = None
+) -> TransferJob:
     part = TransferPart(group=0, slot_ids=np.array(slots), block_ids=np.array(blocks))
     dst = Endpoint.SLAB if src is Endpoint.ENGINE else Endpoint.ENGINE
     deadline = time.monotonic() + 60 if deadline is None else deadline
-    return TransferJob(job_id=job_id, req_id="r", src=src, dst=dst, parts=(part,), deadline=deadline)
+    return TransferJob(
+        job_id=job_id, req_id="r", src=src, dst=dst, parts=(part,), deadline=deadline
+    )
 
 
 def run_plan(worker: WorkerSide, plan: StepPlan, forward=lambda: None) -> None:
@@ -92,7 +98,11 @@ def test_a_store_the_plan_flushes_copies_its_blocks_before_the_forward_pass_rewr
     kv.write(0, [3], [old])
     # the plan stores block 3 (its old owner's KV) and hands block 3 to a new request
     store = job(1, Endpoint.ENGINE, slots=[0], blocks=[3])
-    run_plan(worker, StepPlan(store_jobs=[store], flush_job_ids={1}), forward=lambda: kv.write(0, [3], [new]))
+    run_plan(
+        worker,
+        StepPlan(store_jobs=[store], flush_job_ids={1}),
+        forward=lambda: kv.write(0, [3], [new]),
+    )
     assert worker.transfer.wait([1], timeout=HANG_S)
     # slot 0 holds the old owner's KV: load it into block 5 and check
     run_plan(worker, StepPlan(load_jobs=[job(2, Endpoint.SLAB, slots=[0], blocks=[5])]))
@@ -137,20 +147,27 @@ class TwoWorkers:
     """A scheduler and two real workers (two tensor-parallel ranks), each with its own KV and slab."""
 
     def __init__(self, clock: FakeClock, job_timeout_s: float = 1.0):
-        config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=4),), num_workers=2,
-                                        job_timeout_s=job_timeout_s)
+        config = SchedulerOffloadConfig(
+            groups=(GroupSpec(tokens_per_block=4),), num_workers=2, job_timeout_s=job_timeout_s
+        )
         self.clock = clock
         self.sched = OffloadScheduler(config, CPUTierManager(8), clock=clock)
         self.ranks = [one_worker(num_blocks=16, num_slots=8) for _ in range(2)]
         self.hashes = [bytes([i]) * 32 for i in range(1, 5)]  # a 4-block prompt
 
-    def step(self, scheduled: list[ScheduledRequest], deliver=(True, True), compute: list[int] = ()):
+    def step(
+        self, scheduled: list[ScheduledRequest], deliver=(True, True), compute: list[int] = ()
+    ):
         """One engine step; rank i's results reach the scheduler only if deliver[i]."""
         plan = self.sched.build_connector_meta(StepView(scheduled))
         results = []
         for (kv, worker), delivered in zip(self.ranks, deliver, strict=True):
             contents = [kv.content(self.hashes[j], 0) for j in range(len(compute))]
-            run_plan(worker, plan, forward=lambda kv=kv, contents=contents: kv.write(0, list(compute), contents))
+            run_plan(
+                worker,
+                plan,
+                forward=lambda kv=kv, contents=contents: kv.write(0, list(compute), contents),
+            )
             assert worker.transfer.wait([j.job_id for j in plan.store_jobs], timeout=HANG_S)
             taken = worker.take_results()
             results += taken if delivered else []
@@ -162,8 +179,19 @@ class TwoWorkers:
         sched = self.sched
         assert sched.get_num_new_matched_tokens(view("S", self.hashes, 17), 0) == (0, False)
         sched.update_state_after_alloc("S", ([0, 1, 2, 3, 4],), 0)
-        self.step([ScheduledRequest(req_id="S", new_block_ids=([0, 1, 2, 3, 4],), is_new_or_resumed=True,
-                                    num_computed_tokens=0, num_scheduled_tokens=17)], deliver, compute=[0, 1, 2, 3])
+        self.step(
+            [
+                ScheduledRequest(
+                    req_id="S",
+                    new_block_ids=([0, 1, 2, 3, 4],),
+                    is_new_or_resumed=True,
+                    num_computed_tokens=0,
+                    num_scheduled_tokens=17,
+                )
+            ],
+            deliver,
+            compute=[0, 1, 2, 3],
+        )
         sched.request_finished(view("S", self.hashes, 18))
 
     def lookups(self) -> list[LookupResult]:
@@ -214,9 +242,19 @@ def test_a_request_preempted_in_the_step_its_store_expires_does_not_break_the_st
     sched = w.sched
     assert sched.get_num_new_matched_tokens(view("S", w.hashes, 17), 0) == (0, False)
     sched.update_state_after_alloc("S", ([0, 1, 2, 3, 4],), 0)
-    w.step([ScheduledRequest(req_id="S", new_block_ids=([0, 1, 2, 3, 4],), is_new_or_resumed=True,
-                             num_computed_tokens=0, num_scheduled_tokens=16)], deliver=(True, False),
-           compute=[0, 1, 2, 3])  # S's store: rank 1's report is lost
+    w.step(
+        [
+            ScheduledRequest(
+                req_id="S",
+                new_block_ids=([0, 1, 2, 3, 4],),
+                is_new_or_resumed=True,
+                num_computed_tokens=0,
+                num_scheduled_tokens=16,
+            )
+        ],
+        deliver=(True, False),
+        compute=[0, 1, 2, 3],
+    )  # S's store: rank 1's report is lost
     clock.now = 2.0  # the store expires in the next plan, which also reports S preempted
     plan = sched.build_connector_meta(StepView([], preempted_req_ids={"S"}))
     assert sched.stats.expired_jobs == 1 and not plan.flush_job_ids
@@ -246,8 +284,13 @@ def test_a_load_one_worker_never_reports_is_recomputed_and_releases_its_chunks()
     # X loads the 4 chunks into blocks 8..11; rank 1's report is lost
     assert w.sched.get_num_new_matched_tokens(view("X", w.hashes, 17), 0) == (16, False)
     w.sched.update_state_after_alloc("X", ([8, 9, 10, 11, 12],), 16)
-    x = ScheduledRequest(req_id="X", new_block_ids=([8, 9, 10, 11, 12],), is_new_or_resumed=True,
-                         num_computed_tokens=16, num_scheduled_tokens=1)
+    x = ScheduledRequest(
+        req_id="X",
+        new_block_ids=([8, 9, 10, 11, 12],),
+        is_new_or_resumed=True,
+        num_computed_tokens=16,
+        num_scheduled_tokens=1,
+    )
     w.step([x], deliver=(True, False))
     assert w.sched.manager.stats().pinned_slots == 4
     clock.now = 2.5
@@ -284,12 +327,20 @@ def test_hits_are_counted_once_per_admission_not_per_question():
     engine = make_engine()
     a = serve(engine, "A", P20)
     sched = engine.scheduler
-    assert (sched.stats.requests, sched.stats.query_tokens, sched.stats.hit_tokens) == (1, 19, 0)  # A
+    assert (sched.stats.requests, sched.stats.query_tokens, sched.stats.hit_tokens) == (
+        1,
+        19,
+        0,
+    )  # A
     for _ in range(3):  # vLLM re-asks a waiting request every step it cannot schedule it
         assert sched.get_num_new_matched_tokens(view("X", a.block_hashes, 21), 0) == (20, False)
     assert (sched.stats.requests, sched.stats.query_tokens, sched.stats.hit_tokens) == (1, 19, 0)
     sched.update_state_after_alloc("X", ([30, 31, 32, 33, 34, 35],), 20)  # admitted: counted once
-    assert (sched.stats.requests, sched.stats.query_tokens, sched.stats.hit_tokens) == (2, 19 + 20, 20)
+    assert (sched.stats.requests, sched.stats.query_tokens, sched.stats.hit_tokens) == (
+        2,
+        19 + 20,
+        20,
+    )
 
 
 def test_exact_counts_with_a_deferred_request():
@@ -300,14 +351,23 @@ def test_exact_counts_with_a_deferred_request():
     engine.add_request("C", P20 + [2])  # waits one step, then the engine's own cache serves 20
     engine.run()
     s = engine.scheduler.stats
-    assert (s.requests, s.query_tokens, s.hit_tokens, s.local_hit_tokens, s.deferrals) == (3, 19 + 20, 20, 20, 1)
+    assert (s.requests, s.query_tokens, s.hit_tokens, s.local_hit_tokens, s.deferrals) == (
+        3,
+        19 + 20,
+        20,
+        20,
+        1,
+    )
 
 
 # -- defect 5: a group kind kvtier cannot serve says so -------------------------------------
 
 
 def test_an_unsupported_group_is_named_at_start_and_stores_nothing(caplog):
-    groups = (GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.UNSUPPORTED, 4, reason="MambaSpec (layers ['m.0'])"))
+    groups = (
+        GroupSpec(GroupKind.FULL, 4),
+        GroupSpec(GroupKind.UNSUPPORTED, 4, reason="MambaSpec (layers ['m.0'])"),
+    )
     with caplog.at_level(logging.WARNING, logger="kvtier.scheduler.core"):
         engine = make_engine(groups=groups, num_blocks=128)
     assert "KV-cache group 1 cannot be offloaded (MambaSpec (layers ['m.0']))" in caplog.text
@@ -323,7 +383,9 @@ def test_an_unsupported_group_is_named_at_start_and_stores_nothing(caplog):
 
 def test_a_worker_slab_of_another_size_stops_the_engine_with_a_clear_error():
     check_slab_slots(64, [64, 64])
-    with pytest.raises(ConfigError, match="a worker's host slab has 32 slots where the scheduler counts 64"):
+    with pytest.raises(
+        ConfigError, match="a worker's host slab has 32 slots where the scheduler counts 64"
+    ):
         check_slab_slots(64, [64, 32])
 
 
@@ -331,12 +393,22 @@ def test_a_plan_survives_pickling_to_the_workers():
     """vLLM pickles each step's plan to the worker processes (parts travel as raw int64 bytes)."""
     import pickle
 
-    part = TransferPart(group=1, slot_ids=np.array([3, 1], np.int64), block_ids=np.array([7, 8, 9, 10]), skip_blocks=1)
+    part = TransferPart(
+        group=1,
+        slot_ids=np.array([3, 1], np.int64),
+        block_ids=np.array([7, 8, 9, 10]),
+        skip_blocks=1,
+    )
     plan = StepPlan(store_jobs=[job(5, Endpoint.ENGINE, [3, 1], [7, 8])], flush_job_ids={2})
     plan.load_jobs.append(dataclasses.replace(plan.store_jobs[0], job_id=6, parts=(part,)))
     back = pickle.loads(pickle.dumps(plan))
     got = back.load_jobs[0].parts[0]
-    assert (got.group, got.slot_ids.tolist(), got.block_ids.tolist(), got.skip_blocks) == (1, [3, 1], [7, 8, 9, 10], 1)
+    assert (got.group, got.slot_ids.tolist(), got.block_ids.tolist(), got.skip_blocks) == (
+        1,
+        [3, 1],
+        [7, 8, 9, 10],
+        1,
+    )
     assert got.slot_ids.dtype == np.int64 and got.slot_ids.flags.writeable
     assert back.store_jobs[0].parts[0].block_ids.tolist() == [7, 8] and back.flush_job_ids == {2}
 
@@ -351,8 +423,11 @@ def test_a_step_that_computes_nothing_waits_a_little_for_its_asynchronous_loads(
     kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
     # loads held back until the step ends, unless a wait starts them (the simulator's slow device)
     slow = functools.partial(SimTransferEngine, faults=Faults(load_delay_steps=1))
-    worker = close_after_test(WorkerSide(num_slots=4, blocks_per_chunk=1, layer_groups=kv.layer_groups,
-                                         transfer_factory=slow))
+    worker = close_after_test(
+        WorkerSide(
+            num_slots=4, blocks_per_chunk=1, layer_groups=kv.layer_groups, transfer_factory=slow
+        )
+    )
     worker.register_kv_caches(kv.tensors)
     load = job(1, Endpoint.SLAB, [0, 1], [2, 3])
     plan = StepPlan(async_load_jobs=[load], engine_idle=idle)

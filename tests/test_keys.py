@@ -104,9 +104,11 @@ def test_byte_identical_to_installed_vllm(seed):
     assert parent == none_hash(seed)
     ours = BlockHasher(block_size=4, seed=seed).hash_blocks(list(range(12)))
     for i, expected in enumerate(ours):
-        parent = vllm_hash_block_tokens(vllm_sha256_cbor, parent, list(range(4 * i, 4 * i + 4)), None)
+        parent = vllm_hash_block_tokens(
+            vllm_sha256_cbor, parent, list(range(4 * i, 4 * i + 4)), None
+        )
         assert bytes(parent) == expected
     extra = extra_keys("lora", ["mm"], "salt")
-    assert bytes(vllm_hash_block_tokens(vllm_sha256_cbor, ours[0], [1, 2], extra)) == hash_block_tokens(
-        ours[0], [1, 2], extra
-    )
+    assert bytes(
+        vllm_hash_block_tokens(vllm_sha256_cbor, ours[0], [1, 2], extra)
+    ) == hash_block_tokens(ours[0], [1, 2], extra)

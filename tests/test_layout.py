@@ -68,9 +68,13 @@ def test_no_module_imports_a_layer_above_its_own():
 
 
 def test_the_tiers_import_no_user_configuration_and_no_torch():
-    offending = [f"{module} imports {name}" for module, path in _modules().items()
-                 if module.startswith("kvtier.tiers") for name in _imports(path, top_level_only=False)
-                 if name.split(".")[0] == "torch" or name in ("kvtier.config", "kvtier.build")]
+    offending = [
+        f"{module} imports {name}"
+        for module, path in _modules().items()
+        if module.startswith("kvtier.tiers")
+        for name in _imports(path, top_level_only=False)
+        if name.split(".")[0] == "torch" or name in ("kvtier.config", "kvtier.build")
+    ]
     assert not offending
 
 
@@ -83,16 +87,20 @@ def test_no_import_cycle_between_modules():
             name = name.rpartition(".")[0]
         return name or None
 
-    graph = {m: {r for n in _imports(p, top_level_only=False) if (r := resolve(n)) not in (None, m)}
-             for m, p in modules.items()}
+    graph = {
+        m: {r for n in _imports(p, top_level_only=False) if (r := resolve(n)) not in (None, m)}
+        for m, p in modules.items()
+    }
     cycles: list[str] = []
     done: set[str] = set()
 
     def visit(module: str, path: list[str]) -> None:
         if module in path:
-            cycle = path[path.index(module):]
+            cycle = path[path.index(module) :]
             # a package's __init__ importing its own submodules is how packages re-export: not a cycle
-            if not any(b.startswith(a + ".") for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True)):
+            if not any(
+                b.startswith(a + ".") for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True)
+            ):
                 cycles.append(" -> ".join(cycle + [module]))
             return
         if module in done:

@@ -25,8 +25,12 @@ from test_tiered_scheduler import _ClosesTiers, serve, settle
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 32, 4, 4
 FAST_RAM = ReadEstimate(1e10, 0.0)
-SLOW_DISK = CostSnapshot({"cpu": FAST_RAM, "disk": ReadEstimate(1e3, 0.01)}, prefill_tokens_per_s=1e4)
-FAST_DISK = CostSnapshot({"cpu": FAST_RAM, "disk": ReadEstimate(1e10, 0.0)}, prefill_tokens_per_s=1e3)
+SLOW_DISK = CostSnapshot(
+    {"cpu": FAST_RAM, "disk": ReadEstimate(1e3, 0.01)}, prefill_tokens_per_s=1e4
+)
+FAST_DISK = CostSnapshot(
+    {"cpu": FAST_RAM, "disk": ReadEstimate(1e10, 0.0)}, prefill_tokens_per_s=1e3
+)
 
 
 def engine_with(tmp_path, costs: CostSnapshot, policy: str = "cost") -> FakeEngine:
@@ -34,13 +38,24 @@ def engine_with(tmp_path, costs: CostSnapshot, policy: str = "cost") -> FakeEngi
     namespace = Namespace("sim", "float32", "sim", BLOCK_SIZE, 1, "sha256", 1, slab.rows.shape[1])
     disk = DiskTier(tmp_path, namespace, 64 * (slab.rows.shape[1] + 4096))
     assert disk.wait_scanned(HANG_S)
-    manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules())], job_timeout_s=HANG_S)
+    manager = TieredManager(
+        CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules())], job_timeout_s=HANG_S
+    )
     clock = FakeClock()
-    config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),), max_defer_s=60.0,
-                                    max_deferrals=UNBOUNDED_DEFERRALS, load_policy=policy,
-                                    chunk_bytes=slab.rows.shape[1])
-    engine = FakeEngine(OffloadScheduler(config, manager, clock=clock, costs=costs), num_blocks=NUM_BLOCKS,
-                        block_size=BLOCK_SIZE, clock=clock, slab=slab)
+    config = SchedulerOffloadConfig(
+        groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),),
+        max_defer_s=60.0,
+        max_deferrals=UNBOUNDED_DEFERRALS,
+        load_policy=policy,
+        chunk_bytes=slab.rows.shape[1],
+    )
+    engine = FakeEngine(
+        OffloadScheduler(config, manager, clock=clock, costs=costs),
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        clock=clock,
+        slab=slab,
+    )
     return close_after_test(_ClosesTiers(engine, manager))
 
 
@@ -79,7 +94,9 @@ def test_with_load_policy_always_the_same_prefix_is_read_from_the_slow_disk(tmp_
     p = prompt(12, seed=1)
     only_on_disk(engine, p)
     req = serve(engine, "p-again", p + [7])
-    assert req.num_external_tokens == 12  # every chunk promoted and loaded (the fake engine checked them)
+    assert (
+        req.num_external_tokens == 12
+    )  # every chunk promoted and loaded (the fake engine checked them)
     assert decisions(engine) == {("load", "disk"): 1}
     assert promotions(engine) == 3
 
@@ -119,7 +136,9 @@ def test_the_request_cap_bounds_what_the_cost_model_would_load(tmp_path):
     engine = engine_with(tmp_path, FAST_DISK)
     p = prompt(12, seed=1)
     only_on_disk(engine, p)
-    req = engine.add_request("capped", p + [7], 1, kv_transfer_params={"kvtier": {"max_load_tokens": 4}})
+    req = engine.add_request(
+        "capped", p + [7], 1, kv_transfer_params={"kvtier": {"max_load_tokens": 4}}
+    )
     run_until_done(engine)
     assert req.num_external_tokens == 4
     assert promotions(engine) == 1  # only the chunk it may load is read up
@@ -133,7 +152,9 @@ def test_a_request_decides_once_while_its_promotions_run(tmp_path):
     # it was asked again while its 3 chunks came up from disk, and kept its first decision
     assert engine.scheduler.stats.deferrals > 0
     assert sum(decisions(engine).values()) == 1 and req.num_external_tokens == 12
-    assert engine.scheduler.stats.timed_loads == 1  # the load's expected and measured seconds were added
+    assert (
+        engine.scheduler.stats.timed_loads == 1
+    )  # the load's expected and measured seconds were added
 
 
 def test_the_tiered_manager_measures_its_tiers_from_their_jobs(tmp_path):

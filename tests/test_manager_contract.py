@@ -296,7 +296,9 @@ def test_stats_add_up(manager):
 
 
 def test_unknown_policy_names_the_choices():
-    with pytest.raises(ConfigError, match=r"unknown policy 'fifo'.*\['adaptive', 'arc', 'lru', 'turns'\]"):
+    with pytest.raises(
+        ConfigError, match=r"unknown policy 'fifo'.*\['adaptive', 'arc', 'lru', 'turns'\]"
+    ):
         CPUTierManager(num_slots=4, policy="fifo")
 
 
@@ -307,7 +309,9 @@ def test_non_positive_capacity(num_slots):
 
 
 def test_wrong_key_length_is_a_clear_error(manager):
-    with pytest.raises(ValueError, match="offload key of 32 bytes where this tier expects 36.*make_offload_key"):
+    with pytest.raises(
+        ValueError, match="offload key of 32 bytes where this tier expects 36.*make_offload_key"
+    ):
         manager.prepare_store([b"x" * 32], CTX)
     with pytest.raises(ValueError, match="make_offload_key"):
         manager.lookup(b"short", CTX)

@@ -22,7 +22,11 @@ REQS = st.sampled_from(["a", "b", "c"])
 
 
 class TierMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["lru", "arc"]), capacity=st.integers(1, 6), threshold=st.integers(1, 2))
+    @initialize(
+        policy=st.sampled_from(["lru", "arc"]),
+        capacity=st.integers(1, 6),
+        threshold=st.integers(1, 2),
+    )
     def setup(self, policy, capacity, threshold):
         self.m = CPUTierManager(capacity, policy=policy, store_threshold=threshold)
         self.in_flight: list[tuple[str, list[bytes]]] = []  # prepared, not completed stores
@@ -51,7 +55,9 @@ class TierMachine(RuleBasedStateMachine):
     @rule(ids=KEY_IDS, req=REQS)
     def load_hits(self, ids, req):
         ctx = make_req_context(req)
-        hits = [key(i) for i in dict.fromkeys(ids) if self.m.lookup(key(i), ctx) is LookupResult.HIT]
+        hits = [
+            key(i) for i in dict.fromkeys(ids) if self.m.lookup(key(i), ctx) is LookupResult.HIT
+        ]
         if hits:
             spec = self.m.prepare_load(hits, ctx)
             assert len(spec) == len(hits)

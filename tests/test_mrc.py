@@ -38,7 +38,10 @@ def exact_lru(stream, capacity: int) -> float:
 def skewed_stream(seed: int, length: int, num_keys: int, hot: int) -> list[bytes]:
     """A mix of a hot set and a long tail, as bytes keys (a tier's keys are bytes)."""
     rng = random.Random(seed)
-    return [key(rng.randrange(hot) if rng.random() < 0.6 else rng.randrange(num_keys)) for _ in range(length)]
+    return [
+        key(rng.randrange(hot) if rng.random() < 0.6 else rng.randrange(num_keys))
+        for _ in range(length)
+    ]
 
 
 def feed(stream, max_samples: int = 1 << 20) -> MissRatioCurve:
@@ -56,10 +59,14 @@ def test_at_sampling_rate_1_the_curve_is_exact_lru(seed):
     assert mrc.sampling_rate == 1.0 and mrc.num_lookups == len(stream)
     # below 256 chunks every reuse distance has its own bucket: equal to the last digit
     for capacity in (1, 2, 5, 17, 40, 100, 255):
-        assert mrc.hit_ratio(capacity) == pytest.approx(exact_lru(stream, capacity), abs=1e-12), capacity
+        assert mrc.hit_ratio(capacity) == pytest.approx(
+            exact_lru(stream, capacity), abs=1e-12
+        ), capacity
     # above, buckets are ~2 % wide: the ratio is interpolated inside one
     for capacity in (300, 500, 800):
-        assert mrc.hit_ratio(capacity) == pytest.approx(exact_lru(stream, capacity), abs=0.005), capacity
+        assert mrc.hit_ratio(capacity) == pytest.approx(
+            exact_lru(stream, capacity), abs=0.005
+        ), capacity
 
 
 def test_the_record_of_use_times_is_renumbered_without_changing_a_distance():
@@ -82,7 +89,9 @@ def test_a_sampled_curve_stays_close_to_exact_lru_across_a_change_of_traffic():
     mrc = feed(stream, max_samples=4096)
     assert mrc.sampling_rate < 0.3
     for capacity in (100, 300, 1000, 4000, 16000):
-        assert mrc.hit_ratio(capacity) == pytest.approx(exact_lru(stream, capacity), abs=0.04), capacity
+        assert mrc.hit_ratio(capacity) == pytest.approx(
+            exact_lru(stream, capacity), abs=0.04
+        ), capacity
 
 
 def test_memory_stays_bounded_whatever_the_number_of_distinct_keys():
@@ -135,9 +144,13 @@ def test_the_cpu_tier_counts_each_admitted_query_and_its_stores():
     assert cpu.locate(keys(1, 2, 3, 4), CTX) == ["cpu", "cpu", None, None]
     cpu.lookup(key(1), CTX)
     assert cpu.mrc.num_lookups == 0
-    cpu.count_query(keys(1, 2, 3, 4), CTX)  # admitted: every chunk it asked for, past the first miss too
+    cpu.count_query(
+        keys(1, 2, 3, 4), CTX
+    )  # admitted: every chunk it asked for, past the first miss too
     assert cpu.mrc.num_lookups == 4
-    assert cpu.mrc.hit_ratio(1) == 0.0 and cpu.mrc.hit_ratio(2) == pytest.approx(2 / 4)  # 3 and 4: misses
+    assert cpu.mrc.hit_ratio(1) == 0.0 and cpu.mrc.hit_ratio(2) == pytest.approx(
+        2 / 4
+    )  # 3 and 4: misses
 
 
 def test_a_secondary_tier_counts_what_ram_did_not_hold_and_what_was_written_to_it(tmp_path):

@@ -25,11 +25,15 @@ from kvtier.tiers.namespace import Namespace
 from tier_jobs import Slab, store
 from vllm_helpers import write_small_llama
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed"
+)
 ROPE = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
 
 
-def namespace_of(model: Path, extra: dict | None = None, parallel: dict | None = None, **model_kwargs) -> Namespace:
+def namespace_of(
+    model: Path, extra: dict | None = None, parallel: dict | None = None, **model_kwargs
+) -> Namespace:
     """The namespace kvtier's scheduler side derives for an engine of `model` (one full-attention
     group of two layers; `extra` is kvtier's config, `parallel` vLLM's ParallelConfig settings)."""
     import torch
@@ -42,14 +46,26 @@ def namespace_of(model: Path, extra: dict | None = None, parallel: dict | None =
 
     extra = extra or {"cpu_bytes": "64MiB"}
     model_kwargs.setdefault("max_model_len", 1024)
-    model_config = ModelConfig(model=str(model), dtype="bfloat16", skip_tokenizer_init=True, **model_kwargs)
-    vllm_config = VllmConfig(model_config=model_config, parallel_config=ParallelConfig(**(parallel or {})),
-                             kv_transfer_config=kv_transfer_config(**extra))
-    spec = FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=2, head_size=16,
-                             dtype=torch.bfloat16)
+    model_config = ModelConfig(
+        model=str(model), dtype="bfloat16", skip_tokenizer_init=True, **model_kwargs
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        parallel_config=ParallelConfig(**(parallel or {})),
+        kv_transfer_config=kv_transfer_config(**extra),
+    )
+    spec = FullAttentionSpec(
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=2,
+        head_size=16,
+        dtype=torch.bfloat16,
+    )
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)])
+    kv_cache_config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)],
+    )
     return namespace_for(KVTierConfig.from_dict(extra), vllm_config, kv_cache_config)
 
 
@@ -83,7 +99,9 @@ def test_weights_replaced_at_the_same_path_are_another_namespace(llama):
     write_small_llama(llama, seed=1)
     after = namespace_of(llama)
     assert after.id != before.id
-    assert after.weights != before.weights and after.engine == before.engine  # the weights, not the config
+    assert (
+        after.weights != before.weights and after.engine == before.engine
+    )  # the weights, not the config
 
 
 @needs_vllm
@@ -112,11 +130,22 @@ def test_kvtier_settings_ports_and_ranks_do_not_split_the_namespace(llama, tmp_p
     # the host RAM, the tiers and the policy say where chunks live, not what they hold; ports,
     # addresses and a data-parallel rank differ between replicas of one deployment
     base = namespace_of(llama)
-    other_kvtier = {"cpu_bytes": "256MiB", "eviction_policy": "lru", "disk_path": str(tmp_path / "disk"),
-                    "load_mode": "async", "job_timeout_s": 3.0}
+    other_kvtier = {
+        "cpu_bytes": "256MiB",
+        "eviction_policy": "lru",
+        "disk_path": str(tmp_path / "disk"),
+        "load_mode": "async",
+        "job_timeout_s": 3.0,
+    }
     assert namespace_of(llama, extra=other_kvtier).id == base.id
-    other_host = {"master_addr": "10.0.0.7", "master_port": 31001, "data_parallel_master_port": 31002,
-                  "data_parallel_rpc_port": 31003, "data_parallel_size": 2, "data_parallel_rank": 1}
+    other_host = {
+        "master_addr": "10.0.0.7",
+        "master_port": 31001,
+        "data_parallel_master_port": 31002,
+        "data_parallel_rpc_port": 31003,
+        "data_parallel_size": 2,
+        "data_parallel_rank": 1,
+    }
     assert namespace_of(llama, parallel=other_host).id == base.id
     # ... and so do settings that change nothing in a KV byte: the context limit, the seed, eager mode
     assert namespace_of(llama, max_model_len=512, seed=7, enforce_eager=True).id == base.id
@@ -124,7 +153,10 @@ def test_kvtier_settings_ports_and_ranks_do_not_split_the_namespace(llama, tmp_p
 
 @needs_vllm
 def test_chunking_still_splits_the_namespace(llama):
-    assert namespace_of(llama, extra={"cpu_bytes": "64MiB", "blocks_per_chunk": 2}).id != namespace_of(llama).id
+    assert (
+        namespace_of(llama, extra={"cpu_bytes": "64MiB", "blocks_per_chunk": 2}).id
+        != namespace_of(llama).id
+    )
 
 
 # -- as the tiers use it -------------------------------------------------------------------------
@@ -134,8 +166,12 @@ def test_chunking_still_splits_the_namespace(llama):
 def test_disk_tiers_of_different_engines_share_nothing_and_replicas_share(tmp_path, llama):
     root = tmp_path / "disk"
     copy = shutil.copytree(llama, tmp_path / "replica")
-    engines = {"plain": namespace_of(llama), "fp8": namespace_of(llama, quantization="fp8_per_tensor"),
-               "rope": namespace_of(llama, hf_overrides=ROPE), "replica": namespace_of(copy)}
+    engines = {
+        "plain": namespace_of(llama),
+        "fp8": namespace_of(llama, quantization="fp8_per_tensor"),
+        "rope": namespace_of(llama, hf_overrides=ROPE),
+        "replica": namespace_of(copy),
+    }
     tiers: dict[str, DiskTier] = {}
 
     def start(name: str) -> DiskTier:
@@ -164,7 +200,9 @@ def test_disk_tiers_of_different_engines_share_nothing_and_replicas_share(tmp_pa
 def loaded_from(model: str | Path, download_dir: Path | None = None, load_format: str = "auto"):
     """The two configs `weights_identity` reads, as vLLM would hold them after loading `model`."""
     model_config = SimpleNamespace(model=str(model), model_weights="", revision=None)
-    return model_config, SimpleNamespace(load_format=load_format, download_dir=download_dir and str(download_dir))
+    return model_config, SimpleNamespace(
+        load_format=load_format, download_dir=download_dir and str(download_dir)
+    )
 
 
 @needs_vllm
@@ -199,7 +237,10 @@ def test_a_hub_model_is_named_by_its_cached_snapshot_content(tmp_path, llama):
     by_hub_id = weights_identity(*loaded_from("org/llama", download_dir=tmp_path / "hub"))
     assert by_hub_id == weights_identity(*loaded_from(llama))
     # a hub model not in the local cache is named by id and revision (the network is never asked)
-    assert weights_identity(*loaded_from("org/absent", download_dir=tmp_path / "hub")) == "auto:name:org/absent@default"
+    assert (
+        weights_identity(*loaded_from("org/absent", download_dir=tmp_path / "hub"))
+        == "auto:name:org/absent@default"
+    )
 
 
 @needs_vllm
@@ -223,8 +264,19 @@ def test_other_weight_files_are_sampled_over_their_whole_length(tmp_path):
 
 
 def test_the_label_is_for_people_and_every_other_field_is_the_id():
-    ns = Namespace("LlamaForCausalLM", "bfloat16", "cpu", 16, 1, "sha256", 1, 4096, engine="e1", weights="w1",
-                   label="/models/llama")
+    ns = Namespace(
+        "LlamaForCausalLM",
+        "bfloat16",
+        "cpu",
+        16,
+        1,
+        "sha256",
+        1,
+        4096,
+        engine="e1",
+        weights="w1",
+        label="/models/llama",
+    )
     assert replace(ns, label="/srv/llama").id == ns.id  # a replica at another path
     for field, other in [("engine", "e2"), ("weights", "w2"), ("model", "Qwen2ForCausalLM")]:
         assert replace(ns, **{field: other}).id != ns.id

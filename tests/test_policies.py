@@ -266,4 +266,6 @@ def test_bad_policy_paths_are_clear_errors(spec):
 
 
 def test_policies_share_the_interface():
-    assert isinstance(make_policy("lru", 2), CachePolicy) and isinstance(make_policy("arc", 2), CachePolicy)
+    assert isinstance(make_policy("lru", 2), CachePolicy) and isinstance(
+        make_policy("arc", 2), CachePolicy
+    )

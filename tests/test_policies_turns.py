@@ -101,8 +101,9 @@ def test_evict_is_atomic_and_discard_leaves_no_ghost():
 def test_the_miniatures_pick_the_setting_whose_sample_hit_most():
     # one miniature of 3 keys per setting (every key sampled); a level-2 key D comes back every
     # 5 accesses, between 4 one-off level-1 keys: only a bonus keeps D that long
-    selector = SettingSelector(3, [0.0, 10.0], bonus=lambda s, level: s * (level - 1), sample=1, min_keys=1,
-                               period=10)
+    selector = SettingSelector(
+        3, [0.0, 10.0], bonus=lambda s, level: s * (level - 1), sample=1, min_keys=1, period=10
+    )
     now = itertools.count()
     for i in range(40):
         selector.access(key(1000), 2, next(now))
@@ -114,8 +115,9 @@ def test_the_miniatures_pick_the_setting_whose_sample_hit_most():
 def test_the_miniatures_keep_plain_recency_when_deep_keys_do_not_come_back():
     # 4 keys per miniature; deep keys are one-offs, 2 shallow keys come back every 4 accesses:
     # recency keeps them, a bonus for the deep ones pushes them out
-    selector = SettingSelector(4, [10.0, 0.0], bonus=lambda s, level: s * (level - 1), sample=1, min_keys=1,
-                               period=10)
+    selector = SettingSelector(
+        4, [10.0, 0.0], bonus=lambda s, level: s * (level - 1), sample=1, min_keys=1, period=10
+    )
     now = itertools.count()
     for i in range(60):
         selector.access(key(2000), 1, next(now))

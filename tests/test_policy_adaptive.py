@@ -22,8 +22,13 @@ from tier_helpers import make_tiered
 EXPERTS = AdaptivePolicy.experts
 
 # the contract's tests that take a `manager`: collected here, they get this module's fixture
-globals().update({name: test for name, test in vars(test_manager_contract).items()
-                  if name.startswith("test_") and "manager" in inspect.signature(test).parameters})
+globals().update(
+    {
+        name: test
+        for name, test in vars(test_manager_contract).items()
+        if name.startswith("test_") and "manager" in inspect.signature(test).parameters
+    }
+)
 
 
 @pytest.fixture(params=["adaptive", "tiered-adaptive"])

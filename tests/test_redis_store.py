@@ -80,7 +80,11 @@ def test_get_into_fills_the_callers_buffers(env):
     floats = np.zeros(300 * KiB // 4, np.float32)  # a rank's buffer need not be bytes
     dest = [memoryview(bytearray(128)), memoryview(floats), memoryview(bytearray(300 * KiB))]
     other = [memoryview(bytearray(16))]
-    assert store.get_into(["t:a", "t:absent", "t:short"], [dest, other, other]) == [len(joined(a)), None, 4]
+    assert store.get_into(["t:a", "t:absent", "t:short"], [dest, other, other]) == [
+        len(joined(a)),
+        None,
+        4,
+    ]
     assert joined(dest) == joined(a)
     # the value of another size only reported (4 ≠ 16): the reply after it is still in step
     assert store.get_into(["t:short", "t:a"], [other, dest]) == [4, len(joined(a))]
@@ -91,7 +95,9 @@ def test_values_larger_than_a_window(env):
     # three 5 MiB values, each more than one connection keeps in flight (2 MiB) → each sent alone, in turns
     items = [(f"big:{i}", parts_of(f"big{i}", (128, 5 << 20))) for i in range(3)]
     assert store.put(items) == [True, True, True]
-    assert [bytes(got) for got in store.get([name for name, _ in items])] == [joined(p) for _, p in items]
+    assert [bytes(got) for got in store.get([name for name, _ in items])] == [
+        joined(p) for _, p in items
+    ]
     dests = [[memoryview(bytearray(128)), memoryview(bytearray(5 << 20))] for _ in items]
     assert store.get_into([name for name, _ in items], dests) == [128 + (5 << 20)] * 3
     assert [joined(d) for d in dests] == [joined(p) for _, p in items]
@@ -170,9 +176,11 @@ def test_stale_slot_map_follows_the_redirect(fresh_redis_cluster):
     # redis-py followed the MOVED and put the slot's owner back in the map
     assert client.nodes_manager.slots_cache[slot][0].name == owner.name
     # the other operations take the same way round
-    for op in (lambda: store.put([("moved:a", [b"again"])]) == [False],
-               lambda: bytes(store.get(["moved:a"])[0]) == b"a",
-               lambda: store.get_into(["moved:a"], [[memoryview(bytearray(1))]]) == [1]):
+    for op in (
+        lambda: store.put([("moved:a", [b"again"])]) == [False],
+        lambda: bytes(store.get(["moved:a"])[0]) == b"a",
+        lambda: store.get_into(["moved:a"], [[memoryview(bytearray(1))]]) == [1],
+    ):
         client.nodes_manager.slots_cache[slot] = [wrong]
         assert op()
     client.nodes_manager.slots_cache[slot] = [wrong]
@@ -184,7 +192,13 @@ def test_stale_slot_map_follows_the_redirect(fresh_redis_cluster):
 def test_server_error_raises_after_reading_every_reply(redis_server_acl):
     server = redis_server_acl.ready()
     with server.client() as admin:
-        admin.acl_setuser("limited", enabled=True, passwords=["+limited-pw"], keys=["allowed:*"], commands=["+@all"])
+        admin.acl_setuser(
+            "limited",
+            enabled=True,
+            passwords=["+limited-pw"],
+            keys=["allowed:*"],
+            commands=["+@all"],
+        )
     store = RedisStore(server.url, username="limited", password="limited-pw")
     # the middle SET is refused (NOPERM) → put raises ResponseError...
     with pytest.raises(ResponseError, match="NOPERM"):
@@ -267,7 +281,9 @@ def test_tls_with_the_servers_ca(redis_server_tls):
 
 def test_no_password_in_describe_or_url():
     planted = "planted-pw-7c1e"
-    store = RedisStore("rediss://cache.example:6380/2", username="svc", password=planted, ca_file="/tmp/ca.pem")
+    store = RedisStore(
+        "rediss://cache.example:6380/2", username="svc", password=planted, ca_file="/tmp/ca.pem"
+    )
     # the endpoint, without the user or the password
     assert store.describe() == "rediss://cache.example:6380/2"
     assert planted not in store.describe() and "svc" not in store.describe()
@@ -276,11 +292,17 @@ def test_no_password_in_describe_or_url():
     with pytest.raises(ConfigError, match="password"):
         RedisStore(f"redis://svc:{planted}@localhost:6379")
     # not a Redis url, a path that is not a database number, a database in a cluster → refused
-    for url, cluster in (("http://localhost:6379", False), ("redis://localhost:6379/x", False),
-                         ("redis://localhost:6379/1", True)):
+    for url, cluster in (
+        ("http://localhost:6379", False),
+        ("redis://localhost:6379/x", False),
+        ("redis://localhost:6379/1", True),
+    ):
         with pytest.raises(ConfigError):
             RedisStore(url, cluster=cluster)
-    assert RedisStore("redis://[::1]:7000", cluster=True).describe() == "redis://[::1]:7000/0 (cluster)"
+    assert (
+        RedisStore("redis://[::1]:7000", cluster=True).describe()
+        == "redis://[::1]:7000/0 (cluster)"
+    )
 
 
 def test_threads_share_one_store(env):
@@ -294,7 +316,9 @@ def test_threads_share_one_store(env):
             for i in range(20):
                 names = [f"th:{t}:{i}:{j}" for j in range(4)]
                 assert store.put([(name, [value(name, 5000)]) for name in names]) == [True] * 4
-                assert [bytes(got) for got in store.get(names)] == [value(name, 5000) for name in names]
+                assert [bytes(got) for got in store.get(names)] == [
+                    value(name, 5000) for name in names
+                ]
         except BaseException as exc:
             errors.append(exc)
 
@@ -324,7 +348,11 @@ def test_get_into_drains_a_value_of_another_size_without_allocating_it(env):
     store, _ = env
     a, huge = parts_of("a"), 32 << 20
     store.put([("t:a", a), ("t:huge", [bytes(huge)])])
-    dest = [memoryview(bytearray(128)), memoryview(bytearray(300 * KiB)), memoryview(bytearray(300 * KiB))]
+    dest = [
+        memoryview(bytearray(128)),
+        memoryview(bytearray(300 * KiB)),
+        memoryview(bytearray(300 * KiB)),
+    ]
     # 32 MiB where 600 KiB are expected → answered by its size, drained through a small buffer
     sizes, peak = traced_peak(lambda: store.get_into(["t:huge", "t:a"], [dest, dest]))
     assert sizes == [huge, len(joined(a))]
@@ -338,13 +366,20 @@ def test_a_redirected_get_into_reads_no_more_than_expected(fresh_redis_cluster):
     huge = 32 << 20
     store.put([("moved:huge", [bytes(huge)]), ("moved:ok", [b"12345678"])])
     client = store._client()
-    for name in ("moved:huge", "moved:ok"):  # the store believes another node owns each slot → MOVED
+    for name in (
+        "moved:huge",
+        "moved:ok",
+    ):  # the store believes another node owns each slot → MOVED
         slot = client.keyslot(name)
         owner = client.nodes_manager.slots_cache[slot][0]
-        client.nodes_manager.slots_cache[slot] = [next(n for n in client.get_primaries() if n.name != owner.name)]
+        client.nodes_manager.slots_cache[slot] = [
+            next(n for n in client.get_primaries() if n.name != owner.name)
+        ]
     dest = [memoryview(bytearray(8))]
     # the redirected reads: the huge one is answered by its size without being read, the other in full
-    sizes, peak = traced_peak(lambda: [store.get_into([name], [dest])[0] for name in ("moved:huge", "moved:ok")])
+    sizes, peak = traced_peak(
+        lambda: [store.get_into([name], [dest])[0] for name in ("moved:huge", "moved:ok")]
+    )
     assert sizes == [huge, 8] and bytes(dest[0]) == b"12345678"
     assert peak < 4 << 20, f"{peak} bytes traced to refuse a {huge}-byte value"
     assert store.get_into(["moved:absent"], [dest]) == [None]

@@ -21,7 +21,9 @@ PLANTED = "planted-secret-7f3a9c"  # must never appear in a log line or an error
 
 
 def namespace() -> Namespace:
-    return Namespace(f"build-{time.monotonic_ns()}", "float16", "blocks", 16, 4, "sha256_cbor", 1, 4096)
+    return Namespace(
+        f"build-{time.monotonic_ns()}", "float16", "blocks", 16, 4, "sha256_cbor", 1, 4096
+    )
 
 
 def start(cfg: dict) -> list[RemoteTier]:
@@ -39,8 +41,13 @@ def test_an_acl_user_with_its_password_from_a_file(redis_server_acl, tmp_path):
     secret_file = tmp_path / "redis-password"
     secret_file.write_text(redis_server_acl.password + "\n")
     secret_file.chmod(0o600)
-    tiers = start({"redis_url": redis_server_acl.url, "redis_username": redis_server_acl.username,
-                   "redis_password_file": str(secret_file)})
+    tiers = start(
+        {
+            "redis_url": redis_server_acl.url,
+            "redis_username": redis_server_acl.username,
+            "redis_password_file": str(secret_file),
+        }
+    )
     try:
         assert not tiers[0].breaker.is_open
         assert tiers[0].lookup(keys(1)[0]) is LookupResult.RETRY  # a probe runs: the server answers
@@ -58,10 +65,13 @@ def test_the_password_from_the_environment(redis_server_acl, monkeypatch):
 
 
 def test_a_wrong_password_starts_the_tier_disabled_with_a_warning_and_no_secret_in_it(
-        redis_server_acl, monkeypatch, caplog):
+    redis_server_acl, monkeypatch, caplog
+):
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", PLANTED)
     with caplog.at_level(logging.DEBUG):
-        tiers = start({"redis_url": redis_server_acl.url, "redis_username": redis_server_acl.username})
+        tiers = start(
+            {"redis_url": redis_server_acl.url, "redis_username": redis_server_acl.username}
+        )
     try:
         assert tiers[0].breaker.is_open
         assert tiers[0].lookup(keys(1)[0]) is LookupResult.MISS  # disabled: misses, never a wait
@@ -75,14 +85,21 @@ def test_a_wrong_password_starts_the_tier_disabled_with_a_warning_and_no_secret_
 def test_a_wrong_password_with_redis_required_stops_the_start(redis_server_acl, monkeypatch):
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", PLANTED)
     with pytest.raises(ConfigError, match="redis_required is set") as err:
-        start({"redis_url": redis_server_acl.url, "redis_username": redis_server_acl.username,
-               "redis_required": True})
+        start(
+            {
+                "redis_url": redis_server_acl.url,
+                "redis_username": redis_server_acl.username,
+                "redis_required": True,
+            }
+        )
     assert PLANTED not in str(err.value)
 
 
 def test_an_unreachable_server_turns_the_tier_on_once_it_answers(tmp_path, caplog):
     server = RedisServer(port=free_port(), dir=tmp_path)  # nothing listens on its port yet
-    tiers = start({"redis_url": server.url, "redis_connect_timeout_ms": 100, "remote_breaker_retry_s": 0.05})
+    tiers = start(
+        {"redis_url": server.url, "redis_connect_timeout_ms": 100, "remote_breaker_retry_s": 0.05}
+    )
     try:
         assert tiers[0].breaker.is_open and "did not answer at start" in caplog.text
         server.start()
@@ -98,13 +115,20 @@ def test_an_unreachable_server_turns_the_tier_on_once_it_answers(tmp_path, caplo
 
 def test_an_unreachable_required_server_stops_the_start():
     with pytest.raises(ConfigError, match="did not answer at start.*redis_required is set"):
-        start({"redis_url": f"redis://127.0.0.1:{free_port()}/0", "redis_connect_timeout_ms": 100,
-               "redis_required": True})
+        start(
+            {
+                "redis_url": f"redis://127.0.0.1:{free_port()}/0",
+                "redis_connect_timeout_ms": 100,
+                "redis_required": True,
+            }
+        )
 
 
 def test_an_unreadable_password_file_names_the_file_not_a_secret(tmp_path):
     with pytest.raises(ConfigError, match="cannot read .*missing"):
-        start({"redis_url": "redis://127.0.0.1:1/0", "redis_password_file": str(tmp_path / "missing")})
+        start(
+            {"redis_url": "redis://127.0.0.1:1/0", "redis_password_file": str(tmp_path / "missing")}
+        )
 
 
 def test_keyed_mode_needs_a_long_enough_secret(monkeypatch, redis_server):

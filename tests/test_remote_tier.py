@@ -34,8 +34,16 @@ _models = itertools.count()
 
 
 def namespace(world_size: int = 1, model: str | None = None) -> Namespace:
-    return Namespace(model or f"m{next(_models)}-{time.monotonic_ns()}", "float16", "blocks", 16, 4, "sha256_cbor",
-                     world_size, SLOT)
+    return Namespace(
+        model or f"m{next(_models)}-{time.monotonic_ns()}",
+        "float16",
+        "blocks",
+        16,
+        4,
+        "sha256_cbor",
+        world_size,
+        SLOT,
+    )
 
 
 def answer(tier: RemoteTier, key: bytes, timeout: float = HANG_S) -> LookupResult:
@@ -54,16 +62,23 @@ def backend(request):
     if request.param == "s3":
         from kvtier.tiers.remote.s3 import S3Store
 
-        server = request.getfixturevalue("s3_server")  # shared: each test's names use a namespace of its own
-        return server, lambda **kw: S3Store(server.endpoint, server.bucket, access_key_id=server.access_key_id,
-                                            secret_access_key=server.secret_access_key,
-                                            **({"timeout_ms": HANG_MS} | kw))
+        server = request.getfixturevalue(
+            "s3_server"
+        )  # shared: each test's names use a namespace of its own
+        return server, lambda **kw: S3Store(
+            server.endpoint,
+            server.bucket,
+            access_key_id=server.access_key_id,
+            secret_access_key=server.secret_access_key,
+            **({"timeout_ms": HANG_MS} | kw),
+        )
     from kvtier.tiers.remote.redis import RedisStore
 
     fixture = {"redis": "redis_server"}.get(request.param, request.param)
     server = request.getfixturevalue(fixture).ready()  # running (after a fault test) and empty
-    return server, lambda **kw: RedisStore(server.url, cluster=request.param == "redis_cluster",
-                                           **({"timeout_ms": HANG_MS} | kw))
+    return server, lambda **kw: RedisStore(
+        server.url, cluster=request.param == "redis_cluster", **({"timeout_ms": HANG_MS} | kw)
+    )
 
 
 @pytest.fixture
@@ -165,7 +180,11 @@ def _truncated(tier, name, value):
 
 
 def _flipped_payload_byte(tier, name, value):
-    return value[:HEADER_BYTES + 5] + bytes([value[HEADER_BYTES + 5] ^ 0xFF]) + value[HEADER_BYTES + 6:]
+    return (
+        value[: HEADER_BYTES + 5]
+        + bytes([value[HEADER_BYTES + 5] ^ 0xFF])
+        + value[HEADER_BYTES + 6 :]
+    )
 
 
 def _flipped_last_byte(tier, name, value):
@@ -179,8 +198,9 @@ def _another_namespace(tier, name, value):
     return forged.pack() + value[HEADER_BYTES:]
 
 
-@pytest.mark.parametrize("damage", [_garbage, _truncated, _flipped_payload_byte, _flipped_last_byte,
-                                    _another_namespace])
+@pytest.mark.parametrize(
+    "damage", [_garbage, _truncated, _flipped_payload_byte, _flipped_last_byte, _another_namespace]
+)
 def test_a_damaged_value_is_a_counted_miss_and_is_deleted(make_tier, damage):
     ns = namespace()
     tier, slab = make_tier(ns), Slab(4, ns)
@@ -233,7 +253,9 @@ def test_reset_deletes_the_namespace_and_nothing_else(make_tier):
 # -- the circuit breaker -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["redis", "s3"], indirect=True)  # one server each (the cluster: three)
+@pytest.mark.parametrize(
+    "backend", ["redis", "s3"], indirect=True
+)  # one server each (the cluster: three)
 def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(make_tier, backend):
     server, make_store = backend
     ns = namespace()
@@ -241,8 +263,13 @@ def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(make_tier
     # for the restarted server's first answers on a loaded machine (500 ms was not), and short enough
     # that the probes after the restart get several tries within HANG_S
     timeout_s = HANG_S / 4
-    tier = make_tier(ns, store=make_store(connect_timeout_ms=int(1000 * timeout_s), timeout_ms=int(1000 * timeout_s)),
-                     breaker=CircuitBreaker(failures=2, retry_s=0.1, max_retry_s=0.2))
+    tier = make_tier(
+        ns,
+        store=make_store(
+            connect_timeout_ms=int(1000 * timeout_s), timeout_ms=int(1000 * timeout_s)
+        ),
+        breaker=CircuitBreaker(failures=2, retry_s=0.1, max_retry_s=0.2),
+    )
     slab = Slab(4, ns)
     ks = keys(80, 81)
     store(tier, slab, ks[:1])
@@ -269,7 +296,11 @@ def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(make_tier
     assert store(tier, slab, ks[1:]).failed_keys == frozenset()
     assert load(tier, slab, ks[1:]).failed_keys == frozenset() and slab.holds(0, ks[1])
     counters = tier.stats().counters
-    assert counters["breaker_opens"] == 1 and counters["breaker_closes"] == 1 and counters["breaker_rejects"] >= 1
+    assert (
+        counters["breaker_opens"] == 1
+        and counters["breaker_closes"] == 1
+        and counters["breaker_rejects"] >= 1
+    )
 
 
 # -- reset: no phantom hits ----------------------------------------------------------------------
@@ -344,7 +375,9 @@ def assert_no_phantom(tier: RemoteTier, slab: Slab, ks: list[bytes]) -> None:
     """Every key the tier answers HIT for loads; nothing it says it holds is gone."""
     for k in ks:
         if answer(tier, k) is HIT:
-            assert load(tier, slab, [k]).failed_keys == frozenset(), f"phantom hit: {k.hex()[:8]} is gone"
+            assert (
+                load(tier, slab, [k]).failed_keys == frozenset()
+            ), f"phantom hit: {k.hex()[:8]} is gone"
 
 
 @pytest.mark.parametrize("backend", ["redis"], indirect=True)
@@ -399,7 +432,9 @@ def test_a_store_in_flight_at_reset_leaves_no_phantom_hit(make_tier, backend):
     # the stale job ends (failed: a reset came); then the sweep deletes whatever it wrote
     tier.store.put_done.release()
     assert tier.drain(HANG_S)
-    assert [r.job_id for r in tier.get_finished() if r.failed_keys == frozenset([k])] == [stale.job_id]
+    assert [r.job_id for r in tier.get_finished() if r.failed_keys == frozenset([k])] == [
+        stale.job_id
+    ]
     assert_no_phantom(tier, slab, [k])
     assert tier.store.exists([name]) == [False]
     assert again.failed_keys == frozenset([k]) and tier.stats().counters["reset_rejects"] == 1
@@ -435,27 +470,42 @@ def test_a_store_that_skipped_a_known_key_does_not_bring_it_back(make_tier, back
 
 
 @pytest.mark.parametrize("backend", ["redis", "redis_cluster"], indirect=True)
-def test_a_value_used_again_lives_another_ttl_and_a_longer_one_is_never_shortened(make_tier, backend):
+def test_a_value_used_again_lives_another_ttl_and_a_longer_one_is_never_shortened(
+    make_tier, backend
+):
     """With `redis_ttl_s`, a hot prefix must not expire every TTL while engines keep loading it:
     a load, a store that finds the value present (another engine's), and a store of a key the tier
     knows each give it another TTL; a TTL a hint made longer stays."""
     server, make_store = backend
     ns = namespace()
-    first, second, slab = make_tier(ns, store=make_store(ttl_s=300)), make_tier(ns, store=make_store(ttl_s=300)), \
-        Slab(4, ns)
+    first, second, slab = (
+        make_tier(ns, store=make_store(ttl_s=300)),
+        make_tier(ns, store=make_store(ttl_s=300)),
+        Slab(4, ns),
+    )
     raw = server.client()
     loaded, found, known, long = keys(60, 61, 62, 63)
     store(first, slab, [loaded, found, known, long])
     names = {k: first.codec.name(k) for k in (loaded, found, known, long)}
     for k in (loaded, found, known):
-        raw.pexpire(names[k], 20_000)  # closer to expiring (long enough for a loaded machine's steps)
+        raw.pexpire(
+            names[k], 20_000
+        )  # closer to expiring (long enough for a loaded machine's steps)
     raw.pexpire(names[long], 600_000)  # kept longer by a hint
-    assert answer(second, loaded) is HIT and load(second, slab, [loaded, long]).failed_keys == frozenset()
+    assert (
+        answer(second, loaded) is HIT
+        and load(second, slab, [loaded, long]).failed_keys == frozenset()
+    )
     store(second, slab, [found])  # present: SET NX writes nothing
     store(first, slab, [known])  # known to the tier: no SET at all
-    assert first.stats().counters["store_existing"] == 0 and second.stats().counters["store_existing"] == 1
-    assert all(250_000 < raw.pttl(names[k]) <= 300_000 for k in (loaded, found, known)), \
-        {what: raw.pttl(names[k]) for what, k in (("loaded", loaded), ("found", found), ("known", known))}
+    assert (
+        first.stats().counters["store_existing"] == 0
+        and second.stats().counters["store_existing"] == 1
+    )
+    assert all(250_000 < raw.pttl(names[k]) <= 300_000 for k in (loaded, found, known)), {
+        what: raw.pttl(names[k])
+        for what, k in (("loaded", loaded), ("found", found), ("known", known))
+    }
     assert raw.pttl(names[long]) > 590_000
 
 
@@ -489,7 +539,9 @@ def test_a_job_whose_deadline_passes_before_it_starts_never_starts(make_tier, ba
     tier.submit_store(slab.job(True, [first], [0]))
     assert tier.store.put_done.reached.wait(HANG_S)
     slab.fill(1, late)
-    tier.submit_store(dataclasses.replace(slab.job(True, [late], [1]), deadline=time.monotonic() + 0.1))
+    tier.submit_store(
+        dataclasses.replace(slab.job(True, [late], [1]), deadline=time.monotonic() + 0.1)
+    )
     time.sleep(0.2)
     # its deadline passed while it waited: it fails without writing, counted
     tier.store.put_done.release()
@@ -507,7 +559,9 @@ def test_a_job_whose_deadline_passes_before_it_starts_never_starts(make_tier, ba
 
 
 @pytest.mark.parametrize("backend", ["redis"], indirect=True)
-def test_a_load_that_ends_after_its_deadline_reports_its_keys_failed(make_tier, backend, monkeypatch):
+def test_a_load_that_ends_after_its_deadline_reports_its_keys_failed(
+    make_tier, backend, monkeypatch
+):
     server, _ = backend
     ns = namespace()
     tier = make_tier(ns, store=held_redis_store()(server.url))
@@ -517,7 +571,9 @@ def test_a_load_that_ends_after_its_deadline_reports_its_keys_failed(make_tier, 
     # the tier's I/O reads the time off a fake clock: the load starts before its deadline however long
     # a busy machine takes to start it (a real 1 s, then 3 s, deadline could pass first)
     clock = FakeClock(now=0.0)
-    monkeypatch.setattr(remote_io, "time", SimpleNamespace(monotonic=clock, perf_counter=time.perf_counter))
+    monkeypatch.setattr(
+        remote_io, "time", SimpleNamespace(monotonic=clock, perf_counter=time.perf_counter)
+    )
     # the load's bytes arrive, then it is held past its deadline
     tier.store.got.arm()
     job = dataclasses.replace(slab.job(False, [k], [1]), deadline=10.0)
@@ -545,7 +601,9 @@ def _forged_payload(tier, name, value):
     header = ValueHeader.unpack(value[:HEADER_BYTES])
     payload_end = HEADER_BYTES + header.payload_bytes
     forged = bytes(b ^ 0x5A for b in value[HEADER_BYTES:payload_end])
-    packed = ValueHeader(header.namespace_id, header.key, header.payload_bytes, checksum([forged])).pack()
+    packed = ValueHeader(
+        header.namespace_id, header.key, header.payload_bytes, checksum([forged])
+    ).pack()
     return packed + forged + value[payload_end:]
 
 
@@ -589,7 +647,10 @@ def test_plain_values_keep_their_format_and_keyed_ones_carry_a_tag(make_tier):
     (keyed_value,) = keyed.store.get([keyed.codec.name(k)])
     assert len(plain_value) == HEADER_BYTES + ns.payload_bytes
     assert len(keyed_value) == HEADER_BYTES + ns.payload_bytes + 32
-    assert bytes(keyed_value)[HEADER_BYTES:HEADER_BYTES + ns.payload_bytes] == bytes(plain_value)[HEADER_BYTES:]
+    assert (
+        bytes(keyed_value)[HEADER_BYTES : HEADER_BYTES + ns.payload_bytes]
+        == bytes(plain_value)[HEADER_BYTES:]
+    )
     # each reads its own
     assert load(keyed, slab, [k]).failed_keys == frozenset() and slab.holds(0, k)
     assert load(plain, slab, [k]).failed_keys == frozenset() and slab.holds(0, k)
@@ -642,12 +703,19 @@ def result_or(tier: RemoteTier, said: threading.Event) -> list:
 
 
 @pytest.mark.parametrize("backend", ["s3"], indirect=True)
-def test_a_store_job_is_reported_only_once_every_upload_of_it_has_ended(make_tier, backend, monkeypatch):
+def test_a_store_job_is_reported_only_once_every_upload_of_it_has_ended(
+    make_tier, backend, monkeypatch
+):
     ns = namespace()
     tier, slab = make_tier(ns), Slab(4, ns)
     failing, held, next_owner = keys(170, 171, 172)
-    requests = HeldRequests(monkeypatch, "put", held=tier.codec.name(held), failing=tier.codec.name(failing),
-                            fails_after=1)
+    requests = HeldRequests(
+        monkeypatch,
+        "put",
+        held=tier.codec.name(held),
+        failing=tier.codec.name(failing),
+        fails_after=1,
+    )
     slab.fill(0, failing)
     slab.fill(1, held)
     with logged(S3_LOG, "still running") as store_waits:
@@ -663,9 +731,16 @@ def test_a_store_job_is_reported_only_once_every_upload_of_it_has_ended(make_tie
     results = reported_early or tier.get_finished()
     # what was uploaded under held's name is held's own bytes: a load serves it
     loaded = load(tier, slab, [held])
-    seen = {"reported while an upload ran": bool(reported_early), "held's value served": not loaded.failed_keys,
-            "corrupt values": tier.stats().counters["corrupt"]}
-    assert seen == {"reported while an upload ran": False, "held's value served": True, "corrupt values": 0}
+    seen = {
+        "reported while an upload ran": bool(reported_early),
+        "held's value served": not loaded.failed_keys,
+        "corrupt values": tier.stats().counters["corrupt"],
+    }
+    assert seen == {
+        "reported while an upload ran": False,
+        "held's value served": True,
+        "corrupt values": 0,
+    }
     assert slab.holds(0, held)
     # the failure is failing's alone: held is stored and known, failing is not
     (result,) = results
@@ -688,11 +763,17 @@ def test_a_load_whose_get_fails_for_one_key_fails_that_key_alone(make_tier, back
     assert result.failed_keys == frozenset([failing]) and slab.holds(1, served)
     assert tier.lookup(failing) is HIT
     counters = tier.stats().counters
-    assert (counters["load_chunks"], counters["load_failures"], counters["load_missing"]) == (1, 1, 0)
+    assert (counters["load_chunks"], counters["load_failures"], counters["load_missing"]) == (
+        1,
+        1,
+        0,
+    )
 
 
 @pytest.mark.parametrize("backend", ["redis", "s3"], indirect=True)
-def test_a_value_uploaded_by_a_job_from_before_a_reset_is_gone_after_it(make_tier, backend, monkeypatch):
+def test_a_value_uploaded_by_a_job_from_before_a_reset_is_gone_after_it(
+    make_tier, backend, monkeypatch
+):
     """A reset (new weights) must not leave a value its sweep missed: the sweep lists the namespace only
     once every upload from before it has ended. S3: one request of the job fails while the other is held
     (0838b54 reported the job then, and its sweep listed before the held upload landed). Redis sends a
@@ -703,8 +784,13 @@ def test_a_value_uploaded_by_a_job_from_before_a_reset_is_gone_after_it(make_tie
     failing, held = keys(175, 176)
     is_s3 = hasattr(server, "bucket")
     if is_s3:
-        upload = HeldRequests(monkeypatch, "put", held=tier.codec.name(held), failing=tier.codec.name(failing),
-                              fails_after=1)
+        upload = HeldRequests(
+            monkeypatch,
+            "put",
+            held=tier.codec.name(held),
+            failing=tier.codec.name(failing),
+            fails_after=1,
+        )
     else:
         upload = HeldCall(monkeypatch, tier.store, "put")
     listed_while_held: list[bool] = []
@@ -737,7 +823,11 @@ def test_a_value_uploaded_by_a_job_from_before_a_reset_is_gone_after_it(make_tie
     # the value from before the reset is not served: a MISS, and a load finds nothing
     found = answer(tier, held)
     is_served = load(tier, slab, [held]).failed_keys == frozenset()
-    seen = {"lookup": found, "load served it": is_served, "listed while the upload ran": listed_while_held}
+    seen = {
+        "lookup": found,
+        "load served it": is_served,
+        "listed while the upload ran": listed_while_held,
+    }
     assert seen == {"lookup": MISS, "load served it": False, "listed while the upload ran": [False]}
     assert tier.store.exists([tier.codec.name(held)]) == [False]
     # the job itself ended failed: a reset came while it ran

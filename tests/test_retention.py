@@ -56,16 +56,39 @@ def run(m: CPUTierManager, ids, context: ReqContext | None = None) -> list[int] 
 
 
 def test_hints_are_read_from_kvtiers_own_params():
-    params = parse_kv_transfer_params({"kvtier": {"session": "chat-1", "retain_s": 60, "priority": -2,
-                                                  "next_turn_s": 5.5, "end_session": False}}, "r")
+    params = parse_kv_transfer_params(
+        {
+            "kvtier": {
+                "session": "chat-1",
+                "retain_s": 60,
+                "priority": -2,
+                "next_turn_s": 5.5,
+                "end_session": False,
+            }
+        },
+        "r",
+    )
     assert params.hints == Hints("chat-1", 60.0, -2, 5.5, False) and params.hints.keep_s == 60.0
     assert parse_kv_transfer_params({"other": {"session": "x"}}, "r").hints is NO_HINTS
 
 
-@pytest.mark.parametrize("bad", [{"session": ""}, {"session": 7}, {"session": "x" * 257}, {"retain_s": -1},
-                                 {"retain_s": float("nan")}, {"retain_s": "60"}, {"retain_s": True},
-                                 {"next_turn_s": 1e12}, {"priority": 1.5}, {"priority": 10**6},
-                                 {"priority": False}, {"end_session": "yes"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"session": ""},
+        {"session": 7},
+        {"session": "x" * 257},
+        {"retain_s": -1},
+        {"retain_s": float("nan")},
+        {"retain_s": "60"},
+        {"retain_s": True},
+        {"next_turn_s": 1e12},
+        {"priority": 1.5},
+        {"priority": 10**6},
+        {"priority": False},
+        {"end_session": "yes"},
+    ],
+)
 def test_a_bad_hint_is_ignored_with_a_warning_naming_it(bad, caplog):
     with caplog.at_level(logging.WARNING):
         hints = parse_hints(bad, "req-9")
@@ -184,7 +207,7 @@ def test_random_traffic_evicts_by_rank_atomically(policy, seed):
         op = rng.random()
         if op < 0.35 and len(held) < capacity:
             new = [key(rng.randrange(60)) for _ in range(rng.randint(1, 3))]
-            new = [k for k in dict.fromkeys(new) if k not in held][:capacity - len(held)]
+            new = [k for k in dict.fromkeys(new) if k not in held][: capacity - len(held)]
             for p in (ranked, twin):
                 p.prepare_insert(new)
                 p.insert(new)
@@ -222,15 +245,23 @@ def test_random_traffic_evicts_by_rank_atomically(policy, seed):
 
 
 def _random_hints(rng: random.Random) -> Hints:
-    return Hints(session=rng.choice((None, "s0", "s1", "s2")), retain_s=rng.choice((0, 0, 5, 50)),
-                 priority=rng.choice((0, 0, 0, -2, -1, 1, 3)), next_turn_s=rng.choice((0, 0, 20)))
+    return Hints(
+        session=rng.choice((None, "s0", "s1", "s2")),
+        retain_s=rng.choice((0, 0, 5, 50)),
+        priority=rng.choice((0, 0, 0, -2, -1, 1, 3)),
+        next_turn_s=rng.choice((0, 0, 20)),
+    )
 
 
 def test_the_book_forgets_its_oldest_entries_beyond_its_bound():
     clock = Clock()
     book = RetentionBook(clock, max_entries=3)
     book.note(keys(1, 2, 3, 4), Hints(session="A", retain_s=60))
-    assert len(book) == 3 and book.rank(key(1), clock.now) == ORDINARY and book.rank(key(4), clock.now) > ORDINARY
+    assert (
+        len(book) == 3
+        and book.rank(key(1), clock.now) == ORDINARY
+        and book.rank(key(4), clock.now) > ORDINARY
+    )
 
 
 # -- tenant quotas (`kvtier.tiers.quotas`) on the CPU tier --------------------------------------
@@ -317,7 +348,9 @@ def test_a_redis_value_lives_at_least_as_long_as_its_hint_asks(fresh_redis):
     from kvtier.tiers.remote.redis import RedisStore
 
     store = RedisStore(fresh_redis.url, ttl_s=600)
-    store.put([("keep:a", [b"a"]), ("keep:b", [b"b"]), ("keep:c", [b"c"])], keep_s=[0.0, 6000.0, 60.0])
+    store.put(
+        [("keep:a", [b"a"]), ("keep:b", [b"b"]), ("keep:c", [b"c"])], keep_s=[0.0, 6000.0, 60.0]
+    )
     raw = fresh_redis.client()
 
     def ttl_is(name: str, ms: int) -> bool:
@@ -338,10 +371,14 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_never_anothers(tmp_pa
     from tier_helpers import SLOT_BYTES, make_slabs, namespace, put, settle
 
     file_bytes = SLOT_BYTES + 4096
-    disk = DiskTier(tmp_path / "disk", namespace(), 8 * file_bytes, tenant_quotas={"flood": 3 * file_bytes})
+    disk = DiskTier(
+        tmp_path / "disk", namespace(), 8 * file_bytes, tenant_quotas={"flood": 3 * file_bytes}
+    )
     assert disk.wait_scanned(HANG_S)
     slabs = make_slabs(4)
-    manager = TieredManager(CPU(4, policy="lru"), slabs, [(disk, TierRules())], job_timeout_s=HANG_S)
+    manager = TieredManager(
+        CPU(4, policy="lru"), slabs, [(disk, TierRules())], job_timeout_s=HANG_S
+    )
     # tenant a writes 4 chunks through to disk; the flooding tenant then writes 12
     put(manager, slabs, keys(1, 2, 3, 4), tenant("a"))
     settle(manager)
@@ -350,7 +387,12 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_never_anothers(tmp_pa
         settle(manager)
     # disk holds 8 files: a's 4, and the flood's last 3 (it replaced its own)
     assert all(disk.lookup(k) is LookupResult.HIT for k in keys(1, 2, 3, 4))
-    assert [disk.lookup(k) is LookupResult.HIT for k in keys(18, 19, 20, 21)] == [False, True, True, True]
+    assert [disk.lookup(k) is LookupResult.HIT for k in keys(18, 19, 20, 21)] == [
+        False,
+        True,
+        True,
+        True,
+    ]
     manager.close()
 
 
@@ -408,7 +450,9 @@ def test_kept_chunks_wait_beside_the_policy_so_an_eviction_never_walks_past_them
     run(m, (100, 101, 102, 103))  # 4 ordinary ones
     inner = m._policy.inner
     assert len(inner) == 4 and len(m._policy) == 40
-    assert run(m, (200,)) == [103]  # an ordinary chunk (the tail of its store), by the wrapped policy
+    assert run(m, (200,)) == [
+        103
+    ]  # an ordinary chunk (the tail of its store), by the wrapped policy
     clock.now += 61  # the hint expired: the 36 are ordinary again, back in the wrapped policy
     assert len(run(m, (201,))) == 1 and len(m._policy.inner) == 40
 
@@ -451,8 +495,12 @@ def _policy_with_age(age_s: float) -> tuple[RetainingPolicy, RetentionBook, Cloc
 def test_a_next_turn_far_beyond_the_eviction_age_is_ordinary_until_it_nears():
     ranked, book, clock = _policy_with_age(10.0)
     ranked.insert(keys(1, 2, 3))
-    book.note(keys(1), Hints(session="s", next_turn_s=100), is_new=True)  # due in 100 s, chunks last ~10
-    book.note(keys(2), Hints(session="t", next_turn_s=5), is_new=True)  # due within the age: kept now
+    book.note(
+        keys(1), Hints(session="s", next_turn_s=100), is_new=True
+    )  # due in 100 s, chunks last ~10
+    book.note(
+        keys(2), Hints(session="t", next_turn_s=5), is_new=True
+    )  # due within the age: kept now
     assert ranked.rank_here(key(1), clock.now) == ORDINARY and key(1) in ranked.inner
     assert ranked.rank_here(key(2), clock.now) == (1, 0) and key(2) not in ranked.inner
     ranked.touch(keys(3))  # 1 is now the least recent ordinary chunk: it goes first
@@ -461,7 +509,9 @@ def test_a_next_turn_far_beyond_the_eviction_age_is_ordinary_until_it_nears():
     book.note(keys(1), Hints(session="s", next_turn_s=100), is_new=False)
     clock.now += 95  # its turn is within the eviction age now: set aside at the next eviction
     ranked.touch(keys(1))
-    assert ranked.evict(1, set()) == [key(3)]  # not 2 either: expired, it is ordinary again, as recent as new
+    assert ranked.evict(1, set()) == [
+        key(3)
+    ]  # not 2 either: expired, it is ordinary again, as recent as new
     assert key(1) not in ranked.inner and ranked.rank_here(key(1), clock.now) == (1, 0)
 
 
@@ -488,7 +538,9 @@ def test_a_failed_eviction_leaves_the_wrapped_policys_order_as_it_was(policy):
             p.insert([k])
     book.note(keys(9), Hints(retain_s=60), is_new=True)  # the book is in use, for another chunk
     ranked.insert(keys(6))
-    book.note(keys(6), Hints(retain_s=60), is_new=True)  # set aside: 1 spare beside the ordinary ones
+    book.note(
+        keys(6), Hints(retain_s=60), is_new=True
+    )  # set aside: 1 spare beside the ordinary ones
     assert ranked.evict(5, set(keys(4, 5))) is None and twin.evict(5, set(keys(4, 5))) is None
     assert ranked.evict(3, set()) == twin.evict(3, set())  # the same victims, in the same order
 
@@ -517,9 +569,19 @@ def test_the_guard_stops_honoring_far_next_turns_that_crowd_out_reused_chunks():
     clock = Clock()
     book = RetentionBook(clock)
     ranked = RetainingPolicy(make_policy("lru", 256), book)
-    assert ranked.guard is not None and ranked.guard.best == "all"  # every hint honored until measured
-    _drive(ranked, book, clock, 4000, lambda t: [(key(100_000 + t), Hints(session=f"s{t}", next_turn_s=1000)),
-                                                  (key(t % 100), None)])
+    assert (
+        ranked.guard is not None and ranked.guard.best == "all"
+    )  # every hint honored until measured
+    _drive(
+        ranked,
+        book,
+        clock,
+        4000,
+        lambda t: [
+            (key(100_000 + t), Hints(session=f"s{t}", next_turn_s=1000)),
+            (key(t % 100), None),
+        ],
+    )
     assert ranked.guard.best == "near" and ranked.horizon_factor == RetainingPolicy.horizon_factor
 
 
@@ -532,11 +594,17 @@ def test_the_guard_keeps_honoring_far_next_turns_that_come_back():
 
     def step(t: int) -> list:
         flood = [(key(1_000_000 + 2 * t + i), None) for i in range(2)]
-        turn = [(key(t % 300), Hints(session=f"s{t % 300}", next_turn_s=400))] if t % 300 < 50 else []
+        turn = (
+            [(key(t % 300), Hints(session=f"s{t % 300}", next_turn_s=400))] if t % 300 < 50 else []
+        )
         return flood + turn
 
     _drive(ranked, book, clock, 4000, step)
-    assert ranked.guard is not None and ranked.guard.best == "all" and ranked.horizon_factor == float("inf")
+    assert (
+        ranked.guard is not None
+        and ranked.guard.best == "all"
+        and ranked.horizon_factor == float("inf")
+    )
 
 
 # -- review regressions: the eviction age moving, keys the tier does not hold ---------------------
@@ -552,9 +620,13 @@ def test_an_eviction_succeeds_when_a_chunks_turn_nears_in_the_middle_of_it():
     ranked.insert(late)  # 3 ordinary chunks, left unused
     clock.now += 3000
     ranked.insert(keys(1, 2, 3))
-    book.note(keys(2), Hints(session="b", next_turn_s=100), is_new=True)  # near in ~90 s: ordinary now
+    book.note(
+        keys(2), Hints(session="b", next_turn_s=100), is_new=True
+    )  # near in ~90 s: ordinary now
     book.note(keys(3), Hints(session="h", retain_s=1000), is_new=True)  # retained: aside
-    assert ranked.evict(3, set(keys(1, 2, 3))) is not None  # the late ones: the age grows to ~3,000 s
+    assert (
+        ranked.evict(3, set(keys(1, 2, 3))) is not None
+    )  # the late ones: the age grows to ~3,000 s
     assert ranked.rank_here(key(2), clock.now) == (1, 0)
     victims = ranked.evict(3, set())
     assert victims is not None and sorted(victims) == sorted(keys(1, 2, 3)) and len(ranked) == 0
@@ -585,8 +657,11 @@ def test_a_session_hinted_at_every_turn_holds_a_bounded_number_of_entries(guard)
     ranked.insert(prompt)
     for turn in range(3000):
         clock.now += 1.0
-        hints = Hints(session="s", retain_s=30, next_turn_s=5, priority=turn % 3) if turn % 7 else \
-            Hints(session="s", next_turn_s=2)
+        hints = (
+            Hints(session="s", retain_s=30, next_turn_s=5, priority=turn % 3)
+            if turn % 7
+            else Hints(session="s", next_turn_s=2)
+        )
         book.note(prompt, hints, is_new=False)
         ranked.touch(prompt)
         other = keys(1000 + turn)
@@ -594,10 +669,16 @@ def test_a_session_hinted_at_every_turn_holds_a_bounded_number_of_entries(guard)
         ranked.insert(other)
         if len(ranked) > 32:
             assert ranked.evict(1, set()) is not None
-        assert all(ranked.rank_here(k, clock.now) != ORDINARY and k not in ranked.inner for k in prompt)
-    entries = len(ranked._low) + len(ranked._high) + ranked._expiries.entries() + ranked._soon.entries()
+        assert all(
+            ranked.rank_here(k, clock.now) != ORDINARY and k not in ranked.inner for k in prompt
+        )
+    entries = (
+        len(ranked._low) + len(ranked._high) + ranked._expiries.entries() + ranked._soon.entries()
+    )
     assert entries <= 4 * (2 * len(ranked) + 64), entries  # without pruning: ~8 per turn, 24,000
-    clock.now += 31  # the time-bound hints have run out; every held chunk can still be evicted, once
+    clock.now += (
+        31  # the time-bound hints have run out; every held chunk can still be evicted, once
+    )
     held = len(ranked)
     evicted = ranked.evict(held, set())
     assert set(prompt) <= set(evicted) and len(set(evicted)) == held and len(ranked) == 0

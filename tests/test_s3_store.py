@@ -35,9 +35,14 @@ def make_store(s3_server):
     stores: list[S3Store] = []
 
     def make(endpoint: str | None = None, bucket: str | None = None, **kwargs) -> S3Store:
-        args = dict(access_key_id=s3_server.access_key_id, secret_access_key=s3_server.secret_access_key,
-                    timeout_ms=HANG_MS)
-        store = S3Store(endpoint or s3_server.endpoint, bucket or s3_server.bucket, **(args | kwargs))
+        args = dict(
+            access_key_id=s3_server.access_key_id,
+            secret_access_key=s3_server.secret_access_key,
+            timeout_ms=HANG_MS,
+        )
+        store = S3Store(
+            endpoint or s3_server.endpoint, bucket or s3_server.bucket, **(args | kwargs)
+        )
         stores.append(store)
         return store
 
@@ -69,10 +74,14 @@ def test_put_writes_new_names_and_never_overwrites(store, prefix):
 
 def test_a_value_is_its_parts_back_to_back(store, prefix):
     header = b"H" * 128
-    rank0 = np.arange(1 << 19, dtype=np.uint16)  # 1 MiB, a buffer of 2-byte items (cast, not copied)
+    rank0 = np.arange(
+        1 << 19, dtype=np.uint16
+    )  # 1 MiB, a buffer of 2-byte items (cast, not copied)
     rank1 = bytearray(b"\x07" * 3000)
     # header + two ranks' buffers + an empty part → one object, exactly their concatenation
-    assert store.put([(prefix + "v", [header, memoryview(rank0), memoryview(rank1), b""])]) == [True]
+    assert store.put([(prefix + "v", [header, memoryview(rank0), memoryview(rank1), b""])]) == [
+        True
+    ]
     (value,) = store.get([prefix + "v"])
     assert isinstance(value, memoryview)
     assert value.nbytes == 128 + rank0.nbytes + 3000
@@ -163,8 +172,14 @@ def test_a_refused_connection_raises_at_once_and_is_no_timeout(s3_server):
         port = sock.getsockname()[1]
     # timeouts only a hang reaches: a refusal that waited for them (or retried until them) would take
     # HANG_S; one raised at once takes a small part of it, however busy the machine
-    store = S3Store(f"http://127.0.0.1:{port}", "kvtier", access_key_id="k", secret_access_key="s",
-                    connect_timeout_ms=HANG_MS, timeout_ms=HANG_MS)
+    store = S3Store(
+        f"http://127.0.0.1:{port}",
+        "kvtier",
+        access_key_id="k",
+        secret_access_key="s",
+        connect_timeout_ms=HANG_MS,
+        timeout_ms=HANG_MS,
+    )
     started = time.perf_counter()
     with pytest.raises(S3StoreError) as caught:
         store.exists(["x"])
@@ -177,8 +192,13 @@ def test_a_wrong_secret_is_refused(make_store, store, prefix):
     store.put([(prefix + "a", [b"a"])])
     intruder = make_store(secret_access_key="not-the-secret")
     # every operation raises (a refused get is not a miss), and none of it is a timeout
-    for call in (intruder.ping, lambda: intruder.get([prefix + "a"]), lambda: intruder.exists([prefix + "a"]),
-                 lambda: intruder.put([(prefix + "b", [b"b"])]), lambda: list(intruder.list_names(prefix))):
+    for call in (
+        intruder.ping,
+        lambda: intruder.get([prefix + "a"]),
+        lambda: intruder.exists([prefix + "a"]),
+        lambda: intruder.put([(prefix + "b", [b"b"])]),
+        lambda: list(intruder.list_names(prefix)),
+    ):
         with pytest.raises(S3StoreError) as caught:
             call()
         assert not intruder.is_timeout(caught.value)
@@ -227,13 +247,16 @@ def test_https_trusts_the_ca_file_and_nothing_else(s3_server, make_store, prefix
         doubting.exists([prefix + "a"])
 
 
-@pytest.mark.parametrize(("endpoint", "kwargs", "message"), [
-    ("ftp://host", {}, "must look like"),
-    ("http://user:pw@host:9000", {}, "must not hold credentials"),
-    ("http://host:9000", {"access_key_id": "k"}, "both"),
-    ("http://host:9000", {"timeout_ms": 0}, "> 0"),
-    ("https://host", {"ca_file": "/nonexistent/ca.pem"}, "ca_file"),
-])
+@pytest.mark.parametrize(
+    ("endpoint", "kwargs", "message"),
+    [
+        ("ftp://host", {}, "must look like"),
+        ("http://user:pw@host:9000", {}, "must not hold credentials"),
+        ("http://host:9000", {"access_key_id": "k"}, "both"),
+        ("http://host:9000", {"timeout_ms": 0}, "> 0"),
+        ("https://host", {"ca_file": "/nonexistent/ca.pem"}, "ca_file"),
+    ],
+)
 def test_bad_arguments_say_what_to_change(endpoint, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         S3Store(endpoint, "bucket", **kwargs)
@@ -271,8 +294,10 @@ def test_get_into_fills_buffers_and_never_reads_a_body_of_another_size(store, pr
             return self._result.stream(*args, **kwargs)
 
     monkeypatch.setattr(obstore, "get", lambda *args, **kwargs: Watched(real_get(*args, **kwargs)))
-    dests = [[memoryview(bytearray(128)), memoryview(np.zeros((len(value) - 128) // 4, np.float32))]
-             for _ in range(3)]
+    dests = [
+        [memoryview(bytearray(128)), memoryview(np.zeros((len(value) - 128) // 4, np.float32))]
+        for _ in range(3)
+    ]
     # the right size → into the buffers; another size → its size, its body never read; absent → None
     sizes = store.get_into([prefix + "ok", prefix + "huge", prefix + "absent"], dests)
     assert sizes == [len(value), huge, None]
@@ -286,16 +311,25 @@ def test_get_into_reports_every_piece_so_the_value_is_verified_as_it_is_copied(s
 
     # a value of 1 MiB and a bit: more than one piece is copied (and hashed) into the rows
     payload_bytes = (1 << 20) + 4096 + 5
-    codec = ValueCodec(Namespace("s3-incoming", "float16", "blocks", 16, 4, "sha256_cbor", 1, payload_bytes),
-                       "kvtier", "/")
+    codec = ValueCodec(
+        Namespace("s3-incoming", "float16", "blocks", 16, 4, "sha256_cbor", 1, payload_bytes),
+        "kvtier",
+        "/",
+    )
     key = bytes(range(36))
     payload = np.random.default_rng(3).integers(0, 256, payload_bytes, np.uint8)
     store.put([(prefix + "v", codec.pack(key, [memoryview(payload)]))])
-    rows = [memoryview(np.zeros(4096, np.uint8)), memoryview(np.zeros(payload_bytes - 4096, np.uint8))]
+    rows = [
+        memoryview(np.zeros(4096, np.uint8)),
+        memoryview(np.zeros(payload_bytes - 4096, np.uint8)),
+    ]
     incoming = codec.receiving_parts(rows)
     assert store.get_into([prefix + "v"], [incoming]) == [codec.value_bytes]
     # every byte was reported as it landed: the check uses that digest, and it is the payload's
-    assert incoming.num_received == codec.value_bytes and codec.check(key, codec.value_bytes, incoming) is None
+    assert (
+        incoming.num_received == codec.value_bytes
+        and codec.check(key, codec.value_bytes, incoming) is None
+    )
     assert b"".join(bytes(r) for r in rows) == payload.tobytes()
 
 
@@ -303,8 +337,9 @@ def test_get_into_reports_every_piece_so_the_value_is_verified_as_it_is_copied(s
 
 
 @pytest.mark.parametrize("op", ["put", "get_into"])
-def test_a_failed_request_ends_its_batch_only_once_the_others_have_ended(store, make_store, prefix, monkeypatch,
-                                                                         op):
+def test_a_failed_request_ends_its_batch_only_once_the_others_have_ended(
+    store, make_store, prefix, monkeypatch, op
+):
     """A PUT reads the caller's buffers until its request ends, a GET copies into them: a batch
     that raised at its first failure let the caller hand them on while another request still
     used them (the next owner's bytes uploaded under the old name, or overwritten by the old value)."""
@@ -315,8 +350,9 @@ def test_a_failed_request_ends_its_batch_only_once_the_others_have_ended(store, 
     if op == "get_into":
         store.put([(held, [value])])
     # the first request fails at once (the old code raised it without waiting for the second), the second is held
-    requests = HeldRequests(monkeypatch, "put" if op == "put" else "get", held=held, failing=failing,
-                            fails_after=1)
+    requests = HeldRequests(
+        monkeypatch, "put" if op == "put" else "get", held=held, failing=failing, fails_after=1
+    )
     rows = [bytearray(value), bytearray(value if op == "put" else bytes(len(value)))]
     outcome: list[object] = []
     returned = threading.Event()
@@ -324,9 +360,13 @@ def test_a_failed_request_ends_its_batch_only_once_the_others_have_ended(store, 
     def call() -> None:
         try:
             if op == "put":
-                outcome.append(store.put([(failing, [memoryview(rows[0])]), (held, [memoryview(rows[1])])]))
+                outcome.append(
+                    store.put([(failing, [memoryview(rows[0])]), (held, [memoryview(rows[1])])])
+                )
             else:
-                outcome.append(store.get_into([failing, held], [[memoryview(rows[0])], [memoryview(rows[1])]]))
+                outcome.append(
+                    store.get_into([failing, held], [[memoryview(rows[0])], [memoryview(rows[1])]])
+                )
         except Exception as exc:
             outcome.append(exc)
         finally:
@@ -348,10 +388,15 @@ def test_a_failed_request_ends_its_batch_only_once_the_others_have_ended(store, 
     store.close()  # waits for any request still running on the pool
     if op == "put":
         (stored,) = values(make_store(), [held])
-        damage = None if stored == value else "the next owner's bytes were uploaded under the held name"
+        damage = (
+            None if stored == value else "the next owner's bytes were uploaded under the held name"
+        )
     else:
         damage = None if rows[1] == next_owner else "the held GET overwrote the next owner's bytes"
-    assert (first, damage) == ("waits", None), f"the batch ended with {outcome} while its held request ran"
+    assert (first, damage) == (
+        "waits",
+        None,
+    ), f"the batch ended with {outcome} while its held request ran"
     # the failure is reported for its item only; the other's result is there
     (failed,) = outcome
     assert isinstance(failed, store_contract.ItemsFailed) and list(failed.errors) == [0]
@@ -359,8 +404,9 @@ def test_a_failed_request_ends_its_batch_only_once_the_others_have_ended(store, 
     assert failed.results == [None, True if op == "put" else len(value)]
 
 
-def test_a_partly_failed_batch_reports_each_item_and_a_wholly_failed_one_raises_the_first_error(store, prefix,
-                                                                                                  monkeypatch):
+def test_a_partly_failed_batch_reports_each_item_and_a_wholly_failed_one_raises_the_first_error(
+    store, prefix, monkeypatch
+):
     from held_requests import HeldRequests
 
     HeldRequests(monkeypatch, "put", failing=prefix + "b", fails_after=2)

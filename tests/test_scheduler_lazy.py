@@ -41,14 +41,18 @@ def test_lazy_keeps_what_the_engine_lost_where_eager_keeps_copies(num_slots, num
     rounds load prompts from it."""
     hits = {}
     for mode in ("eager", "lazy"):
-        engine = make_engine(num_blocks=24, num_slots=num_slots, store_mode=mode, max_tokens_per_step=16)
+        engine = make_engine(
+            num_blocks=24, num_slots=num_slots, store_mode=mode, max_tokens_per_step=16
+        )
         _cycle(engine, num_prompts=num_prompts, prompt_tokens=5 * BLOCK + 1, rounds=4)
         hits[mode] = _kvtier_hit_tokens(engine)
         assert engine.scheduler.stats.failed_store_chunks == 0
         if mode == "lazy":
             assert engine.scheduler.stats.lazy_offered_chunks > 0
     assert hits["eager"] == 0
-    assert hits["lazy"] >= 3 * num_prompts * 5 * BLOCK // 3  # rounds 2-4: at least a third of all reuse
+    assert (
+        hits["lazy"] >= 3 * num_prompts * 5 * BLOCK // 3
+    )  # rounds 2-4: at least a third of all reuse
 
 
 def test_lazy_stores_nothing_while_the_engine_has_room():
@@ -108,15 +112,27 @@ def test_blocks_rewritten_before_they_were_reported_are_not_stored_under_their_o
     """The engine hands blocks to a new request before they were ever reported evictable (a
     lookahead shorter than an admission): the chunk they held is gone, and what the new owner
     writes there (a request that stores nothing) must never be stored under the old chunk's key."""
-    engine = make_engine(num_blocks=8, num_slots=16, store_mode="lazy", max_tokens_per_step=64, evict_lookahead=2)
+    engine = make_engine(
+        num_blocks=8, num_slots=16, store_mode="lazy", max_tokens_per_step=64, evict_lookahead=2
+    )
     engine.add_request("a", prompt(5 * BLOCK + 1, seed=1), max_new_tokens=1)
     engine.run()
-    engine.add_request("b", prompt(6 * BLOCK + 1, seed=2), max_new_tokens=1,
-                       kv_transfer_params={"kvtier": {"store": False}})
+    engine.add_request(
+        "b",
+        prompt(6 * BLOCK + 1, seed=2),
+        max_new_tokens=1,
+        kv_transfer_params={"kvtier": {"store": False}},
+    )
     engine.run()
-    for i in range(6):  # small requests that store nothing push b's blocks to eviction: reported then
-        engine.add_request(f"c{i}", prompt(BLOCK + 1, seed=10 + i), max_new_tokens=1,
-                           kv_transfer_params={"kvtier": {"store": False}})
+    for i in range(
+        6
+    ):  # small requests that store nothing push b's blocks to eviction: reported then
+        engine.add_request(
+            f"c{i}",
+            prompt(BLOCK + 1, seed=10 + i),
+            max_new_tokens=1,
+            kv_transfer_params={"kvtier": {"store": False}},
+        )
         engine.run()
     engine.add_request("a2", prompt(5 * BLOCK + 1, seed=1), max_new_tokens=1)
     engine.run()  # a chunk of "a" loaded with "b"'s content fails the content check here
@@ -126,7 +142,9 @@ def test_blocks_rewritten_before_they_were_reported_are_not_stored_under_their_o
 def test_a_block_shared_by_two_chunks_drops_both_when_rewritten():
     ledger = EvictionLedger()
     ledger.record(b"a0", 0, [0, 1], REQ_A, 0)  # A's chunk 0
-    ledger.record(b"b0", 0, [0, 3], REQ_B, 0)  # B reused block 0 from the engine's cache: chunk 0 is [0, 3]
+    ledger.record(
+        b"b0", 0, [0, 3], REQ_B, 0
+    )  # B reused block 0 from the engine's cache: chunk 0 is [0, 3]
     ledger.forget([0])  # block 0 goes to a new owner: neither chunk is whole any more
     assert ledger.take([1, 3]) == []
     assert len(ledger) == 0
@@ -145,16 +163,28 @@ def test_a_prefix_hit_ending_mid_chunk_never_stores_another_requests_kv():
     A's chunk 0 is [A0, A1] and B's is [A0, B1] — two unstored chunks share block A0. The engine
     then hands A0 to an unrelated request: both chunks are gone. A's must not live on through A1
     and be stored later with the new owner's KV in its first half."""
-    engine = make_engine(num_blocks=5, num_slots=16, blocks_per_chunk=2, store_mode="lazy", max_tokens_per_step=5,
-                         evict_lookahead=2)
+    engine = make_engine(
+        num_blocks=5,
+        num_slots=16,
+        blocks_per_chunk=2,
+        store_mode="lazy",
+        max_tokens_per_step=5,
+        evict_lookahead=2,
+    )
     a = [1, 2, 3, 4, 10, 11, 12, 13, 14]
     engine.add_request("a", a, max_new_tokens=1)
     engine.step()  # A computes its first block (A0) and one token of the next
     engine.add_request("b", [1, 2, 3, 4, 20, 21, 22, 23, 24], max_new_tokens=1)
     engine.run()  # B's prefix hit is A0; both chunk 0s are recorded, unstored
-    for i in range(2):  # unrelated requests that store nothing take A0, then A1, from the engine's cache
-        engine.add_request(f"x{i}", prompt(5, seed=40 + i), max_new_tokens=1,
-                           kv_transfer_params={"kvtier": {"store": False}})
+    for i in range(
+        2
+    ):  # unrelated requests that store nothing take A0, then A1, from the engine's cache
+        engine.add_request(
+            f"x{i}",
+            prompt(5, seed=40 + i),
+            max_new_tokens=1,
+            kv_transfer_params={"kvtier": {"store": False}},
+        )
         engine.run()
     engine.add_request("a2", a, max_new_tokens=1)
     engine.run()  # a chunk stored with the new owner's KV fails the content check here

@@ -35,21 +35,42 @@ MODES = ("eager", "lazy")
 KEEP = {"kvtier": {"retain_s": 3600, "priority": 5}}
 
 
-def make_engine(manager, mode: str, *, slab=None, max_tokens_per_step: int = 64,
-                evict_lookahead: int | None = NUM_BLOCKS, clock: FakeClock | None = None) -> FakeEngine:
+def make_engine(
+    manager,
+    mode: str,
+    *,
+    slab=None,
+    max_tokens_per_step: int = 64,
+    evict_lookahead: int | None = NUM_BLOCKS,
+    clock: FakeClock | None = None,
+) -> FakeEngine:
     """The fake engine over `manager`; with a lookahead of the whole engine cache, a lazy store
     mode stores a request's chunks in the step after it ended."""
     clock = clock or FakeClock()
-    config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK),), store_mode=mode,
-                                    max_defer_s=60.0, max_deferrals=UNBOUNDED_DEFERRALS)
-    engine = FakeEngine(OffloadScheduler(config, manager, clock=clock), num_blocks=NUM_BLOCKS, block_size=BLOCK,
-                        max_tokens_per_step=max_tokens_per_step, clock=clock, slab=slab,
-                        evict_lookahead=evict_lookahead)
+    config = SchedulerOffloadConfig(
+        groups=(GroupSpec(tokens_per_block=BLOCK),),
+        store_mode=mode,
+        max_defer_s=60.0,
+        max_deferrals=UNBOUNDED_DEFERRALS,
+    )
+    engine = FakeEngine(
+        OffloadScheduler(config, manager, clock=clock),
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK,
+        max_tokens_per_step=max_tokens_per_step,
+        clock=clock,
+        slab=slab,
+        evict_lookahead=evict_lookahead,
+    )
     return close_after_test(engine)
 
 
-def serve(engine: FakeEngine, req_id: str, seed: int, tenant: str | None = None, params=None) -> None:
-    engine.add_request(req_id, prompt(PROMPT_TOKENS, seed=seed), cache_salt=tenant, kv_transfer_params=params)
+def serve(
+    engine: FakeEngine, req_id: str, seed: int, tenant: str | None = None, params=None
+) -> None:
+    engine.add_request(
+        req_id, prompt(PROMPT_TOKENS, seed=seed), cache_salt=tenant, kv_transfer_params=params
+    )
     run_until_done(engine)
 
 
@@ -57,8 +78,12 @@ def run_pending_stores(engine: FakeEngine) -> None:
     """Run the steps of a request that stores nothing: a lazy store mode stores the chunks the
     engine is about to evict in the step after it learned of them, so the last request's stores
     run in these steps."""
-    engine.add_request(f"flush-{len(engine.requests)}", prompt(PROMPT_TOKENS, seed=999), max_new_tokens=1,
-                       kv_transfer_params={"kvtier": {"store": False}})
+    engine.add_request(
+        f"flush-{len(engine.requests)}",
+        prompt(PROMPT_TOKENS, seed=999),
+        max_new_tokens=1,
+        kv_transfer_params={"kvtier": {"store": False}},
+    )
     run_until_done(engine)
 
 
@@ -74,7 +99,11 @@ def num_readable(primary: CPUTierManager, engine: FakeEngine, req_id: str) -> in
 
 def held_per_tenant(primary: CPUTierManager, engine: FakeEngine) -> dict[str, int]:
     """How many chunks each tenant holds in RAM, by which tenant's request computed them."""
-    tenant_of = {k: req.cache_salt or "" for rid, req in engine.requests.items() for k in chunk_keys(engine, rid)}
+    tenant_of = {
+        k: req.cache_salt or ""
+        for rid, req in engine.requests.items()
+        for k in chunk_keys(engine, rid)
+    }
     held: dict[str, int] = {}
     for key in primary.ready_keys():
         held[tenant_of[key]] = held.get(tenant_of[key], 0) + 1
@@ -118,12 +147,20 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_in_either_store_mode(
     from kvtier.tiers.disk.tier import DiskTier
 
     slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK), 1, 8)
-    file_bytes = ChunkFormat(b"", slab.rows.shape[1]).file_bytes  # a header block and the aligned payload
-    namespace = Namespace("sim-disk-quotas", "float32", "sim", BLOCK, 1, "sha256", 1, slab.rows.shape[1])
+    file_bytes = ChunkFormat(
+        b"", slab.rows.shape[1]
+    ).file_bytes  # a header block and the aligned payload
+    namespace = Namespace(
+        "sim-disk-quotas", "float32", "sim", BLOCK, 1, "sha256", 1, slab.rows.shape[1]
+    )
     disk = DiskTier(tmp_path, namespace, 8 * file_bytes, tenant_quotas={"*": 4 * file_bytes})
     assert disk.wait_scanned(HANG_S)
-    manager = TieredManager(CPUTierManager(8, policy="lru"), [slab.rows], [(disk, TierRules())], job_timeout_s=HANG_S)
-    close_after_test(manager)  # closed after the engine (last given, first closed): its tier threads stop
+    manager = TieredManager(
+        CPUTierManager(8, policy="lru"), [slab.rows], [(disk, TierRules())], job_timeout_s=HANG_S
+    )
+    close_after_test(
+        manager
+    )  # closed after the engine (last given, first closed): its tier threads stop
     engine = make_engine(manager, mode, slab=slab)
     # tenant B's 4 chunks are written through to disk
     serve(engine, "b", seed=1, tenant="B")
@@ -159,14 +196,20 @@ def test_a_hinted_requests_chunks_outlive_unhinted_traffic_in_either_store_mode(
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("hints,rank", [
-    ({"retain_s": 3600, "priority": 5}, (2, 5)),  # retained, at its priority
-    ({"next_turn_s": 60}, (1, 0)),  # expected: the session's next turn comes within a minute
-    ({"priority": -3}, (0, -3)),  # a batch job's: goes before ordinary chunks
-    ({"session": "s", "retain_s": 60}, (2, 0)),
-    ({"session": "s", "end_session": True}, (-1, 0)),  # its session ended (before they were stored, lazily)
-    ({"end_session": True}, (-1, 0)),  # a request without a session ends what it alone used
-])
+@pytest.mark.parametrize(
+    "hints,rank",
+    [
+        ({"retain_s": 3600, "priority": 5}, (2, 5)),  # retained, at its priority
+        ({"next_turn_s": 60}, (1, 0)),  # expected: the session's next turn comes within a minute
+        ({"priority": -3}, (0, -3)),  # a batch job's: goes before ordinary chunks
+        ({"session": "s", "retain_s": 60}, (2, 0)),
+        (
+            {"session": "s", "end_session": True},
+            (-1, 0),
+        ),  # its session ended (before they were stored, lazily)
+        ({"end_session": True}, (-1, 0)),  # a request without a session ends what it alone used
+    ],
+)
 def test_a_chunk_stored_lazily_ranks_as_its_requests_hints_say(mode, hints, rank):
     clock = FakeClock(now=100.0)
     primary = CPUTierManager(16, policy="lru")
@@ -201,10 +244,16 @@ def test_a_lazily_stored_chunk_lives_in_redis_as_long_as_its_request_asked(fresh
     from kvtier.tiers.remote.tier import RemoteTier
 
     slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK), 1, 8)
-    namespace = Namespace("sim-redis-ttl", "float32", "sim", BLOCK, 1, "sha256", 1, slab.rows.shape[1])
+    namespace = Namespace(
+        "sim-redis-ttl", "float32", "sim", BLOCK, 1, "sha256", 1, slab.rows.shape[1]
+    )
     redis_tier = RemoteTier(RedisStore(fresh_redis.url, ttl_s=30), namespace)
-    manager = TieredManager(CPUTierManager(8, policy="lru"), [slab.rows], [(redis_tier, TierRules())],
-                            job_timeout_s=HANG_S)
+    manager = TieredManager(
+        CPUTierManager(8, policy="lru"),
+        [slab.rows],
+        [(redis_tier, TierRules())],
+        job_timeout_s=HANG_S,
+    )
     close_after_test(manager)
     engine = make_engine(manager, "lazy", slab=slab)
     serve(engine, "h", seed=1, params={"kvtier": {"retain_s": 600}})
@@ -261,7 +310,11 @@ class _WatchedTier(CPUTierManager):
 
     def prepare_store(self, keys, ctx):
         own = set(keys)
-        evictable = {k for k, c in self._chunks.items() if c.state is ChunkState.READY and c.pins == 0 and k not in own}
+        evictable = {
+            k
+            for k, c in self._chunks.items()
+            if c.state is ChunkState.READY and c.pins == 0 and k not in own
+        }
         out = super().prepare_store(keys, ctx)
         if out is not None and out.evicted_keys:
             self.evictions.append((list(out.evicted_keys), evictable - set(out.evicted_keys)))
@@ -296,7 +349,9 @@ def test_random_tenants_and_hints_keep_quotas_and_ranks_at_every_step(mode, seed
         for _ in range(rng.randint(1, 2)):
             tenant = rng.choice(_TENANTS)
             tokens, priority = prompts[(tenant, rng.randrange(6))]
-            params = None if priority is None else {"kvtier": {"retain_s": 3600, "priority": priority}}
+            params = (
+                None if priority is None else {"kvtier": {"retain_s": 3600, "priority": priority}}
+            )
             req_id = f"r{n}-{len(engine.requests)}"
             engine.add_request(req_id, tokens, cache_salt=tenant, kv_transfer_params=params)
             for key in chunk_keys(engine, req_id):
@@ -310,23 +365,36 @@ def test_random_tenants_and_hints_keep_quotas_and_ranks_at_every_step(mode, seed
     assert engine.scheduler.stats.failed_store_chunks == 0
 
 
-def _step_and_check(engine: FakeEngine, primary: _WatchedTier, clock: FakeClock,
-                    rank_of: dict[OffloadKey, tuple[int, int]], tenant_of: dict[OffloadKey, str]) -> None:
+def _step_and_check(
+    engine: FakeEngine,
+    primary: _WatchedTier,
+    clock: FakeClock,
+    rank_of: dict[OffloadKey, tuple[int, int]],
+    tenant_of: dict[OffloadKey, str],
+) -> None:
     engine.step()
     clock.now += 1.0
     primary.check()
     held = primary.ready_keys()
     for tenant in {tenant_of[k] for k in held}:
         num_held = sum(tenant_of[k] == tenant for k in held)
-        assert num_held <= _QUOTAS.get(tenant, _QUOTAS["*"]), f"tenant {tenant!r} holds {num_held} chunks"
+        assert num_held <= _QUOTAS.get(
+            tenant, _QUOTAS["*"]
+        ), f"tenant {tenant!r} holds {num_held} chunks"
     ranks = {k: primary.retention.rank(k, clock.now) for k in held}
     wrong = {k.hex()[:8]: (ranks[k], rank_of[k]) for k in held if ranks[k] != rank_of[k]}
-    assert not wrong, f"(rank, asked for) of chunks ranked otherwise than their requests asked: {wrong}"
+    assert (
+        not wrong
+    ), f"(rank, asked for) of chunks ranked otherwise than their requests asked: {wrong}"
     for evicted, spared in primary.evictions:
         for key in evicted:
             if rank_of[key] != ORDINARY:
-                kept = [k for k in spared if rank_of[k] == ORDINARY and tenant_of[k] == tenant_of[key]]
-                assert not kept, f"a hinted chunk of {tenant_of[key]!r} was evicted before {len(kept)} unhinted"
+                kept = [
+                    k for k in spared if rank_of[k] == ORDINARY and tenant_of[k] == tenant_of[key]
+                ]
+                assert (
+                    not kept
+                ), f"a hinted chunk of {tenant_of[key]!r} was evicted before {len(kept)} unhinted"
     primary.evictions.clear()
 
 
@@ -349,12 +417,28 @@ def test_a_preempted_last_turn_keeps_its_chunks_until_it_ends(mode):
     # resume ranked "drop first" while it waited
     clock = FakeClock(now=100.0)
     primary = CPUTierManager(16, policy="lru")
-    config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK),), store_mode=mode,
-                                    max_defer_s=60.0, max_deferrals=1_000_000)
-    engine = close_after_test(FakeEngine(OffloadScheduler(config, primary, clock=clock), num_blocks=8,
-                                         block_size=BLOCK, max_tokens_per_step=64, clock=clock, evict_lookahead=8))
-    req = engine.add_request("last-turn", prompt(4 * BLOCK + 1, seed=1), max_new_tokens=4,
-                             kv_transfer_params={"kvtier": {"session": "s", "end_session": True}})
+    config = SchedulerOffloadConfig(
+        groups=(GroupSpec(tokens_per_block=BLOCK),),
+        store_mode=mode,
+        max_defer_s=60.0,
+        max_deferrals=1_000_000,
+    )
+    engine = close_after_test(
+        FakeEngine(
+            OffloadScheduler(config, primary, clock=clock),
+            num_blocks=8,
+            block_size=BLOCK,
+            max_tokens_per_step=64,
+            clock=clock,
+            evict_lookahead=8,
+        )
+    )
+    req = engine.add_request(
+        "last-turn",
+        prompt(4 * BLOCK + 1, seed=1),
+        max_new_tokens=4,
+        kv_transfer_params={"kvtier": {"session": "s", "end_session": True}},
+    )
     engine.step()
     engine.step()
     # preempted: its blocks are cached and evictable; it is kept out of the queue for two steps, in

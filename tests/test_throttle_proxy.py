@@ -103,6 +103,7 @@ def round_trip(sock: socket.socket, data: bytes) -> bytes:
 def exchange(proxy: ThrottledProxy, data: bytes) -> bytes:
     """One connection: send `data`, close the write end, read everything until EOF."""
     with connect(proxy) as sock:
+
         def send() -> None:
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
@@ -153,7 +154,9 @@ def test_parallel_connections_share_one_budget(echo):
         elapsed = time.monotonic() - start
     # every connection got its own bytes back
     assert results == [payload(per_conn, seed=i) for i in range(conns)]
-    assert elapsed >= SLACK * conns * per_conn / rate, f"{conns} x {per_conn} bytes took only {elapsed:.3f} s"
+    assert (
+        elapsed >= SLACK * conns * per_conn / rate
+    ), f"{conns} x {per_conn} bytes took only {elapsed:.3f} s"
 
 
 def test_set_rate_slows_a_running_connection(echo):
@@ -184,6 +187,7 @@ def test_close_while_a_connection_is_active(echo):
     proxy = ThrottledProxy(echo.port, 256 * KiB).start()
     port = proxy.port
     sock = connect(proxy)
+
     # a client pushes 4 MiB through a 256 KiB/s link (16 s worth) from a thread of its own
     def send() -> None:
         with contextlib.suppress(OSError):  # the proxy goes away mid-send
@@ -264,4 +268,6 @@ def test_redis_set_get_through_the_proxy(fresh_redis):
             assert client.get("throttle:value") == value
         # the value crossed the link twice (plus the commands and replies around it). The proxy
         # counts a piece once it was sent: the client may have read the reply's last piece first
-        wait_until(lambda: proxy.bytes_forwarded > 2 * len(value), "the proxy counted both crossings")
+        wait_until(
+            lambda: proxy.bytes_forwarded > 2 * len(value), "the proxy counted both crossings"
+        )

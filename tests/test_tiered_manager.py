@@ -25,7 +25,12 @@ from kvtier.tiers.tiered import TieredManager
 from sched_helpers import FakeClock
 from tier_helpers import CTX, content, counters, make_slabs, make_tiered, put, read_back, settle
 
-HIT, MISS, PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING, LookupResult.RETRY
+HIT, MISS, PENDING, RETRY = (
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+)
 
 
 def evict_1_to_4_to_disk(manager, slabs) -> None:
@@ -126,7 +131,9 @@ def test_a_failed_promotion_frees_its_slot_and_the_tier_forgets_the_key(tmp_path
     assert counters(manager)["promotion_failures"] == 1
     assert counters(manager)["corrupt"] == 1
     assert not path.exists()
-    assert manager.stats().used_slots == 3  # 6..8: the promotion's slot (5's, evicted for it) is free
+    assert (
+        manager.stats().used_slots == 3
+    )  # 6..8: the promotion's slot (5's, evicted for it) is free
     manager.check()
 
 
@@ -234,8 +241,12 @@ def test_a_requests_promotions_never_evict_the_hits_its_own_scan_just_found(tmp_
     serve 4 chunks, or failed its load when it could not wait)."""
     manager, slabs = make_tiered(tmp_path)
     other = make_req_context("other")
-    for i, pair in enumerate(((3, 4), (5, 6), (1, 2))):  # RAM holds 5, 6, 1, 2 (3 and 4 went to disk)
-        put(manager, slabs, keys(*pair), make_req_context(f"writer-{i}"))  # three requests, three chains
+    for i, pair in enumerate(
+        ((3, 4), (5, 6), (1, 2))
+    ):  # RAM holds 5, 6, 1, 2 (3 and 4 went to disk)
+        put(
+            manager, slabs, keys(*pair), make_req_context(f"writer-{i}")
+        )  # three requests, three chains
         settle(manager)  # written through to disk: the slots are free to evict
     manager.touch(keys(5, 6), other)  # 1 and 2 are now the least recently used
     # r's scan: two hits, then two promotions that need two slots
@@ -249,7 +260,9 @@ def test_a_requests_promotions_never_evict_the_hits_its_own_scan_just_found(tmp_
     manager.check()
 
 
-def test_a_promotion_past_its_deadline_is_given_up_but_its_slot_waits_for_the_late_read(tmp_path, monkeypatch):
+def test_a_promotion_past_its_deadline_is_given_up_but_its_slot_waits_for_the_late_read(
+    tmp_path, monkeypatch
+):
     """Issue 20, S3: a read stuck in the kernel held its RAM slot and the promotion budget forever,
     and its request waited for it (HIT_PENDING) until its own budget ran out. Past the job's
     deadline the manager gives up on it: the chunk reads as a miss, the budget is free again —
@@ -300,7 +313,9 @@ def test_reset_with_cascades_and_promotions_in_flight_serves_nothing_stale(tmp_p
     put(manager, slabs, keys(1, 2, 3, 4))
     manager.tiers[0].release()
     settle(manager)
-    put(manager, slabs, keys(5, 6, 7))  # evicts 4, 3, 2; the cascades of 5..7 are held (slots pinned)
+    put(
+        manager, slabs, keys(5, 6, 7)
+    )  # evicts 4, 3, 2; the cascades of 5..7 are held (slots pinned)
     assert manager.lookup(key(4), CTX) is PENDING  # a promotion of 4 (evicting 1) is held
     # reset → every tier forgets; the jobs in flight end later and free what they held
     manager.reset()

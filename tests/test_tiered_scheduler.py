@@ -22,19 +22,31 @@ from sched_helpers import UNBOUNDED_DEFERRALS, FakeClock, close_after_test, prom
 NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 32, 4, 4
 
 
-def tiered_engine(tmp_path, clock: FakeClock | None = None, max_defer_s: float = 60.0, **rules) -> FakeEngine:
+def tiered_engine(
+    tmp_path, clock: FakeClock | None = None, max_defer_s: float = 60.0, **rules
+) -> FakeEngine:
     slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
     namespace = Namespace("sim", "float32", "sim", BLOCK_SIZE, 1, "sha256", 1, slab.rows.shape[1])
     disk = DiskTier(tmp_path, namespace, 64 * (slab.rows.shape[1] + 4096))
     assert disk.wait_scanned(HANG_S)
-    manager = TieredManager(CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules(**rules))], job_timeout_s=HANG_S)
+    manager = TieredManager(
+        CPUTierManager(NUM_SLOTS), [slab.rows], [(disk, TierRules(**rules))], job_timeout_s=HANG_S
+    )
     clock = clock or FakeClock()
     # the fake engine's steps take microseconds, the disk's reads milliseconds: the fake clock's
     # seconds bound the wait, not a count of steps
-    config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),), max_defer_s=max_defer_s,
-                                    max_deferrals=UNBOUNDED_DEFERRALS)
-    engine = FakeEngine(OffloadScheduler(config, manager, clock=clock), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                        clock=clock, slab=slab)
+    config = SchedulerOffloadConfig(
+        groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),),
+        max_defer_s=max_defer_s,
+        max_deferrals=UNBOUNDED_DEFERRALS,
+    )
+    engine = FakeEngine(
+        OffloadScheduler(config, manager, clock=clock),
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        clock=clock,
+        slab=slab,
+    )
     return close_after_test(_ClosesTiers(engine, manager))
 
 
@@ -65,7 +77,9 @@ def settle(engine) -> None:
 
 def test_prefixes_evicted_from_ram_come_back_from_disk_with_the_right_kv(tmp_path):
     engine = tiered_engine(tmp_path)
-    prompts = [prompt(12, seed=s) for s in range(4)]  # 3 chunks each: 12 chunks for a 4-slot CPU tier
+    prompts = [
+        prompt(12, seed=s) for s in range(4)
+    ]  # 3 chunks each: 12 chunks for a 4-slot CPU tier
     # four requests compute their prompts; every chunk is written through to disk; RAM keeps the last 4
     for i, p in enumerate(prompts):
         serve(engine, f"first-{i}", p)
@@ -112,7 +126,9 @@ def test_a_prefix_half_in_ram_half_on_disk_is_promoted_once(tmp_path):
     p, q = prompt(16, seed=1), prompt(8, seed=2)
     serve(engine, "p", p)  # 4 chunks in RAM (and on disk)
     settle(engine)
-    serve(engine, "q", q)  # q's 2 chunks evict p's tail (tails go before heads): RAM holds p0, p1, q0, q1
+    serve(
+        engine, "q", q
+    )  # q's 2 chunks evict p's tail (tails go before heads): RAM holds p0, p1, q0, q1
     settle(engine)
     serve(engine, "q-again", q + [5])  # q is now more recent than p's head
     engine.reset_prefix_cache()

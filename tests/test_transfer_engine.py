@@ -21,7 +21,9 @@ from kvtier.worker.memmove import MemmoveCopier
 HEADS, TOKENS = 2, 4
 
 
-def random_kv(layout: str, num_layers: int, num_blocks: int, content: int) -> dict[str, torch.Tensor]:
+def random_kv(
+    layout: str, num_layers: int, num_blocks: int, content: int
+) -> dict[str, torch.Tensor]:
     """Float32 KV tensors full of random bit patterns (NaNs included: compare as int32)."""
 
     def bits(*shape: int) -> torch.Tensor:
@@ -37,9 +39,14 @@ def random_kv(layout: str, num_layers: int, num_blocks: int, content: int) -> di
     return {f"layer.{i}": t for i, t in enumerate(tensors)}
 
 
-def block_bytes(kv: dict[str, torch.Tensor], layout: str, block_ids: list[int]) -> list[torch.Tensor]:
+def block_bytes(
+    kv: dict[str, torch.Tensor], layout: str, block_ids: list[int]
+) -> list[torch.Tensor]:
     index = torch.tensor(block_ids)
-    return [(t[:, index] if layout == "kv_first" else t[index]).view(torch.int32).clone() for t in kv.values()]
+    return [
+        (t[:, index] if layout == "kv_first" else t[index]).view(torch.int32).clone()
+        for t in kv.values()
+    ]
 
 
 def zero_all(kv: dict[str, torch.Tensor]) -> None:
@@ -256,6 +263,7 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
     assert gate.reached.wait(HANG_S)  # job 0 is held mid-flight; the next 39 queue behind it
     for i in range(1, 40):
         engine.submit(store_job(i, [i], [i]))
+
     # let the held batch go only once shutdown has begun: the queued jobs are failed, not run.
     # (Opened on a 0.1 s timer before, the gate could open first on a loaded machine.)
     def open_once_stopping() -> None:
@@ -269,7 +277,9 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
     results = engine.get_finished()
     assert sorted(r.job_id for r in results) == list(range(40))
     never_ran = [r for r in results if not r.success]
-    assert len(never_ran) == 39 and all("shut down before the job ran" in r.error for r in never_ran)
+    assert len(never_ran) == 39 and all(
+        "shut down before the job ran" in r.error for r in never_ran
+    )
     # later calls neither raise nor hang
     engine.shutdown()
     engine.submit(load_job(99, [0], [0]))
@@ -288,10 +298,21 @@ def test_slab_is_allocated_once_and_jobs_allocate_no_pages(monkeypatch):
     allocations = []
     for name in ("empty", "zeros", "empty_like", "zeros_like", "ones", "full"):
         original = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _o=original, _n=name, **k: allocations.append(_n) or _o(*a, **k))
-    jobs = [job for i in range(20) for job in (
-        store_job(2 * i, np.array([2 * (i % 16), 2 * (i % 16) + 1, 40, 41]), np.array([i % 8, 8 + i % 8])),
-        load_job(2 * i + 1, np.array([i % 8]), np.array([50, 51])))]  # the caller's objects: built before
+        monkeypatch.setattr(
+            torch, name, lambda *a, _o=original, _n=name, **k: allocations.append(_n) or _o(*a, **k)
+        )
+    jobs = [
+        job
+        for i in range(20)
+        for job in (
+            store_job(
+                2 * i,
+                np.array([2 * (i % 16), 2 * (i % 16) + 1, 40, 41]),
+                np.array([i % 8, 8 + i % 8]),
+            ),
+            load_job(2 * i + 1, np.array([i % 8]), np.array([50, 51])),
+        )
+    ]  # the caller's objects: built before
     tracemalloc.start()
     try:
         for job in jobs:
@@ -312,7 +333,10 @@ def test_bad_arguments_are_config_errors():
         TransferEngine(kv, 0, 4)
     with pytest.raises(ConfigError, match="kv_caches is empty"):
         TransferEngine({}, 1, 4)
-    with TransferEngine(kv, 1, 4) as engine, pytest.raises(ConfigError, match="job_id must be an int"):
+    with (
+        TransferEngine(kv, 1, 4) as engine,
+        pytest.raises(ConfigError, match="job_id must be an int"),
+    ):
         engine.submit(store_job("job-1", [0], [0]))
 
 

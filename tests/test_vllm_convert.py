@@ -13,7 +13,9 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.scheduler import GroupKind
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed"
+)
 
 ATTENTION = {"block_size": 128, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
 
@@ -31,7 +33,9 @@ def test_full_attention_and_sliding_window_groups():
 
     full = group_spec(group(FullAttentionSpec(**ATTENTION)), blocks_per_chunk=4)
     assert (full.kind, full.tokens_per_block, full.blocks_per_chunk) == (GroupKind.FULL, 128, 4)
-    window = group_spec(group(SlidingWindowSpec(**ATTENTION, sliding_window=256)), blocks_per_chunk=1)
+    window = group_spec(
+        group(SlidingWindowSpec(**ATTENTION, sliding_window=256)), blocks_per_chunk=1
+    )
     assert (window.kind, window.sliding_window) == (GroupKind.SLIDING_WINDOW, 256)
 
 
@@ -42,7 +46,9 @@ def test_a_group_mixing_window_and_full_layers_is_loaded_whole():
 
     from kvtier.integrations.vllm.layout import group_spec
 
-    merged = group_spec(group(FullAttentionSpec(**ATTENTION, sliding_window=256)), blocks_per_chunk=1)
+    merged = group_spec(
+        group(FullAttentionSpec(**ATTENTION, sliding_window=256)), blocks_per_chunk=1
+    )
     assert merged.kind is GroupKind.FULL and merged.sliding_window is None
 
 
@@ -51,10 +57,19 @@ def test_kinds_kvtier_cannot_serve_say_why():
 
     from kvtier.integrations.vllm.layout import group_spec
 
-    mla = group_spec(group(MLAAttentionSpec(**{**ATTENTION, "num_kv_heads": 1})), blocks_per_chunk=1)
-    mamba = group_spec(group(MambaSpec(block_size=128, shapes=((4, 4),), dtypes=(torch.float32,)), ["m.0", "m.1"]), 1)
-    assert mla.kind is GroupKind.UNSUPPORTED and mla.reason.startswith("MLAAttentionSpec (layers ['model.layers.0")
-    assert mamba.kind is GroupKind.UNSUPPORTED and "MambaSpec (layers ['m.0', 'm.1'])" in mamba.reason
+    mla = group_spec(
+        group(MLAAttentionSpec(**{**ATTENTION, "num_kv_heads": 1})), blocks_per_chunk=1
+    )
+    mamba = group_spec(
+        group(MambaSpec(block_size=128, shapes=((4, 4),), dtypes=(torch.float32,)), ["m.0", "m.1"]),
+        1,
+    )
+    assert mla.kind is GroupKind.UNSUPPORTED and mla.reason.startswith(
+        "MLAAttentionSpec (layers ['model.layers.0"
+    )
+    assert (
+        mamba.kind is GroupKind.UNSUPPORTED and "MambaSpec (layers ['m.0', 'm.1'])" in mamba.reason
+    )
 
 
 def test_evictable_blocks_are_the_cached_ones_the_next_allocations_take():
@@ -85,10 +100,14 @@ def engine(tp: int = 1, pp: int = 1):
     sliding-window group of one; only the fields kvtier's layout reads are in the vllm_config."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
-    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_rank=0)
+    parallel = SimpleNamespace(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_rank=0
+    )
     vllm_config = SimpleNamespace(parallel_config=parallel, instance_id="test-engine")
-    groups = [group(FullAttentionSpec(**ATTENTION), ["l.0", "l.1"]),
-              group(SlidingWindowSpec(**ATTENTION, sliding_window=256), ["l.2"])]
+    groups = [
+        group(FullAttentionSpec(**ATTENTION), ["l.0", "l.1"]),
+        group(SlidingWindowSpec(**ATTENTION, sliding_window=256), ["l.2"]),
+    ]
     return vllm_config, KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
@@ -98,8 +117,11 @@ def test_the_engine_layout_holds_every_fact_both_halves_need():
     from kvtier.integrations.vllm.layout import engine_layout
 
     vllm_config, kv_cache_config = engine(tp=2, pp=2)
-    layout = engine_layout(KVTierConfig.from_dict({"cpu_bytes": "64MiB", "blocks_per_chunk": 2}), vllm_config,
-                           kv_cache_config)
+    layout = engine_layout(
+        KVTierConfig.from_dict({"cpu_bytes": "64MiB", "blocks_per_chunk": 2}),
+        vllm_config,
+        kv_cache_config,
+    )
     page = FullAttentionSpec(**ATTENTION).page_size_bytes
     # 4 workers (tp x pp); a slot holds 2 pages of each layer of the largest group (2 layers)
     assert (layout.num_workers, layout.slot_bytes) == (4, 2 * 2 * page)
@@ -118,8 +140,11 @@ def test_the_layout_slot_size_is_the_one_the_workers_measure():
     from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 
     vllm_config, kv_cache_config = engine()
-    layout = engine_layout(KVTierConfig.from_dict({"cpu_bytes": "64MiB", "blocks_per_chunk": 2}), vllm_config,
-                           kv_cache_config)
+    layout = engine_layout(
+        KVTierConfig.from_dict({"cpu_bytes": "64MiB", "blocks_per_chunk": 2}),
+        vllm_config,
+        kv_cache_config,
+    )
     shape = (8, 2, ATTENTION["block_size"], ATTENTION["num_kv_heads"], ATTENTION["head_size"])
     tensors = {name: torch.zeros(shape, dtype=ATTENTION["dtype"]) for name in ("l.0", "l.1", "l.2")}
     measured = slot_bytes_of(build_group_layouts(tensors, 2, layout.layer_groups))

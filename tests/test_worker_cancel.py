@@ -48,7 +48,9 @@ def copy_path(request, monkeypatch):
 
 
 def big_kv(fill: int) -> dict[str, torch.Tensor]:
-    return {"layer.0": torch.full((NUM_CHUNKS, PAGE_INTS), fill, dtype=torch.int32).view(torch.float32)}
+    return {
+        "layer.0": torch.full((NUM_CHUNKS, PAGE_INTS), fill, dtype=torch.int32).view(torch.float32)
+    }
 
 
 def ints(t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,9 @@ def test_a_store_cancelled_while_it_copies_fails_every_chunk():
             engine.cancel([1])
             (result,) = engine.get_finished()
         # cancelled mid-copy: not one chunk may become readable
-        assert result.failed_chunks == tuple(range(NUM_CHUNKS)), f"cancelled store reported {result}"
+        assert result.failed_chunks == tuple(
+            range(NUM_CHUNKS)
+        ), f"cancelled store reported {result}"
         assert "cancelled" in result.error
 
     mid_copy(scenario)
@@ -107,7 +111,9 @@ def test_after_cancel_returns_no_byte_of_the_slots_or_blocks_changes(direction):
             snapshot = target.clone()
             assert engine.wait([1], timeout=HANG_S)
             time.sleep(0.05)  # a copy that went on would have written more by now
-            assert torch.equal(target[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]], last_pages), "a copy wrote after cancel()"
+            assert torch.equal(
+                target[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]], last_pages
+            ), "a copy wrote after cancel()"
             assert torch.equal(target, snapshot), "a copy wrote after cancel() returned"
             assert ended_at_return, "cancel() returned while the job was still copying"
             (result,) = engine.get_finished()
@@ -133,10 +139,16 @@ def test_a_copy_that_cannot_be_cut_short_is_waited_for_however_long(monkeypatch,
                 if engine.cancel([1], timeout=0):
                     raise CopyEnded
             assert engine.wait([1], timeout=0), "cancel() returned while the job was still copying"
-            assert torch.equal(ints(engine.slab)[-1], ints(kv["layer.0"])[-1])  # its last page was copied
+            assert torch.equal(
+                ints(engine.slab)[-1], ints(kv["layer.0"])[-1]
+            )  # its last page was copied
             (result,) = engine.get_finished()
-        assert result.failed_chunks == tuple(range(NUM_CHUNKS))  # copied whole, yet past its deadline
-        assert "still copying after" in caplog.text  # the copy outlived the wait: logged, and waited for
+        assert result.failed_chunks == tuple(
+            range(NUM_CHUNKS)
+        )  # copied whole, yet past its deadline
+        assert (
+            "still copying after" in caplog.text
+        )  # the copy outlived the wait: logged, and waited for
 
     mid_copy(scenario)
 
@@ -151,9 +163,17 @@ def test_a_flush_past_its_deadline_does_not_return_while_the_store_still_copies(
         worker = close_after_test(WorkerSide(num_slots=NUM_CHUNKS, blocks_per_chunk=1, clock=clock))
         try:
             worker.register_kv_caches(kv)
-            part = TransferPart(group=0, slot_ids=np.arange(NUM_CHUNKS), block_ids=np.arange(NUM_CHUNKS))
-            store = TransferJob(job_id=1, req_id="A", src=Endpoint.ENGINE, dst=Endpoint.SLAB, parts=(part,),
-                                deadline=1.0)
+            part = TransferPart(
+                group=0, slot_ids=np.arange(NUM_CHUNKS), block_ids=np.arange(NUM_CHUNKS)
+            )
+            store = TransferJob(
+                job_id=1,
+                req_id="A",
+                src=Endpoint.ENGINE,
+                dst=Endpoint.SLAB,
+                parts=(part,),
+                deadline=1.0,
+            )
             # step 1: A's store starts after the forward pass, in the background
             worker.wait_for_save(StepPlan(store_jobs=[store]))
             slab = ints(worker.transfer.slab)
@@ -171,7 +191,9 @@ def test_a_flush_past_its_deadline_does_not_return_while_the_store_still_copies(
             assert torch.equal(last_now, last_pages), "the store copied after the flush"
             assert torch.equal(slab, snapshot), "the store still copied after the flush returned"
             (result,) = worker.take_results()
-            assert result.failed_chunks == tuple(range(NUM_CHUNKS)), f"a store cancelled mid-copy reported {result}"
+            assert result.failed_chunks == tuple(
+                range(NUM_CHUNKS)
+            ), f"a store cancelled mid-copy reported {result}"
             assert worker.take_stats()["cancelled_jobs"] == 1
         finally:
             worker.shutdown()  # its copy threads and 256 MiB go before another attempt
@@ -183,20 +205,40 @@ def test_a_job_cancelled_after_one_of_its_parts_ended_fails_every_chunk(monkeypa
     monkeypatch.setattr(cpu_copy, "_BATCH_MAX_TASKS", 1)  # each part copies in a batch of its own
 
     def scenario():
-        kv = {"small": torch.zeros((4, PAGE_INTS), dtype=torch.int32).view(torch.float32), **big_kv(OLD)}
-        with TransferEngine(kv, 1, num_slots=NUM_CHUNKS + 1, layer_groups=[["small"], ["layer.0"]]) as engine:
+        kv = {
+            "small": torch.zeros((4, PAGE_INTS), dtype=torch.int32).view(torch.float32),
+            **big_kv(OLD),
+        }
+        with TransferEngine(
+            kv, 1, num_slots=NUM_CHUNKS + 1, layer_groups=[["small"], ["layer.0"]]
+        ) as engine:
             small = TransferPart(group=0, slot_ids=np.array([0]), block_ids=np.array([0]))
-            big = TransferPart(group=1, slot_ids=np.arange(1, NUM_CHUNKS + 1), block_ids=np.arange(NUM_CHUNKS))
-            engine.submit(TransferJob(job_id=1, req_id="r", src=Endpoint.ENGINE, dst=Endpoint.SLAB,
-                                      parts=(small, big), deadline=0.0))
+            big = TransferPart(
+                group=1, slot_ids=np.arange(1, NUM_CHUNKS + 1), block_ids=np.arange(NUM_CHUNKS)
+            )
+            engine.submit(
+                TransferJob(
+                    job_id=1,
+                    req_id="r",
+                    src=Endpoint.ENGINE,
+                    dst=Endpoint.SLAB,
+                    parts=(small, big),
+                    deadline=0.0,
+                )
+            )
             # the small part has ended (its one chunk copied); the big one copies
-            wait_until(lambda: (1 not in engine._open or engine._open[1].parts_left < 2)
-                       and bool(ints(engine.slab)[1, :16].any()), "the small part ends and the big one copies")
+            wait_until(
+                lambda: (1 not in engine._open or engine._open[1].parts_left < 2)
+                and bool(ints(engine.slab)[1, :16].any()),
+                "the small part ends and the big one copies",
+            )
             still_copying(engine, [1])
             engine.cancel([1])
             (result,) = engine.get_finished()
         # chunk 0 was copied before the cancel, but the job is past its deadline: it fails too
-        assert result.failed_chunks == tuple(range(1 + NUM_CHUNKS)), f"cancelled job reported {result}"
+        assert result.failed_chunks == tuple(
+            range(1 + NUM_CHUNKS)
+        ), f"cancelled job reported {result}"
 
     mid_copy(scenario)
 
@@ -232,8 +274,12 @@ def test_tasks_batched_with_a_cancelled_copy_fail_and_are_counted(monkeypatch):
             results = {r.job_id: r for r in engine.get_finished()}
             # job 1 was not cancelled, but its bytes were cut short with the batch: failed, and counted
             assert results[0].success
-            assert results[1].failed_chunks == tuple(range(half)) and "job(s) [2]" in results[1].error
-            assert results[2].failed_chunks == tuple(range(half)) and "cancelled" in results[2].error
+            assert (
+                results[1].failed_chunks == tuple(range(half)) and "job(s) [2]" in results[1].error
+            )
+            assert (
+                results[2].failed_chunks == tuple(range(half)) and "cancelled" in results[2].error
+            )
             assert engine.num_cut_tasks == 1
 
     mid_copy(scenario)
@@ -241,7 +287,12 @@ def test_tasks_batched_with_a_cancelled_copy_fail_and_are_counted(monkeypatch):
 
 # -- a seeded random race: many jobs, cancels at random moments of their copies ------------------
 
-BPC, RAND_PAGE_INTS, RAND_BLOCKS, RAND_SLOTS = 2, 1 << 15, 1024, 256  # 128 KiB pages, 256 KiB chunks
+BPC, RAND_PAGE_INTS, RAND_BLOCKS, RAND_SLOTS = (
+    2,
+    1 << 15,
+    1024,
+    256,
+)  # 128 KiB pages, 256 KiB chunks
 
 
 class Race:
@@ -256,7 +307,9 @@ class Race:
     def __init__(self, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
         self.kv = torch.zeros((RAND_BLOCKS, RAND_PAGE_INTS), dtype=torch.int32)
-        self.engine = TransferEngine({"layer.0": self.kv.view(torch.float32)}, BPC, num_slots=RAND_SLOTS)
+        self.engine = TransferEngine(
+            {"layer.0": self.kv.view(torch.float32)}, BPC, num_slots=RAND_SLOTS
+        )
         self.slab = ints(self.engine.slab).view(RAND_SLOTS, BPC, RAND_PAGE_INTS)
         self.results: dict = {}
         self.errors: list[str] = []
@@ -289,7 +342,11 @@ class Race:
 
     def _plan(self, number: int) -> tuple[list[TransferJob], dict[str, int]]:
         """Five stores of 8..40 chunks, then three loads of 4..12, on fresh disjoint blocks and slots."""
-        stamps = {"block": number << 20, "slot": -(number << 20) - 1, "after": (number << 20) + (1 << 19)}
+        stamps = {
+            "block": number << 20,
+            "slot": -(number << 20) - 1,
+            "after": (number << 20) + (1 << 19),
+        }
         self.kv.copy_(stamps["block"] + torch.arange(RAND_BLOCKS, dtype=torch.int32)[:, None])
         self.slab.copy_(stamps["slot"] - torch.arange(RAND_SLOTS, dtype=torch.int32)[:, None, None])
         blocks, slots = self.rng.permutation(RAND_BLOCKS), self.rng.permutation(RAND_SLOTS)
@@ -311,19 +368,25 @@ class Race:
                 want = torch.tensor([stamps["block"] + b for b in blocks], dtype=torch.int32)
                 got = self.slab[slot]
                 if not torch.equal(got, want[:, None].expand_as(got)):
-                    self.errors.append(f"job {job.job_id} reported chunk {c} stored; slot {slot} holds "
-                                       f"{sorted(set(got.unique().tolist()))[:4]}, not blocks {blocks}")
+                    self.errors.append(
+                        f"job {job.job_id} reported chunk {c} stored; slot {slot} holds "
+                        f"{sorted(set(got.unique().tolist()))[:4]}, not blocks {blocks}"
+                    )
             if job.is_load:
                 if c not in result.failed_chunks:
                     wants = [stamps["slot"] - slot] * BPC
                 elif cancelled:
-                    wants = [stamps["after"] + b for b in blocks]  # recomputed after cancel() returned
+                    wants = [
+                        stamps["after"] + b for b in blocks
+                    ]  # recomputed after cancel() returned
                 else:
                     continue
                 for b, want in zip(blocks, wants, strict=True):
                     if not bool((self.kv[b] == want).all()):
-                        self.errors.append(f"load {job.job_id} ({'failed' if c in result.failed_chunks else 'ok'}"
-                                           f") chunk {c}: block {b} holds {self.kv[b].unique().tolist()[:4]}")
+                        self.errors.append(
+                            f"load {job.job_id} ({'failed' if c in result.failed_chunks else 'ok'}"
+                            f") chunk {c}: block {b} holds {self.kv[b].unique().tolist()[:4]}"
+                        )
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -12,7 +12,9 @@ import kvtier.worker.memmove as memmove
 from helpers import HANG_S, CopyEnded, mid_copy
 from kvtier.worker.memmove import MemmoveCopier
 
-copyruns = pytest.importorskip("kvtier.worker._copyruns", reason="C helper not built (python setup.py build_ext)")
+copyruns = pytest.importorskip(
+    "kvtier.worker._copyruns", reason="C helper not built (python setup.py build_ext)"
+)
 
 
 class Runs:
@@ -36,7 +38,9 @@ class Runs:
         for s, d, n in zip(src_offsets, dst_offsets, self.nbytes, strict=True):
             self.expected[d : d + n] = self.src[s : s + n]
 
-    def arrays(self, first: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def arrays(
+        self, first: int = 0, end: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.dst_addr[first:end], self.src_addr[first:end], self.nbytes[first:end]
 
 
@@ -76,10 +80,19 @@ def good() -> np.ndarray:
     ("args", "message"),
     [
         (([1, 2], good(), good()), "dst must be a C-contiguous 1-D int64 array"),
-        ((good(), good().astype(np.int32), good()), "src must be a 1-D int64 array, got format 'i'"),
-        ((good(), good(), good().astype(np.float64)), "nbytes must be a 1-D int64 array, got format 'd'"),
+        (
+            (good(), good().astype(np.int32), good()),
+            "src must be a 1-D int64 array, got format 'i'",
+        ),
+        (
+            (good(), good(), good().astype(np.float64)),
+            "nbytes must be a 1-D int64 array, got format 'd'",
+        ),
         ((good(), good(), good().astype(np.uint64)), "nbytes must be a 1-D int64 array"),
-        ((np.ones((2, 2), dtype=np.int64), good(), good()), "dst must be a 1-D int64 array.*ndim 2"),
+        (
+            (np.ones((2, 2), dtype=np.int64), good(), good()),
+            "dst must be a 1-D int64 array.*ndim 2",
+        ),
         ((np.ones(8, dtype=np.int64)[::2], good(), good()), "dst must be a C-contiguous"),
         ((good(), good()[:3], good()), "equal lengths, got 4, 3, 4"),
         ((good(), good(), np.array([1, -1, 1, 1])), r"nbytes\[1\] = -1"),
@@ -152,7 +165,9 @@ def test_the_path_is_logged_once_per_process(monkeypatch, caplog):
     MemmoveCopier(1).close()
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
-    assert "native path" in messages[0] and "ctypes path" in messages[1] and "not built" in messages[1]
+    assert (
+        "native path" in messages[0] and "ctypes path" in messages[1] and "not built" in messages[1]
+    )
 
 
 # -- cancelling a started copy (issue #20) -------------------------------------------------------
@@ -194,7 +209,9 @@ def test_a_cancel_stops_a_copy_inside_a_long_run_and_nothing_is_written_after_it
         assert 0 < copied < RUN
         return src, dst, copied, ticket
 
-    src, dst, copied, ticket = mid_copy(attempt)  # both kept mapped while a late write is looked for
+    src, dst, copied, ticket = mid_copy(
+        attempt
+    )  # both kept mapped while a late write is looked for
     time.sleep(0.05)
     assert int(np.count_nonzero(dst)) == copied, "a thread wrote after wait() returned"
     # the ticket is gone; the copier copies the next batch whole

@@ -39,7 +39,9 @@ def kv_cache(layout: str, num_layers: int, num_blocks: int, content: int) -> KV:
     if layout == "strided":
         buffer = torch.zeros(num_blocks, num_layers, 2, 4, content, dtype=torch.int32)
         return {f"layer.{i}": buffer[:, i] for i in range(num_layers)}
-    shape = (num_blocks, 2, 4, content) if layout == "blocks_first" else (2, num_blocks, 4, 2, content)
+    shape = (
+        (num_blocks, 2, 4, content) if layout == "blocks_first" else (2, num_blocks, 4, 2, content)
+    )
     return {f"layer.{i}": torch.zeros(shape, dtype=torch.int32) for i in range(num_layers)}
 
 
@@ -70,7 +72,12 @@ class HeldCopies:
     `release()`, its cancel, or 10 s (so that a failing test ends)."""
 
     def __init__(self) -> None:
-        self.budget, self.passed, self.released, self.lock = math.inf, set(), threading.Event(), threading.Lock()
+        self.budget, self.passed, self.released, self.lock = (
+            math.inf,
+            set(),
+            threading.Event(),
+            threading.Lock(),
+        )
 
     def hold_after(self, num_batches: int) -> None:
         self.budget = num_batches
@@ -85,8 +92,9 @@ class HeldCopies:
                 self.passed.add(handle)
                 self.budget -= 1
         end = time.monotonic() + HANG_S
-        while handle not in self.passed and not (self.released.is_set() or handle.is_cancelled
-                                                 or time.monotonic() > end):
+        while handle not in self.passed and not (
+            self.released.is_set() or handle.is_cancelled or time.monotonic() > end
+        ):
             time.sleep(0.0005)
         return copy_part(dst, src, nbytes, handle)
 
@@ -95,7 +103,9 @@ class HeldCopies:
 def held(monkeypatch):
     monkeypatch.setattr(memmove, "_copyruns", None)
     copies = HeldCopies()
-    monkeypatch.setattr(memmove, "_copy_part", functools.partial(copies.copy_part, memmove._copy_part))
+    monkeypatch.setattr(
+        memmove, "_copy_part", functools.partial(copies.copy_part, memmove._copy_part)
+    )
     yield copies
     copies.release()
 
@@ -112,7 +122,13 @@ def test_layer_slices_put_the_first_layer_alone_and_keep_every_layer_once_in_ord
     assert layer_slices([]) == []
 
 
-CASES = [("blocks_first", 1, 0), ("blocks_first", 2, 1), ("kv_first", 2, 0), ("kv_first", 2, 1), ("strided", 2, 1)]
+CASES = [
+    ("blocks_first", 1, 0),
+    ("blocks_first", 2, 1),
+    ("kv_first", 2, 0),
+    ("kv_first", 2, 1),
+    ("strided", 2, 1),
+]
 
 
 @pytest.mark.parametrize("bad_chunk", [False, True])
@@ -120,9 +136,15 @@ CASES = [("blocks_first", 1, 0), ("blocks_first", 2, 1), ("kv_first", 2, 0), ("k
 def test_a_sliced_load_writes_exactly_the_bytes_of_a_whole_load(layout, bpc, skip, bad_chunk):
     kv = kv_cache(layout, num_layers=5, num_blocks=16, content=8)
     names = list(kv)
-    slot_ids = [3, 0, 5] + ([99] if bad_chunk else [])  # slot 99 is out of range: that chunk fails alone
+    slot_ids = [3, 0, 5] + (
+        [99] if bad_chunk else []
+    )  # slot 99 is out of range: that chunk fails alone
     block_ids = np.random.default_rng(bpc).permutation(16)[: len(slot_ids) * bpc]
-    odd = [frozenset(names[3:4]), frozenset(names[0:5:4]), frozenset(names[1:3])]  # not runs of the names
+    odd = [
+        frozenset(names[3:4]),
+        frozenset(names[0:5:4]),
+        frozenset(names[1:3]),
+    ]  # not runs of the names
     outcomes = []
     with TransferEngine(kv, bpc, num_slots=6) as engine:
         engine.slab.copy_(torch.randint(-128, 127, engine.slab.shape, dtype=torch.int8))
@@ -146,22 +168,32 @@ def test_wait_layer_returns_once_its_slice_is_copied_while_later_slices_are_held
         stored = fill_slots(engine, kv, [0, 1, 2, 3])
         held.hold_after(1)  # the first slice (layer.0) copies; the later ones are held
         engine.submit(load_job(1, [0, 1, 2, 3], [4, 5, 6, 7]), layer_slices(LAYERS))
-        assert engine.wait_layer([1], "layer.0", timeout=HANG_S), "layer.0 was copied, yet wait_layer waits"
+        assert engine.wait_layer(
+            [1], "layer.0", timeout=HANG_S
+        ), "layer.0 was copied, yet wait_layer waits"
         assert same(kv["layer.0"][4:], stored[0])
-        assert not engine.wait_layer([1], "layer.1", timeout=0.05), "layer.1 is held, yet wait_layer returned"
+        assert not engine.wait_layer(
+            [1], "layer.1", timeout=0.05
+        ), "layer.1 is held, yet wait_layer returned"
         assert not engine.wait([1], timeout=0)
-        assert not any(kv[layer][4:].any() for layer in LAYERS[1:]), "a later layer was copied with the first"
+        assert not any(
+            kv[layer][4:].any() for layer in LAYERS[1:]
+        ), "a later layer was copied with the first"
         held.release()
         assert engine.wait([1], timeout=HANG_S) and engine.get_finished()[0].success
     assert all(same(t[4:], want) for t, want in zip(kv.values(), stored, strict=True))
 
 
 def test_a_slice_waits_for_a_running_slice_of_its_layers_into_its_blocks_only():
-    layouts = build_group_layouts(kv_cache("blocks_first", num_layers=4, num_blocks=8, content=8), 1)
+    layouts = build_group_layouts(
+        kv_cache("blocks_first", num_layers=4, num_blocks=8, content=8), 1
+    )
 
     def sliced(job_id: int, block_ids: list[int]) -> list:
         part = TransferPart(group=0, slot_ids=np.array([0, 1]), block_ids=np.array(block_ids))
-        return slice_task(make_task(job_id, 0, False, part, layouts, 1, 4), layer_slices(LAYERS), layouts[0], 1)
+        return slice_task(
+            make_task(job_id, 0, False, part, layouts, 1, 4), layer_slices(LAYERS), layouts[0], 1
+        )
 
     a, b = sliced(1, [4, 5]), sliced(2, [5, 6])  # both write block 5, a first
     queue = TaskQueue()
@@ -188,19 +220,24 @@ class Model:
 
     def apply(self, job: TransferJob, ok: bool) -> None:
         part = job.parts[0]
-        for c, (slot, chunk) in enumerate(zip(part.slot_ids, part.block_ids.reshape(len(part.slot_ids), -1),
-                                              strict=True)):
+        for c, (slot, chunk) in enumerate(
+            zip(part.slot_ids, part.block_ids.reshape(len(part.slot_ids), -1), strict=True)
+        ):
             if job.is_store:
                 self.slot_tags[slot] = [self.block_tag[b] if ok else POISON for b in chunk]
                 continue
-            for page in range(part.skip_blocks if c == 0 else 0, len(chunk)):  # a load's first chunk may skip
+            for page in range(
+                part.skip_blocks if c == 0 else 0, len(chunk)
+            ):  # a load's first chunk may skip
                 self.block_tag[chunk[page]] = self.slot_tags[slot][page] if ok else POISON
 
 
 @pytest.mark.parametrize("seed", range(30))
 def test_random_stores_and_sliced_loads_end_as_if_run_one_by_one_in_submission_order(seed):
     rng, bpc, num_blocks = np.random.default_rng(seed), 1 + seed % 2, 24
-    kv = kv_cache("blocks_first", num_layers=4, num_blocks=num_blocks + bpc, content=1024)  # 32 KiB pages
+    kv = kv_cache(
+        "blocks_first", num_layers=4, num_blocks=num_blocks + bpc, content=1024
+    )  # 32 KiB pages
     model, next_tag = Model(num_blocks, num_slots=8, bpc=bpc), num_blocks + 1
     base = torch.randint(-(2**31), 2**31 - 1, (4, *kv["layer.0"].shape[1:]), dtype=torch.int32)
     order = list(rng.permutation(LAYERS))  # the forward's order (not the names')
@@ -224,31 +261,51 @@ def test_random_stores_and_sliced_loads_end_as_if_run_one_by_one_in_submission_o
             jobs, cancelled = [], set()
             for _ in range(int(rng.integers(2, 6))):  # each one 1-6 chunks anywhere: they overlap
                 n = int(rng.integers(1, 7))
-                slots, blocks = rng.choice(8, n, replace=False), rng.choice(num_blocks, n * bpc, replace=False)
+                slots, blocks = (
+                    rng.choice(8, n, replace=False),
+                    rng.choice(num_blocks, n * bpc, replace=False),
+                )
                 if rng.random() < 0.4:
                     jobs.append(store_job(job_id := job_id + 1, blocks, slots))
                 else:
-                    jobs.append(load_job(job_id := job_id + 1, slots, blocks, skip_blocks=int(rng.integers(bpc))))
-                engine.submit(jobs[-1], layer_slices(order) if jobs[-1].is_load and rng.random() < 0.7 else None)
-                if rng.random() < 0.15:  # past its deadline: a job of this step, maybe ended already
+                    jobs.append(
+                        load_job(
+                            job_id := job_id + 1, slots, blocks, skip_blocks=int(rng.integers(bpc))
+                        )
+                    )
+                engine.submit(
+                    jobs[-1],
+                    layer_slices(order) if jobs[-1].is_load and rng.random() < 0.7 else None,
+                )
+                if (
+                    rng.random() < 0.15
+                ):  # past its deadline: a job of this step, maybe ended already
                     cancelled.add(victim := int(rng.choice([job.job_id for job in jobs])))
                     engine.cancel([victim])
             assert engine.wait([job.job_id for job in jobs], timeout=HANG_S)
             results = {r.job_id: r for r in engine.get_finished()}
-            for job in jobs:  # all or nothing; failed only if cancelled, or cut short with one that was
+            for (
+                job
+            ) in jobs:  # all or nothing; failed only if cancelled, or cut short with one that was
                 result = results[job.job_id]
                 assert result.failed_chunks in ((), tuple(range(job.num_chunks))), result
-                assert result.success or job.job_id in cancelled or "cut short" in result.error, result
+                assert (
+                    result.success or job.job_id in cancelled or "cut short" in result.error
+                ), result
                 model.apply(job, result.success)
             for block, tag in enumerate(model.block_tag):
                 assert tag == POISON or holds(block, tag), f"block {block} is not tag {tag}"
                 if tag == POISON:  # the engine recomputes it
                     write(block, next_tag := next_tag + 1)
         spare = list(range(num_blocks, num_blocks + bpc))
-        for slot, tags in enumerate(model.slot_tags):  # every slot, read back whole into the spare blocks
+        for slot, tags in enumerate(
+            model.slot_tags
+        ):  # every slot, read back whole into the spare blocks
             engine.submit(load_job(job_id := job_id + 1, [slot], spare))
             assert engine.wait([job_id], timeout=HANG_S) and engine.get_finished()[0].success
-            assert all(tag == POISON or holds(block, tag) for block, tag in zip(spare, tags, strict=True)), slot
+            assert all(
+                tag == POISON or holds(block, tag) for block, tag in zip(spare, tags, strict=True)
+            ), slot
 
 
 def layered_worker(clock=time.monotonic) -> tuple[WorkerSide, KV, list[torch.Tensor]]:
@@ -263,8 +320,18 @@ def start_load(worker: WorkerSide, job_id: int, deadline: float | None = None) -
     """A step loading slots 0-3 into blocks 4-7, up to the forward pass."""
     part = TransferPart(group=0, slot_ids=np.arange(4), block_ids=np.arange(4, 8))
     deadline = time.monotonic() + 60 if deadline is None else deadline
-    plan = StepPlan(load_jobs=[TransferJob(job_id=job_id, req_id="r", src=Endpoint.SLAB, dst=Endpoint.ENGINE,
-                                           parts=(part,), deadline=deadline)])
+    plan = StepPlan(
+        load_jobs=[
+            TransferJob(
+                job_id=job_id,
+                req_id="r",
+                src=Endpoint.SLAB,
+                dst=Endpoint.ENGINE,
+                parts=(part,),
+                deadline=deadline,
+            )
+        ]
+    )
     worker.handle_preemptions(plan)
     worker.start_load_kv(plan)
     return plan
@@ -281,15 +348,23 @@ def loaded(kv: KV, stored: list[torch.Tensor], layers: list[str] = LAYERS) -> bo
     return all(same(kv[layer][4:], stored[LAYERS.index(layer)]) for layer in layers)
 
 
-def load_whole(worker: WorkerSide, kv: KV, stored: list[torch.Tensor], held: HeldCopies, job_id: int,
-               asked: list[str]) -> None:
+def load_whole(
+    worker: WorkerSide,
+    kv: KV,
+    stored: list[torch.Tensor],
+    held: HeldCopies,
+    job_id: int,
+    asked: list[str],
+) -> None:
     """A step whose load must have ended when `start_load_kv` returned (held lets one batch copy:
     a whole load, not a sliced one), and whose pass asks for `asked`."""
     for t in kv.values():
         t[4:].zero_()
     held.hold_after(1)
     plan = start_load(worker, job_id)
-    assert worker.transfer.wait([job_id], timeout=0) and loaded(kv, stored), "start_load_kv did not wait for it"
+    assert worker.transfer.wait([job_id], timeout=0) and loaded(
+        kv, stored
+    ), "start_load_kv did not wait for it"
     forward(worker, plan, asked)
     assert [r.success for r in worker.take_results()] == [True] and not worker.take_load_errors()
 
@@ -297,7 +372,9 @@ def load_whole(worker: WorkerSide, kv: KV, stored: list[torch.Tensor], held: Hel
 def test_loads_are_waited_for_whole_until_a_forward_pass_asked_for_every_layer(held):
     worker, kv, stored = layered_worker()
     load_whole(worker, kv, stored, held, 1, asked=[])  # no forward pass seen yet
-    load_whole(worker, kv, stored, held, 2, asked=LAYERS[:-1])  # a pass that skipped layer.3 (no slices)
+    load_whole(
+        worker, kv, stored, held, 2, asked=LAYERS[:-1]
+    )  # a pass that skipped layer.3 (no slices)
     load_whole(worker, kv, stored, held, 3, asked=LAYERS)  # only from the next step on
 
 
@@ -372,16 +449,26 @@ def test_a_load_cancelled_in_one_layers_wait_is_counted_once_while_another_still
     # wait; in the later layers' waits it comes first again while the other still copies
     clock = FakeClock(now=0.0)
     kv = kv_cache("blocks_first", num_layers=4, num_blocks=8, content=8)
-    one_thread = functools.partial(TransferEngine, num_copy_threads=1)  # batches copy in queue order
-    worker = close_after_test(WorkerSide(num_slots=8, blocks_per_chunk=1, clock=clock, transfer_factory=one_thread))
+    one_thread = functools.partial(
+        TransferEngine, num_copy_threads=1
+    )  # batches copy in queue order
+    worker = close_after_test(
+        WorkerSide(num_slots=8, blocks_per_chunk=1, clock=clock, transfer_factory=one_thread)
+    )
     worker.register_kv_caches(kv)
     stored = fill_slots(worker.transfer, kv, [0, 1, 2, 3])
     forward(worker, StepPlan(), asked=LAYERS)
 
     def load(job_id: int, slots: list[int], deadline: float) -> TransferJob:
         part = TransferPart(group=0, slot_ids=np.array(slots), block_ids=np.array(slots) + 4)
-        return TransferJob(job_id=job_id, req_id=f"r{job_id}", src=Endpoint.SLAB, dst=Endpoint.ENGINE,
-                           parts=(part,), deadline=deadline)
+        return TransferJob(
+            job_id=job_id,
+            req_id=f"r{job_id}",
+            src=Endpoint.SLAB,
+            dst=Endpoint.ENGINE,
+            parts=(part,),
+            deadline=deadline,
+        )
 
     plan = StepPlan(load_jobs=[load(3, [0, 1], deadline=60.0), load(2, [2, 3], deadline=1.0)])
     held.hold_after(1)  # job 3's first slice (layer.0) copies; every later batch waits
@@ -390,7 +477,9 @@ def test_a_load_cancelled_in_one_layers_wait_is_counted_once_while_another_still
     assert worker.transfer.wait_layer([3], "layer.0", timeout=HANG_S)
     clock.now = 2.0  # job 2 is past its deadline, job 3 is not
     worker.wait_for_layer_load("layer.0")
-    threading.Timer(0.2, held.release).start()  # job 3's later slices copy only after layer.1's wait began
+    threading.Timer(
+        0.2, held.release
+    ).start()  # job 3's later slices copy only after layer.1's wait began
     forward(worker, plan, asked=LAYERS[1:])
     assert worker.take_load_errors() == {6, 7}
     results = {result.job_id: result for result in worker.take_results()}

@@ -145,12 +145,20 @@ def test_layers_of_a_group_must_agree_on_block_count():
 def test_split_by_bytes_covers_every_byte_once():
     rng = np.random.default_rng(1)
     for shares in (2, 3):
-        for sizes in (rng.integers(1, 5000, 40), np.array([1 << 20]), rng.integers(1, 10, 3) * 1000):
+        for sizes in (
+            rng.integers(1, 5000, 40),
+            np.array([1 << 20]),
+            rng.integers(1, 10, 3) * 1000,
+        ):
             dst = np.cumsum(np.append(0, sizes[:-1])) + 10_000_000
             src = dst + 50_000_000
             parts = split_by_bytes(dst, src, sizes, shares)
             assert len(parts) == shares
-            covered = sorted((d, d + n) for part in parts for d, n in zip(part[0], part[2], strict=True))
+            covered = sorted(
+                (d, d + n) for part in parts for d, n in zip(part[0], part[2], strict=True)
+            )
             assert covered[0][0] == dst[0] and covered[-1][1] == dst[-1] + sizes[-1]
             assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
-            assert all(s - d == 50_000_000 for part in parts for d, s in zip(part[0], part[1], strict=True))
+            assert all(
+                s - d == 50_000_000 for part in parts for d, s in zip(part[0], part[1], strict=True)
+            )

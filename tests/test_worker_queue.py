@@ -9,11 +9,23 @@ from kvtier.worker.queue import TaskQueue
 from kvtier.worker.tasks import CopyTask
 
 
-def job(job_id: int, is_store: bool, blocks: list[int], slots: list[int], num_bytes: int = 1) -> CopyTask:
-    return CopyTask(job_id=job_id, part=0, is_store=is_store, group=0,
-                    block_ids=np.array(blocks).reshape(len(slots), -1), slot_ids=np.array(slots),
-                    num_chunks=len(slots), failed_chunks=(), error=None, block_set=frozenset(blocks),
-                    slot_set=frozenset(slots), num_bytes=num_bytes)
+def job(
+    job_id: int, is_store: bool, blocks: list[int], slots: list[int], num_bytes: int = 1
+) -> CopyTask:
+    return CopyTask(
+        job_id=job_id,
+        part=0,
+        is_store=is_store,
+        group=0,
+        block_ids=np.array(blocks).reshape(len(slots), -1),
+        slot_ids=np.array(slots),
+        num_chunks=len(slots),
+        failed_chunks=(),
+        error=None,
+        block_set=frozenset(blocks),
+        slot_set=frozenset(slots),
+        num_bytes=num_bytes,
+    )
 
 
 def store(job_id: int, blocks: list[int], slots: list[int], num_bytes: int = 1) -> CopyTask:
@@ -42,7 +54,10 @@ def test_a_load_overtakes_unrelated_stores():
 
 @pytest.mark.parametrize(
     "conflicting_load",
-    [load(3, [1], [7]), load(3, [5], [1])],  # reads the slot store 2 writes / writes the block it reads
+    [
+        load(3, [1], [7]),
+        load(3, [5], [1]),
+    ],  # reads the slot store 2 writes / writes the block it reads
     ids=["same-slot", "same-block"],
 )
 def test_a_load_waits_for_an_earlier_store_it_conflicts_with(conflicting_load):

@@ -31,15 +31,20 @@ def namespace(world_size: int = 1) -> Namespace:
 
 
 @contextlib.contextmanager
-def disk_tiers(default_root: Path, default_namespace: Callable[[], Namespace]) -> Iterator[Callable[..., DiskTier]]:
+def disk_tiers(
+    default_root: Path, default_namespace: Callable[[], Namespace]
+) -> Iterator[Callable[..., DiskTier]]:
     """`make(capacity_files=8, ns=None, root=None, **DiskTier kwargs)`: a scanned `DiskTier` with
     room for that many files (under `default_root` unless `root` is given); all closed at the end."""
     tiers: list[DiskTier] = []
 
-    def make(capacity_files: int = 8, ns: Namespace | None = None, root: Path | None = None,
-             **kwargs) -> DiskTier:
+    def make(
+        capacity_files: int = 8, ns: Namespace | None = None, root: Path | None = None, **kwargs
+    ) -> DiskTier:
         ns = ns or default_namespace()
-        tier = DiskTier(root or default_root, ns, capacity_files * (4096 + ns.payload_bytes), **kwargs)
+        tier = DiskTier(
+            root or default_root, ns, capacity_files * (4096 + ns.payload_bytes), **kwargs
+        )
         tiers.append(tier)
         assert tier.wait_scanned(HANG_S)
         return tier
@@ -71,24 +76,36 @@ def close_made_disks() -> None:
         _made_disks.pop().close()
 
 
-def make_tiered(tmp_path, num_slots: int = 4, disk_chunks: int = 16, world_size: int = 1, policy: str = "lru",
-                rules: TierRules | None = None, held: bool | str = False,
-                **kwargs) -> tuple[TieredManager, list[np.ndarray]]:
+def make_tiered(
+    tmp_path,
+    num_slots: int = 4,
+    disk_chunks: int = 16,
+    world_size: int = 1,
+    policy: str = "lru",
+    rules: TierRules | None = None,
+    held: bool | str = False,
+    **kwargs,
+) -> tuple[TieredManager, list[np.ndarray]]:
     """A TieredManager over a real disk tier; `held`: True holds the tier's jobs (see `HeldTier`),
     "loads" only its reads."""
-    disk = DiskTier(tmp_path / "disk", namespace(world_size), disk_chunks * (SLOT_BYTES * world_size + 4096))
+    disk = DiskTier(
+        tmp_path / "disk", namespace(world_size), disk_chunks * (SLOT_BYTES * world_size + 4096)
+    )
     _made_disks.append(disk)
     assert disk.wait_scanned(HANG_S)
     tier: SecondaryTier = HeldTier(disk, hold_stores=held != "loads") if held else disk
     slabs = make_slabs(num_slots, world_size)
     # the manager gives a tier job up at its deadline: one only a hang reaches, unless a test sets its own
     kwargs.setdefault("job_timeout_s", HANG_S)
-    manager = TieredManager(CPUTierManager(num_slots, policy=policy), slabs, [(tier, rules or TierRules())],
-                            **kwargs)
+    manager = TieredManager(
+        CPUTierManager(num_slots, policy=policy), slabs, [(tier, rules or TierRules())], **kwargs
+    )
     return manager, slabs
 
 
-def put(manager: TieredManager, slabs: list[np.ndarray], keys: Sequence[OffloadKey], ctx=WRITER) -> list[OffloadKey]:
+def put(
+    manager: TieredManager, slabs: list[np.ndarray], keys: Sequence[OffloadKey], ctx=WRITER
+) -> list[OffloadKey]:
     """What a store does end to end: reserve slots, the worker writes them, complete.
 
     By default another request than `CTX` stores: a promotion never evicts chunks of the
@@ -110,7 +127,9 @@ def settle(manager: TieredManager, timeout: float = HANG_S) -> None:
     manager.stats()  # polls
 
 
-def read_back(manager: TieredManager, slabs: list[np.ndarray], k: OffloadKey, ctx=CTX) -> list[np.ndarray]:
+def read_back(
+    manager: TieredManager, slabs: list[np.ndarray], k: OffloadKey, ctx=CTX
+) -> list[np.ndarray]:
     """Load `k` from the CPU tier (it must be a HIT) and return each rank's bytes."""
     assert manager.lookup(k, ctx) is LookupResult.HIT
     slot = int(manager.prepare_load([k], ctx).slot_ids[0])
@@ -171,8 +190,10 @@ class HeldTier(SecondaryTier):
 
     def reset(self) -> None:
         """As the contract says of jobs in flight at a reset: they end as failed."""
-        self._dropped += [TierResult(job_id=j.job_id, failed_keys=frozenset(j.keys), error="reset")
-                          for j in self._held]
+        self._dropped += [
+            TierResult(job_id=j.job_id, failed_keys=frozenset(j.keys), error="reset")
+            for j in self._held
+        ]
         self._held = []
         self.inner.reset()
 

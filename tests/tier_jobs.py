@@ -19,7 +19,9 @@ class Slab:
     def __init__(self, num_rows: int, ns: Namespace):
         self.ns = ns
         self._map = mmap.mmap(-1, num_rows * ns.payload_bytes)
-        self.rows = np.frombuffer(self._map, np.uint8).reshape(num_rows, ns.world_size, ns.slot_bytes)
+        self.rows = np.frombuffer(self._map, np.uint8).reshape(
+            num_rows, ns.world_size, ns.slot_bytes
+        )
         self._job_ids = iter(range(1, 1 << 30))
 
     def fill(self, row: int, k: bytes) -> None:
@@ -27,12 +29,18 @@ class Slab:
             self.rows[row, rank] = chunk_content(k, rank, self.ns.slot_bytes)
 
     def holds(self, row: int, k: bytes) -> bool:
-        return all((self.rows[row, r] == chunk_content(k, r, self.ns.slot_bytes)).all()
-                   for r in range(self.ns.world_size))
+        return all(
+            (self.rows[row, r] == chunk_content(k, r, self.ns.slot_bytes)).all()
+            for r in range(self.ns.world_size)
+        )
 
     def job(self, is_store: bool, ks: list[bytes], rows: list[int]) -> TierJob:
-        buffers = tuple(tuple(memoryview(self.rows[row, r]) for r in range(self.ns.world_size)) for row in rows)
-        return TierJob(job_id=next(self._job_ids), is_store=is_store, keys=tuple(ks), buffers=buffers)
+        buffers = tuple(
+            tuple(memoryview(self.rows[row, r]) for r in range(self.ns.world_size)) for row in rows
+        )
+        return TierJob(
+            job_id=next(self._job_ids), is_store=is_store, keys=tuple(ks), buffers=buffers
+        )
 
 
 def run(tier: SecondaryTier, job: TierJob) -> TierResult:

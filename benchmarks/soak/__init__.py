@@ -26,5 +26,19 @@ from .run import run_fault
 from .stack import close_stack, open_stack, start_baseline
 from .workload import baseline_outputs
 
-__all__ = ["FAULTS", "FULL", "QUICK", "Check", "Fault", "RunReport", "SoakConfig", "baseline_outputs", "close_stack",
-           "main", "open_stack", "run_fault", "start_baseline", "table"]
+__all__ = [
+    "FAULTS",
+    "FULL",
+    "QUICK",
+    "Check",
+    "Fault",
+    "RunReport",
+    "SoakConfig",
+    "baseline_outputs",
+    "close_stack",
+    "main",
+    "open_stack",
+    "run_fault",
+    "start_baseline",
+    "table",
+]

@@ -20,10 +20,16 @@ class SoakConfig:
     num_requests: int = 240  # per run
     concurrency: int = 4  # clients (and vLLM's --max-num-seqs)
     active_conversations: int = 8  # in progress at once, their turns interleaved
-    num_gpu_blocks: int = 32  # 4,096 tokens of vLLM KV cache: far less than the conversations in progress
-    cpu_bytes: str = "24MiB"  # 12 chunks of the tiny Llama (2 MiB each): the disk and Redis tiers serve most
+    num_gpu_blocks: int = (
+        32  # 4,096 tokens of vLLM KV cache: far less than the conversations in progress
+    )
+    cpu_bytes: str = (
+        "24MiB"  # 12 chunks of the tiny Llama (2 MiB each): the disk and Redis tiers serve most
+    )
     disk_bytes: str = "256MiB"
-    tmpfs_bytes: int = 448 << 20  # the disk_full fault's filesystem: disk_bytes + 64 spare files + room
+    tmpfs_bytes: int = (
+        448 << 20
+    )  # the disk_full fault's filesystem: disk_bytes + 64 spare files + room
     job_timeout_s: float = 2.0
     run_timeout_s: float = 1800.0
     # memory growth allowed between the middle and the last third of the samples: where kvtier keeps its
@@ -38,6 +44,19 @@ class SoakConfig:
 
 
 FULL = SoakConfig()
-QUICK = SoakConfig(Workload(num_conversations=8, num_system_prompts=2, system_tokens=384, turns=3,
-                            user_tokens=(64, 160), reply_tokens=(16, 32), max_tokens=6),
-                   num_requests=48, concurrency=3, active_conversations=8, num_gpu_blocks=20, run_timeout_s=900.0)
+QUICK = SoakConfig(
+    Workload(
+        num_conversations=8,
+        num_system_prompts=2,
+        system_tokens=384,
+        turns=3,
+        user_tokens=(64, 160),
+        reply_tokens=(16, 32),
+        max_tokens=6,
+    ),
+    num_requests=48,
+    concurrency=3,
+    active_conversations=8,
+    num_gpu_blocks=20,
+    run_timeout_s=900.0,
+)

@@ -28,8 +28,20 @@ class DiskDir:
         self.mounted = False
         self._ballast = self.path / "ballast"  # not a chunk file's name: the tier never reads it
         if tmpfs_bytes is not None:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={tmpfs_bytes},mode=0700", "tmpfs",
-                                   str(self.path)], capture_output=True, text=True, timeout=30)
+            done = subprocess.run(
+                [
+                    "mount",
+                    "-t",
+                    "tmpfs",
+                    "-o",
+                    f"size={tmpfs_bytes},mode=0700",
+                    "tmpfs",
+                    str(self.path),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             if done.returncode != 0:
                 raise RuntimeError(f"cannot mount a tmpfs at {self.path}: {done.stderr.strip()}")
             self.mounted = True
@@ -58,5 +70,7 @@ class DiskDir:
 
     def close(self) -> None:
         if self.mounted:
-            subprocess.run(["umount", "-l", str(self.path)], check=False, capture_output=True, timeout=30)
+            subprocess.run(
+                ["umount", "-l", str(self.path)], check=False, capture_output=True, timeout=30
+            )
         shutil.rmtree(self.path, ignore_errors=True)

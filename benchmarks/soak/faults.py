@@ -60,7 +60,9 @@ class RedisKill(Fault):
         run.at(0.2)
         run.snap("fault")
         run.stack.redis.kill()
-        opened = wait_until(lambda: _metric(run, "kvtier:tier_breaker_open", tier="redis") >= 1, 60, 1.0)
+        opened = wait_until(
+            lambda: _metric(run, "kvtier:tier_breaker_open", tier="redis") >= 1, 60, 1.0
+        )
         run.facts["breaker_seen_open"] = opened
         run.at(0.35)
         run.stack.redis.start()
@@ -72,18 +74,29 @@ class RedisKill(Fault):
     def checks(self, run: Run) -> list[Check]:
         opens = run.delta("kvtier:tier_breaker_opens_total", "fault", tier="redis")
         closes = run.delta("kvtier:tier_breaker_closes_total", "fault", tier="redis")
-        failed = run.delta("kvtier:tier_errors_total", "fault", tier="redis") + \
-            run.delta("kvtier:tier_timeouts_total", "fault", tier="redis")
+        failed = run.delta("kvtier:tier_errors_total", "fault", tier="redis") + run.delta(
+            "kvtier:tier_timeouts_total", "fault", tier="redis"
+        )
         keys = run.stack.redis.num_keys()  # the restarted server started empty: all written since
-        run.facts.update(breaker_opens=opens, breaker_closes=closes, redis_errors=failed, redis_keys_after=keys)
-        return [Check("redis: breaker opened on the dead server", opens >= 1 and failed >= 1,
-                      f"opens={opens:.0f} errors+timeouts={failed:.0f}"),
-                Check("redis: breaker closed after the restart", closes >= 1, f"closes={closes:.0f}"),
-                Check("redis: written again after the restart", keys > 0, f"keys={keys}")]
+        run.facts.update(
+            breaker_opens=opens, breaker_closes=closes, redis_errors=failed, redis_keys_after=keys
+        )
+        return [
+            Check(
+                "redis: breaker opened on the dead server",
+                opens >= 1 and failed >= 1,
+                f"opens={opens:.0f} errors+timeouts={failed:.0f}",
+            ),
+            Check("redis: breaker closed after the restart", closes >= 1, f"closes={closes:.0f}"),
+            Check("redis: written again after the restart", keys > 0, f"keys={keys}"),
+        ]
 
 
 class DiskCorrupt(Fault):
-    name, what = "disk_corrupt", "every chunk file on disk damaged under the server (bytes flipped / truncated)"
+    name, what = (
+        "disk_corrupt",
+        "every chunk file on disk damaged under the server (bytes flipped / truncated)",
+    )
     seed = 2
 
     def inject(self, run: Run) -> None:
@@ -108,13 +121,25 @@ class DiskCorrupt(Fault):
     def checks(self, run: Run) -> list[Check]:
         corrupt = run.delta("kvtier:tier_corrupt_total", "fault", tier="disk")
         run.facts["corrupt_counted"] = corrupt
-        return [Check("disk: damaged files found", run.facts["files_damaged"] > 0, f"{run.facts['files_damaged']}"),
-                Check("disk: damaged files read as corrupt (counted, never served)", corrupt >= 1,
-                      f"corrupt={corrupt:.0f}")]
+        return [
+            Check(
+                "disk: damaged files found",
+                run.facts["files_damaged"] > 0,
+                f"{run.facts['files_damaged']}",
+            ),
+            Check(
+                "disk: damaged files read as corrupt (counted, never served)",
+                corrupt >= 1,
+                f"corrupt={corrupt:.0f}",
+            ),
+        ]
 
 
 class DiskFull(Fault):
-    name, what = "disk_full", "the disk tier's filesystem (a tmpfs) filled to the last byte, then freed"
+    name, what = (
+        "disk_full",
+        "the disk tier's filesystem (a tmpfs) filled to the last byte, then freed",
+    )
     seed = 3
     needs_tmpfs = True
 
@@ -128,11 +153,17 @@ class DiskFull(Fault):
         run.stack.disk.unfill()
 
     def checks(self, run: Run) -> list[Check]:
-        failed = run.delta("kvtier:tier_failures_total", "fault", "recovered", tier="disk", direction="store")
+        failed = run.delta(
+            "kvtier:tier_failures_total", "fault", "recovered", tier="disk", direction="store"
+        )
         stored = run.delta("kvtier:tier_chunks_total", "recovered", tier="disk", direction="store")
         run.facts.update(disk_store_failures=failed, disk_stores_after=stored)
-        return [Check("disk: stores failed while full (counted)", failed >= 1, f"failures={failed:.0f}"),
-                Check("disk: stores succeed again once freed", stored >= 1, f"stored={stored:.0f}")]
+        return [
+            Check(
+                "disk: stores failed while full (counted)", failed >= 1, f"failures={failed:.0f}"
+            ),
+            Check("disk: stores succeed again once freed", stored >= 1, f"stored={stored:.0f}"),
+        ]
 
 
 class _FlagFault(Fault):
@@ -168,10 +199,17 @@ class StuckStore(_FlagFault):
     def checks(self, run: Run) -> list[Check]:
         cancelled = run.delta("kvtier:cancelled_jobs_total", "fault")
         failed = run.delta("kvtier:transfer_failed_chunks_total", "fault", direction="store")
-        run.facts.update(stuck_stores=self.seen(run), cancelled_jobs=cancelled, failed_store_chunks=failed)
-        return [Check("stuck stores injected", self.seen(run) >= 1, f"stuck={self.seen(run)}"),
-                Check("stuck stores cancelled at their deadline, chunks dropped", cancelled >= 1 and failed >= 1,
-                      f"cancelled={cancelled:.0f} failed_chunks={failed:.0f}")]
+        run.facts.update(
+            stuck_stores=self.seen(run), cancelled_jobs=cancelled, failed_store_chunks=failed
+        )
+        return [
+            Check("stuck stores injected", self.seen(run) >= 1, f"stuck={self.seen(run)}"),
+            Check(
+                "stuck stores cancelled at their deadline, chunks dropped",
+                cancelled >= 1 and failed >= 1,
+                f"cancelled={cancelled:.0f} failed_chunks={failed:.0f}",
+            ),
+        ]
 
 
 class DelayedReports(_FlagFault):
@@ -181,17 +219,29 @@ class DelayedReports(_FlagFault):
 
     def env(self, flags_dir: Path, job_timeout_s: float) -> dict[str, str]:
         # a job expires job_timeout_s after its deadline, itself job_timeout_s after dispatch
-        return {**super().env(flags_dir, job_timeout_s), "KVTIER_TEST_REPORT_DELAY_S": str(3 * job_timeout_s + 1)}
+        return {
+            **super().env(flags_dir, job_timeout_s),
+            "KVTIER_TEST_REPORT_DELAY_S": str(3 * job_timeout_s + 1),
+        }
 
     def checks(self, run: Run) -> list[Check]:
         expired = run.delta("kvtier:expired_jobs_total", "fault")
         run.facts.update(delayed_reports=self.seen(run), expired_jobs=expired)
-        return [Check("reports delayed", self.seen(run) >= 1, f"delayed={self.seen(run)}"),
-                Check("jobs expired by the scheduler, late reports ignored", expired >= 1, f"expired={expired:.0f}")]
+        return [
+            Check("reports delayed", self.seen(run) >= 1, f"delayed={self.seen(run)}"),
+            Check(
+                "jobs expired by the scheduler, late reports ignored",
+                expired >= 1,
+                f"expired={expired:.0f}",
+            ),
+        ]
 
 
 class ResetPrefixCache(Fault):
-    name, what = "reset_prefix_cache", "POST /reset_prefix_cache?reset_external=true mid-run (3 times)"
+    name, what = (
+        "reset_prefix_cache",
+        "POST /reset_prefix_cache?reset_external=true mid-run (3 times)",
+    )
     seed = 5
 
     def env(self, flags_dir: Path, job_timeout_s: float) -> dict[str, str]:
@@ -206,7 +256,9 @@ class ResetPrefixCache(Fault):
     def inject(self, run: Run) -> None:
         run.at(0.25)
         run.snap("fault")
-        self._reset(run, running=False)  # requests running: vLLM's own cache refuses, kvtier's resets
+        self._reset(
+            run, running=False
+        )  # requests running: vLLM's own cache refuses, kvtier's resets
         run.at(0.4)
         self._reset(run, running=True)  # running requests preempted, then both reset
         run.at(0.55)
@@ -221,19 +273,34 @@ class ResetPrefixCache(Fault):
     def _look(self, run: Run) -> None:
         """After a reset nothing old is served: every tier is empty and a served prompt is computed anew."""
         redis, disk = run.stack.redis, run.stack.disk.path
-        run.facts["tiers_emptied"] = wait_until(lambda: redis.num_keys() == 0 and not chunk_files(disk), 30)
-        run.facts["redis_keys_after_reset"], run.facts["disk_files_after_reset"] = \
-            redis.num_keys(), len(chunk_files(disk))
+        run.facts["tiers_emptied"] = wait_until(
+            lambda: redis.num_keys() == 0 and not chunk_files(disk), 30
+        )
+        run.facts["redis_keys_after_reset"], run.facts["disk_files_after_reset"] = (
+            redis.num_keys(),
+            len(chunk_files(disk)),
+        )
         run.facts["probe_cached_tokens"], run.facts["probe_equal"] = resend_served_prompt(run)
 
     def checks(self, run: Run) -> list[Check]:
         f = run.facts
-        return [Check("reset: accepted over the API", bool(f.get("quiet_reset")), ", ".join(f.get("resets", []))),
-                Check("reset: Redis and disk emptied", bool(f.get("tiers_emptied")),
-                      f"redis keys={f.get('redis_keys_after_reset')} disk files={f.get('disk_files_after_reset')}"),
-                Check("reset: a served prompt is recomputed, same output",
-                      f.get("probe_cached_tokens") == 0 and bool(f.get("probe_equal")),
-                      f"cached={f.get('probe_cached_tokens')} equal={f.get('probe_equal')}")]
+        return [
+            Check(
+                "reset: accepted over the API",
+                bool(f.get("quiet_reset")),
+                ", ".join(f.get("resets", [])),
+            ),
+            Check(
+                "reset: Redis and disk emptied",
+                bool(f.get("tiers_emptied")),
+                f"redis keys={f.get('redis_keys_after_reset')} disk files={f.get('disk_files_after_reset')}",
+            ),
+            Check(
+                "reset: a served prompt is recomputed, same output",
+                f.get("probe_cached_tokens") == 0 and bool(f.get("probe_equal")),
+                f"cached={f.get('probe_cached_tokens')} equal={f.get('probe_equal')}",
+            ),
+        ]
 
 
 class SigtermRestart(Fault):
@@ -255,8 +322,11 @@ class SigtermRestart(Fault):
             run.facts["exit_status"] = engine.stop(signal.SIGTERM)
             run.facts["shm_left"] = sorted(n for n in shm if Path("/dev/shm", n).exists())
             num_tmp, bad = disk_leftovers(run.stack.disk.path)
-            run.facts.update(tmp_files_left=num_tmp, torn_files=len(bad),
-                             files_on_disk=len(chunk_files(run.stack.disk.path)))
+            run.facts.update(
+                tmp_files_left=num_tmp,
+                torn_files=len(bad),
+                files_on_disk=len(chunk_files(run.stack.disk.path)),
+            )
             engine.start()
             run.facts["restarted_at"] = round(time.monotonic(), 1)
             run.snap("restarted")
@@ -271,21 +341,37 @@ class SigtermRestart(Fault):
 
     def checks(self, run: Run) -> list[Check]:
         f = run.facts
-        warm = run.delta("kvtier:tier_chunks_total", "restarted", "probed", tier="disk", direction="load")
+        warm = run.delta(
+            "kvtier:tier_chunks_total", "restarted", "probed", tier="disk", direction="load"
+        )
         loads = run.delta("kvtier:tier_chunks_total", "restarted", tier="disk", direction="load")
         corrupt = run.delta("kvtier:tier_corrupt_total", "restarted", tier="disk")
-        f.update(probe_disk_loads=warm, disk_loads_after_restart=loads,
-                 retried=sum(o.attempts > 1 for o in run.clients.outcomes))
-        return [Check("sigterm: graceful exit", f["exit_status"] == 0, f"exit status {f['exit_status']}"),
-                Check("sigterm: no shared memory, temp or torn file left", not f["shm_left"] and
-                      f["tmp_files_left"] == 0 and f["torn_files"] == 0,
-                      f"shm={f['shm_left']} tmp={f['tmp_files_left']} torn={f['torn_files']}"),
-                Check("restart: warm from the old server's disk files, same output",
-                      warm >= 1 and f["probe_cached_tokens"] > 0 and f["probe_equal"],
-                      f"files={f['files_on_disk']} probe: disk loads={warm:.0f} cached={f['probe_cached_tokens']} "
-                      f"equal={f['probe_equal']}"),
-                Check("restart: nothing corrupt read", corrupt == 0,
-                      f"disk loads after restart={loads:.0f} corrupt={corrupt:.0f}")]
+        f.update(
+            probe_disk_loads=warm,
+            disk_loads_after_restart=loads,
+            retried=sum(o.attempts > 1 for o in run.clients.outcomes),
+        )
+        return [
+            Check(
+                "sigterm: graceful exit", f["exit_status"] == 0, f"exit status {f['exit_status']}"
+            ),
+            Check(
+                "sigterm: no shared memory, temp or torn file left",
+                not f["shm_left"] and f["tmp_files_left"] == 0 and f["torn_files"] == 0,
+                f"shm={f['shm_left']} tmp={f['tmp_files_left']} torn={f['torn_files']}",
+            ),
+            Check(
+                "restart: warm from the old server's disk files, same output",
+                warm >= 1 and f["probe_cached_tokens"] > 0 and f["probe_equal"],
+                f"files={f['files_on_disk']} probe: disk loads={warm:.0f} cached={f['probe_cached_tokens']} "
+                f"equal={f['probe_equal']}",
+            ),
+            Check(
+                "restart: nothing corrupt read",
+                corrupt == 0,
+                f"disk loads after restart={loads:.0f} corrupt={corrupt:.0f}",
+            ),
+        ]
 
 
 class NoFault(Fault):
@@ -296,5 +382,16 @@ class NoFault(Fault):
         pass
 
 
-FAULTS: dict[str, Fault] = {f.name: f for f in (RedisKill(), DiskCorrupt(), DiskFull(), StuckStore(), DelayedReports(),
-                                                 ResetPrefixCache(), SigtermRestart(), NoFault())}
+FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in (
+        RedisKill(),
+        DiskCorrupt(),
+        DiskFull(),
+        StuckStore(),
+        DelayedReports(),
+        ResetPrefixCache(),
+        SigtermRestart(),
+        NoFault(),
+    )
+}

@@ -46,14 +46,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def table(report: RunReport) -> str:
-    lines = [f"== {report.fault}: {FAULTS[report.fault].what}",
-             f"   {report.requests} requests, {report.completed} completed, {report.compared} compared, "
-             f"{report.mismatches} mismatches, {report.retried} retried, {report.hit_tokens:.0f} kvtier hit tokens, "
-             f"max RSS {report.max_rss_mib:.0f} MiB, {report.seconds:.0f} s"]
+    lines = [
+        f"== {report.fault}: {FAULTS[report.fault].what}",
+        f"   {report.requests} requests, {report.completed} completed, {report.compared} compared, "
+        f"{report.mismatches} mismatches, {report.retried} retried, {report.hit_tokens:.0f} kvtier hit tokens, "
+        f"max RSS {report.max_rss_mib:.0f} MiB, {report.seconds:.0f} s",
+    ]
     lines += [f"   [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}" for c in report.checks]
     if report.facts.get("rss_growth_mib_by_process"):
         lines.append(f"   RSS growth by process, MiB: {report.facts['rss_growth_mib_by_process']}")
-    shown = {k: v for k, v in report.facts.items() if k in ("mismatched", "errors", "sigterm_at", "restarted_at")}
+    shown = {
+        k: v
+        for k, v in report.facts.items()
+        if k in ("mismatched", "errors", "sigterm_at", "restarted_at")
+    }
     if shown and not report.ok:
         lines.append(f"   facts: {shown}")
     return "\n".join(lines)
@@ -61,8 +67,12 @@ def table(report: RunReport) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fault", action="append", choices=sorted(FAULTS), default=[], help="a fault (repeatable)")
-    parser.add_argument("--all", action="store_true", help="every fault, one run each ('none' not included)")
+    parser.add_argument(
+        "--fault", action="append", choices=sorted(FAULTS), default=[], help="a fault (repeatable)"
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="every fault, one run each ('none' not included)"
+    )
     parser.add_argument("--quick", action="store_true", help="the small workload `make test` runs")
     parser.add_argument("--requests", type=int, help="requests per run")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "soak", help="logs go here")
@@ -79,13 +89,19 @@ def main(argv: list[str] | None = None) -> int:
 def _soak(cfg: SoakConfig, faults: list[Fault], out: Path) -> int:
     from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
 
-    model = ensure_tiny_llama(Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier")))
-    print(f"soak: {len(faults)} run(s) of {cfg.num_requests} requests, {cfg.concurrency} clients; logs in {out}")
+    model = ensure_tiny_llama(
+        Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier"))
+    )
+    print(
+        f"soak: {len(faults)} run(s) of {cfg.num_requests} requests, {cfg.concurrency} clients; logs in {out}"
+    )
     baseline = start_baseline(model, cfg, out)
     try:
         baselines, cores = {}, baseline.core_ids()
         for fault in faults:
-            baselines.update(baseline_outputs(baseline, cfg.workload_for(fault.name), cfg.concurrency))
+            baselines.update(
+                baseline_outputs(baseline, cfg.workload_for(fault.name), cfg.concurrency)
+            )
         print(f"baseline: {len(baselines)} distinct prompts answered, core ids {cores}", flush=True)
     finally:
         baseline.stop()
@@ -95,8 +111,14 @@ def _soak(cfg: SoakConfig, faults: list[Fault], out: Path) -> int:
         report = RunReport(fault.name, cfg.num_requests)
         try:
             report = run_fault(stack, cfg, fault, baselines)
-            report.checks.insert(0, Check("both servers on the same cores", stack.engine.core_ids() == cores,
-                                          f"{stack.engine.core_ids()} vs {cores}"))
+            report.checks.insert(
+                0,
+                Check(
+                    "both servers on the same cores",
+                    stack.engine.core_ids() == cores,
+                    f"{stack.engine.core_ids()} vs {cores}",
+                ),
+            )
         finally:
             report.checks += close_stack(stack, report.facts.get("damaged_paths", set()))
         reports.append(report)
@@ -105,15 +127,21 @@ def _soak(cfg: SoakConfig, faults: list[Fault], out: Path) -> int:
 
 
 def _summary(reports: list[RunReport]) -> int:
-    print("\n| fault | requests | completed | compared | mismatches | retried | hit tokens | max RSS MiB | "
-          "RSS growth MiB | checks |")
+    print(
+        "\n| fault | requests | completed | compared | mismatches | retried | hit tokens | max RSS MiB | "
+        "RSS growth MiB | checks |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in reports:
         checks = "all ok" if r.ok else "FAILED: " + "; ".join(c.name for c in r.failed())
-        print(f"| {r.fault} | {r.requests} | {r.completed} | {r.compared} | {r.mismatches} | {r.retried} | "
-              f"{r.hit_tokens:.0f} | {r.max_rss_mib:.0f} | {r.rss_growth_mib} | {checks} |")
+        print(
+            f"| {r.fault} | {r.requests} | {r.completed} | {r.compared} | {r.mismatches} | {r.retried} | "
+            f"{r.hit_tokens:.0f} | {r.max_rss_mib:.0f} | {r.rss_growth_mib} | {checks} |"
+        )
     total = {k: sum(getattr(r, k) for r in reports) for k in ("requests", "compared", "mismatches")}
     max_rss = max((r.max_rss_mib for r in reports), default=0.0)
-    print(f"RESULT requests={total['requests']} faults={len(reports)} compared={total['compared']} "
-          f"mismatches={total['mismatches']} max_rss_mib={max_rss:.0f}")
+    print(
+        f"RESULT requests={total['requests']} faults={len(reports)} compared={total['compared']} "
+        f"mismatches={total['mismatches']} max_rss_mib={max_rss:.0f}"
+    )
     return 0 if all(r.ok for r in reports) else 1

@@ -64,10 +64,18 @@ def compare_outputs(report: RunReport, clients: Clients, baselines: dict) -> Non
             if outcome.token_ids != expected:
                 report.mismatches += 1
                 pairs = enumerate(zip(expected, outcome.token_ids, strict=False))
-                first = next((i for i, (a, b) in pairs if a != b), min(len(expected), len(outcome.token_ids)))
+                first = next(
+                    (i for i, (a, b) in pairs if a != b), min(len(expected), len(outcome.token_ids))
+                )
                 report.facts.setdefault("mismatched", []).append(
-                    {"prompt_tokens": len(outcome.prompt), "cached_tokens": outcome.cached_tokens,
-                     "attempts": outcome.attempts, "first_diff": first, "ended_at": round(outcome.ended_at, 1)})
+                    {
+                        "prompt_tokens": len(outcome.prompt),
+                        "cached_tokens": outcome.cached_tokens,
+                        "attempts": outcome.attempts,
+                        "first_diff": first,
+                        "ended_at": round(outcome.ended_at, 1),
+                    }
+                )
 
 
 def record_rss(report: RunReport, sampler: RssSampler, last_start: int) -> None:
@@ -75,16 +83,22 @@ def record_rss(report: RunReport, sampler: RssSampler, last_start: int) -> None:
     the middle third's (the first third is warm-up: the CPU tier's slab and vLLM fill up), for
     the tree, for vLLM's worker(s) and for the other processes, and per process."""
     samples = [rss for _, start, rss in sampler.samples if start == last_start]
-    report.max_rss_mib = max((sum(rss.values()) / 2**20 for _, _, rss in sampler.samples), default=0.0)
+    report.max_rss_mib = max(
+        (sum(rss.values()) / 2**20 for _, _, rss in sampler.samples), default=0.0
+    )
     report.facts["rss_samples"] = len(samples)
     report.rss_growth_mib = _growth([sum(rss.values()) for rss in samples])
     if report.rss_growth_mib is None:
         return
-    report.worker_rss_growth_mib = _growth([sum(v for n, v in rss.items() if _is_worker(n)) for rss in samples])
-    report.scheduler_rss_growth_mib = _growth([sum(v for n, v in rss.items() if not _is_worker(n))
-                                               for rss in samples])
+    report.worker_rss_growth_mib = _growth(
+        [sum(v for n, v in rss.items() if _is_worker(n)) for rss in samples]
+    )
+    report.scheduler_rss_growth_mib = _growth(
+        [sum(v for n, v in rss.items() if not _is_worker(n)) for rss in samples]
+    )
     report.facts["rss_growth_mib_by_process"] = {
-        name: _growth([rss.get(name, 0) for rss in samples]) for name in samples[-1]}
+        name: _growth([rss.get(name, 0) for rss in samples]) for name in samples[-1]
+    }
 
 
 def _is_worker(process: str) -> bool:
@@ -95,8 +109,17 @@ def write_rss_csv(path: Path, sampler: RssSampler) -> None:
     """Every sample: seconds, server start, MiB of the tree and of each process."""
     names = sorted({name for _, _, rss in sampler.samples for name in rss})
     rows = [",".join(["t_s", "start", "total_mib", *names])]
-    rows += [",".join([f"{t:.2f}", str(start), f"{sum(rss.values()) / 2**20:.1f}",
-                       *(f"{rss.get(n, 0) / 2**20:.1f}" for n in names)]) for t, start, rss in sampler.samples]
+    rows += [
+        ",".join(
+            [
+                f"{t:.2f}",
+                str(start),
+                f"{sum(rss.values()) / 2**20:.1f}",
+                *(f"{rss.get(n, 0) / 2**20:.1f}" for n in names),
+            ]
+        )
+        for t, start, rss in sampler.samples
+    ]
     path.write_text("\n".join(rows) + "\n")
 
 
@@ -104,4 +127,8 @@ def _growth(values: list[int]) -> float | None:
     third = len(values) // 3
     if third < 3:
         return None
-    return round((statistics.fmean(values[2 * third:]) - statistics.fmean(values[third:2 * third])) / 2**20, 1)
+    return round(
+        (statistics.fmean(values[2 * third :]) - statistics.fmean(values[third : 2 * third]))
+        / 2**20,
+        1,
+    )

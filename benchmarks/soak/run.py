@@ -30,7 +30,15 @@ if TYPE_CHECKING:  # faults.py and config.py import this module
     from .config import SoakConfig
     from .faults import Fault
 
-__all__ = ["Run", "Stack", "chunk_files", "disk_leftovers", "resend_served_prompt", "run_fault", "wait_until"]
+__all__ = [
+    "Run",
+    "Stack",
+    "chunk_files",
+    "disk_leftovers",
+    "resend_served_prompt",
+    "run_fault",
+    "wait_until",
+]
 
 
 @dataclass
@@ -52,7 +60,9 @@ class Run:
     num_requests: int
     baselines: dict
     timeout_s: float
-    snapshots: dict[str, tuple[int, Metrics]] = field(default_factory=dict)  # label -> (server start, page)
+    snapshots: dict[str, tuple[int, Metrics]] = field(
+        default_factory=dict
+    )  # label -> (server start, page)
     facts: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -78,8 +88,14 @@ class Run:
 def run_fault(stack: Stack, cfg: SoakConfig, fault: Fault, baselines: dict) -> RunReport:
     """Replay `cfg.num_requests` requests against the stack's server while `fault` strikes; check."""
     workload = cfg.workload_for(fault.name)
-    clients = Clients(stack.engine, workload.sessions(cfg.num_requests, seed=workload.seed), cfg.concurrency,
-                      workload.max_tokens, active=cfg.active_conversations, retry=fault.retry)
+    clients = Clients(
+        stack.engine,
+        workload.sessions(cfg.num_requests, seed=workload.seed),
+        cfg.concurrency,
+        workload.max_tokens,
+        active=cfg.active_conversations,
+        retry=fault.retry,
+    )
     run = Run(stack, clients, cfg.num_requests, baselines, cfg.run_timeout_s)
     started = time.monotonic()
     run.snap("start")
@@ -92,28 +108,46 @@ def run_fault(stack: Stack, cfg: SoakConfig, fault: Fault, baselines: dict) -> R
         joined = clients.join(cfg.run_timeout_s)
     settled = _settle(run, fault)
     sampler.stop()
-    report = RunReport(fault.name, cfg.num_requests, seconds=time.monotonic() - started, facts=run.facts)
+    report = RunReport(
+        fault.name, cfg.num_requests, seconds=time.monotonic() - started, facts=run.facts
+    )
     compare_outputs(report, clients, baselines)
     record_rss(report, sampler, stack.engine.num_starts)
     write_rss_csv(stack.engine.log_path.with_name(f"rss-{fault.name}.csv"), sampler)
     report.hit_tokens = run.delta("kvtier:hit_tokens_total", "start")
     end = run.snapshots["end"][1]
     report.checks = [
-        Check("all requests completed", joined and report.completed == report.requests,
-              f"{report.completed}/{report.requests}" + ("" if joined else " (clients still running)")),
-        Check("outputs equal the baseline", report.compared == report.completed and report.mismatches == 0,
-              f"compared={report.compared} mismatches={report.mismatches}"),
+        Check(
+            "all requests completed",
+            joined and report.completed == report.requests,
+            f"{report.completed}/{report.requests}"
+            + ("" if joined else " (clients still running)"),
+        ),
+        Check(
+            "outputs equal the baseline",
+            report.compared == report.completed and report.mismatches == 0,
+            f"compared={report.compared} mismatches={report.mismatches}",
+        ),
         Check("kvtier served hits", report.hit_tokens > 0, f"hit tokens={report.hit_tokens:.0f}"),
-        Check("end: no job in flight, no slot pinned", settled,
-              " ".join(f"{n}={end.sum('kvtier:' + n):.0f}" for n in ("jobs_in_flight", "tier_jobs_in_flight",
-                                                                      "pinned_slots"))
-              + ("" if end.has("kvtier:jobs_in_flight") else " (no jobs_in_flight gauge)")),
-        Check("memory: no growth after warm-up", report.rss_growth_mib is not None
-              and report.scheduler_rss_growth_mib <= cfg.rss_tolerance_mib
-              and report.worker_rss_growth_mib <= cfg.worker_rss_tolerance_mib,
-              f"max {report.max_rss_mib:.0f} MiB; growth: API server + engine core "
-              f"{report.scheduler_rss_growth_mib} MiB, worker {report.worker_rss_growth_mib} MiB"),
-        *fault.checks(run)]
+        Check(
+            "end: no job in flight, no slot pinned",
+            settled,
+            " ".join(
+                f"{n}={end.sum('kvtier:' + n):.0f}"
+                for n in ("jobs_in_flight", "tier_jobs_in_flight", "pinned_slots")
+            )
+            + ("" if end.has("kvtier:jobs_in_flight") else " (no jobs_in_flight gauge)"),
+        ),
+        Check(
+            "memory: no growth after warm-up",
+            report.rss_growth_mib is not None
+            and report.scheduler_rss_growth_mib <= cfg.rss_tolerance_mib
+            and report.worker_rss_growth_mib <= cfg.worker_rss_tolerance_mib,
+            f"max {report.max_rss_mib:.0f} MiB; growth: API server + engine core "
+            f"{report.scheduler_rss_growth_mib} MiB, worker {report.worker_rss_growth_mib} MiB",
+        ),
+        *fault.checks(run),
+    ]
     return report
 
 
@@ -128,17 +162,36 @@ def _settle(run: Run, fault: Fault, timeout_s: float = 90.0) -> bool:
 
     def quiet() -> bool:
         page = run.snap("end")
-        done = all(page.sum(f"kvtier:{n}") == 0 for n in ("jobs_in_flight", "tier_jobs_in_flight", "pinned_slots"))
+        done = all(
+            page.sum(f"kvtier:{n}") == 0
+            for n in ("jobs_in_flight", "tier_jobs_in_flight", "pinned_slots")
+        )
         if done and fault.settled(page) and page.has("kvtier:jobs_in_flight"):
             return True
         with contextlib.suppress(OSError):
-            run.engine.post("/v1/completions", {"model": "tiny", "prompt": fresh_tokens(4, next(probes)),
-                                                "max_tokens": 1, "temperature": 0.0}, timeout=120)
+            run.engine.post(
+                "/v1/completions",
+                {
+                    "model": "tiny",
+                    "prompt": fresh_tokens(4, next(probes)),
+                    "max_tokens": 1,
+                    "temperature": 0.0,
+                },
+                timeout=120,
+            )
         return False
 
     with contextlib.suppress(OSError):
-        run.engine.post("/v1/completions", {"model": "tiny", "prompt": fresh_tokens(2 * 128 + 16, -1),
-                                            "max_tokens": 1, "temperature": 0.0}, timeout=300)
+        run.engine.post(
+            "/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": fresh_tokens(2 * 128 + 16, -1),
+                "max_tokens": 1,
+                "temperature": 0.0,
+            },
+            timeout=300,
+        )
     ok = wait_until(quiet, timeout_s, 1.0)
     if not ok:
         run.snap("end")
@@ -175,10 +228,21 @@ def resend_served_prompt(run: Run) -> tuple[int, bool]:
     """Send again the first prompt of the run that was answered: (cached prompt tokens, output equal
     to the baseline's). Only meaningful while the clients are paused (nothing else runs)."""
     prompt = next(o.prompt for o in run.clients.outcomes if o.token_ids is not None)
-    status, reply = run.engine.post("/v1/completions", {
-        "model": "tiny", "prompt": list(prompt), "max_tokens": len(run.baselines[prompt]), "temperature": 0.0,
-        "seed": 0, "ignore_eos": True, "return_token_ids": True})
+    status, reply = run.engine.post(
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": list(prompt),
+            "max_tokens": len(run.baselines[prompt]),
+            "temperature": 0.0,
+            "seed": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     if status != 200:
         return 0, False
     details = reply.get("usage", {}).get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0), reply["choices"][0]["token_ids"] == run.baselines[prompt]
+    return int(details.get("cached_tokens") or 0), reply["choices"][0][
+        "token_ids"
+    ] == run.baselines[prompt]

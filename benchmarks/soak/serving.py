@@ -33,7 +33,9 @@ from pathlib import Path
 __all__ = ["EngineSpec", "Metrics", "ServedEngine", "is_alive"]
 
 KVTIER = str(Path(sys.executable).parent / "kvtier")
-TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"  # the fault-injecting connectors live there
+TESTS_DIR = (
+    Path(__file__).resolve().parents[2] / "tests"
+)  # the fault-injecting connectors live there
 DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
 # a kvtier server's --shutdown-timeout: how long a stopped engine drains its requests and its
 # processes get to exit on their own (idle: ~4 s), before vLLM kills the EngineCore, which then
@@ -58,10 +60,16 @@ class Metrics:
         for line in text.splitlines():
             m = _SAMPLE.match(line)
             if m and not line.startswith("#"):
-                self.samples.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
+                self.samples.append(
+                    (m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3)))
+                )
 
     def sum(self, name: str, **labels: str) -> float:
-        return sum(v for n, lab, v in self.samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
+        return sum(
+            v
+            for n, lab, v in self.samples
+            if n == name and all(lab.get(k) == x for k, x in labels.items())
+        )
 
     def has(self, name: str) -> bool:
         return any(n == name for n, _, _ in self.samples)
@@ -73,17 +81,37 @@ class EngineSpec:
 
     model: Path
     kvtier: dict | None = None  # kv_connector_extra_config; None: the baseline, stock vLLM
-    connector: str | None = None  # a class of tests/kvtier_fault_connector.py instead of KVTierConnector
+    connector: str | None = (
+        None  # a class of tests/kvtier_fault_connector.py instead of KVTierConnector
+    )
     num_gpu_blocks: int = 40  # vLLM's KV cache, in blocks of 128 tokens: small, so it evicts
     max_model_len: int = 2048
     max_num_seqs: int = 4
     env: dict[str, str] = field(default_factory=dict)
 
     def argv(self, port: int) -> list[str]:
-        vllm = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--skip-tokenizer-init",
-                "--dtype", "float32", "--max-model-len", str(self.max_model_len), "--enforce-eager", "--seed", "0",
-                "--num-gpu-blocks-override", str(self.num_gpu_blocks), "--max-num-seqs", str(self.max_num_seqs),
-                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+        vllm = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--num-gpu-blocks-override",
+            str(self.num_gpu_blocks),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+        ]
         if self.kvtier is None:
             return [KVTIER, "vllm", "serve", str(self.model), *vllm]
         vllm += ["--shutdown-timeout", str(SHUTDOWN_GRACE_S)]
@@ -91,9 +119,20 @@ class EngineSpec:
             return [KVTIER, "serve", str(self.model), *vllm, *_flags(self.kvtier)]
         from kvtier.cli.config import transfer_config
 
-        config = {**transfer_config(self.kvtier), "kv_connector": self.connector,
-                  "kv_connector_module_path": "kvtier_fault_connector"}
-        return [KVTIER, "vllm", "serve", str(self.model), *vllm, "--kv-transfer-config", json.dumps(config)]
+        config = {
+            **transfer_config(self.kvtier),
+            "kv_connector": self.connector,
+            "kv_connector_module_path": "kvtier_fault_connector",
+        }
+        return [
+            KVTIER,
+            "vllm",
+            "serve",
+            str(self.model),
+            *vllm,
+            "--kv-transfer-config",
+            json.dumps(config),
+        ]
 
 
 def _flags(extra: dict) -> list[str]:
@@ -129,16 +168,30 @@ class ServedEngine:
         """Start the server (again, on the same port) and return once `/health` answers."""
         from kvtier.integrations.vllm.binding import RESERVED_CPUS_ENV
 
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "KVTIER_SOAK_SERVER": "1",
-               "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(SHUTDOWN_GRACE_S // 2), **self.spec.env}
-        env.setdefault(RESERVED_CPUS_ENV, "1")  # both servers compute on the same cores (see binding.py)
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "KVTIER_SOAK_SERVER": "1",
+            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(SHUTDOWN_GRACE_S // 2),
+            **self.spec.env,
+        }
+        env.setdefault(
+            RESERVED_CPUS_ENV, "1"
+        )  # both servers compute on the same cores (see binding.py)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("a")
-        self._log.write(f"\n===== start {self.num_starts + 1}: {' '.join(self.spec.argv(self.port))}\n")
+        self._log.write(
+            f"\n===== start {self.num_starts + 1}: {' '.join(self.spec.argv(self.port))}\n"
+        )
         self._log.flush()
-        self.process = subprocess.Popen(DIE_WITH_PARENT + self.spec.argv(self.port), env=env, stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            DIE_WITH_PARENT + self.spec.argv(self.port),
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.num_starts += 1
         self._wait_ready()
 
@@ -146,14 +199,18 @@ class ServedEngine:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode} at start:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"server exited with {self.process.returncode} at start:\n{self.log_tail()}"
+                )
             with contextlib.suppress(OSError):
                 if self.get("/health", timeout=5)[0] == 200:
                     self.ready = True
                     return
             time.sleep(1.0)
         self.stop(signal.SIGKILL)
-        raise RuntimeError(f"server not ready after {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"server not ready after {self.start_timeout_s:.0f} s:\n{self.log_tail()}"
+        )
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90.0) -> int | None:
         """Send `sig`; wait (bounded) for the server and every process it started. Returns its exit
@@ -194,7 +251,9 @@ class ServedEngine:
     def post(self, path: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, dict]:
         """POST JSON; (status, parsed body). HTTP errors are returned; connection errors raise OSError."""
         data = json.dumps(body or {}).encode()
-        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.status, json.loads(response.read() or b"{}")
@@ -247,7 +306,10 @@ class ServedEngine:
         from kvtier.integrations.vllm.binding import _CORE_IDS
 
         text = self.log_path.read_text(errors="replace").rsplit("===== start", 1)[-1]
-        ranks = {int(r): [int(i) for i in ids.replace(" ", "").split(",") if i] for r, ids in _CORE_IDS.findall(text)}
+        ranks = {
+            int(r): [int(i) for i in ids.replace(" ", "").split(",") if i]
+            for r, ids in _CORE_IDS.findall(text)
+        }
         return [ranks[r] for r in sorted(ranks)]
 
     def log_tail(self, num_lines: int = 40) -> str:

@@ -23,7 +23,9 @@ __all__ = ["close_stack", "open_stack", "start_baseline"]
 
 
 def _spec(model: Path, cfg: SoakConfig, kvtier: dict | None = None, **kwargs) -> EngineSpec:
-    return EngineSpec(model, kvtier, num_gpu_blocks=cfg.num_gpu_blocks, max_num_seqs=cfg.concurrency, **kwargs)
+    return EngineSpec(
+        model, kvtier, num_gpu_blocks=cfg.num_gpu_blocks, max_num_seqs=cfg.concurrency, **kwargs
+    )
 
 
 def start_baseline(model: Path, cfg: SoakConfig, log_dir: Path) -> ServedEngine:
@@ -42,10 +44,17 @@ def open_stack(model: Path, cfg: SoakConfig, log_dir: Path, faults: list[Fault] 
     disk = DiskDir(cfg.tmpfs_bytes if any(f.needs_tmpfs for f in faults) else None)
     flags = Path(tempfile.mkdtemp(prefix="kvtier-soak-flags-"))
     env = {k: v for f in faults for k, v in f.env(flags, cfg.job_timeout_s).items()}
-    settings = {"cpu_bytes": cfg.cpu_bytes, "disk_path": str(disk.path), "disk_bytes": cfg.disk_bytes,
-                "redis_url": redis.url, "job_timeout_s": cfg.job_timeout_s}
-    engine = ServedEngine(_spec(model, cfg, settings, connector=connectors.pop() if connectors else None, env=env),
-                          log_dir / "kvtier.log")
+    settings = {
+        "cpu_bytes": cfg.cpu_bytes,
+        "disk_path": str(disk.path),
+        "disk_bytes": cfg.disk_bytes,
+        "redis_url": redis.url,
+        "job_timeout_s": cfg.job_timeout_s,
+    }
+    engine = ServedEngine(
+        _spec(model, cfg, settings, connector=connectors.pop() if connectors else None, env=env),
+        log_dir / "kvtier.log",
+    )
     try:
         engine.start()
     except BaseException:
@@ -66,13 +75,23 @@ def close_stack(stack: Stack, damaged: set[str] = frozenset()) -> list[Check]:
         shm_left = sorted(n for n in shm if Path("/dev/shm", n).exists())
         alive = [pid for pid in tree if is_alive(pid)]
         num_tmp, bad = disk_leftovers(stack.disk.path)
-        torn = sorted(set(bad) - set(damaged))  # files the fault damaged and nothing read since stay bad
-        return [Check("shutdown: exit status 0", status == 0, f"status={status}"),
-                Check("shutdown: no process left", not alive, f"alive={alive}"),
-                Check("shutdown: no /dev/shm segment left", bool(shm) and not shm_left,
-                      f"mapped={sorted(shm)} left={shm_left}"),
-                Check("shutdown: no temp file, no torn chunk file", num_tmp == 0 and not torn,
-                      f"tmp={num_tmp} bad={torn[:3]}")]
+        torn = sorted(
+            set(bad) - set(damaged)
+        )  # files the fault damaged and nothing read since stay bad
+        return [
+            Check("shutdown: exit status 0", status == 0, f"status={status}"),
+            Check("shutdown: no process left", not alive, f"alive={alive}"),
+            Check(
+                "shutdown: no /dev/shm segment left",
+                bool(shm) and not shm_left,
+                f"mapped={sorted(shm)} left={shm_left}",
+            ),
+            Check(
+                "shutdown: no temp file, no torn chunk file",
+                num_tmp == 0 and not torn,
+                f"tmp={num_tmp} bad={torn[:3]}",
+            ),
+        ]
     finally:
         stack.redis.close()
         stack.disk.close()

@@ -123,8 +123,10 @@ class Clients:
         self._paused = False
         for _ in range(min(self.active, len(self.sessions))):
             self._start_session()
-        self._threads = [threading.Thread(target=self._run, name=f"soak-client-{i}", daemon=True)
-                         for i in range(self.concurrency)]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"soak-client-{i}", daemon=True)
+            for i in range(self.concurrency)
+        ]
 
     @property
     def num_done(self) -> int:
@@ -146,7 +148,9 @@ class Clients:
     def wait_done(self, num: int, timeout_s: float) -> bool:
         """Until `num` requests have ended (or all have); False at the timeout."""
         with self._lock:
-            return self._lock.wait_for(lambda: len(self.outcomes) >= num or self._all_done(), timeout_s)
+            return self._lock.wait_for(
+                lambda: len(self.outcomes) >= num or self._all_done(), timeout_s
+            )
 
     def pause(self) -> None:
         with self._lock:
@@ -196,21 +200,36 @@ class Clients:
     def _send(self, prompt: tuple[int, ...]) -> Outcome:
         outcome, started = Outcome(prompt), time.monotonic()
         while True:
-            with self._lock:  # a paused client waits, a retrying one too (bounded: resume always follows)
+            with (
+                self._lock
+            ):  # a paused client waits, a retrying one too (bounded: resume always follows)
                 self._lock.wait_for(lambda: not self._paused, self.retry_for_s)
             outcome.attempts += 1
             self._try(outcome)
-            if outcome.token_ids is not None or not self.retry or time.monotonic() - started > self.retry_for_s:
+            if (
+                outcome.token_ids is not None
+                or not self.retry
+                or time.monotonic() - started > self.retry_for_s
+            ):
                 outcome.ended_at = time.monotonic()
                 outcome.seconds = outcome.ended_at - started
                 return outcome
             time.sleep(1.0)  # the server is going down or coming back up
 
     def _try(self, outcome: Outcome) -> None:
-        body = {"model": "tiny", "prompt": list(outcome.prompt), "max_tokens": self.max_tokens, "temperature": 0.0,
-                "seed": 0, "ignore_eos": True, "return_token_ids": True}
+        body = {
+            "model": "tiny",
+            "prompt": list(outcome.prompt),
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "seed": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         try:
-            status, reply = self.server.post("/v1/completions", body, timeout=self.request_timeout_s)
+            status, reply = self.server.post(
+                "/v1/completions", body, timeout=self.request_timeout_s
+            )
         except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out
             outcome.error = f"{type(exc).__name__}: {exc}"
             return
@@ -228,10 +247,13 @@ class Clients:
         outcome.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
-def baseline_outputs(server, workload: Workload, concurrency: int, timeout_s: float = 1800.0
-                     ) -> dict[tuple[int, ...], list[int]]:
+def baseline_outputs(
+    server, workload: Workload, concurrency: int, timeout_s: float = 1800.0
+) -> dict[tuple[int, ...], list[int]]:
     """Every distinct prompt of `workload`, sent once (conversations in order) to `server`."""
-    clients = Clients(server, workload.conversations(), concurrency, workload.max_tokens, active=concurrency).start()
+    clients = Clients(
+        server, workload.conversations(), concurrency, workload.max_tokens, active=concurrency
+    ).start()
     if not clients.join(timeout_s):
         raise RuntimeError(f"the baseline server did not answer every prompt in {timeout_s:.0f} s")
     failed = [o.error for o in clients.outcomes if o.token_ids is None]

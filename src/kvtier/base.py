@@ -84,11 +84,17 @@ class ReqContext:
 
     def __post_init__(self) -> None:
         if not isinstance(self.req_id, str):
-            raise ConfigError(f"ReqContext.req_id must be the request id as a str, got {type(self.req_id).__name__}")
-        if self.on_behalf_of is not None and not (self.is_internal and isinstance(self.on_behalf_of, str)):
-            raise ConfigError("ReqContext.on_behalf_of names an engine request (a str) for kvtier's own context "
-                              f"(a req_id starting with NUL), got req_id={self.req_id!r}, "
-                              f"on_behalf_of={self.on_behalf_of!r}")
+            raise ConfigError(
+                f"ReqContext.req_id must be the request id as a str, got {type(self.req_id).__name__}"
+            )
+        if self.on_behalf_of is not None and not (
+            self.is_internal and isinstance(self.on_behalf_of, str)
+        ):
+            raise ConfigError(
+                "ReqContext.on_behalf_of names an engine request (a str) for kvtier's own context "
+                f"(a req_id starting with NUL), got req_id={self.req_id!r}, "
+                f"on_behalf_of={self.on_behalf_of!r}"
+            )
 
     @property
     def is_internal(self) -> bool:
@@ -195,7 +201,9 @@ class TierStats:
     used_bytes: int = 0
     queued_store_bytes: int = 0
     counters: Counter[str] = field(default_factory=Counter)
-    gauges: dict[str, float] = field(default_factory=dict)  # tier-specific states (e.g. breaker_open)
+    gauges: dict[str, float] = field(
+        default_factory=dict
+    )  # tier-specific states (e.g. breaker_open)
 
 
 NOT_KNOWN_YET = "?"  # `locate`: a tier is still checking whether it holds the key
@@ -238,7 +246,9 @@ class OffloadingManager(ABC):
         """Unpin `keys` after their load ended (successfully or not)."""
 
     @abstractmethod
-    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
         """Reserve slots for the keys not present nor in flight.
 
         Returns:
@@ -246,7 +256,9 @@ class OffloadingManager(ABC):
         """
 
     @abstractmethod
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
         """Make PENDING `keys` READY, or roll them back and free their slots."""
 
     def take_events(self) -> list[OffloadingEvent]:

@@ -24,7 +24,9 @@ from kvtier.tiers.tiered import TieredManager
 
 __all__ = ["SECONDARY_TIERS", "build_manager", "secondary_tiers"]
 
-Built = tuple[SecondaryTier, TierRules] | None  # None: a shared tier whose client could not even be built
+Built = (
+    tuple[SecondaryTier, TierRules] | None
+)  # None: a shared tier whose client could not even be built
 # each secondary tier: the `KVTierConfig` field of its slice, and how that slice builds it; searched in this order
 SECONDARY_TIERS: dict[str, Callable[[KVTierConfig, Namespace], Built]] = {
     "disk": lambda cfg, ns: cfg.disk.build(ns, enable_events=cfg.enable_events),
@@ -33,7 +35,9 @@ SECONDARY_TIERS: dict[str, Callable[[KVTierConfig, Namespace], Built]] = {
 }
 
 
-def secondary_tiers(cfg: KVTierConfig, namespace: Namespace) -> list[tuple[SecondaryTier, TierRules]]:
+def secondary_tiers(
+    cfg: KVTierConfig, namespace: Namespace
+) -> list[tuple[SecondaryTier, TierRules]]:
     """The configured secondary tiers, in lookup order, each with its cascade rules.
 
     Raises:
@@ -54,15 +58,30 @@ def secondary_tiers(cfg: KVTierConfig, namespace: Namespace) -> list[tuple[Secon
     return tiers
 
 
-def build_manager(cfg: KVTierConfig, num_slots: int, key_bytes: int, slabs: Sequence[np.ndarray],
-                  namespace: Namespace) -> OffloadingManager:
+def build_manager(
+    cfg: KVTierConfig,
+    num_slots: int,
+    key_bytes: int,
+    slabs: Sequence[np.ndarray],
+    namespace: Namespace,
+) -> OffloadingManager:
     """The CPU tier, behind a `TieredManager` when secondary tiers are configured."""
     slot_bytes = sum(slab.shape[1] for slab in slabs)
-    primary = CPUTierManager(num_slots, policy=cfg.eviction_policy, store_threshold=cfg.store_threshold,
-                             enable_events=cfg.enable_events, key_bytes=key_bytes,
-                             tenant_quotas=in_slots(dict(cfg.tenant_quotas), slot_bytes))
+    primary = CPUTierManager(
+        num_slots,
+        policy=cfg.eviction_policy,
+        store_threshold=cfg.store_threshold,
+        enable_events=cfg.enable_events,
+        key_bytes=key_bytes,
+        tenant_quotas=in_slots(dict(cfg.tenant_quotas), slot_bytes),
+    )
     tiers = secondary_tiers(cfg, namespace)
     if not tiers:
         return primary
-    return TieredManager(primary, slabs, tiers, max_promotion_bytes=cfg.promotion_bytes,
-                         job_timeout_s=cfg.job_timeout_s)
+    return TieredManager(
+        primary,
+        slabs,
+        tiers,
+        max_promotion_bytes=cfg.promotion_bytes,
+        job_timeout_s=cfg.job_timeout_s,
+    )

@@ -33,7 +33,9 @@ from typing import Any
 
 __all__ = ["HINT_NAMES", "NO_HINTS", "Hints", "parse_hints"]
 
-logger = logging.getLogger("kvtier.scheduler.params")  # where the other kv_transfer_params warnings go
+logger = logging.getLogger(
+    "kvtier.scheduler.params"
+)  # where the other kv_transfer_params warnings go
 
 HINT_NAMES = ("session", "retain_s", "priority", "next_turn_s", "end_session")
 MAX_SESSION_CHARS = 256
@@ -94,5 +96,10 @@ def _is_number(value: Any) -> bool:
 
 
 def _ignored(req_id: str, name: str, expected: str, got: Any) -> None:
-    logger.warning("request %s: kvtier hint %r must be %s, got %s; ignored", req_id, name, expected,
-                   reprlib.repr(got))
+    logger.warning(
+        "request %s: kvtier hint %r must be %s, got %s; ignored",
+        req_id,
+        name,
+        expected,
+        reprlib.repr(got),
+    )

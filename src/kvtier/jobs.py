@@ -29,7 +29,15 @@ import numpy as np
 
 from kvtier.errors import ConfigError
 
-__all__ = ["BlockIds", "Endpoint", "JobResult", "StepPlan", "TransferJob", "TransferPart", "check_slab_slots"]
+__all__ = [
+    "BlockIds",
+    "Endpoint",
+    "JobResult",
+    "StepPlan",
+    "TransferJob",
+    "TransferPart",
+    "check_slab_slots",
+]
 
 BlockIds = tuple[list[int], ...]  # one list of engine block ids per KV-cache group
 
@@ -63,8 +71,15 @@ class TransferPart:
     def __reduce__(self):
         """Pickled as raw int64 bytes: every step's plan crosses to the workers' processes, and
         numpy's own pickling of two small arrays costs several times more."""
-        return (_part_from_bytes, (self.group, np.ascontiguousarray(self.slot_ids, np.int64).tobytes(),
-                                   np.ascontiguousarray(self.block_ids, np.int64).tobytes(), self.skip_blocks))
+        return (
+            _part_from_bytes,
+            (
+                self.group,
+                np.ascontiguousarray(self.slot_ids, np.int64).tobytes(),
+                np.ascontiguousarray(self.block_ids, np.int64).tobytes(),
+                self.skip_blocks,
+            ),
+        )
 
     def chunk_pages(self, chunk: int) -> list[tuple[int, int]]:
         """(page in the slot, engine block) of every block chunk `chunk` moves."""
@@ -73,9 +88,15 @@ class TransferPart:
         return [(page, int(self.block_ids[chunk * bpc + page])) for page in range(first, bpc)]
 
 
-def _part_from_bytes(group: int, slot_ids: bytes, block_ids: bytes, skip_blocks: int) -> TransferPart:
-    return TransferPart(group=group, slot_ids=np.frombuffer(slot_ids, np.int64).copy(),
-                        block_ids=np.frombuffer(block_ids, np.int64).copy(), skip_blocks=skip_blocks)
+def _part_from_bytes(
+    group: int, slot_ids: bytes, block_ids: bytes, skip_blocks: int
+) -> TransferPart:
+    return TransferPart(
+        group=group,
+        slot_ids=np.frombuffer(slot_ids, np.int64).copy(),
+        block_ids=np.frombuffer(block_ids, np.int64).copy(),
+        skip_blocks=skip_blocks,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,11 +154,17 @@ class TransferJob:
 
     def failed(self, error: str) -> JobResult:
         """The result of this job when none of its chunks moved."""
-        return JobResult(job_id=self.job_id, failed_chunks=tuple(range(self.num_chunks)), error=error)
+        return JobResult(
+            job_id=self.job_id, failed_chunks=tuple(range(self.num_chunks)), error=error
+        )
 
     def read_blocks(self) -> set[int]:
         """Engine blocks a store reads."""
-        return {int(b) for part in self.parts for b in part.block_ids.tolist()} if self.is_store else set()
+        return (
+            {int(b) for part in self.parts for b in part.block_ids.tolist()}
+            if self.is_store
+            else set()
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -201,4 +228,5 @@ def check_slab_slots(scheduler_slots: int, worker_slots: Iterable[int]) -> None:
         raise ConfigError(
             f"kvtier: a worker's host slab has {wrong[0]} slots where the scheduler counts {scheduler_slots}: the "
             "slot ids in its jobs would not fit. Every worker must see the same KV-cache layout (pipeline-parallel "
-            "stages with different layers are not supported)")
+            "stages with different layers are not supported)"
+        )

@@ -152,7 +152,9 @@ class BlockHasher:
         if block_size <= 0:
             raise ConfigError(f"block_size must be a positive number of tokens, got {block_size}")
         if secret is not None and len(secret) < 16:
-            raise ConfigError("the keyed-hash secret must be at least 16 bytes; generate one with os.urandom(32)")
+            raise ConfigError(
+                "the keyed-hash secret must be at least 16 bytes; generate one with os.urandom(32)"
+            )
         self.block_size = block_size
         self.secret = secret
         self.root = none_hash(seed)

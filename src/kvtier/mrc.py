@@ -55,8 +55,17 @@ class MissRatioCurve:
         max_samples: sampled keys kept at most (bounds memory; more is more accurate).
     """
 
-    __slots__ = ("_cold", "_heap", "_histogram", "_last", "_rate", "_threshold", "_uses", "max_samples",
-                 "num_lookups")
+    __slots__ = (
+        "_cold",
+        "_heap",
+        "_histogram",
+        "_last",
+        "_rate",
+        "_threshold",
+        "_uses",
+        "max_samples",
+        "num_lookups",
+    )
 
     def __init__(self, max_samples: int = DEFAULT_MAX_SAMPLES):
         if max_samples < 1:
@@ -104,7 +113,9 @@ class MissRatioCurve:
                 hits += weight * (capacity - low) / (high - low)
         return min(1.0, max(0.0, hits / num_lookups))
 
-    def curve(self, capacity: float, factors: Sequence[float] = CAPACITY_FACTORS) -> dict[float, float]:
+    def curve(
+        self, capacity: float, factors: Sequence[float] = CAPACITY_FACTORS
+    ) -> dict[float, float]:
         """{factor: predicted hit ratio at factor x `capacity` chunks}."""
         return {f: self.hit_ratio(f * capacity) for f in factors}
 
@@ -140,7 +151,9 @@ class MissRatioCurve:
         if distance < _EXACT_BUCKETS:
             bucket = int(distance)
         else:
-            bucket = _EXACT_BUCKETS + int(math.log2(distance / _EXACT_BUCKETS) * _BUCKETS_PER_DOUBLING)
+            bucket = _EXACT_BUCKETS + int(
+                math.log2(distance / _EXACT_BUCKETS) * _BUCKETS_PER_DOUBLING
+            )
         histogram = self._histogram
         if bucket >= len(histogram):
             histogram.extend([0.0] * (bucket + 1 - len(histogram)))
@@ -170,7 +183,9 @@ def curve_gauges(mrc: MissRatioCurve | None, capacity_chunks: float) -> dict[str
     the tier has no curve, no capacity or no lookups yet."""
     if mrc is None or capacity_chunks <= 0 or mrc.num_lookups == 0:
         return {}
-    return {f"predicted_hit_ratio.{f:g}": round(r, 4) for f, r in mrc.curve(capacity_chunks).items()}
+    return {
+        f"predicted_hit_ratio.{f:g}": round(r, 4) for f, r in mrc.curve(capacity_chunks).items()
+    }
 
 
 def _bucket_range(bucket: int) -> tuple[float, float]:
@@ -180,8 +195,10 @@ def _bucket_range(bucket: int) -> tuple[float, float]:
     if bucket < _EXACT_BUCKETS:
         return float(bucket), bucket + 1.0
     k = bucket - _EXACT_BUCKETS
-    return (_EXACT_BUCKETS * 2 ** (k / _BUCKETS_PER_DOUBLING),
-            _EXACT_BUCKETS * 2 ** ((k + 1) / _BUCKETS_PER_DOUBLING))
+    return (
+        _EXACT_BUCKETS * 2 ** (k / _BUCKETS_PER_DOUBLING),
+        _EXACT_BUCKETS * 2 ** ((k + 1) / _BUCKETS_PER_DOUBLING),
+    )
 
 
 class _Uses:
@@ -195,7 +212,7 @@ class _Uses:
         self.size = size + 1
         self.now = ones  # the latest time marked
         self._used = bytearray(self.size)
-        self._used[1:ones + 1] = b"\x01" * ones
+        self._used[1 : ones + 1] = b"\x01" * ones
         self._blocks = [0] * (self.size // _BLOCK + 1)
         for block in range(ones // _BLOCK + 1):
             self._blocks[block] = self._used.count(1, block * _BLOCK, (block + 1) * _BLOCK)
@@ -217,4 +234,6 @@ class _Uses:
         block, last_block = t // _BLOCK, now // _BLOCK
         if block == last_block:
             return self._used.count(1, t + 1, now + 1)
-        return self._used.count(1, t + 1, (block + 1) * _BLOCK) + sum(self._blocks[block + 1:last_block + 1])
+        return self._used.count(1, t + 1, (block + 1) * _BLOCK) + sum(
+            self._blocks[block + 1 : last_block + 1]
+        )

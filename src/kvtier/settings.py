@@ -19,14 +19,44 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.policies import policy_names
 
-__all__ = ["Check", "choice", "flag", "integer", "key_of", "matching", "parse_size", "policy", "seconds", "setting",
-           "size", "slice_fields", "text", "validate"]
+__all__ = [
+    "Check",
+    "choice",
+    "flag",
+    "integer",
+    "key_of",
+    "matching",
+    "parse_size",
+    "policy",
+    "seconds",
+    "setting",
+    "size",
+    "slice_fields",
+    "text",
+    "validate",
+]
 
 Check = Callable[[str, Any], Any]  # (user key, value) -> the value to keep; raises ConfigError
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")  # fullmatch: "$" would take a trailing newline
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(
+    r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*"
+)  # fullmatch: "$" would take a trailing newline
 _MAX_BYTES = 2**63 - 1  # what every size field of a header, a file offset or a C size_t holds
 _MAX_SECONDS = 10.0**9  # ~30 years: larger is a typo (and overflows float conversions and timers)
 _MAX_INT = 2**31 - 1  # counts and milliseconds: larger ones overflow C ints in timers and sockets
@@ -70,11 +100,17 @@ def parse_size(value: Any, key: str = "size") -> int:
     if isinstance(value, int):
         num_bytes = value
     elif isinstance(value, str) and (m := _SIZE.fullmatch(value)) and m.group(2).lower() in _UNITS:
-        num_bytes = float(m.group(1)) * _UNITS[m.group(2).lower()]  # inf for 400 digits: refused below
+        num_bytes = (
+            float(m.group(1)) * _UNITS[m.group(2).lower()]
+        )  # inf for 400 digits: refused below
     else:
-        raise ConfigError(f"{key}: expected a size like '4GiB', '512MiB' or a number of bytes, got {_short(value)}")
+        raise ConfigError(
+            f"{key}: expected a size like '4GiB', '512MiB' or a number of bytes, got {_short(value)}"
+        )
     if not 0 < num_bytes <= _MAX_BYTES:
-        raise ConfigError(f"{key}: must be positive and at most {_MAX_BYTES} (8 EiB), got {_short(value)}")
+        raise ConfigError(
+            f"{key}: must be positive and at most {_MAX_BYTES} (8 EiB), got {_short(value)}"
+        )
     return int(num_bytes)
 
 
@@ -93,30 +129,56 @@ def quotas(key: str, value: Any) -> tuple[tuple[str, int], ...]:
         if any(not sep or not name.strip() for name, sep, _ in pairs):
             raise ConfigError(f"{key}: expected 'tenant=size,*=size', got {_short(value)}")
         value = {name.strip(): amount.strip() for name, _, amount in pairs}
-    if isinstance(value, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+    if isinstance(value, (tuple, list)) and all(
+        isinstance(p, (tuple, list)) and len(p) == 2 for p in value
+    ):
         value = dict(value)
-    if not isinstance(value, dict) or not all(isinstance(t, str) and 0 < len(t) <= 256 for t in value):
-        raise ConfigError(f"{key}: expected {{tenant (cache_salt) or '*': size}}, got {_short(value)}")
-    return tuple(sorted((tenant, parse_size(amount, f"{key}[{tenant!r}]")) for tenant, amount in value.items()))
+    if not isinstance(value, dict) or not all(
+        isinstance(t, str) and 0 < len(t) <= 256 for t in value
+    ):
+        raise ConfigError(
+            f"{key}: expected {{tenant (cache_salt) or '*': size}}, got {_short(value)}"
+        )
+    return tuple(
+        sorted(
+            (tenant, parse_size(amount, f"{key}[{tenant!r}]")) for tenant, amount in value.items()
+        )
+    )
 
 
 def integer(minimum: int) -> Check:
     """An int of at least `minimum` (and at most 2**31 - 1)."""
+
     def check(key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= _MAX_INT:
-            raise ConfigError(f"{key}: expected an integer >= {minimum} (at most {_MAX_INT}), got {_short(value)}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not minimum <= value <= _MAX_INT
+        ):
+            raise ConfigError(
+                f"{key}: expected an integer >= {minimum} (at most {_MAX_INT}), got {_short(value)}"
+            )
         return value
+
     return check
 
 
 def seconds(minimum: float, optional: bool = False) -> Check:
     """Seconds, at least `minimum`; None too when `optional`."""
+
     def check(key: str, value: Any) -> float | None:
         if optional and value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value <= _MAX_SECONDS:
-            raise ConfigError(f"{key}: expected seconds >= {minimum:g} (at most {_MAX_SECONDS:g}), got {_short(value)}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not minimum <= value <= _MAX_SECONDS
+        ):
+            raise ConfigError(
+                f"{key}: expected seconds >= {minimum:g} (at most {_MAX_SECONDS:g}), got {_short(value)}"
+            )
         return float(value)
+
     return check
 
 
@@ -129,17 +191,21 @@ def flag(key: str, value: Any) -> bool:
 
 def choice(*allowed: Any) -> Check:
     """One of `allowed` (True and False match only themselves, never 1 or 0)."""
+
     def check(key: str, value: Any) -> Any:
         if not any(value is c or (isinstance(c, str) and value == c) for c in allowed):
             raise ConfigError(f"{key}: expected one of {list(allowed)}, got {_short(value)}")
         return value
+
     return check
 
 
 def policy(key: str, value: Any) -> str:
     """A registered eviction policy's name, or an out-of-tree "module:Class"."""
     if not isinstance(value, str) or (value not in policy_names() and ":" not in value):
-        raise ConfigError(f"{key}: expected one of {policy_names()} or 'module:Class', got {_short(value)}")
+        raise ConfigError(
+            f"{key}: expected one of {policy_names()} or 'module:Class', got {_short(value)}"
+        )
     return value
 
 
@@ -163,6 +229,7 @@ def matching(pattern: str) -> Check:
         if not isinstance(value, str) or not compiled.fullmatch(value):
             raise ConfigError(f"{key}: expected a string matching {pattern}")
         return value
+
     return check
 
 

@@ -33,7 +33,14 @@ import stat
 
 from kvtier.errors import ConfigError
 
-__all__ = ["SHM_DIR", "SLAB_PREFIX", "SegmentOpener", "remove_stale_slabs", "shm_free_bytes", "slab_name"]
+__all__ = [
+    "SHM_DIR",
+    "SLAB_PREFIX",
+    "SegmentOpener",
+    "remove_stale_slabs",
+    "shm_free_bytes",
+    "slab_name",
+]
 
 SHM_DIR = "/dev/shm"
 SLAB_PREFIX = "kvtier-"
@@ -45,7 +52,9 @@ logger = logging.getLogger("kvtier.slab")  # the slab's logger, as before this p
 def slab_name(instance_id: str, dp_rank: int, rank: int) -> str:
     """The segment name of one worker rank of one engine instance (vLLM's `instance_id`)."""
     if not instance_id:
-        raise ConfigError("the engine has no instance id, so its host slabs would have no unique name")
+        raise ConfigError(
+            "the engine has no instance id, so its host slabs would have no unique name"
+        )
     return f"{SLAB_PREFIX}{re.sub(r'[^A-Za-z0-9_.-]', '_', instance_id)}-dp{dp_rank}-r{rank}"
 
 
@@ -75,12 +84,18 @@ class SegmentOpener:
             if published_fd is None:
                 continue
             try:
-                joined = self._join()  # by its final name, so /proc/<pid>/maps and lsof show that name
+                joined = (
+                    self._join()
+                )  # by its final name, so /proc/<pid>/maps and lsof show that name
             finally:
-                os.close(published_fd)  # only now: our lock kept cleaners off it until the join's lock
+                os.close(
+                    published_fd
+                )  # only now: our lock kept cleaners off it until the join's lock
             if joined is not None:
                 return True, *joined
-        raise ConfigError(f"could not open the host slab {self.path}: it kept disappearing while being opened")
+        raise ConfigError(
+            f"could not open the host slab {self.path}: it kept disappearing while being opened"
+        )
 
     def _join(self) -> tuple[int, mmap.mmap] | None:
         """Lock and map the segment at the path; None if there is none (or it was swept before we held it)."""
@@ -89,7 +104,9 @@ class SegmentOpener:
         except FileNotFoundError:
             return None
         except OSError as e:  # ELOOP: a symlink planted under the segment's name
-            raise ConfigError(f"cannot open the host slab {self.path}: {e.strerror}; remove it") from None
+            raise ConfigError(
+                f"cannot open the host slab {self.path}: {e.strerror}; remove it"
+            ) from None
         try:
             _check_owner(fd, self.path)
             _lock_shared(fd)
@@ -98,11 +115,15 @@ class SegmentOpener:
                 return None
             size = os.fstat(fd).st_size
             if size != self.num_bytes:
-                raise ConfigError(f"the host slab {self.path} holds {size} bytes but this process computed "
-                                  f"{self.num_slots} slots x {self.slot_bytes} bytes = {self.num_bytes}: the "
-                                  "scheduler and the workers disagree on the slab's shape (same cpu_bytes, "
-                                  "blocks_per_chunk and KV-cache layout everywhere?)")
-            return fd, mmap.mmap(fd, self.num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                raise ConfigError(
+                    f"the host slab {self.path} holds {size} bytes but this process computed "
+                    f"{self.num_slots} slots x {self.slot_bytes} bytes = {self.num_bytes}: the "
+                    "scheduler and the workers disagree on the slab's shape (same cpu_bytes, "
+                    "blocks_per_chunk and KV-cache layout everywhere?)"
+                )
+            return fd, mmap.mmap(
+                fd, self.num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
         except BaseException:
             os.close(fd)
             raise
@@ -118,7 +139,9 @@ class SegmentOpener:
             _lock_shared(fd)
             if _is_at_path(fd, temp):
                 self._allocate(fd)
-                with contextlib.suppress(FileExistsError):  # a rival published first: we join theirs
+                with contextlib.suppress(
+                    FileExistsError
+                ):  # a rival published first: we join theirs
                     os.link(temp, self.path)
                     published = True
         finally:
@@ -134,16 +157,23 @@ class SegmentOpener:
         directory = os.path.dirname(self.path)
         free = shm_free_bytes(directory)
         if self.num_bytes > free:
-            raise ConfigError(f"the host slab {self.path} needs {self.num_bytes} bytes ({self.num_slots} slots x "
-                              f"{self.slot_bytes} bytes) but {directory} has {free} free; lower cpu_bytes or "
-                              "enlarge it (docker: --shm-size)")
+            raise ConfigError(
+                f"the host slab {self.path} needs {self.num_bytes} bytes ({self.num_slots} slots x "
+                f"{self.slot_bytes} bytes) but {directory} has {free} free; lower cpu_bytes or "
+                "enlarge it (docker: --shm-size)"
+            )
         os.ftruncate(fd, self.num_bytes)
         try:
             os.posix_fallocate(fd, 0, self.num_bytes)
         except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # not supported: pages come with _populate
-                raise ConfigError(f"could not allocate the host slab {self.path} ({self.num_bytes} bytes): "
-                                  f"{e.strerror}; lower cpu_bytes or enlarge {directory}") from None
+            if e.errno not in (
+                errno.EOPNOTSUPP,
+                errno.EINVAL,
+            ):  # not supported: pages come with _populate
+                raise ConfigError(
+                    f"could not allocate the host slab {self.path} ({self.num_bytes} bytes): "
+                    f"{e.strerror}; lower cpu_bytes or enlarge {directory}"
+                ) from None
 
 
 def remove_stale_slabs(prefix: str = SLAB_PREFIX, directory: str = SHM_DIR) -> list[str]:
@@ -176,7 +206,11 @@ def remove_stale_slabs(prefix: str = SLAB_PREFIX, directory: str = SHM_DIR) -> l
         finally:
             os.close(fd)
     if removed:
-        logger.info("kvtier: removed %d stale host slab(s) of engines that are gone: %s", len(removed), removed)
+        logger.info(
+            "kvtier: removed %d stale host slab(s) of engines that are gone: %s",
+            len(removed),
+            removed,
+        )
     return removed
 
 
@@ -185,8 +219,10 @@ def _check_owner(fd: int, path: str) -> None:
     write bytes that requests would load (slab rows carry no checksum)."""
     uid = os.fstat(fd).st_uid
     if uid != os.geteuid():
-        raise ConfigError(f"the host slab {path} belongs to uid {uid}, not to this process's user "
-                          f"(uid {os.geteuid()}): another user made it; remove it")
+        raise ConfigError(
+            f"the host slab {path} belongs to uid {uid}, not to this process's user "
+            f"(uid {os.geteuid()}): another user made it; remove it"
+        )
 
 
 def _lock_shared(fd: int) -> None:

@@ -35,11 +35,27 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.shm import SHM_DIR, SLAB_PREFIX, SegmentOpener, remove_stale_slabs, shm_free_bytes, slab_name
+from kvtier.shm import (
+    SHM_DIR,
+    SLAB_PREFIX,
+    SegmentOpener,
+    remove_stale_slabs,
+    shm_free_bytes,
+    slab_name,
+)
 
-__all__ = ["SHM_DIR", "SLAB_PREFIX", "HostSlab", "remove_stale_slabs", "shm_free_bytes", "slab_name"]
+__all__ = [
+    "SHM_DIR",
+    "SLAB_PREFIX",
+    "HostSlab",
+    "remove_stale_slabs",
+    "shm_free_bytes",
+    "slab_name",
+]
 
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.11 lacks the name
+_MADV_POPULATE_WRITE = getattr(
+    mmap, "MADV_POPULATE_WRITE", 23
+)  # Linux >= 5.14; Python 3.11 lacks the name
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +107,21 @@ class HostSlab(SegmentOpener):
         ConfigError: bad sizes, an existing segment of another size, or no room in `directory`.
     """
 
-    def __init__(self, name: str, num_slots: int, slot_bytes: int, *, owner: bool = False, populate: bool = True,
-                 directory: str = SHM_DIR) -> None:
+    def __init__(
+        self,
+        name: str,
+        num_slots: int,
+        slot_bytes: int,
+        *,
+        owner: bool = False,
+        populate: bool = True,
+        directory: str = SHM_DIR,
+    ) -> None:
         if num_slots < 1 or slot_bytes < 1:
-            raise ConfigError(f"a host slab needs num_slots and slot_bytes >= 1, got {num_slots}, {slot_bytes}; "
-                              "raise cpu_bytes")
+            raise ConfigError(
+                f"a host slab needs num_slots and slot_bytes >= 1, got {num_slots}, {slot_bytes}; "
+                "raise cpu_bytes"
+            )
         self.name, self.num_slots, self.slot_bytes = name, num_slots, slot_bytes
         self.path = os.path.join(directory, name)
         self.num_bytes = num_slots * slot_bytes
@@ -112,7 +138,9 @@ class HostSlab(SegmentOpener):
         self.rows: np.ndarray = np.frombuffer(mm, dtype=np.uint8).reshape(num_slots, slot_bytes)
         # through a memoryview: torch.frombuffer(mm) would not pin the mmap's buffer, so the mmap
         # could be closed under the tensor; a memoryview makes close() refuse while it lives
-        self.tensor: torch.Tensor = torch.frombuffer(memoryview(mm), dtype=torch.int8).view(num_slots, slot_bytes)
+        self.tensor: torch.Tensor = torch.frombuffer(memoryview(mm), dtype=torch.int8).view(
+            num_slots, slot_bytes
+        )
 
     # -- open -------------------------------------------------------------------------
 
@@ -140,8 +168,12 @@ class HostSlab(SegmentOpener):
         except Exception as e:  # pinning is an optimization: say why it is off, go on
             error = repr(e)
         if error != 0:
-            logger.warning("kvtier: could not pin the host slab %s (cudaHostRegister: %s); copies use pageable "
-                           "memory", self.name, error)
+            logger.warning(
+                "kvtier: could not pin the host slab %s (cudaHostRegister: %s); copies use pageable "
+                "memory",
+                self.name,
+                error,
+            )
             return False
         self._segment.pinned_ptr = ptr
         return True
@@ -169,8 +201,12 @@ def _populate(mm: mmap.mmap, path: str) -> None:
         mm.madvise(_MADV_POPULATE_WRITE)
         return
     except OSError as e:
-        if e.errno != errno.EINVAL:  # EFAULT: pages that could not be allocated (no fallocate, no room)
-            raise ConfigError(f"could not allocate the host slab {path} ({len(mm)} bytes): {e.strerror}; lower "
-                              "cpu_bytes or enlarge /dev/shm (docker: --shm-size)") from None
+        if (
+            e.errno != errno.EINVAL
+        ):  # EFAULT: pages that could not be allocated (no fallocate, no room)
+            raise ConfigError(
+                f"could not allocate the host slab {path} ({len(mm)} bytes): {e.strerror}; lower "
+                "cpu_bytes or enlarge /dev/shm (docker: --shm-size)"
+            ) from None
     # kernels before 5.14: read one byte per page (a write could clobber another process's slots)
     int(np.frombuffer(mm, dtype=np.uint8)[:: mmap.PAGESIZE].max())

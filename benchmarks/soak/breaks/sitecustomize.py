@@ -33,15 +33,23 @@ def _no_checksum(m) -> None:  # disk_corrupt: every read is verified (size, head
     m.ChunkFormat.read = read
 
 
-def _store_errors_escape(m) -> None:  # disk_full: a failed write is a failed chunk, never an exception
+def _store_errors_escape(
+    m,
+) -> None:  # disk_full: a failed write is a failed chunk, never an exception
     def store_one(self, state, key, bufs, ticket):
         tmp, direct = self._files.write_tmp(key, bufs)  # ENOSPC now escapes the tier's own handling
         published = self._publish(key, tmp, ticket)
         with self._lock:
             self._queued_store_bytes -= sum(b.nbytes for b in bufs)
             self._index.give_back(key, ticket)
-            self._book.chunk_done(state, key, sum(b.nbytes for b in bufs) if published else 0, direct,
-                                  None if published else "discarded", self._generation)
+            self._book.chunk_done(
+                state,
+                key,
+                sum(b.nbytes for b in bufs) if published else 0,
+                direct,
+                None if published else "discarded",
+                self._generation,
+            )
 
     m.DiskTier._store_one = store_one
 
@@ -68,7 +76,9 @@ def _slab_not_unlinked(m) -> None:  # sigterm_restart: shared memory unlinked at
     m._release = keep
 
 
-def _no_start_scan(m) -> None:  # sigterm_restart: the disk index is rebuilt from the directory at start
+def _no_start_scan(
+    m,
+) -> None:  # sigterm_restart: the disk index is rebuilt from the directory at start
     m.ChunkFiles.scan = lambda self: m.FileScan()
 
 
@@ -118,7 +128,11 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
             execute(module)
             for patch in patches:
                 patch(module)
-            print(f"kvtier soak break: patched {fullname} in pid {os.getpid()}", file=sys.stderr, flush=True)
+            print(
+                f"kvtier soak break: patched {fullname} in pid {os.getpid()}",
+                file=sys.stderr,
+                flush=True,
+            )
 
         spec.loader.exec_module = exec_module
         return spec

@@ -42,7 +42,9 @@ def find_benchmarks(directory: Path | None, only: list[str] | None) -> list[Path
     """
     directory = directory or Path(__file__).resolve().parents[2] / "benchmarks"
     if not directory.is_dir():
-        raise FileNotFoundError(f"no benchmarks directory {directory} (run from a source checkout, or pass --dir)")
+        raise FileNotFoundError(
+            f"no benchmarks directory {directory} (run from a source checkout, or pass --dir)"
+        )
     scripts = sorted(directory.glob("bench_*.py"))
     if only:
         wanted = {name.removeprefix("bench_").removesuffix(".py") for name in only}
@@ -68,17 +70,30 @@ def parse_result(output: str) -> dict[str, float | str]:
     return figures
 
 
-def run_benchmark(script: Path, full: bool, timeout: float, console: Console, verbose: bool) -> BenchRun:
+def run_benchmark(
+    script: Path, full: bool, timeout: float, console: Console, verbose: bool
+) -> BenchRun:
     """Run one benchmark script to its end (or `timeout`), in its directory's parent (the checkout)."""
     run = BenchRun(script.stem)
     command = [sys.executable, str(script), *([] if full else ["--quick"])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent),
-                                                                      os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(script.parent), os.environ.get("PYTHONPATH")])
+        ),
+    }
     start = time.perf_counter()
     try:
         with Waiting(console, f"{script.stem}{'' if full else ' --quick'}"):
-            done = subprocess.run(command, cwd=script.parent.parent, env=env, capture_output=True, text=True,
-                                  timeout=timeout, check=False)
+            done = subprocess.run(
+                command,
+                cwd=script.parent.parent,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
     except subprocess.TimeoutExpired:
         run.error = f"still running after {timeout:.0f} s: stopped"
         return run
@@ -89,17 +104,29 @@ def run_benchmark(script: Path, full: bool, timeout: float, console: Console, ve
     run.figures = parse_result(done.stdout)
     if done.returncode != 0 or not run.figures:
         tail = "\n    ".join(output.strip().splitlines()[-5:])
-        run.error = f"exit status {done.returncode}{'' if run.figures else ', no RESULT line'}:\n    {tail}"
+        run.error = (
+            f"exit status {done.returncode}{'' if run.figures else ', no RESULT line'}:\n    {tail}"
+        )
     return run
 
 
 def bench_main(args: argparse.Namespace, console: Console | None = None) -> int:
     console = console or Console.standard()
-    runs = [run_benchmark(script, args.full, args.timeout, console, args.verbose)
-            for script in find_benchmarks(args.dir, args.only)]
+    runs = [
+        run_benchmark(script, args.full, args.timeout, console, args.verbose)
+        for script in find_benchmarks(args.dir, args.only)
+    ]
     if args.json:
-        print(json.dumps({r.name: {"figures": r.figures, "seconds": round(r.seconds, 1), "error": r.error}
-                          for r in runs}, indent=2), file=console.out)
+        print(
+            json.dumps(
+                {
+                    r.name: {"figures": r.figures, "seconds": round(r.seconds, 1), "error": r.error}
+                    for r in runs
+                },
+                indent=2,
+            ),
+            file=console.out,
+        )
     else:
         print(_table(runs), file=console.out)
     return 1 if any(r.error for r in runs) else 0
@@ -110,7 +137,9 @@ def _table(runs: list[BenchRun]) -> str:
     lines = []
     for r in runs:
         shown = "  ".join(f"{k}={_number(v)}" for k, v in r.figures.items())
-        lines.append(f"{r.name:<{width}}  {shown}" if not r.error else f"{r.name:<{width}}  FAILED {r.error}")
+        lines.append(
+            f"{r.name:<{width}}  {shown}" if not r.error else f"{r.name:<{width}}  FAILED {r.error}"
+        )
     return "\n".join(lines)
 
 

@@ -21,18 +21,33 @@ from typing import Any
 from kvtier.config import KVTierConfig
 from kvtier.settings import slice_fields
 
-__all__ = ["add_config_flags", "add_dataclass_flags", "config_main", "extra_config", "given_flags", "transfer_config"]
+__all__ = [
+    "add_config_flags",
+    "add_dataclass_flags",
+    "config_main",
+    "extra_config",
+    "given_flags",
+    "transfer_config",
+]
 
-CONNECTOR = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-_DEST_PREFIX = "kvtier_"  # argparse destinations of the config flags: never clash with another command's
+CONNECTOR = {
+    "kv_connector": "KVTierConnector",
+    "kv_connector_module_path": "kvtier.integrations.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+_DEST_PREFIX = (
+    "kvtier_"  # argparse destinations of the config flags: never clash with another command's
+)
 _DOC_LINE = re.compile(r"^\s+([a-z0-9_*][a-z0-9_*, /]*): (.*)$")
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per user key of `KVTierConfig` (its core keys and every tier's slice), in a group
     of their own, its help the key's own sentence; unset flags stay out of the JSON."""
-    group = parser.add_argument_group("kvtier options (keys of kv_connector_extra_config; see README)")
+    group = parser.add_argument_group(
+        "kvtier options (keys of kv_connector_extra_config; see README)"
+    )
     for key, f, _ in slice_fields(KVTierConfig):
         _add_flag(group, key, str(f.type), f.default, f.metadata["help"], _DEST_PREFIX)
 
@@ -57,8 +72,14 @@ def add_dataclass_flags(group, cls: type, dest_prefix: str, skip: tuple[str, ...
     docs = _field_docs(cls)
     for f in fields(cls):
         if f.name not in skip:
-            _add_flag(group, f.name, str(f.type), None if f.default is MISSING else f.default,
-                      docs.get(f.name, ""), dest_prefix)
+            _add_flag(
+                group,
+                f.name,
+                str(f.type),
+                None if f.default is MISSING else f.default,
+                docs.get(f.name, ""),
+                dest_prefix,
+            )
 
 
 def _add_flag(group, name: str, kind: str, default: Any, text: str, dest_prefix: str) -> None:
@@ -68,16 +89,27 @@ def _add_flag(group, name: str, kind: str, default: Any, text: str, dest_prefix:
         text = f"{text} (default: {_shown(default)})".strip()
     dest = dest_prefix + name
     if kind == "bool":
-        group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+        group.add_argument(
+            flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text
+        )
     else:
-        group.add_argument(flag, dest=dest, metavar=_metavar(name, kind), default=None, help=text,
-                           type=_converter(name, kind))
+        group.add_argument(
+            flag,
+            dest=dest,
+            metavar=_metavar(name, kind),
+            default=None,
+            help=text,
+            type=_converter(name, kind),
+        )
 
 
 def given_flags(args: argparse.Namespace, dest_prefix: str) -> dict[str, Any]:
     """{field: value} of the flags `add_dataclass_flags(..., dest_prefix)` made that were given."""
-    return {name[len(dest_prefix):]: value for name, value in vars(args).items()
-            if name.startswith(dest_prefix) and value is not None}
+    return {
+        name[len(dest_prefix) :]: value
+        for name, value in vars(args).items()
+        if name.startswith(dest_prefix) and value is not None
+    }
 
 
 def transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -129,11 +161,18 @@ def _metavar(name: str, kind: str) -> str:
         return "SECONDS"
     if name.endswith("_ms"):
         return "MS"
-    return {"int": "N", "int | None": "N", "str | bool": "auto|true|false"}.get(kind, name.rsplit("_", 1)[-1].upper())
+    return {"int": "N", "int | None": "N", "str | bool": "auto|true|false"}.get(
+        kind, name.rsplit("_", 1)[-1].upper()
+    )
 
 
 def _shown(default: Any) -> str:
-    if isinstance(default, int) and not isinstance(default, bool) and default >= 2**20 and default % 2**20 == 0:
+    if (
+        isinstance(default, int)
+        and not isinstance(default, bool)
+        and default >= 2**20
+        and default % 2**20 == 0
+    ):
         return f"{default // 2**30}GiB" if default % 2**30 == 0 else f"{default // 2**20}MiB"
     return json.dumps(default)
 

@@ -15,7 +15,11 @@ __all__ = ["pct", "plot", "report", "summary"]
 
 def pct(values: list[float], q: float) -> float:
     """The q-th percentile (inclusive method); the value itself for a single one."""
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+        if len(values) > 1
+        else values[0]
+    )
 
 
 def _later(r) -> list[float]:
@@ -43,20 +47,28 @@ def summary(base, ours) -> dict[str, Any]:
 
 def report(base, ours, out_dir: Path) -> str:
     """The markdown table and per-turn lines; also writes the plot to `out_dir`."""
-    rows = ["| run | TTFT p50, turn 1 | TTFT p50, turns 2+ | TTFT p90, turns 2+ | throughput | kvtier hit rate |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [
+        "| run | TTFT p50, turn 1 | TTFT p50, turns 2+ | TTFT p90, turns 2+ | throughput | kvtier hit rate |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in (base, ours):
         later = _later(r)
-        rows.append(f"| {r.name} | {pct(r.ttft_by_turn[0], 50) * 1e3:,.0f} ms | {pct(later, 50) * 1e3:,.0f} ms | "
-                    f"{pct(later, 90) * 1e3:,.0f} ms | {r.prompt_tokens / r.seconds:,.0f} prompt tok/s, "
-                    f"{r.output_tokens / r.seconds:,.1f} output tok/s | {r.kvtier_hit_tokens / r.prompt_tokens:.1%} |")
+        rows.append(
+            f"| {r.name} | {pct(r.ttft_by_turn[0], 50) * 1e3:,.0f} ms | {pct(later, 50) * 1e3:,.0f} ms | "
+            f"{pct(later, 90) * 1e3:,.0f} ms | {r.prompt_tokens / r.seconds:,.0f} prompt tok/s, "
+            f"{r.output_tokens / r.seconds:,.1f} output tok/s | {r.kvtier_hit_tokens / r.prompt_tokens:.1%} |"
+        )
     by_turn = "\n".join(
-        f"TTFT p50 by turn, {r.name:>14}: " + "  ".join(f"{pct(t, 50) * 1e3:6,.0f} ms" for t in r.ttft_by_turn)
+        f"TTFT p50 by turn, {r.name:>14}: "
+        + "  ".join(f"{pct(t, 50) * 1e3:6,.0f} ms" for t in r.ttft_by_turn)
         for r in (base, ours)
     )
     ratio = summary(base, ours)["ttft_p50_later_ratio"]
     plot(base, ours, out_dir / "ttft_per_turn.png")
-    return "\n".join(rows) + f"\n\n{by_turn}\n\np50 TTFT of reused turns: {ratio:.1f}x lower with kvtier"
+    return (
+        "\n".join(rows)
+        + f"\n\n{by_turn}\n\np50 TTFT of reused turns: {ratio:.1f}x lower with kvtier"
+    )
 
 
 def plot(base, ours, path: Path) -> None:
@@ -69,9 +81,21 @@ def plot(base, ours, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     for r, color in ((base, "tab:gray"), (ours, "tab:blue")):
         turns = range(1, len(r.ttft_by_turn) + 1)
-        ax.plot(turns, [pct(t, 50) * 1e3 for t in r.ttft_by_turn], "o-", color=color, label=f"{r.name} p50")
-        ax.plot(turns, [pct(t, 90) * 1e3 for t in r.ttft_by_turn], "^--", color=color, alpha=0.6,
-                label=f"{r.name} p90")
+        ax.plot(
+            turns,
+            [pct(t, 50) * 1e3 for t in r.ttft_by_turn],
+            "o-",
+            color=color,
+            label=f"{r.name} p50",
+        )
+        ax.plot(
+            turns,
+            [pct(t, 90) * 1e3 for t in r.ttft_by_turn],
+            "^--",
+            color=color,
+            alpha=0.6,
+            label=f"{r.name} p90",
+        )
     ax.set_yscale("log")
     ax.set_xlabel("turn")
     ax.set_ylabel("time to first token (ms, log)")

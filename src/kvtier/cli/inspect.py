@@ -57,7 +57,9 @@ def namespace_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and is_namespace_dir(p.name))
 
 
-def inspect_namespace(directory: Path, verify: bool, console: Console | None = None) -> NamespaceReport:
+def inspect_namespace(
+    directory: Path, verify: bool, console: Console | None = None
+) -> NamespaceReport:
     """Count (and with `verify`, check) the files of one namespace directory."""
     report = NamespaceReport(directory.name, str(directory))
     namespace = _read_namespace(directory, report)
@@ -68,8 +70,13 @@ def inspect_namespace(directory: Path, verify: bool, console: Console | None = N
     if verify and namespace is not None:
         chunk_format = ChunkFormat(namespace.id, namespace.payload_bytes)
         buffer = memoryview(bytearray(namespace.payload_bytes))
-        bar = progress(chunks, console or Console.standard(), total=len(chunks), desc=f"verifying {report.id[:8]}",
-                       unit="file")
+        bar = progress(
+            chunks,
+            console or Console.standard(),
+            total=len(chunks),
+            desc=f"verifying {report.id[:8]}",
+            unit="file",
+        )
         for path, key in bar:
             why = _check(chunk_format, path, key, buffer)
             if why is not None:
@@ -82,8 +89,12 @@ def inspect_main(args: argparse.Namespace, console: Console | None = None) -> in
     console = console or Console.standard()
     reports = [inspect_namespace(d, args.verify, console) for d in namespace_dirs(args.dir)]
     if args.json:
-        print(json.dumps({"dir": str(args.dir), "namespaces": [asdict(r) for r in reports]}, indent=2),
-              file=console.out)
+        print(
+            json.dumps(
+                {"dir": str(args.dir), "namespaces": [asdict(r) for r in reports]}, indent=2
+            ),
+            file=console.out,
+        )
     else:
         print(_render(args.dir, reports), file=console.out)
     return 1 if any(r.num_bad for r in reports) else 0
@@ -148,11 +159,19 @@ def _render(root: Path, reports: list[NamespaceReport]) -> str:
     lines = []
     for r in reports:
         d = r.description
-        what = (f"{d.get('model')} {d.get('dtype')}, block {d.get('block_size')} x {d.get('blocks_per_chunk')}, "
-                f"{d.get('hash_algo')}, world size {d.get('world_size')}") if d else "no description"
-        lines += [f"namespace {r.id}  ({what})",
-                  f"  {r.num_chunks:,} chunks, {human_bytes(r.chunk_bytes)}"
-                  f"   ({r.num_tmp_files} temporary, {r.num_spares} spare files)"]
+        what = (
+            (
+                f"{d.get('model')} {d.get('dtype')}, block {d.get('block_size')} x {d.get('blocks_per_chunk')}, "
+                f"{d.get('hash_algo')}, world size {d.get('world_size')}"
+            )
+            if d
+            else "no description"
+        )
+        lines += [
+            f"namespace {r.id}  ({what})",
+            f"  {r.num_chunks:,} chunks, {human_bytes(r.chunk_bytes)}"
+            f"   ({r.num_tmp_files} temporary, {r.num_spares} spare files)",
+        ]
         if r.problem:
             lines.append(f"  {r.problem}")
         elif r.verified:

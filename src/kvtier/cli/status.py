@@ -21,9 +21,15 @@ from kvtier.errors import KVTierError
 
 __all__ = ["TierCurve", "advice", "parse_curves", "status_main"]
 
-SIZE_SETTINGS = {"cpu": "cpu_bytes", "disk": "disk_bytes", "redis": "the Redis server's maxmemory",
-                 "s3": "what the S3 bucket keeps"}
-_SAMPLE = re.compile(r'^(kvtier:tier_(?:predicted_hit_ratio|capacity_bytes))\{([^}]*)\}\s+(\S+)', re.MULTILINE)
+SIZE_SETTINGS = {
+    "cpu": "cpu_bytes",
+    "disk": "disk_bytes",
+    "redis": "the Redis server's maxmemory",
+    "s3": "what the S3 bucket keeps",
+}
+_SAMPLE = re.compile(
+    r"^(kvtier:tier_(?:predicted_hit_ratio|capacity_bytes))\{([^}]*)\}\s+(\S+)", re.MULTILINE
+)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _CHANGE = 0.01  # a hit ratio change smaller than this is "about the same"
 
@@ -35,7 +41,9 @@ class TierCurve:
     tier: str
     engine: str = ""
     capacity_bytes: float = 0.0
-    ratios: dict[float, float] = field(default_factory=dict)  # capacity factor -> predicted hit ratio
+    ratios: dict[float, float] = field(
+        default_factory=dict
+    )  # capacity factor -> predicted hit ratio
 
 
 def fetch_metrics(url: str, timeout_s: float = 5.0) -> str:
@@ -49,8 +57,10 @@ def fetch_metrics(url: str, timeout_s: float = 5.0) -> str:
             return response.read().decode("utf-8", errors="replace")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise KVTierError(f"cannot read {url}: {reason}; is the server running (kvtier serve) and is this "
-                          "its address and port?") from None
+        raise KVTierError(
+            f"cannot read {url}: {reason}; is the server running (kvtier serve) and is this "
+            "its address and port?"
+        ) from None
 
 
 def parse_curves(text: str) -> list[TierCurve]:
@@ -76,8 +86,10 @@ def advice(curve: TierCurve) -> str:
     if double - now >= _CHANGE:
         return f"{curve.tier}: doubling {setting} would raise its hit ratio from {now:.2f} to {double:.2f}"
     if half is not None and now - half < _CHANGE:
-        return (f"{curve.tier}: halving {setting} would lower its hit ratio only from {now:.2f} to {half:.2f}: "
-                "it has more room than this traffic reuses")
+        return (
+            f"{curve.tier}: halving {setting} would lower its hit ratio only from {now:.2f} to {half:.2f}: "
+            "it has more room than this traffic reuses"
+        )
     return f"{curve.tier}: doubling {setting} would not help ({now:.2f} -> {double:.2f}): it is sized about right"
 
 
@@ -85,14 +97,19 @@ def render(curves: list[TierCurve], url: str, out: TextIO) -> None:
     factors = sorted({f for c in curves for f in c.ratios})
     engines = len({c.engine for c in curves}) > 1
     print(f"kvtier at {url}: predicted hit ratio per tier at other sizes", file=out)
-    print("(an LRU estimate from each tier's own lookups since the server started: the tier's eviction policy\n"
-          " may do better or worse than LRU)\n", file=out)
+    print(
+        "(an LRU estimate from each tier's own lookups since the server started: the tier's eviction policy\n"
+        " may do better or worse than LRU)\n",
+        file=out,
+    )
     head = f"{'tier':<12} {'capacity':>10}  " + "  ".join(f"{f:g}x".rjust(5) for f in factors)
     print(head, file=out)
     for c in curves:
         name = f"{c.tier}[{c.engine}]" if engines else c.tier
         size = human_bytes(c.capacity_bytes) if c.capacity_bytes else "server's"
-        row = "  ".join(f"{c.ratios[f]:.2f}".rjust(5) if f in c.ratios else "    -" for f in factors)
+        row = "  ".join(
+            f"{c.ratios[f]:.2f}".rjust(5) if f in c.ratios else "    -" for f in factors
+        )
         print(f"{name:<12} {size:>10}  {row}", file=out)
     print(file=out)
     for c in curves:
@@ -106,8 +123,11 @@ def status_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         has_kvtier = "kvtier:" in text
         raise KVTierError(
             f"{args.url} serves metrics but no kvtier curves: "
-            + ("no tier has been looked up yet (send some requests)" if has_kvtier
-               else "no kvtier metrics at all; is this a vLLM server with kvtier as its KV connector?"))
+            + (
+                "no tier has been looked up yet (send some requests)"
+                if has_kvtier
+                else "no kvtier metrics at all; is this a vLLM server with kvtier as its KV connector?"
+            )
+        )
     render(curves, args.url, out)
     return 0
-

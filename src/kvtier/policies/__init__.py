@@ -15,8 +15,16 @@ from kvtier.policies.base import CachePolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.turns import TurnsPolicy
 
-__all__ = ["ARCPolicy", "AdaptivePolicy", "CachePolicy", "LRUPolicy", "TurnsPolicy", "make_policy", "policy_names",
-           "register_policy"]
+__all__ = [
+    "ARCPolicy",
+    "AdaptivePolicy",
+    "CachePolicy",
+    "LRUPolicy",
+    "TurnsPolicy",
+    "make_policy",
+    "policy_names",
+    "register_policy",
+]
 
 _REGISTRY: dict[str, type[CachePolicy]] = {}
 
@@ -37,11 +45,15 @@ def policy_names() -> list[str]:
 def make_policy(spec: str, capacity: int) -> CachePolicy:
     """Build a policy from a registered name or a ``"module:Class"`` path."""
     if not isinstance(spec, str) or not spec:
-        raise ConfigError(f"policy must be a name, one of {policy_names()}, or 'module:Class'; got {spec!r}")
+        raise ConfigError(
+            f"policy must be a name, one of {policy_names()}, or 'module:Class'; got {spec!r}"
+        )
     if spec in _REGISTRY:
         return _REGISTRY[spec](capacity)
     if ":" not in spec:
-        raise ConfigError(f"unknown policy {spec!r}: use one of {policy_names()} or an out-of-tree 'module:Class'")
+        raise ConfigError(
+            f"unknown policy {spec!r}: use one of {policy_names()} or an out-of-tree 'module:Class'"
+        )
     return _import_policy(spec)(capacity)
 
 

@@ -57,9 +57,16 @@ class AdaptivePolicy(CachePolicy):
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self.policies = {name: _EXPERTS[name](capacity) for name in self.experts}
-        self.selector = PolicySelector(capacity, self.experts, self._miniature, max_sample=self.max_sample,
-                                       min_keys=self.min_keys, period=self.period, memory=self.memory,
-                                       margin=self.margin)
+        self.selector = PolicySelector(
+            capacity,
+            self.experts,
+            self._miniature,
+            max_sample=self.max_sample,
+            min_keys=self.min_keys,
+            period=self.period,
+            memory=self.memory,
+            margin=self.margin,
+        )
 
     @property
     def leader(self) -> str:
@@ -93,7 +100,9 @@ class AdaptivePolicy(CachePolicy):
         for policy in self.policies.values():
             policy.take_places(keys, victims)
 
-    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+    def evict_in_place(
+        self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]
+    ) -> bool:
         """The leader decides; the others follow (evicted as the leader's victim, or in place)."""
         evicted = self.policies[self.leader].evict_in_place(key, victim, protected)
         for policy in self._followers():

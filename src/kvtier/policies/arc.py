@@ -38,7 +38,9 @@ class ARCPolicy(CachePolicy):
         self.t2: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._returning: OrderedDict[OffloadKey, None] = OrderedDict()  # ghost hits whose store is in flight
+        self._returning: OrderedDict[OffloadKey, None] = (
+            OrderedDict()
+        )  # ghost hits whose store is in flight
 
     def prepare_insert(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
@@ -106,7 +108,9 @@ class ARCPolicy(CachePolicy):
             elif key in self.t1:
                 self.t1.move_to_end(key, last=False)
 
-    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+    def evict_in_place(
+        self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]
+    ) -> bool:
         """Moved to the least recent end of its list, an unprotected key is the next victim when ARC
         takes from that list now (T1 while it is larger than its target); otherwise (a T2 head whose
         tail left T1 keeps its place) `evict` decides."""

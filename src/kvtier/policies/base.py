@@ -73,7 +73,9 @@ class CachePolicy(ABC):
         The default does nothing: they keep their place.
         """
 
-    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+    def evict_in_place(
+        self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]
+    ) -> bool:
         """`take_places([key], [victim])`; then, if `key` is the victim `evict(1, protected)` would
         choose now, evict it as `evict` does. An eviction that needs more victims asks this of each
         head a victim freed: a chain goes tail first at the cost of one such call a chunk.

@@ -21,7 +21,9 @@ class DueTimes:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, OffloadKey]] = []
-        self._at: dict[OffloadKey, float] = {}  # each key's live time (other heap entries are stale)
+        self._at: dict[
+            OffloadKey, float
+        ] = {}  # each key's live time (other heap entries are stale)
 
     def __len__(self) -> int:
         return len(self._at)

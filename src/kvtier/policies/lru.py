@@ -50,7 +50,9 @@ class LRUPolicy(CachePolicy):
             if key in order:
                 move(key, last=False)
 
-    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+    def evict_in_place(
+        self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]
+    ) -> bool:
         """In the oldest place, an unprotected key is the next victim."""
         if key not in self._order:
             return False

@@ -78,8 +78,15 @@ class SettingSelector:
         period: `best` is chosen again, and the hits halved, every `period` x capacity accesses.
     """
 
-    def __init__(self, capacity: int, settings: Sequence[float], bonus: Bonus, sample: int = 8,
-                 min_keys: int = 64, period: int = 4):
+    def __init__(
+        self,
+        capacity: int,
+        settings: Sequence[float],
+        bonus: Bonus,
+        sample: int = 8,
+        min_keys: int = 64,
+        period: int = 4,
+    ):
         self.sample = sample
         self.bonus = bonus
         self.best = settings[0]
@@ -132,13 +139,24 @@ class PolicySelector:
             held or both missed, most of them, say nothing about which is better).
     """
 
-    def __init__(self, capacity: int, names: Sequence[str], make: MakePolicy, max_sample: int = 8,
-                 min_keys: int = 64, period: int = 4, memory: float = 2.0, margin: float = 0.0):
+    def __init__(
+        self,
+        capacity: int,
+        names: Sequence[str],
+        make: MakePolicy,
+        max_sample: int = 8,
+        min_keys: int = 64,
+        period: int = 4,
+        memory: float = 2.0,
+        margin: float = 0.0,
+    ):
         self.sample = max(1, min(max_sample, capacity // min_keys))
         self.best = names[0]
         self.minis = {name: make(name, max(1, capacity // self.sample)) for name in names}
         self.hits = dict.fromkeys(names, 0.0)
-        self.wins = {(a, b): 0.0 for a in names for b in names if a != b}  # keys a held and b did not
+        self.wins = {
+            (a, b): 0.0 for a in names for b in names if a != b
+        }  # keys a held and b did not
         self._period = period * capacity
         self._keep = 1.0 - 1.0 / memory
         self._margin = margin
@@ -172,7 +190,9 @@ class PolicySelector:
         return best != self.best
 
     def _choose(self) -> None:
-        top = max(self.hits, key=lambda name: (self.hits[name], name == self.best))  # a tie keeps best
+        top = max(
+            self.hits, key=lambda name: (self.hits[name], name == self.best)
+        )  # a tie keeps best
         if top == self.best:
             return
         won, lost = self.wins[top, self.best], self.wins[self.best, top]
@@ -203,12 +223,14 @@ def _replay(mini: CachePolicy, keys: list[OffloadKey]) -> set[OffloadKey]:
     held = [k for k in keys if k in mini]
     hits = set(held)
     mini.touch(held)
-    missing = [k for k in keys if k not in mini][:mini.capacity - len(held)]  # the held ones stay
+    missing = [k for k in keys if k not in mini][: mini.capacity - len(held)]  # the held ones stay
     if not missing:
         return hits
     mini.prepare_insert(missing)
     num_needed = len(mini) + len(missing) - mini.capacity
     if num_needed > 0 and mini.evict(num_needed, set(held)) is None:
-        raise InvariantError(f"miniature {mini.name!r} could not evict {num_needed} of {len(mini)} keys")
+        raise InvariantError(
+            f"miniature {mini.name!r} could not evict {num_needed} of {len(mini)} keys"
+        )
     mini.insert(missing)
     return hits

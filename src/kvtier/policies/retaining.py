@@ -68,19 +68,38 @@ class RetainingPolicy(CachePolicy):
     # "near", agentic 5 % quick: 0.5 -> 0.578, 1 -> 0.595, 2 -> 0.554; ages: 1 key in 16, over ~64 victims
     horizon_factor = 1.0
 
-    def __init__(self, inner: CachePolicy, book: RetentionBook, lock: threading.Condition | None = None,
-                 guard: bool = True, listen: bool = True):
+    def __init__(
+        self,
+        inner: CachePolicy,
+        book: RetentionBook,
+        lock: threading.Condition | None = None,
+        guard: bool = True,
+        listen: bool = True,
+    ):
         super().__init__(inner.capacity)
         self.inner, self.book, self.name = inner, book, inner.name
         self._aside: dict[OffloadKey, Filing] = {}  # held, not in `inner`: how each was filed
-        self._low: list[tuple] = []  # heaps of (order..., filing, key); an entry not its key's filing is stale
+        self._low: list[
+            tuple
+        ] = []  # heaps of (order..., filing, key); an entry not its key's filing is stale
         self._high: list[tuple] = []
         self._expiries = DueTimes()  # when a chunk set aside changes rank
         self._lock = lock
         self.age = EvictionAge()  # how long an ordinary chunk lasts unused here
         self._soon = DueTimes()  # expected chunks not yet honored: from when
-        self.guard = PolicySelector(inner.capacity, ("all", "near"), self._miniature, min_keys=64, period=4,
-                                    memory=8.0, margin=2.0) if guard else None  # "all" leads until measured
+        self.guard = (
+            PolicySelector(
+                inner.capacity,
+                ("all", "near"),
+                self._miniature,
+                min_keys=64,
+                period=4,
+                memory=8.0,
+                margin=2.0,
+            )
+            if guard
+            else None
+        )  # "all" leads until measured
         self.horizon_factor = type(self).horizon_factor if self.guard is None else float("inf")
         if listen:
             book.subscribe(self)
@@ -89,7 +108,9 @@ class RetainingPolicy(CachePolicy):
         return type(self).horizon_factor if leader == "near" else float("inf")
 
     def _miniature(self, name: str, capacity: int) -> CachePolicy:
-        mini = RetainingPolicy(LRUPolicy(capacity), self.book, guard=False, listen=False)  # told by its owner
+        mini = RetainingPolicy(
+            LRUPolicy(capacity), self.book, guard=False, listen=False
+        )  # told by its owner
         mini.horizon_factor = self._horizon(name)
         return mini
 
@@ -113,12 +134,20 @@ class RetainingPolicy(CachePolicy):
         self.age.used(keys, now)
         try:
             switched = self.guard is not None and self.guard.access(keys)
-        except Exception:  # a miniature's fault must not reach the tier: honor every hint from now on
-            logger.exception("kvtier: the next_turn_s guard failed; every next_turn_s is honored from now on")
+        except (
+            Exception
+        ):  # a miniature's fault must not reach the tier: honor every hint from now on
+            logger.exception(
+                "kvtier: the next_turn_s guard failed; every next_turn_s is honored from now on"
+            )
             self.guard, switched = None, True
         if switched:
-            self.horizon_factor = self._horizon(self.guard.best if self.guard is not None else "all")
-            self._file([*self._aside, *(key for key in self.book.hinted_keys() if key in self.inner)], now)
+            self.horizon_factor = self._horizon(
+                self.guard.best if self.guard is not None else "all"
+            )
+            self._file(
+                [*self._aside, *(key for key in self.book.hinted_keys() if key in self.inner)], now
+            )
 
     def _forget(self, keys: Iterable[OffloadKey]) -> None:
         self.age.forget(keys)
@@ -132,8 +161,11 @@ class RetainingPolicy(CachePolicy):
     def _ranked(self, key: OffloadKey, now: float) -> tuple[Rank, float | None]:
         """`rank_here`, and for an expected chunk ranked ordinary for now, when its turn is near."""
         rank = self.book.rank(key, now)
-        near = self.book.order(key)[0] - self.horizon_factor * self.age.seconds \
-            if rank[0] == 1 and self.horizon_factor != float("inf") else None
+        near = (
+            self.book.order(key)[0] - self.horizon_factor * self.age.seconds
+            if rank[0] == 1 and self.horizon_factor != float("inf")
+            else None
+        )
         return ((0, rank[1]), near) if near is not None and near > now else (rank, None)
 
     def order_chain(self, keys: Sequence[OffloadKey]) -> None:
@@ -156,7 +188,9 @@ class RetainingPolicy(CachePolicy):
             else:
                 self._push(self._high, (rank, math.inf, math.inf, last, key))
 
-    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+    def evict_in_place(
+        self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]
+    ) -> bool:
         """Nothing hinted: the wrapped policy's answer (as `evict` is then the wrapped policy's);
         otherwise in place, and `evict` decides by the ranks."""
         if not self._aside and not len(self.book):
@@ -167,7 +201,9 @@ class RetainingPolicy(CachePolicy):
     def take_places(self, keys: Sequence[OffloadKey], victims: Sequence[OffloadKey]) -> None:
         """Ordinary keys take their victims' places in the wrapped policy; a key set aside is filed
         by its rank again (its place among its equals is the book's)."""
-        pairs = [(key, victim) for key, victim in zip(keys, victims, strict=True) if key in self.inner]
+        pairs = [
+            (key, victim) for key, victim in zip(keys, victims, strict=True) if key in self.inner
+        ]
         self.inner.take_places([key for key, _ in pairs], [victim for _, victim in pairs])
         aside = [key for key in keys if key in self._aside]
         if aside:
@@ -223,15 +259,20 @@ class RetainingPolicy(CachePolicy):
         ordinary = self._ordinary_or_none(want, protected, now)
         while ordinary is None:  # fewer ordinary ones than wanted: the rest from the high ones
             aside = len(self._aside)
-            ordinary = self._ordinary_or_none(max(0, want - self._available(self._high, protected, want)), protected,
-                                              now)
+            ordinary = self._ordinary_or_none(
+                max(0, want - self._available(self._high, protected, want)), protected, now
+            )
             if ordinary is not None:
                 ordinary += self._take_ordinary(want - len(ordinary), protected, now)
-            elif len(self._aside) == aside:  # not enough at all (else offered ones were set aside: again)
+            elif (
+                len(self._aside) == aside
+            ):  # not enough at all (else offered ones were set aside: again)
                 self._file(low, now, force=True)
                 return None
         high = self._take(self._high, n - len(low) - len(ordinary), protected, now)
-        if len(low) + len(ordinary) + len(high) < n:  # ranks changed meanwhile: all back (ordinary as recent)
+        if (
+            len(low) + len(ordinary) + len(high) < n
+        ):  # ranks changed meanwhile: all back (ordinary as recent)
             self.inner.prepare_insert(ordinary)
             self.inner.insert(ordinary)
             self._file([*low, *high], now, force=True)
@@ -242,7 +283,9 @@ class RetainingPolicy(CachePolicy):
         self._forget((*ordinary, *low, *high))
         return [*low, *ordinary, *high]
 
-    def _ordinary_or_none(self, n: int, protected: Container[OffloadKey], now: float) -> list[OffloadKey] | None:
+    def _ordinary_or_none(
+        self, n: int, protected: Container[OffloadKey], now: float
+    ) -> list[OffloadKey] | None:
         """`n` ordinary victims in the wrapped policy's order, or None with the wrapped policy as it
         was (as its own `evict`): a failed eviction must not reorder it. (Unless chunks it offers
         turn out ranked otherwise and then it has too few: those taken go back, as recent.)"""
@@ -276,7 +319,9 @@ class RetainingPolicy(CachePolicy):
                 found.add(key)
         return len(found)
 
-    def _take_ordinary(self, n: int, protected: Container[OffloadKey], now: float) -> list[OffloadKey]:
+    def _take_ordinary(
+        self, n: int, protected: Container[OffloadKey], now: float
+    ) -> list[OffloadKey]:
         """Up to `n` ordinary victims in the wrapped policy's order; chunks it offers whose rank
         changed meanwhile are set aside as they come (each once, however many chunks are kept)."""
         victims: list[OffloadKey] = []
@@ -289,7 +334,9 @@ class RetainingPolicy(CachePolicy):
             victims.extend(self._keep_ordinary(offered, now))
         return victims
 
-    def _take(self, heap: list, n: int, protected: Container[OffloadKey], now: float) -> list[OffloadKey]:
+    def _take(
+        self, heap: list, n: int, protected: Container[OffloadKey], now: float
+    ) -> list[OffloadKey]:
         """Up to `n` keys set aside, in `heap`'s order, unprotected; stale entries dropped."""
         taken: list[OffloadKey] = []
         skipped: list = []
@@ -345,5 +392,7 @@ class RetainingPolicy(CachePolicy):
         live ones, drop them: a session's chunks hinted at every turn would leave one per turn."""
         heapq.heappush(heap, item)
         if len(heap) > 2 * len(self._aside) + 64:
-            heap[:] = dict.fromkeys(entry for entry in heap if self._aside.get(entry[-1]) == entry[-2])
+            heap[:] = dict.fromkeys(
+                entry for entry in heap if self._aside.get(entry[-1]) == entry[-2]
+            )
             heapq.heapify(heap)

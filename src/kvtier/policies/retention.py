@@ -45,7 +45,9 @@ class _Entry:
         self.until = _NEVER  # kept until then (the scheduler's clock): retained or expected
         self.retained = _NEVER  # retained until then (`retain_s`; never after `until`)
         self.priority = 0
-        self.owners: set[str] = set()  # who hinted it: (tenant, session) names, or requests without one
+        self.owners: set[str] = (
+            set()
+        )  # who hinted it: (tenant, session) names, or requests without one
         self.is_shared = False  # used outside its sessions: their end does not drop it
         self.is_dropped = False  # its session ended
         self.seq = seq  # when it was last hinted (a counter)
@@ -74,7 +76,9 @@ class RetentionBook:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, max_entries: int = 1 << 16):
         if max_entries <= 0:
-            raise ConfigError(f"a retention book needs room for entries, got max_entries={max_entries}")
+            raise ConfigError(
+                f"a retention book needs room for entries, got max_entries={max_entries}"
+            )
         self.clock = clock
         self.max_entries = max_entries
         self.track_tenants = False  # set by a tier with tenant quotas
@@ -82,7 +86,9 @@ class RetentionBook:
         self._sessions: dict[str, dict[OffloadKey, None]] = {}
         self._tenants: OrderedDict[OffloadKey, str] = OrderedDict()
         self._listeners: list[RankListener] = []
-        self._forgotten: list[OffloadKey] = []  # forgotten while the lock is held: ordinary now, to tell
+        self._forgotten: list[
+            OffloadKey
+        ] = []  # forgotten while the lock is held: ordinary now, to tell
         self._seq = itertools.count()
         self._lock = threading.Lock()
 
@@ -93,8 +99,14 @@ class RetentionBook:
         """`listener.ranks_changed(keys)` after every change of ranks (not expiries: those are read)."""
         self._listeners.append(listener)
 
-    def note(self, keys: Sequence[OffloadKey], hints: Hints, tenant: str | None = None, is_new: bool = False,
-             req_id: str = "") -> None:
+    def note(
+        self,
+        keys: Sequence[OffloadKey],
+        hints: Hints,
+        tenant: str | None = None,
+        is_new: bool = False,
+        req_id: str = "",
+    ) -> None:
         """Request `req_id` of `tenant` with `hints` used `keys` now; `is_new`: it stored them (else
         they were already there, so someone else used them first)."""
         with self._lock:
@@ -105,13 +117,21 @@ class RetentionBook:
                 until = now + hints.keep_s if hints.keep_s > 0 else _NEVER
                 retained = now + hints.retain_s if hints.retain_s > 0 else _NEVER
                 session = None if hints.session is None else f"{tenant or ''}\x00{hints.session}"
-                owner = session or f"\x01{req_id}"  # a request without a session owns what it alone used
-                changed = [key for key in keys if self._hint(key, hints, (until, retained), session, owner, is_new)]
+                owner = (
+                    session or f"\x01{req_id}"
+                )  # a request without a session owns what it alone used
+                changed = [
+                    key
+                    for key in keys
+                    if self._hint(key, hints, (until, retained), session, owner, is_new)
+                ]
             changed += self._forgotten
             self._forgotten = []
         self._tell(changed)
 
-    def end_session(self, hints: Hints, keys: Iterable[OffloadKey], tenant: str | None = None) -> None:
+    def end_session(
+        self, hints: Hints, keys: Iterable[OffloadKey], tenant: str | None = None
+    ) -> None:
         """The request of `tenant` with `hints` (its `end_session` set) ended having used `keys`: its
         session's chunks that nothing else used go first from now on."""
         with self._lock:
@@ -176,19 +196,33 @@ class RetentionBook:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _hint(self, key: OffloadKey, hints: Hints, until: tuple[float, float], session: str | None, owner: str,
-              is_new: bool) -> bool:
+    def _hint(
+        self,
+        key: OffloadKey,
+        hints: Hints,
+        until: tuple[float, float],
+        session: str | None,
+        owner: str,
+        is_new: bool,
+    ) -> bool:
         entry = self._entries.get(key)
         before = None if entry is None else (entry.rank(self.clock()), entry.until, entry.retained)
         if entry is None:
             entry = self._entries[key] = _Entry(next(self._seq))
-            entry.priority, entry.is_shared = hints.priority, not is_new  # found stored: someone's before
+            entry.priority, entry.is_shared = (
+                hints.priority,
+                not is_new,
+            )  # found stored: someone's before
             self._forget_oldest()
         else:
             self._entries.move_to_end(key)
             entry.priority, entry.seq = max(entry.priority, hints.priority), next(self._seq)
             entry.is_shared |= owner not in entry.owners
-        entry.until, entry.retained, entry.is_dropped = max(entry.until, until[0]), max(entry.retained, until[1]), False
+        entry.until, entry.retained, entry.is_dropped = (
+            max(entry.until, until[0]),
+            max(entry.retained, until[1]),
+            False,
+        )
         if entry.is_shared:  # nobody's alone: no session's end drops it, so no session lists it
             entry.priority = max(entry.priority, 0)
             self._unlist(key, entry)

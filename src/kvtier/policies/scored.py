@@ -39,7 +39,9 @@ class ScoredPolicy(CachePolicy):
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         heap, scores = self._heap, self.scores
         victims: dict[OffloadKey, None] = {}
-        taken: list[tuple[float, int, OffloadKey]] = []  # popped entries, pushed back unless evicted
+        taken: list[
+            tuple[float, int, OffloadKey]
+        ] = []  # popped entries, pushed back unless evicted
         while heap and len(victims) < n:
             entry = heapq.heappop(heap)
             score, _, key = entry
@@ -99,7 +101,9 @@ class ScoredPolicy(CachePolicy):
         for i, key in enumerate(held):
             self._lower_to(key, lowest - (len(held) - i))
 
-    def evict_in_place(self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]) -> bool:
+    def evict_in_place(
+        self, key: OffloadKey, victim: OffloadKey, protected: Container[OffloadKey]
+    ) -> bool:
         """Scored below every key held, an unprotected key is the next victim."""
         if key not in self.scores:
             return False

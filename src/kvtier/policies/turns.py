@@ -42,21 +42,37 @@ class TurnsPolicy(ScoredPolicy):
     """Score = last use + capacity x bonus x (level - 1); see the module docstring."""
 
     name = "turns"
-    bonuses: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)  # candidates; the first until measured
+    bonuses: tuple[float, ...] = (
+        0.0,
+        0.25,
+        0.5,
+        1.0,
+        2.0,
+        4.0,
+    )  # candidates; the first until measured
     max_turns = 8
-    ghosts_per_slot, max_ghosts = 8, 1 << 20  # evicted keys whose depth is remembered: per slot, at most
-    sample, period = 4, 1  # the miniatures' key sample (1 in n) and how often they choose (x capacity)
+    ghosts_per_slot, max_ghosts = (
+        8,
+        1 << 20,
+    )  # evicted keys whose depth is remembered: per slot, at most
+    sample, period = (
+        4,
+        1,
+    )  # the miniatures' key sample (1 in n) and how often they choose (x capacity)
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self.depth: dict[OffloadKey, int] = {}  # depth of the request that wrote the key
         self.level: dict[OffloadKey, int] = {}  # depth of the deepest request that used it
         self.last_use: dict[OffloadKey, float] = {}
-        self._fresh: dict[OffloadKey, int | None] = {}  # inserted, not yet ranked: key -> depth as a ghost
+        self._fresh: dict[
+            OffloadKey, int | None
+        ] = {}  # inserted, not yet ranked: key -> depth as a ghost
         self._ghosts: OrderedDict[OffloadKey, int] = OrderedDict()  # evicted key -> its depth
         self._max_ghosts = min(self.ghosts_per_slot * capacity, self.max_ghosts)
-        self.selector = SettingSelector(capacity, self.bonuses, self._bonus_for, sample=self.sample,
-                                        period=self.period)
+        self.selector = SettingSelector(
+            capacity, self.bonuses, self._bonus_for, sample=self.sample, period=self.period
+        )
 
     @property
     def bonus(self) -> float:
@@ -127,7 +143,9 @@ class TurnsPolicy(ScoredPolicy):
     def _sample(self, key: OffloadKey, level: int, now: float) -> None:
         """Show a use to the miniatures; when they pick another bonus, rescore every key."""
         if self.selector.access(key, level, now):
-            self.rescore_all({key: self.last_use[key] + self._bonus(self.level[key]) for key in self.scores})
+            self.rescore_all(
+                {key: self.last_use[key] + self._bonus(self.level[key]) for key in self.scores}
+            )
 
     def _bonus(self, level: int) -> float:
         return self._bonus_for(self.selector.best, level)

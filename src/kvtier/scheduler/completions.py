@@ -20,7 +20,9 @@ from kvtier.scheduler.stats import SchedulerStats
 
 __all__ = ["JobCompletion"]
 
-logger = logging.getLogger("kvtier.scheduler.core")  # the scheduler's logger, as before this part moved here
+logger = logging.getLogger(
+    "kvtier.scheduler.core"
+)  # the scheduler's logger, as before this part moved here
 
 
 class JobCompletion:
@@ -42,12 +44,16 @@ class JobCompletion:
         to the engine itself (`WorkerSide.take_load_errors`), which recomputes them.
         """
         results = list(results)
-        self.costs.worker_results(((r, r.job_id in self._jobs and not self._jobs[r.job_id].is_store) for r in results),
-                                  self._clock())
+        self.costs.worker_results(
+            ((r, r.job_id in self._jobs and not self._jobs[r.job_id].is_store) for r in results),
+            self._clock(),
+        )
         for record in self._jobs.acknowledge(results):
             self._complete(record)
         expired, self._expired = self._expired, []
-        for record in expired:  # every worker has now run the step that cancels them: nothing copies
+        for (
+            record
+        ) in expired:  # every worker has now run the step that cancels them: nothing copies
             self._complete(record)
 
     def _expire_jobs(self, plan: StepPlan) -> None:
@@ -60,12 +66,19 @@ class JobCompletion:
         a promotion write it while a late copy still does (issue 20, S1)."""
         for record in self._jobs.expire(self._clock()):
             self.stats.expired_jobs += 1
-            logger.warning("kvtier: job %d of request %s was not reported by every worker in time; failed",
-                           record.job.job_id, record.job.req_id)
+            logger.warning(
+                "kvtier: job %d of request %s was not reported by every worker in time; failed",
+                record.job.job_id,
+                record.job.req_id,
+            )
             state = self._requests[record.job.req_id]
             # an asynchronous load's request is parked until its workers report it (they fail
             # it themselves at its deadline); blocks reported here would reach nobody
-            blocks = self._jobs.failed_load_blocks(record) if not (record.is_store or record.is_async) else set()
+            blocks = (
+                self._jobs.failed_load_blocks(record)
+                if not (record.is_store or record.is_async)
+                else set()
+            )
             if not state.is_finished and blocks <= state.held_block_ids():
                 plan.failed_load_block_ids |= blocks  # the engine recomputes them
             self._expired.append(record)

@@ -44,11 +44,19 @@ class GroupSpec:
         if self.tokens_per_block <= 0 or self.blocks_per_chunk <= 0:
             raise ConfigError(f"tokens_per_block and blocks_per_chunk must be positive: {self}")
         if (self.kind is GroupKind.SLIDING_WINDOW) != (self.sliding_window is not None):
-            raise ConfigError("sliding_window (tokens) is required for, and only for, SLIDING_WINDOW groups")
+            raise ConfigError(
+                "sliding_window (tokens) is required for, and only for, SLIDING_WINDOW groups"
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ConfigError(f"sliding_window must be a positive number of tokens, got {self.sliding_window}")
-        if self.extra_retained_tokens < 0 or (self.extra_retained_tokens and self.sliding_window is None):
-            raise ConfigError("extra_retained_tokens must be >= 0, and only a SLIDING_WINDOW group has any")
+            raise ConfigError(
+                f"sliding_window must be a positive number of tokens, got {self.sliding_window}"
+            )
+        if self.extra_retained_tokens < 0 or (
+            self.extra_retained_tokens and self.sliding_window is None
+        ):
+            raise ConfigError(
+                "extra_retained_tokens must be >= 0, and only a SLIDING_WINDOW group has any"
+            )
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -75,14 +83,22 @@ class GroupSpec:
         """
         if self.sliding_window is None:
             return 0
-        return max(0, (num_chunks * self.tokens_per_chunk - (self._kept_tokens - 1)) // self.tokens_per_chunk)
+        return max(
+            0,
+            (num_chunks * self.tokens_per_chunk - (self._kept_tokens - 1)) // self.tokens_per_chunk,
+        )
 
 
 # the bounds of the settings the user's configuration hands the scheduler as they are
 # (`kvtier.config.KVTierConfig` checks its keys of these names with these same checks)
-CHECKS: dict[str, Check] = {"max_defer_s": seconds(0.0), "max_deferrals": integer(0), "job_timeout_s": seconds(0.001),
-                            "load_mode": choice("sync", "async"), "store_mode": choice("eager", "lazy"),
-                            "load_policy": choice(*LOAD_POLICIES)}
+CHECKS: dict[str, Check] = {
+    "max_defer_s": seconds(0.0),
+    "max_deferrals": integer(0),
+    "job_timeout_s": seconds(0.001),
+    "load_mode": choice("sync", "async"),
+    "store_mode": choice("eager", "lazy"),
+    "load_policy": choice(*LOAD_POLICIES),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,13 +149,19 @@ class SchedulerOffloadConfig:
         if not self.groups:
             raise ConfigError("at least one KV-cache group is required")
         if len({g.tokens_per_chunk for g in self.groups}) != 1:
-            raise ConfigError("every KV-cache group needs the same tokens per chunk (block size x blocks_per_chunk)")
+            raise ConfigError(
+                "every KV-cache group needs the same tokens per chunk (block size x blocks_per_chunk)"
+            )
         if self.tokens_per_chunk % self.tokens_per_hash:
-            raise ConfigError(f"a chunk ({self.tokens_per_chunk} tokens) must span whole hash blocks of "
-                              f"{self.tokens_per_hash} tokens")
+            raise ConfigError(
+                f"a chunk ({self.tokens_per_chunk} tokens) must span whole hash blocks of "
+                f"{self.tokens_per_hash} tokens"
+            )
         if self.chunk_bytes < 0 or self.steps_planned_ahead < 0:
-            raise ConfigError(f"chunk_bytes and steps_planned_ahead must be >= 0: {self.chunk_bytes}, "
-                              f"{self.steps_planned_ahead}")
+            raise ConfigError(
+                f"chunk_bytes and steps_planned_ahead must be >= 0: {self.chunk_bytes}, "
+                f"{self.steps_planned_ahead}"
+            )
         if self.num_workers < 1:
             raise ConfigError(f"num_workers must be >= 1, got {self.num_workers}")
 

@@ -93,14 +93,21 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         self._lazy = config.store_mode == "lazy"
         self._ledger = EvictionLedger()  # lazy mode: computed chunks not stored yet
         self._expired: list[JobRecord] = []  # failed at this step's expiry, completed at its output
-        self.store_observer: StoreObserver | None = None  # the adapter's: chunks offered to the tiers (events)
+        self.store_observer: StoreObserver | None = (
+            None  # the adapter's: chunks offered to the tiers (events)
+        )
         for g in config.unsupported_groups():
-            logger.warning("kvtier: KV-cache group %d cannot be offloaded (%s); this model gets no kvtier hits",
-                           g, config.groups[g].reason or "unsupported kind")
+            logger.warning(
+                "kvtier: KV-cache group %d cannot be offloaded (%s); this model gets no kvtier hits",
+                g,
+                config.groups[g].reason or "unsupported kind",
+            )
 
     # -- 1. lookup --------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, req: RequestView, num_local: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, req: RequestView, num_local: int
+    ) -> tuple[int | None, bool]:
         """Tokens kvtier can load after the engine's own `num_local` hits.
 
         Returns:
@@ -116,8 +123,11 @@ class OffloadScheduler(StorePlanning, JobCompletion):
             # from its last valid block): offering the same load again could fail forever
             return self._answer(state, num_local, 0)
         if state.load_job_id is not None:  # its previous load is still in flight
-            return (None, False) if may_defer(state, self.config, self._clock(), self.stats) else \
-                self._answer(state, num_local, 0)
+            return (
+                (None, False)
+                if may_defer(state, self.config, self._clock(), self.stats)
+                else self._answer(state, num_local, 0)
+            )
         size = self.config.tokens_per_chunk
         start = num_local // size
         max_chunks = min(state.num_hashed_chunks(), (req.num_tokens - 1) // size)
@@ -139,27 +149,37 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         state.pending_load = PendingLoad(start, scan.end_chunk, num_local, state.decided_load)
         return self._answer(state, num_local, scan.end_chunk * size - num_local)
 
-    def _answer(self, state: RequestOffloadState, num_local: int, hit_tokens: int) -> tuple[int, bool]:
+    def _answer(
+        self, state: RequestOffloadState, num_local: int, hit_tokens: int
+    ) -> tuple[int, bool]:
         state.decided_load = None  # kept across "ask again" only: the next question decides afresh
         state.answer = LookupAnswer(num_local, max(0, state.req.num_tokens - 1 - num_local))
         return hit_tokens, hit_tokens > 0 and self.config.load_mode == "async"
 
     # -- 2. allocation -> load job ----------------------------------------------------
 
-    def update_state_after_alloc(self, req_id: str, block_ids: BlockIds, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, req_id: str, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
         """The engine allocated `block_ids` (all of the request's blocks, per group)."""
         state = self._requests.get(req_id)
         if state is None:
             return
         self._on_written(state.set_block_ids(block_ids, replace=True), self._next_plan)
-        count_query(state, self.manager, self.config.tokens_per_chunk)  # before loads: promotions still known
+        count_query(
+            state, self.manager, self.config.tokens_per_chunk
+        )  # before loads: promotions still known
         pending, state.pending_load = state.pending_load, None
         loaded = 0
         if pending is not None and num_external_tokens > 0:
             expected = pending.end_chunk * self.config.tokens_per_chunk - pending.num_local_tokens
             if num_external_tokens != expected:
-                logger.warning("request %s: engine accepted %d external tokens, kvtier offered %d; not loading",
-                               req_id, num_external_tokens, expected)
+                logger.warning(
+                    "request %s: engine accepted %d external tokens, kvtier offered %d; not loading",
+                    req_id,
+                    num_external_tokens,
+                    expected,
+                )
                 self._fail_offered_blocks(state, pending)
             elif self._start_load(state, pending):
                 loaded = num_external_tokens
@@ -171,7 +191,11 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         try:
             spec = self.manager.prepare_load([k for part in keys for k in part], state.req_context)
         except KVTierError as exc:  # a broken contract below: recompute, never crash
-            logger.warning("request %s: prepare_load failed (%s); its blocks will be recomputed", state.req_id, exc)
+            logger.warning(
+                "request %s: prepare_load failed (%s); its blocks will be recomputed",
+                state.req_id,
+                exc,
+            )
             self.stats.load_prepare_failures += 1
             self._fail_offered_blocks(state, pending)
             return False
@@ -198,7 +222,9 @@ class OffloadScheduler(StorePlanning, JobCompletion):
 
     def _fail_offered_blocks(self, state: RequestOffloadState, pending: PendingLoad) -> None:
         """The engine counts the offered tokens as computed: report their blocks failed (recompute)."""
-        self._next_plan.failed_load_block_ids |= state.blocks_between(pending.num_local_tokens, pending.end_chunk)
+        self._next_plan.failed_load_block_ids |= state.blocks_between(
+            pending.num_local_tokens, pending.end_chunk
+        )
 
     # -- 3. the step plan -------------------------------------------------------------
 
@@ -215,10 +241,16 @@ class OffloadScheduler(StorePlanning, JobCompletion):
             if state is None:
                 continue
             if sched.new_block_ids is not None:
-                self._on_written(state.set_block_ids(sched.new_block_ids, replace=sched.is_new_or_resumed), plan)
+                self._on_written(
+                    state.set_block_ids(sched.new_block_ids, replace=sched.is_new_or_resumed), plan
+                )
             if state.load_job_id is None and state.params.store:
-                self._plan_stores(state, sched.num_computed_tokens + sched.num_scheduled_tokens,
-                                  sched.num_computed_tokens, plan)
+                self._plan_stores(
+                    state,
+                    sched.num_computed_tokens + sched.num_scheduled_tokens,
+                    sched.num_computed_tokens,
+                    plan,
+                )
         self.stats.flushed_jobs += len(plan.flush_job_ids)
         self._jobs.dispatch(plan, self._clock())
         return plan
@@ -235,7 +267,9 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         if state is None:
             return
         # (a job expired in this very step is no longer in the book: it is failed, nothing to flush)
-        plan.flush_job_ids |= {j for j in state.transfer_jobs if j in self._jobs and self._jobs[j].is_store}
+        plan.flush_job_ids |= {
+            j for j in state.transfer_jobs if j in self._jobs and self._jobs[j].is_store
+        }
         state.clear_block_ids()
         state.pending_load = state.decided_load = None
 
@@ -295,4 +329,3 @@ class OffloadScheduler(StorePlanning, JobCompletion):
     def request_state(self, req_id: str) -> RequestOffloadState | None:
         """The live state of a request (for adapters and tests)."""
         return self._requests.get(req_id)
-

@@ -55,7 +55,9 @@ class TransferJobBook:
 
     # -- building jobs ----------------------------------------------------------------
 
-    def load_parts_for(self, state: RequestOffloadState, pending: PendingLoad) -> tuple[list[list[OffloadKey]], _Parts]:
+    def load_parts_for(
+        self, state: RequestOffloadState, pending: PendingLoad
+    ) -> tuple[list[list[OffloadKey]], _Parts]:
         """Keys and blocks of a load, per group (a sliding-window group loads only its window).
 
         The first chunk's leading blocks are skipped where the engine holds them already (its
@@ -67,28 +69,44 @@ class TransferJobBook:
             if gs.spec.kind is GroupKind.SLIDING_WINDOW:
                 first = max(first, gs.spec.first_needed_chunk(pending.end_chunk))
             bpc = gs.spec.blocks_per_chunk
-            valid_from = max(pending.num_local_tokens // gs.spec.tokens_per_block,
-                             gs.spec.num_skipped_blocks(pending.end_chunk * gs.spec.tokens_per_chunk))
+            valid_from = max(
+                pending.num_local_tokens // gs.spec.tokens_per_block,
+                gs.spec.num_skipped_blocks(pending.end_chunk * gs.spec.tokens_per_chunk),
+            )
             skip = max(0, valid_from - first * bpc)
             keys.append(state.keys(gs.group, first, pending.end_chunk))
             parts.append((gs.group, gs.block_ids[first * bpc : pending.end_chunk * bpc], skip))
         return keys, parts
 
-    def new_load(self, state: RequestOffloadState, keys: list[list[OffloadKey]], parts: _Parts,
-                 slot_ids: np.ndarray) -> TransferJob:
+    def new_load(
+        self,
+        state: RequestOffloadState,
+        keys: list[list[OffloadKey]],
+        parts: _Parts,
+        slot_ids: np.ndarray,
+    ) -> TransferJob:
         built, offset = [], 0
         for part_keys, (group, blocks, skip) in zip(keys, parts, strict=True):
             slots = slot_ids[offset : offset + len(part_keys)]
             offset += len(part_keys)
             if len(part_keys):
-                built.append(TransferPart(group=group, slot_ids=np.asarray(slots, np.int64),
-                                          block_ids=np.asarray(blocks, np.int64), skip_blocks=skip))
-        job = self._register(state, Endpoint.SLAB, Endpoint.ENGINE, built, [k for part in keys for k in part])
+                built.append(
+                    TransferPart(
+                        group=group,
+                        slot_ids=np.asarray(slots, np.int64),
+                        block_ids=np.asarray(blocks, np.int64),
+                        skip_blocks=skip,
+                    )
+                )
+        job = self._register(
+            state, Endpoint.SLAB, Endpoint.ENGINE, built, [k for part in keys for k in part]
+        )
         self.loading_keys.update(self._records[job.job_id].keys)
         return job
 
-    def store_candidates(self, state: RequestOffloadState, end: int, window_from: int
-                         ) -> tuple[list[OffloadKey], list[tuple[int, int]]]:
+    def store_candidates(
+        self, state: RequestOffloadState, end: int, window_from: int
+    ) -> tuple[list[OffloadKey], list[tuple[int, int]]]:
         """Keys of chunks after each group's cursor up to `end`, with their (group, chunk),
         chunk by chunk across groups (`RequestOffloadState.chunk_major`).
 
@@ -100,11 +118,19 @@ class TransferJobBook:
         firsts = {}
         for gs in state.group_states:
             bpc = gs.spec.blocks_per_chunk
-            firsts[gs.group] = max(gs.next_store_chunk, -(-gs.spec.num_skipped_blocks(window_from) // bpc))
+            firsts[gs.group] = max(
+                gs.next_store_chunk, -(-gs.spec.num_skipped_blocks(window_from) // bpc)
+            )
         return state.chunk_major(firsts, end)
 
-    def new_store(self, state: RequestOffloadState, keys: list[OffloadKey], groups: list[int],
-                  chunk_blocks: list[Sequence[int]], out: PrepareStoreOutput) -> TransferJob:
+    def new_store(
+        self,
+        state: RequestOffloadState,
+        keys: list[OffloadKey],
+        groups: list[int],
+        chunk_blocks: list[Sequence[int]],
+        out: PrepareStoreOutput,
+    ) -> TransferJob:
         """A store of the chunks `out` accepted: `keys[i]` of group `groups[i]` reads `chunk_blocks[i]`
         (a key listed twice is stored once).
 
@@ -121,19 +147,40 @@ class TransferJobBook:
                 slots.append(slot)
                 blocks.extend(chunk_ids)
         parts = [
-            TransferPart(group=group, slot_ids=np.asarray(slots, np.int64), block_ids=np.asarray(blocks, np.int64))
+            TransferPart(
+                group=group,
+                slot_ids=np.asarray(slots, np.int64),
+                block_ids=np.asarray(blocks, np.int64),
+            )
             for group, (_, slots, blocks) in per_group.items()
         ]
-        job = self._register(state, Endpoint.ENGINE, Endpoint.SLAB, parts,
-                             [k for ks, _, _ in per_group.values() for k in ks])
+        job = self._register(
+            state,
+            Endpoint.ENGINE,
+            Endpoint.SLAB,
+            parts,
+            [k for ks, _, _ in per_group.values() for k in ks],
+        )
         for block in job.read_blocks():
             self._stores_by_block.setdefault(block, set()).add(job.job_id)
         return job
 
-    def _register(self, state: RequestOffloadState, src: Endpoint, dst: Endpoint, parts: list[TransferPart],
-                  keys: list[OffloadKey]) -> TransferJob:
-        job = TransferJob(job_id=self._next_id, req_id=state.req_id, src=src, dst=dst, parts=tuple(parts),
-                          deadline=math.inf)  # stamped by `dispatch`
+    def _register(
+        self,
+        state: RequestOffloadState,
+        src: Endpoint,
+        dst: Endpoint,
+        parts: list[TransferPart],
+        keys: list[OffloadKey],
+    ) -> TransferJob:
+        job = TransferJob(
+            job_id=self._next_id,
+            req_id=state.req_id,
+            src=src,
+            dst=dst,
+            parts=tuple(parts),
+            deadline=math.inf,
+        )  # stamped by `dispatch`
         self._next_id += 1
         self._records[job.job_id] = JobRecord(job, keys, self.generation, expires_at=math.inf)
         state.transfer_jobs.add(job.job_id)
@@ -149,7 +196,9 @@ class TransferJobBook:
         for jobs in (plan.load_jobs, plan.async_load_jobs, plan.store_jobs):
             for i, job in enumerate(jobs):
                 record = self._records.get(job.job_id)
-                deadline = min(now + self.job_timeout_s, record.deadline_cap if record else math.inf)
+                deadline = min(
+                    now + self.job_timeout_s, record.deadline_cap if record else math.inf
+                )
                 jobs[i] = dataclasses.replace(job, deadline=deadline)
                 if record is not None:
                     record.job, record.expires_at = jobs[i], deadline + self.job_timeout_s
@@ -181,7 +230,9 @@ class TransferJobBook:
             if record is None:
                 continue
             record.num_acks += 1
-            record.failed_chunks.update(c for c in result.failed_chunks if 0 <= c < len(record.keys))
+            record.failed_chunks.update(
+                c for c in result.failed_chunks if 0 <= c < len(record.keys)
+            )
             if record.num_acks >= self.num_workers:
                 done.append(self._forget(record))
         return done
@@ -214,8 +265,10 @@ class TransferJobBook:
     def split_keys(record: JobRecord) -> tuple[list[OffloadKey], list[OffloadKey]]:
         """(succeeded, failed) keys of a completed job."""
         failed = record.failed_chunks
-        return ([k for i, k in enumerate(record.keys) if i not in failed],
-                [k for i, k in enumerate(record.keys) if i in failed])
+        return (
+            [k for i, k in enumerate(record.keys) if i not in failed],
+            [k for i, k in enumerate(record.keys) if i in failed],
+        )
 
     @staticmethod
     def failed_load_blocks(record: JobRecord) -> set[int]:

@@ -63,14 +63,18 @@ class EvictionLedger:
     """
 
     def __init__(self) -> None:
-        self._by_block: dict[int, dict[LedgerEntry, None]] = {}  # an insertion-ordered set per block
+        self._by_block: dict[
+            int, dict[LedgerEntry, None]
+        ] = {}  # an insertion-ordered set per block
         self._num_entries = 0
 
     def __len__(self) -> int:
         """Chunks recorded and not stored, forgotten or taken."""
         return self._num_entries
 
-    def record(self, key: OffloadKey, group: int, blocks: Iterable[int], owner: ReqContext, chunk: int) -> None:
+    def record(
+        self, key: OffloadKey, group: int, blocks: Iterable[int], owner: ReqContext, chunk: int
+    ) -> None:
         """Chunk `chunk` of the request whose context is `owner` (key `key`, group `group`) is computed
         in `blocks` (chunks recorded earlier in the same blocks stay: a shared prefix block holds both)."""
         self._add(LedgerEntry(key, group, tuple(blocks), owner, chunk))
@@ -96,7 +100,11 @@ class EvictionLedger:
             for entry in list(self._by_block.get(block, ())):
                 self._drop(entry)
                 taken.setdefault(id(entry.owner), []).append(entry)
-        return [e for entries in taken.values() for e in sorted(entries, key=lambda e: (e.chunk, e.group))]
+        return [
+            e
+            for entries in taken.values()
+            for e in sorted(entries, key=lambda e: (e.chunk, e.group))
+        ]
 
     def restore(self, entries: Iterable[LedgerEntry]) -> None:
         """Put back entries `take` returned (their blocks were not rewritten since)."""

@@ -69,15 +69,24 @@ class LoadCosts:
         fixed: decide with these figures instead of measuring (the simulator).
     """
 
-    def __init__(self, config: SchedulerOffloadConfig, manager: OffloadingManager, stats: SchedulerStats,
-                 fixed: CostSnapshot | None = None):
+    def __init__(
+        self,
+        config: SchedulerOffloadConfig,
+        manager: OffloadingManager,
+        stats: SchedulerStats,
+        fixed: CostSnapshot | None = None,
+    ):
         self.config, self.manager, self.stats, self.fixed = config, manager, stats, fixed
-        self.prefill = PrefillRate(min_tokens=max(128, 2 * config.tokens_per_chunk), lag=config.steps_planned_ahead)
+        self.prefill = PrefillRate(
+            min_tokens=max(128, 2 * config.tokens_per_chunk), lag=config.steps_planned_ahead
+        )
         self.cpu = TransferRate(read_prior(CPU))
         self._loads: dict[int, _LoadTiming] = {}  # load job id -> what its workers reported so far
         self._ram_exploration = Exploration()
         # nothing to weigh with (chunk size unknown, or no full-attention group): load what the scan finds
-        self._decides = bool(config.chunk_bytes) and any(g.kind is GroupKind.FULL for g in config.groups)
+        self._decides = bool(config.chunk_bytes) and any(
+            g.kind is GroupKind.FULL for g in config.groups
+        )
 
     def snapshot(self) -> CostSnapshot:
         """The figures a decision made now would use."""
@@ -116,7 +125,9 @@ class LoadCosts:
             self.cpu.add(timing.num_bytes, start, timing.seconds)
             start += timing.seconds
 
-    def load_started(self, state: RequestOffloadState, decided: DecidedLoad | None, now: float) -> None:
+    def load_started(
+        self, state: RequestOffloadState, decided: DecidedLoad | None, now: float
+    ) -> None:
         """The request's load job (`state.load_job_id`) goes to the workers."""
         state.timed_load = None if decided is None else (decided, now - decided.decided_at)
         if state.load_job_id is not None:
@@ -143,7 +154,9 @@ class LoadCosts:
             limit = self.limit(state, start, end, now, final=True)
         return limit
 
-    def limit(self, state: RequestOffloadState, start: int, end: int, now: float, final: bool) -> int | None:
+    def limit(
+        self, state: RequestOffloadState, start: int, end: int, now: float, final: bool
+    ) -> int | None:
         """The chunk the request's scan stops at (<= `end`), or None while a tier still checks
         whether it holds one of them (`final`: decide on what is known, never None)."""
         decided = state.decided_load
@@ -159,16 +172,28 @@ class LoadCosts:
         if not locations:
             return start
         costs = self.snapshot()
-        choice = choose_load(locations, self.config.chunk_bytes, self.config.tokens_per_chunk, costs,
-                             self.config.load_policy)
+        choice = choose_load(
+            locations,
+            self.config.chunk_bytes,
+            self.config.tokens_per_chunk,
+            costs,
+            self.config.load_policy,
+        )
         if choice.num_chunks < len(locations) and self.fixed is None:
             choice = self._explore(state, start, locations, choice, costs, now)
         state.decided_load = DecidedLoad(start, choice, now)
         self.stats.count_decision(choice.decision, choice.tier)
         return start + choice.num_chunks
 
-    def _explore(self, state: RequestOffloadState, start: int, locations: list[str], choice: LoadChoice,
-                 costs: CostSnapshot, now: float) -> LoadChoice:
+    def _explore(
+        self,
+        state: RequestOffloadState,
+        start: int,
+        locations: list[str],
+        choice: LoadChoice,
+        costs: CostSnapshot,
+        now: float,
+    ) -> LoadChoice:
         """`choice` wrote off the tier of the chunk its head stops before: try that tier if its
         estimate is stale (see the module docstring). Returns the choice to keep."""
         # Only loads measure RAM, and a read from every tier ends in a RAM copy: RAM written off
@@ -177,8 +202,13 @@ class LoadCosts:
         # RAM at its prior, and loads if that says so.
         if now - self.cpu.last_ended_at > _RAM_FORGET_S and self._may_explore_ram(now):
             at_prior = replace(costs, reads={**costs.reads, CPU: self.cpu.prior})
-            bet = choose_load(locations, self.config.chunk_bytes, self.config.tokens_per_chunk, at_prior,
-                              self.config.load_policy)
+            bet = choose_load(
+                locations,
+                self.config.chunk_bytes,
+                self.config.tokens_per_chunk,
+                at_prior,
+                self.config.load_policy,
+            )
             if bet.num_chunks > choice.num_chunks:
                 self._ram_exploration.started(now)
                 self.stats.explorations[CPU] += 1
@@ -191,12 +221,21 @@ class LoadCosts:
             ram_end = choice.num_chunks
             while ram_end < len(locations) and locations[ram_end] == CPU:
                 ram_end += 1
-            choice = choose_load(locations, self.config.chunk_bytes, self.config.tokens_per_chunk, costs,
-                                 self.config.load_policy, min_chunks=ram_end)
+            choice = choose_load(
+                locations,
+                self.config.chunk_bytes,
+                self.config.tokens_per_chunk,
+                costs,
+                self.config.load_policy,
+                min_chunks=ram_end,
+            )
         else:
             chunk = start + choice.num_chunks
-            keys = [state.keys(gs.group, chunk, chunk + 1)[0] for gs in state.group_states
-                    if gs.spec.kind is GroupKind.FULL]
+            keys = [
+                state.keys(gs.group, chunk, chunk + 1)[0]
+                for gs in state.group_states
+                if gs.spec.kind is GroupKind.FULL
+            ]
             if not self.manager.explore(tier, keys, state.req_context):
                 return choice
         self.stats.explorations[tier] += 1
@@ -212,8 +251,11 @@ class LoadCosts:
         """Per chunk from `start`: the slowest tier any full-attention group's key is in, up to
         the first chunk some group misses. (A sliding-window group's chunks are not weighed:
         the scan only loads those inside its window, at most what the full groups load.)"""
-        per_group = [self.manager.locate(state.keys(gs.group, start, end), state.req_context)
-                     for gs in state.group_states if gs.spec.kind is GroupKind.FULL]
+        per_group = [
+            self.manager.locate(state.keys(gs.group, start, end), state.req_context)
+            for gs in state.group_states
+            if gs.spec.kind is GroupKind.FULL
+        ]
         found: list[str] = []
         for media in zip(*per_group, strict=True):
             if None in media:
@@ -226,5 +268,3 @@ def _slowest(media: tuple[str | None, ...]) -> str:
     if NOT_KNOWN_YET in media:
         return NOT_KNOWN_YET
     return next((m for m in media if m != CPU), CPU)  # type: ignore[return-value]
-
-

@@ -38,7 +38,9 @@ class HitScan:
 class _Lookups:
     """Memoized lookups for one scan; a key being loaded elsewhere reads as 'wait'."""
 
-    def __init__(self, manager: OffloadingManager, state: RequestOffloadState, loading: Container[OffloadKey]):
+    def __init__(
+        self, manager: OffloadingManager, state: RequestOffloadState, loading: Container[OffloadKey]
+    ):
         self.manager, self.ctx, self.loading = manager, state.req_context, loading
         self.cache: dict[OffloadKey, LookupResult] = {}
 
@@ -73,7 +75,9 @@ def scan_hits(
     return HitScan(end, must_wait)
 
 
-def _prefix_scan(keys: list[OffloadKey], lookup: _Lookups, start: int, end: int) -> tuple[int, bool]:
+def _prefix_scan(
+    keys: list[OffloadKey], lookup: _Lookups, start: int, end: int
+) -> tuple[int, bool]:
     """Hits end at the first non-HIT. Past a chunk to wait for the scan goes on to the first MISS:
     the later chunks' lookups start their tiers' probes and promotions now, all in this step,
     instead of one chunk per step."""
@@ -90,7 +94,9 @@ def _prefix_scan(keys: list[OffloadKey], lookup: _Lookups, start: int, end: int)
     return end, must_wait
 
 
-def _window_scan(state: RequestOffloadState, group: int, lookup: _Lookups, start: int, end: int) -> tuple[int, bool]:
+def _window_scan(
+    state: RequestOffloadState, group: int, lookup: _Lookups, start: int, end: int
+) -> tuple[int, bool]:
     """Largest boundary h <= end whose window chunks (after `start`) are all HIT."""
     spec, must_wait = state.group_states[group].spec, False
     for h in range(end, start, -1):
@@ -102,20 +108,27 @@ def _window_scan(state: RequestOffloadState, group: int, lookup: _Lookups, start
     return start, must_wait
 
 
-def count_query(state: RequestOffloadState, manager: OffloadingManager, tokens_per_chunk: int) -> None:
+def count_query(
+    state: RequestOffloadState, manager: OffloadingManager, tokens_per_chunk: int
+) -> None:
     """The engine admits the request: tell the manager the chunks it asked for (each full-attention
     group's, after the engine's own hits, as its latest answer counted them), once per request."""
     answer = state.answer
     if answer is None or not state.params.load:
         return
     start = answer.num_local_tokens // tokens_per_chunk
-    end = min(state.num_hashed_chunks(), (answer.num_local_tokens + answer.num_query_tokens) // tokens_per_chunk)
+    end = min(
+        state.num_hashed_chunks(),
+        (answer.num_local_tokens + answer.num_query_tokens) // tokens_per_chunk,
+    )
     for gs in state.group_states:
         if gs.spec.kind is GroupKind.FULL and start < end:
             manager.count_query(state.keys(gs.group, start, end), state.req_context)
 
 
-def may_defer(state: RequestOffloadState, config: SchedulerOffloadConfig, now: float, stats: SchedulerStats) -> bool:
+def may_defer(
+    state: RequestOffloadState, config: SchedulerOffloadConfig, now: float, stats: SchedulerStats
+) -> bool:
     """Spend one "ask again next step" of the request's budget; False once it is exhausted.
 
     The budget is `max_deferrals` answers and `max_defer_s` seconds from the first one;
@@ -125,10 +138,15 @@ def may_defer(state: RequestOffloadState, config: SchedulerOffloadConfig, now: f
         return False
     if state.first_deferred_at is None:
         state.first_deferred_at = now
-    if state.num_deferrals >= config.max_deferrals or now - state.first_deferred_at >= config.max_defer_s:
+    if (
+        state.num_deferrals >= config.max_deferrals
+        or now - state.first_deferred_at >= config.max_defer_s
+    ):
         state.deferral_expired = True
         stats.deferral_timeouts += 1
-        logger.info("request %s stopped waiting after %d deferrals", state.req_id, state.num_deferrals)
+        logger.info(
+            "request %s stopped waiting after %d deferrals", state.req_id, state.num_deferrals
+        )
         return False
     state.num_deferrals += 1
     stats.deferrals += 1

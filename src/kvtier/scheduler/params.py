@@ -42,8 +42,14 @@ def parse_kv_transfer_params(raw: Any, req_id: str) -> OffloadParams:
     """Read kvtier's options for one request; defaults on anything malformed."""
     try:
         return _parse(raw, req_id)
-    except Exception as exc:  # an object whose ==, hash or repr raises: still only this request's params
-        logger.warning("request %s: kv_transfer_params could not be read (%s); ignored", req_id, type(exc).__name__)
+    except (
+        Exception
+    ) as exc:  # an object whose ==, hash or repr raises: still only this request's params
+        logger.warning(
+            "request %s: kv_transfer_params could not be read (%s); ignored",
+            req_id,
+            type(exc).__name__,
+        )
         return OffloadParams()
 
 
@@ -51,31 +57,49 @@ def _parse(raw: Any, req_id: str) -> OffloadParams:
     if raw is None:
         return OffloadParams()
     if not isinstance(raw, dict):
-        logger.warning("request %s: kv_transfer_params is a %s, not a dict; ignored", req_id, type(raw).__name__)
+        logger.warning(
+            "request %s: kv_transfer_params is a %s, not a dict; ignored",
+            req_id,
+            type(raw).__name__,
+        )
         return OffloadParams()
     ours = raw.get("kvtier")
     if ours is None:
         return OffloadParams()
     if not isinstance(ours, dict):
-        logger.warning("request %s: kv_transfer_params['kvtier'] must be a dict like "
-                       "{'load': bool, 'store': bool, 'max_load_tokens': int}; ignored", req_id)
+        logger.warning(
+            "request %s: kv_transfer_params['kvtier'] must be a dict like "
+            "{'load': bool, 'store': bool, 'max_load_tokens': int}; ignored",
+            req_id,
+        )
         return OffloadParams()
     unknown = [k for k in ours if k not in _KNOWN]
     if unknown:
-        logger.warning("request %s: unknown kvtier params %s ignored (valid: %s)", req_id, reprlib.repr(unknown),
-                       list(_KNOWN))
+        logger.warning(
+            "request %s: unknown kvtier params %s ignored (valid: %s)",
+            req_id,
+            reprlib.repr(unknown),
+            list(_KNOWN),
+        )
     values: dict[str, Any] = {}
     for name in _FLAGS:
         value = ours.get(name, True)
         if isinstance(value, bool):
             values[name] = value
         else:
-            logger.warning("request %s: kvtier param %r must be true or false, got %s; ignored", req_id, name,
-                           reprlib.repr(value))
+            logger.warning(
+                "request %s: kvtier param %r must be true or false, got %s; ignored",
+                req_id,
+                name,
+                reprlib.repr(value),
+            )
     cap = ours.get("max_load_tokens")
     if type(cap) is int and 0 <= cap <= _MAX_TOKENS:
         values["max_load_tokens"] = cap
     elif cap is not None:
-        logger.warning("request %s: kvtier param 'max_load_tokens' must be a non-negative integer, got %s; ignored",
-                       req_id, reprlib.repr(cap))
+        logger.warning(
+            "request %s: kvtier param 'max_load_tokens' must be a non-negative integer, got %s; ignored",
+            req_id,
+            reprlib.repr(cap),
+        )
     return OffloadParams(**values, hints=parse_hints(ours, req_id))

@@ -18,7 +18,14 @@ from kvtier.scheduler.config import GroupKind, GroupSpec, SchedulerOffloadConfig
 from kvtier.scheduler.params import OffloadParams, parse_kv_transfer_params
 from kvtier.scheduler.types import RequestView
 
-__all__ = ["DecidedLoad", "JobRecord", "LookupAnswer", "PendingLoad", "RequestGroupState", "RequestOffloadState"]
+__all__ = [
+    "DecidedLoad",
+    "JobRecord",
+    "LookupAnswer",
+    "PendingLoad",
+    "RequestGroupState",
+    "RequestOffloadState",
+]
 
 
 @dataclass(slots=True)
@@ -87,7 +94,9 @@ class JobRecord:
     expires_at: float  # the scheduler fails the job if not every worker reported it by then
     num_acks: int = 0
     failed_chunks: set[int] = field(default_factory=set)
-    deadline_cap: float = math.inf  # an asynchronous load's: the end of its request's waiting budget
+    deadline_cap: float = (
+        math.inf
+    )  # an asynchronous load's: the end of its request's waiting budget
     is_async: bool = False  # a load its request is parked for (nobody waits for it in a step)
 
     @property
@@ -109,22 +118,34 @@ class RequestOffloadState:
     transfer_jobs: set[int] = field(default_factory=set)  # in-flight job ids
     load_job_id: int | None = None  # the in-flight load, if any
     pending_load: PendingLoad | None = None
-    decided_load: DecidedLoad | None = None  # kept while the request is asked again, dropped at an answer
-    timed_load: tuple[DecidedLoad, float] | None = None  # the load in flight's decision, seconds waited for it
+    decided_load: DecidedLoad | None = (
+        None  # kept while the request is asked again, dropped at an answer
+    )
+    timed_load: tuple[DecidedLoad, float] | None = (
+        None  # the load in flight's decision, seconds waited for it
+    )
     answer: LookupAnswer | None = None  # the latest lookup answer, not counted yet
     num_deferrals: int = 0
     first_deferred_at: float | None = None
     deferral_expired: bool = False
-    had_failed_load: bool = False  # a load of it failed: it recomputes, kvtier offers it nothing more
+    had_failed_load: bool = (
+        False  # a load of it failed: it recomputes, kvtier offers it nothing more
+    )
     is_finished: bool = False
     finished_at_step: int | None = None  # the scheduler step in which request_finished came
 
     def __post_init__(self) -> None:
-        self.group_states = [RequestGroupState(g, spec) for g, spec in enumerate(self.config.groups)]
+        self.group_states = [
+            RequestGroupState(g, spec) for g, spec in enumerate(self.config.groups)
+        ]
         raw = self.req.kv_transfer_params
         self.params = parse_kv_transfer_params(raw, self.req.req_id)
-        self.req_context = ReqContext(self.req.req_id, raw if isinstance(raw, dict) else None, self.params.hints,
-                                      self.req.tenant)
+        self.req_context = ReqContext(
+            self.req.req_id,
+            raw if isinstance(raw, dict) else None,
+            self.params.hints,
+            self.req.tenant,
+        )
 
     @property
     def req_id(self) -> str:
@@ -139,11 +160,16 @@ class RequestOffloadState:
         Sliding-window groups contribute only the chunks inside their window before `end`;
         unsupported groups none.
         """
-        firsts = {gs.group: gs.spec.first_needed_chunk(end) for gs in self.group_states
-                  if gs.spec.kind is not GroupKind.UNSUPPORTED}
+        firsts = {
+            gs.group: gs.spec.first_needed_chunk(end)
+            for gs in self.group_states
+            if gs.spec.kind is not GroupKind.UNSUPPORTED
+        }
         return self.chunk_major(firsts, end)[0]
 
-    def chunk_major(self, firsts: dict[int, int], end: int) -> tuple[list[OffloadKey], list[tuple[int, int]]]:
+    def chunk_major(
+        self, firsts: dict[int, int], end: int
+    ) -> tuple[list[OffloadKey], list[tuple[int, int]]]:
         """Keys of chunks [firsts[g], end) of each group g, with their (group, chunk), chunk by chunk
         across groups: head first across groups too, so a policy that ranks a chain "tails before
         heads" never keeps one group's tail longer than another group's head."""
@@ -151,13 +177,19 @@ class RequestOffloadState:
         if not firsts:
             return [], []
         group_keys = {g: self.keys(g, first, end) for g, first in firsts.items()}
-        chunks = [(g, c) for c in range(min(firsts.values()), end) for g in firsts if c >= firsts[g]]
+        chunks = [
+            (g, c) for c in range(min(firsts.values()), end) for g in firsts if c >= firsts[g]
+        ]
         return [group_keys[g][c - firsts[g]] for g, c in chunks], chunks
 
     def keys(self, group: int, start: int, end: int) -> list[OffloadKey]:
         """Offload keys of chunks [start, end) of `group` (end <= num_hashed_chunks())."""
         state = self.group_states[group]
-        keys, hashes, per_chunk = state.offload_keys, self.req.block_hashes, self.config.hashes_per_chunk
+        keys, hashes, per_chunk = (
+            state.offload_keys,
+            self.req.block_hashes,
+            self.config.hashes_per_chunk,
+        )
         for chunk in range(len(keys), end):
             keys.append(make_offload_key(hashes[(chunk + 1) * per_chunk - 1], group))
         return keys[start:end]
@@ -173,7 +205,9 @@ class RequestOffloadState:
         for state, ids in zip(self.group_states, block_ids, strict=False):
             if replace:
                 state.block_ids = list(ids)
-                written.extend(ids[self.num_locally_computed_tokens // state.spec.tokens_per_block :])
+                written.extend(
+                    ids[self.num_locally_computed_tokens // state.spec.tokens_per_block :]
+                )
             else:
                 state.block_ids.extend(ids)
                 written.extend(ids)

@@ -28,11 +28,15 @@ class SchedulerStats:
     stored_chunks: int = 0
     failed_store_chunks: int = 0
     store_alloc_failures: int = 0  # prepare_store found no room; retried next step
-    lazy_offered_chunks: int = 0  # lazy store mode: chunks offered as the engine was about to evict them
+    lazy_offered_chunks: int = (
+        0  # lazy store mode: chunks offered as the engine was about to evict them
+    )
     flushed_jobs: int = 0
     stale_completions: int = 0  # jobs from before a reset_cache()
     expired_jobs: int = 0  # jobs not every worker reported in time: failed by the scheduler
-    hinted_requests: int = 0  # requests whose kv_transfer_params carried a valid hint (`kvtier.hints`)
+    hinted_requests: int = (
+        0  # requests whose kv_transfer_params carried a valid hint (`kvtier.hints`)
+    )
     # load or recompute (`kvtier.scheduler.load_cost`): decisions by (decision, tier), and the
     # loads that ended, with the seconds they were expected to take and took (microseconds)
     load_decisions: Counter[tuple[str, str]] = field(default_factory=Counter)

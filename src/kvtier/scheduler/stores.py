@@ -32,7 +32,9 @@ from kvtier.scheduler.types import RequestView
 
 __all__ = ["EVICTIONS_REQ_ID", "StoreObserver", "StorePlanning"]
 
-logger = logging.getLogger("kvtier.scheduler.core")  # the scheduler's logger, as before this part moved here
+logger = logging.getLogger(
+    "kvtier.scheduler.core"
+)  # the scheduler's logger, as before this part moved here
 
 # owns lazy mode's stores, one owner per step and request stored for (no engine request id starts with NUL)
 EVICTIONS_REQ_ID = "\x00kvtier:evictions"
@@ -58,14 +60,19 @@ class StorePlanning:
     _ledger: EvictionLedger
     store_observer: StoreObserver | None
 
-    def _plan_stores(self, state: RequestOffloadState, num_tokens: int, window_from: int, plan: StepPlan) -> None:
+    def _plan_stores(
+        self, state: RequestOffloadState, num_tokens: int, window_from: int, plan: StepPlan
+    ) -> None:
         """Offer every whole, computed chunk after the store cursor to the manager."""
         if not self._is_supported:
             return  # nothing stored could ever be loaded
         if self.config.offload_prompt_only:
             num_tokens = min(num_tokens, state.req.num_prompt_tokens)
-        end = min(num_tokens // self.config.tokens_per_chunk, state.num_hashed_chunks(),
-                  *(gs.num_allocated_chunks() for gs in state.group_states))
+        end = min(
+            num_tokens // self.config.tokens_per_chunk,
+            state.num_hashed_chunks(),
+            *(gs.num_allocated_chunks() for gs in state.group_states),
+        )
         if all(gs.next_store_chunk >= end for gs in state.group_states):
             return  # most decode steps: no chunk completed since the last store (no candidates either)
         keys, chunks = self._jobs.store_candidates(state, end, window_from)
@@ -75,7 +82,9 @@ class StorePlanning:
             try:  # describing chunks for events must never fail a step: without it, events go on undescribed
                 self.store_observer(state.req, state.req_context, keys, chunks)
             except Exception:
-                logger.exception("kvtier: describing chunks for KV events failed; they are published by hash alone")
+                logger.exception(
+                    "kvtier: describing chunks for KV events failed; they are published by hash alone"
+                )
                 self.store_observer = None
         groups = [group for group, _ in chunks]
         blocks = [state.group_states[group].chunk_blocks(chunk) for group, chunk in chunks]
@@ -100,11 +109,18 @@ class StorePlanning:
         for _, group in itertools.groupby(self._ledger.take(evictable), key=lambda e: id(e.owner)):
             entries = list(group)
             owner = self._eviction_owner(entries[0].owner)
-            if self._store(owner, [e.key for e in entries], [e.group for e in entries],
-                           [e.blocks for e in entries], plan):
+            if self._store(
+                owner,
+                [e.key for e in entries],
+                [e.group for e in entries],
+                [e.blocks for e in entries],
+                plan,
+            ):
                 self.stats.lazy_offered_chunks += len(entries)
             else:
-                self._ledger.restore(entries)  # no room now: retried next step, unless the blocks go first
+                self._ledger.restore(
+                    entries
+                )  # no room now: retried next step, unless the blocks go first
             self._release_if_done(owner)
 
     def _eviction_owner(self, computed_by: ReqContext) -> RequestOffloadState:
@@ -119,8 +135,10 @@ class StorePlanning:
         while req_id in self._requests:
             num_taken += 1
             req_id = f"{base}:{num_taken}"
-        owner = RequestOffloadState(self.config, RequestView(req_id=req_id, block_hashes=(), num_tokens=0,
-                                                             num_prompt_tokens=0))
+        owner = RequestOffloadState(
+            self.config,
+            RequestView(req_id=req_id, block_hashes=(), num_tokens=0, num_prompt_tokens=0),
+        )
         # not the context its view would give (its own, acting for nobody): every manager call for
         # its store says whose chunks these are. A request that still runs (preempted, or past a
         # sliding window) has not ended its session yet: its own end does, as in eager mode
@@ -128,15 +146,26 @@ class StorePlanning:
         running = self._requests.get(computed_by.req_id)
         if hints.end_session and running is not None and not running.is_finished:
             hints = dataclasses.replace(hints, end_session=False)
-        owner.req_context = ReqContext(req_id, computed_by.kv_transfer_params, hints, computed_by.tenant,
-                                       on_behalf_of=computed_by.req_id)
+        owner.req_context = ReqContext(
+            req_id,
+            computed_by.kv_transfer_params,
+            hints,
+            computed_by.tenant,
+            on_behalf_of=computed_by.req_id,
+        )
         owner.is_finished = True
         owner.finished_at_step = self._step
         self._requests[req_id] = owner
         return owner
 
-    def _store(self, state: RequestOffloadState, keys: list[OffloadKey], groups: list[int],
-               blocks: list[Sequence[int]], plan: StepPlan) -> bool:
+    def _store(
+        self,
+        state: RequestOffloadState,
+        keys: list[OffloadKey],
+        groups: list[int],
+        blocks: list[Sequence[int]],
+        plan: StepPlan,
+    ) -> bool:
         """Offer chunks to the manager and plan a store job for those it takes; False when it
         has no room for them now."""
         out = self.manager.prepare_store(list(dict.fromkeys(keys)), state.req_context)
@@ -156,8 +185,10 @@ class StorePlanning:
         than that — never the case with vLLM's per-step reports — leaves them unstored).
         """
         if state.finished_at_step != self._step:
-            logger.debug("request %s: its load was reported after its blocks were freed; last chunks not stored",
-                         state.req_id)
+            logger.debug(
+                "request %s: its load was reported after its blocks were freed; last chunks not stored",
+                state.req_id,
+            )
             return
         if state.params.store and state.group_states[0].block_ids:
             computed = state.req.num_computed_tokens

@@ -31,7 +31,9 @@ class RequestView:
     num_computed_tokens: int = 0
     kv_transfer_params: Any = None  # untrusted: validated by kvtier.scheduler.params
     tenant: str | None = None  # the engine's per-tenant cache salt (vLLM's cache_salt)
-    engine_request: Any = None  # the adapter's own handle on the request (its events read it); never read here
+    engine_request: Any = (
+        None  # the adapter's own handle on the request (its events read it); never read here
+    )
 
 
 @dataclass(slots=True, kw_only=True)

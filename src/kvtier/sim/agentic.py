@@ -82,7 +82,9 @@ class _Generator:
 
     def session(self, history: _Segments, start_ms: int) -> None:
         self.num_sessions, self.num_agents = self.num_sessions + 1, 0
-        self._agent(history + [self.part(_TASK)], start_ms, self._turns(_TURNS, _TURNS_SPAN), can_fork=True)
+        self._agent(
+            history + [self.part(_TASK)], start_ms, self._turns(_TURNS, _TURNS_SPAN), can_fork=True
+        )
 
     def _agent(self, history: _Segments, now: int, num_turns: int, can_fork: bool) -> int:
         """Run one agent's turns from `history`; returns when its last reply is back."""
@@ -107,7 +109,9 @@ class _Generator:
         for _ in range(self.rng.randint(1, 3)):
             start = now + self.rng.randint(0, _GAP_MS[0])
             turns = self._turns(_SUB_TURNS, _SUB_TURNS_SPAN)
-            done = max(done, self._agent(history + [self.part(_TASK)], start, turns, can_fork=False))
+            done = max(
+                done, self._agent(history + [self.part(_TASK)], start, turns, can_fork=False)
+            )
             results.append(self.part(_SUB_RESULT))
         history.extend(results)
         return done
@@ -134,18 +138,41 @@ class _Generator:
         return min(span[1], max(span[0], round(self.rng.lognormvariate(math.log(median), sigma))))
 
 
-def agentic(num_sessions: int = 100, *, seed: int = 0, scale: float = 0.1, sessions_per_s: float = 0.12,
-            subagent_rate: float = 0.08, num_system_prompts: int = 3,
-            block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
+def agentic(
+    num_sessions: int = 100,
+    *,
+    seed: int = 0,
+    scale: float = 0.1,
+    sessions_per_s: float = 0.12,
+    subagent_rate: float = 0.08,
+    num_system_prompts: int = 3,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> list[TraceRequest]:
     """An agentic trace (see the module docstring); `agentic_turns` tells each request's session and agent."""
-    return [turn.request for turn in agentic_turns(num_sessions, seed=seed, scale=scale, sessions_per_s=sessions_per_s,
-                                                    subagent_rate=subagent_rate, num_system_prompts=num_system_prompts,
-                                                    block_tokens=block_tokens)]
+    return [
+        turn.request
+        for turn in agentic_turns(
+            num_sessions,
+            seed=seed,
+            scale=scale,
+            sessions_per_s=sessions_per_s,
+            subagent_rate=subagent_rate,
+            num_system_prompts=num_system_prompts,
+            block_tokens=block_tokens,
+        )
+    ]
 
 
-def agentic_turns(num_sessions: int = 100, *, seed: int = 0, scale: float = 0.1, sessions_per_s: float = 0.12,
-                  subagent_rate: float = 0.08, num_system_prompts: int = 3,
-                  block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[AgentTurn]:
+def agentic_turns(
+    num_sessions: int = 100,
+    *,
+    seed: int = 0,
+    scale: float = 0.1,
+    sessions_per_s: float = 0.12,
+    subagent_rate: float = 0.08,
+    num_system_prompts: int = 3,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> list[AgentTurn]:
     """An agentic trace's requests in time order, each with its session and agent.
 
     Args:
@@ -159,7 +186,9 @@ def agentic_turns(num_sessions: int = 100, *, seed: int = 0, scale: float = 0.1,
         block_tokens: tokens per hash id.
     """
     if num_sessions < 0 or not 0 < scale <= 1 or sessions_per_s <= 0 or not 0 <= subagent_rate <= 1:
-        raise ConfigError("agentic: num_sessions >= 0, 0 < scale <= 1, sessions_per_s > 0, 0 <= subagent_rate <= 1")
+        raise ConfigError(
+            "agentic: num_sessions >= 0, 0 < scale <= 1, sessions_per_s > 0, 0 <= subagent_rate <= 1"
+        )
     if num_system_prompts < 1 or block_tokens < 1:
         raise ConfigError("agentic: num_system_prompts >= 1 and block_tokens >= 1")
     rng = random.Random(seed)

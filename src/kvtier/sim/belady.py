@@ -31,7 +31,9 @@ from kvtier.sim.workload import hittable_blocks
 __all__ = ["belady_hit_rate", "belady_hits", "block_stream"]
 
 
-def block_stream(requests: Sequence[TraceRequest], trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
+def block_stream(
+    requests: Sequence[TraceRequest], trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
+) -> list[int]:
     """Every request's servable prompt blocks, head first, in trace order."""
     return [h for req in requests for h in hittable_blocks(req, trace_block_tokens)]
 
@@ -42,7 +44,9 @@ def belady_hits(stream: Sequence[Hashable], capacity: int) -> int:
         raise ConfigError(f"capacity must be >= 0, got {capacity}")
     next_use = _next_uses(stream)
     cached: dict[Hashable, int] = {}  # item -> its next use
-    heap: list[tuple[int, int]] = []  # (-next use, time of that use's previous access): stale when moved
+    heap: list[
+        tuple[int, int]
+    ] = []  # (-next use, time of that use's previous access): stale when moved
     at: dict[int, Hashable] = {}  # time of an access -> its item (heap entries name items by it)
     hits = 0
     for t, item in enumerate(stream):
@@ -61,8 +65,9 @@ def belady_hits(stream: Sequence[Hashable], capacity: int) -> int:
     return hits
 
 
-def belady_hit_rate(requests: Sequence[TraceRequest], capacity: int,
-                    trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> float:
+def belady_hit_rate(
+    requests: Sequence[TraceRequest], capacity: int, trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
+) -> float:
     """MIN's hits on the trace's block stream, as a share of its prompt tokens."""
     prompt_tokens = sum(req.input_length for req in requests)
     hits = belady_hits(block_stream(requests, trace_block_tokens), capacity)

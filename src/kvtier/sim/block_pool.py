@@ -25,9 +25,13 @@ class BlockPool:
         self.num_groups = num_groups
         self.null_block = 0 if reserve_null else None
         first = 1 if reserve_null else 0
-        self.free_blocks = list(range(num_blocks - 1, first - 1, -1))  # pop() hands out low ids first
+        self.free_blocks = list(
+            range(num_blocks - 1, first - 1, -1)
+        )  # pop() hands out low ids first
         self.refs = [0] * num_blocks
-        self.cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # hash -> block per group (LRU order)
+        self.cache: OrderedDict[bytes, tuple[int, ...]] = (
+            OrderedDict()
+        )  # hash -> block per group (LRU order)
         self._cached_blocks: set[int] = set()  # every block id in `cache`
         self.num_allocations = 0  # blocks handed out so far, per group
 
@@ -57,10 +61,14 @@ class BlockPool:
         for b in blocks:
             self.refs[b] += 1
 
-    def cache_blocks(self, block_hashes: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_full: int) -> None:
+    def cache_blocks(
+        self, block_hashes: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_full: int
+    ) -> None:
         """Enter the first `num_full` computed blocks (per group ids) into the prefix cache."""
         cache, cached_blocks, null = self.cache, self._cached_blocks, self.null_block
-        for block_hash, blocks in zip(block_hashes[:num_full], zip(*block_ids, strict=True), strict=False):
+        for block_hash, blocks in zip(
+            block_hashes[:num_full], zip(*block_ids, strict=True), strict=False
+        ):
             if null in blocks:
                 continue  # outside a window: no KV there to cache
             if cache.setdefault(block_hash, blocks) is blocks:
@@ -123,9 +131,13 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         """Drop every unused cached block (vLLM's reset_prefix_cache(reset_connector=False))."""
         refs = self.refs
-        for blocks in self.cache.values():  # an entry with a free block goes whole: its block is free now
+        for (
+            blocks
+        ) in self.cache.values():  # an entry with a free block goes whole: its block is free now
             self.free_blocks.extend(b for b in blocks if refs[b] == 0)
-        self.cache = OrderedDict((h, bs) for h, bs in self.cache.items() if all(refs[b] for b in bs))
+        self.cache = OrderedDict(
+            (h, bs) for h, bs in self.cache.items() if all(refs[b] for b in bs)
+        )
         self._cached_blocks = {b for bs in self.cache.values() for b in bs}
 
     def _eviction_order(self):

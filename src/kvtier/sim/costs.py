@@ -75,15 +75,21 @@ class CostModel:
     s3_latency_ms: float = 30.0
 
     def __post_init__(self) -> None:
-        rates = [self.prefill_tokens_per_s, self.kv_bytes_per_token] + [getattr(self, f"{t}_gb_per_s") for t in TIERS]
+        rates = [self.prefill_tokens_per_s, self.kv_bytes_per_token] + [
+            getattr(self, f"{t}_gb_per_s") for t in TIERS
+        ]
         if min(rates) <= 0:
-            raise ConfigError(f"prefill_tokens_per_s, kv_bytes_per_token and every *_gb_per_s must be positive: {self}")
+            raise ConfigError(
+                f"prefill_tokens_per_s, kv_bytes_per_token and every *_gb_per_s must be positive: {self}"
+            )
         if min(getattr(self, f"{t}_latency_ms") for t in TIERS) < 0:
             raise ConfigError(f"a *_latency_ms cannot be negative: {self}")
 
     def read(self, medium: str) -> ReadEstimate:
         """Reading from tier `medium` ("cpu": the host link), one of `TIERS`."""
-        return ReadEstimate(getattr(self, f"{medium}_gb_per_s") * 1e9, getattr(self, f"{medium}_latency_ms") / 1e3)
+        return ReadEstimate(
+            getattr(self, f"{medium}_gb_per_s") * 1e9, getattr(self, f"{medium}_latency_ms") / 1e3
+        )
 
     def snapshot(self, step_s: float = 0.0, token_scale: float = 1.0) -> CostSnapshot:
         """The figures `kvtier.costmodel.choose_load` decides with, fixed.
@@ -96,12 +102,24 @@ class CostModel:
                 divided by it, so a chunk's recompute time is the modelled one.
         """
         if not token_scale > 0 or step_s < 0:
-            raise ConfigError(f"token_scale must be positive and step_s >= 0, got {token_scale}, {step_s}")
-        return CostSnapshot({medium: self.read(medium) for medium in TIERS}, self.prefill_tokens_per_s / token_scale,
-                            step_s)
+            raise ConfigError(
+                f"token_scale must be positive and step_s >= 0, got {token_scale}, {step_s}"
+            )
+        return CostSnapshot(
+            {medium: self.read(medium) for medium in TIERS},
+            self.prefill_tokens_per_s / token_scale,
+            step_s,
+        )
 
-    def estimate(self, num_requests: int, prompt_tokens: int, engine_hit_tokens: int, kvtier_hit_tokens: int,
-                 *, load_s: float) -> TTFTEstimate:
+    def estimate(
+        self,
+        num_requests: int,
+        prompt_tokens: int,
+        engine_hit_tokens: int,
+        kvtier_hit_tokens: int,
+        *,
+        load_s: float,
+    ) -> TTFTEstimate:
         """Prefill seconds without and with kvtier's hits, over `num_requests` requests.
 
         Args:
@@ -141,5 +159,10 @@ class TTFTEstimate:
         return 1000.0 * self.saving_s / self.num_requests if self.num_requests else 0.0
 
     def to_dict(self) -> dict[str, float]:
-        return {"baseline_s": self.baseline_s, "with_kvtier_s": self.with_kvtier_s, "saving_s": self.saving_s,
-                "saving_fraction": self.saving_fraction, "mean_saving_ms_per_request": self.mean_saving_ms}
+        return {
+            "baseline_s": self.baseline_s,
+            "with_kvtier_s": self.with_kvtier_s,
+            "saving_s": self.saving_s,
+            "saving_fraction": self.saving_fraction,
+            "mean_saving_ms_per_request": self.mean_saving_ms,
+        }

@@ -64,14 +64,26 @@ class FakeEngine(FakeModel):
     its worker maps the same segment by name: both roles in one process. `close` unlinks it.
     """
 
-    def __init__(self, scheduler: OffloadScheduler | None, *, num_blocks: int = 64, block_size: int = 4,
-                 groups: tuple[GroupSpec, ...] | None = None, max_tokens_per_step: int = 64,
-                 faults: Faults | None = None, clock: Callable[[], float] = time.monotonic,
-                 slab: HostSlab | None = None, check_content: bool = True, evict_lookahead: int | None = None):
+    def __init__(
+        self,
+        scheduler: OffloadScheduler | None,
+        *,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        groups: tuple[GroupSpec, ...] | None = None,
+        max_tokens_per_step: int = 64,
+        faults: Faults | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        slab: HostSlab | None = None,
+        check_content: bool = True,
+        evict_lookahead: int | None = None,
+    ):
         self.scheduler = scheduler
         self.check_content = check_content
         self.block_size = block_size
-        self.groups = groups or (scheduler.config.groups if scheduler else (GroupSpec(tokens_per_block=block_size),))
+        self.groups = groups or (
+            scheduler.config.groups if scheduler else (GroupSpec(tokens_per_block=block_size),)
+        )
         self.max_tokens_per_step = max_tokens_per_step
         self.evict_lookahead = evict_lookahead
         self._max_step_allocations = 1
@@ -86,9 +98,14 @@ class FakeEngine(FakeModel):
         if scheduler is not None:
             bpc, num_slots = self.groups[0].blocks_per_chunk, scheduler.manager.stats().num_slots
             self.slabs = [slab or make_slab(self.kv, bpc, num_slots)]
-            self.worker = WorkerSide(num_slots=num_slots, blocks_per_chunk=bpc, layer_groups=self.kv.layer_groups,
-                                     clock=clock, slab_name=self.slabs[0].name,
-                                     transfer_factory=functools.partial(SimTransferEngine, faults=self.faults))
+            self.worker = WorkerSide(
+                num_slots=num_slots,
+                blocks_per_chunk=bpc,
+                layer_groups=self.kv.layer_groups,
+                clock=clock,
+                slab_name=self.slabs[0].name,
+                transfer_factory=functools.partial(SimTransferEngine, faults=self.faults),
+            )
             self.worker.register_kv_caches(self.kv.tensors)
             self.transfer = self.worker.transfer  # type: ignore[assignment]
         self._has_windows = any(g.kind is GroupKind.SLIDING_WINDOW for g in self.groups)
@@ -104,7 +121,9 @@ class FakeEngine(FakeModel):
 
     # -- public API -------------------------------------------------------------------
 
-    def add_request(self, req_id: str, prompt: list[int], max_new_tokens: int = 1, **kw: Any) -> SimRequest:
+    def add_request(
+        self, req_id: str, prompt: list[int], max_new_tokens: int = 1, **kw: Any
+    ) -> SimRequest:
         req = SimRequest(req_id, list(prompt), max_new_tokens, **kw)
         req.block_hashes = self.hasher.hash_blocks(req.prompt, cache_salt=req.cache_salt)
         self.requests[req_id] = req
@@ -117,7 +136,9 @@ class FakeEngine(FakeModel):
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        self._finish(req, keep_blocks=req_id in self.parked)  # a load still writes them: freed when it ends
+        self._finish(
+            req, keep_blocks=req_id in self.parked
+        )  # a load still writes them: freed when it ends
 
     def preempt(self, req_id: str) -> None:
         req = self.requests[req_id]
@@ -162,7 +183,9 @@ class FakeEngine(FakeModel):
             new = self._grow(req, req.num_computed + n) if n > 0 else None
             if n > 0 and new is not None:
                 budget -= n
-                is_first = req.awaits_first_schedule  # vLLM: a new request, with every block it holds
+                is_first = (
+                    req.awaits_first_schedule
+                )  # vLLM: a new request, with every block it holds
                 req.awaits_first_schedule = False
                 new = tuple(list(ids) for ids in req.block_ids) if is_first else new
                 scheduled.append((req, n, req.as_scheduled(new, is_first, n)))
@@ -176,18 +199,25 @@ class FakeEngine(FakeModel):
         self._execute(scheduled)
         self.num_steps += 1
 
-    def _admit(self, req: SimRequest, budget: int) -> tuple[SimRequest, int, ScheduledRequest] | None:
+    def _admit(
+        self, req: SimRequest, budget: int
+    ) -> tuple[SimRequest, int, ScheduledRequest] | None:
         local = self.pool.cached_prefix(req.block_hashes[: (req.num_tokens - 1) // self.block_size])
         num_local = len(local) * self.block_size
         req.num_lookups += 1
-        ext, load_async = (self.scheduler.get_num_new_matched_tokens(req.view(), num_local)
-                           if self.scheduler else (0, False))
+        ext, load_async = (
+            self.scheduler.get_num_new_matched_tokens(req.view(), num_local)
+            if self.scheduler
+            else (0, False)
+        )
         if ext is None:
             return None
         n = 0 if load_async else min(req.num_tokens - num_local - ext, budget)
         needed = -(-(num_local + ext + n) // self.block_size) - len(local)
         local_ids = [[bs[g] for bs in local] for g in range(len(self.groups))]
-        for blocks in local:  # first: making room for the new blocks must not evict the hits (as in vLLM)
+        for (
+            blocks
+        ) in local:  # first: making room for the new blocks must not evict the hits (as in vLLM)
             self.pool.reference(blocks)
         new = self.pool.allocate(needed)
         if new is None:
@@ -196,7 +226,9 @@ class FakeEngine(FakeModel):
         req.block_ids = [local_ids[g] + new[g] for g in range(len(self.groups))]
         self._skip_window_blocks(req, num_local + ext)
         if self.scheduler:
-            self.scheduler.update_state_after_alloc(req.req_id, tuple(list(ids) for ids in req.block_ids), ext)
+            self.scheduler.update_state_after_alloc(
+                req.req_id, tuple(list(ids) for ids in req.block_ids), ext
+            )
         req.num_computed = num_local + ext
         if req.num_cached_tokens is None:
             req.num_cached_tokens, req.num_external_tokens = num_local + ext, ext
@@ -214,8 +246,9 @@ class FakeEngine(FakeModel):
         # vLLM's SchedulerOutput lists the requests scheduled for the first time (or resumed) before
         # the running ones, although it scheduled the running ones first (and freed their blocks
         # outside a window, which a new request may get in the same step)
-        order = [s for _, _, s in scheduled if s.is_new_or_resumed] + [s for _, _, s in scheduled
-                                                                        if not s.is_new_or_resumed]
+        order = [s for _, _, s in scheduled if s.is_new_or_resumed] + [
+            s for _, _, s in scheduled if not s.is_new_or_resumed
+        ]
         step = StepView(order, self._preempted, self._finished)
         self._preempted, self._finished = set(), set()
         if self.scheduler is None or self.worker is None or self.transfer is None:
@@ -229,7 +262,11 @@ class FakeEngine(FakeModel):
             self.worker.wait_for_layer_load(layer)
         self.worker.finish_layered_loads()  # vLLM: in wait_for_save; it drops outputs on load errors (here: no forward)
         invalid, self._late_invalid = self.worker.take_load_errors() | self._late_invalid, set()
-        done = [req for req, n, _ in scheduled if not self._rewind_if_invalid(req, invalid) and self._forward(req, n)]
+        done = [
+            req
+            for req, n, _ in scheduled
+            if not self._rewind_if_invalid(req, invalid) and self._forward(req, n)
+        ]
         self.worker.wait_for_save(plan)
         self.transfer.end_step()
         loaded, failed = self.worker.take_finished_loads()
@@ -238,7 +275,9 @@ class FakeEngine(FakeModel):
         self.scheduler.update_connector_output(results)
         if self._lazy:
             self.scheduler.plan_evictions(self.pool.evictable(self._lookahead()))
-        self._late_invalid = self.worker.take_load_errors()  # reported with the loads that just ended
+        self._late_invalid = (
+            self.worker.take_load_errors()
+        )  # reported with the loads that just ended
         self._unpark(loaded, failed, invalid | self._late_invalid)
         if self.pool.null_block is not None:
             self.kv.check_unwritten(self.pool.null_block, f"step {self.num_steps}: the null block")
@@ -290,7 +329,9 @@ def make_slab(kv: KVCache, blocks_per_chunk: int, num_slots: int) -> HostSlab:
     engine's shape) and passes it as `FakeEngine(slab=...)`: the manager needs its rows."""
     slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, blocks_per_chunk, kv.layer_groups))
     name = slab_name(f"sim{os.getpid()}-{time.time_ns()}", 0, 0)
-    return HostSlab(name, num_slots, slot_bytes, owner=True, populate=False)  # the worker populates its mapping
+    return HostSlab(
+        name, num_slots, slot_bytes, owner=True, populate=False
+    )  # the worker populates its mapping
 
 
 def _check_plan(plan: StepPlan) -> None:

@@ -37,7 +37,9 @@ def _never(job: TransferJob) -> bool:
 @dataclass
 class Faults:
     store_delay_steps: int = 0
-    load_delay_steps: int = 0  # a load starts this many steps late (a synchronous one: when awaited)
+    load_delay_steps: int = (
+        0  # a load starts this many steps late (a synchronous one: when awaited)
+    )
     stuck_stores: bool = False
     fail_load: Callable[[TransferJob], bool] = _never
 
@@ -70,10 +72,14 @@ class SimTransferEngine(TransferEngine):
                 self._report(job.failed("injected load failure"))
                 return
             if self.faults.load_delay_steps:
-                self._held[job.job_id] = _Held(job, self.step + self.faults.load_delay_steps, slices)
+                self._held[job.job_id] = _Held(
+                    job, self.step + self.faults.load_delay_steps, slices
+                )
                 return
         if job.is_store:
-            due = math.inf if self.faults.stuck_stores else self.step + self.faults.store_delay_steps
+            due = (
+                math.inf if self.faults.stuck_stores else self.step + self.faults.store_delay_steps
+            )
             self._held[job.job_id] = _Held(job, due)
             return
         super().submit(job, slices)

@@ -52,7 +52,14 @@ from kvtier.sim.options import SimOptions
 from kvtier.sim.trace import MOONCAKE_BLOCK_TOKENS, ClientHints, TraceRequest
 from kvtier.sim.workload import engine_output_tokens
 
-__all__ = ["NEXT_TURN_SLACK", "Conversations", "find_conversations", "hints_for", "replay_pace", "with_hints"]
+__all__ = [
+    "NEXT_TURN_SLACK",
+    "Conversations",
+    "find_conversations",
+    "hints_for",
+    "replay_pace",
+    "with_hints",
+]
 
 # A next turn is announced at 1.5x the replay's time to reach it: the replay's pace is an
 # average (a step that prefills many long prompts admits fewer), and a hint that runs out
@@ -80,13 +87,16 @@ class Conversations:
     is_last: list[bool]
 
 
-def find_conversations(requests: Sequence[TraceRequest],
-                       block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Conversations:
+def find_conversations(
+    requests: Sequence[TraceRequest], block_tokens: int = MOONCAKE_BLOCK_TOKENS
+) -> Conversations:
     """Link each request to the earlier one it continues (see the module docstring)."""
     session: list[int] = []
     next_turn: list[int | None] = [None] * len(requests)
     ends: dict[int, int] = {}  # a request's last whole-block id -> the latest request ending there
-    owner = dict.fromkeys(_branching(requests, block_tokens), _SHARED)  # block id -> the one session that sent it
+    owner = dict.fromkeys(
+        _branching(requests, block_tokens), _SHARED
+    )  # block id -> the one session that sent it
     for index, req in enumerate(requests):
         parent = _parent(req, requests, ends, owner, session, block_tokens)
         session.append(index if parent is None else session[parent])
@@ -107,14 +117,20 @@ def _branching(requests: Sequence[TraceRequest], block_tokens: int) -> list[int]
     """Block ids followed by more than `_MAX_BRANCHES` different blocks: prefixes many prompts share."""
     successors: dict[int, set[int]] = {}
     for req in requests:  # whole blocks only: each turn's partial last block is a new one
-        whole = req.hash_ids[:req.num_full_blocks(block_tokens)]
+        whole = req.hash_ids[: req.num_full_blocks(block_tokens)]
         for block_id, after in pairwise(whole):
             successors.setdefault(block_id, set()).add(after)
     return [block_id for block_id, after in successors.items() if len(after) > _MAX_BRANCHES]
 
 
-def _parent(req: TraceRequest, requests: Sequence[TraceRequest], ends: dict[int, int], owner: dict[int, int],
-            session: list[int], block_tokens: int) -> int | None:
+def _parent(
+    req: TraceRequest,
+    requests: Sequence[TraceRequest],
+    ends: dict[int, int],
+    owner: dict[int, int],
+    session: list[int],
+    block_tokens: int,
+) -> int | None:
     """The request `req` continues: the deepest whose whole blocks `req` extends, at a block its session owns."""
     for position in range(len(req.hash_ids) - 2, -1, -1):  # `req` has a block more than its parent
         block_id = req.hash_ids[position]
@@ -139,12 +155,18 @@ def replay_pace(requests: Sequence[TraceRequest], options: SimOptions) -> float:
     return options.step_s * steps / options.max_running
 
 
-def hints_for(conversations: Conversations, seconds_per_request: float, *, error: float = 0.0,
-              seed: int = 0) -> list[ClientHints]:
+def hints_for(
+    conversations: Conversations, seconds_per_request: float, *, error: float = 0.0, seed: int = 0
+) -> list[ClientHints]:
     """Each request's hints; with `error` > 0, each one wrong with that probability (seeded)."""
     if not 0.0 <= error <= 1.0 or seconds_per_request <= 0:
-        raise ConfigError(f"hints: 0 <= error <= 1 and seconds_per_request > 0, got {error}, {seconds_per_request}")
-    exact = [_exact(conversations, index, seconds_per_request) for index in range(len(conversations.session))]
+        raise ConfigError(
+            f"hints: 0 <= error <= 1 and seconds_per_request > 0, got {error}, {seconds_per_request}"
+        )
+    exact = [
+        _exact(conversations, index, seconds_per_request)
+        for index in range(len(conversations.session))
+    ]
     if error == 0.0:
         return exact
     rng = random.Random(seed)
@@ -153,8 +175,14 @@ def hints_for(conversations: Conversations, seconds_per_request: float, *, error
     return [_wrong(h, rng, typical_s) if rng.random() < error else h for h in exact]
 
 
-def with_hints(requests: Sequence[TraceRequest], seconds_per_request: float, *, error: float = 0.0, seed: int = 0,
-               block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
+def with_hints(
+    requests: Sequence[TraceRequest],
+    seconds_per_request: float,
+    *,
+    error: float = 0.0,
+    seed: int = 0,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> list[TraceRequest]:
     """`requests`, each carrying its client's hints (see `hints_for`)."""
     conversations = find_conversations(requests, block_tokens)
     hints = hints_for(conversations, seconds_per_request, error=error, seed=seed)
@@ -165,7 +193,9 @@ def _exact(conversations: Conversations, index: int, seconds_per_request: float)
     session = f"s{conversations.session[index]}"
     later = conversations.next_turn[index]
     if later is not None:
-        return ClientHints(session, next_turn_s=(later - index) * seconds_per_request * NEXT_TURN_SLACK)
+        return ClientHints(
+            session, next_turn_s=(later - index) * seconds_per_request * NEXT_TURN_SLACK
+        )
     return ClientHints(session, end_session=conversations.is_last[index])
 
 
@@ -176,5 +206,8 @@ def _wrong(hints: ClientHints, rng: random.Random, typical_s: float) -> ClientHi
     if hints.end_session:  # it is over: a turn announced that never comes
         return ClientHints(hints.session, next_turn_s=typical_s)
     # a leaf of a session that goes on: a turn that never comes, or the whole session ended
-    return ClientHints(hints.session, next_turn_s=typical_s) if rng.random() < 0.5 \
+    return (
+        ClientHints(hints.session, next_turn_s=typical_s)
+        if rng.random() < 0.5
         else ClientHints(hints.session, end_session=True)
+    )

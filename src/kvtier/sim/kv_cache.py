@@ -28,25 +28,44 @@ class KVCache:
     """`num_groups` x `num_layers` tensors of `num_blocks` blocks."""
 
     def __init__(self, num_groups: int, num_blocks: int, block_size: int, num_layers: int = 2):
-        shared = [torch.zeros((num_blocks, block_size, 2), dtype=torch.int64) for _ in range(num_layers)]
-        self.tensors = {f"g{g}.l{layer}": shared[layer] for g in range(num_groups) for layer in range(num_layers)}
-        self.layer_groups = [[f"g{g}.l{layer}" for layer in range(num_layers)] for g in range(num_groups)]
-        self._arrays = {name: t.numpy() for name, t in self.tensors.items()}  # views: numpy indexing costs less
-        self._names: dict[int, str] = {0: "nothing (never written)"}  # content -> what it stands for
-        self._values: dict[tuple[bytes, int], int] = {}  # (block hash, group) -> content, computed once
+        shared = [
+            torch.zeros((num_blocks, block_size, 2), dtype=torch.int64) for _ in range(num_layers)
+        ]
+        self.tensors = {
+            f"g{g}.l{layer}": shared[layer]
+            for g in range(num_groups)
+            for layer in range(num_layers)
+        }
+        self.layer_groups = [
+            [f"g{g}.l{layer}" for layer in range(num_layers)] for g in range(num_groups)
+        ]
+        self._arrays = {
+            name: t.numpy() for name, t in self.tensors.items()
+        }  # views: numpy indexing costs less
+        self._names: dict[int, str] = {
+            0: "nothing (never written)"
+        }  # content -> what it stands for
+        self._values: dict[
+            tuple[bytes, int], int
+        ] = {}  # (block hash, group) -> content, computed once
 
     def content(self, block_hash: bytes, group: int) -> int:
         value = self._values.get((block_hash, group))
         if value is None:
-            value = int.from_bytes(hashlib.blake2b(block_hash + group.to_bytes(4, "big"), digest_size=7).digest(),
-                                   "big")
+            value = int.from_bytes(
+                hashlib.blake2b(block_hash + group.to_bytes(4, "big"), digest_size=7).digest(),
+                "big",
+            )
             self._values[block_hash, group] = value
             self._names.setdefault(value, f"block hash {block_hash.hex()[:12]}… of group {group}")
         return value
 
     def write(self, group: int, block_ids: Sequence[int], contents: Sequence[int]) -> None:
         if block_ids:
-            index, values = np.asarray(block_ids, dtype=np.int64), np.asarray(contents, dtype=np.int64)
+            index, values = (
+                np.asarray(block_ids, dtype=np.int64),
+                np.asarray(contents, dtype=np.int64),
+            )
             for layer, name in enumerate(self.layer_groups[group]):
                 self._arrays[name][index] = (values + layer)[:, None, None]
 
@@ -54,10 +73,18 @@ class KVCache:
         """Raise `ContentMismatch` if block `block_id` of any group was ever written (the null block)."""
         for name, array in self._arrays.items():
             if array[block_id].any():
-                raise ContentMismatch(f"{what}: block {block_id} ({name}) was written; nothing may write it")
+                raise ContentMismatch(
+                    f"{what}: block {block_id} ({name}) was written; nothing may write it"
+                )
 
-    def check(self, req_id: str, group: int, positions: Sequence[int], block_ids: Sequence[int],
-              contents: Sequence[int]) -> None:
+    def check(
+        self,
+        req_id: str,
+        group: int,
+        positions: Sequence[int],
+        block_ids: Sequence[int],
+        contents: Sequence[int],
+    ) -> None:
         """Raise `ContentMismatch` unless block `block_ids[i]` holds `contents[i]` in every layer."""
         if not block_ids:
             return
@@ -71,4 +98,5 @@ class KVCache:
                 raise ContentMismatch(
                     f"{req_id}: block {positions[i]} of group {group} (engine block {block_ids[i]}, layer {layer}) "
                     f"holds the KV of {self._names.get(got, f'unknown value {got}')}, "
-                    f"expected {self._names[contents[i]]}")
+                    f"expected {self._names[contents[i]]}"
+                )

@@ -41,17 +41,27 @@ class FakeModel:
         for g, spec in enumerate(self.groups if self.check_content else ()):
             window = spec.sliding_window if spec.kind is GroupKind.SLIDING_WINDOW else None
             first = 0 if window is None else max(0, start - window + 1) // self.block_size
-            self.kv.check(req.req_id, g, *self._blocks(req, g, range(first, start // self.block_size)))
-            self.kv.write(g, *self._blocks(req, g, range(start // self.block_size, end // self.block_size))[1:])
+            self.kv.check(
+                req.req_id, g, *self._blocks(req, g, range(first, start // self.block_size))
+            )
+            self.kv.write(
+                g,
+                *self._blocks(req, g, range(start // self.block_size, end // self.block_size))[1:],
+            )
         req.num_computed = end
         self._cache_computed(req)
         return end == req.num_tokens and self._sample(req)
 
-    def _blocks(self, req: SimRequest, group: int, positions: range) -> tuple[list[int], list[int], list[int]]:
+    def _blocks(
+        self, req: SimRequest, group: int, positions: range
+    ) -> tuple[list[int], list[int], list[int]]:
         """(positions, engine blocks, expected contents) of the request's blocks at `positions`."""
         ids = req.block_ids[group]
-        return (list(positions), [ids[j] for j in positions],
-                [self.kv.content(req.block_hashes[j], group) for j in positions])
+        return (
+            list(positions),
+            [ids[j] for j in positions],
+            [self.kv.content(req.block_hashes[j], group) for j in positions],
+        )
 
     def _sample(self, req: SimRequest) -> bool:
         req.output.append((sum(req.tokens[-8:]) * 31 + req.num_tokens) % 997)

@@ -89,8 +89,18 @@ class SimOptions:
             raise ConfigError(f"host_fraction must be > 0, got {self.host_fraction}")
         if self.host_slots is not None and self.host_slots < 1:
             raise ConfigError(f"host_slots must be >= 1, got {self.host_slots}")
-        if min(self.engine_blocks, self.engine_block_tokens, self.trace_block_tokens, self.max_running) < 1:
-            raise ConfigError("engine_blocks, engine_block_tokens, trace_block_tokens and max_running must be >= 1")
+        if (
+            min(
+                self.engine_blocks,
+                self.engine_block_tokens,
+                self.trace_block_tokens,
+                self.max_running,
+            )
+            < 1
+        ):
+            raise ConfigError(
+                "engine_blocks, engine_block_tokens, trace_block_tokens and max_running must be >= 1"
+            )
         if self.disk_slots < 0 or self.step_s <= 0:
             raise ConfigError("disk_slots must be >= 0 and step_s > 0")
         if self.store_mode not in ("eager", "lazy"):
@@ -98,10 +108,14 @@ class SimOptions:
         if self.evict_lookahead is not None and self.evict_lookahead < 1:
             raise ConfigError(f"evict_lookahead must be >= 1, got {self.evict_lookahead}")
         if self.load_policy not in LOAD_POLICIES:
-            raise ConfigError(f"load_policy: expected one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
+            raise ConfigError(
+                f"load_policy: expected one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}"
+            )
         if self.hints not in HINT_MODES or not 0.0 <= self.hint_error <= 1.0:
-            raise ConfigError(f"hints: expected one of {', '.join(HINT_MODES)} and 0 <= hint_error <= 1, "
-                              f"got {self.hints!r} and {self.hint_error}")
+            raise ConfigError(
+                f"hints: expected one of {', '.join(HINT_MODES)} and 0 <= hint_error <= 1, "
+                f"got {self.hints!r} and {self.hint_error}"
+            )
 
     @property
     def label(self) -> str:

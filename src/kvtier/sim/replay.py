@@ -75,8 +75,11 @@ class SimClock:
         return self.now
 
 
-def simulate(requests: Sequence[TraceRequest], options: SimOptions | None = None,
-             progress: Progress | None = None) -> SimulationReport:
+def simulate(
+    requests: Sequence[TraceRequest],
+    options: SimOptions | None = None,
+    progress: Progress | None = None,
+) -> SimulationReport:
     """Replay `requests` (see the module docstring) and report what kvtier did.
 
     Args:
@@ -97,7 +100,9 @@ def simulate(requests: Sequence[TraceRequest], options: SimOptions | None = None
         engine, manager, clock = _build(opts, num_slots, Path(opts.disk_dir or scratch))
         try:
             num_steps = _replay(engine, manager, clock, requests, opts, progress)
-            return read_report(engine, manager, requests, opts, num_slots, num_steps, time.perf_counter() - started)
+            return read_report(
+                engine, manager, requests, opts, num_slots, num_steps, time.perf_counter() - started
+            )
         finally:
             manager.close()
             engine.close()
@@ -105,11 +110,18 @@ def simulate(requests: Sequence[TraceRequest], options: SimOptions | None = None
 
 def _check_fits(requests: Sequence[TraceRequest], opts: SimOptions) -> None:
     scale, block = (opts.trace_block_tokens, opts.engine_block_tokens), opts.engine_block_tokens
-    longest = max((-(-(len(engine_prompt(r, *scale)) + engine_output_tokens(r, *scale)) // block) for r in requests),
-                  default=0)
+    longest = max(
+        (
+            -(-(len(engine_prompt(r, *scale)) + engine_output_tokens(r, *scale)) // block)
+            for r in requests
+        ),
+        default=0,
+    )
     if longest > opts.engine_blocks:
-        raise ConfigError(f"the trace's longest request needs {longest} engine blocks, the engine has "
-                          f"{opts.engine_blocks}: raise engine_blocks")
+        raise ConfigError(
+            f"the trace's longest request needs {longest} engine blocks, the engine has "
+            f"{opts.engine_blocks}: raise engine_blocks"
+        )
 
 
 def _hinted(requests: Sequence[TraceRequest], opts: SimOptions) -> Sequence[TraceRequest]:
@@ -117,31 +129,54 @@ def _hinted(requests: Sequence[TraceRequest], opts: SimOptions) -> Sequence[Trac
     if opts.hints == "trace":
         return requests
     error = opts.hint_error if opts.hints == "noisy" else 0.0
-    return with_hints(requests, replay_pace(requests, opts), error=error, seed=opts.hint_seed,
-                      block_tokens=opts.trace_block_tokens)
+    return with_hints(
+        requests,
+        replay_pace(requests, opts),
+        error=error,
+        seed=opts.hint_seed,
+        block_tokens=opts.trace_block_tokens,
+    )
 
 
-def _build(opts: SimOptions, num_slots: int, disk_dir: Path) -> tuple[FakeEngine, OffloadingManager, SimClock]:
+def _build(
+    opts: SimOptions, num_slots: int, disk_dir: Path
+) -> tuple[FakeEngine, OffloadingManager, SimClock]:
     """The engine, its scheduler and the manager the configuration asks for, over one host slab."""
     block = opts.engine_block_tokens
     slab = make_slab(KVCache(1, opts.engine_blocks, block), 1, num_slots)
     try:
-        manager = build_manager(_config(opts, slab, disk_dir), num_slots, OFFLOAD_KEY_BYTES, [slab.rows],
-                                _namespace(opts, slab))
+        manager = build_manager(
+            _config(opts, slab, disk_dir),
+            num_slots,
+            OFFLOAD_KEY_BYTES,
+            [slab.rows],
+            _namespace(opts, slab),
+        )
     except BaseException:
         slab.close()
         raise
     # one engine chunk stands for one trace block: the decisions weigh the modelled model's
-    config = SchedulerOffloadConfig(groups=(GroupSpec(tokens_per_block=block),), max_defer_s=opts.max_defer_s,
-                                    offload_prompt_only=opts.offload_prompt_only, store_mode=opts.store_mode,
-                                    load_policy=opts.load_policy,
-                                    chunk_bytes=opts.trace_block_tokens * opts.costs.kv_bytes_per_token)
+    config = SchedulerOffloadConfig(
+        groups=(GroupSpec(tokens_per_block=block),),
+        max_defer_s=opts.max_defer_s,
+        offload_prompt_only=opts.offload_prompt_only,
+        store_mode=opts.store_mode,
+        load_policy=opts.load_policy,
+        chunk_bytes=opts.trace_block_tokens * opts.costs.kv_bytes_per_token,
+    )
     costs = opts.costs.snapshot(step_s=opts.step_s, token_scale=opts.trace_block_tokens / block)
     clock = SimClock()
     scheduler = OffloadScheduler(config, manager, clock=clock, costs=costs)
-    engine = FakeEngine(scheduler, num_blocks=opts.engine_blocks, block_size=block, clock=clock, slab=slab,
-                        max_tokens_per_step=1 << 30, check_content=opts.check_content,
-                        evict_lookahead=opts.evict_lookahead)
+    engine = FakeEngine(
+        scheduler,
+        num_blocks=opts.engine_blocks,
+        block_size=block,
+        clock=clock,
+        slab=slab,
+        max_tokens_per_step=1 << 30,
+        check_content=opts.check_content,
+        evict_lookahead=opts.evict_lookahead,
+    )
     return engine, manager, clock
 
 
@@ -149,35 +184,67 @@ def _config(opts: SimOptions, slab: HostSlab, disk_dir: Path) -> KVTierConfig:
     disk = DiskConfig()
     if opts.disk_slots:
         file_bytes = ChunkFormat(bytes(16), slab.rows.shape[1]).file_bytes
-        disk = DiskConfig(path=str(disk_dir), bytes=opts.disk_slots * file_bytes, write_mode=opts.disk_write_mode,
-                          eviction_policy=opts.disk_policy)
-    return KVTierConfig(eviction_policy=opts.policy, store_threshold=opts.store_threshold, enable_events=False,
-                        offload_prompt_only=opts.offload_prompt_only, disk=disk)
+        disk = DiskConfig(
+            path=str(disk_dir),
+            bytes=opts.disk_slots * file_bytes,
+            write_mode=opts.disk_write_mode,
+            eviction_policy=opts.disk_policy,
+        )
+    return KVTierConfig(
+        eviction_policy=opts.policy,
+        store_threshold=opts.store_threshold,
+        enable_events=False,
+        offload_prompt_only=opts.offload_prompt_only,
+        disk=disk,
+    )
 
 
 def _namespace(opts: SimOptions, slab: HostSlab) -> Namespace:
-    return Namespace("kvtier-simulate", "int64", "sim", opts.engine_block_tokens, 1, "sha256", 1,
-                     int(slab.rows.shape[1]))
+    return Namespace(
+        "kvtier-simulate",
+        "int64",
+        "sim",
+        opts.engine_block_tokens,
+        1,
+        "sha256",
+        1,
+        int(slab.rows.shape[1]),
+    )
 
 
-def _replay(engine: FakeEngine, manager: OffloadingManager, clock: SimClock, requests: Sequence[TraceRequest],
-            opts: SimOptions, progress: Progress | None) -> int:
+def _replay(
+    engine: FakeEngine,
+    manager: OffloadingManager,
+    clock: SimClock,
+    requests: Sequence[TraceRequest],
+    opts: SimOptions,
+    progress: Progress | None,
+) -> int:
     """Feed the requests in order, `max_running` at a time; returns the number of steps."""
     scale = (opts.trace_block_tokens, opts.engine_block_tokens)
     next_index = num_steps = 0
     max_steps = 1000 + 50 * len(requests)
     while True:
-        while next_index < len(requests) and len(engine.waiting) + len(engine.running) < opts.max_running:
+        while (
+            next_index < len(requests)
+            and len(engine.waiting) + len(engine.running) < opts.max_running
+        ):
             req = requests[next_index]
-            engine.add_request(str(next_index), engine_prompt(req, *scale), engine_output_tokens(req, *scale),
-                               kv_transfer_params=req.kv_transfer_params())
+            engine.add_request(
+                str(next_index),
+                engine_prompt(req, *scale),
+                engine_output_tokens(req, *scale),
+                kv_transfer_params=req.kv_transfer_params(),
+            )
             next_index += 1
         if not (engine.waiting or engine.running):
             if progress is not None:
                 progress(len(requests), len(requests))
             return num_steps
         if num_steps >= max_steps:
-            raise RuntimeError(f"the replay made no progress in {max_steps} steps (a bug: please report it)")
+            raise RuntimeError(
+                f"the replay made no progress in {max_steps} steps (a bug: please report it)"
+            )
         engine.step()
         num_steps += 1
         clock.now += opts.step_s

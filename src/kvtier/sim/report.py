@@ -83,15 +83,28 @@ class SimulationReport:
     def to_dict(self) -> dict[str, Any]:
         """Every figure, JSON-ready (`kvtier simulate --json`)."""
         return {
-            "num_requests": self.num_requests, "prompt_tokens": self.prompt_tokens,
-            "unique_blocks": self.unique_blocks, "host_slots": self.host_slots, "engine_blocks": self.engine_blocks,
-            "policy": self.policy, "engine_hit_rate": self.engine_hit_rate, "kvtier_hit_rate": self.kvtier_hit_rate,
-            "total_hit_rate": self.total_hit_rate, "tier_hit_rates": self.tier_hit_rates,
-            "engine_hit_tokens": self.engine_hit_tokens, "tier_hit_tokens": dict(self.tier_hit_tokens),
-            "bytes_moved": {t: dict(d) for t, d in self.bytes_moved.items()}, "evictions": dict(self.evictions),
-            "deferrals": self.deferrals, "deferral_timeouts": self.deferral_timeouts,
-            "ttft": self.ttft.to_dict(), "costs": self.costs.to_dict(), "num_steps": self.num_steps,
-            "wall_s": self.wall_s, "counters": dict(self.counters), "load_policy": self.load_policy,
+            "num_requests": self.num_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "unique_blocks": self.unique_blocks,
+            "host_slots": self.host_slots,
+            "engine_blocks": self.engine_blocks,
+            "policy": self.policy,
+            "engine_hit_rate": self.engine_hit_rate,
+            "kvtier_hit_rate": self.kvtier_hit_rate,
+            "total_hit_rate": self.total_hit_rate,
+            "tier_hit_rates": self.tier_hit_rates,
+            "engine_hit_tokens": self.engine_hit_tokens,
+            "tier_hit_tokens": dict(self.tier_hit_tokens),
+            "bytes_moved": {t: dict(d) for t, d in self.bytes_moved.items()},
+            "evictions": dict(self.evictions),
+            "deferrals": self.deferrals,
+            "deferral_timeouts": self.deferral_timeouts,
+            "ttft": self.ttft.to_dict(),
+            "costs": self.costs.to_dict(),
+            "num_steps": self.num_steps,
+            "wall_s": self.wall_s,
+            "counters": dict(self.counters),
+            "load_policy": self.load_policy,
             "load_decisions": {d: dict(by_tier) for d, by_tier in self.load_decisions.items()},
         }
 
@@ -99,20 +112,47 @@ class SimulationReport:
         return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def read_report(engine: FakeEngine, manager: OffloadingManager, requests: Sequence[TraceRequest], opts: SimOptions,
-                num_slots: int, num_steps: int, wall_s: float) -> SimulationReport:
+def read_report(
+    engine: FakeEngine,
+    manager: OffloadingManager,
+    requests: Sequence[TraceRequest],
+    opts: SimOptions,
+    num_slots: int,
+    num_steps: int,
+    wall_s: float,
+) -> SimulationReport:
     """The figures of a replay that ended (see the module docstring)."""
     stats = engine.scheduler.stats.as_dict() if engine.scheduler else {}
     engine_tokens, tier_hits, bytes_moved, evictions = _tier_figures(engine, manager, stats, opts)
     prompt_tokens = sum(r.input_length for r in requests)
-    ttft = opts.costs.estimate(len(requests), prompt_tokens, engine_tokens, sum(tier_hits.values()),
-                               load_s=stats.get("expected_load_us", 0) / 1e6)
+    ttft = opts.costs.estimate(
+        len(requests),
+        prompt_tokens,
+        engine_tokens,
+        sum(tier_hits.values()),
+        load_s=stats.get("expected_load_us", 0) / 1e6,
+    )
     return SimulationReport(
-        num_requests=len(requests), prompt_tokens=prompt_tokens, unique_blocks=num_unique_blocks(requests),
-        host_slots=num_slots, engine_blocks=opts.engine_blocks, policy=opts.label, engine_hit_tokens=engine_tokens,
-        tier_hit_tokens=tier_hits, bytes_moved=bytes_moved, evictions=evictions, deferrals=stats.get("deferrals", 0),
-        deferral_timeouts=stats.get("deferral_timeouts", 0), ttft=ttft, num_steps=num_steps, wall_s=wall_s,
-        costs=opts.costs, counters=stats, load_policy=opts.load_policy, load_decisions=_decisions(engine))
+        num_requests=len(requests),
+        prompt_tokens=prompt_tokens,
+        unique_blocks=num_unique_blocks(requests),
+        host_slots=num_slots,
+        engine_blocks=opts.engine_blocks,
+        policy=opts.label,
+        engine_hit_tokens=engine_tokens,
+        tier_hit_tokens=tier_hits,
+        bytes_moved=bytes_moved,
+        evictions=evictions,
+        deferrals=stats.get("deferrals", 0),
+        deferral_timeouts=stats.get("deferral_timeouts", 0),
+        ttft=ttft,
+        num_steps=num_steps,
+        wall_s=wall_s,
+        costs=opts.costs,
+        counters=stats,
+        load_policy=opts.load_policy,
+        load_decisions=_decisions(engine),
+    )
 
 
 def _decisions(engine: FakeEngine) -> dict[str, dict[str, int]]:
@@ -124,22 +164,32 @@ def _decisions(engine: FakeEngine) -> dict[str, dict[str, int]]:
     return out
 
 
-def _tier_figures(engine: FakeEngine, manager: OffloadingManager, stats: dict[str, int], opts: SimOptions
-                  ) -> tuple[int, dict[str, int], dict[str, dict[str, int]], dict[str, int]]:
+def _tier_figures(
+    engine: FakeEngine, manager: OffloadingManager, stats: dict[str, int], opts: SimOptions
+) -> tuple[int, dict[str, int], dict[str, dict[str, int]], dict[str, int]]:
     """(engine hit tokens, hit tokens per tier, bytes per tier and direction, evictions per tier),
     in trace tokens and the modelled model's bytes."""
     block, trace_block = opts.engine_block_tokens, opts.trace_block_tokens
-    engine_blocks = sum((r.num_cached_tokens or 0) - r.num_external_tokens for r in engine.requests.values()) // block
+    engine_blocks = (
+        sum((r.num_cached_tokens or 0) - r.num_external_tokens for r in engine.requests.values())
+        // block
+    )
     kvtier_blocks = sum(r.num_external_tokens for r in engine.requests.values()) // block
     chunk_bytes = trace_block * opts.costs.kv_bytes_per_token
-    bytes_moved = {"cpu": {"store": stats.get("stored_chunks", 0) * chunk_bytes,
-                           "load": stats.get("loaded_chunks", 0) * chunk_bytes}}
+    bytes_moved = {
+        "cpu": {
+            "store": stats.get("stored_chunks", 0) * chunk_bytes,
+            "load": stats.get("loaded_chunks", 0) * chunk_bytes,
+        }
+    }
     evictions = {"cpu": manager.stats().evictions}
     tier_hits = {"cpu": kvtier_blocks * trace_block}
     for tier in manager.tier_stats():
         counters = tier.counters
-        bytes_moved[tier.medium] = {"store": counters["store_chunks"] * chunk_bytes,
-                                    "load": counters["load_chunks"] * chunk_bytes}
+        bytes_moved[tier.medium] = {
+            "store": counters["store_chunks"] * chunk_bytes,
+            "load": counters["load_chunks"] * chunk_bytes,
+        }
         evictions[tier.medium] = counters["evictions"]
         # a chunk read up from this tier was found there, then loaded from RAM
         found = min(counters["load_chunks"] * trace_block, tier_hits["cpu"])

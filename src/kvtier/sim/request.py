@@ -38,11 +38,24 @@ class SimRequest:
         return len(self.prompt) + len(self.output)
 
     def view(self) -> RequestView:
-        return RequestView(req_id=self.req_id, block_hashes=self.block_hashes, num_tokens=self.num_tokens,
-                           num_prompt_tokens=len(self.prompt), num_computed_tokens=self.num_computed,
-                           kv_transfer_params=self.kv_transfer_params, tenant=self.cache_salt)
+        return RequestView(
+            req_id=self.req_id,
+            block_hashes=self.block_hashes,
+            num_tokens=self.num_tokens,
+            num_prompt_tokens=len(self.prompt),
+            num_computed_tokens=self.num_computed,
+            kv_transfer_params=self.kv_transfer_params,
+            tenant=self.cache_salt,
+        )
 
-    def as_scheduled(self, new_block_ids: BlockIds | None, is_new: bool, n: int) -> ScheduledRequest:
+    def as_scheduled(
+        self, new_block_ids: BlockIds | None, is_new: bool, n: int
+    ) -> ScheduledRequest:
         """This request in a step that computes `n` of its tokens."""
-        return ScheduledRequest(req_id=self.req_id, new_block_ids=new_block_ids, is_new_or_resumed=is_new,
-                                num_computed_tokens=self.num_computed, num_scheduled_tokens=n)
+        return ScheduledRequest(
+            req_id=self.req_id,
+            new_block_ids=new_block_ids,
+            is_new_or_resumed=is_new,
+            num_computed_tokens=self.num_computed,
+            num_scheduled_tokens=n,
+        )

@@ -38,8 +38,17 @@ from kvtier.sim.workload import num_unique_blocks
 
 __all__ = ["SweepPoint", "SweepResult", "sweep"]
 
-_FIELDS = ("policy", "capacity_fraction", "host_slots", "engine_hit_rate", "kvtier_hit_rate", "total_hit_rate",
-           "evictions", "ttft_saving_fraction", "wall_s")
+_FIELDS = (
+    "policy",
+    "capacity_fraction",
+    "host_slots",
+    "engine_hit_rate",
+    "kvtier_hit_rate",
+    "total_hit_rate",
+    "evictions",
+    "ttft_saving_fraction",
+    "wall_s",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +86,24 @@ class SweepResult:
         raise KeyError(f"no point for {policy!r} at {capacity_fraction}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"points": [p.to_dict() for p in self.points], "csv": str(self.csv_path),
-                "png": str(self.png_path) if self.png_path else None}
+        return {
+            "points": [p.to_dict() for p in self.points],
+            "csv": str(self.csv_path),
+            "png": str(self.png_path) if self.png_path else None,
+        }
 
 
-def sweep(requests: Sequence[TraceRequest], capacities: Sequence[float], policies: Sequence[str],
-          out_dir: str | Path, options: SimOptions | None = None, *, workers: int = 1,
-          progress: Callable[[str], None] | None = None, plot: bool = True) -> SweepResult:
+def sweep(
+    requests: Sequence[TraceRequest],
+    capacities: Sequence[float],
+    policies: Sequence[str],
+    out_dir: str | Path,
+    options: SimOptions | None = None,
+    *,
+    workers: int = 1,
+    progress: Callable[[str], None] | None = None,
+    plot: bool = True,
+) -> SweepResult:
     """Replay `requests` for every policy and capacity; write `sweep.csv` and `sweep.png` into `out_dir`.
 
     Args:
@@ -99,8 +119,10 @@ def sweep(requests: Sequence[TraceRequest], capacities: Sequence[float], policie
         raise ConfigError("sweep: give at least one capacity (fractions > 0) and one policy")
     base = options or SimOptions()
     jobs = [(policy, fraction) for policy in policies for fraction in capacities]
-    runs = [replace(base, **SimOptions.parse_label(policy), host_fraction=fraction, host_slots=None)
-            for policy, fraction in jobs]
+    runs = [
+        replace(base, **SimOptions.parse_label(policy), host_fraction=fraction, host_slots=None)
+        for policy, fraction in jobs
+    ]
     reports = _run_all(requests, runs, workers, progress)
     points = [_point(fraction, report) for (_, fraction), report in zip(jobs, reports, strict=True)]
     points += _ceilings(requests, capacities, base)
@@ -111,8 +133,12 @@ def sweep(requests: Sequence[TraceRequest], capacities: Sequence[float], policie
     return SweepResult(points, csv_path, png_path, reports)
 
 
-def _run_all(requests: Sequence[TraceRequest], runs: list[SimOptions], workers: int,
-             progress: Callable[[str], None] | None) -> list[SimulationReport]:
+def _run_all(
+    requests: Sequence[TraceRequest],
+    runs: list[SimOptions],
+    workers: int,
+    progress: Callable[[str], None] | None,
+) -> list[SimulationReport]:
     reports: list[SimulationReport] = []
     if workers <= 1:
         for opts in runs:
@@ -128,17 +154,29 @@ def _run_all(requests: Sequence[TraceRequest], runs: list[SimOptions], workers: 
 
 def _tell(progress: Callable[[str], None] | None, report: SimulationReport) -> None:
     if progress is not None:
-        progress(f"{report.policy} at {report.host_slots} slots: total hit rate {report.total_hit_rate:.4f} "
-                 f"({report.wall_s:.1f} s)")
+        progress(
+            f"{report.policy} at {report.host_slots} slots: total hit rate {report.total_hit_rate:.4f} "
+            f"({report.wall_s:.1f} s)"
+        )
 
 
 def _point(fraction: float, report: SimulationReport) -> SweepPoint:
-    return SweepPoint(report.policy, fraction, report.host_slots, report.total_hit_rate, report.engine_hit_rate,
-                      report.kvtier_hit_rate, sum(report.evictions.values()), report.ttft.saving_fraction,
-                      report.wall_s)
+    return SweepPoint(
+        report.policy,
+        fraction,
+        report.host_slots,
+        report.total_hit_rate,
+        report.engine_hit_rate,
+        report.kvtier_hit_rate,
+        sum(report.evictions.values()),
+        report.ttft.saving_fraction,
+        report.wall_s,
+    )
 
 
-def _ceilings(requests: Sequence[TraceRequest], capacities: Sequence[float], opts: SimOptions) -> list[SweepPoint]:
+def _ceilings(
+    requests: Sequence[TraceRequest], capacities: Sequence[float], opts: SimOptions
+) -> list[SweepPoint]:
     stream = block_stream(requests, opts.trace_block_tokens)
     prompt_tokens = sum(r.input_length for r in requests) or 1
     unique = num_unique_blocks(requests)
@@ -168,9 +206,14 @@ def _plot(points: list[SweepPoint], path: Path, num_requests: int, engine_blocks
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(p.policy for p in points if p.policy != "belady_host_only"):
-        line = sorted((p.capacity_fraction * 100, p.total_hit_rate) for p in points if p.policy == policy)
-        style = {"color": "black", "linestyle": "--", "label": "Belady's MIN (ceiling)"} if policy == "belady" \
+        line = sorted(
+            (p.capacity_fraction * 100, p.total_hit_rate) for p in points if p.policy == policy
+        )
+        style = (
+            {"color": "black", "linestyle": "--", "label": "Belady's MIN (ceiling)"}
+            if policy == "belady"
             else {"marker": "o", "label": policy}
+        )
         ax.plot([x for x, _ in line], [y for _, y in line], **style)
     ax.set_xscale("log")
     ticks = sorted({p.capacity_fraction * 100 for p in points})

@@ -41,13 +41,24 @@ class _Kind:
     gap_ms: _Span
 
 
-_CHAT = _Kind(turns=(1, 8), added_tokens=(30, 800), output_tokens=(50, 700), gap_ms=(10_000, 300_000))
-_AGENT = _Kind(turns=(4, 24), added_tokens=(100, 2_000), output_tokens=(20, 300), gap_ms=(500, 8_000))
+_CHAT = _Kind(
+    turns=(1, 8), added_tokens=(30, 800), output_tokens=(50, 700), gap_ms=(10_000, 300_000)
+)
+_AGENT = _Kind(
+    turns=(4, 24), added_tokens=(100, 2_000), output_tokens=(20, 300), gap_ms=(500, 8_000)
+)
 
 
-def synthetic(num_conversations: int = 200, *, seed: int = 0, agent_fraction: float = 0.3,
-              num_system_prompts: int = 4, system_prompt_tokens: _Span = (600, 3_000),
-              conversations_per_s: float = 0.5, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
+def synthetic(
+    num_conversations: int = 200,
+    *,
+    seed: int = 0,
+    agent_fraction: float = 0.3,
+    num_system_prompts: int = 4,
+    system_prompt_tokens: _Span = (600, 3_000),
+    conversations_per_s: float = 0.5,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> list[TraceRequest]:
     """A synthetic chat/agent trace (see the module docstring).
 
     Args:
@@ -60,9 +71,17 @@ def synthetic(num_conversations: int = 200, *, seed: int = 0, agent_fraction: fl
         block_tokens: tokens per hash id.
     """
     if num_conversations < 0 or not 0.0 <= agent_fraction <= 1.0 or num_system_prompts < 1:
-        raise ConfigError("synthetic: num_conversations >= 0, 0 <= agent_fraction <= 1 and num_system_prompts >= 1")
-    if conversations_per_s <= 0 or block_tokens < 1 or not 1 <= system_prompt_tokens[0] <= system_prompt_tokens[1]:
-        raise ConfigError("synthetic: conversations_per_s > 0, block_tokens >= 1 and 1 <= low <= high tokens")
+        raise ConfigError(
+            "synthetic: num_conversations >= 0, 0 <= agent_fraction <= 1 and num_system_prompts >= 1"
+        )
+    if (
+        conversations_per_s <= 0
+        or block_tokens < 1
+        or not 1 <= system_prompt_tokens[0] <= system_prompt_tokens[1]
+    ):
+        raise ConfigError(
+            "synthetic: conversations_per_s > 0, block_tokens >= 1 and 1 <= low <= high tokens"
+        )
     rng = random.Random(seed)
     ids = BlockIds(block_tokens)
     prompts = [[(-1 - i, rng.randint(*system_prompt_tokens))] for i in range(num_system_prompts)]
@@ -79,8 +98,9 @@ def synthetic(num_conversations: int = 200, *, seed: int = 0, agent_fraction: fl
     return [row[3] for row in rows]
 
 
-def _conversation(rng: random.Random, ids: BlockIds, kind: _Kind, history: list[tuple[int, int]],
-                  start_ms: int) -> list[TraceRequest]:
+def _conversation(
+    rng: random.Random, ids: BlockIds, kind: _Kind, history: list[tuple[int, int]], start_ms: int
+) -> list[TraceRequest]:
     """One conversation's requests; `history` is its segments (segment id, tokens), system prompt first."""
     requests = []
     now = start_ms
@@ -109,7 +129,9 @@ class BlockIds:
     def hash_ids(self, history: list[tuple[int, int]]) -> tuple[int, ...]:
         """One id per block of the token sequence the segments spell, the last maybe partial."""
         out: list[int] = []
-        pieces: list[tuple[int, int, int]] = []  # (segment, first token, end) inside the current block
+        pieces: list[
+            tuple[int, int, int]
+        ] = []  # (segment, first token, end) inside the current block
         room, parent = self.block_tokens, -1
         for segment, length in history:
             offset = 0

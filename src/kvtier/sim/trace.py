@@ -33,8 +33,15 @@ from typing import Any
 from kvtier.errors import KVTierError
 from kvtier.keys import OffloadKey, make_offload_key
 
-__all__ = ["MOONCAKE_BLOCK_TOKENS", "ClientHints", "TraceError", "TraceRequest", "load_mooncake", "offload_keys",
-           "parse_mooncake"]
+__all__ = [
+    "MOONCAKE_BLOCK_TOKENS",
+    "ClientHints",
+    "TraceError",
+    "TraceRequest",
+    "load_mooncake",
+    "offload_keys",
+    "parse_mooncake",
+]
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's published traces
 
@@ -106,8 +113,9 @@ class TraceRequest:
         return None if self.hints is None else {"kvtier": self.hints.to_params()}
 
 
-def load_mooncake(path: str | Path, limit: int | None = None,
-                  block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
+def load_mooncake(
+    path: str | Path, limit: int | None = None, block_tokens: int = MOONCAKE_BLOCK_TOKENS
+) -> list[TraceRequest]:
     """Read a Mooncake JSONL trace (at most `limit` requests).
 
     Raises:
@@ -121,8 +129,12 @@ def load_mooncake(path: str | Path, limit: int | None = None,
         raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
 
 
-def parse_mooncake(lines: Iterable[str], source: str = "<trace>", limit: int | None = None,
-                   block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
+def parse_mooncake(
+    lines: Iterable[str],
+    source: str = "<trace>",
+    limit: int | None = None,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> list[TraceRequest]:
     """Parse Mooncake JSONL lines (see the module docstring); `source` names them in errors."""
     requests: list[TraceRequest] = []
     for number, line in enumerate(lines, start=1):
@@ -154,11 +166,15 @@ def _parse_line(line: str, block_tokens: int) -> TraceRequest:
     output_length = _int(row, "output_length", minimum=0)
     hash_ids = row.get("hash_ids")
     if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
-        raise ValueError(f"'hash_ids' must be a list of non-negative integers, got {_short(hash_ids)}")
+        raise ValueError(
+            f"'hash_ids' must be a list of non-negative integers, got {_short(hash_ids)}"
+        )
     expected = -(-input_length // block_tokens)
     if len(hash_ids) != expected:
-        raise ValueError(f"{len(hash_ids)} hash_ids for input_length {input_length}: expected {expected}, "
-                         f"one per {block_tokens}-token block (another block size? pass block_tokens)")
+        raise ValueError(
+            f"{len(hash_ids)} hash_ids for input_length {input_length}: expected {expected}, "
+            f"one per {block_tokens}-token block (another block size? pass block_tokens)"
+        )
     return TraceRequest(int(timestamp), input_length, output_length, tuple(hash_ids))
 
 

@@ -28,16 +28,24 @@ from kvtier.sim.trace import TraceRequest
 __all__ = ["engine_output_tokens", "engine_prompt", "hittable_blocks", "num_unique_blocks"]
 
 
-def engine_prompt(req: TraceRequest, trace_block_tokens: int, engine_block_tokens: int) -> list[int]:
+def engine_prompt(
+    req: TraceRequest, trace_block_tokens: int, engine_block_tokens: int
+) -> list[int]:
     """The engine's prompt: `engine_block_tokens` tokens per whole trace block, one for a partial one."""
     num_full = req.num_full_blocks(trace_block_tokens)
-    tokens = [h * engine_block_tokens + i for h in req.hash_ids[:num_full] for i in range(engine_block_tokens)]
+    tokens = [
+        h * engine_block_tokens + i
+        for h in req.hash_ids[:num_full]
+        for i in range(engine_block_tokens)
+    ]
     if num_full < len(req.hash_ids):
         tokens.append(req.hash_ids[num_full] * engine_block_tokens)
     return tokens
 
 
-def engine_output_tokens(req: TraceRequest, trace_block_tokens: int, engine_block_tokens: int) -> int:
+def engine_output_tokens(
+    req: TraceRequest, trace_block_tokens: int, engine_block_tokens: int
+) -> int:
     """Tokens the engine generates: the trace's output at the same scale, at least one."""
     return max(1, round(req.output_length * engine_block_tokens / trace_block_tokens))
 

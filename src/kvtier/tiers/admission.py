@@ -24,12 +24,18 @@ class ReuseGate:
 
     def __init__(self, threshold: int, max_tracked: int):
         if threshold < 1:
-            raise ConfigError(f"store_threshold must be >= 1 (1 stores on first offer), got {threshold}")
+            raise ConfigError(
+                f"store_threshold must be >= 1 (1 stores on first offer), got {threshold}"
+            )
         if max_tracked < 1:
-            raise ConfigError(f"the reuse tracker needs room for at least one key, got {max_tracked}")
+            raise ConfigError(
+                f"the reuse tracker needs room for at least one key, got {max_tracked}"
+            )
         self.threshold = threshold
         self.max_tracked = max_tracked
-        self._offers: OrderedDict[OffloadKey, frozenset[str]] = OrderedDict()  # key -> requests that offered it
+        self._offers: OrderedDict[OffloadKey, frozenset[str]] = (
+            OrderedDict()
+        )  # key -> requests that offered it
 
     def admit(self, key: OffloadKey, req_id: str) -> bool:
         """Count `req_id`'s offer of `key` (once per request); True once it reached the threshold."""

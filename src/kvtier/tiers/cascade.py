@@ -54,7 +54,9 @@ class TierRules:
         if self.write_mode not in WRITE_MODES:
             raise ConfigError(f"write_mode: expected one of {WRITE_MODES}, got {self.write_mode!r}")
         if self.min_offers < 1:
-            raise ConfigError(f"min_offers must be >= 1 (1 admits every chunk), got {self.min_offers}")
+            raise ConfigError(
+                f"min_offers must be >= 1 (1 admits every chunk), got {self.min_offers}"
+            )
         if self.max_queue_bytes <= 0 or not self.max_store_seconds > 0:
             raise ConfigError("max_queue_bytes and max_store_seconds must be positive")
 
@@ -70,7 +72,9 @@ class SecondarySlot:
         self.gate = ReuseGate(rules.min_offers, max_tracked) if rules.min_offers > 1 else None
         self.store_seconds = 0.0  # moving average of store jobs' latency, submit to result
         self.counters: Counter[str] = Counter()
-        self.mrc = MissRatioCurve()  # the tier's hit ratio at other sizes, from its lookups and writes
+        self.mrc = (
+            MissRatioCurve()
+        )  # the tier's hit ratio at other sizes, from its lookups and writes
 
     @property
     def is_write_through(self) -> bool:
@@ -84,7 +88,10 @@ class SecondarySlot:
         queued = self.tier.queued_store_bytes
         if queued == 0:
             self.store_seconds = 0.0  # caught up: a slow spell is over
-        return queued + num_bytes > self.rules.max_queue_bytes or self.store_seconds > self.rules.max_store_seconds
+        return (
+            queued + num_bytes > self.rules.max_queue_bytes
+            or self.store_seconds > self.rules.max_store_seconds
+        )
 
     def record_store(self, seconds: float) -> None:
         self.store_seconds += _EWMA * (seconds - self.store_seconds)

@@ -58,4 +58,6 @@ class TierCurves:
         capacity ignore the disk tier's padding to 4 KiB: nothing beside MiB-sized chunks, a lot
         beside the tests' 4 KiB ones."""
         chunk_bytes = self.payload_bytes + HEADER_BYTES
-        stats.gauges.update(curve_gauges(slot.mrc, (stats.capacity_bytes or stats.used_bytes) / chunk_bytes))
+        stats.gauges.update(
+            curve_gauges(slot.mrc, (stats.capacity_bytes or stats.used_bytes) / chunk_bytes)
+        )

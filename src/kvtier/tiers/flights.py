@@ -29,7 +29,9 @@ class FlightKind(enum.Enum):
     others stores."""
 
     PROMOTION = "promotion"  # secondary -> a PENDING CPU slot
-    EXPLORATION = "exploration"  # secondary -> a scratch buffer, to measure the tier (nothing keeps it)
+    EXPLORATION = (
+        "exploration"  # secondary -> a scratch buffer, to measure the tier (nothing keeps it)
+    )
     CASCADE = "cascade"  # a pinned READY CPU slot -> secondary
     EVICTED = "evicted"  # a staging row (an evicted chunk's bytes) -> an on_evict secondary
 

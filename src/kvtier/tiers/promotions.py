@@ -27,7 +27,9 @@ from kvtier.tiers.writedown import WriteDown
 
 __all__ = ["Promotions"]
 
-logger = logging.getLogger("kvtier.tiers.tiered")  # the manager's logger, as before this part moved here
+logger = logging.getLogger(
+    "kvtier.tiers.tiered"
+)  # the manager's logger, as before this part moved here
 
 _MISS, _RETRY = LookupResult.MISS, LookupResult.RETRY
 
@@ -50,7 +52,10 @@ class Promotions:
 
     def _promote(self, key: OffloadKey, index: int, ctx: ReqContext) -> LookupResult:
         slot = self._tiers[index]
-        if self._promoting_bytes and self._promoting_bytes + self.payload_bytes > self.max_promotion_bytes:
+        if (
+            self._promoting_bytes
+            and self._promoting_bytes + self.payload_bytes > self.max_promotion_bytes
+        ):
             slot.counters["promotions_capped"] += 1
             return _RETRY  # the promotions in flight end soon and free the budget
         others = [k for req_id, keys in self._awaited.items() if req_id != ctx.req_id for k in keys]
@@ -76,7 +81,12 @@ class Promotions:
         if failed:
             self.primary.complete_store(failed, flight.ctx, success=False)  # frees the slot
             slot.counters["promotion_failures"] += len(failed)
-            logger.info("kvtier: %d promotion(s) from %s failed: %s", len(failed), slot.tier.medium, result.error)
+            logger.info(
+                "kvtier: %d promotion(s) from %s failed: %s",
+                len(failed),
+                slot.tier.medium,
+                result.error,
+            )
 
     def _give_up(self, flight: Flight) -> None:
         """`flight` is past its deadline: nobody waits for it any more; what it holds stays held
@@ -84,12 +94,16 @@ class Promotions:
         slot = self._tiers[flight.tier]
         slot.counters["expired_jobs"] += 1
         self._rates.expired(flight, self._flights.timeout_s)
-        logger.warning("kvtier: a %s job of the %s tier took more than %.0f s; given up on (%d chunks)",
-                       flight.kind.value, slot.tier.medium, self._flights.timeout_s, len(flight.keys))
+        logger.warning(
+            "kvtier: a %s job of the %s tier took more than %.0f s; given up on (%d chunks)",
+            flight.kind.value,
+            slot.tier.medium,
+            self._flights.timeout_s,
+            len(flight.keys),
+        )
         if flight.kind is FlightKind.PROMOTION:
             self._promoting_bytes -= flight.num_bytes
             self.primary.abandon(flight.keys)  # a miss from now on; the slot is freed at the report
             awaited = self._awaited.get(flight.ctx.req_id)
             if awaited is not None:
                 awaited.difference_update(flight.keys)
-

@@ -28,7 +28,10 @@ ANY_TENANT = "*"
 
 def in_slots(bytes_by_tenant: dict[str, int] | None, slot_bytes: int) -> dict[str, int]:
     """Quotas in bytes as whole slots of `slot_bytes` (at least one each)."""
-    return {tenant: max(1, num_bytes // slot_bytes) for tenant, num_bytes in (bytes_by_tenant or {}).items()}
+    return {
+        tenant: max(1, num_bytes // slot_bytes)
+        for tenant, num_bytes in (bytes_by_tenant or {}).items()
+    }
 
 
 class TenantQuotas:
@@ -75,13 +78,17 @@ class TenantQuotas:
 
     def check(self, keys: Sequence[OffloadKey]) -> bool:
         """Whether exactly `keys` are charged, each once (for the tier's `check()`)."""
-        return not self.is_enabled or (set(self._tenant_of) == set(keys) and sum(self._held.values()) == len(keys))
+        return not self.is_enabled or (
+            set(self._tenant_of) == set(keys) and sum(self._held.values()) == len(keys)
+        )
 
 
 class _OthersOf:
     __slots__ = ("protected", "tenant", "tenant_of")
 
-    def __init__(self, tenant: str, tenant_of: dict[OffloadKey, str], protected: Container[OffloadKey]):
+    def __init__(
+        self, tenant: str, tenant_of: dict[OffloadKey, str], protected: Container[OffloadKey]
+    ):
         self.tenant, self.tenant_of, self.protected = tenant, tenant_of, protected
 
     def __contains__(self, key: object) -> bool:

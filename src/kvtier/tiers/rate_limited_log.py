@@ -30,4 +30,6 @@ class RateLimitedLog:
             if now - self._last_logged.get(kind, -_LOG_EVERY_S) < _LOG_EVERY_S:
                 return
             self._last_logged[kind] = now
-        self._logger.warning("%s (such failures are logged once a minute; counted in stats())", message)
+        self._logger.warning(
+            "%s (such failures are logged once a minute; counted in stats())", message
+        )

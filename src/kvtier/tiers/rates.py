@@ -67,14 +67,18 @@ class TierRates:
             return
         self._unqueue(flight)
         if not result.failed_keys and result.num_bytes > 0:
-            self._rate(flight).add(result.num_bytes, flight.submitted_at, result.seconds, ended_at=self._clock())
+            self._rate(flight).add(
+                result.num_bytes, flight.submitted_at, result.seconds, ended_at=self._clock()
+            )
 
     def expired(self, flight: Flight, timeout_s: float) -> None:
         """`flight` passed its deadline: it is counted as having taken `timeout_s`."""
         self._unqueue(flight)
         if flight.kind in READS:
             self._unanswered[flight.tier] += 1
-        self._rate(flight).add(flight.num_bytes, flight.submitted_at, timeout_s, ended_at=self._clock())
+        self._rate(flight).add(
+            flight.num_bytes, flight.submitted_at, timeout_s, ended_at=self._clock()
+        )
 
     def estimates(self) -> dict[str, ReadEstimate]:
         """Each tier's read estimate, with its promotions in flight queued ahead (first tier of a

@@ -40,7 +40,15 @@ from kvtier.base import LookupResult, OffloadingEvent, TierStats
 from kvtier.keys import OffloadKey
 from kvtier.policies.retention import RetentionBook
 
-__all__ = ["HEADER_BYTES", "SecondaryTier", "TierJob", "TierResult", "TierStats", "ValueHeader", "checksum"]
+__all__ = [
+    "HEADER_BYTES",
+    "SecondaryTier",
+    "TierJob",
+    "TierResult",
+    "TierStats",
+    "ValueHeader",
+    "checksum",
+]
 
 HEADER_BYTES = 128  # fixed; file tiers pad it to their I/O alignment
 _MAGIC = b"KVTIER\x00\x01"
@@ -78,8 +86,15 @@ class ValueHeader:
 
     def pack(self) -> bytes:
         """`HEADER_BYTES` bytes, with a checksum of the header itself at the end."""
-        body = _LAYOUT.pack(_MAGIC, _VERSION, len(self.key), self.namespace_id, self.payload_bytes,
-                            self.payload_checksum, self.key)
+        body = _LAYOUT.pack(
+            _MAGIC,
+            _VERSION,
+            len(self.key),
+            self.namespace_id,
+            self.payload_bytes,
+            self.payload_checksum,
+            self.key,
+        )
         packed = body + _HEADER_CHECK.pack(xxhash.xxh3_64_intdigest(body))
         return packed.ljust(HEADER_BYTES, b"\x00")
 
@@ -88,9 +103,11 @@ class ValueHeader:
         """The header in `raw`, or a string saying why `raw` is not a valid one."""
         if len(raw) < _LAYOUT.size + _HEADER_CHECK.size:
             return f"short header ({len(raw)} bytes)"
-        body = bytes(raw[:_LAYOUT.size])
+        body = bytes(raw[: _LAYOUT.size])
         (stored_check,) = _HEADER_CHECK.unpack_from(raw, _LAYOUT.size)
-        magic, version, key_len, namespace_id, payload_bytes, payload_checksum, key = _LAYOUT.unpack(body)
+        magic, version, key_len, namespace_id, payload_bytes, payload_checksum, key = (
+            _LAYOUT.unpack(body)
+        )
         if magic != _MAGIC:
             return "wrong magic (not a kvtier value)"
         if version != _VERSION:
@@ -134,7 +151,9 @@ class TierJob:
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.buffers):
-            raise ValueError(f"TierJob {self.job_id}: {len(self.keys)} keys but {len(self.buffers)} buffer sets")
+            raise ValueError(
+                f"TierJob {self.job_id}: {len(self.keys)} keys but {len(self.buffers)} buffer sets"
+            )
 
     @property
     def num_bytes(self) -> int:

@@ -87,12 +87,22 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
 
     medium = "cpu"
 
-    def __init__(self, primary: CPUTierManager, slabs: Sequence[np.ndarray],
-                 secondaries: Sequence[tuple[SecondaryTier, TierRules]], *,
-                 max_promotion_bytes: int = 256 * 2**20, staging_bytes: int = 64 * 2**20,
-                 job_timeout_s: float = 10.0):
-        if not slabs or any(s.ndim != 2 or s.shape[0] != primary.num_slots or s.dtype != np.uint8 for s in slabs):
-            raise ConfigError(f"slabs must be uint8 arrays of {primary.num_slots} rows, one per worker rank")
+    def __init__(
+        self,
+        primary: CPUTierManager,
+        slabs: Sequence[np.ndarray],
+        secondaries: Sequence[tuple[SecondaryTier, TierRules]],
+        *,
+        max_promotion_bytes: int = 256 * 2**20,
+        staging_bytes: int = 64 * 2**20,
+        job_timeout_s: float = 10.0,
+    ):
+        if not slabs or any(
+            s.ndim != 2 or s.shape[0] != primary.num_slots or s.dtype != np.uint8 for s in slabs
+        ):
+            raise ConfigError(
+                f"slabs must be uint8 arrays of {primary.num_slots} rows, one per worker rank"
+            )
         if max_promotion_bytes <= 0:
             raise ConfigError(f"max_promotion_bytes must be positive, got {max_promotion_bytes}")
         self.primary = primary
@@ -101,13 +111,18 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
         self.max_promotion_bytes = max_promotion_bytes
         self.payload_bytes = sum(s.shape[1] for s in slabs)
         self._slabs = list(slabs)
-        self._tiers = [SecondarySlot(t, r, max_tracked=max(4 * primary.num_slots, 1024)) for t, r in secondaries]
+        self._tiers = [
+            SecondarySlot(t, r, max_tracked=max(4 * primary.num_slots, 1024))
+            for t, r in secondaries
+        ]
         for tier, _ in secondaries:
             tier.use_retention(primary.retention)  # one book of hints for every tier
         self._write_down = WriteDown(primary, self._tiers, slabs, staging_bytes, self._submit)
         self._flights = Flights(job_timeout_s)
         self._rates = TierRates(self.tiers)
-        self._awaited: dict[str, set[OffloadKey]] = {}  # req_id -> chunks promoted for it, not loaded yet
+        self._awaited: dict[
+            str, set[OffloadKey]
+        ] = {}  # req_id -> chunks promoted for it, not loaded yet
         self._job_ids = itertools.count(1)
         self._promoting_bytes = 0
         self._exploring: set[int] = set()  # tiers with an exploration read not reported yet
@@ -166,7 +181,9 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
             return False
         self._rates.explored(index)
         tier = self._tiers[index].tier
-        key = next((k for k in keys if self.primary.place(k) is None and tier.lookup(k) is _HIT), None)
+        key = next(
+            (k for k in keys if self.primary.place(k) is None and tier.lookup(k) is _HIT), None
+        )
         if key is None:
             return False
         # the tier's job holds the buffers until it reports, however late: nothing else uses them
@@ -195,7 +212,9 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
 
     # -- stores ------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
         self._poll()
         self._write_down.count_offers(keys, ctx)
         out = self.primary.prepare_store(keys, ctx)
@@ -203,7 +222,9 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
             self._write_down.write_evicted(out)
         return out
 
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
         self._poll()
         ready = self.primary.complete_store(keys, ctx, success)
         if ready:
@@ -256,25 +277,41 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
     def drain(self, timeout_s: float) -> bool:
         """Wait until each tier's jobs ended, up to `timeout_s` per tier; True if none is left.
         Their results are applied at the next call."""
-        return all([slot.tier.drain(timeout_s) for slot in self._tiers])  # a list: every tier drains
+        return all(
+            [slot.tier.drain(timeout_s) for slot in self._tiers]
+        )  # a list: every tier drains
 
     def close(self) -> None:
         """Wait (bounded) for the tiers' jobs, release what they held, stop the tiers."""
         deadline = time.monotonic() + _CLOSE_DRAIN_S
         for slot in self._tiers:
             if not slot.tier.drain(max(0.0, deadline - time.monotonic())):
-                logger.warning("kvtier: %s tier still had jobs in flight at shutdown", slot.tier.medium)
+                logger.warning(
+                    "kvtier: %s tier still had jobs in flight at shutdown", slot.tier.medium
+                )
         self._poll()
         for slot in self._tiers:
             slot.tier.close()
 
     # -- jobs --------------------------------------------------------------------------
 
-    def _submit(self, kind: FlightKind, index: int, keys: tuple[OffloadKey, ...], ctx: ReqContext,
-                buffers: tuple[tuple[memoryview, ...], ...], staging_rows: tuple[int, ...]) -> None:
+    def _submit(
+        self,
+        kind: FlightKind,
+        index: int,
+        keys: tuple[OffloadKey, ...],
+        ctx: ReqContext,
+        buffers: tuple[tuple[memoryview, ...], ...],
+        staging_rows: tuple[int, ...],
+    ) -> None:
         now = time.monotonic()
-        job = TierJob(job_id=next(self._job_ids), is_store=kind not in READS, keys=keys,
-                      buffers=buffers, deadline=self._flights.deadline_for(now))
+        job = TierJob(
+            job_id=next(self._job_ids),
+            is_store=kind not in READS,
+            keys=keys,
+            buffers=buffers,
+            deadline=self._flights.deadline_for(now),
+        )
         flight = Flight(kind, index, keys, ctx, job.num_bytes, now, job.deadline, staging_rows)
         self._flights.add(job.job_id, flight)
         self._rates.submitted(flight)

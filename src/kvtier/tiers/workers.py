@@ -28,7 +28,9 @@ from typing import Any
 
 __all__ = ["CLOSE_WAIT_S", "Workers"]
 
-CLOSE_WAIT_S = 10.0  # how long `close` waits for tasks still running (a stuck one is abandoned after)
+CLOSE_WAIT_S = (
+    10.0  # how long `close` waits for tasks still running (a stuck one is abandoned after)
+)
 
 _Task = tuple[Callable[..., None], tuple] | None  # None: the thread's signal to stop
 
@@ -40,11 +42,15 @@ class _Pool:
     tier nobody closed ends its threads when it is collected, as `ThreadPoolExecutor` does.
     """
 
-    def __init__(self, num_threads: int, name: str, run: Callable[[Callable[..., None], tuple], None]):
+    def __init__(
+        self, num_threads: int, name: str, run: Callable[[Callable[..., None], tuple], None]
+    ):
         self._queue: queue.SimpleQueue[_Task] = queue.SimpleQueue()
         self._run = weakref.WeakMethod(run)  # type: ignore[arg-type]
-        self._threads = [threading.Thread(target=self._serve, name=f"{name}_{i}", daemon=True)
-                         for i in range(num_threads)]
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"{name}_{i}", daemon=True)
+            for i in range(num_threads)
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -81,8 +87,14 @@ class Workers:
         medium: the tier's name, in thread names and log lines.
     """
 
-    def __init__(self, cond: threading.Condition, num_read_threads: int, num_write_threads: int,
-                 logger: logging.Logger, medium: str):
+    def __init__(
+        self,
+        cond: threading.Condition,
+        num_read_threads: int,
+        num_write_threads: int,
+        logger: logging.Logger,
+        medium: str,
+    ):
         self.medium = medium
         self.is_closed = False
         self._cond, self._logger = cond, logger
@@ -159,10 +171,16 @@ class Workers:
         deadline = time.monotonic() + timeout
         for pool in (self._housekeeper, self._readers, self._writers):
             pool.stop()
-        stuck = sum(pool.join(deadline) for pool in (self._housekeeper, self._readers, self._writers))
+        stuck = sum(
+            pool.join(deadline) for pool in (self._housekeeper, self._readers, self._writers)
+        )
         if stuck:
-            self._logger.error("%s tier: %d I/O thread(s) still busy after %.0f s at shutdown; abandoned",
-                               self.medium, stuck, timeout)
+            self._logger.error(
+                "%s tier: %d I/O thread(s) still busy after %.0f s at shutdown; abandoned",
+                self.medium,
+                stuck,
+                timeout,
+            )
         return stuck == 0
 
 

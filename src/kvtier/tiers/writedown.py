@@ -34,21 +34,36 @@ __all__ = ["CASCADE_CTX", "Submit", "WriteDown"]
 CASCADE_CTX = ReqContext("\x00kvtier:cascade")  # holds the pins of slots being written down
 
 # (kind, tier index, keys, ctx, one buffer per rank for each key, staging rows the job holds)
-Submit = Callable[[FlightKind, int, tuple[OffloadKey, ...], ReqContext, tuple[tuple[memoryview, ...], ...],
-                   tuple[int, ...]], None]
+Submit = Callable[
+    [
+        FlightKind,
+        int,
+        tuple[OffloadKey, ...],
+        ReqContext,
+        tuple[tuple[memoryview, ...], ...],
+        tuple[int, ...],
+    ],
+    None,
+]
 
 
 class WriteDown:
     """Args:
-        primary: the CPU tier's bookkeeping.
-        slots: the secondary tiers, as the manager sees them, in its order.
-        slabs: the host slab of every worker rank (rows = the CPU tier's slots).
-        staging_bytes: room for evicted chunks waiting for an `on_evict` tier.
-        submit: starts a tier job (the manager's).
+    primary: the CPU tier's bookkeeping.
+    slots: the secondary tiers, as the manager sees them, in its order.
+    slabs: the host slab of every worker rank (rows = the CPU tier's slots).
+    staging_bytes: room for evicted chunks waiting for an `on_evict` tier.
+    submit: starts a tier job (the manager's).
     """
 
-    def __init__(self, primary: CPUTierManager, slots: Sequence[SecondarySlot], slabs: Sequence[np.ndarray],
-                 staging_bytes: int, submit: Submit):
+    def __init__(
+        self,
+        primary: CPUTierManager,
+        slots: Sequence[SecondarySlot],
+        slabs: Sequence[np.ndarray],
+        staging_bytes: int,
+        submit: Submit,
+    ):
         self.primary = primary
         self._tiers = slots
         self._slabs = list(slabs)
@@ -56,7 +71,9 @@ class WriteDown:
         self.payload_bytes = sum(s.shape[1] for s in slabs)
         num_staging = max(1, staging_bytes // self.payload_bytes)
         has_on_evict = any(not t.is_write_through for t in slots)
-        self._staging = StagingRows(num_staging, [s.shape[1] for s in slabs]) if has_on_evict else None
+        self._staging = (
+            StagingRows(num_staging, [s.shape[1] for s in slabs]) if has_on_evict else None
+        )
 
     def count_offers(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """A request storing or reusing `keys`: one offer of each to every gated tier."""
@@ -64,7 +81,9 @@ class WriteDown:
             if slot.gate is None:
                 continue
             offered_by = ctx.user_id or ctx.req_id  # as the CPU tier's gate counts it
-            newly = [k for k in keys if not slot.gate.has_admitted(k) and slot.gate.admit(k, offered_by)]
+            newly = [
+                k for k in keys if not slot.gate.has_admitted(k) and slot.gate.admit(k, offered_by)
+            ]
             ready = [k for k in newly if self.primary.is_readable(k)]
             if ready and slot.is_write_through:
                 self._cascade_to(index, ready)
@@ -85,17 +104,30 @@ class WriteDown:
         if not targets or not out.evicted_keys or self._staging is None:
             return
         for key, row in zip(out.evicted_keys, out.evicted_slot_ids, strict=True):
-            wanted = [i for i in targets if self._tiers[i].admits(key)
-                      and not self._tiers[i].is_backed_up(self.payload_bytes)]
+            wanted = [
+                i
+                for i in targets
+                if self._tiers[i].admits(key)
+                and not self._tiers[i].is_backed_up(self.payload_bytes)
+            ]
             for i in set(targets) - set(wanted):
                 self._tiers[i].counters["backpressure_drops"] += 1
-            staged = self._staging.take([s[row] for s in self._slabs], len(wanted)) if wanted else None
+            staged = (
+                self._staging.take([s[row] for s in self._slabs], len(wanted)) if wanted else None
+            )
             if wanted and staged is None:
                 for i in wanted:
                     self._tiers[i].counters["staging_drops"] += 1
                 continue
             for i in wanted:
-                self._submit(FlightKind.EVICTED, i, (key,), CASCADE_CTX, (self._staging.buffers(staged),), (staged,))
+                self._submit(
+                    FlightKind.EVICTED,
+                    i,
+                    (key,),
+                    CASCADE_CTX,
+                    (self._staging.buffers(staged),),
+                    (staged,),
+                )
 
     def ended(self, slot: SecondarySlot, flight: Flight, result: TierResult) -> None:
         """A write down ended (or failed): release what it held, count it."""
@@ -114,5 +146,7 @@ class WriteDown:
             slot.counters["backpressure_drops"] += len(keys)
             return
         spec = self.primary.prepare_load(keys, CASCADE_CTX)  # pinned while the tier reads them
-        buffers = tuple(tuple(memoryview(slab[int(s)]) for slab in self._slabs) for s in spec.slot_ids)
+        buffers = tuple(
+            tuple(memoryview(slab[int(s)]) for slab in self._slabs) for s in spec.slot_ids
+        )
         self._submit(FlightKind.CASCADE, index, tuple(keys), CASCADE_CTX, buffers, ())

@@ -14,4 +14,11 @@ from kvtier.worker.layouts import GroupLayout, Plane, build_group_layouts, kv_pl
 from kvtier.worker.side import WorkerSide
 from kvtier.worker.transfer import TransferEngine
 
-__all__ = ["GroupLayout", "Plane", "TransferEngine", "WorkerSide", "build_group_layouts", "kv_planes"]
+__all__ = [
+    "GroupLayout",
+    "Plane",
+    "TransferEngine",
+    "WorkerSide",
+    "build_group_layouts",
+    "kv_planes",
+]

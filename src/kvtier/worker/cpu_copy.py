@@ -72,12 +72,16 @@ class CpuBackend:
     ) -> None:
         self._layouts = layouts
         self._slab_ptr, self._slot_bytes = slab.data_ptr(), slab.shape[1]
-        self._plane_ptrs = [np.array([p.storage.data_ptr() for p in g.planes], dtype=np.int64) for g in layouts]
+        self._plane_ptrs = [
+            np.array([p.storage.data_ptr() for p in g.planes], dtype=np.int64) for g in layouts
+        ]
         self._on_done = on_done
         self._copier = MemmoveCopier(num_threads)
         self._queue = TaskQueue()
         self._cond = threading.Condition()
-        self._in_flight: deque[_Running] = deque()  # taken from the queue, not reported; oldest first
+        self._in_flight: deque[_Running] = (
+            deque()
+        )  # taken from the queue, not reported; oldest first
         self._stopping = False
         self.num_cut_tasks = 0  # tasks failed because a cancel of another job cut their batch short
         self._thread = threading.Thread(target=self._loop, name="kvtier-transfer", daemon=True)
@@ -154,7 +158,12 @@ class CpuBackend:
         except Exception as e:
             with self._cond:
                 self._in_flight.remove(running)
-            self._on_done([(task, task.outcome(0, 0.0, error=f"copy failed: {e!r}")) for task in running.batch])
+            self._on_done(
+                [
+                    (task, task.outcome(0, 0.0, error=f"copy failed: {e!r}"))
+                    for task in running.batch
+                ]
+            )
             return
         with self._cond:
             running.handle = handle
@@ -179,25 +188,41 @@ class CpuBackend:
         else:
             seconds = handle.finished_at - running.started_at
             total = sum(task.num_bytes for task in running.batch) or 1
-            self._on_done([(t, t.outcome(t.num_bytes, seconds * t.num_bytes / total)) for t in running.batch])
+            self._on_done(
+                [(t, t.outcome(t.num_bytes, seconds * t.num_bytes / total)) for t in running.batch]
+            )
 
     def _report_cut(self, batch: list[CopyTask], cancelled: set[int]) -> None:
         """A batch a cancel cut short: every task failed, whichever of its bytes were copied."""
         cut = f"copy cut short: job(s) {sorted(cancelled)} of its batch were cancelled"
         self.num_cut_tasks += sum(task.job_id not in cancelled for task in batch)
-        self._on_done([(task, task.outcome(0, 0.0, error=CANCELLED if task.job_id in cancelled else cut))
-                       for task in batch])
+        self._on_done(
+            [
+                (task, task.outcome(0, 0.0, error=CANCELLED if task.job_id in cancelled else cut))
+                for task in batch
+            ]
+        )
 
     def _addresses(self, batch: list[CopyTask]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(dst, src, nbytes) of every run of the batch, planned once per direction and group."""
         parts = []
         for is_store, group, layers in {(task.is_store, task.group, task.layers) for task in batch}:
-            tasks = [task for task in batch if (task.is_store, task.group, task.layers) == (is_store, group, layers)]
+            tasks = [
+                task
+                for task in batch
+                if (task.is_store, task.group, task.layers) == (is_store, group, layers)
+            ]
             block_ids = np.concatenate([task.block_ids for task in tasks])
             slot_ids = np.concatenate([task.slot_ids for task in tasks])
             first_pages = np.concatenate([task.first_pages() for task in tasks])
-            runs = plan_copies(block_ids, slot_ids, self._layouts[group], self._slot_bytes, first_pages,
-                               tasks[0].planes)
+            runs = plan_copies(
+                block_ids,
+                slot_ids,
+                self._layouts[group],
+                self._slot_bytes,
+                first_pages,
+                tasks[0].planes,
+            )
             engine = self._plane_ptrs[group][runs.plane] + runs.engine_offset
             slab = self._slab_ptr + runs.slab_offset
             parts.append((slab, engine, runs.nbytes) if is_store else (engine, slab, runs.nbytes))

@@ -71,7 +71,9 @@ class CudaBackend:
         if self._closed:
             return False
         layout = self._layouts[task.group]
-        runs = plan_copies(task.block_ids, task.slot_ids, layout, self._slot_bytes, task.first_pages())
+        runs = plan_copies(
+            task.block_ids, task.slot_ids, layout, self._slot_bytes, task.first_pages()
+        )
         planes = layout.planes
         stream = self._store_stream if task.is_store else self._load_stream
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -102,7 +104,9 @@ class CudaBackend:
                 seconds = flight.start.elapsed_time(flight.end) / 1000.0  # elapsed_time is in ms
                 done.append((flight.task, flight.task.outcome(flight.num_bytes, seconds)))
             except Exception as e:  # a sticky CUDA error: the task failed, the engine goes on
-                done.append((flight.task, flight.task.outcome(0, 0.0, error=f"CUDA copy failed: {e!r}")))
+                done.append(
+                    (flight.task, flight.task.outcome(0, 0.0, error=f"CUDA copy failed: {e!r}"))
+                )
         self._in_flight = still
         if done:
             self._on_done(done)
@@ -127,6 +131,11 @@ class CudaBackend:
         self.poll()
         if self._in_flight:  # only after a CUDA error that query() did not raise
             error = "did not complete before shutdown"
-            self._on_done([(flight.task, flight.task.outcome(0, 0.0, error=error)) for flight in self._in_flight])
+            self._on_done(
+                [
+                    (flight.task, flight.task.outcome(0, 0.0, error=error))
+                    for flight in self._in_flight
+                ]
+            )
         self._in_flight = []
         return []

@@ -36,7 +36,9 @@ from kvtier.worker.tasks import CopyTask
 
 __all__ = ["MAX_SLICES", "ForwardOrder", "layer_slices", "slice_task"]
 
-MAX_SLICES = 8  # a slice is a batch on the copy threads (~0.1 ms of planning each); more buys little
+MAX_SLICES = (
+    8  # a slice is a batch on the copy threads (~0.1 ms of planning each); more buys little
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +49,23 @@ def layer_slices(order: Sequence[str], max_slices: int = MAX_SLICES) -> list[fro
     if not order:
         return []
     rest = list(order[1:])
-    num_rest = min(len(rest), max(1, max_slices - 1))  # (never fewer slices than it takes to hold every layer)
-    runs = [frozenset(part.tolist()) for part in np.array_split(np.array(rest, dtype=object), num_rest)] \
-        if num_rest else []
+    num_rest = min(
+        len(rest), max(1, max_slices - 1)
+    )  # (never fewer slices than it takes to hold every layer)
+    runs = (
+        [
+            frozenset(part.tolist())
+            for part in np.array_split(np.array(rest, dtype=object), num_rest)
+        ]
+        if num_rest
+        else []
+    )
     return [frozenset(order[:1]), *runs]
 
 
-def slice_task(task: CopyTask, slices: Sequence[frozenset[str]], layout: GroupLayout,
-               blocks_per_chunk: int) -> list[CopyTask]:
+def slice_task(
+    task: CopyTask, slices: Sequence[frozenset[str]], layout: GroupLayout, blocks_per_chunk: int
+) -> list[CopyTask]:
     """`task` as one task per slice that holds layers of its group, in the slices' order (all
     of it again when no slice does). The chunks that failed validation are reported by the first."""
     plane_layers = [plane.layer for plane in layout.planes]
@@ -66,13 +77,22 @@ def slice_task(task: CopyTask, slices: Sequence[frozenset[str]], layout: GroupLa
         mine = layers & group_layers
         if not mine:
             continue
-        planes = np.array([i for i, layer in enumerate(plane_layers) if layer in mine], dtype=np.int64)
+        planes = np.array(
+            [i for i, layer in enumerate(plane_layers) if layer in mine], dtype=np.int64
+        )
         first = not out
         memory = frozenset(layout.planes[i].storage.data_ptr() for i in planes)
-        out.append(dataclasses.replace(task, layers=frozenset(mine), planes=planes, memory=memory,
-                                       num_bytes=int(nbytes[planes].sum()) * pages,
-                                       failed_chunks=task.failed_chunks if first else (),
-                                       error=task.error if first else None))
+        out.append(
+            dataclasses.replace(
+                task,
+                layers=frozenset(mine),
+                planes=planes,
+                memory=memory,
+                num_bytes=int(nbytes[planes].sum()) * pages,
+                failed_chunks=task.failed_chunks if first else (),
+                error=task.error if first else None,
+            )
+        )
     covered = set().union(*(t.layers for t in out)) if out else set()
     if covered != group_layers:  # a layer no slice holds: never left out, copy the task whole
         return [task]
@@ -91,7 +111,9 @@ class ForwardOrder:
         self._registered = frozenset(layers)
         self._seen: dict[str, None] = {}  # the layers this pass asked for, each once, in its order
         self.slices: list[frozenset[str]] | None = None
-        self.is_off = not self._registered  # no layers, or turned off after a pass that skipped some
+        self.is_off = (
+            not self._registered
+        )  # no layers, or turned off after a pass that skipped some
 
     def saw(self, layer: str) -> None:
         self._seen.setdefault(layer)
@@ -102,12 +124,17 @@ class ForwardOrder:
         asked_all = self._seen.keys() == self._registered
         if asked_all and self.slices is None and not self.is_off:
             self.slices = layer_slices(list(self._seen))
-            logger.info("kvtier: synchronous loads are copied layer by layer (%d slices of %d layers)",
-                        len(self.slices), len(self._seen))
+            logger.info(
+                "kvtier: synchronous loads are copied layer by layer (%d slices of %d layers)",
+                len(self.slices),
+                len(self._seen),
+            )
         self._seen = {}
         return asked_all
 
     def turn_off(self, why: str) -> None:
         if not self.is_off:
-            logger.warning("kvtier: layer-by-layer loading turned off: %s; loads are waited for whole", why)
+            logger.warning(
+                "kvtier: layer-by-layer loading turned off: %s; loads are waited for whole", why
+            )
         self.is_off, self.slices = True, None

@@ -26,8 +26,16 @@ import torch
 
 from kvtier.errors import ConfigError
 
-__all__ = ["KV_LAYOUTS", "GroupLayout", "Plane", "build_group_layouts", "chunk_bytes", "flat_bytes", "kv_planes",
-           "slot_bytes_of"]
+__all__ = [
+    "KV_LAYOUTS",
+    "GroupLayout",
+    "Plane",
+    "build_group_layouts",
+    "chunk_bytes",
+    "flat_bytes",
+    "kv_planes",
+    "slot_bytes_of",
+]
 
 KV_LAYOUTS = ("auto", "blocks_first", "kv_first")
 
@@ -56,7 +64,9 @@ class Plane:
 
     def view(self) -> torch.Tensor:
         """The plane as an int8 tensor `(num_blocks, nbytes)` sharing the engine's memory."""
-        return self.storage.as_strided((self.num_blocks, self.nbytes), (self.block_stride, 1), self.offset)
+        return self.storage.as_strided(
+            (self.num_blocks, self.nbytes), (self.block_stride, 1), self.offset
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +100,9 @@ class GroupLayout:
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D int8 view of `tensor`'s whole storage (no copy)."""
     storage = tensor.untyped_storage()
-    return torch.empty(0, dtype=torch.int8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+    return torch.empty(0, dtype=torch.int8, device=tensor.device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
+    )
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -136,11 +148,15 @@ def _row_bytes(name: str, tensor: torch.Tensor, inner: list[tuple[int, int]]) ->
     return expected
 
 
-def _check_no_overlap(name: str, tensor: torch.Tensor, row_bytes: int, rows: list[tuple[int, int]]) -> None:
+def _check_no_overlap(
+    name: str, tensor: torch.Tensor, row_bytes: int, rows: list[tuple[int, int]]
+) -> None:
     extent = row_bytes
     for size, stride in sorted(rows, key=lambda d: d[1]):
         if stride < extent:
-            raise ConfigError(f"KV cache {name!r} has {_describe(tensor)}: blocks overlap in memory")
+            raise ConfigError(
+                f"KV cache {name!r} has {_describe(tensor)}: blocks overlap in memory"
+            )
         extent += (size - 1) * stride
 
 
@@ -163,7 +179,11 @@ def kv_planes(name: str, tensor: torch.Tensor, kv_layout: str = "auto") -> list[
     bdim = _block_dim(name, tensor, kv_layout)
     esize = tensor.element_size()
     num_blocks, block_stride = tensor.shape[bdim], tensor.stride(bdim) * esize
-    nbytes = {i: tensor.stride(i) * esize for i in range(tensor.dim()) if i != bdim and tensor.shape[i] > 1}
+    nbytes = {
+        i: tensor.stride(i) * esize
+        for i in range(tensor.dim())
+        if i != bdim and tensor.shape[i] > 1
+    }
     # Dims with a smaller stride than the block dim live inside a block's row; the others
     # (K/V, or heads in LHBNC) enumerate planes. With one block every dim is inside.
     inner = [i for i in nbytes if nbytes[i] < block_stride or num_blocks == 1]
@@ -181,7 +201,9 @@ def kv_planes(name: str, tensor: torch.Tensor, kv_layout: str = "auto") -> list[
     return planes
 
 
-def _check_groups(kv_caches: Mapping[str, torch.Tensor], layer_groups: Sequence[Sequence[str]]) -> None:
+def _check_groups(
+    kv_caches: Mapping[str, torch.Tensor], layer_groups: Sequence[Sequence[str]]
+) -> None:
     grouped = [name for group in layer_groups for name in group]
     if not layer_groups or any(len(group) == 0 for group in layer_groups):
         raise ConfigError("layer_groups must list at least one layer per group")
@@ -193,7 +215,9 @@ def _check_groups(kv_caches: Mapping[str, torch.Tensor], layer_groups: Sequence[
             raise ConfigError(f"a layer appears twice in the group {list(group)}")
     missing = sorted(set(kv_caches) - set(grouped))
     if missing:
-        raise ConfigError(f"KV caches {missing} belong to no group in layer_groups; every registered layer must")
+        raise ConfigError(
+            f"KV caches {missing} belong to no group in layer_groups; every registered layer must"
+        )
 
 
 def build_group_layouts(
@@ -233,7 +257,9 @@ def build_group_layouts(
         table = np.array([[p.offset, p.block_stride, p.nbytes] for p in planes], dtype=np.int64).T
         table = np.vstack([table, np.array(offsets[:-1], dtype=np.int64)])
         size = chunk_bytes(blocks_per_chunk, [p.nbytes for p in planes])
-        layouts.append(GroupLayout(tuple(group), tuple(planes), offsets[:-1], size, counts.pop(), table))
+        layouts.append(
+            GroupLayout(tuple(group), tuple(planes), offsets[:-1], size, counts.pop(), table)
+        )
     return layouts
 
 

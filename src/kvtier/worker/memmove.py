@@ -82,7 +82,9 @@ class CopyHandle:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._is_complete = True
-        self.is_cancelled = False  # read by the copy threads before every run (a plain attribute: cheap)
+        self.is_cancelled = (
+            False  # read by the copy threads before every run (a plain attribute: cheap)
+        )
         self.finished_at = 0.0
         if num_parts == 0:
             self._done.set()
@@ -177,7 +179,9 @@ class MemmoveCopier:
         shares = 1 if int(nbytes.sum()) < _SPLIT_MIN_BYTES else self._num_threads
         if self._native is not None:
             started_at = time.perf_counter()
-            return _NativeCopyHandle(self._native, self._native.start(dst, src, nbytes, shares), started_at)
+            return _NativeCopyHandle(
+                self._native, self._native.start(dst, src, nbytes, shares), started_at
+            )
         parts = split_by_bytes(dst, src, nbytes, shares)
         handle = CopyHandle(len(parts))
         for inbox, part in zip(self._inboxes, parts, strict=False):  # small copies have one part
@@ -225,7 +229,9 @@ def _copy_part(dst: list[int], src: list[int], nbytes: list[int], handle: CopyHa
     return False
 
 
-def split_by_bytes(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, shares: int) -> list[tuple]:
+def split_by_bytes(
+    dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, shares: int
+) -> list[tuple]:
     """Cut the runs into `shares` lists of about equal bytes, splitting runs at the cuts.
 
     Returns:
@@ -236,9 +242,14 @@ def split_by_bytes(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, shares:
         return [(dst.tolist(), src.tolist(), nbytes.tolist())]
     if nbytes.size >= 4 * shares and int(nbytes.max()) * 4 * shares <= int(nbytes.sum()):
         # Many runs, none large: cutting between runs balances well enough and costs less.
-        cut = np.searchsorted(np.cumsum(nbytes), np.arange(1, shares) * (int(nbytes.sum()) // shares))
+        cut = np.searchsorted(
+            np.cumsum(nbytes), np.arange(1, shares) * (int(nbytes.sum()) // shares)
+        )
         bounds = [0, *cut.tolist(), nbytes.size]
-        return [(dst[a:b].tolist(), src[a:b].tolist(), nbytes[a:b].tolist()) for a, b in itertools.pairwise(bounds)]
+        return [
+            (dst[a:b].tolist(), src[a:b].tolist(), nbytes[a:b].tolist())
+            for a, b in itertools.pairwise(bounds)
+        ]
     ends = np.cumsum(nbytes)
     total = int(ends[-1])
     cuts = np.array([total * k // shares for k in range(1, shares)], dtype=np.int64)
@@ -251,4 +262,7 @@ def split_by_bytes(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, shares:
     lengths = np.diff(np.append(points, total))
     owner = np.searchsorted(cuts, points, side="right")
     d, s = dst[run] + skip, src[run] + skip
-    return [(d[owner == k].tolist(), s[owner == k].tolist(), lengths[owner == k].tolist()) for k in range(shares)]
+    return [
+        (d[owner == k].tolist(), s[owner == k].tolist(), lengths[owner == k].tolist())
+        for k in range(shares)
+    ]

@@ -51,7 +51,9 @@ class TaskQueue:
         side = self._next_side()
         return side.popleft() if side else None
 
-    def pop_batch(self, max_tasks: int, max_bytes: int, running: Sequence[CopyTask] = ()) -> list[CopyTask]:
+    def pop_batch(
+        self, max_tasks: int, max_bytes: int, running: Sequence[CopyTask] = ()
+    ) -> list[CopyTask]:
         """Remove tasks that may run together, and beside `running` (tasks popped earlier and not
         finished yet): `pop_next` order, stopping before a task that conflicts with one taken or
         running, or when the batch reaches `max_tasks` or `max_bytes`; a slice of layers alone.
@@ -63,7 +65,9 @@ class TaskQueue:
         num_bytes = 0
         while len(batch) < max_tasks and num_bytes < max_bytes:
             side = self._next_side()
-            if not side or any(side[0].conflicts_with(other) for other in itertools.chain(batch, running)):
+            if not side or any(
+                side[0].conflicts_with(other) for other in itertools.chain(batch, running)
+            ):
                 break
             if batch and (side[0].layers is not None or batch[-1].layers is not None):
                 break
@@ -74,7 +78,9 @@ class TaskQueue:
     def _next_side(self) -> deque[CopyTask] | None:
         if self._loads:
             load = self._loads[0]
-            if not any(store.seq < load.seq and store.conflicts_with(load) for store in self._stores):
+            if not any(
+                store.seq < load.seq and store.conflicts_with(load) for store in self._stores
+            ):
                 return self._loads
         return self._stores or None
 
@@ -84,7 +90,11 @@ class TaskQueue:
         Removing a task never makes a remaining one unsafe: the order rule only ever holds
         tasks back, behind earlier ones.
         """
-        taken = [t for t in itertools.chain(self._loads, self._stores) if job_ids is None or t.job_id in job_ids]
+        taken = [
+            t
+            for t in itertools.chain(self._loads, self._stores)
+            if job_ids is None or t.job_id in job_ids
+        ]
         if taken:
             gone = {id(t) for t in taken}
             self._loads = deque(t for t in self._loads if id(t) not in gone)

@@ -63,5 +63,10 @@ class OpenJob:
             if CANCELLED not in self.errors:
                 self.errors.insert(0, CANCELLED)
         error = "; ".join(self.errors) if self.errors else None
-        return JobResult(job_id=job_id, failed_chunks=tuple(sorted(self.failed_chunks)), num_bytes=self.num_bytes,
-                         seconds=self.seconds, error=error)
+        return JobResult(
+            job_id=job_id,
+            failed_chunks=tuple(sorted(self.failed_chunks)),
+            num_bytes=self.num_bytes,
+            seconds=self.seconds,
+            error=error,
+        )

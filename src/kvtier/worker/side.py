@@ -73,11 +73,20 @@ class WorkerSide:
             caches are registered (their layout gives the slot size); None: a private slab.
     """
 
-    def __init__(self, *, num_slots: int, blocks_per_chunk: int, layer_groups: Sequence[Sequence[str]] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 transfer_factory: Callable[..., TransferEngine] = TransferEngine, slab_name: str | None = None):
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        blocks_per_chunk: int,
+        layer_groups: Sequence[Sequence[str]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        transfer_factory: Callable[..., TransferEngine] = TransferEngine,
+        slab_name: str | None = None,
+    ):
         if num_slots < 1:
-            raise ConfigError(f"the host slab needs at least one slot, got {num_slots}; raise cpu_bytes")
+            raise ConfigError(
+                f"the host slab needs at least one slot, got {num_slots}; raise cpu_bytes"
+            )
         self.num_slots = num_slots
         self.blocks_per_chunk = blocks_per_chunk
         self.layer_groups = layer_groups
@@ -87,7 +96,9 @@ class WorkerSide:
         self._clock = clock
         self._transfer_factory = transfer_factory
         self._running: dict[int, TransferJob] = {}  # submitted, result not taken yet
-        self._started_early: set[int] = set()  # this plan's flushed stores, started before the forward
+        self._started_early: set[int] = (
+            set()
+        )  # this plan's flushed stores, started before the forward
         self._results: list[JobResult] = []
         self._load_errors: set[int] = set()
         self._async_load_ids: set[int] = set()
@@ -97,7 +108,9 @@ class WorkerSide:
         self._order: ForwardOrder | None = None  # the forward pass's layers (CPU copies only)
         self._layered: list[TransferJob] = []  # this step's loads, copied layer by layer
         self._unasked: set[int] = set()  # ... whose pass did not ask for every layer: they fail
-        self._cut: set[int] = set()  # cancelled, result not taken yet (a later layer's wait must not cancel again)
+        self._cut: set[int] = (
+            set()
+        )  # cancelled, result not taken yet (a later layer's wait must not cancel again)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         """Map this rank's slab (creating it if the scheduler side has not yet) and start copying.
@@ -106,21 +119,33 @@ class WorkerSide:
             ConfigError: the slab exists with another size than these KV caches need, or does not fit.
         """
         if self.slab_name is not None:
-            slot_bytes = slot_bytes_of(build_group_layouts(kv_caches, self.blocks_per_chunk, self.layer_groups))
+            slot_bytes = slot_bytes_of(
+                build_group_layouts(kv_caches, self.blocks_per_chunk, self.layer_groups)
+            )
             # owner: the worker unlinks the name too when it shuts down, in case the scheduler side
             # never came up to do it (an engine that failed to start); a second unlink is harmless
             self.slab = HostSlab(self.slab_name, self.num_slots, slot_bytes, owner=True)
         try:
             with copy_threads_off_compute_cores() as cores:  # its copy threads start here
-                self.transfer = self._transfer_factory(kv_caches, self.blocks_per_chunk, self.num_slots,
-                                                       layer_groups=self.layer_groups, slab=self.slab)
+                self.transfer = self._transfer_factory(
+                    kv_caches,
+                    self.blocks_per_chunk,
+                    self.num_slots,
+                    layer_groups=self.layer_groups,
+                    slab=self.slab,
+                )
         except BaseException:
             self._close_slab()
             raise
         self._order = ForwardOrder(list(kv_caches)) if self.transfer.can_slice else None
         where = f"shared memory {self.slab.path}" if self.slab is not None else "private memory"
-        logger.info("kvtier: host slab of %d slots x %d bytes in %s; copy threads on %s", self.num_slots,
-                    self.transfer.slot_bytes, where, sorted(cores) if cores else "the engine's cores")
+        logger.info(
+            "kvtier: host slab of %d slots x %d bytes in %s; copy threads on %s",
+            self.num_slots,
+            self.transfer.slot_bytes,
+            where,
+            sorted(cores) if cores else "the engine's cores",
+        )
 
     # -- the step ---------------------------------------------------------------------
 
@@ -143,14 +168,18 @@ class WorkerSide:
         for job in plan.load_jobs:
             self._submit(job, slices)
         loads = [self._running[job.job_id] for job in plan.load_jobs if job.job_id in self._running]
-        if slices and loads:  # each layer awaited by `wait_for_layer_load`, all by `finish_layered_loads`
+        if (
+            slices and loads
+        ):  # each layer awaited by `wait_for_layer_load`, all by `finish_layered_loads`
             self._layered = loads
             return
         self._await(loads)
         if plan.engine_idle and plan.async_load_jobs and self.transfer is not None:
             # nothing else runs in this step: reporting the loads now saves the engine empty
             # round trips (each ~1-3 ms on vLLM); a load that is slower is reported later
-            self.transfer.wait([job.job_id for job in plan.async_load_jobs], timeout=IDLE_STEP_WAIT_S)
+            self.transfer.wait(
+                [job.job_id for job in plan.async_load_jobs], timeout=IDLE_STEP_WAIT_S
+            )
         self._collect()
 
     def wait_for_layer_load(self, layer: str) -> None:
@@ -159,7 +188,9 @@ class WorkerSide:
             return
         self._order.saw(layer)
         if self._layered and (transfer := self.transfer) is not None:
-            self._await(self._layered, lambda ids, timeout: transfer.wait_layer(ids, layer, timeout))
+            self._await(
+                self._layered, lambda ids, timeout: transfer.wait_layer(ids, layer, timeout)
+            )
 
     def finish_layered_loads(self) -> None:
         """After the forward pass: end this step's layered loads; if the pass did not ask for
@@ -171,7 +202,9 @@ class WorkerSide:
         self._await(self._layered)
         if not asked_all:
             self._unasked |= {job.job_id for job in self._layered}
-            self._order.turn_off("a forward pass with layer-by-layer loads did not ask for every layer")
+            self._order.turn_off(
+                "a forward pass with layer-by-layer loads did not ask for every layer"
+            )
         self._layered = []
         self._collect()
 
@@ -232,7 +265,9 @@ class WorkerSide:
         else:
             self.transfer.submit(job, slices)
 
-    def _await(self, jobs: Iterable[TransferJob], wait: Callable[[list[int], float], bool] | None = None) -> None:
+    def _await(
+        self, jobs: Iterable[TransferJob], wait: Callable[[list[int], float], bool] | None = None
+    ) -> None:
         """Wait for `jobs` (`wait(ids, timeout)`: all of them, by default), each until its deadline;
         cancel those still running at it."""
         left = list(jobs)
@@ -247,7 +282,9 @@ class WorkerSide:
             left = [job for job in left if job.deadline > first]
 
     def _cancel_expired(self) -> None:
-        if not self._running:  # the usual step: nothing in flight, nothing to check (called 3x a step)
+        if (
+            not self._running
+        ):  # the usual step: nothing in flight, nothing to check (called 3x a step)
             return
         now = self._clock()
         due = [job for job in self._running.values() if job.deadline <= now]
@@ -256,10 +293,15 @@ class WorkerSide:
             self._cancel([job for job in due if job.job_id in self._running])
 
     def _cancel(self, jobs: list[TransferJob]) -> None:
-        if self.transfer is not None and (jobs := [job for job in jobs if job.job_id not in self._cut]):
+        if self.transfer is not None and (
+            jobs := [job for job in jobs if job.job_id not in self._cut]
+        ):
             self._cut |= {job.job_id for job in jobs}
-            logger.warning("kvtier: %d transfer job(s) past their deadline; cancelled (loads are recomputed, "
-                           "stores dropped)", len(jobs))
+            logger.warning(
+                "kvtier: %d transfer job(s) past their deadline; cancelled (loads are recomputed, "
+                "stores dropped)",
+                len(jobs),
+            )
             self._stats["cancelled_jobs"] += len(jobs)
             num_cut = self.transfer.num_cut_tasks
             # returns only once none of them copies any more: the caller may then reuse their blocks
@@ -270,7 +312,9 @@ class WorkerSide:
     def _collect(self) -> None:
         if self._layered:  # vLLM may take results before wait_for_save (speculative decoding): end the pass's loads
             self.finish_layered_loads()  # first, or a layered load whose pass skipped a layer would count as loaded
-        if self.transfer is None or not self._running:  # a result of no running job would be dropped anyway
+        if (
+            self.transfer is None or not self._running
+        ):  # a result of no running job would be dropped anyway
             return
         for result in self.transfer.get_finished():
             job = self._running.get(result.job_id)
@@ -282,8 +326,12 @@ class WorkerSide:
         self._cut.discard(job.job_id)
         if job.job_id in self._unasked:  # copied, but maybe after the forward pass read it
             self._unasked.remove(job.job_id)
-            result = dataclasses.replace(result, failed_chunks=tuple(range(job.num_chunks)), num_bytes=0,
-                                         error="loaded by layer, but the forward pass did not ask for every layer")
+            result = dataclasses.replace(
+                result,
+                failed_chunks=tuple(range(job.num_chunks)),
+                num_bytes=0,
+                error="loaded by layer, but the forward pass did not ask for every layer",
+            )
         direction = "load" if job.is_load else "store"
         self._stats[f"{direction}_bytes"] += result.num_bytes
         self._stats[f"{direction}_seconds"] += result.seconds

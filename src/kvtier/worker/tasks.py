@@ -18,7 +18,15 @@ import numpy as np
 from kvtier.jobs import TransferPart
 from kvtier.worker.layouts import GroupLayout
 
-__all__ = ["CopyRuns", "CopyTask", "DoneCallback", "TaskOutcome", "failed_outcome", "make_task", "plan_copies"]
+__all__ = [
+    "CopyRuns",
+    "CopyTask",
+    "DoneCallback",
+    "TaskOutcome",
+    "failed_outcome",
+    "make_task",
+    "plan_copies",
+]
 
 _MAX_REASONS = 3  # error strings name the first few bad chunks, not thousands
 
@@ -85,12 +93,22 @@ class CopyTask:
         A store reads blocks and writes slots, a load the reverse; two stores conflict only on
         slots, two loads only on blocks; slices in disjoint engine storages never.
         """
-        if self.memory is not None and other.memory is not None and self.memory.isdisjoint(other.memory):
+        if (
+            self.memory is not None
+            and other.memory is not None
+            and self.memory.isdisjoint(other.memory)
+        ):
             return False
         if self.is_store == other.is_store:
-            written, others = (self.slot_set, other.slot_set) if self.is_store else (self.block_set, other.block_set)
+            written, others = (
+                (self.slot_set, other.slot_set)
+                if self.is_store
+                else (self.block_set, other.block_set)
+            )
             return not written.isdisjoint(others)
-        return not (self.slot_set.isdisjoint(other.slot_set) and self.block_set.isdisjoint(other.block_set))
+        return not (
+            self.slot_set.isdisjoint(other.slot_set) and self.block_set.isdisjoint(other.block_set)
+        )
 
     def outcome(self, num_bytes: int, seconds: float, error: str | None = None) -> TaskOutcome:
         """How this task ended; `error` set means every chunk failed."""
@@ -113,7 +131,9 @@ def _as_ids(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{what} must be a 1-D sequence of integers, got dtype {array.dtype} shape {array.shape}")
+        raise ValueError(
+            f"{what} must be a 1-D sequence of integers, got dtype {array.dtype} shape {array.shape}"
+        )
     return array.astype(np.int64, copy=False)
 
 
@@ -124,14 +144,18 @@ def _safe_len(values: object) -> int:
         return 0
 
 
-def _bad_chunks(blocks: np.ndarray, slots: np.ndarray, is_store: bool, num_blocks: int, num_slots: int) -> dict:
+def _bad_chunks(
+    blocks: np.ndarray, slots: np.ndarray, is_store: bool, num_blocks: int, num_slots: int
+) -> dict:
     """Chunk index -> reason, for out-of-range ids and ids a job would write twice."""
     reasons: dict[int, str] = {}
     for c in np.flatnonzero((slots < 0) | (slots >= num_slots)).tolist():
         reasons[c] = f"slot id {slots[c]} out of range [0, {num_slots})"
     bad_block = (blocks < 0) | (blocks >= num_blocks)
     for c in np.flatnonzero(bad_block.any(axis=1)).tolist():
-        reasons.setdefault(c, f"block id {blocks[c][bad_block[c]][0]} out of range [0, {num_blocks})")
+        reasons.setdefault(
+            c, f"block id {blocks[c][bad_block[c]][0]} out of range [0, {num_blocks})"
+        )
     # Two chunks writing the same place would race; keep the first, fail the repeats.
     written = slots[:, None] if is_store else blocks
     _, first = np.unique(written.ravel(), return_index=True)
@@ -157,7 +181,12 @@ def make_task(
         The task holding its good chunks, or a failed `TaskOutcome` when no chunk is good
         (the caller counts it as ended at once).
     """
-    slot_ids, block_ids, group, skip_blocks = part.slot_ids, part.block_ids, part.group, part.skip_blocks
+    slot_ids, block_ids, group, skip_blocks = (
+        part.slot_ids,
+        part.block_ids,
+        part.group,
+        part.skip_blocks,
+    )
     try:
         slots, blocks = _as_ids(slot_ids, "slot_ids"), _as_ids(block_ids, "block_ids")
     except ValueError as e:
@@ -177,11 +206,22 @@ def make_task(
     blocks = blocks.reshape(len(slots), blocks_per_chunk)
     block_set, slot_set = frozenset(blocks.ravel().tolist()), frozenset(slots.tolist())
     common = dict(job_id=job_id, part=part_index, is_store=is_store, group=group)
-    if _all_good(blocks, slots, block_set, slot_set, is_store, layouts[group].num_blocks, num_slots):
+    if _all_good(
+        blocks, slots, block_set, slot_set, is_store, layouts[group].num_blocks, num_slots
+    ):
         # The common case, kept cheap: it runs in the engine's thread, once per part.
-        return CopyTask(**common, block_ids=blocks, slot_ids=slots, num_chunks=len(slots), failed_chunks=(),
-                        error=None, block_set=block_set, slot_set=slot_set, skip_blocks=skip_blocks,
-                        num_bytes=len(slots) * chunk_bytes - skip_blocks * page_bytes)
+        return CopyTask(
+            **common,
+            block_ids=blocks,
+            slot_ids=slots,
+            num_chunks=len(slots),
+            failed_chunks=(),
+            error=None,
+            block_set=block_set,
+            slot_set=slot_set,
+            skip_blocks=skip_blocks,
+            num_bytes=len(slots) * chunk_bytes - skip_blocks * page_bytes,
+        )
     reasons = _bad_chunks(blocks, slots, is_store, layouts[group].num_blocks, num_slots)
     good = np.ones(len(slots), dtype=bool)
     good[list(reasons)] = False
@@ -191,9 +231,18 @@ def make_task(
         return failed_outcome(len(slots), error)
     blocks, slots = blocks[good], slots[good]
     skip_blocks = skip_blocks if good[0] else 0  # the partial chunk itself failed
-    return CopyTask(**common, block_ids=blocks, slot_ids=slots, num_chunks=len(good), failed_chunks=failed,
-                    error=error, block_set=frozenset(blocks.ravel().tolist()), slot_set=frozenset(slots.tolist()),
-                    skip_blocks=skip_blocks, num_bytes=len(slots) * chunk_bytes - skip_blocks * page_bytes)
+    return CopyTask(
+        **common,
+        block_ids=blocks,
+        slot_ids=slots,
+        num_chunks=len(good),
+        failed_chunks=failed,
+        error=error,
+        block_set=frozenset(blocks.ravel().tolist()),
+        slot_set=frozenset(slots.tolist()),
+        skip_blocks=skip_blocks,
+        num_bytes=len(slots) * chunk_bytes - skip_blocks * page_bytes,
+    )
 
 
 def _all_good(
@@ -237,7 +286,9 @@ def _runs(blocks: np.ndarray, first_pages: np.ndarray | None) -> tuple[np.ndarra
         return starts, np.diff(np.append(starts, blocks.size))
     skipped = np.arange(blocks.shape[1])[None, :] < first_pages[:, None]
     is_start = (is_start | (np.arange(blocks.shape[1])[None, :] == first_pages[:, None])) & ~skipped
-    edges = np.flatnonzero((is_start | skipped).ravel())  # a run ends at the next start or skipped page
+    edges = np.flatnonzero(
+        (is_start | skipped).ravel()
+    )  # a run ends at the next start or skipped page
     lengths = np.diff(np.append(edges, blocks.size))
     keep = is_start.ravel()[edges]
     return edges[keep], lengths[keep]
@@ -270,7 +321,9 @@ def plan_copies(
         _plan(block_ids, slot_ids, layout, chosen[dense], *runs, slot_bytes),
         _plan(block_ids, slot_ids, layout, chosen[~dense], pages, np.ones_like(pages), slot_bytes),
     ]
-    columns = zip(*((r.plane, r.engine_offset, r.slab_offset, r.nbytes) for r in parts), strict=True)
+    columns = zip(
+        *((r.plane, r.engine_offset, r.slab_offset, r.nbytes) for r in parts), strict=True
+    )
     return CopyRuns(*(np.concatenate(column) for column in columns))
 
 

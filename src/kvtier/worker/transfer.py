@@ -82,7 +82,9 @@ class TransferEngine:
         slab: HostSlab | torch.Tensor | None = None,
     ) -> None:
         if blocks_per_chunk < 1 or num_slots < 1:
-            raise ConfigError(f"blocks_per_chunk and num_slots must be >= 1, got {blocks_per_chunk}, {num_slots}")
+            raise ConfigError(
+                f"blocks_per_chunk and num_slots must be >= 1, got {blocks_per_chunk}, {num_slots}"
+            )
         self._layouts = build_group_layouts(kv_caches, blocks_per_chunk, layer_groups, kv_layout)
         self._kv_caches = dict(kv_caches)  # keeps the engine tensors alive while we hold addresses
         self.blocks_per_chunk = blocks_per_chunk
@@ -97,7 +99,9 @@ class TransferEngine:
         self.slab = self._adopt_slab(slab, device)
         self._backend = self._make_backend(device, num_copy_threads)
 
-    def _adopt_slab(self, slab: HostSlab | torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    def _adopt_slab(
+        self, slab: HostSlab | torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
         """The caller's slab, checked against these KV caches' slot size; a private one if none."""
         shape = (self.num_slots, self.slot_bytes)
         if slab is None:
@@ -108,22 +112,34 @@ class TransferEngine:
             if cuda_usable(device):
                 slab.pin_for_cuda()
             slab = slab.tensor
-        if slab.dtype != torch.int8 or slab.device.type != "cpu" or tuple(slab.shape) != shape \
-                or not slab.is_contiguous():
-            raise ConfigError(f"the host slab must be a contiguous int8 CPU tensor of {shape[0]} slots x "
-                              f"{shape[1]} bytes (these KV caches' slot size), got {slab.dtype} "
-                              f"{tuple(slab.shape)} on {slab.device}")
+        if (
+            slab.dtype != torch.int8
+            or slab.device.type != "cpu"
+            or tuple(slab.shape) != shape
+            or not slab.is_contiguous()
+        ):
+            raise ConfigError(
+                f"the host slab must be a contiguous int8 CPU tensor of {shape[0]} slots x "
+                f"{shape[1]} bytes (these KV caches' slot size), got {slab.dtype} "
+                f"{tuple(slab.shape)} on {slab.device}"
+            )
         if cuda_usable(device) and not slab.is_pinned():
-            logger.warning("kvtier: the host slab is not pinned; CUDA copies will be synchronous and slower")
+            logger.warning(
+                "kvtier: the host slab is not pinned; CUDA copies will be synchronous and slower"
+            )
         return slab
 
-    def _make_backend(self, device: torch.device, num_copy_threads: int | None) -> CpuBackend | CudaBackend:
+    def _make_backend(
+        self, device: torch.device, num_copy_threads: int | None
+    ) -> CpuBackend | CudaBackend:
         if device.type == "cpu":
             threads = num_copy_threads or min(2, os.cpu_count() or 1)
             return CpuBackend(self._layouts, self.slab, self._on_done, threads)
         if cuda_usable(device):
             return CudaBackend(self._layouts, self.slab, self._on_done, device)
-        raise ConfigError(f"KV caches on {device} are not supported; kvtier moves KV on cpu or cuda devices")
+        raise ConfigError(
+            f"KV caches on {device} are not supported; kvtier moves KV on cpu or cuda devices"
+        )
 
     @property
     def can_slice(self) -> bool:
@@ -143,16 +159,29 @@ class TransferEngine:
             job_id = operator.index(job.job_id)
         except TypeError:
             raise ConfigError(f"job_id must be an int, got {type(job.job_id).__name__}") from None
-        refusal = None if job.is_load or job.is_store else f"cannot move {job.src.value} -> {job.dst.value}"
+        refusal = (
+            None
+            if job.is_load or job.is_store
+            else f"cannot move {job.src.value} -> {job.dst.value}"
+        )
         items: list[CopyTask | tuple[EndedPart, TaskOutcome]] = []
         if refusal is None:
             for index, part in enumerate(job.parts):
-                task = make_task(job_id, index, job.is_store, part, self._layouts, self.blocks_per_chunk,
-                                 self.num_slots)
+                task = make_task(
+                    job_id,
+                    index,
+                    job.is_store,
+                    part,
+                    self._layouts,
+                    self.blocks_per_chunk,
+                    self.num_slots,
+                )
                 if isinstance(task, TaskOutcome):
                     items.append((EndedPart(job_id, index), task))
                 elif slices and self.can_slice:
-                    items += slice_task(task, slices, self._layouts[task.group], self.blocks_per_chunk)
+                    items += slice_task(
+                        task, slices, self._layouts[task.group], self.blocks_per_chunk
+                    )
                 else:
                     items.append(task)
         with self._cond:
@@ -161,11 +190,16 @@ class TransferEngine:
             elif refusal is None and job_id in self._open:
                 refusal = f"job id {job_id} is already in flight"
             if refusal is None and job.parts:
-                self._open[job_id] = OpenJob([offset for offset, _ in job.chunk_offsets()], len(items),
-                                              job.num_chunks)
+                self._open[job_id] = OpenJob(
+                    [offset for offset, _ in job.chunk_offsets()], len(items), job.num_chunks
+                )
                 if slices:
-                    self._open[job_id].copying = Counter(layer for item in items if isinstance(item, CopyTask)
-                                                         for layer in _layers_of(item))
+                    self._open[job_id].copying = Counter(
+                        layer
+                        for item in items
+                        if isinstance(item, CopyTask)
+                        for layer in _layers_of(item)
+                    )
         if refusal is not None:
             return self._report(job.failed(refusal))
         if not job.parts:  # moves nothing: done now
@@ -196,7 +230,9 @@ class TransferEngine:
                 job = self._open.get(task.job_id)
                 if job is None:
                     continue  # defensive: every task belongs to a job opened by `submit`
-                job.add(task.part, outcome, _layers_of(task) if isinstance(task, CopyTask) else None)
+                job.add(
+                    task.part, outcome, _layers_of(task) if isinstance(task, CopyTask) else None
+                )
                 if job.parts_left == 0:
                     del self._open[task.job_id]
                     self._finished.append(job.result(task.job_id))
@@ -223,13 +259,22 @@ class TransferEngine:
         """As `wait`, for the tasks of `job_ids` that copy `layer` (a slice holding it, or all
         layers) only: True once none of them copies any more, False if `timeout` passed first."""
         wanted = set(job_ids)  # (a job that ended, no longer open, is done with every layer)
-        return self._wait_until(lambda: not any(job.parts_left if job.copying is None else
-                                                job.copying[layer] > 0 or job.copying[ALL_LAYERS] > 0
-                                                for job in map(self._open.get, wanted) if job is not None), timeout)
+        return self._wait_until(
+            lambda: not any(
+                job.parts_left
+                if job.copying is None
+                else job.copying[layer] > 0 or job.copying[ALL_LAYERS] > 0
+                for job in map(self._open.get, wanted)
+                if job is not None
+            ),
+            timeout,
+        )
 
     def _wait_until(self, is_done: Callable[[], bool], timeout: float | None) -> bool:
         """Block until `is_done()` (called under the lock) or `timeout` seconds passed (False)."""
-        deadline = None if timeout is None else time.monotonic() + min(timeout, threading.TIMEOUT_MAX)
+        deadline = (
+            None if timeout is None else time.monotonic() + min(timeout, threading.TIMEOUT_MAX)
+        )
         poll_s = _CUDA_POLL_S if isinstance(self._backend, CudaBackend) else None
         while True:
             self._backend.poll()
@@ -270,8 +315,12 @@ class TransferEngine:
         slice_s, waited = max(timeout, _CANCEL_MIN_SLICE_S), 0.0
         while not self.wait(wanted, slice_s):
             waited += slice_s
-            logger.error("kvtier: cancelled transfer(s) %s still copying after %.3g s; waiting for them to stop "
-                         "(their blocks and slots must not be reused before)", sorted(wanted), waited)
+            logger.error(
+                "kvtier: cancelled transfer(s) %s still copying after %.3g s; waiting for them to stop "
+                "(their blocks and slots must not be reused before)",
+                sorted(wanted),
+                waited,
+            )
         return waited == 0.0
 
     @property
@@ -286,7 +335,12 @@ class TransferEngine:
                 return
             self._closed = True
         never_run = self._backend.shutdown()
-        self._on_done([(task, task.outcome(0, 0.0, error="engine shut down before the job ran")) for task in never_run])
+        self._on_done(
+            [
+                (task, task.outcome(0, 0.0, error="engine shut down before the job ran"))
+                for task in never_run
+            ]
+        )
 
     def __enter__(self) -> TransferEngine:
         return self

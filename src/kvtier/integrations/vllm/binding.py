@@ -59,8 +59,12 @@ class CoreBindingLog:
         from vllm.logger import DEFAULT_LOGGING_CONFIG
 
         config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
-        config["handlers"]["kvtier_file"] = {"class": "logging.FileHandler", "formatter": "vllm",
-                                             "filename": str(self.path), "mode": "a"}
+        config["handlers"]["kvtier_file"] = {
+            "class": "logging.FileHandler",
+            "formatter": "vllm",
+            "filename": str(self.path),
+            "mode": "a",
+        }
         config["loggers"]["vllm"]["handlers"].append("kvtier_file")
         return config
 
@@ -76,5 +80,7 @@ class CoreBindingLog:
         for rank, ids in _CORE_IDS.findall(new):
             ranks[int(rank)] = [int(i) for i in ids.replace(" ", "").split(",") if i]
         if not ranks:
-            raise RuntimeError(f"no 'core ids=' line in vLLM's log {self.path}: cannot check the engines' binding")
+            raise RuntimeError(
+                f"no 'core ids=' line in vLLM's log {self.path}: cannot check the engines' binding"
+            )
         return [ranks[r] for r in sorted(ranks)]

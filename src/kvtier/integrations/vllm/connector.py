@@ -18,7 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+)
 
 try:  # vLLM >= 0.32: request-level load failures (models with several KV-cache groups need them)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -38,8 +42,11 @@ from kvtier.worker import TransferEngine, WorkerSide
 __all__ = ["KVTierConnector", "kv_transfer_config"]
 
 
-def kv_transfer_config(connector: str = "KVTierConnector", module: str = "kvtier.integrations.vllm",
-                       **extra_config: Any) -> Any:
+def kv_transfer_config(
+    connector: str = "KVTierConnector",
+    module: str = "kvtier.integrations.vllm",
+    **extra_config: Any,
+) -> Any:
     """vLLM's `KVTransferConfig` for kvtier; `extra_config` becomes `kv_connector_extra_config`.
 
     Failed loads are recomputed (`kv_load_failure_policy="recompute"`): vLLM's default,
@@ -47,8 +54,13 @@ def kv_transfer_config(connector: str = "KVTierConnector", module: str = "kvtier
     """
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
-                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra_config)
+    return KVTransferConfig(
+        kv_connector=connector,
+        kv_connector_module_path=module,
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra_config,
+    )
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -59,21 +71,30 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.kvtier_config = cfg = KVTierConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
-        self.layout = layout = engine_layout(cfg, vllm_config, kv_cache_config)  # the only derivation here
+        self.kvtier_config = cfg = KVTierConfig.from_dict(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        self.layout = layout = engine_layout(
+            cfg, vllm_config, kv_cache_config
+        )  # the only derivation here
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._slots_reported = False
         if role == KVConnectorRole.SCHEDULER:
-            namespace = namespace_for(cfg, vllm_config, kv_cache_config, layout)  # hashes the weights: here only
-            self._scheduler = SchedulerSide(cfg, vllm_config, layout, namespace, group_event_kinds(kv_cache_config))
+            namespace = namespace_for(
+                cfg, vllm_config, kv_cache_config, layout
+            )  # hashes the weights: here only
+            self._scheduler = SchedulerSide(
+                cfg, vllm_config, layout, namespace, group_event_kinds(kv_cache_config)
+            )
         else:
             self._worker = WorkerSide(
                 num_slots=layout.num_slots,
                 blocks_per_chunk=layout.blocks_per_chunk,
                 layer_groups=[list(layers) for layers in layout.layer_groups],
                 transfer_factory=type(self).transfer_factory,
-                slab_name=layout.slab_names[worker_rank(vllm_config, layout.num_workers)])
+                slab_name=layout.slab_names[worker_rank(vllm_config, layout.num_workers)],
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -81,7 +102,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side ---------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -97,7 +120,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().request_finished(request)
         return False, None  # blocks may be freed now: stores still reading them are fenced
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
         """vLLM's hybrid KV-cache manager stays on with kvtier (`SupportsHMA`): one call per request
         for every group; kvtier's scheduler already tracks each group's blocks itself."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
@@ -121,7 +146,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         worker = self._work()
         worker.register_kv_caches(kv_caches)
-        check_slot_bytes(self.layout, worker.transfer.slot_bytes if worker.transfer is not None else None)
+        check_slot_bytes(
+            self.layout, worker.transfer.slot_bytes if worker.transfer is not None else None
+        )
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         self._work().handle_preemptions(kv_connector_metadata.plan)
@@ -132,7 +159,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._work().wait_for_layer_load(layer_name)  # the step's synchronous loads of this layer
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         pass  # whole chunks are stored after the forward pass (wait_for_save)
 
     def wait_for_save(self) -> None:
@@ -156,7 +185,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
         worker = self._work()
         results = worker.take_results()
-        slots = () if self._slots_reported else (worker.num_slots,)  # checked by the scheduler, once
+        slots = (
+            () if self._slots_reported else (worker.num_slots,)
+        )  # checked by the scheduler, once
         self._slots_reported = True
         return KVTierWorkerMetadata(results, slots) if results or slots else None
 
@@ -186,20 +217,29 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierStats(data=data) if data is not None else KVTierStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTierPromMetrics:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- helpers ----------------------------------------------------------------------
 
     def _sched(self) -> SchedulerSide:
         if self._scheduler is None:
-            raise RuntimeError("a scheduler-side KVTierConnector method was called on the worker side")
+            raise RuntimeError(
+                "a scheduler-side KVTierConnector method was called on the worker side"
+            )
         return self._scheduler
 
     def _work(self) -> WorkerSide:
         if self._worker is None:
-            raise RuntimeError("a worker-side KVTierConnector method was called on the scheduler side")
+            raise RuntimeError(
+                "a worker-side KVTierConnector method was called on the scheduler side"
+            )
         return self._worker
 
     def _plan(self):

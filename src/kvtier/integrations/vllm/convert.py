@@ -14,8 +14,17 @@ from kvtier.integrations.vllm.layout import EngineLayout, engine_layout
 from kvtier.scheduler import RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
 from kvtier.tiers.namespace import Namespace
 
-__all__ = ["block_hash_bytes", "evict_lookahead", "evictable_blocks", "load_mode_for", "namespace_for", "request_view",
-           "scheduler_config", "step_view", "worker_rank"]
+__all__ = [
+    "block_hash_bytes",
+    "evict_lookahead",
+    "evictable_blocks",
+    "load_mode_for",
+    "namespace_for",
+    "request_view",
+    "scheduler_config",
+    "step_view",
+    "worker_rank",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +51,33 @@ def step_view(scheduler_output: Any) -> StepView:
     scheduled = []
     counts = scheduler_output.num_scheduled_tokens
     for new in scheduler_output.scheduled_new_reqs:
-        scheduled.append(ScheduledRequest(
-            req_id=new.req_id, new_block_ids=tuple(list(ids) for ids in new.block_ids), is_new_or_resumed=True,
-            num_computed_tokens=new.num_computed_tokens, num_scheduled_tokens=counts.get(new.req_id, 0)))
+        scheduled.append(
+            ScheduledRequest(
+                req_id=new.req_id,
+                new_block_ids=tuple(list(ids) for ids in new.block_ids),
+                is_new_or_resumed=True,
+                num_computed_tokens=new.num_computed_tokens,
+                num_scheduled_tokens=counts.get(new.req_id, 0),
+            )
+        )
     cached = scheduler_output.scheduled_cached_reqs
     resumed = getattr(cached, "resumed_req_ids", set()) or set()
     for i, req_id in enumerate(cached.req_ids):
         new_ids = cached.new_block_ids[i]
-        scheduled.append(ScheduledRequest(
-            req_id=req_id, new_block_ids=None if new_ids is None else tuple(list(ids) for ids in new_ids),
-            is_new_or_resumed=req_id in resumed, num_computed_tokens=cached.num_computed_tokens[i],
-            num_scheduled_tokens=counts.get(req_id, 0)))
-    return StepView(scheduled, set(scheduler_output.preempted_req_ids or ()),
-                    set(scheduler_output.finished_req_ids or ()))
+        scheduled.append(
+            ScheduledRequest(
+                req_id=req_id,
+                new_block_ids=None if new_ids is None else tuple(list(ids) for ids in new_ids),
+                is_new_or_resumed=req_id in resumed,
+                num_computed_tokens=cached.num_computed_tokens[i],
+                num_scheduled_tokens=counts.get(req_id, 0),
+            )
+        )
+    return StepView(
+        scheduled,
+        set(scheduler_output.preempted_req_ids or ()),
+        set(scheduler_output.finished_req_ids or ()),
+    )
 
 
 def evict_lookahead(vllm_config: Any, layout: EngineLayout) -> int:
@@ -82,13 +105,18 @@ def load_mode_for(cfg: KVTierConfig, num_groups: int) -> str:
     asynchronously: a failed synchronous load can only be reported as engine block ids, which
     repeat across groups, and vLLM stops the engine on such a report."""
     if cfg.load_mode == "sync" and num_groups > 1:
-        logger.warning("kvtier: load_mode 'sync' is not possible with %d KV-cache groups (a failed load could "
-                       "not be reported); loading asynchronously", num_groups)
+        logger.warning(
+            "kvtier: load_mode 'sync' is not possible with %d KV-cache groups (a failed load could "
+            "not be reported); loading asynchronously",
+            num_groups,
+        )
         return "async"
     return cfg.load_mode
 
 
-def scheduler_config(cfg: KVTierConfig, vllm_config: Any, layout: EngineLayout) -> SchedulerOffloadConfig:
+def scheduler_config(
+    cfg: KVTierConfig, vllm_config: Any, layout: EngineLayout
+) -> SchedulerOffloadConfig:
     return SchedulerOffloadConfig(
         load_mode=load_mode_for(cfg, len(layout.groups)),
         store_mode=cfg.store_mode,
@@ -102,7 +130,9 @@ def scheduler_config(cfg: KVTierConfig, vllm_config: Any, layout: EngineLayout) 
         load_policy=cfg.load_policy,
         chunk_bytes=layout.payload_bytes * len(layout.groups),
         # vLLM's async scheduling plans step k+1 before step k ran (its batch queue holds two)
-        steps_planned_ahead=1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0,
+        steps_planned_ahead=1
+        if getattr(vllm_config.scheduler_config, "async_scheduling", False)
+        else 0,
     )
 
 
@@ -117,13 +147,16 @@ def worker_rank(vllm_config: Any, num_workers: int) -> int:
     if not parallel_state.model_parallel_is_initialized():
         if num_workers == 1:
             return 0
-        raise ConfigError("kvtier cannot tell this worker's rank: vLLM's model-parallel groups are not initialized")
+        raise ConfigError(
+            "kvtier cannot tell this worker's rank: vLLM's model-parallel groups are not initialized"
+        )
     tp = parallel_state.get_tp_group()
     return tp.rank_in_group + parallel_state.get_pp_group().rank_in_group * tp.world_size
 
 
-def namespace_for(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any,
-                  layout: EngineLayout | None = None) -> Namespace:
+def namespace_for(
+    cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any, layout: EngineLayout | None = None
+) -> Namespace:
     """What makes this engine's chunk bytes incompatible with another's (see `kvtier.tiers.namespace`).
 
     The model is named by what the engine computes with (`identity.engine_digest`: quantization,
@@ -136,11 +169,15 @@ def namespace_for(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any,
     """
     layout = layout or engine_layout(cfg, vllm_config, kv_cache_config)
     model, cache = vllm_config.model_config, vllm_config.cache_config
-    groups = [[type(g.kv_cache_spec).__name__, g.kv_cache_spec.page_size_bytes, list(g.layer_names)]
-              for g in kv_cache_config.kv_cache_groups]
+    groups = [
+        [type(g.kv_cache_spec).__name__, g.kv_cache_spec.page_size_bytes, list(g.layer_names)]
+        for g in kv_cache_config.kv_cache_groups
+    ]
     parallel = vllm_config.parallel_config
     namespace = Namespace(
-        model=",".join(getattr(model.hf_config, "architectures", None) or [type(model.hf_config).__name__]),
+        model=",".join(
+            getattr(model.hf_config, "architectures", None) or [type(model.hf_config).__name__]
+        ),
         dtype=f"{model.dtype}/{cache.cache_dtype}",
         kv_layout=f"{vllm_config.device_config.device_type}:{json.dumps(groups, separators=(',', ':'))}",
         block_size=cache.block_size,
@@ -153,8 +190,13 @@ def namespace_for(cfg: KVTierConfig, vllm_config: Any, kv_cache_config: Any,
         weights=weights_identity(model, vllm_config.load_config),
         label=f"{model.model}@{model.revision or ''} quantization={model.quantization}",
     )
-    logger.info("kvtier: namespace %s (%s; engine %s; weights %s)", namespace.id_hex, namespace.label,
-                namespace.engine, namespace.weights)
+    logger.info(
+        "kvtier: namespace %s (%s; engine %s; weights %s)",
+        namespace.id_hex,
+        namespace.label,
+        namespace.engine,
+        namespace.weights,
+    )
     return namespace
 
 
@@ -162,6 +204,8 @@ def block_hash_bytes(vllm_config: Any) -> int:
     """Bytes of the engine's block hashes; an unknown algorithm stops the engine at start."""
     algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")
     if algo not in _HASH_BYTES:
-        raise ConfigError(f"kvtier does not know vLLM's prefix_caching_hash_algo {algo!r}; "
-                          f"use one of {sorted(_HASH_BYTES)}")
+        raise ConfigError(
+            f"kvtier does not know vLLM's prefix_caching_hash_algo {algo!r}; "
+            f"use one of {sorted(_HASH_BYTES)}"
+        )
     return _HASH_BYTES[algo]

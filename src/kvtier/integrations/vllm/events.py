@@ -37,13 +37,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
 
 from kvtier.base import OffloadingEvent
 from kvtier.keys import OffloadKey, split_offload_key
 from kvtier.scheduler.config import GroupSpec
 
-__all__ = ["TIER_MEDIA", "ChunkInfo", "KVEventTranslator", "chunk_info", "engine_publishes_events", "group_event_kinds"]
+__all__ = [
+    "TIER_MEDIA",
+    "ChunkInfo",
+    "KVEventTranslator",
+    "chunk_info",
+    "engine_publishes_events",
+    "group_event_kinds",
+]
 
 # tier name -> (medium, locality, ownership) of its events; an unknown (out-of-tree) tier is remote storage
 TIER_MEDIA: dict[str, tuple[str, str, str]] = {
@@ -74,7 +85,9 @@ class ChunkInfo:
     lora_name: str | None = None
     extra_keys: list[tuple[Any, ...] | None] | None = None  # untagged, as vLLM publishes them
     session_id: str | None = None
-    tiers: tuple[str, ...] = ()  # the tiers that hold it now (a tuple: a set would double an entry's size)
+    tiers: tuple[
+        str, ...
+    ] = ()  # the tiers that hold it now (a tuple: a set would double an entry's size)
 
     def enter(self, tier: str) -> None:
         if tier not in self.tiers:
@@ -84,8 +97,14 @@ class ChunkInfo:
         self.tiers = tuple(t for t in self.tiers if t != tier)
 
 
-def chunk_info(request: Any, spec: GroupSpec, group: int, chunk: int, hash_block_size: int,
-               session_id: str | None) -> ChunkInfo:
+def chunk_info(
+    request: Any,
+    spec: GroupSpec,
+    group: int,
+    chunk: int,
+    hash_block_size: int,
+    session_id: str | None,
+) -> ChunkInfo:
     """`ChunkInfo` of chunk `chunk` of `group` of a live `vllm.v1.request.Request`, as vLLM's block pool
     describes its own blocks (`BlockPool.cache_full_blocks`): hashes and extra keys per block of the group's
     block size, the parent is the hash of the block before the chunk."""
@@ -96,15 +115,22 @@ def chunk_info(request: Any, spec: GroupSpec, group: int, chunk: int, hash_block
     start = first_block * tpb
     extra, mm_idx = [], 0
     for j in range(bpc):
-        keys, mm_idx = generate_block_hash_extra_keys(request, start + j * tpb, start + (j + 1) * tpb, mm_idx)
+        keys, mm_idx = generate_block_hash_extra_keys(
+            request, start + j * tpb, start + (j + 1) * tpb, mm_idx
+        )
         extra.append(keys)
     lora = request.lora_request
     return ChunkInfo(
-        block_hashes=hashes, parent_block_hash=raw[first_block * scale - 1] if first_block else None,
-        token_ids=array("I", request.all_token_ids[start:start + bpc * tpb]), block_size=tpb, group=group,
-        lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
+        block_hashes=hashes,
+        parent_block_hash=raw[first_block * scale - 1] if first_block else None,
+        token_ids=array("I", request.all_token_ids[start : start + bpc * tpb]),
+        block_size=tpb,
+        group=group,
+        lora_id=lora.adapter_id if lora else None,
+        lora_name=lora.name if lora else None,
         extra_keys=to_event_extra_keys(extra),
-        session_id=session_id or getattr(request, "session_id", None))
+        session_id=session_id or getattr(request, "session_id", None),
+    )
 
 
 def engine_publishes_events(vllm_config: Any) -> bool:
@@ -117,8 +143,13 @@ def group_event_kinds(kv_cache_config: Any) -> tuple[tuple[str | None, int | Non
     """(kv_cache_spec_kind, sliding window) of each KV-cache group, as vLLM's KVCacheManager tags its events."""
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
-    return tuple((get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
-                 for g in kv_cache_config.kv_cache_groups)
+    return tuple(
+        (
+            get_kv_cache_spec_kind(g.kv_cache_spec).value,
+            get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+        )
+        for g in kv_cache_config.kv_cache_groups
+    )
 
 
 class KVEventTranslator:
@@ -146,7 +177,9 @@ class KVEventTranslator:
         if old is not None:
             info.tiers = old.tiers
         self._infos[key] = info
-        if len(self._infos) > self.max_entries:  # forgotten, but its removal still names all its blocks
+        if (
+            len(self._infos) > self.max_entries
+        ):  # forgotten, but its removal still names all its blocks
             self._drop(next(iter(self._infos)))
 
     def translate(self, events: Iterable[OffloadingEvent]) -> list[KVCacheEvent]:
@@ -170,7 +203,9 @@ class KVEventTranslator:
                     info.enter(event.medium)
                     out.append(self._stored(info, event.medium))
             out.extend(self._removed(event.medium, by_group))
-        for key in gone:  # (after the batch: a removal may come before another tier's store of the chunk)
+        for (
+            key
+        ) in gone:  # (after the batch: a removal may come before another tier's store of the chunk)
             info = self._infos.get(key)
             if info is not None and not info.tiers:
                 self._drop(key)
@@ -197,14 +232,27 @@ class KVEventTranslator:
     @staticmethod
     def _removed(tier: str, by_group: dict[int, list[Any]]) -> list[KVCacheEvent]:
         medium, locality, ownership = _media(tier)
-        return [BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group, locality=locality,
-                             ownership=ownership) for group, hashes in by_group.items()]
+        return [
+            BlockRemoved(
+                block_hashes=hashes,
+                medium=medium,
+                group_idx=group,
+                locality=locality,
+                ownership=ownership,
+            )
+            for group, hashes in by_group.items()
+        ]
 
     def _placeholder(self, key: OffloadKey) -> ChunkInfo:
         """A chunk the engine never offered (found on disk, in a shared store, or forgotten): its hash alone."""
         block_hash, group = split_offload_key(key)
-        return ChunkInfo(block_hashes=(block_hash,), parent_block_hash=None, token_ids=array("I"), block_size=0,
-                         group=group)
+        return ChunkInfo(
+            block_hashes=(block_hash,),
+            parent_block_hash=None,
+            token_ids=array("I"),
+            block_size=0,
+            group=group,
+        )
 
     @staticmethod
     def _hashes(key: OffloadKey, info: ChunkInfo | None) -> tuple[list[Any], int]:
@@ -216,14 +264,35 @@ class KVEventTranslator:
     def _stored(self, info: ChunkInfo, tier: str) -> BlockStored:
         medium, locality, ownership = _media(tier)
         if info.block_size == 0:  # vLLM's placeholder: the hash alone
-            return BlockStored(block_hashes=self._hashes(b"", info)[0], parent_block_hash=None, token_ids=[],
-                               block_size=0, lora_id=None, medium=medium, lora_name=None, group_idx=info.group,
-                               locality=locality, ownership=ownership)
-        kind, window = self.group_kinds[info.group] if info.group < len(self.group_kinds) else (None, None)
+            return BlockStored(
+                block_hashes=self._hashes(b"", info)[0],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=0,
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+                group_idx=info.group,
+                locality=locality,
+                ownership=ownership,
+            )
+        kind, window = (
+            self.group_kinds[info.group] if info.group < len(self.group_kinds) else (None, None)
+        )
         parent = info.parent_block_hash
         return BlockStored(
             block_hashes=[maybe_convert_block_hash(h) for h in info.block_hashes],
             parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
-            token_ids=info.token_ids.tolist(), block_size=info.block_size, lora_id=info.lora_id, medium=medium,
-            lora_name=info.lora_name, extra_keys=info.extra_keys, group_idx=info.group, kv_cache_spec_kind=kind,
-            kv_cache_spec_sliding_window=window, locality=locality, ownership=ownership, session_id=info.session_id)
+            token_ids=info.token_ids.tolist(),
+            block_size=info.block_size,
+            lora_id=info.lora_id,
+            medium=medium,
+            lora_name=info.lora_name,
+            extra_keys=info.extra_keys,
+            group_idx=info.group,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+            locality=locality,
+            ownership=ownership,
+            session_id=info.session_id,
+        )

@@ -41,32 +41,86 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
-__all__ = ["engine_digest", "engine_factors", "fingerprint_files", "model_factors", "weights_identity"]
+__all__ = [
+    "engine_digest",
+    "engine_factors",
+    "fingerprint_files",
+    "model_factors",
+    "weights_identity",
+]
 
 logger = logging.getLogger(__name__)
 
 # vLLM 0.32's `ModelConfig.compute_hash` ignore list (a copy: vLLM keeps it in a local variable)
-_VLLM_IGNORED = frozenset({
-    "convert", "tokenizer", "tokenizer_mode", "seed", "hf_config_path", "allowed_local_media_path",
-    "allowed_media_domains", "tokenizer_revision", "spec_target_max_model_len", "enforce_eager",
-    "return_sampling_mask", "logprobs_mode", "use_fp64_gumbel", "enable_trace_replay", "disable_cascade_attn",
-    "skip_tokenizer_init", "served_model_name", "config_format", "hf_token", "hf_overrides", "logits_processors",
-    "io_processor_plugin", "pooler_config", "multimodal_config", "limit_mm_per_prompt", "media_io_kwargs",
-    "mm_processor_kwargs", "mm_processor_cache_gb", "mm_processor_cache_type", "mm_shm_cache_max_object_size_mb",
-    "mm_encoder_tp_mode", "interleave_mm_strings", "skip_mm_profiling", "mm_ipc_gpu_memory_gb",
-})
+_VLLM_IGNORED = frozenset(
+    {
+        "convert",
+        "tokenizer",
+        "tokenizer_mode",
+        "seed",
+        "hf_config_path",
+        "allowed_local_media_path",
+        "allowed_media_domains",
+        "tokenizer_revision",
+        "spec_target_max_model_len",
+        "enforce_eager",
+        "return_sampling_mask",
+        "logprobs_mode",
+        "use_fp64_gumbel",
+        "enable_trace_replay",
+        "disable_cascade_attn",
+        "skip_tokenizer_init",
+        "served_model_name",
+        "config_format",
+        "hf_token",
+        "hf_overrides",
+        "logits_processors",
+        "io_processor_plugin",
+        "pooler_config",
+        "multimodal_config",
+        "limit_mm_per_prompt",
+        "media_io_kwargs",
+        "mm_processor_kwargs",
+        "mm_processor_cache_gb",
+        "mm_processor_cache_type",
+        "mm_shm_cache_max_object_size_mb",
+        "mm_encoder_tp_mode",
+        "interleave_mm_strings",
+        "skip_mm_profiling",
+        "mm_ipc_gpu_memory_gb",
+    }
+)
 # ... and what vLLM hashes but no KV byte depends on, or what differs between replicas
-_KVTIER_IGNORED = frozenset({
-    "model", "model_weights", "revision",  # where the weights are: `weights_identity` names their content
-    "max_model_len", "max_logprobs", "generation_config", "override_generation_config",  # limits, sampling
-    "enable_sleep_mode", "sleep_preserve_parameter_names", "sleep_mode_backend", "sleep_mode_offload_cudagraph",
-    "enable_nccl_comm_suspend", "enable_cumem_allocator", "renderer_num_workers", "allow_deprecated_quantization",
-})
+_KVTIER_IGNORED = frozenset(
+    {
+        "model",
+        "model_weights",
+        "revision",  # where the weights are: `weights_identity` names their content
+        "max_model_len",
+        "max_logprobs",
+        "generation_config",
+        "override_generation_config",  # limits, sampling
+        "enable_sleep_mode",
+        "sleep_preserve_parameter_names",
+        "sleep_mode_backend",
+        "sleep_mode_offload_cudagraph",
+        "enable_nccl_comm_suspend",
+        "enable_cumem_allocator",
+        "renderer_num_workers",
+        "allow_deprecated_quantization",
+    }
+)
 # inside hf_config's JSON: who wrote it, not what it says
 _HF_CONFIG_IGNORED = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
 # how KV is sharded over ranks (vLLM's ParallelConfig hash also covers DP size, EPLB, timeouts)
-_PARALLEL_FACTORS = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
-                     "decode_context_parallel_size", "dcp_kv_cache_interleave_size", "cp_kv_cache_interleave_size")
+_PARALLEL_FACTORS = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "prefill_context_parallel_size",
+    "decode_context_parallel_size",
+    "dcp_kv_cache_interleave_size",
+    "cp_kv_cache_interleave_size",
+)
 # the weight files vLLM's default loader reads: the first pattern that matches anything wins
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.tensors")
 # the sample `fingerprint_files` reads: at most ~2000 pages beyond the headers, for a model of any size
@@ -103,7 +157,9 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
         factors["speculative"] = {
             "method": getattr(speculative, "method", None),
             "draft": None if draft is None else model_factors(draft),
-            "draft_weights": None if draft is None else weights_identity(draft, vllm_config.load_config),
+            "draft_weights": None
+            if draft is None
+            else weights_identity(draft, vllm_config.load_config),
         }
     return factors
 
@@ -125,8 +181,11 @@ def model_factors(model_config: Any) -> dict[str, Any]:
         try:
             factors[f.name] = normalize_value(value)
         except TypeError:
-            logger.warning("kvtier: ModelConfig.%s (%s) has no stable form; the namespace uses its repr",
-                           f.name, type(value).__name__)
+            logger.warning(
+                "kvtier: ModelConfig.%s (%s) has no stable form; the namespace uses its repr",
+                f.name,
+                type(value).__name__,
+            )
             factors[f.name] = repr(value)
     for name in ("hf_config", "hf_text_config"):
         if isinstance(factors.get(name), str):
@@ -152,8 +211,11 @@ def weights_identity(model_config: Any, load_config: Any) -> str:
             return f"{load_format}:{fingerprint_files(files)}"
     except OSError as exc:
         logger.warning("kvtier: cannot read the weight files of %s (%s)", source, exc)
-    logger.warning("kvtier: no readable weight files of %s found locally; the namespace names the weights by "
-                   "model and revision, so weights replaced in place would not be noticed", source)
+    logger.warning(
+        "kvtier: no readable weight files of %s found locally; the namespace names the weights by "
+        "model and revision, so weights replaced in place would not be noticed",
+        source,
+    )
     return f"{load_format}:name:{source}@{model_config.revision or 'default'}"
 
 
@@ -178,15 +240,23 @@ def fingerprint_files(paths: Sequence[str]) -> str:
         digest, total, tensors, reads = hashlib.sha256(), 0, [], []
         for path, fd in zip(paths, fds, strict=True):
             size = os.fstat(fd).st_size
-            header, spans = _safetensors_table(fd, size) if path.endswith(".safetensors") else (b"", None)
+            header, spans = (
+                _safetensors_table(fd, size) if path.endswith(".safetensors") else (b"", None)
+            )
             digest.update(f"{os.path.basename(path)}\0{size}\0".encode() + header)
             total += size
             if spans is None:
                 reads += _raw_windows(fd, size)
             else:
-                tensors += [(fd, 8 + len(header) + begin, 8 + len(header) + end) for begin, end in spans]
+                tensors += [
+                    (fd, 8 + len(header) + begin, 8 + len(header) + end) for begin, end in spans
+                ]
         step = max(1, -(-len(tensors) // _MAX_TENSORS))
-        reads += [(fd, offset, length) for fd, begin, end in tensors[::step] for offset, length in _windows(begin, end)]
+        reads += [
+            (fd, offset, length)
+            for fd, begin, end in tensors[::step]
+            for offset, length in _windows(begin, end)
+        ]
         for window in _read_all(reads):
             digest.update(window)
     finally:
@@ -199,9 +269,11 @@ def _read_all(reads: list[tuple[int, int, int]]) -> list[bytes]:
     """The bytes of each (fd, offset, length), in order; `_READ_THREADS` threads each read one
     contiguous share (a task per read would cost more than a warm read)."""
     share = max(1, -(-len(reads) // _READ_THREADS))
-    batches = [reads[i:i + share] for i in range(0, len(reads), share)]
+    batches = [reads[i : i + share] for i in range(0, len(reads), share)]
     with ThreadPoolExecutor(_READ_THREADS) as pool:
-        done = pool.map(lambda batch: [os.pread(fd, length, offset) for fd, offset, length in batch], batches)
+        done = pool.map(
+            lambda batch: [os.pread(fd, length, offset) for fd, offset, length in batch], batches
+        )
         return [window for batch in done for window in batch]
 
 
@@ -214,8 +286,11 @@ def _safetensors_table(fd: int, size: int) -> tuple[bytes, list[tuple[int, int]]
         return b"", None
     header = os.pread(fd, header_bytes, 8)
     try:
-        spans = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]))
-                       for k, v in json.loads(header).items() if k != "__metadata__")
+        spans = sorted(
+            (int(v["data_offsets"][0]), int(v["data_offsets"][1]))
+            for k, v in json.loads(header).items()
+            if k != "__metadata__"
+        )
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return b"", None
     return header, spans
@@ -232,7 +307,10 @@ def _raw_windows(fd: int, size: int) -> list[tuple[int, int, int]]:
     """(fd, offset, length) of `_RAW_WINDOWS` windows from the first byte to the last."""
     if size <= _RAW_WINDOWS * _RAW_WINDOW:
         return [(fd, 0, size)]
-    return [(fd, i * (size - _RAW_WINDOW) // (_RAW_WINDOWS - 1), _RAW_WINDOW) for i in range(_RAW_WINDOWS)]
+    return [
+        (fd, i * (size - _RAW_WINDOW) // (_RAW_WINDOWS - 1), _RAW_WINDOW)
+        for i in range(_RAW_WINDOWS)
+    ]
 
 
 def _local_weights(model_config: Any, load_config: Any) -> str | None:
@@ -243,8 +321,12 @@ def _local_weights(model_config: Any, load_config: Any) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(model_config.model, revision=model_config.revision,
-                                 cache_dir=getattr(load_config, "download_dir", None), local_files_only=True)
+        return snapshot_download(
+            model_config.model,
+            revision=model_config.revision,
+            cache_dir=getattr(load_config, "download_dir", None),
+            local_files_only=True,
+        )
     except Exception:  # not a hub id, or not in the cache: the caller falls back to the name
         return None
 

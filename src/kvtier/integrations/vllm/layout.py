@@ -23,8 +23,15 @@ from kvtier.scheduler import GroupKind, GroupSpec
 from kvtier.slab import slab_name
 from kvtier.worker.layouts import chunk_bytes
 
-__all__ = ["EngineLayout", "check_slot_bytes", "engine_layout", "group_spec", "slot_bytes_for", "worker_slab_name",
-           "world_size"]
+__all__ = [
+    "EngineLayout",
+    "check_slot_bytes",
+    "engine_layout",
+    "group_spec",
+    "slot_bytes_for",
+    "worker_slab_name",
+    "world_size",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +90,11 @@ def check_slot_bytes(layout: EngineLayout, measured: int | None) -> None:
         ConfigError: they differ (vLLM's tensors are not laid out as its KV-cache spec says).
     """
     if measured is not None and measured != layout.slot_bytes:
-        raise ConfigError(f"kvtier: this worker's KV caches give {measured}-byte slots, but vLLM's KV-cache spec "
-                          f"gives {layout.slot_bytes} bytes (blocks_per_chunk {layout.blocks_per_chunk}): the "
-                          "scheduler would size the host slabs differently; this KV-cache layout is not supported")
+        raise ConfigError(
+            f"kvtier: this worker's KV caches give {measured}-byte slots, but vLLM's KV-cache spec "
+            f"gives {layout.slot_bytes} bytes (blocks_per_chunk {layout.blocks_per_chunk}): the "
+            "scheduler would size the host slabs differently; this KV-cache layout is not supported"
+        )
 
 
 def world_size(vllm_config: Any) -> int:
@@ -97,8 +106,10 @@ def world_size(vllm_config: Any) -> int:
 def slot_bytes_for(blocks_per_chunk: int, kv_cache_config: Any) -> int:
     """Bytes of one slot: the workers' formula (`kvtier.worker.layouts.chunk_bytes`) over the pages
     vLLM's KV-cache spec declares, one per layer, for the largest group."""
-    return max(chunk_bytes(blocks_per_chunk, [g.kv_cache_spec.page_size_bytes] * len(g.layer_names))
-               for g in kv_cache_config.kv_cache_groups)
+    return max(
+        chunk_bytes(blocks_per_chunk, [g.kv_cache_spec.page_size_bytes] * len(g.layer_names))
+        for g in kv_cache_config.kv_cache_groups
+    )
 
 
 def worker_slab_name(vllm_config: Any, rank: int) -> str:
@@ -123,9 +134,13 @@ def group_spec(group: Any, blocks_per_chunk: int) -> GroupSpec:
     if kind_name == "FullAttentionSpec":
         return GroupSpec(GroupKind.FULL, spec.block_size, blocks_per_chunk)
     if kind_name == "SlidingWindowSpec" and getattr(spec, "sliding_window", None):
-        return GroupSpec(GroupKind.SLIDING_WINDOW, spec.block_size, blocks_per_chunk,
-                         sliding_window=spec.sliding_window,
-                         extra_retained_tokens=int(getattr(spec, "extra_retained_tokens", 0) or 0))
+        return GroupSpec(
+            GroupKind.SLIDING_WINDOW,
+            spec.block_size,
+            blocks_per_chunk,
+            sliding_window=spec.sliding_window,
+            extra_retained_tokens=int(getattr(spec, "extra_retained_tokens", 0) or 0),
+        )
     layers = list(getattr(group, "layer_names", ()))
     reason = f"{kind_name} (layers {layers[:3]}{'…' if len(layers) > 3 else ''}) is not a kind kvtier serves"
     return GroupSpec(GroupKind.UNSUPPORTED, spec.block_size, blocks_per_chunk, reason=reason)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from kvtier.jobs import JobResult, StepPlan
 
@@ -29,4 +32,6 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         if not isinstance(other, KVTierWorkerMetadata):
             return self
-        return KVTierWorkerMetadata(self.results + other.results, self.slab_slots + other.slab_slots)
+        return KVTierWorkerMetadata(
+            self.results + other.results, self.slab_slots + other.slab_slots
+        )

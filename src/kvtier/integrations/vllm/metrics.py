@@ -11,13 +11,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvtier.costmodel.decision import DECISIONS
 
-__all__ = ["COUNTERS", "GAUGES", "PREDICTED_HIT_RATIO_DOC", "TIER_COUNTERS", "TIER_GAUGES", "KVTierPromMetrics",
-           "KVTierStats", "decision_stat_name", "read_metric", "tier_stat_name"]
+__all__ = [
+    "COUNTERS",
+    "GAUGES",
+    "PREDICTED_HIT_RATIO_DOC",
+    "TIER_COUNTERS",
+    "TIER_GAUGES",
+    "KVTierPromMetrics",
+    "KVTierStats",
+    "decision_stat_name",
+    "read_metric",
+    "tier_stat_name",
+]
 
 # name -> documentation; counters are deltas, gauges the latest value
 COUNTERS = {
@@ -49,8 +62,10 @@ GAUGES = {
     "tier_jobs_in_flight": "Reads and writes of the secondary tiers (disk, Redis, S3) in flight.",
     "prefill_tokens_per_second": "The engine's prefill speed as the load-or-recompute decision estimates it.",
 }
-LOAD_DECISIONS_DOC = ("Load-or-recompute decisions on prefixes kvtier found: load (all of it), partial (a head) "
-                      "or recompute (none), by the tier the decision was about.")
+LOAD_DECISIONS_DOC = (
+    "Load-or-recompute decisions on prefixes kvtier found: load (all of it), partial (a head) "
+    "or recompute (none), by the tier the decision was about."
+)
 # Per tier (label `tier`: cpu, disk, …), reported as "tier.<medium>.<name>". The directional ones
 # (`<direction>_<what>`) become one metric with a `direction` label (load, store).
 TIER_COUNTERS = {
@@ -63,7 +78,7 @@ TIER_COUNTERS = {
     "backpressure_drops": "Chunks not written to a tier because its queue or latency was over its limit.",
     "promotions": "Chunks read back from a tier into the CPU tier for a request.",
     "explorations": "Load-or-recompute decisions that tried a tier they wrote off, its estimate stale: a chunk read "
-                    "in the background to measure it, not kept (cpu: a request loaded its RAM head anyway).",
+    "in the background to measure it, not kept (cpu: a request loaded its RAM head anyway).",
     "promotion_failures": "Promotions that failed (the slot was freed, the request recomputes).",
     "admission_skips": "Chunks a tier's admission rule kept out.",
     "staging_drops": "Evicted chunks an on_evict tier lost because the staging pool was full.",
@@ -82,12 +97,13 @@ TIER_GAUGES = {
     "capacity_bytes": "A tier's capacity in bytes (0: set by the server, e.g. Redis maxmemory).",
     "breaker_open": "1 while a shared tier's circuit breaker is open (the server failed; being retried), else 0.",
     "read_bytes_per_second": "A tier's read throughput as the load-or-recompute decision estimates it (cpu: into "
-                             "the engine).",
+    "the engine).",
     "read_latency_seconds": "A tier's read latency as the load-or-recompute decision estimates it.",
 }
 PREDICTED_HIT_RATIO_DOC = (
     "The hit ratio a tier would get with capacity_factor x its capacity (in chunks), estimated online from its "
-    "lookups (kvtier.mrc, SHARDS; an LRU estimate: the tier's own policy may do better or worse).")
+    "lookups (kvtier.mrc, SHARDS; an LRU estimate: the tier's own policy may do better or worse)."
+)
 _PREDICTED = "predicted_hit_ratio"  # reported as "tier.<medium>.predicted_hit_ratio.<factor>"
 _DIRECTIONS = ("load", "store")
 
@@ -103,8 +119,11 @@ def decision_stat_name(decision: str, medium: str) -> str:
 
 
 _TIER_DIRECTIONAL = ("chunks", "bytes", "seconds", "failures")
-_DIRECTIONAL = {"bytes": ("load_bytes", "store_bytes"), "seconds": ("load_seconds", "store_seconds"),
-                "failed_chunks": ("failed_load_chunks", "failed_store_chunks")}
+_DIRECTIONAL = {
+    "bytes": ("load_bytes", "store_bytes"),
+    "seconds": ("load_seconds", "store_seconds"),
+    "failed_chunks": ("failed_load_chunks", "failed_store_chunks"),
+}
 
 
 @dataclass
@@ -139,7 +158,9 @@ class KVTierStats(KVConnectorStats):
         for direction in ("load", "store"):
             seconds = out.get(f"{direction}_seconds", 0)
             if seconds:
-                out[f"{direction}_GBps"] = round(out.get(f"{direction}_bytes", 0) / seconds / 1e9, 3)
+                out[f"{direction}_GBps"] = round(
+                    out.get(f"{direction}_bytes", 0) / seconds / 1e9, 3
+                )
         return out
 
     def is_empty(self) -> bool:
@@ -149,8 +170,13 @@ class KVTierStats(KVConnectorStats):
 class KVTierPromMetrics(KVConnectorPromMetrics):
     """Registers `kvtier:*` counters and gauges, per engine, and records stats into them."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_kvtier_metrics()
         self._counters: dict[str, dict[int, Any]] = {}
@@ -158,30 +184,55 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         directional = {n for names in _DIRECTIONAL.values() for n in names}
         for name, doc in COUNTERS.items():
             if name not in directional:
-                metric = self._counter_cls(name=f"kvtier:{name}", documentation=doc, labelnames=labelnames)
+                metric = self._counter_cls(
+                    name=f"kvtier:{name}", documentation=doc, labelnames=labelnames
+                )
                 self._counters[name] = create_metric_per_engine(metric, per_engine_labelvalues)
         for suffix, (load_name, store_name) in _DIRECTIONAL.items():
-            metric = self._counter_cls(name=f"kvtier:transfer_{suffix}", labelnames=[*labelnames, "direction"],
-                                       documentation=f"{COUNTERS[load_name]} / {COUNTERS[store_name]}")
+            metric = self._counter_cls(
+                name=f"kvtier:transfer_{suffix}",
+                labelnames=[*labelnames, "direction"],
+                documentation=f"{COUNTERS[load_name]} / {COUNTERS[store_name]}",
+            )
             for name, direction in ((load_name, "load"), (store_name, "store")):
-                self._counters[name] = {i: metric.labels(*values, direction)
-                                        for i, values in per_engine_labelvalues.items()}
+                self._counters[name] = {
+                    i: metric.labels(*values, direction)
+                    for i, values in per_engine_labelvalues.items()
+                }
         for name, doc in GAUGES.items():
-            metric = self._gauge_cls(name=f"kvtier:{name}", documentation=doc, labelnames=labelnames)
+            metric = self._gauge_cls(
+                name=f"kvtier:{name}", documentation=doc, labelnames=labelnames
+            )
             self._gauges[name] = create_metric_per_engine(metric, per_engine_labelvalues)
         self._engine_labels = per_engine_labelvalues
-        self._decisions = self._counter_cls(name="kvtier:load_decisions", documentation=LOAD_DECISIONS_DOC,
-                                            labelnames=[*labelnames, "decision", "tier"])
+        self._decisions = self._counter_cls(
+            name="kvtier:load_decisions",
+            documentation=LOAD_DECISIONS_DOC,
+            labelnames=[*labelnames, "decision", "tier"],
+        )
         self._tier_families = {
-            name: self._counter_cls(name=f"kvtier:tier_{name}", documentation=doc,
-                                    labelnames=[*labelnames, "tier", "direction"] if name in _TIER_DIRECTIONAL
-                                    else [*labelnames, "tier"])
-            for name, doc in TIER_COUNTERS.items()}
-        self._tier_families.update({
-            name: self._gauge_cls(name=f"kvtier:tier_{name}", documentation=doc, labelnames=[*labelnames, "tier"])
-            for name, doc in TIER_GAUGES.items()})
-        self._predicted = self._gauge_cls(name=f"kvtier:tier_{_PREDICTED}", documentation=PREDICTED_HIT_RATIO_DOC,
-                                          labelnames=[*labelnames, "tier", "capacity_factor"])
+            name: self._counter_cls(
+                name=f"kvtier:tier_{name}",
+                documentation=doc,
+                labelnames=[*labelnames, "tier", "direction"]
+                if name in _TIER_DIRECTIONAL
+                else [*labelnames, "tier"],
+            )
+            for name, doc in TIER_COUNTERS.items()
+        }
+        self._tier_families.update(
+            {
+                name: self._gauge_cls(
+                    name=f"kvtier:tier_{name}", documentation=doc, labelnames=[*labelnames, "tier"]
+                )
+                for name, doc in TIER_GAUGES.items()
+            }
+        )
+        self._predicted = self._gauge_cls(
+            name=f"kvtier:tier_{_PREDICTED}",
+            documentation=PREDICTED_HIT_RATIO_DOC,
+            labelnames=[*labelnames, "tier", "capacity_factor"],
+        )
         self._tiers_seen: set[tuple[int, str]] = set()
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -190,7 +241,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._observe_tier(name, value, engine_idx, is_gauge=False)
             elif name.startswith("load_decisions.") and value > 0:
                 _, decision, medium = name.split(".", 2)
-                self._decisions.labels(*self._engine_labels[engine_idx], decision, medium).inc(value)
+                self._decisions.labels(*self._engine_labels[engine_idx], decision, medium).inc(
+                    value
+                )
             elif name in self._counters and value > 0:
                 self._counters[name][engine_idx].inc(value)
         for name, value in transfer_stats_data.get("gauges", {}).items():
@@ -211,7 +264,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         if direction in _DIRECTIONS and base in _TIER_DIRECTIONAL:
             what, labels = base, [*labels, direction]
         family = self._tier_families.get(what)
-        if family is None or (what in _TIER_DIRECTIONAL) != (len(labels) == len(self._engine_labels[engine_idx]) + 2):
+        if family is None or (what in _TIER_DIRECTIONAL) != (
+            len(labels) == len(self._engine_labels[engine_idx]) + 2
+        ):
             return  # a tier-specific counter without a metric: in the log line only
         if is_gauge:
             family.labels(*labels).set(value)
@@ -250,4 +305,9 @@ def read_metric(name: str) -> float:
     """
     from prometheus_client import REGISTRY
 
-    return sum(sample.value for metric in REGISTRY.collect() for sample in metric.samples if sample.name == name)
+    return sum(
+        sample.value
+        for metric in REGISTRY.collect()
+        for sample in metric.samples
+        if sample.name == name
+    )

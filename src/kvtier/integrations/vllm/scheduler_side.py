@@ -34,11 +34,22 @@ __all__ = ["SchedulerSide"]
 
 logger = logging.getLogger(__name__)
 
-_REPORT_EVERY_S = 1.0  # with no scheduler counter changed, tier counters and gauges are reported this often
-_EVENT_ENTRIES_BEYOND_LOCAL = 16384  # chunks described beyond what RAM and disk hold: Redis, S3, offers in flight
+_REPORT_EVERY_S = (
+    1.0  # with no scheduler counter changed, tier counters and gauges are reported this often
+)
+_EVENT_ENTRIES_BEYOND_LOCAL = (
+    16384  # chunks described beyond what RAM and disk hold: Redis, S3, offers in flight
+)
 _TIERS_SILENT_ON_RESET = ("disk", "redis", "s3")
-_SCHEDULER_COUNTERS = ("deferrals", "deferral_timeouts", "store_alloc_failures", "failed_load_chunks",
-                       "failed_store_chunks", "expired_jobs", "hinted_requests")
+_SCHEDULER_COUNTERS = (
+    "deferrals",
+    "deferral_timeouts",
+    "store_alloc_failures",
+    "failed_load_chunks",
+    "failed_store_chunks",
+    "expired_jobs",
+    "hinted_requests",
+)
 
 
 class SchedulerSide:
@@ -52,23 +63,36 @@ class SchedulerSide:
     thread calls it.
     """
 
-    def __init__(self, cfg: KVTierConfig, vllm_config: Any, layout: EngineLayout, namespace: Namespace,
-                 group_kinds: tuple[tuple[str | None, int | None], ...] = ()):
+    def __init__(
+        self,
+        cfg: KVTierConfig,
+        vllm_config: Any,
+        layout: EngineLayout,
+        namespace: Namespace,
+        group_kinds: tuple[tuple[str | None, int | None], ...] = (),
+    ):
         self.layout = layout
         self.num_slots = layout.num_slots  # HostSlab rejects 0
         remove_stale_slabs()
         self.slabs: list[HostSlab] = []
         try:
             for name in layout.slab_names:  # populate=False: its rows are touched off the hot path
-                self.slabs.append(HostSlab(name, self.num_slots, layout.slot_bytes, owner=True, populate=False))
+                self.slabs.append(
+                    HostSlab(name, self.num_slots, layout.slot_bytes, owner=True, populate=False)
+                )
         except BaseException:
             self.shutdown()
             raise
         self.payload_bytes = layout.payload_bytes  # one chunk across every rank
         self.manager: OffloadingManager | None = None
         try:
-            self.manager = build_manager(cfg, self.num_slots, block_hash_bytes(vllm_config) + GROUP_INDEX_BYTES,
-                                         [s.rows for s in self.slabs], namespace)
+            self.manager = build_manager(
+                cfg,
+                self.num_slots,
+                block_hash_bytes(vllm_config) + GROUP_INDEX_BYTES,
+                [s.rows for s in self.slabs],
+                namespace,
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -76,23 +100,36 @@ class SchedulerSide:
         self._block_pool: Any = None  # vLLM's BlockPool (lazy store mode reads its free queue)
         self._events: KVEventTranslator | None = None
         self._reset_events: list[Any] = []  # published at the next take_events
-        if cfg.enable_events and engine_publishes_events(vllm_config):  # else describing chunks is wasted work
+        if cfg.enable_events and engine_publishes_events(
+            vllm_config
+        ):  # else describing chunks is wasted work
             disk_chunks = cfg.disk.bytes // max(self.payload_bytes, 1) if cfg.disk.path else 0
-            self._events = KVEventTranslator(self.num_slots + disk_chunks + _EVENT_ENTRIES_BEYOND_LOCAL, group_kinds)
+            self._events = KVEventTranslator(
+                self.num_slots + disk_chunks + _EVENT_ENTRIES_BEYOND_LOCAL, group_kinds
+            )
             self.core.store_observer = self._describe_chunks
         self._evict_lookahead = evict_lookahead(vllm_config, layout)
         self._reported = SchedulerStats()
         self._reported_at = float("-inf")
         self._reported_tiers: dict[str, Counter[str]] = {}
-        logger.info("kvtier: CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), chunks of %d block(s)%s",
-                    self.num_slots, cfg.cpu_bytes, layout.num_workers, layout.blocks_per_chunk,
-                    f"; disk tier at {cfg.disk.path} ({cfg.disk.bytes} bytes)" if cfg.disk.path else "")
+        logger.info(
+            "kvtier: CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), chunks of %d block(s)%s",
+            self.num_slots,
+            cfg.cpu_bytes,
+            layout.num_workers,
+            layout.blocks_per_chunk,
+            f"; disk tier at {cfg.disk.path} ({cfg.disk.bytes} bytes)" if cfg.disk.path else "",
+        )
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self.core.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.core.update_state_after_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
+        self.core.update_state_after_alloc(
+            request.request_id, blocks.get_block_ids(), num_external_tokens
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         plan = self.core.build_connector_meta(step_view(scheduler_output))
@@ -103,7 +140,9 @@ class SchedulerSide:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVTierWorkerMetadata):
             return
-        check_slab_slots(self.num_slots, meta.slab_slots)  # workers' first reports: a mismatch stops the engine
+        check_slab_slots(
+            self.num_slots, meta.slab_slots
+        )  # workers' first reports: a mismatch stops the engine
         if meta.results:
             self.core.update_connector_output(meta.results)
 
@@ -118,22 +157,33 @@ class SchedulerSide:
         ended: the moment for a lazy store mode to look at what the next allocations will evict."""
         if self.core.config.store_mode == "lazy" and self._block_pool is not None:
             self.core.plan_evictions(evictable_blocks(self._block_pool, self._evict_lookahead))
-        events = self.core.take_events()  # (taken even if not published: the tiers' lists would grow)
+        events = (
+            self.core.take_events()
+        )  # (taken even if not published: the tiers' lists would grow)
         if self._events is None:
             return []
         published, self._reset_events = self._reset_events, []
         return published + self._events.translate(events)
 
-    def _describe_chunks(self, req: RequestView, ctx: ReqContext, keys: list[OffloadKey],
-                         chunks: list[tuple[int, int]]) -> None:
+    def _describe_chunks(
+        self,
+        req: RequestView,
+        ctx: ReqContext,
+        keys: list[OffloadKey],
+        chunks: list[tuple[int, int]],
+    ) -> None:
         """The scheduler offers these chunks of `req` to the tiers: note what their events will say."""
         request = req.engine_request
         if request is None or self._events is None:
             return
         groups, hash_block_size = self.core.config.groups, self.core.config.tokens_per_hash
         for key, (group, chunk) in zip(keys, chunks, strict=True):
-            self._events.record(key, chunk_info(request, groups[group], group, chunk, hash_block_size,
-                                                ctx.hints.session))
+            self._events.record(
+                key,
+                chunk_info(
+                    request, groups[group], group, chunk, hash_block_size, ctx.hints.session
+                ),
+            )
 
     def has_pending_push_work(self) -> bool:
         return self.core.has_jobs_in_flight()
@@ -142,7 +192,9 @@ class SchedulerSide:
         """Forget every chunk. The CPU tier reports what it drops; for the tiers behind it (which cannot
         list their keys cheaply) removals are published of every chunk the events said they hold."""
         if self._events is not None:
-            self._reset_events += self._events.translate(self.core.take_events())  # what came before the reset
+            self._reset_events += self._events.translate(
+                self.core.take_events()
+            )  # what came before the reset
         done = self.core.reset_cache()
         if self._events is not None:
             self._reset_events += self._events.remove_all(_TIERS_SILENT_ON_RESET)
@@ -168,7 +220,10 @@ class SchedulerSide:
         self._reported_at = clock
         stats = KVTierStats()
         stats.add("hit_tokens", now.hit_tokens - before.hit_tokens)
-        stats.add("miss_tokens", (now.query_tokens - now.hit_tokens) - (before.query_tokens - before.hit_tokens))
+        stats.add(
+            "miss_tokens",
+            (now.query_tokens - now.hit_tokens) - (before.query_tokens - before.hit_tokens),
+        )
         for name in _SCHEDULER_COUNTERS:
             stats.add(name, getattr(now, name) - getattr(before, name))
         cpu = self.core.manager.stats()
@@ -178,32 +233,55 @@ class SchedulerSide:
         stats.set_gauge("jobs_in_flight", self.core.num_jobs_in_flight())
         stats.set_gauge("tier_jobs_in_flight", cpu.extra.get("tier_jobs_in_flight", 0))
         self._add_decision_stats(stats, now, before)
-        self._reported = dataclasses.replace(now, load_decisions=Counter(now.load_decisions),  # copies
-                                             explorations=Counter(now.explorations))
+        self._reported = dataclasses.replace(
+            now,
+            load_decisions=Counter(now.load_decisions),  # copies
+            explorations=Counter(now.explorations),
+        )
         self._add_tier_stats(stats, cpu)
         return stats
 
-    def _add_decision_stats(self, stats: KVTierStats, now: SchedulerStats, before: SchedulerStats) -> None:
+    def _add_decision_stats(
+        self, stats: KVTierStats, now: SchedulerStats, before: SchedulerStats
+    ) -> None:
         """Load-or-recompute: decisions and load seconds since the last report, the current estimates."""
         for (decision, medium), count in now.load_decisions.items():
-            stats.add(decision_stat_name(decision, medium), count - before.load_decisions.get((decision, medium), 0))
+            stats.add(
+                decision_stat_name(decision, medium),
+                count - before.load_decisions.get((decision, medium), 0),
+            )
         for medium, count in now.explorations.items():
-            stats.add(tier_stat_name(medium, "explorations"), count - before.explorations.get(medium, 0))
+            stats.add(
+                tier_stat_name(medium, "explorations"), count - before.explorations.get(medium, 0)
+            )
         stats.add("expected_load_seconds", (now.expected_load_us - before.expected_load_us) / 1e6)
         stats.add("measured_load_seconds", (now.measured_load_us - before.measured_load_us) / 1e6)
         costs = self.core.costs.snapshot()
         stats.set_gauge("prefill_tokens_per_second", round(costs.prefill_tokens_per_s, 1))
         for medium, estimate in costs.reads.items():
-            stats.set_gauge(tier_stat_name(medium, "read_bytes_per_second"), round(estimate.bytes_per_s))
-            stats.set_gauge(tier_stat_name(medium, "read_latency_seconds"), round(estimate.latency_s, 6))
+            stats.set_gauge(
+                tier_stat_name(medium, "read_bytes_per_second"), round(estimate.bytes_per_s)
+            )
+            stats.set_gauge(
+                tier_stat_name(medium, "read_latency_seconds"), round(estimate.latency_s, 6)
+            )
 
     def _add_tier_stats(self, stats: KVTierStats, cpu: ManagerStats) -> None:
         """Per tier: counter deltas since the last report, used and capacity bytes."""
         cpu_curve = curve_gauges(getattr(self.core.manager, "mrc", None), cpu.num_slots)
-        tiers = [("cpu", Counter(evictions=cpu.evictions), cpu.used_slots * self.payload_bytes,
-                  cpu.num_slots * self.payload_bytes, cpu_curve)]
-        tiers += [(t.medium, t.counters, t.used_bytes, t.capacity_bytes, t.gauges)
-                  for t in self.core.manager.tier_stats()]
+        tiers = [
+            (
+                "cpu",
+                Counter(evictions=cpu.evictions),
+                cpu.used_slots * self.payload_bytes,
+                cpu.num_slots * self.payload_bytes,
+                cpu_curve,
+            )
+        ]
+        tiers += [
+            (t.medium, t.counters, t.used_bytes, t.capacity_bytes, t.gauges)
+            for t in self.core.manager.tier_stats()
+        ]
         for medium, counters, used, capacity, gauges in tiers:
             for name, value in gauges.items():
                 stats.set_gauge(tier_stat_name(medium, name), value)

@@ -22,14 +22,31 @@ __all__ = ["TINY_GEMMA3", "TINY_LLAMA", "ensure_tiny_gemma3", "ensure_tiny_llama
 
 # hidden 512, 8 layers, fp32: ~32M parameters, a 2k-token prefill in ~1.6 s on 2 CPU cores
 TINY_LLAMA = {
-    "hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1376, "num_attention_heads": 8,
-    "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1376,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 8192,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 TINY_GEMMA3 = {
-    "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8192, "max_position_embeddings": 8192,
-    "sliding_window": 256, "query_pre_attn_scalar": 64, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 8192,
+    "max_position_embeddings": 8192,
+    "sliding_window": 256,
+    "query_pre_attn_scalar": 64,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
     "pad_token_id": 0,
     "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
 }

@@ -45,7 +45,9 @@ class ChainLinks:
     def __init__(self, policy: CachePolicy):
         self._policy = policy
         self._parent: dict[OffloadKey, OffloadKey] = {}  # linked chunk -> the chunk it continues
-        self._children: dict[OffloadKey, set[OffloadKey]] = {}  # parked chunk -> its linked continuations
+        self._children: dict[
+            OffloadKey, set[OffloadKey]
+        ] = {}  # parked chunk -> its linked continuations
         self._used: set[OffloadKey] = set()  # parked chunks used since they were last ranked last
 
     @property
@@ -55,8 +57,12 @@ class ChainLinks:
     def is_parked(self, key: OffloadKey) -> bool:
         return key in self._children
 
-    def link(self, keys: Sequence[OffloadKey], parents: Sequence[Parents],
-             is_ready: Callable[[OffloadKey], bool]) -> None:
+    def link(
+        self,
+        keys: Sequence[OffloadKey],
+        parents: Sequence[Parents],
+        is_ready: Callable[[OffloadKey], bool],
+    ) -> None:
         """`keys` just became READY; `parents[i]` are the chunks `keys[i]` continues (in its chain, in
         its group): it is linked to the first that is READY. A parent that gets its first
         continuation is parked."""
@@ -82,8 +88,9 @@ class ChainLinks:
         if self._children:
             self._used.update(self._children.keys() & set(keys))
 
-    def unlink(self, victims: Iterable[OffloadKey],
-               links: list[tuple[OffloadKey, OffloadKey | None]]) -> list[tuple[OffloadKey, OffloadKey]]:
+    def unlink(
+        self, victims: Iterable[OffloadKey], links: list[tuple[OffloadKey, OffloadKey | None]]
+    ) -> list[tuple[OffloadKey, OffloadKey]]:
         """`victims` were evicted: heads left without a continuation are evictable again. (A parked
         victim, evicted because nothing else could go, leaves its continuations unlinked.) Each
         victim's link is added to `links` (for `relink`).
@@ -149,6 +156,8 @@ class ChainLinks:
                 raise InvariantError("a chain link names a chunk that is not READY")
             children.setdefault(parent, set()).add(key)
         if children != self._children:
-            raise InvariantError("the parked chunks differ from the chunks with a linked continuation")
+            raise InvariantError(
+                "the parked chunks differ from the chunks with a linked continuation"
+            )
         if not self._used <= children.keys():
             raise InvariantError("a chunk is marked used while parked but is not parked")

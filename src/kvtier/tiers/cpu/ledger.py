@@ -23,7 +23,9 @@ from kvtier.keys import GROUP_INDEX_BYTES, OffloadKey
 __all__ = ["Parents", "RequestLedger"]
 
 
-Parents = tuple[OffloadKey | None, OffloadKey | None]  # (the key before in the chain, before in its group)
+Parents = tuple[
+    OffloadKey | None, OffloadKey | None
+]  # (the key before in the chain, before in its group)
 _NO_PARENTS: Parents = (None, None)
 
 
@@ -35,7 +37,9 @@ class _Chain:
     def __init__(self) -> None:
         self.parents_of: dict[OffloadKey, Parents] = {}  # insertion-ordered: the chain
         self.last: OffloadKey | None = None
-        self.last_of_group: dict[bytes, OffloadKey] = {}  # group index bytes -> its deepest key so far
+        self.last_of_group: dict[
+            bytes, OffloadKey
+        ] = {}  # group index bytes -> its deepest key so far
 
 
 class RequestLedger:

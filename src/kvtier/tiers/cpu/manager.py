@@ -79,19 +79,27 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         tenant_quotas: dict[str, int] | None = None,
     ):
         if not isinstance(num_slots, int) or num_slots <= 0:
-            raise ConfigError(f"num_slots must be a positive int, got {num_slots!r}; raise cpu_bytes or shrink chunks")
+            raise ConfigError(
+                f"num_slots must be a positive int, got {num_slots!r}; raise cpu_bytes or shrink chunks"
+            )
         if key_bytes <= 4:
             raise ConfigError(f"key_bytes must exceed the 4-byte group index, got {key_bytes}")
         self.num_slots = num_slots
         self.key_bytes = key_bytes
         self.enable_events = enable_events
-        self.retention = RetentionBook(max_entries=max(8 * num_slots, 1 << 16)) if retention is None else retention
+        self.retention = (
+            RetentionBook(max_entries=max(8 * num_slots, 1 << 16))
+            if retention is None
+            else retention
+        )
         self._policy = RetainingPolicy(make_policy(policy, num_slots), self.retention)
         self._quotas = TenantQuotas(tenant_quotas)
         self._gate = ReuseGate(store_threshold, max_tracked=max(4 * num_slots, 1024))
         self._slots = SlotAllocator(num_slots)
         self._chunks: dict[OffloadKey, Chunk] = {}
-        self.mrc = MissRatioCurve()  # this tier's hit ratio at other sizes, from its lookups and stores
+        self.mrc = (
+            MissRatioCurve()
+        )  # this tier's hit ratio at other sizes, from its lookups and stores
         self._ledger = RequestLedger()
         self._chains = ChainLinks(self._policy)
         self._events: list[OffloadingEvent] = []
@@ -144,7 +152,9 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         for key in keys:
             chunk = chunks.get(key)
             if chunk is None or chunk.state is not _READY:
-                raise NotReadyError(f"prepare_load: key {key.hex()[:16]}… is not a HIT; look it up first")
+                raise NotReadyError(
+                    f"prepare_load: key {key.hex()[:16]}… is not a HIT; look it up first"
+                )
         slot_ids = np.empty(len(keys), dtype=np.int64)
         for i, key in enumerate(keys):
             chunk = chunks[key]
@@ -249,19 +259,34 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         _require(not free & set(slots), "a chunk's slot is also free")
         _require(len(free) + len(slots) == self.num_slots, "used + free slots != num_slots")
         ready = {k for k, c in chunks.items() if c.state is _READY}
-        _require(len(self._policy) == len(ready) and all(k in self._policy for k in ready),
-                 "the policy does not hold exactly the READY chunks")
+        _require(
+            len(self._policy) == len(ready) and all(k in self._policy for k in ready),
+            "the policy does not hold exactly the READY chunks",
+        )
         self._chains.check(ready)
         held = self._ledger.all_pins()
-        _require(all(held[k] == c.pins for k, c in chunks.items()), "pin counts differ from the pins requests hold")
+        _require(
+            all(held[k] == c.pins for k, c in chunks.items()),
+            "pin counts differ from the pins requests hold",
+        )
         _require(all(k in chunks for k in held), "a request pins an unknown chunk")
-        _require(all(c.state is not _PENDING or c.pins == 0 for c in chunks.values()), "a PENDING chunk is pinned")
+        _require(
+            all(c.state is not _PENDING or c.pins == 0 for c in chunks.values()),
+            "a PENDING chunk is pinned",
+        )
         _require(self._num_pending == self._count(_PENDING), "pending counter drifted")
         _require(self._num_retired == self._count(_RETIRED), "retired counter drifted")
-        _require(self._num_pinned == sum(c.pins > 0 for c in chunks.values()), "pinned counter drifted")
-        _require(self._quotas.check(list(chunks)), "tenant quotas charge other chunks than the tier holds")
-        _require(self._num_evictable == sum(c.pins == 0 for c in chunks.values() if c.state is _READY),
-                 "evictable counter drifted")
+        _require(
+            self._num_pinned == sum(c.pins > 0 for c in chunks.values()), "pinned counter drifted"
+        )
+        _require(
+            self._quotas.check(list(chunks)),
+            "tenant quotas charge other chunks than the tier holds",
+        )
+        _require(
+            self._num_evictable == sum(c.pins == 0 for c in chunks.values() if c.state is _READY),
+            "evictable counter drifted",
+        )
 
     def __len__(self) -> int:
         """Number of readable (READY) chunks."""

@@ -33,7 +33,9 @@ class SlotAllocator:
 
     def __init__(self, num_slots: int):
         if num_slots <= 0:
-            raise ConfigError(f"num_slots must be positive, got {num_slots}; give the tier more bytes")
+            raise ConfigError(
+                f"num_slots must be positive, got {num_slots}; give the tier more bytes"
+            )
         self.num_slots = num_slots
         self._next_fresh = 0
         self._freed: list[int] = []  # a stack: the most recently freed id is reused first

@@ -42,8 +42,13 @@ class _Protected:
 
     __slots__ = ("chains", "chunks", "own", "passed", "passed_pinned", "spare_parked", "spared")
 
-    def __init__(self, own: set[OffloadKey], spared: Sequence[Container[OffloadKey]], chunks: dict[OffloadKey, Chunk],
-                 chains: ChainLinks):
+    def __init__(
+        self,
+        own: set[OffloadKey],
+        spared: Sequence[Container[OffloadKey]],
+        chunks: dict[OffloadKey, Chunk],
+        chains: ChainLinks,
+    ):
         self.own = own
         self.spared = spared
         self.chunks = chunks
@@ -89,23 +94,32 @@ class ChunkStores:
     _failed_stores: int
     _rejected_stores: int  # (and the manager's `_free` and `_emit`)
 
-    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
         for key in reversed(keys):
             self.mrc.store(key)
         return self._reserve(keys, ctx, admit=self._gate.admit, spared=())
 
-    def prepare_promotion(self, keys: Sequence[OffloadKey], ctx: ReqContext,
-                          spare: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
+    def prepare_promotion(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, spare: Iterable[OffloadKey] = ()
+    ) -> PrepareStoreOutput | None:
         """`prepare_store` for keys read back from a secondary tier for the request `ctx`: no
         admission rule applies (a chunk asked for again has proven its reuse), and no chunk of
         the request's own chain is evicted for it (its prefix would thrash: promoting chunk
         n+1 must not evict chunk 0 that the same request is about to load), nor any of `spare`
         (chunks promoted for other requests that have not loaded them yet)."""
-        return self._reserve(keys, ctx, admit=None, spared=(self._ledger.chain_keys(ctx.req_id), set(spare)))
+        return self._reserve(
+            keys, ctx, admit=None, spared=(self._ledger.chain_keys(ctx.req_id), set(spare))
+        )
 
-    def _reserve(self, keys: Sequence[OffloadKey], ctx: ReqContext,
-                 admit: Callable[[OffloadKey, str], bool] | None,
-                 spared: Sequence[Container[OffloadKey]]) -> PrepareStoreOutput | None:
+    def _reserve(
+        self,
+        keys: Sequence[OffloadKey],
+        ctx: ReqContext,
+        admit: Callable[[OffloadKey, str], bool] | None,
+        spared: Sequence[Container[OffloadKey]],
+    ) -> PrepareStoreOutput | None:
         for key in keys:
             if len(key) != self.key_bytes:
                 raise key_length_error(key, self.key_bytes)
@@ -114,14 +128,20 @@ class ChunkStores:
         # an offer is the request's whose chunk it is (a lazy store's, retried at the next step under
         # another internal id, is still one offer of the request that computed it)
         offered_by = ctx.user_id or ctx.req_id
-        new_keys = [k for k in dict.fromkeys(keys) if k not in chunks and (admit is None or admit(k, offered_by))]
+        new_keys = [
+            k
+            for k in dict.fromkeys(keys)
+            if k not in chunks and (admit is None or admit(k, offered_by))
+        ]
         tenant, quotas = ctx.tenant or "", self._quotas
         if (limit := quotas.limit(tenant)) is not None:
             new_keys = new_keys[:limit]  # a store beyond the whole quota keeps its head
         self._policy.prepare_insert(new_keys)  # before evicting: ARC's ghost hits
         protected = _Protected(set(keys), spared, chunks, self._chains)
         evicted: list[OffloadKey] = []
-        if (excess := quotas.excess(tenant, len(new_keys))) > 0:  # the tenant makes room among its own
+        if (
+            excess := quotas.excess(tenant, len(new_keys))
+        ) > 0:  # the tenant makes room among its own
             victims = self._evict(excess, quotas.all_but(tenant, protected), protected)
             if victims is None:
                 self._rejected_stores += 1
@@ -133,7 +153,7 @@ class ChunkStores:
                 self._rejected_stores += 1
                 return None
             if victims is None:  # the room its own chunks made: for the head of the store
-                new_keys = new_keys[:self._slots.num_free + len(evicted)]
+                new_keys = new_keys[: self._slots.num_free + len(evicted)]
             else:
                 evicted += victims
         evicted_slots = tuple(chunks[key].slot for key in evicted)
@@ -148,7 +168,9 @@ class ChunkStores:
         spec = SlotSpec(self.medium, np.array(slot_ids, dtype=np.int64))
         return PrepareStoreOutput(new_keys, spec, evicted, evicted_slots)
 
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> list[OffloadKey]:
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> list[OffloadKey]:
         """See `OffloadingManager.complete_store`.
 
         Returns:
@@ -179,7 +201,9 @@ class ChunkStores:
             # eviction order while they are held (`kvtier.tiers.cpu.chains`): O(chunks), not O(prefix)
             parents = self._ledger.parents(ctx.req_id, ready)
             head = parents[0][0]
-            self._policy.order_chain(ready if head is None or not self.is_readable(head) else [head, *ready])
+            self._policy.order_chain(
+                ready if head is None or not self.is_readable(head) else [head, *ready]
+            )
             self._chains.link(ready, parents, self.is_readable)
             self._num_evictable += len(ready)
             self._stores += len(ready)
@@ -197,7 +221,9 @@ class ChunkStores:
                 self._num_pending -= 1
                 self._num_retired += 1
 
-    def _evict(self, n: int, protected: Container[OffloadKey], spared: _Protected) -> list[OffloadKey] | None:
+    def _evict(
+        self, n: int, protected: Container[OffloadKey], spared: _Protected
+    ) -> list[OffloadKey] | None:
         """`n` victims in the policy's order, none of them `protected` (`spared` is or is wrapped in
         it), or None when fewer can go.
 
@@ -217,7 +243,9 @@ class ChunkStores:
         if not self._chains.num_parked:
             return self._victims(n, protected, spared)
         taken: list[OffloadKey] = []
-        links: list[tuple[OffloadKey, OffloadKey | None]] = []  # each victim and the head it stood on
+        links: list[
+            tuple[OffloadKey, OffloadKey | None]
+        ] = []  # each victim and the head it stood on
         while len(taken) < n:
             victims = self._victims(1, protected, spared, is_one_of_many=n > 1)
             if victims is None:
@@ -233,8 +261,13 @@ class ChunkStores:
             self._take_freed_heads(victims, len(taken) + len(victims), protected, taken, links)
         return taken
 
-    def _victims(self, n: int, protected: Container[OffloadKey], spared: _Protected,
-                 is_one_of_many: bool = False) -> list[OffloadKey] | None:
+    def _victims(
+        self,
+        n: int,
+        protected: Container[OffloadKey],
+        spared: _Protected,
+        is_one_of_many: bool = False,
+    ) -> list[OffloadKey] | None:
         """The policy's `evict`; then the parked chunks it passed are ranked out of its way again,
         and, when this is one of many calls of one eviction (`is_one_of_many`), the pinned ones
         too: a chunk in use (loaded, or written down) is as recent as a use, and each call would
@@ -249,8 +282,14 @@ class ChunkStores:
             spared.passed_pinned.clear()
         return victims
 
-    def _take_freed_heads(self, victims: list[OffloadKey], n: int, protected: Container[OffloadKey],
-                          taken: list[OffloadKey], links: list[tuple[OffloadKey, OffloadKey | None]]) -> None:
+    def _take_freed_heads(
+        self,
+        victims: list[OffloadKey],
+        n: int,
+        protected: Container[OffloadKey],
+        taken: list[OffloadKey],
+        links: list[tuple[OffloadKey, OffloadKey | None]],
+    ) -> None:
         """Add `victims` to `taken` (and their links to `links`); each head they free takes its tail's
         place, and goes too while `taken` is short of `n` and the policy agrees it is next."""
         taken += victims
@@ -263,7 +302,9 @@ class ChunkStores:
                 taken.append(head)
                 places += self._chains.unlink((head,), links)
 
-    def _put_back(self, victims: list[OffloadKey], links: list[tuple[OffloadKey, OffloadKey | None]]) -> None:
+    def _put_back(
+        self, victims: list[OffloadKey], links: list[tuple[OffloadKey, OffloadKey | None]]
+    ) -> None:
         """Victims of an eviction that fell short (none a parked head), back where they were: in the
         policy, first in line (as new keys: what a policy knew of them is lost), linked to their heads."""
         if not victims:

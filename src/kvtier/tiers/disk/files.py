@@ -35,7 +35,15 @@ from dataclasses import dataclass, field
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.tiers.disk.format import BLOCK, O_DIRECT, ChunkFormat, is_aligned, probe_direct_io
-from kvtier.tiers.disk.names import SPARE_DIR, TmpNames, chunk_key, chunk_name, hh_of, is_hh_dir, is_tmp
+from kvtier.tiers.disk.names import (
+    SPARE_DIR,
+    TmpNames,
+    chunk_key,
+    chunk_name,
+    hh_of,
+    is_hh_dir,
+    is_tmp,
+)
 from kvtier.tiers.disk.root import dir_mode_for, open_dir
 
 __all__ = ["BLOCK", "ChunkFiles", "FileScan", "is_aligned", "probe_direct_io"]
@@ -66,8 +74,17 @@ class ChunkFiles:
         file_mode: the mode of every chunk file (directories: the same plus search).
     """
 
-    def __init__(self, directory: str, dir_fd: int, namespace_id: bytes, payload_bytes: int, *, direct_io: bool,
-                 fsync: bool, file_mode: int = 0o600):
+    def __init__(
+        self,
+        directory: str,
+        dir_fd: int,
+        namespace_id: bytes,
+        payload_bytes: int,
+        *,
+        direct_io: bool,
+        fsync: bool,
+        file_mode: int = 0o600,
+    ):
         self.directory = directory
         self.format = ChunkFormat(namespace_id, payload_bytes)
         self.file_bytes = self.format.file_bytes
@@ -82,8 +99,10 @@ class ChunkFiles:
             self._spare_fd = open_dir(dir_fd, SPARE_DIR, mode=self.dir_mode, create=True)
         except OSError as exc:
             self.close()
-            raise ConfigError(f"disk tier directory {directory!r}: its spare/ is not a plain directory "
-                              f"({exc.strerror}); remove it") from None
+            raise ConfigError(
+                f"disk tier directory {directory!r}: its spare/ is not a plain directory "
+                f"({exc.strerror}); remove it"
+            ) from None
         self._fds.append(self._spare_fd)
         self._spares: deque[str] = deque()  # names in spare/; append / popleft are atomic: no lock
 
@@ -213,7 +232,9 @@ class ChunkFiles:
         result.keys = [key for _, key in found]
         return result
 
-    def _scan_entry(self, hh_fd: int, entry: os.DirEntry, hh: str, found: list, result: FileScan) -> None:
+    def _scan_entry(
+        self, hh_fd: int, entry: os.DirEntry, hh: str, found: list, result: FileScan
+    ) -> None:
         name = entry.name
         with contextlib.suppress(FileNotFoundError):  # another engine may delete files meanwhile
             key = chunk_key(name, hh)

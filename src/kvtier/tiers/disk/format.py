@@ -29,7 +29,15 @@ from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.tiers.secondary import HEADER_BYTES, ValueHeader, checksum
 
-__all__ = ["BLOCK", "O_DIRECT", "ChunkFormat", "choose_direct_io", "is_aligned", "probe_direct_io", "round_up"]
+__all__ = [
+    "BLOCK",
+    "O_DIRECT",
+    "ChunkFormat",
+    "choose_direct_io",
+    "is_aligned",
+    "probe_direct_io",
+    "round_up",
+]
 
 BLOCK = 4096  # the alignment unit of O_DIRECT on every Linux filesystem we target
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -43,7 +51,10 @@ def round_up(num_bytes: int) -> int:
 
 def is_aligned(buffers: Sequence[memoryview]) -> bool:
     """Whether every buffer starts on and spans whole alignment blocks (what O_DIRECT needs)."""
-    return all(buf.nbytes % BLOCK == 0 and np.frombuffer(buf, np.uint8).ctypes.data % BLOCK == 0 for buf in buffers)
+    return all(
+        buf.nbytes % BLOCK == 0 and np.frombuffer(buf, np.uint8).ctypes.data % BLOCK == 0
+        for buf in buffers
+    )
 
 
 def probe_direct_io(directory: str) -> bool:
@@ -55,7 +66,11 @@ def probe_direct_io(directory: str) -> bool:
     with contextlib.suppress(OSError):  # a crashed probe's file, or anything planted under its name
         os.unlink(path)
     try:  # never through a symlink, never an existing file
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | O_DIRECT, 0o600)
+        fd = os.open(
+            path,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | O_DIRECT,
+            0o600,
+        )
     except OSError:
         return False
     try:
@@ -79,7 +94,9 @@ def choose_direct_io(directory: str, direct_io: bool | None) -> bool:
         return False
     allowed = probe_direct_io(directory)
     if direct_io and not allowed:
-        raise ConfigError(f"the filesystem of {directory!r} refuses O_DIRECT; set direct_io=None or False")
+        raise ConfigError(
+            f"the filesystem of {directory!r} refuses O_DIRECT; set direct_io=None or False"
+        )
     return allowed
 
 

@@ -54,8 +54,13 @@ class DiskIndex:
             the start-up scan found, or whose tenant is forgotten, count for no tenant.
     """
 
-    def __init__(self, policy_spec: str, capacity_files: int, cond: threading.Condition,
-                 tenant_quotas: dict[str, int] | None = None):
+    def __init__(
+        self,
+        policy_spec: str,
+        capacity_files: int,
+        cond: threading.Condition,
+        tenant_quotas: dict[str, int] | None = None,
+    ):
         self.capacity_files = capacity_files
         self.policy = make_policy(policy_spec, capacity_files)
         self.pending: dict[OffloadKey, int] = {}
@@ -117,7 +122,9 @@ class DiskIndex:
             The store's ticket, or None when there is no room now (every key is being read).
         """
         tenant = self._tenant(key)
-        if tenant is not None and self.quotas.excess(tenant, 1) > 0:  # at its quota: one of its own goes
+        if (
+            tenant is not None and self.quotas.excess(tenant, 1) > 0
+        ):  # at its quota: one of its own goes
             evicted = self.policy.evict(1, self.quotas.all_but(tenant, spared))
         elif len(self.policy) + len(self.pending) >= self.capacity_files:
             evicted = self.policy.evict(1, spared)
@@ -186,8 +193,12 @@ class DiskIndex:
         fresh = [key for key in reversed(fresh) if key in self.policy]
         scanned.insert(fresh)  # stored during the scan: more recent than any scanned file
         excess = len(scanned) + len(self.pending) - self.capacity_files
-        victims = (scanned.evict(excess, Spared(set(fresh), self.pinned)) or []) if excess > 0 else []
-        self.quotas.release([key for key in victims if key not in self.pending])  # a store still owns those
+        victims = (
+            (scanned.evict(excess, Spared(set(fresh), self.pinned)) or []) if excess > 0 else []
+        )
+        self.quotas.release(
+            [key for key in victims if key not in self.pending]
+        )  # a store still owns those
         if isinstance(self.policy, RetainingPolicy):
             self.policy.inner = scanned  # the wrapper's aside chunks are among `fresh`, still held
             self.policy.refile(fresh)
@@ -200,7 +211,7 @@ class DiskIndex:
         """Add files other engines wrote, into free room only; returns the keys adopted."""
         room = self.capacity_files - len(self.policy) - len(self.pending)
         new = [key for key in keys if not self.holds(key) and key not in self.busy]
-        adopted = new[:max(room, 0)]
+        adopted = new[: max(room, 0)]
         self.policy.insert(adopted)
         return adopted
 

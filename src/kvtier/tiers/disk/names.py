@@ -30,8 +30,17 @@ from pathlib import Path
 
 from kvtier.keys import OffloadKey
 
-__all__ = ["SPARE_DIR", "TMP_MAX_AGE_S", "TmpNames", "chunk_key", "chunk_name", "hh_of", "is_hh_dir",
-           "is_namespace_dir", "is_tmp"]
+__all__ = [
+    "SPARE_DIR",
+    "TMP_MAX_AGE_S",
+    "TmpNames",
+    "chunk_key",
+    "chunk_name",
+    "hh_of",
+    "is_hh_dir",
+    "is_namespace_dir",
+    "is_tmp",
+]
 
 SPARE_DIR = "spare"
 TMP_MAX_AGE_S = 600.0  # a temp file this old is abandoned even if a process with its pid lives
@@ -89,7 +98,9 @@ class TmpNames:
         writer, pid_text = (parts[2], parts[3]) if len(parts) == 5 else ("", "")
         if len(writer) != 16 or not _is_hex(writer) or not pid_text.isdigit():
             return True  # not a name this version writes (an older kvtier's, or junk)
-        too_old = time.time_ns() - entry.stat(follow_symlinks=False).st_mtime_ns > TMP_MAX_AGE_S * 1e9
+        too_old = (
+            time.time_ns() - entry.stat(follow_symlinks=False).st_mtime_ns > TMP_MAX_AGE_S * 1e9
+        )
         if writer == self.writer or writer[:8] != _PID_NAMESPACE:
             return too_old  # ours (in flight), or another container's: its pid means nothing here
         pid = int(pid_text)

@@ -27,9 +27,17 @@ from kvtier.tiers.secondary import TierJob, TierResult
 __all__ = ["DiskJob", "DiskReports", "FailureLog"]
 
 _MAX_KEY_BYTES = 64  # what ValueHeader can hold
-_ERRNO_KINDS = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EROFS: "erofs", errno.EACCES: "eacces",
-                errno.EPERM: "eacces", errno.ENOENT: "missing", errno.EIO: "eio",
-                errno.ELOOP: "unsafe_paths", errno.ENOTDIR: "unsafe_paths"}  # a symlink or file planted
+_ERRNO_KINDS = {
+    errno.ENOSPC: "enospc",
+    errno.EDQUOT: "enospc",
+    errno.EROFS: "erofs",
+    errno.EACCES: "eacces",
+    errno.EPERM: "eacces",
+    errno.ENOENT: "missing",
+    errno.EIO: "eio",
+    errno.ELOOP: "unsafe_paths",
+    errno.ENOTDIR: "unsafe_paths",
+}  # a symlink or file planted
 # where the tier expects its own file or directory: never followed (see `kvtier.tiers.disk.root`)
 
 
@@ -70,15 +78,24 @@ class DiskReports(TierReports):
         state.remaining = num_tasks
         self._finish_if_done(state, generation)
 
-    def chunk_done(self, state: DiskJob, key: OffloadKey, num_bytes: int, direct: bool, failure: str | None,
-                   generation: int) -> None:
+    def chunk_done(
+        self,
+        state: DiskJob,
+        key: OffloadKey,
+        num_bytes: int,
+        direct: bool,
+        failure: str | None,
+        generation: int,
+    ) -> None:
         """One chunk of `state` ended: moved `num_bytes` (with O_DIRECT or not), or failed with
         `failure`, the counter of its kind. `generation` is the tier's current one."""
         direction, counters = "store" if state.job.is_store else "load", self.counters
         if failure is None:
             counters[f"{direction}_chunks"] += 1
             counters[f"{direction}_bytes"] += num_bytes
-            counters[f"{direction}_direct_chunks" if direct else f"{direction}_buffered_chunks"] += 1
+            counters[
+                f"{direction}_direct_chunks" if direct else f"{direction}_buffered_chunks"
+            ] += 1
             state.num_bytes += num_bytes
         else:
             counters[f"{direction}_failures"] += 1
@@ -98,8 +115,15 @@ class DiskReports(TierReports):
             failed, error = set(job.keys), "reset while in flight"
         elif failed:
             error = f"{len(failed)} of {len(job.keys)} keys failed (see the tier's counters)"
-        self.finished.append(TierResult(job_id=job.job_id, failed_keys=frozenset(failed),
-                                        num_bytes=state.num_bytes, seconds=seconds, error=error))
+        self.finished.append(
+            TierResult(
+                job_id=job.job_id,
+                failed_keys=frozenset(failed),
+                num_bytes=state.num_bytes,
+                seconds=seconds,
+                error=error,
+            )
+        )
 
     def count_scan(self, found: FileScan) -> None:
         self.counters["scanned_files"] += len(found.keys)

@@ -31,10 +31,20 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.tiers.namespace import Namespace
 
-__all__ = ["DIR_FLAGS", "FILE_MODES", "dir_mode_for", "make_directory", "open_dir", "write_namespace_json"]
+__all__ = [
+    "DIR_FLAGS",
+    "FILE_MODES",
+    "dir_mode_for",
+    "make_directory",
+    "open_dir",
+    "write_namespace_json",
+]
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-FILE_MODES = (0o600, 0o640)  # this user only; the group may read too (e.g. `kvtier inspect` as another user)
+FILE_MODES = (
+    0o600,
+    0o640,
+)  # this user only; the group may read too (e.g. `kvtier inspect` as another user)
 
 
 def dir_mode_for(file_mode: int) -> int:
@@ -75,7 +85,9 @@ def make_directory(root: Path, namespace: Namespace, file_mode: int = 0o600) -> 
             the sticky bit); or the namespace directory is a symlink or not a directory.
     """
     if file_mode not in FILE_MODES:
-        raise ConfigError(f"file_mode must be one of {[oct(m) for m in FILE_MODES]}, got {file_mode:#o}")
+        raise ConfigError(
+            f"file_mode must be one of {[oct(m) for m in FILE_MODES]}, got {file_mode:#o}"
+        )
     mode = dir_mode_for(file_mode)
     directory = root / namespace.id_hex
     root_fd = _open_root(root, mode)
@@ -83,7 +95,9 @@ def make_directory(root: Path, namespace: Namespace, file_mode: int = 0o600) -> 
         try:
             fd = open_dir(root_fd, namespace.id_hex, mode=mode, create=True)
         except OSError as exc:
-            raise _refused(directory, f"it cannot be made or is not a plain directory ({exc.strerror})") from None
+            raise _refused(
+                directory, f"it cannot be made or is not a plain directory ({exc.strerror})"
+            ) from None
         try:
             _check_owner(fd, directory)
             if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
@@ -105,7 +119,12 @@ def write_namespace_json(dir_fd: int, description: dict[str, Any], file_mode: in
     tmp = f"namespace.json.tmp.{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):  # a crashed start of a process with our pid
         os.unlink(tmp, dir_fd=dir_fd)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode, dir_fd=dir_fd)
+    fd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        file_mode,
+        dir_fd=dir_fd,
+    )
     with os.fdopen(fd, "w") as f:
         os.fchmod(fd, file_mode)
         f.write(json.dumps(description, indent=2, sort_keys=True) + "\n")
@@ -117,12 +136,17 @@ def _open_root(root: Path, mode: int) -> int:
         root.mkdir(mode=mode, parents=True, exist_ok=True)
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise _refused(root, f"it cannot be created or opened as a directory ({exc.strerror})") from None
+        raise _refused(
+            root, f"it cannot be created or opened as a directory ({exc.strerror})"
+        ) from None
     try:
         _check_owner(fd, root)
         if stat.S_IMODE(os.fstat(fd).st_mode) & (stat.S_IWOTH | stat.S_ISVTX) == stat.S_IWOTH:
-            raise _refused(root, f"every user may write it (mode {stat.S_IMODE(os.fstat(fd).st_mode):o}) and could "
-                                 "plant files or symlinks there; chmod o-w it")
+            raise _refused(
+                root,
+                f"every user may write it (mode {stat.S_IMODE(os.fstat(fd).st_mode):o}) and could "
+                "plant files or symlinks there; chmod o-w it",
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -132,10 +156,15 @@ def _open_root(root: Path, mode: int) -> int:
 def _check_owner(fd: int, path: Path) -> None:
     uid, euid = os.fstat(fd).st_uid, os.geteuid()
     if uid != euid:
-        raise _refused(path, f"it is owned by uid {uid}, not by this process's user (uid {euid}), who could plant "
-                             f"files or symlinks there; chown it to uid {euid}")
+        raise _refused(
+            path,
+            f"it is owned by uid {uid}, not by this process's user (uid {euid}), who could plant "
+            f"files or symlinks there; chown it to uid {euid}",
+        )
 
 
 def _refused(path: Path, reason: str) -> ConfigError:
-    return ConfigError(f"disk tier directory {str(path)!r} refused: {reason}, or set disk_path to a directory of "
-                       "this user's")
+    return ConfigError(
+        f"disk tier directory {str(path)!r} refused: {reason}, or set disk_path to a directory of "
+        "this user's"
+    )

@@ -49,6 +49,7 @@ __all__ = ["DiskTier"]
 
 logger = logging.getLogger(__name__)
 
+
 class DiskTier(DirectoryUpkeep, SecondaryTier):
     """Chunks as files under `<root>/<namespace id>/`, at most `capacity_bytes` of them.
 
@@ -73,32 +74,59 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
 
     medium = "disk"
 
-    def __init__(self, root: str | Path, namespace: Namespace, capacity_bytes: int, *, policy: str = "lru",
-                 fsync: bool = False, direct_io: bool | None = None, num_read_threads: int = 4,
-                 num_write_threads: int = 4, enable_events: bool = True, rescan_s: float | None = None,
-                 file_mode: int = 0o600, tenant_quotas: dict[str, int] | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        namespace: Namespace,
+        capacity_bytes: int,
+        *,
+        policy: str = "lru",
+        fsync: bool = False,
+        direct_io: bool | None = None,
+        num_read_threads: int = 4,
+        num_write_threads: int = 4,
+        enable_events: bool = True,
+        rescan_s: float | None = None,
+        file_mode: int = 0o600,
+        tenant_quotas: dict[str, int] | None = None,
+    ):
         if min(num_read_threads, num_write_threads) < 1 or (rescan_s is not None and rescan_s <= 0):
-            raise ConfigError("num_read_threads and num_write_threads must be >= 1, rescan_s > 0 or None")
+            raise ConfigError(
+                "num_read_threads and num_write_threads must be >= 1, rescan_s > 0 or None"
+            )
         directory, dir_fd = make_directory(Path(root), namespace, file_mode)
         try:
             direct = choose_direct_io(directory, direct_io)
         except BaseException:
             os.close(dir_fd)
             raise
-        self._files = ChunkFiles(directory, dir_fd, namespace.id, namespace.payload_bytes, direct_io=direct,
-                                 fsync=fsync, file_mode=file_mode)
+        self._files = ChunkFiles(
+            directory,
+            dir_fd,
+            namespace.id,
+            namespace.payload_bytes,
+            direct_io=direct,
+            fsync=fsync,
+            file_mode=file_mode,
+        )
         self.directory, self.file_bytes = directory, self._files.file_bytes
-        self.uses_direct_io = self._files.direct_io  # for aligned buffers; stats count *_direct_chunks
+        self.uses_direct_io = (
+            self._files.direct_io
+        )  # for aligned buffers; stats count *_direct_chunks
         self.capacity_bytes = capacity_bytes
         self.capacity_files = capacity_bytes // self.file_bytes
         if self.capacity_files <= 0:
             self._files.close()
-            raise ConfigError(f"disk capacity {capacity_bytes} bytes holds no chunk file of "
-                              f"{self._files.file_bytes} bytes; raise capacity_bytes")
+            raise ConfigError(
+                f"disk capacity {capacity_bytes} bytes holds no chunk file of "
+                f"{self._files.file_bytes} bytes; raise capacity_bytes"
+            )
         self.namespace, self.enable_events = namespace, enable_events
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._index = DiskIndex(policy, self.capacity_files, self._cond, in_slots(tenant_quotas, self.file_bytes))
+        self._index = DiskIndex(
+            policy, self.capacity_files, self._cond, in_slots(tenant_quotas, self.file_bytes)
+        )
         self._book = DiskReports(self.medium, enable_events, namespace.payload_bytes)
         self._counters = self._book.counters
         self._log = FailureLog(logger)
@@ -145,8 +173,13 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            return TierStats(self.medium, self.capacity_bytes, used_bytes=len(self._index.policy) * self.file_bytes,
-                             queued_store_bytes=self._queued_store_bytes, counters=Counter(self._counters))
+            return TierStats(
+                self.medium,
+                self.capacity_bytes,
+                used_bytes=len(self._index.policy) * self.file_bytes,
+                queued_store_bytes=self._queued_store_bytes,
+                counters=Counter(self._counters),
+            )
 
     # -- loads --------------------------------------------------------------------------
 
@@ -154,7 +187,9 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
         with self._lock:
             state, tasks = DiskJob(job, self._generation), []
             for key, bufs in zip(job.keys, job.buffers, strict=True):
-                readable = self.is_scanned and self._index.is_ready(key) and self._book.fits(key, bufs)
+                readable = (
+                    self.is_scanned and self._index.is_ready(key) and self._book.fits(key, bufs)
+                )
                 if readable and not self._workers.is_closed:
                     self._index.pin(key)
                     tasks.append((key, bufs))
@@ -177,11 +212,15 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
             nbytes = sum(b.nbytes for b in bufs) if failure is None else 0
             self._book.chunk_done(state, key, nbytes, direct, failure, self._generation)
         if corrupt is not None:
-            self._log.log_once("corrupt", f"disk tier: dropped corrupt chunk {key.hex()[:16]}… ({corrupt})")
+            self._log.log_once(
+                "corrupt", f"disk tier: dropped corrupt chunk {key.hex()[:16]}… ({corrupt})"
+            )
         if is_lost:
             self._unlink_if_absent(key)
 
-    def _read(self, job: TierJob, key: OffloadKey, bufs: tuple[memoryview, ...]) -> tuple[str | None, str | None, bool]:
+    def _read(
+        self, job: TierJob, key: OffloadKey, bufs: tuple[memoryview, ...]
+    ) -> tuple[str | None, str | None, bool]:
         """(why the file is corrupt, the failure's kind, whether O_DIRECT was used) of reading `key`
         into `bufs`; no read once the job is past its deadline, and a read that ends after it fails."""
         if time.monotonic() >= job.deadline:
@@ -190,7 +229,9 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
             corrupt, direct = self._files.read(key, bufs)
         except Exception as exc:  # a tier never raises into the manager
             return None, self._log.failure(exc, f"load of {key.hex()[:16]}…"), False
-        late = corrupt is None and time.monotonic() > job.deadline  # the manager gave up: it only frees the slot
+        late = (
+            corrupt is None and time.monotonic() > job.deadline
+        )  # the manager gave up: it only frees the slot
         return corrupt, "late" if late else None, direct
 
     # -- stores -------------------------------------------------------------------------
@@ -221,7 +262,9 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
         for task in tasks:
             self._workers.write(self._store_one, state, *task)
 
-    def _store_one(self, state: DiskJob, key: OffloadKey, bufs: tuple[memoryview, ...], ticket: int) -> None:
+    def _store_one(
+        self, state: DiskJob, key: OffloadKey, bufs: tuple[memoryview, ...], ticket: int
+    ) -> None:
         nbytes = sum(b.nbytes for b in bufs)
         kind, direct, published = None, False, False
         if time.monotonic() >= state.job.deadline:
@@ -236,7 +279,9 @@ class DiskTier(DirectoryUpkeep, SecondaryTier):
             self._queued_store_bytes -= nbytes
             self._index.give_back(key, ticket)  # a failed write gives its reservation back
             failure = None if published else kind or "discarded"
-            self._book.chunk_done(state, key, nbytes if published else 0, direct, failure, self._generation)
+            self._book.chunk_done(
+                state, key, nbytes if published else 0, direct, failure, self._generation
+            )
         if not published and self._take_left_file(key):
             # this tier decided to delete the key's file (evicted, corrupt, reset) while this store
             # had it reserved, and left it for the store to replace: it is nobody's now (a file

@@ -59,17 +59,21 @@ class DirectoryUpkeep:
             found = self._files.scan()
         except OSError as exc:  # an unreadable directory is an empty index, not a dead tier
             self._log.failure(exc, "start-up scan")
-        kept, dropped = found.keys[:self.capacity_files], found.keys[self.capacity_files:]
+        kept, dropped = found.keys[: self.capacity_files], found.keys[self.capacity_files :]
         scanned = self._index.new_policy()
         scanned.insert(kept)  # newest first: the newest file ends up the most recent
         with self._lock:
             self._book.count_scan(found)
             if generation == self._generation:  # else a reset came: these files are being deleted
-                victims = self._index.install(scanned, self._fresh)  # plus what was stored meanwhile
+                victims = self._index.install(
+                    scanned, self._fresh
+                )  # plus what was stored meanwhile
                 self._counters["evictions"] += len(victims)
                 if self.enable_events and kept:
                     gone = set(victims)
-                    self._book.events.append(OffloadingEvent([k for k in kept if k not in gone], self.medium, False))
+                    self._book.events.append(
+                        OffloadingEvent([k for k in kept if k not in gone], self.medium, False)
+                    )
                 dropped += victims
             self.is_scanned, self._fresh = True, []
         self._scanned.set()
@@ -96,7 +100,6 @@ class DirectoryUpkeep:
     def _sweep(self) -> None:
         for key in self._files.scan().keys:
             self._unlink_if_absent(key)
-
 
     def check(self) -> None:
         """Cross-check the index against the directory (tests and the stack fuzzer; only with no

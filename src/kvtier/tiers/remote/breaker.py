@@ -24,17 +24,24 @@ __all__ = ["CircuitBreaker"]
 
 class CircuitBreaker:
     """Args:
-        failures: consecutive failures that open the breaker.
-        retry_s: seconds between pings while open (the first one comes this long after opening).
-        max_retry_s: the longest interval between pings (the interval doubles up to it).
-        clock: monotonic seconds (tests pass their own).
+    failures: consecutive failures that open the breaker.
+    retry_s: seconds between pings while open (the first one comes this long after opening).
+    max_retry_s: the longest interval between pings (the interval doubles up to it).
+    clock: monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, failures: int = 5, retry_s: float = 1.0, max_retry_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        failures: int = 5,
+        retry_s: float = 1.0,
+        max_retry_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if failures < 1 or not 0 < retry_s <= max_retry_s:
-            raise ConfigError(f"breaker: failures >= 1 and 0 < retry_s <= max_retry_s, got {failures}, {retry_s}, "
-                              f"{max_retry_s}")
+            raise ConfigError(
+                f"breaker: failures >= 1 and 0 < retry_s <= max_retry_s, got {failures}, {retry_s}, "
+                f"{max_retry_s}"
+            )
         self.failures_to_open, self.retry_s, self.max_retry_s = failures, retry_s, max_retry_s
         self._clock = clock
         self._lock = threading.Lock()

@@ -58,10 +58,14 @@ def read_s3_credentials(file: str | None) -> tuple[str | None, str | None]:
         data = json.loads(_read_file("s3_credentials_file", file))
         key_id, secret = data["access_key_id"], data["secret_access_key"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"s3_credentials_file {file}: expected JSON with string fields access_key_id and "
-                          f"secret_access_key ({type(exc).__name__})") from None
+        raise ConfigError(
+            f"s3_credentials_file {file}: expected JSON with string fields access_key_id and "
+            f"secret_access_key ({type(exc).__name__})"
+        ) from None
     if not isinstance(key_id, str) or not isinstance(secret, str) or not secret:
-        raise ConfigError(f"s3_credentials_file {file}: access_key_id and secret_access_key must be non-empty strings")
+        raise ConfigError(
+            f"s3_credentials_file {file}: access_key_id and secret_access_key must be non-empty strings"
+        )
     with _lock:
         _secrets.add(secret)
     return key_id, secret
@@ -85,5 +89,9 @@ def _read_file(what: str, path: str) -> str:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"{what}: cannot read {path}: {reason}") from None
     if mode & (stat.S_IRGRP | stat.S_IROTH):
-        logger.warning("kvtier: %s is readable by other users (mode %o); chmod 600 it", path, stat.S_IMODE(mode))
+        logger.warning(
+            "kvtier: %s is readable by other users (mode %o); chmod 600 it",
+            path,
+            stat.S_IMODE(mode),
+        )
     return content

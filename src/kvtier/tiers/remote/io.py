@@ -30,7 +30,9 @@ from kvtier.tiers.secondary import TierJob
 
 __all__ = ["RemoteIO"]
 
-logger = logging.getLogger("kvtier.tiers.remote.tier")  # the tier's logger, as before this part moved here
+logger = logging.getLogger(
+    "kvtier.tiers.remote.tier"
+)  # the tier's logger, as before this part moved here
 
 
 class RemoteIO:
@@ -66,8 +68,13 @@ class RemoteIO:
                 return True
             self._counters["expired"] += len(job.keys) if is_expired else 0
             self._queued_store_bytes -= queued_bytes
-            self._book.finish(job, set(job.keys), 0, 0.0,
-                              "deadline passed before its I/O started" if is_expired else "reset while in flight")
+            self._book.finish(
+                job,
+                set(job.keys),
+                0,
+                0.0,
+                "deadline passed before its I/O started" if is_expired else "reset while in flight",
+            )
             return False
 
     def _load(self, job: TierJob, generation: int, started: float) -> None:
@@ -83,11 +90,16 @@ class RemoteIO:
         except ItemsFailed as exc:
             sizes, unread, error = exc.results, set(exc.errors), self._failed(exc, "load")
         except Exception as exc:
-            sizes, unread, error = [None] * len(job.keys), set(range(len(job.keys))), self._failed(exc, "load")
+            sizes, unread, error = (
+                [None] * len(job.keys),
+                set(range(len(job.keys))),
+                self._failed(exc, "load"),
+            )
         read = [i for i in range(len(job.keys)) if i not in unread]
         gone: set[OffloadKey] = set()  # absent or bad values: forgotten
-        corrupt = self._refuse_bad_values([job.keys[i] for i in read], [sizes[i] for i in read],
-                                          [parts[i] for i in read], gone)
+        corrupt = self._refuse_bad_values(
+            [job.keys[i] for i in read], [sizes[i] for i in read], [parts[i] for i in read], gone
+        )
         failed = gone | {job.keys[i] for i in unread}
         with self._cond:
             self._counters["corrupt"] += len(corrupt)
@@ -97,16 +109,25 @@ class RemoteIO:
                 self._book.emit(sorted(gone), removed=True)
             if generation != self._reset.generation:
                 failed, error = set(job.keys), "reset while in flight"
-            elif time.monotonic() > job.deadline:  # the manager has given up on it: it only frees the slots
+            elif (
+                time.monotonic() > job.deadline
+            ):  # the manager has given up on it: it only frees the slots
                 self._counters["late"] += len(job.keys)
                 failed, error = set(job.keys), "finished after its deadline"
             num_bytes = self.codec.payload_bytes * (len(job.keys) - len(failed))
             self._book.count("load", len(job.keys) - len(failed), len(failed), num_bytes, started)
             self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
-        self._renew([key for key in job.keys if key not in failed])  # used again: another TTL (after the report)
+        self._renew(
+            [key for key in job.keys if key not in failed]
+        )  # used again: another TTL (after the report)
 
-    def _refuse_bad_values(self, keys: Sequence[OffloadKey], sizes: Sequence[int | None],
-                           parts: Sequence[tuple[memoryview, ...]], failed: set[OffloadKey]) -> list[str]:
+    def _refuse_bad_values(
+        self,
+        keys: Sequence[OffloadKey],
+        sizes: Sequence[int | None],
+        parts: Sequence[tuple[memoryview, ...]],
+        failed: set[OffloadKey],
+    ) -> list[str]:
         """Add the keys whose value is absent or fails a check to `failed`; delete the bad values (their names
         are returned)."""
         corrupt: list[str] = []
@@ -116,21 +137,32 @@ class RemoteIO:
                 failed.add(key)
                 if size is not None:
                     corrupt.append(self.codec.name(key))
-                    self._log.log_once("corrupt",
-                                       f"{self.medium} tier: dropped a bad value of {key.hex()[:16]}…: {why}")
+                    self._log.log_once(
+                        "corrupt",
+                        f"{self.medium} tier: dropped a bad value of {key.hex()[:16]}…: {why}",
+                    )
         if corrupt:
             self._delete(corrupt)
         return corrupt
 
-    def _store(self, job: TierJob, generation: int, todo: list[tuple[OffloadKey, tuple[memoryview, ...]]],
-               bad: set[OffloadKey], known: list[OffloadKey], started: float) -> None:
+    def _store(
+        self,
+        job: TierJob,
+        generation: int,
+        todo: list[tuple[OffloadKey, tuple[memoryview, ...]]],
+        bad: set[OffloadKey],
+        known: list[OffloadKey],
+        started: float,
+    ) -> None:
         if not self._may_start(job, generation, len(todo) * self.codec.payload_bytes):
             return
         failed, error, written = set(bad), None, [False] * len(todo)
         try:
             if todo:
-                written = self.store.put([(self.codec.name(k), self.codec.pack(k, bufs)) for k, bufs in todo],
-                                         self._keep_s([k for k, _ in todo]))
+                written = self.store.put(
+                    [(self.codec.name(k), self.codec.pack(k, bufs)) for k, bufs in todo],
+                    self._keep_s([k for k, _ in todo]),
+                )
                 self.breaker.record_success()
         except ItemsFailed as exc:  # the others were written (or found): their keys are stored
             written = [bool(is_new) for is_new in exc.results]
@@ -139,12 +171,22 @@ class RemoteIO:
         except Exception as exc:
             failed.update(k for k, _ in todo)
             error = self._failed(exc, "store")
-        new_keys = [k for (k, _), is_new in zip(todo, written, strict=True) if is_new and k not in failed]
-        num_existing = sum(1 for (k, _), is_new in zip(todo, written, strict=True) if not is_new and k not in failed)
+        new_keys = [
+            k for (k, _), is_new in zip(todo, written, strict=True) if is_new and k not in failed
+        ]
+        num_existing = sum(
+            1
+            for (k, _), is_new in zip(todo, written, strict=True)
+            if not is_new and k not in failed
+        )
         with self._cond:
             self._queued_store_bytes -= len(todo) * self.codec.payload_bytes
-            self._counters["store_existing"] += num_existing  # written by another replica: never rewritten
-            if generation != self._reset.generation:  # what it wrote, the sweep deletes (it waits for this job)
+            self._counters["store_existing"] += (
+                num_existing  # written by another replica: never rewritten
+            )
+            if (
+                generation != self._reset.generation
+            ):  # what it wrote, the sweep deletes (it waits for this job)
                 failed, error, new_keys = set(job.keys), "reset while in flight", []
             else:  # only what this job wrote or found: a key skipped as known may have been forgotten since
                 for key, _ in todo:
@@ -154,8 +196,12 @@ class RemoteIO:
             num_bytes = len(new_keys) * self.codec.payload_bytes
             self._book.count("store", len(new_keys), len(failed), num_bytes, started)
             self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
-        if error is None:  # values stored again (here or by another replica): another TTL, and the new hints
-            self._renew([*known, *(k for (k, _), is_new in zip(todo, written, strict=True) if not is_new)])
+        if (
+            error is None
+        ):  # values stored again (here or by another replica): another TTL, and the new hints
+            self._renew(
+                [*known, *(k for (k, _), is_new in zip(todo, written, strict=True) if not is_new)]
+            )
 
     def _renew(self, keys: Sequence[OffloadKey]) -> None:
         """Give these values another TTL where the store's values expire (no more than one round trip,
@@ -167,7 +213,9 @@ class RemoteIO:
         except Exception as exc:
             with self._cond:
                 self._counters["errors"] += 1
-            self._log.log_once("renew", f"{self.medium} tier: renewing values' TTL failed: {redact(str(exc))}")
+            self._log.log_once(
+                "renew", f"{self.medium} tier: renewing values' TTL failed: {redact(str(exc))}"
+            )
 
     def _keep_s(self, keys: Sequence[OffloadKey]) -> list[float] | None:
         """How long each value is to be kept at least, by the requests' hints (None: no book)."""
@@ -180,12 +228,18 @@ class RemoteIO:
     def _failed(self, exc: Exception, what: str) -> str:
         """Count a failed operation (timeouts apart), feed the breaker; the message to report."""
         is_timeout = self.store.is_timeout(exc)
-        message = f"{what} failed ({'timeout' if is_timeout else type(exc).__name__}): {redact(str(exc))}"
+        message = (
+            f"{what} failed ({'timeout' if is_timeout else type(exc).__name__}): {redact(str(exc))}"
+        )
         with self._cond:
             self._counters["timeouts" if is_timeout else "errors"] += 1
         if self.breaker.record_failure():
-            logger.warning("kvtier: %s tier at %s is failing (%s); answering misses and retrying in the background",
-                           self.medium, self.store.describe(), message)
+            logger.warning(
+                "kvtier: %s tier at %s is failing (%s); answering misses and retrying in the background",
+                self.medium,
+                self.store.describe(),
+                message,
+            )
             with self._cond:
                 self._cond.notify_all()
         else:

@@ -65,10 +65,12 @@ class KnownKeys:
     def take_queued(self, limit: int) -> list[OffloadKey]:
         """Up to `limit` keys to probe now (they stay `probing` until `record_probe` or `unprobe`)."""
         batch = self._queue[:limit]
-        del self._queue[:len(batch)]
+        del self._queue[: len(batch)]
         return batch
 
-    def record_probe(self, keys: Sequence[OffloadKey], found: Sequence[bool], is_current: bool) -> None:
+    def record_probe(
+        self, keys: Sequence[OffloadKey], found: Sequence[bool], is_current: bool
+    ) -> None:
         """A probe's answers; `is_current` False: a reset came meanwhile, the answers are dropped."""
         expires = time.monotonic() + self.absent_ttl_s
         self._probing.difference_update(keys)

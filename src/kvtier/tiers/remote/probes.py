@@ -34,28 +34,39 @@ logger = logging.getLogger(__name__)
 
 class ProbeThread:
     """Args:
-        cond: the tier's condition (lookups notify it when they queue a key).
-        keys: what the tier knows of the store's keys (under `cond`'s lock).
-        store, name: the store, and the name of a key in it.
-        breaker: the tier's circuit breaker.
-        reset: the tier's generation (answers from before a reset are dropped).
-        counters: the tier's counters (`probed_keys`).
-        failed: the tier's handler of a failed operation (counts it, feeds the breaker).
-        log: the tier's rate-limited log.
-        probe_batch: keys per round trip at most.
+    cond: the tier's condition (lookups notify it when they queue a key).
+    keys: what the tier knows of the store's keys (under `cond`'s lock).
+    store, name: the store, and the name of a key in it.
+    breaker: the tier's circuit breaker.
+    reset: the tier's generation (answers from before a reset are dropped).
+    counters: the tier's counters (`probed_keys`).
+    failed: the tier's handler of a failed operation (counts it, feeds the breaker).
+    log: the tier's rate-limited log.
+    probe_batch: keys per round trip at most.
     """
 
-    def __init__(self, cond: threading.Condition, keys: KnownKeys, store: RemoteStore,
-                 name: Callable[[OffloadKey], str],
-                 breaker: CircuitBreaker, reset: ResetSweep, counters: Counter[str],
-                 failed: Callable[[Exception, str], str], log: RateLimitedLog, probe_batch: int):
+    def __init__(
+        self,
+        cond: threading.Condition,
+        keys: KnownKeys,
+        store: RemoteStore,
+        name: Callable[[OffloadKey], str],
+        breaker: CircuitBreaker,
+        reset: ResetSweep,
+        counters: Counter[str],
+        failed: Callable[[Exception, str], str],
+        log: RateLimitedLog,
+        probe_batch: int,
+    ):
         self._cond, self._keys, self._store, self._name = cond, keys, store, name
         self._breaker, self._reset, self._counters = breaker, reset, counters
         # the tier's method, held weakly: a tier nobody closed ends this thread when it is collected
         self._failed = weakref.WeakMethod(failed)  # type: ignore[arg-type]
         self._log, self._probe_batch = log, probe_batch
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"kvtier-{store.medium}-probe")
+        self._thread = threading.Thread(
+            target=self._loop, daemon=True, name=f"kvtier-{store.medium}-probe"
+        )
         self._thread.start()
 
     def stop(self) -> bool:
@@ -72,10 +83,14 @@ class ProbeThread:
         while True:
             with self._cond:
                 if self._breaker.is_open:  # sleep until the next ping is due
-                    self._cond.wait_for(lambda: self._stop, timeout=self._breaker.seconds_to_next_probe())
+                    self._cond.wait_for(
+                        lambda: self._stop, timeout=self._breaker.seconds_to_next_probe()
+                    )
                 else:
-                    self._cond.wait_for(lambda: self._stop or self._keys.has_queued or self._breaker.is_open,
-                                        timeout=1.0)
+                    self._cond.wait_for(
+                        lambda: self._stop or self._keys.has_queued or self._breaker.is_open,
+                        timeout=1.0,
+                    )
                 if self._stop or self._failed() is None:  # closed, or the tier is gone
                     return
                 batch = self._keys.take_queued(self._probe_batch)
@@ -111,7 +126,9 @@ class ProbeThread:
         try:
             self._store.ping()
         except Exception as exc:
-            self._log.log_once("ping", f"{medium} tier: {endpoint} still unreachable: {redact(str(exc))}")
+            self._log.log_once(
+                "ping", f"{medium} tier: {endpoint} still unreachable: {redact(str(exc))}"
+            )
             return
         if self._breaker.probe_succeeded():
             logger.warning("kvtier: %s tier at %s answers again; serving from it", medium, endpoint)

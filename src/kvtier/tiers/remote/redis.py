@@ -45,7 +45,15 @@ from redis.retry import Retry
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.remote import redis_wire
-from kvtier.tiers.remote.redis_wire import Reply, ServerError, command, nbytes, read_replies, send_pieces, set_command
+from kvtier.tiers.remote.redis_wire import (
+    Reply,
+    ServerError,
+    command,
+    nbytes,
+    read_replies,
+    send_pieces,
+    set_command,
+)
 from kvtier.tiers.remote.store import RemoteStore, ValueParts
 
 __all__ = ["RedisStore"]
@@ -71,28 +79,49 @@ class RedisStore(RemoteStore):
     medium = "redis"
     separator = ":"
 
-    def __init__(self, url: str, *, cluster: bool = False, username: str | None = None,
-                 password: str | None = None, ca_file: str | None = None, connect_timeout_ms: int = 500,
-                 timeout_ms: int = 2000, ttl_s: float | None = None, max_connections: int = 16) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        cluster: bool = False,
+        username: str | None = None,
+        password: str | None = None,
+        ca_file: str | None = None,
+        connect_timeout_ms: int = 500,
+        timeout_ms: int = 2000,
+        ttl_s: float | None = None,
+        max_connections: int = 16,
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-            raise ConfigError(f"redis url must look like redis://host:port or rediss://host:port, got {parts.scheme}://…")
+            raise ConfigError(
+                f"redis url must look like redis://host:port or rediss://host:port, got {parts.scheme}://…"
+            )
         if parts.password:
-            raise ConfigError("redis url must not hold a password: give it in a file (redis_password_file)")
+            raise ConfigError(
+                "redis url must not hold a password: give it in a file (redis_password_file)"
+            )
         if ttl_s is not None and ttl_s <= 0:
             raise ConfigError(f"redis ttl_s must be > 0 seconds or None, got {ttl_s}")
         db_text = parts.path.strip("/") or "0"
         if not db_text.isdigit() or (cluster and db_text != "0"):
-            raise ConfigError(f"redis url path must be a database number (0 for a cluster), got /{db_text}")
+            raise ConfigError(
+                f"redis url path must be a database number (0 for a cluster), got /{db_text}"
+            )
         db = int(db_text)
         port = parts.port or 6379
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # an IPv6 address
         self._endpoint = f"{parts.scheme}://{host}:{port}/{db}" + (" (cluster)" if cluster else "")
         self._kwargs: dict = dict(
-            host=parts.hostname, port=port, username=username or parts.username, password=password,
-            socket_connect_timeout=connect_timeout_ms / 1000, socket_timeout=timeout_ms / 1000,
+            host=parts.hostname,
+            port=port,
+            username=username or parts.username,
+            password=password,
+            socket_connect_timeout=connect_timeout_ms / 1000,
+            socket_timeout=timeout_ms / 1000,
             # two more than the calls that may run at once: for ping() and a list_names() beside them
-            max_connections=max_connections + 2, retry=Retry(NoBackoff(), 0),  # no retries: the tier decides
+            max_connections=max_connections + 2,
+            retry=Retry(NoBackoff(), 0),  # no retries: the tier decides
             protocol=2,  # redis-py 8 speaks RESP3 by default; redis_wire parses RESP2 replies
         )
         if parts.scheme == "rediss":
@@ -112,20 +141,31 @@ class RedisStore(RemoteStore):
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         """Whether each name is present: one pipelined EXISTS per name, per node."""
-        replies = self._run(names, [[command(b"EXISTS", name.encode())] for name in names],
-                            lambda i: self._client().exists(names[i]))
+        replies = self._run(
+            names,
+            [[command(b"EXISTS", name.encode())] for name in names],
+            lambda i: self._client().exists(names[i]),
+        )
         return [reply == 1 for reply in replies]
 
     def get(self, names: Sequence[str]) -> list[bytes | memoryview | None]:
         """Each name's value (None when absent): one pipelined GET per name, per node."""
-        replies = self._run(names, [[command(b"GET", name.encode())] for name in names],
-                            lambda i: self._client().get(names[i]), weights=[self._value_hint] * len(names))
+        replies = self._run(
+            names,
+            [[command(b"GET", name.encode())] for name in names],
+            lambda i: self._client().get(names[i]),
+            weights=[self._value_hint] * len(names),
+        )
         sizes = [len(value) for value in replies if isinstance(value, (bytes, memoryview))]
         if sizes:
-            self._value_hint = max(sizes)  # a GET's reply size is known only once read: the last is the guess
+            self._value_hint = max(
+                sizes
+            )  # a GET's reply size is known only once read: the last is the guess
         return replies  # type: ignore[return-value]  (GET answers a bulk value or nil)
 
-    def get_into(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+    def get_into(
+        self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]
+    ) -> list[int | None]:
         """Each name's value received straight into `buffers[i]` (back to back), without a new buffer.
 
         Returns each value's size, None when absent. Where the size equals the bytes of
@@ -134,9 +174,13 @@ class RedisStore(RemoteStore):
         size (whoever writes the store chooses it): see `redis_wire`, and `_get_one_into` for
         a command sent again after a redirect.
         """
-        return self._run(names, [[command(b"GET", name.encode())] for name in names],  # type: ignore[return-value]
-                         lambda i: self._get_one_into(names[i], buffers[i]),
-                         into=buffers, weights=[sum(buf.nbytes for buf in bufs) for bufs in buffers])
+        return self._run(
+            names,
+            [[command(b"GET", name.encode())] for name in names],  # type: ignore[return-value]
+            lambda i: self._get_one_into(names[i], buffers[i]),
+            into=buffers,
+            weights=[sum(buf.nbytes for buf in bufs) for bufs in buffers],
+        )
 
     def _get_one_into(self, name: str, buffers: Sequence[memoryview]) -> int | None:
         """`get_into` of one name through redis-py (which follows a redirect): STRLEN, then GETRANGE
@@ -153,17 +197,21 @@ class RedisStore(RemoteStore):
             return len(value)  # shortened meanwhile
         offset = 0
         for buf in buffers:
-            buf.cast("B")[:] = value[offset:offset + buf.nbytes]
+            buf.cast("B")[:] = value[offset : offset + buf.nbytes]
             offset += buf.nbytes
         return expected
 
-    def put(self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None) -> list[bool]:
+    def put(
+        self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None
+    ) -> list[bool]:
         """SET NX (with PX when the store has a TTL: the longer of it and the item's `keep_s`) per
         item; the parts are sent without copying."""
         names = [name for name, _ in items]
         ttl_ms = self._ttls(len(items), keep_s)
-        commands = [set_command(name.encode(), parts, () if ttl is None else (b"PX", b"%d" % ttl))
-                    for (name, parts), ttl in zip(items, ttl_ms, strict=True)]
+        commands = [
+            set_command(name.encode(), parts, () if ttl is None else (b"PX", b"%d" % ttl))
+            for (name, parts), ttl in zip(items, ttl_ms, strict=True)
+        ]
 
         def put_one(i: int) -> object:
             return self._client().set(names[i], b"".join(items[i][1]), nx=True, px=ttl_ms[i])
@@ -179,7 +227,10 @@ class RedisStore(RemoteStore):
         """PEXPIRE … GT per name (Redis >= 7, Valkey): a longer TTL, or none, is left as it is."""
         if self._ttl_ms is not None and names:
             ttls = self._ttls(len(names), keep_s)
-            commands = [[command(b"PEXPIRE", n.encode(), b"%d" % t, b"GT")] for n, t in zip(names, ttls, strict=True)]
+            commands = [
+                [command(b"PEXPIRE", n.encode(), b"%d" % t, b"GT")]
+                for n, t in zip(names, ttls, strict=True)
+            ]
             self._run(names, commands, lambda i: self._client().pexpire(names[i], ttls[i], gt=True))
 
     def _ttls(self, n: int, keep_s: Sequence[float] | None) -> list[int | None]:
@@ -190,8 +241,11 @@ class RedisStore(RemoteStore):
 
     def delete(self, names: Sequence[str]) -> None:
         """UNLINK each name (the server frees large values off its main thread)."""
-        self._run(names, [[command(b"UNLINK", name.encode())] for name in names],
-                  lambda i: self._client().unlink(names[i]))
+        self._run(
+            names,
+            [[command(b"UNLINK", name.encode())] for name in names],
+            lambda i: self._client().unlink(names[i]),
+        )
 
     def list_names(self, prefix: str) -> Iterator[str]:
         """Every name starting with `prefix`: SCAN MATCH on every primary, page by page."""
@@ -246,9 +300,15 @@ class RedisStore(RemoteStore):
             groups.setdefault(client.get_redis_connection(node).connection_pool, []).append(i)
         return groups
 
-    def _run(self, names: Sequence[str], commands: Sequence[list[bytes | memoryview]],
-             redirected: Callable[[int], object], *, into: Sequence[Sequence[memoryview]] | None = None,
-             weights: Sequence[int] | None = None) -> list[Reply]:
+    def _run(
+        self,
+        names: Sequence[str],
+        commands: Sequence[list[bytes | memoryview]],
+        redirected: Callable[[int], object],
+        *,
+        into: Sequence[Sequence[memoryview]] | None = None,
+        weights: Sequence[int] | None = None,
+    ) -> list[Reply]:
         """Send command i (its pieces) for names[i] to the node owning it, and read its reply.
 
         Each node gets its commands in windows of at most `WINDOW_BYTES` of `weights` (the
@@ -266,12 +326,16 @@ class RedisStore(RemoteStore):
                 for pool, indices in self._pools(names).items():
                     held.append((pool, pool.get_connection(), redis_wire.windows(indices, weights)))
                 for step in range(max(len(windows) for _, _, windows in held)):
-                    sent = [(conn, windows[step]) for _, conn, windows in held if step < len(windows)]
+                    sent = [
+                        (conn, windows[step]) for _, conn, windows in held if step < len(windows)
+                    ]
                     for conn, window in sent:
                         send_pieces(conn, [piece for i in window for piece in commands[i]])
                     for conn, window in sent:
                         dests = None if into is None else [into[i] for i in window]
-                        for i, reply in zip(window, read_replies(conn, len(window), dests), strict=True):
+                        for i, reply in zip(
+                            window, read_replies(conn, len(window), dests), strict=True
+                        ):
                             replies[i] = reply
             except BaseException:
                 for _, conn, _ in held:
@@ -291,4 +355,3 @@ class RedisStore(RemoteStore):
 def _glob_escape(text: str) -> str:
     """`text` as a literal in a SCAN MATCH pattern."""
     return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
-

@@ -35,8 +35,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.tiers.remote.store import ValueParts
 
-__all__ = ["WINDOW_BYTES", "Reply", "ServerError", "command", "nbytes", "read_replies", "send_pieces", "set_command",
-           "windows"]
+__all__ = [
+    "WINDOW_BYTES",
+    "Reply",
+    "ServerError",
+    "command",
+    "nbytes",
+    "read_replies",
+    "send_pieces",
+    "set_command",
+    "windows",
+]
 
 # Value bytes one connection has in flight at most (at least one command). The server copies every
 # reply of a window into its output buffer before it writes the first byte, while the client's
@@ -55,7 +64,9 @@ class ServerError(str):
     """An error reply (`ERR …`, `MOVED 3999 10.0.0.5:6379`, `NOPERM …`), without its `-`."""
 
 
-Reply = bytes | memoryview | int | ServerError | None  # one reply: simple string, bulk, integer, error, nil
+Reply = (
+    bytes | memoryview | int | ServerError | None
+)  # one reply: simple string, bulk, integer, error, nil
 
 
 def nbytes(buf: bytes | memoryview) -> int:
@@ -72,7 +83,9 @@ def command(*args: bytes) -> bytes:
     return b"*%d\r\n%s" % (len(args), b"".join(map(_arg, args)))
 
 
-def set_command(name: bytes, parts: ValueParts, options: tuple[bytes, ...]) -> list[bytes | memoryview]:
+def set_command(
+    name: bytes, parts: ValueParts, options: tuple[bytes, ...]
+) -> list[bytes | memoryview]:
     """`SET name <parts back to back> NX *options` as pieces; the parts are not copied."""
     size = sum(map(nbytes, parts))
     head = b"*%d\r\n%s%s$%d\r\n" % (4 + len(options), _arg(b"SET"), _arg(name), size)
@@ -97,7 +110,9 @@ def send_pieces(conn: Connection, pieces: list[bytes | memoryview]) -> None:
     conn.send_packed_command(batched, check_health=False)
 
 
-def read_replies(conn: Connection, count: int, into: Sequence[Sequence[memoryview]] | None = None) -> list[Reply]:
+def read_replies(
+    conn: Connection, count: int, into: Sequence[Sequence[memoryview]] | None = None
+) -> list[Reply]:
     """The next `count` replies on `conn`; raises redis-py's TimeoutError / ConnectionError.
 
     With `into`, a bulk reply i whose size is the bytes of `into[i]` is received straight into
@@ -109,14 +124,18 @@ def read_replies(conn: Connection, count: int, into: Sequence[Sequence[memoryvie
     """
     sock = getattr(conn, "_sock", None)
     if sock is None:
-        raise RedisConnectionError(f"{conn.host}:{conn.port}: connection closed before its replies were read")
+        raise RedisConnectionError(
+            f"{conn.host}:{conn.port}: connection closed before its replies were read"
+        )
     replies = _Replies(sock)
     try:
         out = [replies.read(None if into is None else into[i]) for i in range(count)]
     except TimeoutError as exc:  # socket.timeout
         raise RedisTimeoutError(f"Timeout reading from {conn.host}:{conn.port}") from exc
     except OSError as exc:
-        raise RedisConnectionError(f"Error while reading from {conn.host}:{conn.port}: {exc}") from exc
+        raise RedisConnectionError(
+            f"Error while reading from {conn.host}:{conn.port}: {exc}"
+        ) from exc
     if not replies.is_drained():
         raise RedisConnectionError(f"{conn.host}:{conn.port}: more data than the replies expected")
     return out
@@ -148,7 +167,9 @@ class _Replies:
                 self._skip_crlf()
                 return value
             if size == sum(map(nbytes, into)):
-                report = getattr(into, "received", None)  # an IncomingValue hashes each piece as it lands
+                report = getattr(
+                    into, "received", None
+                )  # an IncomingValue hashes each piece as it lands
                 for buf in into:
                     self._receive_into(buf.cast("B") if buf.format != "B" else buf, report)
             else:
@@ -173,9 +194,11 @@ class _Replies:
     def _line(self) -> bytes:
         while (end := self._buf.find(b"\r\n", self._pos)) < 0:
             if len(self._buf) - self._pos > _MAX_LINE:
-                raise RedisConnectionError(f"a reply line longer than {_MAX_LINE} bytes: not a Redis server's reply")
+                raise RedisConnectionError(
+                    f"a reply line longer than {_MAX_LINE} bytes: not a Redis server's reply"
+                )
             self._receive()
-        line = bytes(self._buf[self._pos:end])
+        line = bytes(self._buf[self._pos : end])
         self._pos = end + 2
         return line
 
@@ -183,17 +206,19 @@ class _Replies:
         chunk = self._sock.recv(_RECV_BYTES)
         if not chunk:
             raise RedisConnectionError("connection closed by the server")
-        del self._buf[:self._pos]
+        del self._buf[: self._pos]
         self._pos = 0
         self._buf += chunk
 
-    def _receive_into(self, dest: memoryview, report: Callable[[memoryview], None] | None = None) -> None:
+    def _receive_into(
+        self, dest: memoryview, report: Callable[[memoryview], None] | None = None
+    ) -> None:
         """Fill `dest`: first from what is already received, then straight from the socket;
         `report(piece)` each piece once written (while it is still in cache)."""
         size = len(dest)
         have = min(size, len(self._buf) - self._pos)
         with memoryview(self._buf) as received:  # a bytearray's slice would be one more copy
-            dest[:have] = received[self._pos:self._pos + have]
+            dest[:have] = received[self._pos : self._pos + have]
         self._pos += have
         if report is not None and have:
             report(dest[:have])
@@ -202,7 +227,7 @@ class _Replies:
             if not got:
                 raise RedisConnectionError("connection closed by the server")
             if report is not None:
-                report(dest[have:have + got])
+                report(dest[have : have + got])
             have += got
 
     def _drop(self, size: int) -> None:
@@ -211,7 +236,7 @@ class _Replies:
         self._pos += have
         scratch = memoryview(bytearray(min(size - have, _RECV_BYTES)))
         while have < size:
-            got = self._sock.recv_into(scratch[:size - have])
+            got = self._sock.recv_into(scratch[: size - have])
             if not got:
                 raise RedisConnectionError("connection closed by the server")
             have += got

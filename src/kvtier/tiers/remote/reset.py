@@ -72,16 +72,23 @@ _WAIT_POLL_S = 0.1  # how often a sweep waiting for old jobs looks whether the t
 
 class ResetSweep:
     """Args:
-        cond: the tier's condition; its lock guards `generation`, `is_sweeping` and the job count.
-        store: where the values are.
-        name_prefix: every name of the namespace starts with it.
-        workers: the tier's threads (the sweep gives up once they are closed).
-        log: the tier's rate-limited log.
-        retry_s: how long to wait before listing again after a failure.
+    cond: the tier's condition; its lock guards `generation`, `is_sweeping` and the job count.
+    store: where the values are.
+    name_prefix: every name of the namespace starts with it.
+    workers: the tier's threads (the sweep gives up once they are closed).
+    log: the tier's rate-limited log.
+    retry_s: how long to wait before listing again after a failure.
     """
 
-    def __init__(self, cond: threading.Condition, store: RemoteStore, name_prefix: str, workers: Workers,
-                 log: RateLimitedLog, retry_s: float):
+    def __init__(
+        self,
+        cond: threading.Condition,
+        store: RemoteStore,
+        name_prefix: str,
+        workers: Workers,
+        log: RateLimitedLog,
+        retry_s: float,
+    ):
         self.generation = 0
         self.is_sweeping = False
         self._num_jobs = 0  # admitted, not over
@@ -110,8 +117,11 @@ class ResetSweep:
         retried until it succeeds or the tier closes (see the module docstring)."""
         with self._cond:
             if self._num_jobs:
-                logger.debug("kvtier: %s tier reset waits for %d job(s) admitted before it",
-                             self._store.medium, self._num_jobs)
+                logger.debug(
+                    "kvtier: %s tier reset waits for %d job(s) admitted before it",
+                    self._store.medium,
+                    self._num_jobs,
+                )
             while self._num_jobs and generation == self.generation and not self._workers.is_closed:
                 self._cond.wait(_WAIT_POLL_S)
             if generation != self.generation:
@@ -121,8 +131,11 @@ class ResetSweep:
                 self._delete_all()
                 break
             except Exception as exc:
-                self._log.log_once("reset", f"{self._store.medium} tier: reset could not delete values yet: "
-                                            f"{redact(str(exc))}")
+                self._log.log_once(
+                    "reset",
+                    f"{self._store.medium} tier: reset could not delete values yet: "
+                    f"{redact(str(exc))}",
+                )
                 time.sleep(self._retry_s)
         with self._cond:
             if generation == self.generation:

@@ -73,13 +73,17 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _LIST_CHUNK = 1000  # names per batch from the lister (S3 pages hold 1,000 at most)
-_PING_PREFIX = "kvtier-ping-none"  # a listing of it is empty: one cheap signed request that needs the bucket
+_PING_PREFIX = (
+    "kvtier-ping-none"  # a listing of it is empty: one cheap signed request that needs the bucket
+)
 # obstore says "timeout" only in its Debug dump: `HttpError { kind: Timeout, ... }`, reqwest's `TimedOut`
 _TIMEOUT_MARK = re.compile(r"kind: Timeout|TimedOut|timed out", re.IGNORECASE)
 # A body is copied into the slab rows (and hashed, see `values.IncomingValue`) in pieces of this
 # size: each is hashed while it is still in the core's cache (2 MiB of L2 here).
 _COPY_PIECE = 256 << 10
-_CAUSE = re.compile(r"(?:error|kind): (\w+)(?:\(\s*(\w+),?\s*\))?")  # `kind: ConnectionRefused`, `error: X(Y)`
+_CAUSE = re.compile(
+    r"(?:error|kind): (\w+)(?:\(\s*(\w+),?\s*\))?"
+)  # `kind: ConnectionRefused`, `error: X(Y)`
 
 
 class S3StoreError(KVTierError):
@@ -106,15 +110,29 @@ class S3Store(RemoteStore):
     medium = "s3"
     separator = "/"
 
-    def __init__(self, endpoint: str, bucket: str, *, region: str = "us-east-1", access_key_id: str | None = None,
-                 secret_access_key: str | None = None, ca_file: str | None = None, connect_timeout_ms: int = 1000,
-                 timeout_ms: int = 5000, max_connections: int = 16) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        bucket: str,
+        *,
+        region: str = "us-east-1",
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        ca_file: str | None = None,
+        connect_timeout_ms: int = 1000,
+        timeout_ms: int = 5000,
+        max_connections: int = 16,
+    ) -> None:
         parts = urlsplit(endpoint)
         if parts.username or parts.password:
-            raise ConfigError("s3 endpoint must not hold credentials: give them in s3_credentials_file")
+            raise ConfigError(
+                "s3 endpoint must not hold credentials: give them in s3_credentials_file"
+            )
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"s3 endpoint must look like https://host[:port] or http://host[:port], "
-                              f"got {parts.scheme or 'no'} scheme and host {parts.hostname or 'none'}")
+            raise ConfigError(
+                f"s3 endpoint must look like https://host[:port] or http://host[:port], "
+                f"got {parts.scheme or 'no'} scheme and host {parts.hostname or 'none'}"
+            )
         if not bucket:
             raise ConfigError("s3 bucket must be named")
         if (access_key_id is None) != (secret_access_key is None):
@@ -124,17 +142,39 @@ class S3Store(RemoteStore):
         port = f":{parts.port}" if parts.port else ""
         self._endpoint = f"{parts.scheme}://{parts.hostname}{port}{parts.path.rstrip('/')}/{bucket}"
         client_options: dict[str, Any] = {
-            "allow_http": parts.scheme == "http", "connect_timeout": f"{connect_timeout_ms}ms",
-            "timeout": f"{timeout_ms}ms", "pool_max_idle_per_host": str(max_connections)}
+            "allow_http": parts.scheme == "http",
+            "connect_timeout": f"{connect_timeout_ms}ms",
+            "timeout": f"{timeout_ms}ms",
+            "pool_max_idle_per_host": str(max_connections),
+        }
         if ca_file is not None:
             client_options["root_certificate"] = _read_pem(ca_file)
-        retry = {"max_retries": 1, "retry_timeout": timedelta(milliseconds=timeout_ms),
-                 "backoff": {"init_backoff": timedelta(milliseconds=20), "max_backoff": timedelta(milliseconds=100)}}
-        credentials = None if access_key_id is None else _StaticCredentials(access_key_id, secret_access_key or "")
+        retry = {
+            "max_retries": 1,
+            "retry_timeout": timedelta(milliseconds=timeout_ms),
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=20),
+                "max_backoff": timedelta(milliseconds=100),
+            },
+        }
+        credentials = (
+            None
+            if access_key_id is None
+            else _StaticCredentials(access_key_id, secret_access_key or "")
+        )
         self._store = _ObjectStore(
-            bucket, endpoint=endpoint, region=region, client_options=client_options, retry_config=retry,
-            credential_provider=credentials, unsigned_payload=True, skip_signature=False,
-            virtual_hosted_style_request=False, s3_express=False, conditional_put="etag")
+            bucket,
+            endpoint=endpoint,
+            region=region,
+            client_options=client_options,
+            retry_config=retry,
+            credential_provider=credentials,
+            unsigned_payload=True,
+            skip_signature=False,
+            virtual_hosted_style_request=False,
+            s3_express=False,
+            conditional_put="etag",
+        )
         self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="kvtier-s3")
         self._is_closed = False
 
@@ -147,11 +187,17 @@ class S3Store(RemoteStore):
     def get(self, names: Sequence[str]) -> list[bytes | memoryview | None]:
         return self._each("GET", self._get_one, names)
 
-    def get_into(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+    def get_into(
+        self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]
+    ) -> list[int | None]:
         """Each name's value copied into `buffers[i]` when its size is theirs; its size (None when absent)."""
-        return self._each("GET", lambda item: self._get_one_into(*item), list(zip(names, buffers, strict=True)))
+        return self._each(
+            "GET", lambda item: self._get_one_into(*item), list(zip(names, buffers, strict=True))
+        )
 
-    def put(self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None) -> list[bool]:
+    def put(
+        self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None
+    ) -> list[bool]:
         """PUT if absent, per item; `keep_s` needs nothing: kvtier never expires an object (a bucket's
         lifecycle rule may, and then the value is a miss)."""
         return self._each("PUT", self._put_one, items)
@@ -167,14 +213,20 @@ class S3Store(RemoteStore):
         a prefix that ends mid-segment lists its parent and keeps the names that match."""
         self._check_open()
         parent = prefix.rpartition("/")[0] or None
-        pages = _call("LIST", prefix, lambda: iter(obstore.list(self._store, parent, chunk_size=_LIST_CHUNK)))
+        pages = _call(
+            "LIST", prefix, lambda: iter(obstore.list(self._store, parent, chunk_size=_LIST_CHUNK))
+        )
         while (page := _call("LIST", prefix, lambda: next(pages, None))) is not None:
             yield from (meta["path"] for meta in page if meta["path"].startswith(prefix))
 
     def ping(self) -> None:
         """An empty listing: checks the server, the credentials and the bucket in one request."""
         self._check_open()
-        _call("LIST", _PING_PREFIX, lambda: next(iter(obstore.list(self._store, _PING_PREFIX, chunk_size=1)), None))
+        _call(
+            "LIST",
+            _PING_PREFIX,
+            lambda: next(iter(obstore.list(self._store, _PING_PREFIX, chunk_size=1)), None),
+        )
 
     def is_timeout(self, exc: BaseException) -> bool:
         """Whether `exc` timed out (for `ItemsFailed`: its first failure)."""
@@ -211,13 +263,17 @@ class S3Store(RemoteStore):
         body = np.frombuffer(memoryview(_call("GET", name, result.bytes)), np.uint8)
         if body.nbytes != expected:
             return body.nbytes
-        report = getattr(buffers, "received", None)  # an IncomingValue hashes each piece as it lands
+        report = getattr(
+            buffers, "received", None
+        )  # an IncomingValue hashes each piece as it lands
         offset = 0
         for buf in buffers:
             dest = np.frombuffer(_byte_view(buf), np.uint8)
             for start in range(0, dest.nbytes, _COPY_PIECE):
-                piece = dest[start:start + _COPY_PIECE]
-                np.copyto(piece, body[offset + start:offset + start + piece.nbytes])  # without the GIL
+                piece = dest[start : start + _COPY_PIECE]
+                np.copyto(
+                    piece, body[offset + start : offset + start + piece.nbytes]
+                )  # without the GIL
                 if report is not None:
                     report(memoryview(piece))
             offset += dest.nbytes
@@ -226,9 +282,15 @@ class S3Store(RemoteStore):
     def _put_one(self, item: tuple[str, ValueParts]) -> bool:
         name, parts = item
         views = [_byte_view(part) for part in parts]
-        body = views[0] if len(views) == 1 else views  # several parts: the client gathers them, we do not join
+        body = (
+            views[0] if len(views) == 1 else views
+        )  # several parts: the client gathers them, we do not join
         try:
-            _call("PUT", name, lambda: obstore.put(self._store, name, body, mode="create", use_multipart=False))
+            _call(
+                "PUT",
+                name,
+                lambda: obstore.put(self._store, name, body, mode="create", use_multipart=False),
+            )
         except (AlreadyExistsError, PreconditionError):
             return False
         return True
@@ -251,8 +313,12 @@ class S3Store(RemoteStore):
             for future in running:
                 future.cancel()
             still_running = [future for future in running if not future.cancelled()]
-            logger.debug("kvtier: an S3 %s of a batch of %d failed; waiting for the %d request(s) still running",
-                         op, len(items), len(still_running))
+            logger.debug(
+                "kvtier: an S3 %s of a batch of %d failed; waiting for the %d request(s) still running",
+                op,
+                len(items),
+                len(still_running),
+            )
             wait(still_running)
         return _results(op, futures)
 
@@ -279,8 +345,12 @@ class _StaticCredentials:
     """A credential provider that obstore calls once (no expiry); its repr hides the secret."""
 
     def __init__(self, access_key_id: str, secret_access_key: str):
-        self._credential = {"access_key_id": access_key_id, "secret_access_key": secret_access_key,
-                            "token": None, "expires_at": None}
+        self._credential = {
+            "access_key_id": access_key_id,
+            "secret_access_key": secret_access_key,
+            "token": None,
+            "expires_at": None,
+        }
 
     def __call__(self) -> dict[str, Any]:
         return dict(self._credential)
@@ -295,7 +365,9 @@ def _call(op: str, name: str, fn: Callable[[], _R]) -> _R:
     try:
         return fn()
     except FileNotFoundError as exc:
-        if "<Code>NoSuchBucket</Code>" in str(exc):  # a GET's 404 says which (a HEAD's cannot: no body)
+        if "<Code>NoSuchBucket</Code>" in str(
+            exc
+        ):  # a GET's 404 says which (a HEAD's cannot: no body)
             raise _error(op, name, exc) from exc
         raise
     except (AlreadyExistsError, PreconditionError):
@@ -328,13 +400,17 @@ def _results(op: str, futures: Sequence[Future[_R]]) -> list[_R]:
     errors: dict[int, BaseException] = {}
     for i, future in enumerate(futures):
         if future.cancelled():
-            errors[i] = S3StoreError(f"S3 {op}: not sent (another request of its batch failed first)")
+            errors[i] = S3StoreError(
+                f"S3 {op}: not sent (another request of its batch failed first)"
+            )
         elif (exc := future.exception()) is not None:
             errors[i] = exc
         results.append(None if i in errors else future.result())
     if not errors:
         return results  # type: ignore[return-value]  (no item failed: every one has its result)
-    first = next((exc for i, exc in errors.items() if not futures[i].cancelled()), errors[min(errors)])
+    first = next(
+        (exc for i, exc in errors.items() if not futures[i].cancelled()), errors[min(errors)]
+    )
     if len(errors) == len(futures):
         raise first
     raise ItemsFailed(results, errors, first)
@@ -350,4 +426,6 @@ def _read_pem(path: str) -> str:
     try:
         return Path(path).read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"s3 ca_file {path}: cannot read it as a PEM file ({type(exc).__name__})") from None
+        raise ConfigError(
+            f"s3 ca_file {path}: cannot read it as a PEM file ({type(exc).__name__})"
+        ) from None

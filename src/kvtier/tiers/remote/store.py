@@ -39,7 +39,9 @@ from kvtier.errors import KVTierError
 
 __all__ = ["ItemsFailed", "RemoteStore", "ValueParts"]
 
-ValueParts = Sequence[bytes | memoryview]  # one value = its parts back to back (header, then one per rank)
+ValueParts = Sequence[
+    bytes | memoryview
+]  # one value = its parts back to back (header, then one per rank)
 
 
 class ItemsFailed(KVTierError):
@@ -51,7 +53,9 @@ class ItemsFailed(KVTierError):
         first: the failure of the lowest index (the message's; `is_timeout` asks about it).
     """
 
-    def __init__(self, results: Sequence[object], errors: dict[int, BaseException], first: BaseException):
+    def __init__(
+        self, results: Sequence[object], errors: dict[int, BaseException], first: BaseException
+    ):
         super().__init__(f"{len(errors)} of {len(results)} items failed; the first: {first}")
         self.results = list(results)
         self.errors = errors
@@ -62,7 +66,9 @@ class RemoteStore(ABC):
     """Blocking byte operations on one remote store; see the module docstring."""
 
     medium: str = "remote"  # "redis", "s3": the tier's name in metrics and events
-    separator: str = ":"  # between the parts of a name: "<prefix>:<namespace id>:<key hex>" ("/" for S3)
+    separator: str = (
+        ":"  # between the parts of a name: "<prefix>:<namespace id>:<key hex>" ("/" for S3)
+    )
 
     @abstractmethod
     def describe(self) -> str:
@@ -76,7 +82,9 @@ class RemoteStore(ABC):
     def get(self, names: Sequence[str]) -> list[bytes | memoryview | None]:
         """Each name's whole value (None when absent), in order."""
 
-    def get_into(self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+    def get_into(
+        self, names: Sequence[str], buffers: Sequence[Sequence[memoryview]]
+    ) -> list[int | None]:
         """Each name's value written into `buffers[i]` (back to back); returns each value's size
         (None when absent). Where the size is not the bytes of `buffers[i]` they are left
         unspecified. Stores that can receive straight into the buffers override this (it
@@ -96,12 +104,14 @@ class RemoteStore(ABC):
             if view.nbytes == sum(buf.nbytes for buf in bufs):
                 offset = 0
                 for buf in bufs:
-                    buf.cast("B")[:] = view[offset:offset + buf.nbytes]
+                    buf.cast("B")[:] = view[offset : offset + buf.nbytes]
                     offset += buf.nbytes
         return sizes
 
     @abstractmethod
-    def put(self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None) -> list[bool]:
+    def put(
+        self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None
+    ) -> list[bool]:
         """Write each value unless its name exists; True where written, False where it existed.
 
         The parts are read (not kept) before this returns; a store sends them with as few

@@ -67,23 +67,34 @@ _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
 class RemoteTier(RemoteIO, SecondaryTier):
     """Args:
-        store: the remote store's byte operations.
-        namespace: what the values' bytes mean.
-        prefix: the first part of every name.
-        key_secret: the keyed mode's deployment secret (None: plain names; see `values`).
-        io_threads: size of the read pool and of the write pool.
-        probe_batch: keys per existence round trip at most.
-        absent_ttl_s: how long a key found absent is answered MISS without asking again.
-        max_known: keys remembered as present at most (the oldest are forgotten first).
-        breaker: the circuit breaker (default: 5 failures, retry every 1 s).
-        enable_events: record stored/removed events for `take_events`.
-        start_open: the store did not answer at start: begin with the breaker open.
+    store: the remote store's byte operations.
+    namespace: what the values' bytes mean.
+    prefix: the first part of every name.
+    key_secret: the keyed mode's deployment secret (None: plain names; see `values`).
+    io_threads: size of the read pool and of the write pool.
+    probe_batch: keys per existence round trip at most.
+    absent_ttl_s: how long a key found absent is answered MISS without asking again.
+    max_known: keys remembered as present at most (the oldest are forgotten first).
+    breaker: the circuit breaker (default: 5 failures, retry every 1 s).
+    enable_events: record stored/removed events for `take_events`.
+    start_open: the store did not answer at start: begin with the breaker open.
     """
 
-    def __init__(self, store: RemoteStore, namespace: Namespace, *, prefix: str = "kvtier",
-                 key_secret: bytes | None = None, io_threads: int = 4, probe_batch: int = 256,
-                 absent_ttl_s: float = 0.5, max_known: int = 1 << 18, breaker: CircuitBreaker | None = None,
-                 enable_events: bool = True, start_open: bool = False):
+    def __init__(
+        self,
+        store: RemoteStore,
+        namespace: Namespace,
+        *,
+        prefix: str = "kvtier",
+        key_secret: bytes | None = None,
+        io_threads: int = 4,
+        probe_batch: int = 256,
+        absent_ttl_s: float = 0.5,
+        max_known: int = 1 << 18,
+        breaker: CircuitBreaker | None = None,
+        enable_events: bool = True,
+        start_open: bool = False,
+    ):
         self.store, self.medium = store, store.medium
         self.codec = ValueCodec(namespace, prefix, store.separator, key_secret)
         self.breaker = breaker or CircuitBreaker()
@@ -94,15 +105,33 @@ class RemoteTier(RemoteIO, SecondaryTier):
         self._book = RemoteReports(self.medium, enable_events)  # under _lock
         self._counters = self._book.counters
         self._queued_store_bytes = 0
-        self._retention: RetentionBook | None = None  # the manager's hints: values kept longer (a TTL)
+        self._retention: RetentionBook | None = (
+            None  # the manager's hints: values kept longer (a TTL)
+        )
         self._log = RateLimitedLog(logger)
         self._workers = Workers(self._cond, io_threads, io_threads, logger, self.medium)
-        self._reset = ResetSweep(self._cond, store, self.codec.name_prefix, self._workers, self._log,
-                                 self.breaker.retry_s)  # under _lock
+        self._reset = ResetSweep(
+            self._cond,
+            store,
+            self.codec.name_prefix,
+            self._workers,
+            self._log,
+            self.breaker.retry_s,
+        )  # under _lock
         if start_open:
             self.breaker.open_now()
-        self._prober = ProbeThread(self._cond, self._keys, store, self.codec.name, self.breaker, self._reset,
-                                   self._counters, self._failed, self._log, probe_batch)
+        self._prober = ProbeThread(
+            self._cond,
+            self._keys,
+            store,
+            self.codec.name,
+            self.breaker,
+            self._reset,
+            self._counters,
+            self._failed,
+            self._log,
+            probe_batch,
+        )
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -158,13 +187,26 @@ class RemoteTier(RemoteIO, SecondaryTier):
             if self._rejected_locked(job):
                 return
             generation = self._reset.admit_locked()
-            bad = {k for k, bufs in zip(job.keys, job.buffers, strict=True) if not self.codec.fits(k, bufs)}
+            bad = {
+                k
+                for k, bufs in zip(job.keys, job.buffers, strict=True)
+                if not self.codec.fits(k, bufs)
+            }
             self._counters["bad_jobs"] += len(bad)
-            todo = [(k, bufs) for k, bufs in zip(job.keys, job.buffers, strict=True)
-                    if k not in self._keys and k not in bad]
-            known = [k for k in job.keys if k in self._keys and k not in bad] if self.store.expires else []
+            todo = [
+                (k, bufs)
+                for k, bufs in zip(job.keys, job.buffers, strict=True)
+                if k not in self._keys and k not in bad
+            ]
+            known = (
+                [k for k in job.keys if k in self._keys and k not in bad]
+                if self.store.expires
+                else []
+            )
             self._queued_store_bytes += len(todo) * self.codec.payload_bytes
-        self._workers.write(self._job, self._store, job, generation, todo, bad, known, time.perf_counter())
+        self._workers.write(
+            self._job, self._store, job, generation, todo, bad, known, time.perf_counter()
+        )
 
     # -- what the manager reads -------------------------------------------------------------------
 
@@ -183,10 +225,18 @@ class RemoteTier(RemoteIO, SecondaryTier):
     def stats(self) -> TierStats:
         with self._cond:
             counters = Counter(self._counters)
-            counters["breaker_opens"], counters["breaker_closes"] = self.breaker.num_opens, self.breaker.num_closes
-            return TierStats(self.medium, 0, used_bytes=len(self._keys) * self.codec.value_bytes,
-                             queued_store_bytes=self._queued_store_bytes, counters=counters,
-                             gauges={"breaker_open": float(self.breaker.is_open)})
+            counters["breaker_opens"], counters["breaker_closes"] = (
+                self.breaker.num_opens,
+                self.breaker.num_closes,
+            )
+            return TierStats(
+                self.medium,
+                0,
+                used_bytes=len(self._keys) * self.codec.value_bytes,
+                queued_store_bytes=self._queued_store_bytes,
+                counters=counters,
+                gauges={"breaker_open": float(self.breaker.is_open)},
+            )
 
     # -- reset and lifecycle ------------------------------------------------------------------------
 
@@ -213,7 +263,9 @@ class RemoteTier(RemoteIO, SecondaryTier):
         found = self.store.exists([self.codec.name(k) for k in known]) if known else []
         phantoms = [k for k, is_there in zip(known, found, strict=True) if not is_there]
         if phantoms:
-            raise InvariantError(f"{self.medium} tier: {len(phantoms)} key(s) known present are not in the store")
+            raise InvariantError(
+                f"{self.medium} tier: {len(phantoms)} key(s) known present are not in the store"
+            )
 
     def close(self) -> None:
         if not self._prober.stop():

@@ -45,18 +45,22 @@ __all__ = ["TAG_BYTES", "IncomingValue", "ValueCodec"]
 
 _MAX_KEY_BYTES = 64  # what a ValueHeader holds
 TAG_BYTES = 32  # keyed mode's trailer
-_MAC_CONTEXT = "kvtier 2025-06 remote value tag v1"  # BLAKE3 key derivation: a fixed, unique context
+_MAC_CONTEXT = (
+    "kvtier 2025-06 remote value tag v1"  # BLAKE3 key derivation: a fixed, unique context
+)
 
 
 class ValueCodec:
     """Args:
-        namespace: what the bytes mean.
-        prefix: the first part of every name (e.g. "kvtier").
-        separator: between the parts (":" for Redis, "/" for S3).
-        key_secret: the deployment secret of the keyed mode (None: plain names, no tag).
+    namespace: what the bytes mean.
+    prefix: the first part of every name (e.g. "kvtier").
+    separator: between the parts (":" for Redis, "/" for S3).
+    key_secret: the deployment secret of the keyed mode (None: plain names, no tag).
     """
 
-    def __init__(self, namespace: Namespace, prefix: str, separator: str, key_secret: bytes | None = None):
+    def __init__(
+        self, namespace: Namespace, prefix: str, separator: str, key_secret: bytes | None = None
+    ):
         self.namespace_id = namespace.id
         self.payload_bytes = namespace.payload_bytes
         self.is_keyed = key_secret is not None
@@ -64,7 +68,11 @@ class ValueCodec:
         self.value_bytes = HEADER_BYTES + self.payload_bytes + self.tag_bytes
         self.name_prefix = f"{prefix}{separator}{namespace.id_hex}{separator}"
         self._secret = key_secret
-        self._mac_key = None if key_secret is None else blake3(key_secret, derive_key_context=_MAC_CONTEXT).digest()
+        self._mac_key = (
+            None
+            if key_secret is None
+            else blake3(key_secret, derive_key_context=_MAC_CONTEXT).digest()
+        )
 
     def stored_key(self, key: OffloadKey) -> bytes:
         """The key as the store sees it (in the name and the header)."""
@@ -77,11 +85,15 @@ class ValueCodec:
 
     def fits(self, key: OffloadKey, buffers: Sequence[memoryview]) -> bool:
         """Whether a job's chunk can be stored: a key a header holds and a whole payload."""
-        return (self.is_keyed or len(key) <= _MAX_KEY_BYTES) and sum(b.nbytes for b in buffers) == self.payload_bytes
+        return (self.is_keyed or len(key) <= _MAX_KEY_BYTES) and sum(
+            b.nbytes for b in buffers
+        ) == self.payload_bytes
 
     def pack(self, key: OffloadKey, buffers: Sequence[memoryview]) -> list[bytes | memoryview]:
         """The value's parts: the header (with the payload's checksum), the buffers, the tag (keyed)."""
-        header = ValueHeader(self.namespace_id, self.stored_key(key), self.payload_bytes, checksum(buffers)).pack()
+        header = ValueHeader(
+            self.namespace_id, self.stored_key(key), self.payload_bytes, checksum(buffers)
+        ).pack()
         if self._mac_key is None:
             return [header, *buffers]
         return [header, *buffers, self._tag(header, buffers)]
@@ -92,7 +104,9 @@ class ValueCodec:
         tag = (memoryview(bytearray(TAG_BYTES)),) if self.is_keyed else ()
         parts = (memoryview(bytearray(HEADER_BYTES)), *buffers, *tag)
         if self._mac_key is None:  # the checksum covers the payload
-            return IncomingValue(parts, xxhash.xxh3_64(), HEADER_BYTES, HEADER_BYTES + self.payload_bytes)
+            return IncomingValue(
+                parts, xxhash.xxh3_64(), HEADER_BYTES, HEADER_BYTES + self.payload_bytes
+            )
         return IncomingValue(parts, blake3(key=self._mac_key), 0, HEADER_BYTES + self.payload_bytes)
 
     def check(self, key: OffloadKey, size: int, parts: Sequence[memoryview]) -> str | None:
@@ -102,19 +116,27 @@ class ValueCodec:
         bytes nobody may read (a PENDING slot)."""
         if size != self.value_bytes:
             return f"{size} bytes, expected {self.value_bytes}"
-        header, payload = parts[0], parts[1:len(parts) - (1 if self.is_keyed else 0)]
+        header, payload = parts[0], parts[1 : len(parts) - (1 if self.is_keyed else 0)]
         unpacked = ValueHeader.unpack(header)
         if isinstance(unpacked, str):
             return unpacked
-        if (why := unpacked.mismatch(self.namespace_id, self.stored_key(key), self.payload_bytes)) is not None:
+        if (
+            why := unpacked.mismatch(self.namespace_id, self.stored_key(key), self.payload_bytes)
+        ) is not None:
             return why
         # the digest of the pieces the store reported, when they were the whole value; else of the buffers
-        hashed = parts.hasher if isinstance(parts, IncomingValue) and parts.num_received == size else None
+        hashed = (
+            parts.hasher
+            if isinstance(parts, IncomingValue) and parts.num_received == size
+            else None
+        )
         if self.is_keyed:
             tag = self._tag(header, payload) if hashed is None else hashed.digest()
             if not hmac.compare_digest(tag, parts[-1]):
                 return "tag mismatch (not written with this deployment's secret, or altered)"
-        elif (checksum(payload) if hashed is None else hashed.intdigest()) != unpacked.payload_checksum:
+        elif (
+            checksum(payload) if hashed is None else hashed.intdigest()
+        ) != unpacked.payload_checksum:
             return "payload checksum mismatch"
         return None
 
@@ -141,7 +163,9 @@ class IncomingValue(tuple):
     hasher: xxhash.xxh3_64 | blake3
     num_received: int
 
-    def __new__(cls, parts: Sequence[memoryview], hasher: xxhash.xxh3_64 | blake3, start: int, end: int):
+    def __new__(
+        cls, parts: Sequence[memoryview], hasher: xxhash.xxh3_64 | blake3, start: int, end: int
+    ):
         self = super().__new__(cls, parts)
         self.hasher, self.num_received, self._start, self._end = hasher, 0, start, end
         return self
@@ -152,4 +176,4 @@ class IncomingValue(tuple):
         self.num_received += piece.nbytes
         lo, hi = max(first, self._start), min(self.num_received, self._end)
         if lo < hi:
-            self.hasher.update(piece[lo - first:hi - first])
+            self.hasher.update(piece[lo - first : hi - first])
