@@ -5,10 +5,14 @@ and no torch, and modules short enough to read."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-MAX_LINES = 300
+# a soft limit, counted on the formatted source (`ruff format --check` runs first in make test):
+# a longer module opens its docstring with "Longer than 500 lines: <reason>."
+MAX_LINES = 500
+EXEMPTION = re.compile(rf"Longer than {MAX_LINES} lines: [^.]+\.")
 # lower layers first; a module may import its own layer and those before it, never one after
 LAYERS = [
     ("kvtier.errors",),
@@ -119,6 +123,14 @@ def test_every_module_is_short_or_says_why_not():
     for module, path in _modules().items():
         lines = len(path.read_text().splitlines())
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        if lines > MAX_LINES and "longer than" not in doc.lower():
+        if lines > MAX_LINES and not EXEMPTION.match(doc):
             long.append(f"{module}: {lines} lines")
     assert not long
+
+
+def test_the_exemption_is_a_docstrings_opening_sentence_only():
+    """A module that merely mentions being longer, anywhere but its first words, is not exempt."""
+    assert EXEMPTION.match(f"Longer than {MAX_LINES} lines: one state machine, read top to bottom.")
+    assert not EXEMPTION.match(f"Store names. Longer than {MAX_LINES} lines: a reason.")
+    assert not EXEMPTION.match("This module is longer than it should be.")
+    assert not EXEMPTION.match(f"Longer than {MAX_LINES} lines")

@@ -1,5 +1,5 @@
-"""The offloading-manager contract and the small types that cross it. Longer than 300 lines: the
-contract is one concept, its primitives in call order with their optional hooks, kept in one place.
+"""The offloading-manager contract and the small types that cross it: one concept, its
+primitives in call order with their optional hooks, kept in one place.
 
 An `OffloadingManager` holds metadata only: for every offloaded chunk (named by an
 `OffloadKey`) where it lives, whether it can be read, and who pins it. It never

@@ -1,5 +1,5 @@
-"""Any eviction policy, honoring the client's hints: `RetainingPolicy`. Longer than 300 lines: one
-class and the invariant it keeps (every held key in the wrapped policy or set aside, never both).
+"""Any eviction policy, honoring the client's hints: `RetainingPolicy`, one class and the
+invariant it keeps (every held key in the wrapped policy or set aside, never both).
 
 It wraps a `CachePolicy` (LRU, ARC, turns, adaptive, an out-of-tree one) so that its tier evicts
 by the ranks of a `kvtier.policies.retention.RetentionBook`, lowest first:

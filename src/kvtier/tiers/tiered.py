@@ -1,5 +1,4 @@
 """`TieredManager`: the CPU tier as primary, an ordered list of secondary tiers behind it.
-Longer than 300 lines: one class, the one owner of every chunk's metadata across the tiers.
 
 It is the one owner of all chunk metadata (see DESIGN, "Who owns the bytes"). Workers only
 copy engine KV <-> host slab; this manager moves chunks host slab <-> secondary tiers, by

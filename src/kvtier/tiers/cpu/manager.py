@@ -1,5 +1,5 @@
-"""The CPU tier: metadata of the host slab that sits next to the engine. Longer than 300 lines:
-one class and the invariants its `check()` verifies, kept beside the code that keeps them.
+"""The CPU tier: metadata of the host slab that sits next to the engine: one class and the
+invariants its `check()` verifies, kept beside the code that keeps them.
 
 `CPUTierManager` is the primary tier of the `OffloadingManager` contract (see
 `kvtier.base`). It owns the bookkeeping — one `Chunk` (slot, state, pin count) per
