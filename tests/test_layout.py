@@ -1,6 +1,6 @@
-"""The plan of the house (DESIGN.md, "Where things go"), read from the source's imports: no
-import cycle, no import from a lower layer up, a tiers library that needs no user configuration
-and no torch, and modules short enough to read."""
+"""The plan of the house (docs/architecture.md, "Layers and data flow" and "Where things go"),
+read from the source's imports: no import cycle, no import from a lower layer up, a tiers library
+that needs no user configuration and no torch, and modules short enough to read."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Outputs with kvtier must equal outputs without it: the same token ids, the same top-3
 tokens, logprobs within LOGPROB_TOL across engines (vLLM on CPU is not bitwise
 reproducible across engines), and bit for bit within one engine when kvtier serves a
-prefix that vLLM's own prefix cache served before (DESIGN.md's exact reference).
+prefix that vLLM's own prefix cache served before (docs/architecture.md, "Testing strategy":
+the exact reference).
 
 Every kvtier engine runs its whole workload inside its fixture and is shut down before the
 next one starts (one engine per configuration); the outputs without kvtier come from the

@@ -1,10 +1,10 @@
 """Cancelling a transfer whose copy is already running (issue #20, suspicion S1).
 
-The rule (DESIGN.md, "Jobs"): past its deadline a job is failed, and a late copy never writes
-blocks or slots handed to someone else. So once `TransferEngine.cancel` returned, no copy of a
-cancelled job touches engine blocks or slab slots any more, and a cancelled job reports every
-chunk failed — a store whose blocks the next forward pass rewrites mid-copy must never be
-reported stored.
+The rule (docs/architecture.md, "Jobs"): past its deadline a job is failed, and a late copy
+never writes blocks or slots handed to someone else. So once `TransferEngine.cancel` returned,
+no copy of a cancelled job touches engine blocks or slab slots any more, and a cancelled job
+reports every chunk failed — a store whose blocks the next forward pass rewrites mid-copy must
+never be reported stored.
 
 A copy is made "running" with plain size: 256 chunks of 1 MiB (25-60 ms on the 2-core
 development machine), observed to have begun before the cancel. The copier is the real one,
