@@ -34,6 +34,7 @@ __all__ = ["CASCADE_CTX", "Submit", "WriteDown"]
 CASCADE_CTX = ReqContext("\x00kvtier:cascade")  # holds the pins of slots being written down
 
 # (kind, tier index, keys, ctx, one buffer per rank for each key, staging rows the job holds)
+# -> the job's flight
 Submit = Callable[
     [
         FlightKind,
@@ -43,7 +44,7 @@ Submit = Callable[
         tuple[tuple[memoryview, ...], ...],
         tuple[int, ...],
     ],
-    None,
+    Flight,
 ]
 
 
