@@ -214,9 +214,14 @@ class TieredManager(OffloadingManager):
             return False
         self._rates.explored(index)
         tier = self._tiers[index].tier
-        key = next(
-            (k for k in keys if self.primary.place(k) is None and tier.lookup(k) is _HIT), None
-        )
+        key = None
+        for candidate in keys:
+            if self.primary.place(candidate) is not None:
+                continue
+            # (the tier counts the question as one of its lookups)
+            if tier.lookup(candidate) is _HIT:
+                key = candidate
+                break
         if key is None:
             return False
         # the tier's job holds the buffers until it reports, however late: nothing else uses them
@@ -307,8 +312,12 @@ class TieredManager(OffloadingManager):
     def drain(self, timeout_s: float) -> bool:
         """Wait until each tier's jobs ended, up to `timeout_s` per tier; True if none is left.
         Their results are applied at the next call."""
-        # a list, not a generator: every tier drains, also after one that did not
-        return all([slot.tier.drain(timeout_s) for slot in self._tiers])
+        is_drained = True
+        for slot in self._tiers:
+            # every tier drains, also after one that did not
+            if not slot.tier.drain(timeout_s):
+                is_drained = False
+        return is_drained
 
     def close(self) -> None:
         """Wait (bounded) for the tiers' jobs, release what they held, stop the tiers."""
