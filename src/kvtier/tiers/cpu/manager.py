@@ -9,11 +9,8 @@ one eviction are chosen by `kvtier.tiers.cpu.eviction`). The bytes live in the h
 class never sees them.
 
 How a chunk enters: `prepare_store` admits a key on its `store_threshold`-th offer
-(`kvtier.tiers.admission`); `prepare_promotion` (a chunk read back from a secondary tier) admits
-always and spares the request's own prefix chain. Either makes room by eviction — never of the
-call's own keys or of a pinned chunk — and reserves PENDING slots. `complete_store` makes the
-written chunks READY (the policy holds them from then on, in the request's chain order) or frees
-them; `abandon` gives up on a PENDING write whose slot is freed only once the write reports.
+(`kvtier.tiers.admission`), `prepare_promotion` (read back from a secondary tier) always; both
+make room by eviction and reserve PENDING slots, which `complete_store` makes READY or frees.
 
 Invariants (verified by `check()`):
 - every chunk has exactly one slot; used + free slots = num_slots;
@@ -21,7 +18,8 @@ Invariants (verified by `check()`):
   so a PENDING chunk is never evicted; pinned READY chunks, and heads whose tail is held
   (`kvtier.tiers.cpu.chains`), are protected at eviction;
 - a chunk's pin count equals the pins its requests hold;
-- the pending, retired, pinned and evictable counters equal what the chunks say.
+- the pending, retired, pinned and evictable counters equal what the chunks say;
+- the tenant quotas charge exactly the chunks the tier holds.
 
 Thread-safety: not thread-safe. The scheduler calls it from one thread.
 """
