@@ -13,7 +13,7 @@ from kvtier import CPUTierManager, LookupResult
 from kvtier.base import ReqContext
 from kvtier.hints import Hints
 from kvtier.policies import CachePolicy
-from kvtier.tiers.cpu import stores
+from kvtier.tiers.cpu import eviction
 
 POLICIES = ("lru", "arc", "turns", "adaptive")
 
@@ -73,13 +73,13 @@ class _Counted(CachePolicy):
 def protected_tests(monkeypatch) -> list[int]:
     """[how many times an eviction asked whether a chunk is protected]: the work of its scans."""
     tests = [0]
-    contains = stores._Protected.__contains__
+    contains = eviction.Protected.__contains__
 
     def counted(self, k):
         tests[0] += 1
         return contains(self, k)
 
-    monkeypatch.setattr(stores._Protected, "__contains__", counted)
+    monkeypatch.setattr(eviction.Protected, "__contains__", counted)
     return tests
 
 

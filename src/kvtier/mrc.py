@@ -23,7 +23,7 @@ recent, without counting. A key is cached by its store, not by the lookup that m
 requests admitted together ask for a prefix neither has computed yet, and the second cannot hit
 (a synthetic replay through the simulator: predicted 0.25 where the tier got 0). A plain cache's
 stream (every miss stored) is `lookup` then `store` per reference. A tier's owner counts each
-request's lookups once (`kvtier.tiers.curves`).
+request's lookups once (`kvtier.tiers.tiered.TieredManager.count_query`).
 
 Thread-safety: not thread-safe; a tier's owner calls it from one thread (the scheduler's).
 """

@@ -33,9 +33,8 @@ class ReuseGate:
             )
         self.threshold = threshold
         self.max_tracked = max_tracked
-        self._offers: OrderedDict[OffloadKey, frozenset[str]] = (
-            OrderedDict()
-        )  # key -> requests that offered it
+        # key -> requests that offered it
+        self._offers: OrderedDict[OffloadKey, frozenset[str]] = OrderedDict()
 
     def admit(self, key: OffloadKey, req_id: str) -> bool:
         """Count `req_id`'s offer of `key` (once per request); True once it reached the threshold."""

@@ -31,7 +31,8 @@ from kvtier.tiers.secondary import SecondaryTier
 __all__ = ["WRITE_MODES", "SecondarySlot", "StagingRows", "TierRules"]
 
 WRITE_MODES = ("write_through", "on_evict")
-_EWMA = 0.2  # weight of the newest store in the latency estimate
+# weight of the newest store in the latency estimate
+_EWMA = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +69,14 @@ class SecondarySlot:
     __slots__ = ("counters", "gate", "mrc", "rules", "store_seconds", "tier")
 
     def __init__(self, tier: SecondaryTier, rules: TierRules, max_tracked: int):
-        self.tier, self.rules = tier, rules
+        self.tier = tier
+        self.rules = rules
         self.gate = ReuseGate(rules.min_offers, max_tracked) if rules.min_offers > 1 else None
-        self.store_seconds = 0.0  # moving average of store jobs' latency, submit to result
+        # moving average of store jobs' latency, submit to result
+        self.store_seconds = 0.0
         self.counters: Counter[str] = Counter()
-        self.mrc = (
-            MissRatioCurve()
-        )  # the tier's hit ratio at other sizes, from its lookups and writes
+        # the tier's hit ratio at other sizes, from its lookups and writes
+        self.mrc = MissRatioCurve()
 
     @property
     def is_write_through(self) -> bool:
@@ -84,10 +86,12 @@ class SecondarySlot:
         return self.gate is None or self.gate.has_admitted(key)
 
     def is_backed_up(self, num_bytes: int) -> bool:
-        """True when a store of `num_bytes` more must be dropped now."""
+        """True when a store of `num_bytes` more must be dropped now. A tier with nothing queued
+        forgets its latency estimate here."""
         queued = self.tier.queued_store_bytes
         if queued == 0:
-            self.store_seconds = 0.0  # caught up: a slow spell is over
+            # caught up: a slow spell is over
+            self.store_seconds = 0.0
         return (
             queued + num_bytes > self.rules.max_queue_bytes
             or self.store_seconds > self.rules.max_store_seconds

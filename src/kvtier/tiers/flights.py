@@ -6,7 +6,7 @@ gives back its share of the promotion budget and its chunk reads as a miss (no r
 for it any more). What the job holds — a slab slot being read into, a pinned slot or a
 staging row being written from — stays held until the tier reports the job, however late:
 a read stuck in the kernel may still write its slot, so that slot is never handed to another
-chunk before then (DESIGN.md, "Jobs": a late completion only frees what it held).
+chunk before then (docs/architecture.md, "Jobs": a late completion only frees what it held).
 
 Thread-safety: not thread-safe; the manager calls it from one thread.
 """
@@ -28,15 +28,18 @@ class FlightKind(enum.Enum):
     """Why a tier job runs. A promotion and an exploration are loads (`TierJob.is_store` False), the
     others stores."""
 
-    PROMOTION = "promotion"  # secondary -> a PENDING CPU slot
-    EXPLORATION = (
-        "exploration"  # secondary -> a scratch buffer, to measure the tier (nothing keeps it)
-    )
-    CASCADE = "cascade"  # a pinned READY CPU slot -> secondary
-    EVICTED = "evicted"  # a staging row (an evicted chunk's bytes) -> an on_evict secondary
+    # secondary -> a PENDING CPU slot
+    PROMOTION = "promotion"
+    # secondary -> a scratch buffer, to measure the tier (nothing keeps it)
+    EXPLORATION = "exploration"
+    # a pinned READY CPU slot -> secondary
+    CASCADE = "cascade"
+    # a staging row (an evicted chunk's bytes) -> an on_evict secondary
+    EVICTED = "evicted"
 
 
-READS = (FlightKind.PROMOTION, FlightKind.EXPLORATION)  # the kinds that read from a tier
+# the kinds that read from a tier
+READS = (FlightKind.PROMOTION, FlightKind.EXPLORATION)
 
 
 @dataclass(slots=True)
@@ -51,7 +54,8 @@ class Flight:
     submitted_at: float
     deadline: float
     staging_rows: tuple[int, ...] = ()
-    is_expired: bool = False  # past its deadline: nobody waits for it; what it holds is still held
+    # past its deadline: nobody waits for it; what it holds is still held
+    is_expired: bool = False
 
 
 class Flights:
@@ -66,7 +70,8 @@ class Flights:
             raise ConfigError(f"the tier job timeout must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
         self._by_id: dict[int, Flight] = {}
-        self._due: deque[tuple[float, int]] = deque()  # (deadline, job id), deadlines ascending
+        # (deadline, job id), deadlines ascending
+        self._due: deque[tuple[float, int]] = deque()
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -49,10 +49,14 @@ class Namespace:
     hash_algo: str
     world_size: int
     slot_bytes: int
-    extra: str = ""  # anything else an engine adapter knows to matter (e.g. the parallel layout)
-    engine: str = ""  # digest of the engine-side factors that change KV bytes
-    weights: str = ""  # identity of the weight files' content
-    label: str = field(default="", compare=False)  # for people; not part of the id
+    # anything else an engine adapter knows to matter (e.g. the parallel layout)
+    extra: str = ""
+    # digest of the engine-side factors that change KV bytes
+    engine: str = ""
+    # identity of the weight files' content
+    weights: str = ""
+    # for people; not part of the id
+    label: str = field(default="", compare=False)
 
     @property
     def id(self) -> bytes:

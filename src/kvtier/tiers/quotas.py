@@ -89,7 +89,9 @@ class _OthersOf:
     def __init__(
         self, tenant: str, tenant_of: dict[OffloadKey, str], protected: Container[OffloadKey]
     ):
-        self.tenant, self.tenant_of, self.protected = tenant, tenant_of, protected
+        self.tenant = tenant
+        self.tenant_of = tenant_of
+        self.protected = protected
 
     def __contains__(self, key: object) -> bool:
         return key in self.protected or self.tenant_of.get(key) != self.tenant  # type: ignore[call-overload]

@@ -31,7 +31,8 @@ from kvtier.tiers.secondary import SecondaryTier, TierResult
 
 __all__ = ["TierRates"]
 
-_MIN_READS = 3  # fewer measured reads: the tier's writes stand in
+# fewer measured reads: the tier's writes stand in
+_MIN_READS = 3
 
 
 class TierRates:
@@ -41,9 +42,12 @@ class TierRates:
         self._media = [t.medium for t in tiers]
         self._reads = [TransferRate(read_prior(t.medium)) for t in tiers]
         self._writes = [TransferRate(read_prior(t.medium)) for t in tiers]
-        self._queued = Counter[int]()  # tier index -> bytes of reads in flight
-        self._writing = Counter[int]()  # tier index -> writes in flight
-        self._unanswered = Counter[int]()  # tier index -> reads given up on, not reported yet
+        # tier index -> bytes of reads in flight
+        self._queued = Counter[int]()
+        # tier index -> writes in flight
+        self._writing = Counter[int]()
+        # tier index -> reads given up on, not reported yet
+        self._unanswered = Counter[int]()
         self._explorations = [Exploration() for _ in tiers]
         self._clock = clock
 

@@ -20,7 +20,8 @@ class TierReports:
     """Args: medium: the tier's name in its events; enable_events: record events (else `emit` drops them)."""
 
     def __init__(self, medium: str, enable_events: bool):
-        self.medium, self.enable_events = medium, enable_events
+        self.medium = medium
+        self.enable_events = enable_events
         self.finished: list[TierResult] = []
         self.events: list[OffloadingEvent] = []
         self.counters: Counter[str] = Counter()

@@ -1,9 +1,9 @@
 """`TieredManager`: the CPU tier as primary, an ordered list of secondary tiers behind it.
 
-It is the one owner of all chunk metadata (see DESIGN, "Who owns the bytes"). Workers only
-copy engine KV <-> host slab; this manager moves chunks host slab <-> secondary tiers, by
-handing `TierJob`s over rows of the shared slab to the tiers, whose I/O runs on threads of
-their own — never on the scheduler's thread, never inside the forward pass.
+It is the one owner of all chunk metadata (see docs/architecture.md, "Who owns the bytes").
+Workers only copy engine KV <-> host slab; this manager moves chunks host slab <-> secondary
+tiers, by handing `TierJob`s over rows of the shared slab to the tiers, whose I/O runs on
+threads of their own — never on the scheduler's thread, never inside the forward pass.
 
 - **lookup**: the CPU tier's HIT / HIT_PENDING as before; on its MISS the secondaries are
   asked in order. RETRY (a probe runs) is a wait. A secondary HIT starts a **promotion**: a
@@ -12,10 +12,10 @@ their own — never on the scheduler's thread, never inside the forward pass.
   read is checked. A full CPU tier answers MISS, not a wait. A promoted chunk is not evicted
   for another promotion before the request it was read for has loaded it (or ended):
   concurrent promotions evicting each other read ~12x the bytes they served in a replay
-  with a small CPU tier. Promotions in flight are capped
-  in bytes (`max_promotion_bytes`): past the cap a lookup answers RETRY until some end. The
-  scheduler bounds each request's wait; a promotion it stopped waiting for still completes,
-  for the next request.
+  with a small CPU tier. Promotions in flight are capped in bytes (`max_promotion_bytes`):
+  past the cap a lookup answers RETRY until some end. The scheduler bounds each request's
+  wait; a promotion it stopped waiting for still completes, for the next request. See
+  `kvtier.tiers.promotions`.
 - **explore**: a tier the load-or-recompute decision wrote off is measured again by reading one
   chunk into a scratch buffer (issue 32): no RAM slot is taken (a PENDING one made the request's
   own prefix read as "not known yet" to every request sharing it, and a RETIRED one kept its key
@@ -24,8 +24,16 @@ their own — never on the scheduler's thread, never inside the forward pass.
 - **write down**: chunks are written to the secondaries as they become READY (write-through)
   or as the CPU tier evicts them (`on_evict`); see `kvtier.tiers.writedown`.
 - A failed promotion frees its slot; the tier forgets a key it could not serve. Events and
-  stats are per tier (`medium` "cpu", "disk", …), with each tier's miss-ratio curve
-  (`kvtier.tiers.curves`).
+  stats are per tier (`medium` "cpu", "disk", …).
+- **miss-ratio curves** (`kvtier.mrc`): each tier's is fed with what the tier is asked for and
+  written. What a tier is asked for: every chunk of a request's query when the engine admits it
+  (`count_query`), once, beside the chunks written into the tier (stores, cascades). Not the
+  lookups as they happen: the cost model's `locate` and the scan stop at the first miss, so the
+  chunks a larger tier might turn into hits were never counted (a simulated conversation replay:
+  the CPU tier's lookups hit 100 %); and an engine asks a waiting request again every step, by
+  when its own prefix cache may hold what the request asked kvtier for before (a synthetic
+  replay: predicted 0.25, got 0). The CPU tier counts every chunk of the query; a secondary tier
+  the chunks RAM did not hold, or promoted from a tier behind it for this request.
 
 Thread-safety: not thread-safe; the scheduler calls it from one thread. Tiers report
 finished jobs through `get_finished`, which this manager polls at each call.
@@ -53,24 +61,26 @@ from kvtier.base import (
 from kvtier.costmodel.estimates import ReadEstimate
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
+from kvtier.mrc import MissRatioCurve, curve_gauges
 from kvtier.tiers.cascade import SecondarySlot, TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
-from kvtier.tiers.curves import TierCurves
 from kvtier.tiers.flights import READS, Flight, FlightKind, Flights
 from kvtier.tiers.promotions import Promotions
 from kvtier.tiers.rates import TierRates
-from kvtier.tiers.secondary import SecondaryTier, TierJob, TierStats
+from kvtier.tiers.secondary import HEADER_BYTES, SecondaryTier, TierJob, TierStats
 from kvtier.tiers.writedown import WriteDown
 
 __all__ = ["TieredManager"]
 
 logger = logging.getLogger(__name__)
 
-_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_RETRY = LookupResult.RETRY
 _CLOSE_DRAIN_S = 10.0
 
 
-class TieredManager(Promotions, TierCurves, OffloadingManager):
+class TieredManager(OffloadingManager):
     """Metadata of a CPU tier and its secondary tiers, and the jobs between them.
 
     Args:
@@ -115,20 +125,32 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
             for t, r in secondaries
         ]
         for tier, _ in secondaries:
-            tier.use_retention(primary.retention)  # one book of hints for every tier
+            # one book of hints for every tier
+            tier.use_retention(primary.retention)
         self._write_down = WriteDown(primary, self._tiers, slabs, staging_bytes, self._submit)
+        self._promotions = Promotions(
+            primary,
+            self._tiers,
+            self._write_down,
+            self._rows,
+            self._submit,
+            self.payload_bytes,
+            max_promotion_bytes,
+        )
         self._flights = Flights(job_timeout_s)
         self._rates = TierRates(self.tiers)
-        self._awaited: dict[
-            str, set[OffloadKey]
-        ] = {}  # req_id -> chunks promoted for it, not loaded yet
         self._job_ids = itertools.count(1)
-        self._promoting_bytes = 0
-        self._exploring: set[int] = set()  # tiers with an exploration read not reported yet
+        # tiers with an exploration read not reported yet
+        self._exploring: set[int] = set()
 
     @property
     def tiers(self) -> list[SecondaryTier]:
         return [t.tier for t in self._tiers]
+
+    @property
+    def mrc(self) -> MissRatioCurve:
+        """The CPU tier's curve."""
+        return self.primary.mrc
 
     # -- lookups and loads -------------------------------------------------------------
 
@@ -144,7 +166,7 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
             if found is _RETRY:
                 return _RETRY
             if found is _HIT:
-                return self._promote(key, index, ctx)
+                return self._promotions.start(key, index, ctx)
         return _MISS
 
     def locate(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[str | None]:
@@ -166,6 +188,18 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
                 break
         return found
 
+    def count_query(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """One use of each key in the CPU tier's curve, and in every secondary tier's for the keys
+        RAM does not hold or that were promoted for this request (not loaded yet: the scheduler
+        counts before it loads); see the module docstring."""
+        cpu = self.primary
+        promoted = self._promotions.awaited_by(ctx.req_id)
+        for key in keys:
+            cpu.mrc.lookup(key)
+            if key in promoted or cpu.place(key) is None:
+                for slot in self._tiers:
+                    slot.mrc.lookup(key)
+
     def read_estimates(self) -> dict[str, ReadEstimate]:
         self._poll()
         return self._rates.estimates()
@@ -180,9 +214,14 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
             return False
         self._rates.explored(index)
         tier = self._tiers[index].tier
-        key = next(
-            (k for k in keys if self.primary.place(k) is None and tier.lookup(k) is _HIT), None
-        )
+        key = None
+        for candidate in keys:
+            if self.primary.place(candidate) is not None:
+                continue
+            # (the tier counts the question as one of its lookups)
+            if tier.lookup(candidate) is _HIT:
+                key = candidate
+                break
         if key is None:
             return False
         # the tier's job holds the buffers until it reports, however late: nothing else uses them
@@ -193,11 +232,7 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadSpec:
         spec = self.primary.prepare_load(keys, ctx)
-        awaited = self._awaited.get(ctx.req_id)
-        if awaited is not None:
-            awaited.difference_update(keys)
-            if not awaited:
-                del self._awaited[ctx.req_id]
+        self._promotions.loaded(ctx.req_id, keys)
         return spec
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
@@ -239,17 +274,18 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
         return events
 
     def use_clock(self, clock: Callable[[], float]) -> None:
-        self.primary.use_clock(clock)  # its retention book is the tiers'
+        # its retention book is the tiers'
+        self.primary.use_clock(clock)
         self._rates.use_clock(clock)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        self._awaited.pop(ctx.req_id, None)
+        self._promotions.forget(ctx.req_id)
         self.primary.on_request_finished(ctx)
 
     def reset(self) -> None:
         """Forget every chunk in every tier; jobs in flight free what they hold when they end."""
         self.primary.reset()
-        self._awaited.clear()
+        self._promotions.clear()
         for slot in self._tiers:
             slot.tier.reset()
             if slot.gate is not None:
@@ -258,7 +294,7 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
     def stats(self) -> ManagerStats:
         self._poll()
         stats = self.primary.stats()
-        stats.extra["promoting_bytes"] = self._promoting_bytes
+        stats.extra["promoting_bytes"] = self._promotions.num_bytes
         stats.extra["tier_jobs_in_flight"] = len(self._flights)
         return stats
 
@@ -276,9 +312,12 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
     def drain(self, timeout_s: float) -> bool:
         """Wait until each tier's jobs ended, up to `timeout_s` per tier; True if none is left.
         Their results are applied at the next call."""
-        return all(
-            [slot.tier.drain(timeout_s) for slot in self._tiers]
-        )  # a list: every tier drains
+        is_drained = True
+        for slot in self._tiers:
+            # every tier drains, also after one that did not
+            if not slot.tier.drain(timeout_s):
+                is_drained = False
+        return is_drained
 
     def close(self) -> None:
         """Wait (bounded) for the tiers' jobs, release what they held, stop the tiers."""
@@ -302,7 +341,8 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
         ctx: ReqContext,
         buffers: tuple[tuple[memoryview, ...], ...],
         staging_rows: tuple[int, ...],
-    ) -> None:
+    ) -> Flight:
+        """Start a tier job: record its flight (returned) and hand it to the tier `index`."""
         now = time.monotonic()
         job = TierJob(
             job_id=next(self._job_ids),
@@ -315,12 +355,12 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
         self._flights.add(job.job_id, flight)
         self._rates.submitted(flight)
         if kind in READS:
-            self._promoting_bytes += job.num_bytes if kind is FlightKind.PROMOTION else 0
             self._tiers[index].tier.submit_load(job)
         else:
             for key in keys:
                 self._tiers[index].mrc.store(key)
             self._tiers[index].tier.submit_store(job)
+        return flight
 
     def _poll(self) -> None:
         """Apply the results of every tier job that ended since the last call; give up on those past
@@ -331,19 +371,46 @@ class TieredManager(Promotions, TierCurves, OffloadingManager):
             for result in slot.tier.get_finished():
                 flight = self._flights.pop(result.job_id)
                 if flight is None:
-                    continue  # not ours (a tier reports each job once; defensive)
+                    # not ours (a tier reports each job once; defensive)
+                    continue
                 self._rates.ended(flight, result)
                 if flight.kind is FlightKind.EXPLORATION:
-                    self._exploring.discard(flight.tier)  # measured: its bytes are dropped
+                    # measured: its bytes are dropped
+                    self._exploring.discard(flight.tier)
                 elif flight.kind is FlightKind.PROMOTION:
-                    self._end_promotion(slot, flight, result)
+                    self._promotions.ended(slot, flight, result)
                 else:
                     self._write_down.ended(slot, flight, result)
         for flight in self._flights.expire(time.monotonic()):
             self._give_up(flight)
 
+    def _give_up(self, flight: Flight) -> None:
+        """`flight` is past its deadline: nobody waits for it any more; what it holds stays held
+        until its tier reports it (a late read may still write its slot)."""
+        slot = self._tiers[flight.tier]
+        slot.counters["expired_jobs"] += 1
+        self._rates.expired(flight, self._flights.timeout_s)
+        logger.warning(
+            "kvtier: a %s job of the %s tier took more than %.0f s; given up on (%d chunks)",
+            flight.kind.value,
+            slot.tier.medium,
+            self._flights.timeout_s,
+            len(flight.keys),
+        )
+        if flight.kind is FlightKind.PROMOTION:
+            self._promotions.expired(flight)
+
     def _rows(self, slot_id: int) -> tuple[memoryview, ...]:
         return tuple(memoryview(slab[slot_id]) for slab in self._slabs)
+
+    def _add_curve(self, slot: SecondarySlot, stats: TierStats) -> None:
+        """The tier's predicted hit ratios into its stats' gauges; a tier whose server sets its size
+        (Redis maxmemory) reports no capacity: 1x is then what it holds now. Chunks per byte of
+        capacity ignore the disk tier's padding to 4 KiB: nothing beside MiB-sized chunks, a lot
+        beside the tests' 4 KiB ones."""
+        chunk_bytes = self.payload_bytes + HEADER_BYTES
+        num_chunks = (stats.capacity_bytes or stats.used_bytes) / chunk_bytes
+        stats.gauges.update(curve_gauges(slot.mrc, num_chunks))
 
     def check(self) -> None:
         """The CPU tier's invariants (for tests)."""

@@ -28,11 +28,11 @@ from typing import Any
 
 __all__ = ["CLOSE_WAIT_S", "Workers"]
 
-CLOSE_WAIT_S = (
-    10.0  # how long `close` waits for tasks still running (a stuck one is abandoned after)
-)
+# how long `close` waits for tasks still running (a stuck one is abandoned after)
+CLOSE_WAIT_S = 10.0
 
-_Task = tuple[Callable[..., None], tuple] | None  # None: the thread's signal to stop
+# None: the thread's signal to stop
+_Task = tuple[Callable[..., None], tuple] | None
 
 
 class _Pool:
@@ -69,10 +69,14 @@ class _Pool:
         return sum(thread.is_alive() for thread in self._threads)
 
     def _serve(self) -> None:
-        while (task := self._queue.get()) is not None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
             run = self._run()
             if run is None:
-                return  # the tier is gone
+                # the tier is gone
+                return
             run(*task)
             del run, task
 
@@ -97,7 +101,8 @@ class Workers:
     ):
         self.medium = medium
         self.is_closed = False
-        self._cond, self._logger = cond, logger
+        self._cond = cond
+        self._logger = logger
         self._num_tasks = 0
         self._readers = _Pool(num_read_threads, f"kvtier-{medium}-read", self._run)
         self._writers = _Pool(num_write_threads, f"kvtier-{medium}-write", self._run)
@@ -109,7 +114,8 @@ class Workers:
     def every(self, period_s: float, fn: Callable[[], None]) -> None:
         """Call `fn` (a method of the tier) on a thread of its own every `period_s` seconds until
         `close()`, or until the tier is collected (the thread holds it only while it calls `fn`)."""
-        stop, method = self._stop, weakref.WeakMethod(fn)  # type: ignore[arg-type]
+        stop = self._stop
+        method = weakref.WeakMethod(fn)  # type: ignore[arg-type]
 
         def loop() -> None:
             while not stop.wait(period_s):
@@ -144,7 +150,8 @@ class Workers:
     def _run(self, fn: Callable[..., None], args: tuple) -> None:
         try:
             fn(*args)
-        except Exception:  # a bug, not an I/O failure: say so, keep the tier alive
+        except Exception:
+            # a bug, not an I/O failure: say so, keep the tier alive
             self._logger.exception("%s tier: %s failed", self.medium, fn.__name__)
         finally:
             with self._cond:
@@ -171,9 +178,9 @@ class Workers:
         deadline = time.monotonic() + timeout
         for pool in (self._housekeeper, self._readers, self._writers):
             pool.stop()
-        stuck = sum(
-            pool.join(deadline) for pool in (self._housekeeper, self._readers, self._writers)
-        )
+        stuck = 0
+        for pool in (self._housekeeper, self._readers, self._writers):
+            stuck += pool.join(deadline)
         if stuck:
             self._logger.error(
                 "%s tier: %d I/O thread(s) still busy after %.0f s at shutdown; abandoned",

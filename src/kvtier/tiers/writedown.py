@@ -31,9 +31,11 @@ from kvtier.tiers.secondary import TierResult
 
 __all__ = ["CASCADE_CTX", "Submit", "WriteDown"]
 
-CASCADE_CTX = ReqContext("\x00kvtier:cascade")  # holds the pins of slots being written down
+# holds the pins of slots being written down
+CASCADE_CTX = ReqContext("\x00kvtier:cascade")
 
 # (kind, tier index, keys, ctx, one buffer per rank for each key, staging rows the job holds)
+# -> the job's flight
 Submit = Callable[
     [
         FlightKind,
@@ -43,7 +45,7 @@ Submit = Callable[
         tuple[tuple[memoryview, ...], ...],
         tuple[int, ...],
     ],
-    None,
+    Flight,
 ]
 
 
@@ -80,11 +82,15 @@ class WriteDown:
         for index, slot in enumerate(self._tiers):
             if slot.gate is None:
                 continue
-            offered_by = ctx.user_id or ctx.req_id  # as the CPU tier's gate counts it
-            newly = [
-                k for k in keys if not slot.gate.has_admitted(k) and slot.gate.admit(k, offered_by)
-            ]
-            ready = [k for k in newly if self.primary.is_readable(k)]
+            # as the CPU tier's gate counts it
+            offered_by = ctx.user_id or ctx.req_id
+            ready = []
+            for key in keys:
+                if slot.gate.has_admitted(key):
+                    continue
+                is_admitted = slot.gate.admit(key, offered_by)
+                if is_admitted and self.primary.is_readable(key):
+                    ready.append(key)
             if ready and slot.is_write_through:
                 self._cascade_to(index, ready)
 
@@ -104,18 +110,17 @@ class WriteDown:
         if not targets or not out.evicted_keys or self._staging is None:
             return
         for key, row in zip(out.evicted_keys, out.evicted_slot_ids, strict=True):
-            wanted = [
-                i
-                for i in targets
-                if self._tiers[i].admits(key)
-                and not self._tiers[i].is_backed_up(self.payload_bytes)
-            ]
-            for i in set(targets) - set(wanted):
-                self._tiers[i].counters["backpressure_drops"] += 1
-            staged = (
-                self._staging.take([s[row] for s in self._slabs], len(wanted)) if wanted else None
-            )
-            if wanted and staged is None:
+            wanted = []
+            for i in targets:
+                slot = self._tiers[i]
+                if slot.admits(key) and not slot.is_backed_up(self.payload_bytes):
+                    wanted.append(i)
+                else:
+                    slot.counters["backpressure_drops"] += 1
+            if not wanted:
+                continue
+            staged = self._staging.take([s[row] for s in self._slabs], len(wanted))
+            if staged is None:
                 for i in wanted:
                     self._tiers[i].counters["staging_drops"] += 1
                 continue
@@ -133,7 +138,8 @@ class WriteDown:
         """A write down ended (or failed): release what it held, count it."""
         slot.record_store(time.monotonic() - flight.submitted_at)
         if flight.kind is FlightKind.CASCADE:
-            self.primary.complete_load(flight.keys, CASCADE_CTX)  # unpin (a retired slot is freed)
+            # unpin (a retired slot is freed)
+            self.primary.complete_load(flight.keys, CASCADE_CTX)
         elif self._staging is not None:
             for row in flight.staging_rows:
                 self._staging.release(row)
@@ -145,7 +151,8 @@ class WriteDown:
         if slot.is_backed_up(len(keys) * self.payload_bytes):
             slot.counters["backpressure_drops"] += len(keys)
             return
-        spec = self.primary.prepare_load(keys, CASCADE_CTX)  # pinned while the tier reads them
+        # pinned while the tier reads them
+        spec = self.primary.prepare_load(keys, CASCADE_CTX)
         buffers = tuple(
             tuple(memoryview(slab[int(s)]) for slab in self._slabs) for s in spec.slot_ids
         )

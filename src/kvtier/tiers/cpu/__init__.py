@@ -1,3 +1,4 @@
 """The primary tier: `CPUTierManager` (`manager`) keeps the bookkeeping of chunks in the host
-slab — how a chunk enters (`stores`), slot allocation and the per-key `Chunk` (`slots`) and what
-each request holds (`ledger`: pins and prefix chains)."""
+slab — slot allocation and the per-key `Chunk` (`slots`), what each request holds (`ledger`: pins
+and prefix chains), which chunk continues which (`chains`) and the choice of victims when a store
+needs room (`eviction`)."""

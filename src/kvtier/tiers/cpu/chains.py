@@ -44,11 +44,12 @@ class ChainLinks:
 
     def __init__(self, policy: CachePolicy):
         self._policy = policy
-        self._parent: dict[OffloadKey, OffloadKey] = {}  # linked chunk -> the chunk it continues
-        self._children: dict[
-            OffloadKey, set[OffloadKey]
-        ] = {}  # parked chunk -> its linked continuations
-        self._used: set[OffloadKey] = set()  # parked chunks used since they were last ranked last
+        # linked chunk -> the chunk it continues
+        self._parent: dict[OffloadKey, OffloadKey] = {}
+        # parked chunk -> its linked continuations
+        self._children: dict[OffloadKey, set[OffloadKey]] = {}
+        # parked chunks used since they were last ranked last
+        self._used: set[OffloadKey] = set()
 
     @property
     def num_parked(self) -> int:
@@ -134,7 +135,8 @@ class ChainLinks:
         self._parent[key] = parent
         children = self._children.get(parent)
         if children is None:
-            children = self._children[parent] = set()
+            children = set()
+            self._children[parent] = children
             newly_parked.append(parent)
         children.add(key)
 

@@ -23,9 +23,8 @@ from kvtier.keys import GROUP_INDEX_BYTES, OffloadKey
 __all__ = ["Parents", "RequestLedger"]
 
 
-Parents = tuple[
-    OffloadKey | None, OffloadKey | None
-]  # (the key before in the chain, before in its group)
+# (the key before in the chain, before in its group)
+Parents = tuple[OffloadKey | None, OffloadKey | None]
 _NO_PARENTS: Parents = (None, None)
 
 
@@ -35,11 +34,11 @@ class _Chain:
     __slots__ = ("last", "last_of_group", "parents_of")
 
     def __init__(self) -> None:
-        self.parents_of: dict[OffloadKey, Parents] = {}  # insertion-ordered: the chain
+        # insertion-ordered: the chain
+        self.parents_of: dict[OffloadKey, Parents] = {}
         self.last: OffloadKey | None = None
-        self.last_of_group: dict[
-            bytes, OffloadKey
-        ] = {}  # group index bytes -> its deepest key so far
+        # group index bytes -> its deepest key so far
+        self.last_of_group: dict[bytes, OffloadKey] = {}
 
 
 class RequestLedger:
@@ -68,8 +67,10 @@ class RequestLedger:
         """Append keys the request touched or offered (already listed ones keep their place). O(keys)."""
         chain = self._chains.get(req_id)
         if chain is None:
-            chain = self._chains[req_id] = _Chain()
-        parents_of, last_of_group = chain.parents_of, chain.last_of_group
+            chain = _Chain()
+            self._chains[req_id] = chain
+        parents_of = chain.parents_of
+        last_of_group = chain.last_of_group
         for key in keys:
             if key in parents_of:
                 continue

@@ -4,22 +4,29 @@ invariants its `check()` verifies, kept beside the code that keeps them.
 `CPUTierManager` is the primary tier of the `OffloadingManager` contract (see
 `kvtier.base`). It owns the bookkeeping — one `Chunk` (slot, state, pin count) per
 key, slot allocation, what each request holds (`RequestLedger`: pins, prefix chain),
-counters, events — and delegates only the eviction order to a `CachePolicy`. The bytes
-live in the host slab; this class never sees them.
+counters, events — and delegates only the eviction order to a `CachePolicy` (the victims of
+one eviction are chosen by `kvtier.tiers.cpu.eviction`). The bytes live in the host slab; this
+class never sees them.
+
+How a chunk enters: `prepare_store` admits a key on its `store_threshold`-th offer
+(`kvtier.tiers.admission`), `prepare_promotion` (read back from a secondary tier) always; both
+make room by eviction and reserve PENDING slots, which `complete_store` makes READY or frees.
 
 Invariants (verified by `check()`):
 - every chunk has exactly one slot; used + free slots = num_slots;
 - the policy holds exactly the READY chunks (PENDING and RETIRED are invisible to it),
   so a PENDING chunk is never evicted; pinned READY chunks, and heads whose tail is held
   (`kvtier.tiers.cpu.chains`), are protected at eviction;
-- a chunk's pin count equals the pins its requests hold.
+- a chunk's pin count equals the pins its requests hold;
+- the pending, retired, pinned and evictable counters equal what the chunks say;
+- the tenant quotas charge exactly the chunks the tier holds.
 
 Thread-safety: not thread-safe. The scheduler calls it from one thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 import numpy as np
 
@@ -31,6 +38,7 @@ from kvtier.base import (
     ManagerStats,
     OffloadingEvent,
     OffloadingManager,
+    PrepareStoreOutput,
     ReqContext,
     SlotSpec,
 )
@@ -42,18 +50,22 @@ from kvtier.policies.retaining import RetainingPolicy
 from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.admission import ReuseGate
 from kvtier.tiers.cpu.chains import ChainLinks
+from kvtier.tiers.cpu.eviction import Eviction, Protected
 from kvtier.tiers.cpu.ledger import RequestLedger
 from kvtier.tiers.cpu.slots import Chunk, SlotAllocator
-from kvtier.tiers.cpu.stores import ChunkStores
 from kvtier.tiers.quotas import TenantQuotas
 
 __all__ = ["CPUTierManager"]
 
-_PENDING, _READY, _RETIRED = ChunkState.PENDING, ChunkState.READY, ChunkState.RETIRED
-_HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+_PENDING = ChunkState.PENDING
+_READY = ChunkState.READY
+_RETIRED = ChunkState.RETIRED
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_HIT_PENDING = LookupResult.HIT_PENDING
 
 
-class CPUTierManager(ChunkStores, OffloadingManager):
+class CPUTierManager(OffloadingManager):
     """Offloaded-chunk metadata for a host slab of `num_slots` slots.
 
     Args:
@@ -87,25 +99,33 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         self.num_slots = num_slots
         self.key_bytes = key_bytes
         self.enable_events = enable_events
-        self.retention = (
-            RetentionBook(max_entries=max(8 * num_slots, 1 << 16))
-            if retention is None
-            else retention
-        )
+        if retention is None:
+            retention = RetentionBook(max_entries=max(8 * num_slots, 1 << 16))
+        self.retention = retention
         self._policy = RetainingPolicy(make_policy(policy, num_slots), self.retention)
         self._quotas = TenantQuotas(tenant_quotas)
         self._gate = ReuseGate(store_threshold, max_tracked=max(4 * num_slots, 1024))
         self._slots = SlotAllocator(num_slots)
         self._chunks: dict[OffloadKey, Chunk] = {}
-        self.mrc = (
-            MissRatioCurve()
-        )  # this tier's hit ratio at other sizes, from its lookups and stores
+        # this tier's hit ratio at other sizes, from its lookups and stores
+        self.mrc = MissRatioCurve()
         self._ledger = RequestLedger()
         self._chains = ChainLinks(self._policy)
+        self._eviction = Eviction(self._policy, self._chains, self._quotas)
         self._events: list[OffloadingEvent] = []
-        self._num_pending = self._num_pinned = self._num_evictable = self._num_retired = 0
-        self._hits = self._misses = self._evictions = self._stores = 0
-        self._failed_stores = self._rejected_stores = self._released_pins = 0
+        # chunks by state (`check()` recounts them)
+        self._num_pending = 0
+        self._num_pinned = 0
+        self._num_evictable = 0
+        self._num_retired = 0
+        # what `stats()` reports
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+        self._stores = 0
+        self._failed_stores = 0
+        self._rejected_stores = 0
+        self._released_pins = 0
 
     # -- lookups and loads -------------------------------------------------------------
 
@@ -183,7 +203,67 @@ class CPUTierManager(ChunkStores, OffloadingManager):
             if self._ledger.unpin(ctx.req_id, key):
                 self._unpin(key)
 
-    # -- stores: `kvtier.tiers.cpu.stores` ---------------------------------------------
+    # -- stores ------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
+        for key in reversed(keys):
+            self.mrc.store(key)
+        return self._reserve(keys, ctx, admit=self._gate.admit, spared=())
+
+    def prepare_promotion(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, spare: Iterable[OffloadKey] = ()
+    ) -> PrepareStoreOutput | None:
+        """`prepare_store` for keys read back from a secondary tier for the request `ctx`: no
+        admission rule applies (a chunk asked for again has proven its reuse), and no chunk of
+        the request's own chain is evicted for it (its prefix would thrash: promoting chunk
+        n+1 must not evict chunk 0 that the same request is about to load), nor any of `spare`
+        (chunks promoted for other requests that have not loaded them yet)."""
+        spared = (self._ledger.chain_keys(ctx.req_id), set(spare))
+        return self._reserve(keys, ctx, admit=None, spared=spared)
+
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> list[OffloadKey]:
+        """See `OffloadingManager.complete_store`.
+
+        Returns:
+            The keys that became READY (a tiered manager cascades them).
+        """
+        chunks = self._chunks
+        ready: list[OffloadKey] = []
+        for key in keys:
+            chunk = chunks.get(key)
+            if chunk is None or chunk.state is _READY:
+                # unknown or already completed: a stale or repeated completion
+                continue
+            if chunk.state is _RETIRED:
+                # reset() dropped it while its write was in flight
+                self._num_retired -= 1
+                self._free(key, chunk)
+                continue
+            self._num_pending -= 1
+            if success:
+                chunk.state = _READY
+                ready.append(key)
+            else:
+                self._failed_stores += 1
+                self._free(key, chunk)
+        if ready:
+            self._make_ready(ready, ctx)
+        return ready
+
+    def abandon(self, keys: Sequence[OffloadKey]) -> None:
+        """Writes into these PENDING chunks were given up on (a promotion past its deadline): they
+        read as MISS from now on, and their slots are freed when the write reports (`complete_store`),
+        never before — a late write may still fill them."""
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is not None and chunk.state is _PENDING:
+                chunk.state = _RETIRED
+                self._num_pending -= 1
+                self._num_retired += 1
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -203,7 +283,8 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         if not ctx.hints.is_empty and user_id is not None:
             chain = self._ledger.chain(ctx.req_id)
             self.retention.note(chain, ctx.hints, ctx.tenant, req_id=user_id)
-            if ctx.hints.end_session:  # its session's end drops them
+            if ctx.hints.end_session:
+                # its session's end drops them
                 self.retention.end_session(ctx.hints, chain, ctx.tenant)
         for key, count in self._ledger.release(ctx.req_id).items():
             for _ in range(count):
@@ -216,13 +297,16 @@ class CPUTierManager(ChunkStores, OffloadingManager):
             if chunk.state is _READY:
                 removed.append(key)
             if chunk.state is _RETIRED:
-                continue  # an earlier reset's: still in use, freed when its transfer ends
+                # an earlier reset's: still in use, freed when its transfer ends
+                continue
             if chunk.pins > 0 or chunk.state is _PENDING:
                 self._num_retired += 1
-                chunk.state = _RETIRED  # in use by a transfer: freed when it ends
+                # in use by a transfer: freed when it ends
+                chunk.state = _RETIRED
             else:
                 self._free(key, chunk)
-        self._num_pending = self._num_evictable = 0
+        self._num_pending = 0
+        self._num_evictable = 0
         self._policy.clear()
         self._chains.clear()
         self._gate.clear()
@@ -304,6 +388,84 @@ class CPUTierManager(ChunkStores, OffloadingManager):
         user_id = ctx.user_id
         if user_id is not None:
             self.retention.note(keys, ctx.hints, ctx.tenant, is_new, user_id)
+
+    def _reserve(
+        self,
+        keys: Sequence[OffloadKey],
+        ctx: ReqContext,
+        admit: Callable[[OffloadKey, str], bool] | None,
+        spared: Sequence[Container[OffloadKey]],
+    ) -> PrepareStoreOutput | None:
+        """Admit `keys`, make room for them and reserve their slots PENDING (see the module
+        docstring); None when there is no room now (the store is refused, nothing evicted)."""
+        for key in keys:
+            if len(key) != self.key_bytes:
+                raise key_length_error(key, self.key_bytes)
+        chunks = self._chunks
+        self._ledger.extend_chain(ctx.req_id, keys)
+        # an offer is the request's whose chunk it is (a lazy store's, retried at the next step
+        # under another internal id, is still one offer of the request that computed it)
+        offered_by = ctx.user_id or ctx.req_id
+        new_keys = []
+        for key in dict.fromkeys(keys):
+            if key in chunks:
+                continue
+            if admit is None or admit(key, offered_by):
+                new_keys.append(key)
+        tenant = ctx.tenant or ""
+        limit = self._quotas.limit(tenant)
+        if limit is not None:
+            # a store beyond the whole quota keeps its head
+            new_keys = new_keys[:limit]
+        # before evicting: ARC's ghost hits
+        self._policy.prepare_insert(new_keys)
+        protected = Protected(set(keys), spared, chunks, self._chains)
+        num_free = self._slots.num_free
+        room = self._eviction.make_room(
+            len(new_keys), tenant, protected, num_free, self._num_evictable
+        )
+        if room is None:
+            self._rejected_stores += 1
+            return None
+        evicted, num_fit = room
+        new_keys = new_keys[:num_fit]
+        evicted_slots = tuple(chunks[key].slot for key in evicted)
+        self._drop_evicted(evicted)
+        self._quotas.charge(new_keys, tenant)
+        slot_ids = self._slots.allocate(len(new_keys))
+        if slot_ids is None:
+            raise InvariantError("no free slot after a successful eviction")
+        for key, slot in zip(new_keys, slot_ids, strict=False):
+            chunks[key] = Chunk(slot)
+        self._num_pending += len(new_keys)
+        spec = SlotSpec(self.medium, np.array(slot_ids, dtype=np.int64))
+        return PrepareStoreOutput(new_keys, spec, evicted, evicted_slots)
+
+    def _drop_evicted(self, victims: list[OffloadKey]) -> None:
+        for key in victims:
+            self._slots.free((self._chunks.pop(key).slot,))
+        self._quotas.release(victims)
+        self._num_evictable -= len(victims)
+        self._evictions += len(victims)
+        self._emit(victims, removed=True)
+
+    def _make_ready(self, ready: list[OffloadKey], ctx: ReqContext) -> None:
+        """`ready` just became READY: the retention book, the policy and the chains learn of them."""
+        self._note(ready, ctx, is_new=True)
+        self.retention.note_tenant(ready, ctx.tenant)
+        self._policy.insert(ready)
+        # what the chunks continue ranks them too (turns: their depth); their heads leave the
+        # eviction order while they are held (`kvtier.tiers.cpu.chains`): O(chunks), not O(prefix)
+        parents = self._ledger.parents(ctx.req_id, ready)
+        head = parents[0][0]
+        if head is None or not self.is_readable(head):
+            self._policy.order_chain(ready)
+        else:
+            self._policy.order_chain([head, *ready])
+        self._chains.link(ready, parents, self.is_readable)
+        self._num_evictable += len(ready)
+        self._stores += len(ready)
+        self._emit(ready, removed=False)
 
     def _unpin(self, key: OffloadKey) -> None:
         chunk = self._chunks[key]

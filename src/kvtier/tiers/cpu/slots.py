@@ -38,7 +38,8 @@ class SlotAllocator:
             )
         self.num_slots = num_slots
         self._next_fresh = 0
-        self._freed: list[int] = []  # a stack: the most recently freed id is reused first
+        # a stack: the most recently freed id is reused first
+        self._freed: list[int] = []
 
     @property
     def num_free(self) -> int:
