@@ -25,7 +25,7 @@ while an upload of it still ran let that upload land after the sweep, and a late
 the pre-reset value as a HIT). Waiting for the jobs covers every write from before the reset:
 
 - Every write of the tier is made by a job: `put` and `renew` by stores, `delete` of bad
-  values by loads (`kvtier.tiers.remote.io`); the probe thread and `check()` only ask `exists`,
+  values by loads (`RemoteTier._load`); the probe thread and `check()` only ask `exists`,
   and only the sweep itself deletes otherwise.
 - A job is counted from its admission (`admit_locked`, before it is queued) until its last
   store call has returned (`job_over`, in a `finally` around the whole job).
