@@ -25,7 +25,8 @@ Only the tier decides; the `RemoteStore` it wraps only moves bytes (`kvtier.tier
   (`kvtier.tiers.remote.reset`); until that sweep is over, lookups answer MISS and jobs fail at
   once (`reset_rejects`), so that the sweep never deletes a value the tier calls present. It
   deletes for every replica sharing the namespace: after a reset (e.g. new weights) the old
-  values are wrong for all of them.
+  values are wrong for all of them. On a store that cannot list, values are named under the
+  namespace's epoch instead, which a reset replaces and every replica follows.
 
 Thread-safety: the public methods are called from one thread (the manager's); they decide and
 submit, and a job's I/O (`_load`, `_store`) runs on the read and write pools. The probe thread
@@ -79,6 +80,8 @@ class RemoteTier(SecondaryTier):
     breaker: the circuit breaker (default: 5 failures, retry every 1 s).
     enable_events: record stored/removed events for `take_events`.
     start_open: the store did not answer at start: begin with the breaker open.
+    epoch_check_s: a store that cannot list: how often the namespace's epoch is read again (a
+        reset by another replica is followed within it; see `kvtier.tiers.remote.reset`).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class RemoteTier(SecondaryTier):
         breaker: CircuitBreaker | None = None,
         enable_events: bool = True,
         start_open: bool = False,
+        epoch_check_s: float = 1.0,
     ):
         self.store = store
         self.medium = store.medium
@@ -115,13 +119,18 @@ class RemoteTier(SecondaryTier):
         self._reset = ResetSweep(
             self._cond,
             store,
-            self.codec.name_prefix,
+            self.codec,
             self._workers,
             self._log,
             self.breaker.retry_s,
         )
         if start_open:
             self.breaker.open_now()
+        if not store.lists:
+            # no value is named before the namespace's epoch is read (lookups MISS until then)
+            with self._cond:
+                generation = self._reset.start_locked()
+            self._reset.rejoin_soon(generation)
         self._prober = ProbeThread(
             self._cond,
             self._keys,
@@ -133,6 +142,7 @@ class RemoteTier(SecondaryTier):
             self._failed,
             self._log,
             probe_batch,
+            epoch_check_s,
         )
 
     # -- lookups ------------------------------------------------------------------------------
@@ -196,7 +206,7 @@ class RemoteTier(SecondaryTier):
         if self.breaker.is_open or self._workers.is_closed:
             counter, why = "breaker_rejects", "tier unavailable (breaker open)"
         elif self._reset.is_sweeping:
-            counter, why = "reset_rejects", "tier resetting (deleting its values)"
+            counter, why = "reset_rejects", f"tier resetting ({self._reset.activity})"
         else:
             return False
         self._counters[counter] += len(job.keys)
