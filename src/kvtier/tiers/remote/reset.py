@@ -48,8 +48,8 @@ Another replica sharing the namespace is not covered: its sweep can delete what 
 stored; this tier's load then fails (`load_missing`) and forgets the key, as for any value
 the server drops.
 
-**A store that cannot list** (`RemoteStore.lists` False, memcached-like) has no sweep to run.
-Its values are named under the namespace's epoch (`ValueCodec.use_epoch`), a random token kept in
+**A store that cannot list** (`RemoteStore.lists` False, memcached-like) has nothing to list or
+delete. Its values are named under the namespace's epoch (`ValueCodec.use_epoch`), a random token kept in
 the store itself, in the epoch record (`kvtier.tiers.remote.epoch`); a reset replaces the token,
 so every value from before it is unreachable by name, and ages out by the store's own eviction or
 TTL. The rest of the rule above holds as it is: the sweep waits for the jobs from before the reset,
@@ -66,9 +66,11 @@ The replicas sharing the namespace follow one rule:
 - Its probe thread reads the record again every `epoch_check_s` (while the breaker is closed and
   no sweep runs). A token other than its own means that another replica reset the namespace (or
   the record was lost, which is made again with a new token): the tier then does what a reset
-  does, except that the sweep reads the record instead of replacing it. So a replica serves a
-  value from before another replica's reset for at most `epoch_check_s` and one round trip, and
-  what it stores meanwhile is named under the old epoch: unreachable, never wrong.
+  does, except that the sweep reads the record instead of replacing it (a load in flight then
+  fails, as at a reset). So a replica serves a value from before another replica's reset for
+  about `epoch_check_s` at most (plus the probe round trip in progress), and what it stores
+  meanwhile is named under the old epoch: unreachable, never wrong. While its breaker is open it
+  does not read the record, and serves nothing either.
 - A reset deletes the record and makes a new one with put-if-absent; when another replica made one
   first (after the delete, so it is as new), that one is the epoch. A record that holds no token
   is replaced. Tokens are random, never counted up: a record evicted or expired comes back as a
