@@ -1,6 +1,6 @@
 """`S3Store`: the remote-store operations on one bucket of an S3-compatible server (AWS S3,
-MinIO, SeaweedFS, Ceph RGW, ...), through obstore (Rust `object_store` + reqwest). Longer than 300
-lines: one store and the client errors it maps, each choice below explained where it is made.
+MinIO, SeaweedFS, Ceph RGW, ...), through obstore (Rust `object_store` + reqwest): one store and
+the client errors it maps, each choice below explained where it is made.
 
 One object per name, written by one plain PUT (never multipart) with `If-None-Match: *`, so
 a name that exists is never overwritten (the server answers 412; SeaweedFS 4.x, MinIO and
