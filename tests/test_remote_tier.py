@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import kvtier.tiers.remote.io as remote_io
+import kvtier.tiers.remote.tier as remote_tier
 from held_requests import CEILING_S, HeldCall, HeldRequests, first_of, logged
 from helpers import HANG_MS, HANG_S, keys
 from kvtier.base import LookupResult
@@ -572,7 +572,7 @@ def test_a_load_that_ends_after_its_deadline_reports_its_keys_failed(
     # a busy machine takes to start it (a real 1 s, then 3 s, deadline could pass first)
     clock = FakeClock(now=0.0)
     monkeypatch.setattr(
-        remote_io, "time", SimpleNamespace(monotonic=clock, perf_counter=time.perf_counter)
+        remote_tier, "time", SimpleNamespace(monotonic=clock, perf_counter=time.perf_counter)
     )
     # the load's bytes arrive, then it is held past its deadline
     tier.store.got.arm()

@@ -48,7 +48,8 @@ from kvtier.tiers.disk.root import dir_mode_for, open_dir
 
 __all__ = ["BLOCK", "ChunkFiles", "FileScan", "is_aligned", "probe_direct_io"]
 
-MAX_SPARES = 64  # files kept for reuse; the directory exceeds the byte budget by at most this many
+# files kept for reuse; the directory exceeds the byte budget by at most this many
+MAX_SPARES = 64
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -90,7 +91,8 @@ class ChunkFiles:
         self.file_bytes = self.format.file_bytes
         self.direct_io = direct_io
         self.fsync = fsync
-        self.file_mode, self.dir_mode = file_mode, dir_mode_for(file_mode)
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode_for(file_mode)
         self._names = TmpNames()
         self._fds = [dir_fd]
         self._close = weakref.finalize(self, _close_all, self._fds)
@@ -104,7 +106,8 @@ class ChunkFiles:
                 f"({exc.strerror}); remove it"
             ) from None
         self._fds.append(self._spare_fd)
-        self._spares: deque[str] = deque()  # names in spare/; append / popleft are atomic: no lock
+        # names in spare/; append / popleft are atomic: no lock
+        self._spares: deque[str] = deque()
 
     def close(self) -> None:
         """Close the directories' descriptors (idempotent); no other method may run after it."""
@@ -147,7 +150,8 @@ class ChunkFiles:
         """Give the complete temporary file its final name (atomically replacing any older one)."""
         with self._hh(key) as (hh_fd, name):
             os.rename(tmp, name, src_dir_fd=hh_fd, dst_dir_fd=hh_fd)
-            if self.fsync:  # the rename itself is durable only once the directory is
+            # the rename itself is durable only once the directory is
+            if self.fsync:
                 os.fsync(hh_fd)
 
     def discard_tmp(self, tmp: str, key: OffloadKey) -> None:
@@ -194,7 +198,8 @@ class ChunkFiles:
                 spare = self._spares.popleft()
             except IndexError:
                 return False
-            with contextlib.suppress(FileNotFoundError):  # another engine took it
+            # another engine took it
+            with contextlib.suppress(FileNotFoundError):
                 os.rename(spare, tmp, src_dir_fd=self._spare_fd, dst_dir_fd=hh_fd)
                 return True
 
@@ -205,7 +210,8 @@ class ChunkFiles:
             if len(self._spares) < MAX_SPARES and entry.is_file(follow_symlinks=False):
                 self._spares.append(entry.name)
             else:
-                with contextlib.suppress(OSError):  # a directory is left alone: it is never used
+                # a directory is left alone: it is never used
+                with contextlib.suppress(OSError):
                     _discard(entry.name, self._spare_fd)
 
     def scan(self) -> FileScan:
@@ -221,7 +227,8 @@ class ChunkFiles:
                 continue
             try:
                 hh_fd = open_dir(self._dir_fd, sub.name, mode=self.dir_mode)
-            except OSError:  # a symlink, a file, or gone meanwhile
+            # a symlink, a file, or gone meanwhile
+            except OSError:
                 continue
             try:
                 for entry in _entries(hh_fd):
@@ -236,7 +243,8 @@ class ChunkFiles:
         self, hh_fd: int, entry: os.DirEntry, hh: str, found: list, result: FileScan
     ) -> None:
         name = entry.name
-        with contextlib.suppress(FileNotFoundError):  # another engine may delete files meanwhile
+        # another engine may delete files meanwhile
+        with contextlib.suppress(FileNotFoundError):
             key = chunk_key(name, hh)
             if key is not None and entry.is_file(follow_symlinks=False):
                 found.append((entry.stat(follow_symlinks=False).st_mtime_ns, key))
@@ -261,11 +269,13 @@ class ChunkFiles:
             except OSError:
                 _discard(tmp, hh_fd)
                 raise
-            if os.fstat(fd).st_size > self.file_bytes:  # the spare was a damaged, longer file
+            # the spare was a damaged, longer file
+            if os.fstat(fd).st_size > self.file_bytes:
                 os.ftruncate(fd, self.file_bytes)
         else:
             fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL, self.file_mode, dir_fd=hh_fd)
-        os.fchmod(fd, self.file_mode)  # exact, whatever the umask or a spare's older mode
+        # exact, whatever the umask or a spare's older mode
+        os.fchmod(fd, self.file_mode)
         return fd
 
 

@@ -39,7 +39,8 @@ __all__ = [
     "round_up",
 ]
 
-BLOCK = 4096  # the alignment unit of O_DIRECT on every Linux filesystem we target
+# the alignment unit of O_DIRECT on every Linux filesystem we target
+BLOCK = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _ZERO_TAIL = bytes(BLOCK - HEADER_BYTES)
 _local = threading.local()
@@ -63,9 +64,11 @@ def probe_direct_io(directory: str) -> bool:
     if not O_DIRECT:
         return False
     path = os.path.join(directory, f".direct-probe.{os.getpid()}")
-    with contextlib.suppress(OSError):  # a crashed probe's file, or anything planted under its name
+    # a crashed probe's file, or anything planted under its name
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    try:  # never through a symlink, never an existing file
+    # never through a symlink, never an existing file
+    try:
         fd = os.open(
             path,
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | O_DIRECT,
@@ -125,7 +128,8 @@ class ChunkFormat:
         block[:HEADER_BYTES] = header
         block[HEADER_BYTES:] = _ZERO_TAIL
         iov = [memoryview(block), *views]
-        if not direct and self._pad.nbytes:  # O_DIRECT views already end on a block
+        # O_DIRECT views already end on a block
+        if not direct and self._pad.nbytes:
             iov.append(self._pad)
         _pwritev_all(fd, iov)
 
@@ -161,7 +165,8 @@ def _header_block() -> mmap.mmap:
     """This thread's page-aligned, page-sized buffer for a header (O_DIRECT needs alignment)."""
     block = getattr(_local, "block", None)
     if block is None:
-        block = _local.block = mmap.mmap(-1, BLOCK)
+        block = mmap.mmap(-1, BLOCK)
+        _local.block = block
     return block
 
 

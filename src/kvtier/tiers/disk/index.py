@@ -36,7 +36,8 @@ class Spared:
     __slots__ = ("own", "pinned")
 
     def __init__(self, own: Container[OffloadKey], pinned: Container[OffloadKey]):
-        self.own, self.pinned = own, pinned
+        self.own = own
+        self.pinned = pinned
 
     def __contains__(self, key: object) -> bool:
         return key in self.own or key in self.pinned
@@ -69,7 +70,8 @@ class DiskIndex:
         # keys whose old file this tier decided to delete (evicted, corrupt, reset) but left to the
         # store writing them again (its rename replaces it; if it fails, the file is this tier's to delete)
         self.left_for_store: set[OffloadKey] = set()
-        self._policy_spec, self._cond = policy_spec, cond
+        self._policy_spec = policy_spec
+        self._cond = cond
         self._retention: RetentionBook | None = None
         self.quotas = TenantQuotas(tenant_quotas)
         self._tickets = itertools.count(1)
@@ -122,9 +124,8 @@ class DiskIndex:
             The store's ticket, or None when there is no room now (every key is being read).
         """
         tenant = self._tenant(key)
-        if (
-            tenant is not None and self.quotas.excess(tenant, 1) > 0
-        ):  # at its quota: one of its own goes
+        # at its quota: one of its own goes
+        if tenant is not None and self.quotas.excess(tenant, 1) > 0:
             evicted = self.policy.evict(1, self.quotas.all_but(tenant, spared))
         elif len(self.policy) + len(self.pending) >= self.capacity_files:
             evicted = self.policy.evict(1, spared)
@@ -136,7 +137,8 @@ class DiskIndex:
         self.quotas.release(evicted)
         if tenant is not None:
             self.quotas.charge([key], tenant)
-        ticket = self.pending[key] = next(self._tickets)
+        ticket = next(self._tickets)
+        self.pending[key] = ticket
         return ticket
 
     def _tenant(self, key: OffloadKey) -> str | None:
@@ -162,7 +164,8 @@ class DiskIndex:
             return False
         del self.pending[key]
         self.policy.insert([key])
-        self.left_for_store.discard(key)  # the rename replaced the old file
+        # the rename replaced the old file
+        self.left_for_store.discard(key)
         return True
 
     # -- final names --------------------------------------------------------------------------
@@ -191,16 +194,17 @@ class DiskIndex:
             The keys evicted to fit, whose files are still to be deleted.
         """
         fresh = [key for key in reversed(fresh) if key in self.policy]
-        scanned.insert(fresh)  # stored during the scan: more recent than any scanned file
+        # stored during the scan: more recent than any scanned file
+        scanned.insert(fresh)
         excess = len(scanned) + len(self.pending) - self.capacity_files
-        victims = (
-            (scanned.evict(excess, Spared(set(fresh), self.pinned)) or []) if excess > 0 else []
-        )
-        self.quotas.release(
-            [key for key in victims if key not in self.pending]
-        )  # a store still owns those
+        victims: list[OffloadKey] = []
+        if excess > 0:
+            victims = scanned.evict(excess, Spared(set(fresh), self.pinned)) or []
+        # a store still owns those
+        self.quotas.release([key for key in victims if key not in self.pending])
         if isinstance(self.policy, RetainingPolicy):
-            self.policy.inner = scanned  # the wrapper's aside chunks are among `fresh`, still held
+            # the wrapper's aside chunks are among `fresh`, still held
+            self.policy.inner = scanned
             self.policy.refile(fresh)
         else:
             self.policy = scanned

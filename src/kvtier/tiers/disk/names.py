@@ -43,9 +43,12 @@ __all__ = [
 ]
 
 SPARE_DIR = "spare"
-TMP_MAX_AGE_S = 600.0  # a temp file this old is abandoned even if a process with its pid lives
-_MAX_KEY_HEX = 128  # ValueHeader holds keys of at most 64 bytes
-_NAMESPACE_HEX = 32  # `Namespace.id_hex`: 16 bytes
+# a temp file this old is abandoned even if a process with its pid lives
+TMP_MAX_AGE_S = 600.0
+# ValueHeader holds keys of at most 64 bytes
+_MAX_KEY_HEX = 128
+# `Namespace.id_hex`: 16 bytes
+_NAMESPACE_HEX = 32
 
 
 def is_namespace_dir(name: str) -> bool:
@@ -83,7 +86,8 @@ class TmpNames:
 
     def __init__(self) -> None:
         self.writer = _PID_NAMESPACE + secrets.token_hex(4)
-        self._ids = itertools.count()  # next() is atomic under the GIL
+        # next() is atomic under the GIL
+        self._ids = itertools.count()
 
     def unique_suffix(self) -> str:
         """`<writer>.<pid>.<n>`: a name no other engine sharing the directory makes."""
@@ -94,17 +98,21 @@ class TmpNames:
 
     def is_abandoned(self, entry: os.DirEntry) -> bool:
         """Whether the temporary file `entry` (`is_tmp`) has no live writer."""
-        parts = entry.name.partition(".")[2].split(".")  # kv, tmp, writer, pid, n
+        # kv, tmp, writer, pid, n
+        parts = entry.name.partition(".")[2].split(".")
         writer, pid_text = (parts[2], parts[3]) if len(parts) == 5 else ("", "")
         if len(writer) != 16 or not _is_hex(writer) or not pid_text.isdigit():
-            return True  # not a name this version writes (an older kvtier's, or junk)
+            # not a name this version writes (an older kvtier's, or junk)
+            return True
         too_old = (
             time.time_ns() - entry.stat(follow_symlinks=False).st_mtime_ns > TMP_MAX_AGE_S * 1e9
         )
         if writer == self.writer or writer[:8] != _PID_NAMESPACE:
-            return too_old  # ours (in flight), or another container's: its pid means nothing here
+            # ours (in flight), or another container's: its pid means nothing here
+            return too_old
         pid = int(pid_text)
-        if pid == os.getpid():  # another tier of this process, or a dead process that had our pid
+        # another tier of this process, or a dead process that had our pid
+        if pid == os.getpid():
             return entry.stat(follow_symlinks=False).st_mtime_ns < _PROCESS_STARTED_NS or too_old
         return not _is_alive(pid) or too_old
 
@@ -133,12 +141,14 @@ def _pid_namespace() -> str:
         parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
         parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
     except OSError:
-        parts.append(secrets.token_hex(8))  # unknown: then no other process counts as ours
+        # unknown: then no other process counts as ours
+        parts.append(secrets.token_hex(8))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
 _PID_NAMESPACE = _pid_namespace()
-_PROCESS_STARTED_NS = time.time_ns()  # (about) when this process started: its tiers write after it
+# (about) when this process started: its tiers write after it
+_PROCESS_STARTED_NS = time.time_ns()
 
 
 def _is_alive(pid: int) -> bool:
@@ -146,6 +156,7 @@ def _is_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, owned by someone else
+    # exists, owned by someone else
+    except PermissionError:
         return True
     return True

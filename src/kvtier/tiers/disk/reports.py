@@ -26,7 +26,8 @@ from kvtier.tiers.secondary import TierJob, TierResult
 
 __all__ = ["DiskJob", "DiskReports", "FailureLog"]
 
-_MAX_KEY_BYTES = 64  # what ValueHeader can hold
+# what ValueHeader can hold
+_MAX_KEY_BYTES = 64
 _ERRNO_KINDS = {
     errno.ENOSPC: "enospc",
     errno.EDQUOT: "enospc",
@@ -35,10 +36,11 @@ _ERRNO_KINDS = {
     errno.EPERM: "eacces",
     errno.ENOENT: "missing",
     errno.EIO: "eio",
+    # a symlink or file planted where the tier expects its own file or directory: never followed
+    # (see `kvtier.tiers.disk.root`)
     errno.ELOOP: "unsafe_paths",
     errno.ENOTDIR: "unsafe_paths",
-}  # a symlink or file planted
-# where the tier expects its own file or directory: never followed (see `kvtier.tiers.disk.root`)
+}
 
 
 class DiskJob:
@@ -47,9 +49,11 @@ class DiskJob:
     __slots__ = ("failed", "generation", "job", "num_bytes", "remaining", "started")
 
     def __init__(self, job: TierJob, generation: int):
-        self.job, self.generation = job, generation
+        self.job = job
+        self.generation = generation
         self.failed: set[OffloadKey] = set()
-        self.num_bytes = self.remaining = 0
+        self.num_bytes = 0
+        self.remaining = 0
         self.started = time.perf_counter()
 
 
@@ -89,7 +93,8 @@ class DiskReports(TierReports):
     ) -> None:
         """One chunk of `state` ended: moved `num_bytes` (with O_DIRECT or not), or failed with
         `failure`, the counter of its kind. `generation` is the tier's current one."""
-        direction, counters = "store" if state.job.is_store else "load", self.counters
+        direction = "store" if state.job.is_store else "load"
+        counters = self.counters
         if failure is None:
             counters[f"{direction}_chunks"] += 1
             counters[f"{direction}_bytes"] += num_bytes
@@ -107,12 +112,15 @@ class DiskReports(TierReports):
     def _finish_if_done(self, state: DiskJob, generation: int) -> None:
         if state.remaining:
             return
-        job, seconds = state.job, time.perf_counter() - state.started
+        job = state.job
+        seconds = time.perf_counter() - state.started
         direction = "store" if job.is_store else "load"
         self.counters[f"{direction}_seconds_us"] += int(seconds * 1e6)
-        failed, error = state.failed, None
+        failed = state.failed
+        error = None
         if state.generation != generation:
-            failed, error = set(job.keys), "reset while in flight"
+            failed = set(job.keys)
+            error = "reset while in flight"
         elif failed:
             error = f"{len(failed)} of {len(job.keys)} keys failed (see the tier's counters)"
         self.finished.append(

@@ -41,10 +41,8 @@ __all__ = [
 ]
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-FILE_MODES = (
-    0o600,
-    0o640,
-)  # this user only; the group may read too (e.g. `kvtier inspect` as another user)
+# this user only; the group may read too (e.g. `kvtier inspect` as another user)
+FILE_MODES = (0o600, 0o640)
 
 
 def dir_mode_for(file_mode: int) -> int:
@@ -66,7 +64,8 @@ def open_dir(parent_fd: int, name: str, *, mode: int, create: bool = False) -> i
     except FileNotFoundError:
         if not create:
             raise
-    with contextlib.suppress(FileExistsError):  # another thread or engine made it meanwhile
+    # another thread or engine made it meanwhile
+    with contextlib.suppress(FileExistsError):
         os.mkdir(name, mode, dir_fd=parent_fd)
     fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
@@ -101,7 +100,8 @@ def make_directory(root: Path, namespace: Namespace, file_mode: int = 0o600) -> 
         try:
             _check_owner(fd, directory)
             if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
-                os.fchmod(fd, mode)  # made by an older kvtier, or under another disk_file_mode
+                # made by an older kvtier, or under another disk_file_mode
+                os.fchmod(fd, mode)
             write_namespace_json(fd, namespace.describe(), file_mode)
         except OSError as exc:
             os.close(fd)
@@ -117,7 +117,8 @@ def make_directory(root: Path, namespace: Namespace, file_mode: int = 0o600) -> 
 def write_namespace_json(dir_fd: int, description: dict[str, Any], file_mode: int = 0o600) -> None:
     """`namespace.json` for people reading the directory (written whole, then renamed)."""
     tmp = f"namespace.json.tmp.{os.getpid()}"
-    with contextlib.suppress(FileNotFoundError):  # a crashed start of a process with our pid
+    # a crashed start of a process with our pid
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp, dir_fd=dir_fd)
     fd = os.open(
         tmp,
@@ -154,7 +155,8 @@ def _open_root(root: Path, mode: int) -> int:
 
 
 def _check_owner(fd: int, path: Path) -> None:
-    uid, euid = os.fstat(fd).st_uid, os.geteuid()
+    uid = os.fstat(fd).st_uid
+    euid = os.geteuid()
     if uid != euid:
         raise _refused(
             path,

@@ -42,14 +42,17 @@ class CircuitBreaker:
                 f"breaker: failures >= 1 and 0 < retry_s <= max_retry_s, got {failures}, {retry_s}, "
                 f"{max_retry_s}"
             )
-        self.failures_to_open, self.retry_s, self.max_retry_s = failures, retry_s, max_retry_s
+        self.failures_to_open = failures
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
         self._clock = clock
         self._lock = threading.Lock()
         self._num_failures = 0
         self._is_open = False
         self._interval = retry_s
         self._next_probe_at = 0.0
-        self.num_opens = self.num_closes = 0
+        self.num_opens = 0
+        self.num_closes = 0
 
     @property
     def is_open(self) -> bool:
@@ -65,7 +68,8 @@ class CircuitBreaker:
             self._num_failures += 1
             if self._is_open or self._num_failures < self.failures_to_open:
                 return False
-            self._is_open, self._interval = True, self.retry_s
+            self._is_open = True
+            self._interval = self.retry_s
             self._next_probe_at = self._clock() + self._interval
             self.num_opens += 1
             return True
@@ -74,7 +78,8 @@ class CircuitBreaker:
         """Open at once (the server could not be reached at start)."""
         with self._lock:
             if not self._is_open:
-                self._is_open, self._interval = True, self.retry_s
+                self._is_open = True
+                self._interval = self.retry_s
                 self._next_probe_at = self._clock()
                 self.num_opens += 1
 
@@ -91,10 +96,14 @@ class CircuitBreaker:
     def probe_succeeded(self) -> bool:
         """A ping answered: close; True when this closed it."""
         with self._lock:
-            was_open, self._is_open, self._num_failures = self._is_open, False, 0
+            was_open = self._is_open
+            self._is_open = False
+            self._num_failures = 0
             self.num_closes += was_open
             return was_open
 
     def seconds_to_next_probe(self) -> float:
         with self._lock:
-            return max(0.0, self._next_probe_at - self._clock()) if self._is_open else self.retry_s
+            if not self._is_open:
+                return self.retry_s
+            return max(0.0, self._next_probe_at - self._clock())

@@ -27,9 +27,11 @@ class KnownKeys:
     """Args: max_known: present keys remembered at most; absent_ttl_s: how long an absence holds."""
 
     def __init__(self, max_known: int, absent_ttl_s: float):
-        self.max_known, self.absent_ttl_s = max_known, absent_ttl_s
+        self.max_known = max_known
+        self.absent_ttl_s = absent_ttl_s
         self._present: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._absent: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> when to ask again
+        # key -> when to ask again
+        self._absent: OrderedDict[OffloadKey, float] = OrderedDict()
         self._queue: list[OffloadKey] = []
         self._probing: set[OffloadKey] = set()
 
@@ -54,7 +56,8 @@ class KnownKeys:
             return LookupResult.HIT
         now = time.monotonic()
         while self._absent and next(iter(self._absent.values())) <= now:
-            self._absent.popitem(last=False)  # oldest first: every entry lives absent_ttl_s
+            # oldest first: every entry lives absent_ttl_s
+            self._absent.popitem(last=False)
         if key in self._absent:
             return LookupResult.MISS
         if key not in self._probing:

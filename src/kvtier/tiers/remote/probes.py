@@ -5,7 +5,9 @@ server answers.
 Lookups queue the keys they know nothing about (`kvtier.tiers.remote.keys.KnownKeys`) and
 notify the tier's condition; this thread takes up to `probe_batch` of them per round trip
 and records the answers, unless a reset came meanwhile (the answers are then dropped). While
-the breaker is open it drops the queue (lookups answer MISS then) and pings when due.
+the breaker is open it drops the queue (lookups answer MISS then) and pings when due. On a
+store that cannot list it also reads the namespace's epoch record every `epoch_check_s`, and
+follows another replica's reset when the epoch changed (`kvtier.tiers.remote.reset`).
 
 Thread-safety: one thread of its own; it shares state with the tier only under the tier's lock
 (`cond`), never held across a round trip.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -43,6 +46,7 @@ class ProbeThread:
     failed: the tier's handler of a failed operation (counts it, feeds the breaker).
     log: the tier's rate-limited log.
     probe_batch: keys per round trip at most.
+    epoch_check_s: how often the epoch record is read (a store that cannot list).
     """
 
     def __init__(
@@ -57,12 +61,25 @@ class ProbeThread:
         failed: Callable[[Exception, str], str],
         log: RateLimitedLog,
         probe_batch: int,
+        epoch_check_s: float = 1.0,
     ):
-        self._cond, self._keys, self._store, self._name = cond, keys, store, name
-        self._breaker, self._reset, self._counters = breaker, reset, counters
+        self._cond = cond
+        self._keys = keys
+        self._store = store
+        self._name = name
+        self._breaker = breaker
+        self._reset = reset
+        self._counters = counters
         # the tier's method, held weakly: a tier nobody closed ends this thread when it is collected
         self._failed = weakref.WeakMethod(failed)  # type: ignore[arg-type]
-        self._log, self._probe_batch = log, probe_batch
+        self._log = log
+        self._probe_batch = probe_batch
+        self._epoch_check_s = epoch_check_s
+        self._next_epoch_check = 0.0
+        # the longest wait for a lookup's key while the breaker is closed
+        self._idle_s = 1.0
+        if reset.epoch_record is not None:
+            self._idle_s = min(self._idle_s, epoch_check_s)
         self._stop = False
         self._thread = threading.Thread(
             target=self._loop, daemon=True, name=f"kvtier-{store.medium}-probe"
@@ -82,24 +99,28 @@ class ProbeThread:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                if self._breaker.is_open:  # sleep until the next ping is due
+                # sleep until the next ping is due
+                if self._breaker.is_open:
                     self._cond.wait_for(
                         lambda: self._stop, timeout=self._breaker.seconds_to_next_probe()
                     )
                 else:
                     self._cond.wait_for(
                         lambda: self._stop or self._keys.has_queued or self._breaker.is_open,
-                        timeout=1.0,
+                        timeout=self._idle_s,
                     )
-                if self._stop or self._failed() is None:  # closed, or the tier is gone
+                # closed, or the tier is gone
+                if self._stop or self._failed() is None:
                     return
                 batch = self._keys.take_queued(self._probe_batch)
                 generation = self._reset.generation
             if self._breaker.is_open:
                 self._forget(batch)
                 self._ping_if_due()
-            elif batch:
-                self._probe(batch, generation)
+            else:
+                if batch:
+                    self._probe(batch, generation)
+                self._check_epoch()
 
     def _probe(self, keys: list[OffloadKey], generation: int) -> None:
         try:
@@ -115,6 +136,37 @@ class ProbeThread:
             self._counters["probed_keys"] += len(keys)
             self._keys.record_probe(keys, found, is_current=generation == self._reset.generation)
 
+    def _check_epoch(self) -> None:
+        """A store that cannot list: read the epoch record when due, and follow another replica's
+        reset (the tier forgets what it knew, and names values under the new epoch once the jobs
+        from before are over); see `kvtier.tiers.remote.reset`."""
+        now = time.monotonic()
+        if self._reset.epoch_record is None or now < self._next_epoch_check:
+            return
+        self._next_epoch_check = now + self._epoch_check_s
+        with self._cond:
+            if self._reset.is_sweeping:
+                return
+            generation = self._reset.generation
+        try:
+            epoch = self._reset.epoch_record.read()
+        except Exception as exc:
+            failed = self._failed()
+            if failed is not None:
+                failed(exc, "epoch read")
+            return
+        self._breaker.record_success()
+        with self._cond:
+            following = self._reset.follow_locked(epoch, generation)
+            if following is None:
+                return
+            self._keys.clear()
+            self._counters["epoch_changes"] += 1
+        logger.info(
+            "kvtier: %s tier: another replica reset the namespace; following it", self._store.medium
+        )
+        self._reset.rejoin_soon(following)
+
     def _forget(self, keys: list[OffloadKey]) -> None:
         with self._cond:
             self._keys.unprobe(keys)
@@ -122,7 +174,8 @@ class ProbeThread:
     def _ping_if_due(self) -> None:
         if not self._breaker.should_probe():
             return
-        medium, endpoint = self._store.medium, self._store.describe()
+        medium = self._store.medium
+        endpoint = self._store.describe()
         try:
             self._store.ping()
         except Exception as exc:

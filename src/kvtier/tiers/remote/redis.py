@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.connection import ConnectionPool
+from redis.connection import Connection, ConnectionPool
 from redis.exceptions import ResponseError
 from redis.retry import Retry
 
@@ -58,7 +58,8 @@ from kvtier.tiers.remote.store import RemoteStore, ValueParts
 
 __all__ = ["RedisStore"]
 
-_SCAN_COUNT = 1000  # names per SCAN page
+# names per SCAN page
+_SCAN_COUNT = 1000
 _REDIRECTS = ("MOVED ", "ASK ")
 
 
@@ -110,8 +111,13 @@ class RedisStore(RemoteStore):
             )
         db = int(db_text)
         port = parts.port or 6379
-        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # an IPv6 address
-        self._endpoint = f"{parts.scheme}://{host}:{port}/{db}" + (" (cluster)" if cluster else "")
+        host = parts.hostname
+        if ":" in host:
+            # an IPv6 address
+            host = f"[{host}]"
+        self._endpoint = f"{parts.scheme}://{host}:{port}/{db}"
+        if cluster:
+            self._endpoint += " (cluster)"
         self._kwargs: dict = dict(
             host=parts.hostname,
             port=port,
@@ -121,8 +127,10 @@ class RedisStore(RemoteStore):
             socket_timeout=timeout_ms / 1000,
             # two more than the calls that may run at once: for ping() and a list_names() beside them
             max_connections=max_connections + 2,
-            retry=Retry(NoBackoff(), 0),  # no retries: the tier decides
-            protocol=2,  # redis-py 8 speaks RESP3 by default; redis_wire parses RESP2 replies
+            # no retries: the tier decides
+            retry=Retry(NoBackoff(), 0),
+            # redis-py 8 speaks RESP3 by default; redis_wire parses RESP2 replies
+            protocol=2,
         )
         if parts.scheme == "rediss":
             self._kwargs.update(ssl=True, ssl_ca_certs=ca_file)
@@ -130,10 +138,13 @@ class RedisStore(RemoteStore):
         self._calls = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._cluster: RedisCluster | None = None
-        self._value_hint = 0  # bytes of the largest value the last get() read
+        # bytes of the largest value the last get() read
+        self._value_hint = 0
         # A cluster client reads the slot map when made: made on first use, so that a store
         # (and the engine holding it) can start while the cluster is down.
-        self._single = None if cluster else redis.Redis(db=db, **self._kwargs)
+        self._single: redis.Redis | None = None
+        if not cluster:
+            self._single = redis.Redis(db=db, **self._kwargs)
 
     def describe(self) -> str:
         """The endpoint, e.g. `rediss://10.0.0.5:6379/0 (cluster)`: never a user or password."""
@@ -158,9 +169,8 @@ class RedisStore(RemoteStore):
         )
         sizes = [len(value) for value in replies if isinstance(value, (bytes, memoryview))]
         if sizes:
-            self._value_hint = max(
-                sizes
-            )  # a GET's reply size is known only once read: the last is the guess
+            # a GET's reply size is known only once read: the last is the guess
+            self._value_hint = max(sizes)
         return replies  # type: ignore[return-value]  (GET answers a bulk value or nil)
 
     def get_into(
@@ -186,15 +196,18 @@ class RedisStore(RemoteStore):
         """`get_into` of one name through redis-py (which follows a redirect): STRLEN, then GETRANGE
         of no more than the buffers hold, so that a value of another size is never read. A value
         replaced between the two commands may come back mixed: the caller's checks refuse it."""
-        client, expected = self._client(), sum(buf.nbytes for buf in buffers)
+        client = self._client()
+        expected = sum(buf.nbytes for buf in buffers)
         size = client.strlen(name)
         if size == 0 and not client.exists(name):
             return None
-        if size != expected or expected == 0:  # GETRANGE 0 -1 would be the whole value
+        # GETRANGE 0 -1 would be the whole value
+        if size != expected or expected == 0:
             return size
         value = client.getrange(name, 0, expected - 1)
         if len(value) != expected:
-            return len(value)  # shortened meanwhile
+            # shortened meanwhile
+            return len(value)
         offset = 0
         for buf in buffers:
             buf.cast("B")[:] = value[offset : offset + buf.nbytes]
@@ -266,7 +279,8 @@ class RedisStore(RemoteStore):
     def close(self) -> None:
         """Close every pooled connection; idempotent (a later call would connect again)."""
         with self._lock:
-            clients, self._cluster = [self._single, self._cluster], None
+            clients = [self._single, self._cluster]
+            self._cluster = None
         for client in clients:
             if client is not None:
                 client.close()
@@ -319,37 +333,64 @@ class RedisStore(RemoteStore):
         """
         if not names:
             return []
-        replies: list[Reply] = [None] * len(names)
         with self._calls:
-            held = []
-            try:
-                for pool, indices in self._pools(names).items():
-                    held.append((pool, pool.get_connection(), redis_wire.windows(indices, weights)))
-                for step in range(max(len(windows) for _, _, windows in held)):
-                    sent = [
-                        (conn, windows[step]) for _, conn, windows in held if step < len(windows)
-                    ]
-                    for conn, window in sent:
-                        send_pieces(conn, [piece for i in window for piece in commands[i]])
-                    for conn, window in sent:
-                        dests = None if into is None else [into[i] for i in window]
-                        for i, reply in zip(
-                            window, read_replies(conn, len(window), dests), strict=True
-                        ):
-                            replies[i] = reply
-            except BaseException:
-                for _, conn, _ in held:
-                    conn.disconnect()  # a half-read pipeline must never serve another call
-                raise
-            finally:
-                for pool, conn, _ in held:
-                    pool.release(conn)
-        for i, reply in enumerate(replies):
-            if isinstance(reply, ServerError):
-                if not reply.startswith(_REDIRECTS):
-                    raise ResponseError(f"{self._endpoint}: {reply}")
-                replies[i] = redirected(i)
+            replies = self._pipelined(names, commands, into, weights)
+        return self._follow_redirects(replies, redirected)
+
+    def _pipelined(
+        self,
+        names: Sequence[str],
+        commands: Sequence[list[bytes | memoryview]],
+        into: Sequence[Sequence[memoryview]] | None,
+        weights: Sequence[int] | None,
+    ) -> list[Reply]:
+        """Every reply, in order: one connection per node, held for the whole call, and the nodes'
+        windows taking turns (see `_run`)."""
+        replies: list[Reply] = [None] * len(names)
+        held = []
+        try:
+            for pool, indices in self._pools(names).items():
+                held.append((pool, pool.get_connection(), redis_wire.windows(indices, weights)))
+            for step in range(max(len(windows) for _, _, windows in held)):
+                sent = [(conn, windows[step]) for _, conn, windows in held if step < len(windows)]
+                _exchange(sent, commands, into, replies)
+        except BaseException:
+            for _, conn, _ in held:
+                # a half-read pipeline must never serve another call
+                conn.disconnect()
+            raise
+        finally:
+            for pool, conn, _ in held:
+                pool.release(conn)
         return replies
+
+    def _follow_redirects(
+        self, replies: list[Reply], redirected: Callable[[int], object]
+    ) -> list[Reply]:
+        """`replies` with each redirect replaced by `redirected(i)`; another server error raises."""
+        for i, reply in enumerate(replies):
+            if not isinstance(reply, ServerError):
+                continue
+            if not reply.startswith(_REDIRECTS):
+                raise ResponseError(f"{self._endpoint}: {reply}")
+            replies[i] = redirected(i)
+        return replies
+
+
+def _exchange(
+    sent: list[tuple[Connection, list[int]]],
+    commands: Sequence[list[bytes | memoryview]],
+    into: Sequence[Sequence[memoryview]] | None,
+    replies: list[Reply],
+) -> None:
+    """One window per connection: every window's commands sent, then each one's replies read
+    into `replies` (by the commands' indices)."""
+    for conn, window in sent:
+        send_pieces(conn, [piece for i in window for piece in commands[i]])
+    for conn, window in sent:
+        dests = None if into is None else [into[i] for i in window]
+        for i, reply in zip(window, read_replies(conn, len(window), dests), strict=True):
+            replies[i] = reply
 
 
 def _glob_escape(text: str) -> str:

@@ -55,18 +55,20 @@ __all__ = [
 # values), 4 MiB 0.73, 0.86 and 0.74, 2 MiB 0.86 and 0.84 (stores 0.84 and 0.79, against
 # 0.71 and 0.67 at 8 MiB). A larger value is sent alone.
 WINDOW_BYTES = 2 << 20
-_SMALL = 1 << 16  # pieces shorter than this are joined before sending: one send for many headers
-_RECV_BYTES = 1 << 16  # what one receive asks for while looking for the end of a reply's first line
-_MAX_LINE = 1 << 16  # longest reply line accepted (the server's error messages are far shorter)
+# pieces shorter than this are joined before sending: one send for many headers
+_SMALL = 1 << 16
+# what one receive asks for while looking for the end of a reply's first line
+_RECV_BYTES = 1 << 16
+# longest reply line accepted (the server's error messages are far shorter)
+_MAX_LINE = 1 << 16
 
 
 class ServerError(str):
     """An error reply (`ERR …`, `MOVED 3999 10.0.0.5:6379`, `NOPERM …`), without its `-`."""
 
 
-Reply = (
-    bytes | memoryview | int | ServerError | None
-)  # one reply: simple string, bulk, integer, error, nil
+# one reply: simple string, bulk, integer, error, nil
+Reply = bytes | memoryview | int | ServerError | None
 
 
 def nbytes(buf: bytes | memoryview) -> int:
@@ -130,7 +132,8 @@ def read_replies(
     replies = _Replies(sock)
     try:
         out = [replies.read(None if into is None else into[i]) for i in range(count)]
-    except TimeoutError as exc:  # socket.timeout
+    # socket.timeout
+    except TimeoutError as exc:
         raise RedisTimeoutError(f"Timeout reading from {conn.host}:{conn.port}") from exc
     except OSError as exc:
         raise RedisConnectionError(
@@ -146,7 +149,8 @@ class _Replies:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._buf = bytearray()  # received, not yet parsed from `_pos` on
+        # received, not yet parsed from `_pos` on
+        self._buf = bytearray()
         self._pos = 0
 
     def is_drained(self) -> bool:
@@ -167,9 +171,8 @@ class _Replies:
                 self._skip_crlf()
                 return value
             if size == sum(map(nbytes, into)):
-                report = getattr(
-                    into, "received", None
-                )  # an IncomingValue hashes each piece as it lands
+                # an IncomingValue hashes each piece as it lands
+                report = getattr(into, "received", None)
                 for buf in into:
                     self._receive_into(buf.cast("B") if buf.format != "B" else buf, report)
             else:
@@ -217,7 +220,8 @@ class _Replies:
         `report(piece)` each piece once written (while it is still in cache)."""
         size = len(dest)
         have = min(size, len(self._buf) - self._pos)
-        with memoryview(self._buf) as received:  # a bytearray's slice would be one more copy
+        # a bytearray's slice would be one more copy
+        with memoryview(self._buf) as received:
             dest[:have] = received[self._pos : self._pos + have]
         self._pos += have
         if report is not None and have:

@@ -1,6 +1,6 @@
 """`S3Store`: the remote-store operations on one bucket of an S3-compatible server (AWS S3,
-MinIO, SeaweedFS, Ceph RGW, ...), through obstore (Rust `object_store` + reqwest). Longer than 300
-lines: one store and the client errors it maps, each choice below explained where it is made.
+MinIO, SeaweedFS, Ceph RGW, ...), through obstore (Rust `object_store` + reqwest): one store and
+the client errors it maps, each choice below explained where it is made.
 
 One object per name, written by one plain PUT (never multipart) with `If-None-Match: *`, so
 a name that exists is never overwritten (the server answers 412; SeaweedFS 4.x, MinIO and
@@ -72,18 +72,17 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-_LIST_CHUNK = 1000  # names per batch from the lister (S3 pages hold 1,000 at most)
-_PING_PREFIX = (
-    "kvtier-ping-none"  # a listing of it is empty: one cheap signed request that needs the bucket
-)
+# names per batch from the lister (S3 pages hold 1,000 at most)
+_LIST_CHUNK = 1000
+# a listing of it is empty: one cheap signed request that needs the bucket
+_PING_PREFIX = "kvtier-ping-none"
 # obstore says "timeout" only in its Debug dump: `HttpError { kind: Timeout, ... }`, reqwest's `TimedOut`
 _TIMEOUT_MARK = re.compile(r"kind: Timeout|TimedOut|timed out", re.IGNORECASE)
 # A body is copied into the slab rows (and hashed, see `values.IncomingValue`) in pieces of this
 # size: each is hashed while it is still in the core's cache (2 MiB of L2 here).
 _COPY_PIECE = 256 << 10
-_CAUSE = re.compile(
-    r"(?:error|kind): (\w+)(?:\(\s*(\w+),?\s*\))?"
-)  # `kind: ConnectionRefused`, `error: X(Y)`
+# `kind: ConnectionRefused`, `error: X(Y)`
+_CAUSE = re.compile(r"(?:error|kind): (\w+)(?:\(\s*(\w+),?\s*\))?")
 
 
 class S3StoreError(KVTierError):
@@ -157,11 +156,9 @@ class S3Store(RemoteStore):
                 "max_backoff": timedelta(milliseconds=100),
             },
         }
-        credentials = (
-            None
-            if access_key_id is None
-            else _StaticCredentials(access_key_id, secret_access_key or "")
-        )
+        credentials = None
+        if access_key_id is not None:
+            credentials = _StaticCredentials(access_key_id, secret_access_key or "")
         self._store = _ObjectStore(
             bucket,
             endpoint=endpoint,
@@ -216,7 +213,10 @@ class S3Store(RemoteStore):
         pages = _call(
             "LIST", prefix, lambda: iter(obstore.list(self._store, parent, chunk_size=_LIST_CHUNK))
         )
-        while (page := _call("LIST", prefix, lambda: next(pages, None))) is not None:
+        while True:
+            page = _call("LIST", prefix, lambda: next(pages, None))
+            if page is None:
+                return
             yield from (meta["path"] for meta in page if meta["path"].startswith(prefix))
 
     def ping(self) -> None:
@@ -247,13 +247,15 @@ class S3Store(RemoteStore):
         return True
 
     def _get_one(self, name: str) -> memoryview | None:
-        try:  # obstore's Bytes exports the received body as a buffer: no copy
+        # obstore's Bytes exports the received body as a buffer: no copy
+        try:
             return memoryview(_call("GET", name, lambda: obstore.get(self._store, name).bytes()))
         except FileNotFoundError:
             return None
 
     def _get_one_into(self, name: str, buffers: Sequence[memoryview]) -> int | None:
-        try:  # the response's headers only: the body is read by `bytes()`, when at all
+        # the response's headers only: the body is read by `bytes()`, when at all
+        try:
             result = _call("GET", name, lambda: obstore.get(self._store, name))
         except FileNotFoundError:
             return None
@@ -263,17 +265,15 @@ class S3Store(RemoteStore):
         body = np.frombuffer(memoryview(_call("GET", name, result.bytes)), np.uint8)
         if body.nbytes != expected:
             return body.nbytes
-        report = getattr(
-            buffers, "received", None
-        )  # an IncomingValue hashes each piece as it lands
+        # an IncomingValue hashes each piece as it lands
+        report = getattr(buffers, "received", None)
         offset = 0
         for buf in buffers:
             dest = np.frombuffer(_byte_view(buf), np.uint8)
             for start in range(0, dest.nbytes, _COPY_PIECE):
                 piece = dest[start : start + _COPY_PIECE]
-                np.copyto(
-                    piece, body[offset + start : offset + start + piece.nbytes]
-                )  # without the GIL
+                # without the GIL
+                np.copyto(piece, body[offset + start : offset + start + piece.nbytes])
                 if report is not None:
                     report(memoryview(piece))
             offset += dest.nbytes
@@ -282,9 +282,8 @@ class S3Store(RemoteStore):
     def _put_one(self, item: tuple[str, ValueParts]) -> bool:
         name, parts = item
         views = [_byte_view(part) for part in parts]
-        body = (
-            views[0] if len(views) == 1 else views
-        )  # several parts: the client gathers them, we do not join
+        # several parts: the client gathers them, we do not join
+        body = views[0] if len(views) == 1 else views
         try:
             _call(
                 "PUT",
@@ -365,9 +364,8 @@ def _call(op: str, name: str, fn: Callable[[], _R]) -> _R:
     try:
         return fn()
     except FileNotFoundError as exc:
-        if "<Code>NoSuchBucket</Code>" in str(
-            exc
-        ):  # a GET's 404 says which (a HEAD's cannot: no body)
+        # a GET's 404 says which (a HEAD's cannot: no body)
+        if "<Code>NoSuchBucket</Code>" in str(exc):
             raise _error(op, name, exc) from exc
         raise
     except (AlreadyExistsError, PreconditionError):

@@ -9,8 +9,12 @@ from its own threads. The primitives:
 2. `get(names)`: the whole value of each name (None when absent), batched; `get_into(names,
    buffers)` the same, received into the caller's buffers (the tier's load path).
 3. `put(items)`: write each value (its parts back to back) unless the name already exists.
-4. `delete(names)`, `list_names(prefix)` (for reset), `ping()`, `close()`; `renew(names)` where
-   values expire (a value read or found again lives another TTL from then).
+4. `delete(names)`, `ping()`, `close()`; `renew(names)` where values expire (a value read or
+   found again lives another TTL from then).
+5. `list_names(prefix)`, only where `lists` is True: a reset's sweep lists the namespace's
+   values to delete them. A store that cannot list (memcached-like) says `lists = False` and
+   need not implement it; a tier on it names its values under the namespace's epoch instead,
+   and a reset starts a new epoch (`kvtier.tiers.remote.reset`): nothing to list or delete.
 
 A store raises on any failure (connection refused, timeout, an authentication error, a
 server error); `is_timeout(exc)` says which of them were timeouts, for the tier's counters.
@@ -39,9 +43,8 @@ from kvtier.errors import KVTierError
 
 __all__ = ["ItemsFailed", "RemoteStore", "ValueParts"]
 
-ValueParts = Sequence[
-    bytes | memoryview
-]  # one value = its parts back to back (header, then one per rank)
+# one value = its parts back to back (header, then one per rank)
+ValueParts = Sequence[bytes | memoryview]
 
 
 class ItemsFailed(KVTierError):
@@ -65,10 +68,18 @@ class ItemsFailed(KVTierError):
 class RemoteStore(ABC):
     """Blocking byte operations on one remote store; see the module docstring."""
 
-    medium: str = "remote"  # "redis", "s3": the tier's name in metrics and events
-    separator: str = (
-        ":"  # between the parts of a name: "<prefix>:<namespace id>:<key hex>" ("/" for S3)
-    )
+    # "redis", "s3": the tier's name in metrics and events
+    medium: str = "remote"
+    # between the parts of a name: "<prefix>:<namespace id>:<key hex>" ("/" for S3)
+    separator: str = ":"
+    # whether `list_names` works (a reset then deletes the namespace's values)
+    lists: bool = True
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A store that says it lists implements `list_names` (checked when its class is made)."""
+        super().__init_subclass__(**kwargs)
+        if cls.lists and cls.list_names is RemoteStore.list_names:
+            raise TypeError(f"{cls.__name__}: lists = True needs a list_names() method")
 
     @abstractmethod
     def describe(self) -> str:
@@ -132,9 +143,10 @@ class RemoteStore(ABC):
     def delete(self, names: Sequence[str]) -> None:
         """Remove the names (absent ones are ignored)."""
 
-    @abstractmethod
     def list_names(self, prefix: str) -> Iterator[str]:
-        """Every name that starts with `prefix` (incrementally: SCAN, paged listings)."""
+        """Every name that starts with `prefix` (incrementally: SCAN, paged listings); only a store
+        whose `lists` is True implements it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its names (lists = False)")
 
     @abstractmethod
     def ping(self) -> None:

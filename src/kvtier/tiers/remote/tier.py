@@ -14,7 +14,7 @@ Only the tier decides; the `RemoteStore` it wraps only moves bytes (`kvtier.tier
   others only where their names do not exist yet (a value is never rewritten); a load checks
   every value (`kvtier.tiers.remote.values`; in keyed mode, its tag too) before a byte reaches
   the slab: a value that is short, long, foreign, corrupt or forged is a failed key, counted as
-  `corrupt`, and deleted.
+  `corrupt`, and deleted. A failed operation is counted and fed to the breaker (`_failed`).
 - **Deadlines** (`TierJob.deadline`): a job whose I/O has not started by then never starts it
   (its keys fail, counted `expired`); a load that ends after it reports its keys failed
   (counted `late`): the manager has given up on it and only frees what it held.
@@ -25,12 +25,12 @@ Only the tier decides; the `RemoteStore` it wraps only moves bytes (`kvtier.tier
   (`kvtier.tiers.remote.reset`); until that sweep is over, lookups answer MISS and jobs fail at
   once (`reset_rejects`), so that the sweep never deletes a value the tier calls present. It
   deletes for every replica sharing the namespace: after a reset (e.g. new weights) the old
-  values are wrong for all of them.
+  values are wrong for all of them. On a store that cannot list, values are named under the
+  namespace's epoch instead, which a reset replaces and every replica follows.
 
-What a job does on the pools (loads, stores, failures) is `kvtier.tiers.remote.io`.
-
-Thread-safety: the public methods are called from one thread (the manager's). The probe
-thread and the pools share state with it only under `_lock`, never held across I/O.
+Thread-safety: the public methods are called from one thread (the manager's); they decide and
+submit, and a job's I/O (`_load`, `_store`) runs on the read and write pools. The probe thread
+and the pools share state with it only under `_lock`, never held across I/O.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.base import LookupResult, OffloadingEvent
 from kvtier.errors import InvariantError
@@ -48,12 +48,12 @@ from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.rate_limited_log import RateLimitedLog
 from kvtier.tiers.remote.breaker import CircuitBreaker
-from kvtier.tiers.remote.io import RemoteIO
+from kvtier.tiers.remote.credentials import redact
 from kvtier.tiers.remote.keys import KnownKeys
 from kvtier.tiers.remote.probes import ProbeThread
 from kvtier.tiers.remote.reports import RemoteReports
 from kvtier.tiers.remote.reset import ResetSweep
-from kvtier.tiers.remote.store import RemoteStore
+from kvtier.tiers.remote.store import ItemsFailed, RemoteStore
 from kvtier.tiers.remote.values import ValueCodec
 from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
 from kvtier.tiers.workers import Workers
@@ -62,10 +62,12 @@ __all__ = ["RemoteTier"]
 
 logger = logging.getLogger(__name__)
 
-_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_RETRY = LookupResult.RETRY
 
 
-class RemoteTier(RemoteIO, SecondaryTier):
+class RemoteTier(SecondaryTier):
     """Args:
     store: the remote store's byte operations.
     namespace: what the values' bytes mean.
@@ -78,6 +80,8 @@ class RemoteTier(RemoteIO, SecondaryTier):
     breaker: the circuit breaker (default: 5 failures, retry every 1 s).
     enable_events: record stored/removed events for `take_events`.
     start_open: the store did not answer at start: begin with the breaker open.
+    epoch_check_s: a store that cannot list: how often the namespace's epoch is read again (a
+        reset by another replica is followed within it; see `kvtier.tiers.remote.reset`).
     """
 
     def __init__(
@@ -94,32 +98,39 @@ class RemoteTier(RemoteIO, SecondaryTier):
         breaker: CircuitBreaker | None = None,
         enable_events: bool = True,
         start_open: bool = False,
+        epoch_check_s: float = 1.0,
     ):
-        self.store, self.medium = store, store.medium
+        self.store = store
+        self.medium = store.medium
         self.codec = ValueCodec(namespace, prefix, store.separator, key_secret)
         self.breaker = breaker or CircuitBreaker()
         self.enable_events = enable_events
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._keys = KnownKeys(max_known, absent_ttl_s)  # under _lock
-        self._book = RemoteReports(self.medium, enable_events)  # under _lock
+        # under _lock: the known keys, the reports and counters, the queued bytes, the reset
+        self._keys = KnownKeys(max_known, absent_ttl_s)
+        self._book = RemoteReports(self.medium, enable_events)
         self._counters = self._book.counters
         self._queued_store_bytes = 0
-        self._retention: RetentionBook | None = (
-            None  # the manager's hints: values kept longer (a TTL)
-        )
+        # the manager's hints: values kept longer (a TTL)
+        self._retention: RetentionBook | None = None
         self._log = RateLimitedLog(logger)
         self._workers = Workers(self._cond, io_threads, io_threads, logger, self.medium)
         self._reset = ResetSweep(
             self._cond,
             store,
-            self.codec.name_prefix,
+            self.codec,
             self._workers,
             self._log,
             self.breaker.retry_s,
-        )  # under _lock
+        )
         if start_open:
             self.breaker.open_now()
+        if not store.lists:
+            # no value is named before the namespace's epoch is read (lookups MISS until then)
+            with self._cond:
+                generation = self._reset.start_locked()
+            self._reset.rejoin_soon(generation)
         self._prober = ProbeThread(
             self._cond,
             self._keys,
@@ -131,6 +142,7 @@ class RemoteTier(RemoteIO, SecondaryTier):
             self._failed,
             self._log,
             probe_batch,
+            epoch_check_s,
         )
 
     # -- lookups ------------------------------------------------------------------------------
@@ -151,13 +163,17 @@ class RemoteTier(RemoteIO, SecondaryTier):
             return _MISS
         result = self._keys.answer(key)
         if result is _RETRY and self._keys.has_queued:
-            self._cond.notify_all()  # the probe thread (`kvtier.tiers.remote.probes`)
+            # the probe thread (`kvtier.tiers.remote.probes`)
+            self._cond.notify_all()
         return result
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """The server's eviction policy orders a shared store's values; nothing to record here."""
 
-    # -- jobs ---------------------------------------------------------------------------------
+    def use_retention(self, book: RetentionBook) -> None:
+        self._retention = book
+
+    # -- jobs: what the manager's thread decides and submits -------------------------------------
 
     def submit_load(self, job: TierJob) -> None:
         with self._cond:
@@ -166,47 +182,239 @@ class RemoteTier(RemoteIO, SecondaryTier):
             generation = self._reset.admit_locked()
         self._workers.read(self._job, self._load, job, generation, time.perf_counter())
 
+    def submit_store(self, job: TierJob) -> None:
+        with self._cond:
+            if self._rejected_locked(job):
+                return
+            generation = self._reset.admit_locked()
+            items = list(zip(job.keys, job.buffers, strict=True))
+            bad = {k for k, bufs in items if not self.codec.fits(k, bufs)}
+            self._counters["bad_jobs"] += len(bad)
+            todo = [(k, bufs) for k, bufs in items if k not in self._keys and k not in bad]
+            # values known present get another TTL where they expire
+            known = []
+            if self.store.expires:
+                known = [k for k in job.keys if k in self._keys and k not in bad]
+            self._queued_store_bytes += len(todo) * self.codec.payload_bytes
+        self._workers.write(
+            self._job, self._store, job, generation, todo, bad, known, time.perf_counter()
+        )
+
     def _rejected_locked(self, job: TierJob) -> bool:
         """Fail `job` at once, without I/O, while the breaker is open (or the tier closed), or while
         a reset's sweep runs (see `kvtier.tiers.remote.reset`)."""
         if self.breaker.is_open or self._workers.is_closed:
             counter, why = "breaker_rejects", "tier unavailable (breaker open)"
         elif self._reset.is_sweeping:
-            counter, why = "reset_rejects", "tier resetting (deleting its values)"
+            counter, why = "reset_rejects", f"tier resetting ({self._reset.activity})"
         else:
             return False
         self._counters[counter] += len(job.keys)
         self._book.finish(job, set(job.keys), 0, 0.0, why)
         return True
 
-    def use_retention(self, book: RetentionBook) -> None:
-        self._retention = book
+    # -- jobs: their I/O, on the pools ---------------------------------------------------------
 
-    def submit_store(self, job: TierJob) -> None:
+    def _job(self, run: Callable[..., None], job: TierJob, *args: object) -> None:
+        """`run(job, *args)` on a pool thread; the reset's sweep is told when it is over, whatever
+        happens."""
+        try:
+            run(job, *args)
+        finally:
+            self._reset.job_over()
+
+    def _may_start(self, job: TierJob, generation: int, queued_bytes: int) -> bool:
+        """Whether `job` may start its I/O: not past its deadline (else counted `expired`) nor from
+        before a reset. If not, its keys fail now and a store gives back its `queued_bytes`."""
         with self._cond:
-            if self._rejected_locked(job):
-                return
-            generation = self._reset.admit_locked()
-            bad = {
-                k
-                for k, bufs in zip(job.keys, job.buffers, strict=True)
-                if not self.codec.fits(k, bufs)
-            }
-            self._counters["bad_jobs"] += len(bad)
-            todo = [
-                (k, bufs)
-                for k, bufs in zip(job.keys, job.buffers, strict=True)
-                if k not in self._keys and k not in bad
-            ]
-            known = (
-                [k for k in job.keys if k in self._keys and k not in bad]
-                if self.store.expires
-                else []
-            )
-            self._queued_store_bytes += len(todo) * self.codec.payload_bytes
-        self._workers.write(
-            self._job, self._store, job, generation, todo, bad, known, time.perf_counter()
+            is_expired = time.monotonic() >= job.deadline
+            if not is_expired and generation == self._reset.generation:
+                return True
+            if is_expired:
+                self._counters["expired"] += len(job.keys)
+                why = "deadline passed before its I/O started"
+            else:
+                why = "reset while in flight"
+            self._queued_store_bytes -= queued_bytes
+            self._book.finish(job, set(job.keys), 0, 0.0, why)
+            return False
+
+    def _load(self, job: TierJob, generation: int, started: float) -> None:
+        if not self._may_start(job, generation, 0):
+            return
+        error = None
+        parts = [self.codec.receiving_parts(bufs) for bufs in job.buffers]
+        names = [self.codec.name(k) for k in job.keys]
+        # the items whose GET failed: that says nothing about their keys
+        unread: set[int] = set()
+        # each value's header (and tag) into buffers of its own, its payload straight into the slab
+        try:
+            sizes = self.store.get_into(names, parts)
+            self.breaker.record_success()
+        except ItemsFailed as exc:
+            sizes = exc.results
+            unread = set(exc.errors)
+            error = self._failed(exc, "load")
+        except Exception as exc:
+            sizes = [None] * len(job.keys)
+            unread = set(range(len(job.keys)))
+            error = self._failed(exc, "load")
+        read = [i for i in range(len(job.keys)) if i not in unread]
+        # absent or bad values: forgotten
+        gone: set[OffloadKey] = set()
+        corrupt = self._refuse_bad_values(
+            [job.keys[i] for i in read], [sizes[i] for i in read], [parts[i] for i in read], gone
         )
+        failed = gone | {job.keys[i] for i in unread}
+        with self._cond:
+            self._counters["corrupt"] += len(corrupt)
+            self._counters["load_missing"] += len(gone) - len(corrupt)
+            self._keys.forget(list(gone))
+            if generation != self._reset.generation:
+                # (the reset dropped every key already: no event)
+                failed = set(job.keys)
+                error = "reset while in flight"
+            else:
+                self._book.emit(sorted(gone), removed=True)
+                # the manager has given up on it: it only frees the slots
+                if time.monotonic() > job.deadline:
+                    self._counters["late"] += len(job.keys)
+                    failed = set(job.keys)
+                    error = "finished after its deadline"
+            num_bytes = self.codec.payload_bytes * (len(job.keys) - len(failed))
+            self._book.count("load", len(job.keys) - len(failed), len(failed), num_bytes, started)
+            self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
+        # used again: another TTL (after the report)
+        self._renew([key for key in job.keys if key not in failed])
+
+    def _refuse_bad_values(
+        self,
+        keys: Sequence[OffloadKey],
+        sizes: Sequence[int | None],
+        parts: Sequence[tuple[memoryview, ...]],
+        failed: set[OffloadKey],
+    ) -> list[str]:
+        """Add the keys whose value is absent or fails a check to `failed`; delete the bad values
+        (their names are returned)."""
+        corrupt: list[str] = []
+        for key, size, received in zip(keys, sizes, parts, strict=True):
+            if size is None:
+                failed.add(key)
+                continue
+            why = self.codec.check(key, size, received)
+            if why is None:
+                continue
+            failed.add(key)
+            corrupt.append(self.codec.name(key))
+            self._log.log_once(
+                "corrupt", f"{self.medium} tier: dropped a bad value of {key.hex()[:16]}…: {why}"
+            )
+        if corrupt:
+            self._delete(corrupt)
+        return corrupt
+
+    def _store(
+        self,
+        job: TierJob,
+        generation: int,
+        todo: list[tuple[OffloadKey, tuple[memoryview, ...]]],
+        bad: set[OffloadKey],
+        known: list[OffloadKey],
+        started: float,
+    ) -> None:
+        if not self._may_start(job, generation, len(todo) * self.codec.payload_bytes):
+            return
+        failed = set(bad)
+        error = None
+        written = [False] * len(todo)
+        try:
+            if todo:
+                written = self.store.put(
+                    [(self.codec.name(k), self.codec.pack(k, bufs)) for k, bufs in todo],
+                    self._keep_s([k for k, _ in todo]),
+                )
+                self.breaker.record_success()
+        # the others were written (or found): their keys are stored
+        except ItemsFailed as exc:
+            written = [bool(is_new) for is_new in exc.results]
+            failed.update(todo[i][0] for i in exc.errors)
+            error = self._failed(exc, "store")
+        except Exception as exc:
+            failed.update(k for k, _ in todo)
+            error = self._failed(exc, "store")
+        outcomes = list(zip((k for k, _ in todo), written, strict=True))
+        new_keys = [k for k, is_new in outcomes if is_new and k not in failed]
+        num_existing = sum(1 for k, is_new in outcomes if not is_new and k not in failed)
+        with self._cond:
+            self._queued_store_bytes -= len(todo) * self.codec.payload_bytes
+            # written by another replica: never rewritten
+            self._counters["store_existing"] += num_existing
+            if generation != self._reset.generation:
+                # what it wrote, the sweep deletes (it waits for this job)
+                failed = set(job.keys)
+                error = "reset while in flight"
+                new_keys = []
+            else:
+                # only what this job wrote or found: a key skipped as known may have been forgotten
+                for key, _ in todo:
+                    if key not in failed:
+                        self._keys.remember(key)
+                self._book.emit(new_keys, removed=False)
+            num_bytes = len(new_keys) * self.codec.payload_bytes
+            self._book.count("store", len(new_keys), len(failed), num_bytes, started)
+            self._book.finish(job, failed, num_bytes, time.perf_counter() - started, error)
+        # values stored again (here or by another replica): another TTL, and the new hints
+        if error is None:
+            self._renew([*known, *(k for k, is_new in outcomes if not is_new)])
+
+    def _renew(self, keys: Sequence[OffloadKey]) -> None:
+        """Give these values another TTL where the store's values expire (no more than one round
+        trip, never failing the job: a failure is logged once and counted, the breaker is not
+        told)."""
+        if not keys or not self.store.expires:
+            return
+        try:
+            self.store.renew([self.codec.name(k) for k in keys], self._keep_s(keys))
+        except Exception as exc:
+            with self._cond:
+                self._counters["errors"] += 1
+            self._log.log_once(
+                "renew", f"{self.medium} tier: renewing values' TTL failed: {redact(str(exc))}"
+            )
+
+    def _keep_s(self, keys: Sequence[OffloadKey]) -> list[float] | None:
+        """How long each value is to be kept at least, by the requests' hints (None: no book)."""
+        book = self._retention
+        if book is None or not len(book):
+            return None
+        now = book.clock()
+        return [max(0.0, (book.kept_until(key) or now) - now) for key in keys]
+
+    def _failed(self, exc: Exception, what: str) -> str:
+        """Count a failed operation (timeouts apart), feed the breaker; the message to report."""
+        is_timeout = self.store.is_timeout(exc)
+        kind = "timeout" if is_timeout else type(exc).__name__
+        message = f"{what} failed ({kind}): {redact(str(exc))}"
+        with self._cond:
+            self._counters["timeouts" if is_timeout else "errors"] += 1
+        if not self.breaker.record_failure():
+            self._log.log_once(what, f"{self.medium} tier: {message}")
+            return message
+        logger.warning(
+            "kvtier: %s tier at %s is failing (%s); answering misses and retrying in the background",
+            self.medium,
+            self.store.describe(),
+            message,
+        )
+        with self._cond:
+            self._cond.notify_all()
+        return message
+
+    def _delete(self, names: list[str]) -> None:
+        try:
+            self.store.delete(names)
+        except Exception as exc:
+            self._log.log_once("delete", f"{self.medium} tier: delete failed: {redact(str(exc))}")
 
     # -- what the manager reads -------------------------------------------------------------------
 
@@ -225,10 +433,8 @@ class RemoteTier(RemoteIO, SecondaryTier):
     def stats(self) -> TierStats:
         with self._cond:
             counters = Counter(self._counters)
-            counters["breaker_opens"], counters["breaker_closes"] = (
-                self.breaker.num_opens,
-                self.breaker.num_closes,
-            )
+            counters["breaker_opens"] = self.breaker.num_opens
+            counters["breaker_closes"] = self.breaker.num_closes
             return TierStats(
                 self.medium,
                 0,
@@ -260,7 +466,9 @@ class RemoteTier(RemoteIO, SecondaryTier):
         """
         with self._cond:
             known = list(self._keys)
-        found = self.store.exists([self.codec.name(k) for k in known]) if known else []
+        if not known:
+            return
+        found = self.store.exists([self.codec.name(k) for k in known])
         phantoms = [k for k, is_there in zip(known, found, strict=True) if not is_there]
         if phantoms:
             raise InvariantError(

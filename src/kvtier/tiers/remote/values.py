@@ -1,7 +1,11 @@
 """Names and values of one namespace in a shared remote store.
 
 - **Names**: `<prefix><sep><namespace id hex><sep><key hex>`. Engines of another namespace
-  (model, dtype, layout, …) use another middle part, so they never read these bytes.
+  (model, dtype, layout, …) use another middle part, so they never read these bytes. On a
+  store that cannot list, the namespace's epoch comes before the key part
+  (`<prefix><sep><namespace id hex><sep><epoch><sep><key hex>`, `use_epoch`), and the epoch
+  record is `<prefix><sep><namespace id hex><sep>epoch` (`epoch_name`; see
+  `kvtier.tiers.remote.reset`).
 - **Values**: `ValueHeader` (see `kvtier.tiers.secondary`) + the payload (every rank's buffer,
   back to back), the format of the disk tier's files too. A load receives the header into a
   buffer of its own and the payload straight into the slab rows (`IncomingValue`), hashing
@@ -25,7 +29,8 @@ What neither mode protects against: whoever holds the secret, and deletion (a wr
 store can always delete or evict values: a miss, never wrong bytes). A value replayed under its
 own name (an older valid one) passes: it holds the same key's KV of the same namespace.
 
-Thread-safety: immutable; every method may be called from any thread.
+Thread-safety: immutable but for `use_epoch`, which a reset's sweep calls while no job runs;
+every method may be called from any thread.
 """
 
 from __future__ import annotations
@@ -43,11 +48,12 @@ from kvtier.tiers.secondary import HEADER_BYTES, ValueHeader, checksum
 
 __all__ = ["TAG_BYTES", "IncomingValue", "ValueCodec"]
 
-_MAX_KEY_BYTES = 64  # what a ValueHeader holds
-TAG_BYTES = 32  # keyed mode's trailer
-_MAC_CONTEXT = (
-    "kvtier 2025-06 remote value tag v1"  # BLAKE3 key derivation: a fixed, unique context
-)
+# what a ValueHeader holds
+_MAX_KEY_BYTES = 64
+# keyed mode's trailer
+TAG_BYTES = 32
+# BLAKE3 key derivation: a fixed, unique context
+_MAC_CONTEXT = "kvtier 2025-06 remote value tag v1"
 
 
 class ValueCodec:
@@ -66,13 +72,22 @@ class ValueCodec:
         self.is_keyed = key_secret is not None
         self.tag_bytes = TAG_BYTES if self.is_keyed else 0
         self.value_bytes = HEADER_BYTES + self.payload_bytes + self.tag_bytes
-        self.name_prefix = f"{prefix}{separator}{namespace.id_hex}{separator}"
+        self._separator = separator
+        self._namespace_prefix = f"{prefix}{separator}{namespace.id_hex}{separator}"
+        # every value's name starts with it
+        self.name_prefix = self._namespace_prefix
+        # the namespace's epoch, in the names (a store that cannot list), or None
+        self.epoch: str | None = None
+        self.epoch_name = self._namespace_prefix + "epoch"
         self._secret = key_secret
-        self._mac_key = (
-            None
-            if key_secret is None
-            else blake3(key_secret, derive_key_context=_MAC_CONTEXT).digest()
-        )
+        self._mac_key = None
+        if key_secret is not None:
+            self._mac_key = blake3(key_secret, derive_key_context=_MAC_CONTEXT).digest()
+
+    def use_epoch(self, epoch: str) -> None:
+        """Name every value under `epoch` from now on (only while no job runs: a reset's sweep)."""
+        self.epoch = epoch
+        self.name_prefix = f"{self._namespace_prefix}{epoch}{self._separator}"
 
     def stored_key(self, key: OffloadKey) -> bytes:
         """The key as the store sees it (in the name and the header)."""
@@ -103,7 +118,8 @@ class ValueCodec:
         `buffers` (the slab rows: no copy), the tag (keyed) into one of its own; see `check`."""
         tag = (memoryview(bytearray(TAG_BYTES)),) if self.is_keyed else ()
         parts = (memoryview(bytearray(HEADER_BYTES)), *buffers, *tag)
-        if self._mac_key is None:  # the checksum covers the payload
+        # the checksum covers the payload; the tag, header and payload
+        if self._mac_key is None:
             return IncomingValue(
                 parts, xxhash.xxh3_64(), HEADER_BYTES, HEADER_BYTES + self.payload_bytes
             )
@@ -120,23 +136,21 @@ class ValueCodec:
         unpacked = ValueHeader.unpack(header)
         if isinstance(unpacked, str):
             return unpacked
-        if (
-            why := unpacked.mismatch(self.namespace_id, self.stored_key(key), self.payload_bytes)
-        ) is not None:
+        why = unpacked.mismatch(self.namespace_id, self.stored_key(key), self.payload_bytes)
+        if why is not None:
             return why
-        # the digest of the pieces the store reported, when they were the whole value; else of the buffers
-        hashed = (
-            parts.hasher
-            if isinstance(parts, IncomingValue) and parts.num_received == size
-            else None
-        )
+        # the digest of the pieces the store reported, when they were the whole value (else None:
+        # the buffers are hashed here)
+        hashed = None
+        if isinstance(parts, IncomingValue) and parts.num_received == size:
+            hashed = parts.hasher
         if self.is_keyed:
             tag = self._tag(header, payload) if hashed is None else hashed.digest()
             if not hmac.compare_digest(tag, parts[-1]):
                 return "tag mismatch (not written with this deployment's secret, or altered)"
-        elif (
-            checksum(payload) if hashed is None else hashed.intdigest()
-        ) != unpacked.payload_checksum:
+            return None
+        digest = checksum(payload) if hashed is None else hashed.intdigest()
+        if digest != unpacked.payload_checksum:
             return "payload checksum mismatch"
         return None
 
@@ -167,7 +181,10 @@ class IncomingValue(tuple):
         cls, parts: Sequence[memoryview], hasher: xxhash.xxh3_64 | blake3, start: int, end: int
     ):
         self = super().__new__(cls, parts)
-        self.hasher, self.num_received, self._start, self._end = hasher, 0, start, end
+        self.hasher = hasher
+        self.num_received = 0
+        self._start = start
+        self._end = end
         return self
 
     def received(self, piece: memoryview) -> None:
