@@ -10,14 +10,17 @@ does not age while the engine idles). Workers abandon a job at its deadline
 workers have run the step it was expired in (a worker cancels every job past its deadline
 before that step's forward pass and waits until its copies stop). A report that still
 comes later is ignored.
+
+`NextPlan` is the plan new jobs join between two engine steps (a load planned at allocation, a
+finished request's last stores), handed out by the next `build_connector_meta`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -27,9 +30,26 @@ from kvtier.keys import OffloadKey
 from kvtier.scheduler.config import GroupKind
 from kvtier.scheduler.state import JobRecord, PendingLoad, RequestOffloadState
 
-__all__ = ["TransferJobBook"]
+__all__ = ["NextPlan", "TransferJobBook"]
 
 _Parts = list[tuple[int, list[int], int]]  # (group, block ids, skip_blocks) per part
+
+
+@dataclass(slots=True)
+class NextPlan:
+    """The plan jobs created between two `build_connector_meta` calls join, and the number of
+    the step planned last."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+    # `build_connector_meta` calls so far: a request that ends now ends in this step
+    step: int = 0
+
+    def take(self) -> StepPlan:
+        """A step is planned: hand out the plan built so far, and start the next one."""
+        self.step += 1
+        plan = self.plan
+        self.plan = StepPlan()
+        return plan
 
 
 class TransferJobBook:
@@ -199,7 +219,7 @@ class TransferJobBook:
                 deadline = min(
                     now + self.job_timeout_s, record.deadline_cap if record else math.inf
                 )
-                jobs[i] = dataclasses.replace(job, deadline=deadline)
+                jobs[i] = replace(job, deadline=deadline)
                 if record is not None:
                     record.job, record.expires_at = jobs[i], deadline + self.job_timeout_s
 
