@@ -208,8 +208,10 @@ class OffloadScheduler:
                     expected,
                 )
                 self._fail_offered_blocks(state, pending)
-            elif self._start_load(state, pending):
-                loaded = num_external_tokens
+            else:
+                is_loading = self._start_load(state, pending)
+                if is_loading:
+                    loaded = num_external_tokens
         self.stats.count_admission(state.answer, loaded)
         state.answer = None
 

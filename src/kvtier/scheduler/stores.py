@@ -120,9 +120,11 @@ class StorePlanning:
             # stored when the engine is about to evict them (`plan_evictions`)
             for key, (group, chunk), chunk_blocks in zip(keys, chunks, blocks, strict=True):
                 self.ledger.record(key, group, chunk_blocks, state.req_context, chunk)
-        elif not self._store(state, keys, groups, blocks, plan):
-            # no room now: the cursor stays, retried next step
-            return
+        else:
+            is_offered = self._store(state, keys, groups, blocks, plan)
+            if not is_offered:
+                # no room now: the cursor stays, retried next step
+                return
         for gs in state.group_states:
             gs.next_store_chunk = max(gs.next_store_chunk, end)
 

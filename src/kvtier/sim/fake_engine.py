@@ -299,7 +299,8 @@ class FakeEngine:
         for req, n, _ in scheduled:
             if self._rewind_if_invalid(req, invalid):
                 continue
-            if self._forward(req, n):
+            is_complete = self._forward(req, n)
+            if is_complete:
                 done.append(req)
         return done
 

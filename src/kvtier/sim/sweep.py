@@ -129,7 +129,9 @@ def sweep(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path = _write_csv(points, out / "sweep.csv")
-    png_path = _plot(points, out / "sweep.png", len(requests), base.engine_blocks) if plot else None
+    png_path = None
+    if plot:
+        png_path = _plot(points, out / "sweep.png", len(requests), base.engine_blocks)
     return SweepResult(points, csv_path, png_path, reports)
 
 
