@@ -93,23 +93,24 @@ class OffloadScheduler:
         self._jobs = TransferJobBook(config.num_workers, config.job_timeout_s)
         self._next = NextPlan()
         self._is_supported = config.is_supported
+        # the ledger is built here, where benchmarks/fuzz_mutations.py swaps in a defective one
         self._stores = StorePlanning(
             config,
             manager,
             self.stats,
-            self._requests,
-            self._jobs,
-            EvictionLedger(),
-            self._next,
+            requests=self._requests,
+            jobs=self._jobs,
+            ledger=EvictionLedger(),
+            next_plan=self._next,
         )
         self._completions = JobCompletion(
             manager,
             self.stats,
             self.costs,
-            self._requests,
-            self._jobs,
-            self._stores,
-            clock,
+            requests=self._requests,
+            jobs=self._jobs,
+            stores=self._stores,
+            clock=clock,
         )
         for g in config.unsupported_groups():
             logger.warning(

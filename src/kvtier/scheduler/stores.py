@@ -58,7 +58,7 @@ class StorePlanning:
         requests: the scheduler's requests; eviction owners join them and leave once their
             stores ended.
         jobs: the scheduler's job book, where store jobs are made.
-        ledger: lazy mode's computed chunks not stored yet (owned here from now on).
+        ledger: lazy mode's computed chunks not stored yet (only this planner uses it).
         next_plan: the plan of the next step, and the number of the step planned last.
     """
 
