@@ -34,7 +34,7 @@ RANK1_MASK = 0x2A5A_5A5A_5A5A_5A5A
 
 class TwoRankKV:
     """The engine's "model" writes and checks both ranks' KV through this (the `KVCache` calls
-    `FakeModel` makes); `tensors` are rank 0's, which the engine's first worker registered."""
+    `FakeEngine`'s model makes); `tensors` are rank 0's, which the engine's first worker registered."""
 
     def __init__(self, rank0: KVCache, rank1: KVCache):
         self.ranks = (rank0, rank1)

@@ -102,9 +102,9 @@ def test_ledger_takes_chunks_head_first_per_request():
 def test_lazy_mode_reset_forgets_unstored_chunks():
     engine = make_engine(num_blocks=24, num_slots=16, store_mode="lazy", max_tokens_per_step=32)
     _cycle(engine, num_prompts=3, prompt_tokens=5 * BLOCK + 1, rounds=1)
-    assert len(engine.scheduler._ledger) > 0
+    assert len(engine.scheduler._stores.ledger) > 0
     engine.scheduler.reset_cache()
-    assert len(engine.scheduler._ledger) == 0
+    assert len(engine.scheduler._stores.ledger) == 0
     _cycle(engine, num_prompts=8, prompt_tokens=5 * BLOCK + 1, rounds=2)  # still correct afterwards
 
 

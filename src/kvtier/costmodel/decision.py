@@ -107,11 +107,10 @@ def choose_load(
     for n, medium in enumerate(locations, 1):
         if medium != CPU:
             head_bytes[medium] += chunk_bytes
-        wait = (
-            max([costs.step_s] + [costs.read(m).seconds_for(b) for m, b in head_bytes.items()])
-            if head_bytes
-            else 0.0
-        )
+        wait = 0.0
+        if head_bytes:
+            reads = [costs.read(m).seconds_for(b) for m, b in head_bytes.items()]
+            wait = max([costs.step_s] + reads)
         load = wait + cpu.seconds_for(n * chunk_bytes)
         load_at.append(load)
         delta = load - n * saving

@@ -13,9 +13,12 @@ __all__ = ["GroupKind", "GroupSpec", "SchedulerOffloadConfig"]
 
 
 class GroupKind(enum.Enum):
-    FULL = "full_attention"  # every earlier token matters: prefix scan
-    SLIDING_WINDOW = "sliding_window"  # only the last window matters: suffix scan
-    UNSUPPORTED = "unsupported"  # e.g. state-space layers: the model gets no hits
+    # every earlier token matters: prefix scan
+    FULL = "full_attention"
+    # only the last window matters: suffix scan
+    SLIDING_WINDOW = "sliding_window"
+    # e.g. state-space layers: the model gets no hits
+    UNSUPPORTED = "unsupported"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +40,8 @@ class GroupSpec:
     tokens_per_block: int = 16
     blocks_per_chunk: int = 1
     sliding_window: int | None = None
-    reason: str = ""  # UNSUPPORTED groups: why, for the warning at start
+    # UNSUPPORTED groups: why, for the warning at start
+    reason: str = ""
     extra_retained_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """`OffloadScheduler`: what to load and what to store, per request and per engine step.
 
 Engine-agnostic: an adapter (vLLM's connector, the fake engine of the tests and the
-simulator) calls it in the order of DESIGN.md's scheduler protocol:
+simulator) calls it in the order of docs/architecture.md's scheduler protocol:
 
 1. `get_num_new_matched_tokens(req, num_local)`   -> (tokens | None, load_async)
 2. `update_state_after_alloc(req_id, block_ids, num_external_tokens)`
@@ -26,9 +26,11 @@ engine is about to evict their blocks (`kvtier.scheduler.lazy`; the adapter repo
 the end of each step, `plan_evictions`, and the stores run in the next step's plan, under
 the same fences as a finished request's last stores).
 
-`OffloadScheduler` is this module (lookups, loads, the step plan, request end, reset) plus
-two parts of its own: `kvtier.scheduler.stores` (what to store, and when) and
-`kvtier.scheduler.completions` (how jobs end).
+`OffloadScheduler` is this module (lookups, loads, the step plan, request end, reset) and two
+collaborators it builds and hands what they share (the requests, `kvtier.scheduler.requests`;
+the job book and the next step's plan, `kvtier.scheduler.jobs`): `StorePlanning`
+(`kvtier.scheduler.stores`: what to store, and when) and `JobCompletion`
+(`kvtier.scheduler.completions`: how jobs end).
 
 Thread-safety: not thread-safe; the engine's scheduler calls it from one thread.
 """
@@ -37,19 +39,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvtier.base import OffloadingManager
 from kvtier.costmodel.decision import CostSnapshot
 from kvtier.errors import KVTierError
-from kvtier.jobs import BlockIds, StepPlan
+from kvtier.jobs import BlockIds, JobResult, StepPlan
 from kvtier.scheduler.completions import JobCompletion
 from kvtier.scheduler.config import SchedulerOffloadConfig
-from kvtier.scheduler.jobs import TransferJobBook
+from kvtier.scheduler.jobs import NextPlan, TransferJobBook
 from kvtier.scheduler.lazy import EvictionLedger
 from kvtier.scheduler.load_cost import LoadCosts
 from kvtier.scheduler.lookup import count_query, may_defer, scan_hits
-from kvtier.scheduler.state import JobRecord, LookupAnswer, PendingLoad, RequestOffloadState
+from kvtier.scheduler.requests import RequestTable
+from kvtier.scheduler.state import LookupAnswer, PendingLoad, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
 from kvtier.scheduler.stores import EVICTIONS_REQ_ID, StoreObserver, StorePlanning
 from kvtier.scheduler.types import RequestView, StepView
@@ -58,10 +61,11 @@ __all__ = ["EVICTIONS_REQ_ID", "OffloadScheduler", "StoreObserver"]
 
 logger = logging.getLogger(__name__)
 
-_MIN_ASYNC_LOAD_S = 0.25  # a load started after the budget was spent on waits still gets this long
+# a load started after the budget was spent on waits still gets this long
+_MIN_ASYNC_LOAD_S = 0.25
 
 
-class OffloadScheduler(StorePlanning, JobCompletion):
+class OffloadScheduler:
     """The scheduler side of kvtier for one engine.
 
     Args:
@@ -85,16 +89,28 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         self.costs = LoadCosts(config, manager, self.stats, costs)
         self._clock = clock
         manager.use_clock(clock)
-        self._requests: dict[str, RequestOffloadState] = {}
+        self._requests = RequestTable(manager)
         self._jobs = TransferJobBook(config.num_workers, config.job_timeout_s)
-        self._next_plan = StepPlan()  # jobs created between two build_connector_meta calls
-        self._step = 0  # build_connector_meta calls so far
+        self._next = NextPlan()
         self._is_supported = config.is_supported
-        self._lazy = config.store_mode == "lazy"
-        self._ledger = EvictionLedger()  # lazy mode: computed chunks not stored yet
-        self._expired: list[JobRecord] = []  # failed at this step's expiry, completed at its output
-        self.store_observer: StoreObserver | None = (
-            None  # the adapter's: chunks offered to the tiers (events)
+        # the ledger is built here, where benchmarks/fuzz_mutations.py swaps in a defective one
+        self._stores = StorePlanning(
+            config,
+            manager,
+            self.stats,
+            requests=self._requests,
+            jobs=self._jobs,
+            ledger=EvictionLedger(),
+            next_plan=self._next,
+        )
+        self._completions = JobCompletion(
+            manager,
+            self.stats,
+            self.costs,
+            requests=self._requests,
+            jobs=self._jobs,
+            stores=self._stores,
+            clock=clock,
         )
         for g in config.unsupported_groups():
             logger.warning(
@@ -102,6 +118,16 @@ class OffloadScheduler(StorePlanning, JobCompletion):
                 g,
                 config.groups[g].reason or "unsupported kind",
             )
+
+    @property
+    def store_observer(self) -> StoreObserver | None:
+        """The adapter's: told of the chunks each request offers to the tiers (for its events);
+        dropped after it fails once."""
+        return self._stores.observer
+
+    @store_observer.setter
+    def store_observer(self, observer: StoreObserver | None) -> None:
+        self._stores.observer = observer
 
     # -- 1. lookup --------------------------------------------------------------------
 
@@ -122,18 +148,19 @@ class OffloadScheduler(StorePlanning, JobCompletion):
             # after a failed load the engine asks again (an asynchronous one restarts the request
             # from its last valid block): offering the same load again could fail forever
             return self._answer(state, num_local, 0)
-        if state.load_job_id is not None:  # its previous load is still in flight
-            return (
-                (None, False)
-                if may_defer(state, self.config, self._clock(), self.stats)
-                else self._answer(state, num_local, 0)
-            )
+        if state.load_job_id is not None:
+            # its previous load is still in flight
+            if may_defer(state, self.config, self._clock(), self.stats):
+                return None, False
+            return self._answer(state, num_local, 0)
         size = self.config.tokens_per_chunk
         start = num_local // size
         max_chunks = min(state.num_hashed_chunks(), (req.num_tokens - 1) // size)
-        if state.params.max_load_tokens is not None:  # the request's cap on what it loads
+        if state.params.max_load_tokens is not None:
+            # the request's cap on what it loads
             max_chunks = min(max_chunks, (num_local + state.params.max_load_tokens) // size)
-        if start < max_chunks:  # load or recompute: how far the scan may look
+        if start < max_chunks:
+            # load or recompute: how far the scan may look
             max_chunks = self.costs.scan_end(state, start, max_chunks, self._clock())
             if max_chunks is None:
                 return None, False
@@ -152,7 +179,8 @@ class OffloadScheduler(StorePlanning, JobCompletion):
     def _answer(
         self, state: RequestOffloadState, num_local: int, hit_tokens: int
     ) -> tuple[int, bool]:
-        state.decided_load = None  # kept across "ask again" only: the next question decides afresh
+        # kept across "ask again" only: the next question decides afresh
+        state.decided_load = None
         state.answer = LookupAnswer(num_local, max(0, state.req.num_tokens - 1 - num_local))
         return hit_tokens, hit_tokens > 0 and self.config.load_mode == "async"
 
@@ -165,11 +193,11 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         state = self._requests.get(req_id)
         if state is None:
             return
-        self._on_written(state.set_block_ids(block_ids, replace=True), self._next_plan)
-        count_query(
-            state, self.manager, self.config.tokens_per_chunk
-        )  # before loads: promotions still known
-        pending, state.pending_load = state.pending_load, None
+        self._on_written(state.set_block_ids(block_ids, replace=True), self._next.plan)
+        # before loads: promotions still known
+        count_query(state, self.manager, self.config.tokens_per_chunk)
+        pending = state.pending_load
+        state.pending_load = None
         loaded = 0
         if pending is not None and num_external_tokens > 0:
             expected = pending.end_chunk * self.config.tokens_per_chunk - pending.num_local_tokens
@@ -181,8 +209,10 @@ class OffloadScheduler(StorePlanning, JobCompletion):
                     expected,
                 )
                 self._fail_offered_blocks(state, pending)
-            elif self._start_load(state, pending):
-                loaded = num_external_tokens
+            else:
+                is_loading = self._start_load(state, pending)
+                if is_loading:
+                    loaded = num_external_tokens
         self.stats.count_admission(state.answer, loaded)
         state.answer = None
 
@@ -190,7 +220,8 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         keys, blocks = self._jobs.load_parts_for(state, pending)
         try:
             spec = self.manager.prepare_load([k for part in keys for k in part], state.req_context)
-        except KVTierError as exc:  # a broken contract below: recompute, never crash
+        except KVTierError as exc:
+            # a broken contract below: recompute, never crash
             logger.warning(
                 "request %s: prepare_load failed (%s); its blocks will be recomputed",
                 state.req_id,
@@ -203,10 +234,10 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         state.load_job_id = job.job_id
         self.costs.load_started(state, pending.decided, self._clock())
         if self.config.load_mode == "async":
-            self._next_plan.async_load_jobs.append(job)
+            self._next.plan.async_load_jobs.append(job)
             self._jobs.cap_deadline(job.job_id, self._budget_end(state))
         else:
-            self._next_plan.load_jobs.append(job)
+            self._next.plan.load_jobs.append(job)
         for gs in state.group_states:
             gs.num_hit_chunks = pending.end_chunk - pending.start_chunk
             gs.next_store_chunk = max(gs.next_store_chunk, pending.end_chunk)
@@ -221,8 +252,9 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         return now + max(self.config.max_defer_s - waited, _MIN_ASYNC_LOAD_S)
 
     def _fail_offered_blocks(self, state: RequestOffloadState, pending: PendingLoad) -> None:
-        """The engine counts the offered tokens as computed: report their blocks failed (recompute)."""
-        self._next_plan.failed_load_block_ids |= state.blocks_between(
+        """The engine counts the offered tokens as computed: report their blocks failed
+        (recompute)."""
+        self._next.plan.failed_load_block_ids |= state.blocks_between(
             pending.num_local_tokens, pending.end_chunk
         )
 
@@ -230,10 +262,9 @@ class OffloadScheduler(StorePlanning, JobCompletion):
 
     def build_connector_meta(self, step: StepView) -> StepPlan:
         """Plan this step's transfers: new loads, stores of newly computed chunks, flushes."""
-        self._step += 1
+        plan = self._next.take()
         self.costs.step_planned(step, self._clock())
-        plan, self._next_plan = self._next_plan, StepPlan()
-        self._expire_jobs(plan)
+        self._completions.expire_jobs(plan)
         for req_id in step.preempted_req_ids:
             self._on_preempted(req_id, plan)
         for sched in step.scheduled:
@@ -241,11 +272,10 @@ class OffloadScheduler(StorePlanning, JobCompletion):
             if state is None:
                 continue
             if sched.new_block_ids is not None:
-                self._on_written(
-                    state.set_block_ids(sched.new_block_ids, replace=sched.is_new_or_resumed), plan
-                )
+                written = state.set_block_ids(sched.new_block_ids, replace=sched.is_new_or_resumed)
+                self._on_written(written, plan)
             if state.load_job_id is None and state.params.store:
-                self._plan_stores(
+                self._stores.plan_stores(
                     state,
                     sched.num_computed_tokens + sched.num_scheduled_tokens,
                     sched.num_computed_tokens,
@@ -259,8 +289,7 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         """The engine will write `written`: stores still reading them end first (a fence),
         and the chunks they held are no longer there to store lazily."""
         plan.flush_job_ids |= self._jobs.stores_reading(written)
-        if self._lazy:
-            self._ledger.forget(written)
+        self._stores.forget_blocks(written)
 
     def _on_preempted(self, req_id: str, plan: StepPlan) -> None:
         state = self._requests.get(req_id)
@@ -271,9 +300,25 @@ class OffloadScheduler(StorePlanning, JobCompletion):
             j for j in state.transfer_jobs if j in self._jobs and self._jobs[j].is_store
         }
         state.clear_block_ids()
-        state.pending_load = state.decided_load = None
+        state.pending_load = None
+        state.decided_load = None
 
-    # -- (3.) store planning is `kvtier.scheduler.stores`; 5. completions `kvtier.scheduler.completions`
+    def plan_evictions(self, evictable: Iterable[int]) -> None:
+        """Lazy store mode: store the computed chunks held by `evictable` — cached engine blocks
+        no request holds, which the engine's next allocations (at least one step's worth)
+        would evict. Call it at the end of a step, after the engine freed the blocks of the
+        requests that ended; the stores go out with the next step's plan. Eager mode: no-op."""
+        self._stores.plan_evictions(evictable)
+
+    # -- 5. completions ---------------------------------------------------------------
+
+    def update_connector_output(self, results: Iterable[JobResult]) -> None:
+        """Record the workers' results; a job completes once every worker reported it.
+
+        Failed loads need nothing here: each worker reports the blocks it could not load
+        to the engine itself (`WorkerSide.take_load_errors`), which recomputes them.
+        """
+        self._completions.update_connector_output(results)
 
     # -- 6. request end, reset --------------------------------------------------------
 
@@ -282,22 +327,25 @@ class OffloadScheduler(StorePlanning, JobCompletion):
 
         Its engine blocks may be freed at once: stores still reading them are flushed
         before a new owner writes them (see `StepPlan.flush_job_ids`). A request that ends
-        in the step its load ran stores once that load is reported (`_store_final_chunks`).
+        in the step its load ran stores once that load is reported
+        (`StorePlanning.store_final_chunks`).
         """
         state = self._requests.get(req.req_id)
         if state is None:
             return
-        state.req, state.is_finished, state.pending_load = req, True, None
-        state.finished_at_step = self._step
+        state.req = req
+        state.is_finished = True
+        state.pending_load = None
+        state.finished_at_step = self._next.step
         if state.load_job_id is None:
-            self._store_final_chunks(state)
-        self._release_if_done(state)
+            self._stores.store_final_chunks(state)
+        self._requests.release_if_done(state)
 
     def reset_cache(self) -> bool:
         """Forget every offloaded chunk; jobs in flight are flushed and their results ignored."""
         self.manager.reset()
-        self._ledger.clear()
-        self._next_plan.flush_job_ids |= self._jobs.start_new_generation()
+        self._stores.reset()
+        self._next.plan.flush_job_ids |= self._jobs.start_new_generation()
         for state in self._requests.values():
             state.reset_store_cursors()
             state.decided_load = None
@@ -307,16 +355,17 @@ class OffloadScheduler(StorePlanning, JobCompletion):
         return self.manager.take_events()
 
     def has_jobs_in_flight(self) -> bool:
-        return bool(self._jobs) or bool(self._expired)
+        return bool(self._jobs) or self._completions.num_expired() > 0
 
     def num_jobs_in_flight(self) -> int:
         """Transfer jobs not yet reported by every worker (nor expired and released)."""
-        return len(self._jobs) + len(self._expired)
+        return len(self._jobs) + self._completions.num_expired()
 
     def _state_for(self, req: RequestView) -> RequestOffloadState:
         state = self._requests.get(req.req_id)
         if state is None:
-            state = self._requests[req.req_id] = RequestOffloadState(self.config, req)
+            state = RequestOffloadState(self.config, req)
+            self._requests.add(state)
             self.stats.hinted_requests += not state.params.hints.is_empty
         else:
             state.req = req

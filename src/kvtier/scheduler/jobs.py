@@ -10,14 +10,17 @@ does not age while the engine idles). Workers abandon a job at its deadline
 workers have run the step it was expired in (a worker cancels every job past its deadline
 before that step's forward pass and waits until its copies stop). A report that still
 comes later is ignored.
+
+`NextPlan` is the plan new jobs join between two engine steps (a load planned at allocation, a
+finished request's last stores), handed out by the next `build_connector_meta`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -27,9 +30,27 @@ from kvtier.keys import OffloadKey
 from kvtier.scheduler.config import GroupKind
 from kvtier.scheduler.state import JobRecord, PendingLoad, RequestOffloadState
 
-__all__ = ["TransferJobBook"]
+__all__ = ["NextPlan", "TransferJobBook"]
 
-_Parts = list[tuple[int, list[int], int]]  # (group, block ids, skip_blocks) per part
+# (group, block ids, skip_blocks) per part
+_Parts = list[tuple[int, list[int], int]]
+
+
+@dataclass(slots=True)
+class NextPlan:
+    """The plan jobs created between two `build_connector_meta` calls join, and the number of
+    the step planned last."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+    # `build_connector_meta` calls so far: a request that ends now ends in this step
+    step: int = 0
+
+    def take(self) -> StepPlan:
+        """A step is planned: hand out the plan built so far, and start the next one."""
+        self.step += 1
+        plan = self.plan
+        self.plan = StepPlan()
+        return plan
 
 
 class TransferJobBook:
@@ -41,8 +62,10 @@ class TransferJobBook:
         self.generation = 0
         self._records: dict[int, JobRecord] = {}
         self._next_id = 1
-        self._stores_by_block: dict[int, set[int]] = {}  # engine block -> store jobs reading it
-        self.loading_keys: Counter[OffloadKey] = Counter()  # keys of in-flight loads
+        # engine block -> store jobs reading it
+        self._stores_by_block: dict[int, set[int]] = {}
+        # keys of in-flight loads
+        self.loading_keys: Counter[OffloadKey] = Counter()
 
     def __getitem__(self, job_id: int) -> JobRecord:
         return self._records[job_id]
@@ -63,7 +86,8 @@ class TransferJobBook:
         The first chunk's leading blocks are skipped where the engine holds them already (its
         prefix cache) or holds none (a window group's blocks before the window point at the
         engine's null block: a chunk that straddles the window's start is loaded in part)."""
-        keys, parts = [], []
+        keys = []
+        parts = []
         for gs in state.group_states:
             first = pending.start_chunk
             if gs.spec.kind is GroupKind.SLIDING_WINDOW:
@@ -85,7 +109,8 @@ class TransferJobBook:
         parts: _Parts,
         slot_ids: np.ndarray,
     ) -> TransferJob:
-        built, offset = [], 0
+        built = []
+        offset = 0
         for part_keys, (group, blocks, skip) in zip(keys, parts, strict=True):
             slots = slot_ids[offset : offset + len(part_keys)]
             offset += len(part_keys)
@@ -173,6 +198,7 @@ class TransferJobBook:
         parts: list[TransferPart],
         keys: list[OffloadKey],
     ) -> TransferJob:
+        # stamped by `dispatch`
         job = TransferJob(
             job_id=self._next_id,
             req_id=state.req_id,
@@ -180,7 +206,7 @@ class TransferJobBook:
             dst=dst,
             parts=tuple(parts),
             deadline=math.inf,
-        )  # stamped by `dispatch`
+        )
         self._next_id += 1
         self._records[job.job_id] = JobRecord(job, keys, self.generation, expires_at=math.inf)
         state.transfer_jobs.add(job.job_id)
@@ -189,7 +215,8 @@ class TransferJobBook:
     def cap_deadline(self, job_id: int, latest: float) -> None:
         """An asynchronous load: its deadline is at most `latest` (its request's waiting budget)."""
         record = self._records[job_id]
-        record.deadline_cap, record.is_async = latest, True
+        record.deadline_cap = latest
+        record.is_async = True
 
     def dispatch(self, plan: StepPlan, now: float) -> None:
         """`plan` goes to the workers now: its jobs' deadlines count from now."""
@@ -199,9 +226,10 @@ class TransferJobBook:
                 deadline = min(
                     now + self.job_timeout_s, record.deadline_cap if record else math.inf
                 )
-                jobs[i] = dataclasses.replace(job, deadline=deadline)
+                jobs[i] = replace(job, deadline=deadline)
                 if record is not None:
-                    record.job, record.expires_at = jobs[i], deadline + self.job_timeout_s
+                    record.job = jobs[i]
+                    record.expires_at = deadline + self.job_timeout_s
 
     # -- fences, generations ----------------------------------------------------------
 

@@ -63,9 +63,8 @@ class EvictionLedger:
     """
 
     def __init__(self) -> None:
-        self._by_block: dict[
-            int, dict[LedgerEntry, None]
-        ] = {}  # an insertion-ordered set per block
+        # an insertion-ordered set per block
+        self._by_block: dict[int, dict[LedgerEntry, None]] = {}
         self._num_entries = 0
 
     def __len__(self) -> int:

@@ -54,8 +54,10 @@ _RAM_FORGET_S = 30.0
 class _LoadTiming:
     """What the workers reported of one load job so far."""
 
-    num_bytes: int = 0  # summed over the workers
-    seconds: float = 0.0  # the longest copy
+    # summed over the workers
+    num_bytes: int = 0
+    # the longest copy
+    seconds: float = 0.0
     num_reports: int = 0
 
 
@@ -76,12 +78,16 @@ class LoadCosts:
         stats: SchedulerStats,
         fixed: CostSnapshot | None = None,
     ):
-        self.config, self.manager, self.stats, self.fixed = config, manager, stats, fixed
+        self.config = config
+        self.manager = manager
+        self.stats = stats
+        self.fixed = fixed
         self.prefill = PrefillRate(
             min_tokens=max(128, 2 * config.tokens_per_chunk), lag=config.steps_planned_ahead
         )
         self.cpu = TransferRate(read_prior(CPU))
-        self._loads: dict[int, _LoadTiming] = {}  # load job id -> what its workers reported so far
+        # load job id -> what its workers reported so far
+        self._loads: dict[int, _LoadTiming] = {}
         self._ram_exploration = Exploration()
         # nothing to weigh with (chunk size unknown, or no full-attention group): load what the scan finds
         self._decides = bool(config.chunk_bytes) and any(
@@ -138,7 +144,8 @@ class LoadCosts:
         timing = self._loads.pop(job_id, None)
         # a simulation's loads take its clock's time, not the real copies'
         copy_s = timing.seconds if timing is not None and self.fixed is None else 0.0
-        timed, state.timed_load = state.timed_load, None
+        timed = state.timed_load
+        state.timed_load = None
         if timed is not None and timed[0].choice.num_chunks > 0:
             self.stats.expected_load_us += int(timed[0].choice.load_s * 1e6)
             self.stats.measured_load_us += int((timed[1] + copy_s) * 1e6)

@@ -31,8 +31,10 @@ _HIT = LookupResult.HIT
 class HitScan:
     """What the hit scan of one request found."""
 
-    end_chunk: int  # confirmed hits cover chunks [start, end_chunk)
-    must_wait: bool  # a later chunk may become a hit soon (pending write, probe, load)
+    # confirmed hits cover chunks [start, end_chunk)
+    end_chunk: int
+    # a later chunk may become a hit soon (pending write, probe, load)
+    must_wait: bool
 
 
 class _Lookups:
@@ -41,7 +43,9 @@ class _Lookups:
     def __init__(
         self, manager: OffloadingManager, state: RequestOffloadState, loading: Container[OffloadKey]
     ):
-        self.manager, self.ctx, self.loading = manager, state.req_context, loading
+        self.manager = manager
+        self.ctx = state.req_context
+        self.loading = loading
         self.cache: dict[OffloadKey, LookupResult] = {}
 
     def __call__(self, key: OffloadKey) -> LookupResult:
@@ -49,7 +53,8 @@ class _Lookups:
         if result is None:
             result = self.manager.lookup(key, self.ctx)
             if result is _HIT and key in self.loading:
-                result = LookupResult.HIT_PENDING  # the engine's prefix cache will serve it soon
+                # the engine's prefix cache will serve it soon
+                result = LookupResult.HIT_PENDING
             self.cache[key] = result
         return result
 
@@ -63,7 +68,8 @@ def scan_hits(
 ) -> HitScan:
     """Scan chunks [start, max_chunks) of every group; see the module docstring."""
     lookup = _Lookups(manager, state, loading)
-    end, must_wait = max_chunks, False
+    end = max_chunks
+    must_wait = False
     for gs in state.group_states:
         if gs.spec.kind is GroupKind.FULL and end > start:
             end, waits = _prefix_scan(state.keys(gs.group, start, end), lookup, start, end)
@@ -98,7 +104,8 @@ def _window_scan(
     state: RequestOffloadState, group: int, lookup: _Lookups, start: int, end: int
 ) -> tuple[int, bool]:
     """Largest boundary h <= end whose window chunks (after `start`) are all HIT."""
-    spec, must_wait = state.group_states[group].spec, False
+    spec = state.group_states[group].spec
+    must_wait = False
     for h in range(end, start, -1):
         first = max(start, spec.first_needed_chunk(h))
         results = [lookup(k) for k in state.keys(group, first, h)]

@@ -32,19 +32,22 @@ _MAX_TOKENS = 2**63 - 1
 
 @dataclass(frozen=True, slots=True)
 class OffloadParams:
-    load: bool = True  # may this request load from kvtier
-    store: bool = True  # may this request's chunks be stored
-    max_load_tokens: int | None = None  # at most this many tokens loaded after the engine's hits
-    hints: Hints = NO_HINTS  # what the request says about its future (`kvtier.hints`)
+    # may this request load from kvtier
+    load: bool = True
+    # may this request's chunks be stored
+    store: bool = True
+    # at most this many tokens loaded after the engine's hits
+    max_load_tokens: int | None = None
+    # what the request says about its future (`kvtier.hints`)
+    hints: Hints = NO_HINTS
 
 
 def parse_kv_transfer_params(raw: Any, req_id: str) -> OffloadParams:
     """Read kvtier's options for one request; defaults on anything malformed."""
     try:
         return _parse(raw, req_id)
-    except (
-        Exception
-    ) as exc:  # an object whose ==, hash or repr raises: still only this request's params
+    except Exception as exc:
+        # an object whose ==, hash or repr raises: still only this request's params
         logger.warning(
             "request %s: kv_transfer_params could not be read (%s); ignored",
             req_id,

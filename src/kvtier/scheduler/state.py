@@ -57,7 +57,8 @@ class RequestGroupState:
 class DecidedLoad:
     """A request's load-or-recompute decision (`kvtier.scheduler.load_cost`)."""
 
-    start_chunk: int  # the first chunk after the engine's own hits when it was made
+    # the first chunk after the engine's own hits when it was made
+    start_chunk: int
     choice: LoadChoice
     decided_at: float
 
@@ -69,7 +70,8 @@ class PendingLoad:
     start_chunk: int
     end_chunk: int
     num_local_tokens: int
-    decided: DecidedLoad | None = None  # the load-or-recompute decision behind it
+    # the load-or-recompute decision behind it
+    decided: DecidedLoad | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,8 @@ class LookupAnswer:
     """
 
     num_local_tokens: int
-    num_query_tokens: int  # tokens after the engine's own hits that kvtier was asked for
+    # tokens after the engine's own hits that kvtier was asked for
+    num_query_tokens: int
 
 
 @dataclass(slots=True)
@@ -89,15 +92,18 @@ class JobRecord:
     """Scheduler-side bookkeeping of one in-flight job."""
 
     job: TransferJob
-    keys: list[OffloadKey]  # one per chunk, in the job's part order
-    generation: int  # the reset_cache() generation it was created in
-    expires_at: float  # the scheduler fails the job if not every worker reported it by then
+    # one per chunk, in the job's part order
+    keys: list[OffloadKey]
+    # the reset_cache() generation it was created in
+    generation: int
+    # the scheduler fails the job if not every worker reported it by then
+    expires_at: float
     num_acks: int = 0
     failed_chunks: set[int] = field(default_factory=set)
-    deadline_cap: float = (
-        math.inf
-    )  # an asynchronous load's: the end of its request's waiting budget
-    is_async: bool = False  # a load its request is parked for (nobody waits for it in a step)
+    # an asynchronous load's: the end of its request's waiting budget
+    deadline_cap: float = math.inf
+    # a load its request is parked for (nobody waits for it in a step)
+    is_async: bool = False
 
     @property
     def is_store(self) -> bool:
@@ -115,24 +121,25 @@ class RequestOffloadState:
     req_context: ReqContext = field(init=False)
     params: OffloadParams = field(init=False)
     num_locally_computed_tokens: int = 0
-    transfer_jobs: set[int] = field(default_factory=set)  # in-flight job ids
-    load_job_id: int | None = None  # the in-flight load, if any
+    # in-flight job ids
+    transfer_jobs: set[int] = field(default_factory=set)
+    # the in-flight load, if any
+    load_job_id: int | None = None
     pending_load: PendingLoad | None = None
-    decided_load: DecidedLoad | None = (
-        None  # kept while the request is asked again, dropped at an answer
-    )
-    timed_load: tuple[DecidedLoad, float] | None = (
-        None  # the load in flight's decision, seconds waited for it
-    )
-    answer: LookupAnswer | None = None  # the latest lookup answer, not counted yet
+    # kept while the request is asked again, dropped at an answer
+    decided_load: DecidedLoad | None = None
+    # the load in flight's decision, seconds waited for it
+    timed_load: tuple[DecidedLoad, float] | None = None
+    # the latest lookup answer, not counted yet
+    answer: LookupAnswer | None = None
     num_deferrals: int = 0
     first_deferred_at: float | None = None
     deferral_expired: bool = False
-    had_failed_load: bool = (
-        False  # a load of it failed: it recomputes, kvtier offers it nothing more
-    )
+    # a load of it failed: it recomputes, kvtier offers it nothing more
+    had_failed_load: bool = False
     is_finished: bool = False
-    finished_at_step: int | None = None  # the scheduler step in which request_finished came
+    # the scheduler step in which request_finished came
+    finished_at_step: int | None = None
 
     def __post_init__(self) -> None:
         self.group_states = [
@@ -185,11 +192,9 @@ class RequestOffloadState:
     def keys(self, group: int, start: int, end: int) -> list[OffloadKey]:
         """Offload keys of chunks [start, end) of `group` (end <= num_hashed_chunks())."""
         state = self.group_states[group]
-        keys, hashes, per_chunk = (
-            state.offload_keys,
-            self.req.block_hashes,
-            self.config.hashes_per_chunk,
-        )
+        keys = state.offload_keys
+        hashes = self.req.block_hashes
+        per_chunk = self.config.hashes_per_chunk
         for chunk in range(len(keys), end):
             keys.append(make_offload_key(hashes[(chunk + 1) * per_chunk - 1], group))
         return keys[start:end]

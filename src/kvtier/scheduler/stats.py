@@ -14,12 +14,18 @@ __all__ = ["SchedulerStats"]
 
 @dataclass(slots=True)
 class SchedulerStats:
-    requests: int = 0  # admissions: counted once per request, with the answer it was admitted with
-    query_tokens: int = 0  # tokens after the engine's own hits that kvtier was asked for
-    hit_tokens: int = 0  # of those, tokens kvtier loads
-    local_hit_tokens: int = 0  # tokens the engine's own prefix cache served
-    deferrals: int = 0  # "ask again next step" answers
-    deferral_timeouts: int = 0  # requests that stopped waiting at their deadline or cap
+    # admissions: counted once per request, with the answer it was admitted with
+    requests: int = 0
+    # tokens after the engine's own hits that kvtier was asked for
+    query_tokens: int = 0
+    # of those, tokens kvtier loads
+    hit_tokens: int = 0
+    # tokens the engine's own prefix cache served
+    local_hit_tokens: int = 0
+    # "ask again next step" answers
+    deferrals: int = 0
+    # requests that stopped waiting at their deadline or cap
+    deferral_timeouts: int = 0
     load_jobs: int = 0
     loaded_chunks: int = 0
     failed_load_chunks: int = 0
@@ -27,16 +33,17 @@ class SchedulerStats:
     store_jobs: int = 0
     stored_chunks: int = 0
     failed_store_chunks: int = 0
-    store_alloc_failures: int = 0  # prepare_store found no room; retried next step
-    lazy_offered_chunks: int = (
-        0  # lazy store mode: chunks offered as the engine was about to evict them
-    )
+    # prepare_store found no room; retried next step
+    store_alloc_failures: int = 0
+    # lazy store mode: chunks offered as the engine was about to evict them
+    lazy_offered_chunks: int = 0
     flushed_jobs: int = 0
-    stale_completions: int = 0  # jobs from before a reset_cache()
-    expired_jobs: int = 0  # jobs not every worker reported in time: failed by the scheduler
-    hinted_requests: int = (
-        0  # requests whose kv_transfer_params carried a valid hint (`kvtier.hints`)
-    )
+    # jobs from before a reset_cache()
+    stale_completions: int = 0
+    # jobs not every worker reported in time: failed by the scheduler
+    expired_jobs: int = 0
+    # requests whose kv_transfer_params carried a valid hint (`kvtier.hints`)
+    hinted_requests: int = 0
     # load or recompute (`kvtier.scheduler.load_cost`): decisions by (decision, tier), and the
     # loads that ended, with the seconds they were expected to take and took (microseconds)
     load_decisions: Counter[tuple[str, str]] = field(default_factory=Counter)

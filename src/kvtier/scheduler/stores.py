@@ -9,8 +9,11 @@ Each owner's context acts `on_behalf_of` its request (`ReqContext`): the tiers c
 to that request's tenant and hint it as the request asked, exactly as an eager store would be
 (issue 32, defects 1 and 3).
 
-`StorePlanning` is a part of `kvtier.scheduler.core.OffloadScheduler` (a mixin): it shares the
-scheduler's requests, job book, ledger and next plan. Thread-safety: the scheduler's.
+`StorePlanning` is a collaborator of `kvtier.scheduler.core.OffloadScheduler`: it shares the
+scheduler's requests, job book and next plan (passed to it), owns lazy mode's ledger, and the
+scheduler calls it as each step is planned, as a request ends (`store_final_chunks`: also from
+`kvtier.scheduler.completions`, once a finished request's load ended) and after each step
+(`plan_evictions`). Thread-safety: the scheduler's.
 """
 
 from __future__ import annotations
@@ -24,48 +27,70 @@ from kvtier.base import OffloadingManager, ReqContext
 from kvtier.jobs import StepPlan
 from kvtier.keys import OffloadKey
 from kvtier.scheduler.config import SchedulerOffloadConfig
-from kvtier.scheduler.jobs import TransferJobBook
+from kvtier.scheduler.jobs import NextPlan, TransferJobBook
 from kvtier.scheduler.lazy import EvictionLedger
+from kvtier.scheduler.requests import RequestTable
 from kvtier.scheduler.state import RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
 from kvtier.scheduler.types import RequestView
 
 __all__ = ["EVICTIONS_REQ_ID", "StoreObserver", "StorePlanning"]
 
-logger = logging.getLogger(
-    "kvtier.scheduler.core"
-)  # the scheduler's logger, as before this part moved here
+logger = logging.getLogger(__name__)
 
-# owns lazy mode's stores, one owner per step and request stored for (no engine request id starts with NUL)
+# owns lazy mode's stores, one owner per step and request stored for (no engine request id starts
+# with NUL)
 EVICTIONS_REQ_ID = "\x00kvtier:evictions"
 
-# (request, its context, keys, (group, chunk) of each key): the chunks of this step a request offers to the
-# tiers, at once (eager) or later (lazy); an adapter reads what its events need from the request here
+# (request, its context, keys, (group, chunk) of each key): the chunks of this step a request offers
+# to the tiers, at once (eager) or later (lazy); an adapter reads what its events need from the
+# request here
 StoreObserver = Callable[[RequestView, ReqContext, list[OffloadKey], list[tuple[int, int]]], None]
 
 
 class StorePlanning:
-    """The store side of `OffloadScheduler`; see the module docstring."""
+    """What the scheduler stores, and when; see the module docstring.
 
-    # the scheduler's state this part reads and changes (set by OffloadScheduler.__init__)
-    config: SchedulerOffloadConfig
-    manager: OffloadingManager
-    stats: SchedulerStats
-    _requests: dict[str, RequestOffloadState]
-    _jobs: TransferJobBook
-    _next_plan: StepPlan
-    _step: int
-    _is_supported: bool
-    _lazy: bool
-    _ledger: EvictionLedger
-    store_observer: StoreObserver | None
+    Args:
+        config: the offload rules (`store_mode`, `offload_prompt_only`, the groups).
+        manager: offered the chunks (`prepare_store`).
+        stats: where store jobs, refusals and lazy offers are counted.
+        requests: the scheduler's requests; eviction owners join them and leave once their
+            stores ended.
+        jobs: the scheduler's job book, where store jobs are made.
+        ledger: lazy mode's computed chunks not stored yet (only this planner uses it).
+        next_plan: the plan of the next step, and the number of the step planned last.
+    """
 
-    def _plan_stores(
+    def __init__(
+        self,
+        config: SchedulerOffloadConfig,
+        manager: OffloadingManager,
+        stats: SchedulerStats,
+        requests: RequestTable,
+        jobs: TransferJobBook,
+        ledger: EvictionLedger,
+        next_plan: NextPlan,
+    ):
+        self.config = config
+        self.manager = manager
+        self.stats = stats
+        self.ledger = ledger
+        # the adapter's: told of the chunks offered to the tiers (for its events)
+        self.observer: StoreObserver | None = None
+        self._requests = requests
+        self._jobs = jobs
+        self._next = next_plan
+        self._is_supported = config.is_supported
+        self._lazy = config.store_mode == "lazy"
+
+    def plan_stores(
         self, state: RequestOffloadState, num_tokens: int, window_from: int, plan: StepPlan
     ) -> None:
         """Offer every whole, computed chunk after the store cursor to the manager."""
         if not self._is_supported:
-            return  # nothing stored could ever be loaded
+            # nothing stored could ever be loaded
+            return
         if self.config.offload_prompt_only:
             num_tokens = min(num_tokens, state.req.num_prompt_tokens)
         end = min(
@@ -74,61 +99,77 @@ class StorePlanning:
             *(gs.num_allocated_chunks() for gs in state.group_states),
         )
         if all(gs.next_store_chunk >= end for gs in state.group_states):
-            return  # most decode steps: no chunk completed since the last store (no candidates either)
+            # most decode steps: no chunk completed since the last store (no candidates either)
+            return
         keys, chunks = self._jobs.store_candidates(state, end, window_from)
         if not keys:
             return
-        if self.store_observer is not None:
-            try:  # describing chunks for events must never fail a step: without it, events go on undescribed
-                self.store_observer(state.req, state.req_context, keys, chunks)
+        if self.observer is not None:
+            # describing chunks for events must never fail a step: without it, events go on
+            # undescribed
+            try:
+                self.observer(state.req, state.req_context, keys, chunks)
             except Exception:
                 logger.exception(
                     "kvtier: describing chunks for KV events failed; they are published by hash alone"
                 )
-                self.store_observer = None
+                self.observer = None
         groups = [group for group, _ in chunks]
         blocks = [state.group_states[group].chunk_blocks(chunk) for group, chunk in chunks]
-        if self._lazy:  # stored when the engine is about to evict them (`plan_evictions`)
+        if self._lazy:
+            # stored when the engine is about to evict them (`plan_evictions`)
             for key, (group, chunk), chunk_blocks in zip(keys, chunks, blocks, strict=True):
-                self._ledger.record(key, group, chunk_blocks, state.req_context, chunk)
-        elif not self._store(state, keys, groups, blocks, plan):
-            return  # no room now: the cursor stays, retried next step
+                self.ledger.record(key, group, chunk_blocks, state.req_context, chunk)
+        else:
+            is_offered = self._store(state, keys, groups, blocks, plan)
+            if not is_offered:
+                # no room now: the cursor stays, retried next step
+                return
         for gs in state.group_states:
             gs.next_store_chunk = max(gs.next_store_chunk, end)
 
+    def forget_blocks(self, blocks: list[int]) -> None:
+        """The engine will write `blocks`: the chunks they held are no longer there to store
+        lazily."""
+        if self._lazy:
+            self.ledger.forget(blocks)
+
+    def reset(self) -> None:
+        """Forget every chunk not stored yet (`reset_cache`)."""
+        self.ledger.clear()
+
     def plan_evictions(self, evictable: Iterable[int]) -> None:
-        """Lazy store mode: store the computed chunks held by `evictable` — cached engine blocks
-        no request holds, which the engine's next allocations (at least one step's worth)
-        would evict. Call it at the end of a step, after the engine freed the blocks of the
-        requests that ended; the stores go out with the next step's plan. Eager mode: no-op."""
+        """Lazy store mode: store the computed chunks held by `evictable`; the stores go out with
+        the next step's plan (see `OffloadScheduler.plan_evictions`). Eager mode: no-op."""
         if not self._lazy:
             return
-        plan = self._next_plan
+        plan = self._next.plan
         # One store per request whose chunks these are (`take` lists them request by request):
         # each under its own owner, so that quotas and hints are that request's.
-        for _, group in itertools.groupby(self._ledger.take(evictable), key=lambda e: id(e.owner)):
+        for _, group in itertools.groupby(self.ledger.take(evictable), key=lambda e: id(e.owner)):
             entries = list(group)
             owner = self._eviction_owner(entries[0].owner)
-            if self._store(
+            is_offered = self._store(
                 owner,
                 [e.key for e in entries],
                 [e.group for e in entries],
                 [e.blocks for e in entries],
                 plan,
-            ):
+            )
+            if is_offered:
                 self.stats.lazy_offered_chunks += len(entries)
             else:
-                self._ledger.restore(
-                    entries
-                )  # no room now: retried next step, unless the blocks go first
-            self._release_if_done(owner)
+                # no room now: retried next step, unless the blocks go first
+                self.ledger.restore(entries)
+            self._requests.release_if_done(owner)
 
     def _eviction_owner(self, computed_by: ReqContext) -> RequestOffloadState:
         """A finished request of kvtier's own that stores, in this step, chunks the request with
         context `computed_by` computed: the manager sees its tenant and hints, and whose use it is
         (`ReqContext.on_behalf_of`), under a request id of its own (its pins and chain are not the
         request's, which may still run: a preempted request, a sliding window's dropped blocks)."""
-        base = f"{EVICTIONS_REQ_ID}:{self._step}:{computed_by.req_id}"
+        step = self._next.step
+        base = f"{EVICTIONS_REQ_ID}:{step}:{computed_by.req_id}"
         req_id = base
         num_taken = 0
         # taken only if `plan_evictions` ran twice in one step, or for a request id an engine reused
@@ -154,8 +195,8 @@ class StorePlanning:
             on_behalf_of=computed_by.req_id,
         )
         owner.is_finished = True
-        owner.finished_at_step = self._step
-        self._requests[req_id] = owner
+        owner.finished_at_step = step
+        self._requests.add(owner)
         return owner
 
     def _store(
@@ -177,19 +218,20 @@ class StorePlanning:
             self.stats.store_jobs += 1
         return True
 
-    def _store_final_chunks(self, state: RequestOffloadState) -> None:
+    def store_final_chunks(self, state: RequestOffloadState) -> None:
         """Plan the last stores of a finished request, from blocks the engine has just freed.
 
         Only before the next plan: until then no new owner can have written those blocks,
         and that plan flushes the stores if it hands the blocks over (a load reported later
         than that — never the case with vLLM's per-step reports — leaves them unstored).
         """
-        if state.finished_at_step != self._step:
+        if state.finished_at_step != self._next.step:
             logger.debug(
-                "request %s: its load was reported after its blocks were freed; last chunks not stored",
+                "request %s: its load was reported after its blocks were freed; "
+                "last chunks not stored",
                 state.req_id,
             )
             return
         if state.params.store and state.group_states[0].block_ids:
             computed = state.req.num_computed_tokens
-            self._plan_stores(state, computed, computed, self._next_plan)
+            self.plan_stores(state, computed, computed, self._next.plan)

@@ -29,11 +29,12 @@ class RequestView:
     num_tokens: int
     num_prompt_tokens: int
     num_computed_tokens: int = 0
-    kv_transfer_params: Any = None  # untrusted: validated by kvtier.scheduler.params
-    tenant: str | None = None  # the engine's per-tenant cache salt (vLLM's cache_salt)
-    engine_request: Any = (
-        None  # the adapter's own handle on the request (its events read it); never read here
-    )
+    # untrusted: validated by kvtier.scheduler.params
+    kv_transfer_params: Any = None
+    # the engine's per-tenant cache salt (vLLM's cache_salt)
+    tenant: str | None = None
+    # the adapter's own handle on the request (its events read it); never read here
+    engine_request: Any = None
 
 
 @dataclass(slots=True, kw_only=True)

@@ -42,12 +42,14 @@ from kvtier.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["AgentTurn", "agentic", "agentic_turns"]
 
-_Segments = list[tuple[int, int]]  # (segment id, tokens): a prompt's parts, in order
+# (segment id, tokens): a prompt's parts, in order
+_Segments = list[tuple[int, int]]
 
 # Full-size figures (tokens, turns, milliseconds); prompt parts are multiplied by `scale`.
 _TURNS, _TURNS_SIGMA, _TURNS_SPAN = 43, 0.6, (10, 120)
 _REPLY, _REPLY_SIGMA, _REPLY_SPAN = 444, 0.8, (20, 4_000)
-_TOOL_RESULT, _TOOL_SIGMA = 2_700, 1.0  # each turn's growth besides the reply: ~142K median prompts
+# each turn's growth besides the reply: ~142K median prompts
+_TOOL_RESULT, _TOOL_SIGMA = 2_700, 1.0
 _SYSTEM_PROMPT, _TASK = (8_000, 16_000), (200, 2_000)
 _SUB_TURNS, _SUB_TURNS_SPAN, _SUB_RESULT = 8, (3, 20), (300, 2_000)
 _GAP_MS = (1_000, 12_000)
@@ -76,19 +78,23 @@ class _Generator:
     ids: BlockIds
     scale: float
     subagent_rate: float
-    rows: list[tuple[int, int, AgentTurn]] = field(default_factory=list)  # (time, order, turn)
+    # (time, order, turn)
+    rows: list[tuple[int, int, AgentTurn]] = field(default_factory=list)
     num_sessions: int = 0
-    num_agents: int = 0  # in the current session
+    # in the current session
+    num_agents: int = 0
 
     def session(self, history: _Segments, start_ms: int) -> None:
-        self.num_sessions, self.num_agents = self.num_sessions + 1, 0
+        self.num_sessions += 1
+        self.num_agents = 0
         self._agent(
             history + [self.part(_TASK)], start_ms, self._turns(_TURNS, _TURNS_SPAN), can_fork=True
         )
 
     def _agent(self, history: _Segments, now: int, num_turns: int, can_fork: bool) -> int:
         """Run one agent's turns from `history`; returns when its last reply is back."""
-        agent, self.num_agents = self.num_agents, self.num_agents + 1
+        agent = self.num_agents
+        self.num_agents += 1
         for turn in range(num_turns):
             reply = self._scaled(self._lognormal(_REPLY, _REPLY_SIGMA, _REPLY_SPAN))
             self._request(agent, now, history, reply)
@@ -96,7 +102,8 @@ class _Generator:
             now += self.rng.randint(*_GAP_MS)
             if turn == num_turns - 1:
                 break
-            if can_fork and 2 <= turn < num_turns - 2 and self.rng.random() < self.subagent_rate:
+            may_fork = can_fork and 2 <= turn < num_turns - 2
+            if may_fork and self.rng.random() < self.subagent_rate:
                 now = self._subagents(history, now)
             else:
                 history.append(self._tool_result())
@@ -109,9 +116,8 @@ class _Generator:
         for _ in range(self.rng.randint(1, 3)):
             start = now + self.rng.randint(0, _GAP_MS[0])
             turns = self._turns(_SUB_TURNS, _SUB_TURNS_SPAN)
-            done = max(
-                done, self._agent(history + [self.part(_TASK)], start, turns, can_fork=False)
-            )
+            end = self._agent(history + [self.part(_TASK)], start, turns, can_fork=False)
+            done = max(done, end)
             results.append(self.part(_SUB_RESULT))
         history.extend(results)
         return done

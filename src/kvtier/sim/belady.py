@@ -43,11 +43,12 @@ def belady_hits(stream: Sequence[Hashable], capacity: int) -> int:
     if capacity < 0:
         raise ConfigError(f"capacity must be >= 0, got {capacity}")
     next_use = _next_uses(stream)
-    cached: dict[Hashable, int] = {}  # item -> its next use
-    heap: list[
-        tuple[int, int]
-    ] = []  # (-next use, time of that use's previous access): stale when moved
-    at: dict[int, Hashable] = {}  # time of an access -> its item (heap entries name items by it)
+    # item -> its next use
+    cached: dict[Hashable, int] = {}
+    # (-next use, time of that use's previous access): stale when moved
+    heap: list[tuple[int, int]] = []
+    # time of an access -> its item (heap entries name items by it)
+    at: dict[int, Hashable] = {}
     hits = 0
     for t, item in enumerate(stream):
         nxt = next_use[t]
@@ -55,9 +56,11 @@ def belady_hits(stream: Sequence[Hashable], capacity: int) -> int:
             hits += 1
         elif len(cached) >= capacity:
             while heap and cached.get(at.get(heap[0][1], _GONE)) != -heap[0][0]:
-                at.pop(heapq.heappop(heap)[1], None)  # stale: its item was used again since
+                # stale: its item was used again since
+                at.pop(heapq.heappop(heap)[1], None)
             if not heap or -heap[0][0] <= nxt:
-                continue  # the new item is needed last: MIN does not keep it
+                # the new item is needed last: MIN does not keep it
+                continue
             del cached[at.pop(heapq.heappop(heap)[1])]
         cached[item] = nxt
         at[t] = item

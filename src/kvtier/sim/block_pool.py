@@ -25,15 +25,15 @@ class BlockPool:
         self.num_groups = num_groups
         self.null_block = 0 if reserve_null else None
         first = 1 if reserve_null else 0
-        self.free_blocks = list(
-            range(num_blocks - 1, first - 1, -1)
-        )  # pop() hands out low ids first
+        # pop() hands out low ids first
+        self.free_blocks = list(range(num_blocks - 1, first - 1, -1))
         self.refs = [0] * num_blocks
-        self.cache: OrderedDict[bytes, tuple[int, ...]] = (
-            OrderedDict()
-        )  # hash -> block per group (LRU order)
-        self._cached_blocks: set[int] = set()  # every block id in `cache`
-        self.num_allocations = 0  # blocks handed out so far, per group
+        # hash -> block per group (LRU order)
+        self.cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        # every block id in `cache`
+        self._cached_blocks: set[int] = set()
+        # blocks handed out so far, per group
+        self.num_allocations = 0
 
     def cached_prefix(self, block_hashes: Sequence[bytes]) -> list[tuple[int, ...]]:
         """Blocks (one per group) of the longest cached prefix of `block_hashes`."""
@@ -65,18 +65,23 @@ class BlockPool:
         self, block_hashes: Sequence[bytes], block_ids: Sequence[Sequence[int]], num_full: int
     ) -> None:
         """Enter the first `num_full` computed blocks (per group ids) into the prefix cache."""
-        cache, cached_blocks, null = self.cache, self._cached_blocks, self.null_block
+        cache = self.cache
+        cached_blocks = self._cached_blocks
+        null = self.null_block
         for block_hash, blocks in zip(
             block_hashes[:num_full], zip(*block_ids, strict=True), strict=False
         ):
             if null in blocks:
-                continue  # outside a window: no KV there to cache
-            if cache.setdefault(block_hash, blocks) is blocks:
+                # outside a window: no KV there to cache
+                continue
+            entry = cache.setdefault(block_hash, blocks)
+            if entry is blocks:
                 cached_blocks.update(blocks)
 
     def release(self, block_ids: Sequence[Sequence[int]]) -> None:
         """Unreference a request's blocks; cached ones stay cached, the rest are freed."""
-        cached, null = self._cached_blocks, self.null_block
+        cached = self._cached_blocks
+        null = self.null_block
         for ids in block_ids:
             for b in ids:
                 if b == null:
@@ -107,7 +112,8 @@ class BlockPool:
             AssertionError: a free block is held or listed twice, a count of references is off,
                 or the null block was handed out.
         """
-        free, null = self.free_blocks, self.null_block
+        free = self.free_blocks
+        null = self.null_block
         counts = Counter(b for b in held if b != null)
         if len(set(free)) != len(free) or any(counts[b] for b in free):
             raise AssertionError("block pool: a free block is listed twice or held by a request")
@@ -131,9 +137,8 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         """Drop every unused cached block (vLLM's reset_prefix_cache(reset_connector=False))."""
         refs = self.refs
-        for (
-            blocks
-        ) in self.cache.values():  # an entry with a free block goes whole: its block is free now
+        # an entry with a free block goes whole: its block is free now
+        for blocks in self.cache.values():
             self.free_blocks.extend(b for b in blocks if refs[b] == 0)
         self.cache = OrderedDict(
             (h, bs) for h, bs in self.cache.items() if all(refs[b] for b in bs)

@@ -8,11 +8,16 @@ asynchronous until the worker reports it (vLLM's WAITING_FOR_REMOTE_KVS: a reque
 aborted meanwhile keeps its blocks until then), and runs each step's `StepPlan` on the
 real worker — `kvtier.worker.WorkerSide` and a `TransferEngine` over small CPU tensors
 (`KVCache`) and a shared-memory host slab — in vLLM's order: flushes and loads, the forward
-pass, stores, then the finished requests, then the workers' results. Its "model" checks
-every block a token attends to (`kvtier.sim.model`: a wrong load, a missing fence or a
-stale completion is a `ContentMismatch`); sliding-window groups follow vLLM's rule (the
-null block, block 0, is never written: checked after every step). Stores start at step
+pass, stores, then the finished requests, then the workers' results. Stores start at step
 boundaries (`SimTransferEngine`), so runs are repeatable.
+
+Its "model" is part of the engine (it reads and changes the engine's block pool, KV cache and
+requests): what a forward pass computes and checks, the sampled token, vLLM's recompute rule, and
+how a request's blocks grow, leave a sliding window, enter the prefix cache and are freed. Every
+block computed gets a value derived from the block's hash; before computing a token the model
+checks that every block the token attends to holds the right value, so a wrong load, a missing
+fence or a stale completion shows up as `ContentMismatch`. Sliding-window groups follow vLLM's
+rule (the null block, block 0, is never written: checked after every step).
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ from kvtier.scheduler.types import ScheduledRequest, StepView
 from kvtier.sim.block_pool import BlockPool
 from kvtier.sim.faults import Faults, SimTransferEngine
 from kvtier.sim.kv_cache import ContentMismatch, KVCache
-from kvtier.sim.model import FakeModel
 from kvtier.sim.request import SimRequest
 from kvtier.slab import HostSlab, slab_name
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
@@ -40,7 +44,7 @@ from kvtier.worker.side import WorkerSide
 __all__ = ["ContentMismatch", "FakeEngine", "SimRequest", "make_slab"]
 
 
-class FakeEngine(FakeModel):
+class FakeEngine:
     """Drives an `OffloadScheduler` (or none: the no-offload baseline) like vLLM does.
 
     Args:
@@ -81,9 +85,9 @@ class FakeEngine(FakeModel):
         self.scheduler = scheduler
         self.check_content = check_content
         self.block_size = block_size
-        self.groups = groups or (
-            scheduler.config.groups if scheduler else (GroupSpec(tokens_per_block=block_size),)
-        )
+        if groups is None and scheduler is not None:
+            groups = scheduler.config.groups
+        self.groups = groups or (GroupSpec(tokens_per_block=block_size),)
         self.max_tokens_per_step = max_tokens_per_step
         self.evict_lookahead = evict_lookahead
         self._max_step_allocations = 1
@@ -96,7 +100,8 @@ class FakeEngine(FakeModel):
         self.transfer: SimTransferEngine | None = None
         self.slabs: list[HostSlab] = []
         if scheduler is not None:
-            bpc, num_slots = self.groups[0].blocks_per_chunk, scheduler.manager.stats().num_slots
+            bpc = self.groups[0].blocks_per_chunk
+            num_slots = scheduler.manager.stats().num_slots
             self.slabs = [slab or make_slab(self.kv, bpc, num_slots)]
             self.worker = WorkerSide(
                 num_slots=num_slots,
@@ -113,8 +118,10 @@ class FakeEngine(FakeModel):
         self.requests: dict[str, SimRequest] = {}
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
-        self.parked: dict[str, SimRequest] = {}  # loading asynchronously (not scheduled)
-        self._late_invalid: set[int] = set()  # load errors reported after the forward pass
+        # loading asynchronously (not scheduled)
+        self.parked: dict[str, SimRequest] = {}
+        # load errors reported after the forward pass
+        self._late_invalid: set[int] = set()
         self._preempted: set[str] = set()
         self._finished: set[str] = set()
         self.num_steps = 0
@@ -136,9 +143,8 @@ class FakeEngine(FakeModel):
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        self._finish(
-            req, keep_blocks=req_id in self.parked
-        )  # a load still writes them: freed when it ends
+        # a parked request's load still writes its blocks: freed when it ends
+        self._finish(req, keep_blocks=req_id in self.parked)
 
     def preempt(self, req_id: str) -> None:
         req = self.requests[req_id]
@@ -180,15 +186,18 @@ class FakeEngine(FakeModel):
         for req in list(self.running):
             self._skip_window_blocks(req, req.num_computed)
             n = min(req.num_tokens - req.num_computed, budget)
-            new = self._grow(req, req.num_computed + n) if n > 0 else None
-            if n > 0 and new is not None:
-                budget -= n
-                is_first = (
-                    req.awaits_first_schedule
-                )  # vLLM: a new request, with every block it holds
-                req.awaits_first_schedule = False
-                new = tuple(list(ids) for ids in req.block_ids) if is_first else new
-                scheduled.append((req, n, req.as_scheduled(new, is_first, n)))
+            if n <= 0:
+                continue
+            new = self._grow(req, req.num_computed + n)
+            if new is None:
+                continue
+            budget -= n
+            # vLLM: a new request, with every block it holds
+            is_first = req.awaits_first_schedule
+            req.awaits_first_schedule = False
+            if is_first:
+                new = tuple(list(ids) for ids in req.block_ids)
+            scheduled.append((req, n, req.as_scheduled(new, is_first, n)))
         for req in list(self.waiting):
             if budget <= 0:
                 break
@@ -205,19 +214,17 @@ class FakeEngine(FakeModel):
         local = self.pool.cached_prefix(req.block_hashes[: (req.num_tokens - 1) // self.block_size])
         num_local = len(local) * self.block_size
         req.num_lookups += 1
-        ext, load_async = (
-            self.scheduler.get_num_new_matched_tokens(req.view(), num_local)
-            if self.scheduler
-            else (0, False)
-        )
+        ext: int | None = 0
+        load_async = False
+        if self.scheduler:
+            ext, load_async = self.scheduler.get_num_new_matched_tokens(req.view(), num_local)
         if ext is None:
             return None
         n = 0 if load_async else min(req.num_tokens - num_local - ext, budget)
         needed = -(-(num_local + ext + n) // self.block_size) - len(local)
         local_ids = [[bs[g] for bs in local] for g in range(len(self.groups))]
-        for (
-            blocks
-        ) in local:  # first: making room for the new blocks must not evict the hits (as in vLLM)
+        # first: making room for the new blocks must not evict the hits (as in vLLM)
+        for blocks in local:
             self.pool.reference(blocks)
         new = self.pool.allocate(needed)
         if new is None:
@@ -231,7 +238,8 @@ class FakeEngine(FakeModel):
             )
         req.num_computed = num_local + ext
         if req.num_cached_tokens is None:
-            req.num_cached_tokens, req.num_external_tokens = num_local + ext, ext
+            req.num_cached_tokens = num_local + ext
+            req.num_external_tokens = ext
         self.waiting.remove(req)
         if load_async:
             self.parked[req.req_id] = req
@@ -250,23 +258,23 @@ class FakeEngine(FakeModel):
             s for _, _, s in scheduled if not s.is_new_or_resumed
         ]
         step = StepView(order, self._preempted, self._finished)
-        self._preempted, self._finished = set(), set()
+        self._preempted = set()
+        self._finished = set()
         if self.scheduler is None or self.worker is None or self.transfer is None:
-            self._finish_all([req for req, n, _ in scheduled if self._forward(req, n)])
+            self._finish_all(self._forward_pass(scheduled, invalid=set()))
             return
         plan = self.scheduler.build_connector_meta(step)
         _check_plan(plan)
         self.worker.handle_preemptions(plan)
         self.worker.start_load_kv(plan)
-        for layer in self.kv.tensors:  # as vLLM's forward pass asks before each attention
+        # as vLLM's forward pass asks before each attention
+        for layer in self.kv.tensors:
             self.worker.wait_for_layer_load(layer)
-        self.worker.finish_layered_loads()  # vLLM: in wait_for_save; it drops outputs on load errors (here: no forward)
-        invalid, self._late_invalid = self.worker.take_load_errors() | self._late_invalid, set()
-        done = [
-            req
-            for req, n, _ in scheduled
-            if not self._rewind_if_invalid(req, invalid) and self._forward(req, n)
-        ]
+        # vLLM: in wait_for_save; it drops outputs on load errors (here: no forward)
+        self.worker.finish_layered_loads()
+        invalid = self.worker.take_load_errors() | self._late_invalid
+        self._late_invalid = set()
+        done = self._forward_pass(scheduled, invalid)
         self.worker.wait_for_save(plan)
         self.transfer.end_step()
         loaded, failed = self.worker.take_finished_loads()
@@ -275,12 +283,26 @@ class FakeEngine(FakeModel):
         self.scheduler.update_connector_output(results)
         if self._lazy:
             self.scheduler.plan_evictions(self.pool.evictable(self._lookahead()))
-        self._late_invalid = (
-            self.worker.take_load_errors()
-        )  # reported with the loads that just ended
+        # reported with the loads that just ended
+        self._late_invalid = self.worker.take_load_errors()
         self._unpark(loaded, failed, invalid | self._late_invalid)
         if self.pool.null_block is not None:
             self.kv.check_unwritten(self.pool.null_block, f"step {self.num_steps}: the null block")
+
+    def _forward_pass(
+        self, scheduled: list[tuple[SimRequest, int, ScheduledRequest]], invalid: set[int]
+    ) -> list[SimRequest]:
+        """The forward pass of one step: each scheduled request computes its tokens, unless one
+        of its blocks failed to load (`invalid`: it rewinds to recompute from there). Returns the
+        requests that now have all their output tokens."""
+        done: list[SimRequest] = []
+        for req, n, _ in scheduled:
+            if self._rewind_if_invalid(req, invalid):
+                continue
+            is_complete = self._forward(req, n)
+            if is_complete:
+                done.append(req)
+        return done
 
     def _unpark(self, loaded: set[str], failed: set[str], invalid: set[int]) -> None:
         """Requests whose asynchronous load ended run from the next step (as vLLM promotes them);
@@ -298,6 +320,95 @@ class FakeEngine(FakeModel):
             else:
                 req.awaits_first_schedule = True
                 self.running.append(req)
+
+    # -- the "model" ------------------------------------------------------------------
+
+    def _forward(self, req: SimRequest, n: int) -> bool:
+        """Compute `n` tokens of `req` after checking every block they attend to; True when
+        the request then has all its output tokens."""
+        start = req.num_computed
+        end = start + n
+        if self.check_content:
+            for g, spec in enumerate(self.groups):
+                first = 0
+                if spec.kind is GroupKind.SLIDING_WINDOW:
+                    first = max(0, start - spec.sliding_window + 1) // self.block_size
+                attended = range(first, start // self.block_size)
+                self.kv.check(req.req_id, g, *self._blocks(req, g, attended))
+                computed = range(start // self.block_size, end // self.block_size)
+                self.kv.write(g, *self._blocks(req, g, computed)[1:])
+        req.num_computed = end
+        self._cache_computed(req)
+        if end != req.num_tokens:
+            return False
+        return self._sample(req)
+
+    def _blocks(
+        self, req: SimRequest, group: int, positions: range
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(positions, engine blocks, expected contents) of the request's blocks at `positions`."""
+        ids = req.block_ids[group]
+        return (
+            list(positions),
+            [ids[j] for j in positions],
+            [self.kv.content(req.block_hashes[j], group) for j in positions],
+        )
+
+    def _sample(self, req: SimRequest) -> bool:
+        req.output.append((sum(req.tokens[-8:]) * 31 + req.num_tokens) % 997)
+        full = req.num_tokens // self.block_size
+        if full > len(req.block_hashes):
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            tail = req.tokens[len(req.block_hashes) * self.block_size : full * self.block_size]
+            salt = req.cache_salt if not req.block_hashes else None
+            req.block_hashes.extend(self.hasher.hash_blocks(tail, cache_salt=salt, parent=parent))
+        return len(req.output) >= req.max_new_tokens
+
+    def _rewind_if_invalid(self, req: SimRequest, invalid: set[int]) -> bool:
+        """vLLM's "recompute" policy: a request with a failed block recomputes from it."""
+        if not invalid:
+            return False
+        for g in range(len(self.groups)):
+            for j, b in enumerate(req.block_ids[g]):
+                if b in invalid and j * self.block_size < req.num_computed:
+                    req.num_computed = j * self.block_size
+                    return True
+        return False
+
+    # -- blocks -----------------------------------------------------------------------
+
+    def _grow(self, req: SimRequest, num_tokens: int) -> tuple[list[int], ...] | None:
+        needed = -(-num_tokens // self.block_size) - len(req.block_ids[0])
+        if needed <= 0:
+            return tuple([] for _ in self.groups)
+        new = self.pool.allocate(needed)
+        if new is None:
+            self.preempt(req.req_id)
+            return None
+        for g, blocks in enumerate(new):
+            req.block_ids[g].extend(blocks)
+        return tuple(new)
+
+    def _skip_window_blocks(self, req: SimRequest, num_tokens: int) -> None:
+        """vLLM's sliding-window rule (`SlidingWindowManager.get_num_skipped_tokens`): once
+        `num_tokens` are computed, the blocks wholly before the next token's window are freed
+        and point at the null block; nobody tells the connector."""
+        for g, spec in enumerate(self.groups):
+            if spec.kind is not GroupKind.SLIDING_WINDOW:
+                continue
+            ids = req.block_ids[g]
+            kept = spec.sliding_window + spec.extra_retained_tokens
+            skipped = min(len(ids), max(0, num_tokens - kept + 1) // self.block_size)
+            # the null block among them is not counted
+            self.pool.release_now(ids[:skipped])
+            ids[:skipped] = [self.pool.null_block] * skipped
+
+    def _cache_computed(self, req: SimRequest) -> None:
+        self.pool.cache_blocks(req.block_hashes, req.block_ids, req.num_computed // self.block_size)
+
+    def _release_blocks(self, req: SimRequest) -> None:
+        self.pool.release(req.block_ids)
+        req.block_ids = []
 
     # -- after the step ----------------------------------------------------------------
 
@@ -329,9 +440,8 @@ def make_slab(kv: KVCache, blocks_per_chunk: int, num_slots: int) -> HostSlab:
     engine's shape) and passes it as `FakeEngine(slab=...)`: the manager needs its rows."""
     slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, blocks_per_chunk, kv.layer_groups))
     name = slab_name(f"sim{os.getpid()}-{time.time_ns()}", 0, 0)
-    return HostSlab(
-        name, num_slots, slot_bytes, owner=True, populate=False
-    )  # the worker populates its mapping
+    # the worker populates its mapping
+    return HostSlab(name, num_slots, slot_bytes, owner=True, populate=False)
 
 
 def _check_plan(plan: StepPlan) -> None:

@@ -37,9 +37,8 @@ def _never(job: TransferJob) -> bool:
 @dataclass
 class Faults:
     store_delay_steps: int = 0
-    load_delay_steps: int = (
-        0  # a load starts this many steps late (a synchronous one: when awaited)
-    )
+    # a load starts this many steps late (a synchronous one: when awaited)
+    load_delay_steps: int = 0
     stuck_stores: bool = False
     fail_load: Callable[[TransferJob], bool] = _never
 
@@ -47,8 +46,10 @@ class Faults:
 @dataclass
 class _Held:
     job: TransferJob
-    due_step: float  # math.inf: stuck
-    slices: Sequence[frozenset[str]] | None = None  # a load copied layer by layer
+    # math.inf: stuck
+    due_step: float
+    # a load copied layer by layer
+    slices: Sequence[frozenset[str]] | None = None
 
 
 class SimTransferEngine(TransferEngine):
@@ -58,7 +59,8 @@ class SimTransferEngine(TransferEngine):
         super().__init__(*args, **kwargs)
         self.faults = faults
         self.step = 0
-        self.loads: list[TransferJob] = []  # every load submitted, for tests
+        # every load submitted, for tests
+        self.loads: list[TransferJob] = []
         self._held: dict[int, _Held] = {}
 
     @property
@@ -77,9 +79,9 @@ class SimTransferEngine(TransferEngine):
                 )
                 return
         if job.is_store:
-            due = (
-                math.inf if self.faults.stuck_stores else self.step + self.faults.store_delay_steps
-            )
+            due = self.step + self.faults.store_delay_steps
+            if self.faults.stuck_stores:
+                due = math.inf
             self._held[job.job_id] = _Held(job, due)
             return
         super().submit(job, slices)
@@ -91,7 +93,8 @@ class SimTransferEngine(TransferEngine):
         return super().wait(wanted - stuck, timeout) and not stuck
 
     def wait_layer(self, job_ids: Iterable[int], layer: str, timeout: float | None = None) -> bool:
-        wanted = set(job_ids)  # a load held back starts when a layer of it is awaited (never stuck)
+        # a load held back starts when a layer of it is awaited (never stuck)
+        wanted = set(job_ids)
         self._release(wanted & self._held.keys())
         return super().wait_layer(wanted, layer, timeout)
 

@@ -65,7 +65,8 @@ __all__ = [
 # average (a step that prefills many long prompts admits fewer), and a hint that runs out
 # before its turn arrives protects nothing when it is needed.
 NEXT_TURN_SLACK = 1.5
-_SHARED = -1  # a block id that more than one session has sent
+# a block id that more than one session has sent
+_SHARED = -1
 # A block followed by more different whole blocks than this across the trace is a shared prefix
 # (a system prompt): a conversation's block is followed by its later turns' next block and, for
 # an agent, by its sub-agents' tasks (3 at most).
@@ -93,10 +94,10 @@ def find_conversations(
     """Link each request to the earlier one it continues (see the module docstring)."""
     session: list[int] = []
     next_turn: list[int | None] = [None] * len(requests)
-    ends: dict[int, int] = {}  # a request's last whole-block id -> the latest request ending there
-    owner = dict.fromkeys(
-        _branching(requests, block_tokens), _SHARED
-    )  # block id -> the one session that sent it
+    # a request's last whole-block id -> the latest request ending there
+    ends: dict[int, int] = {}
+    # block id -> the one session that sent it
+    owner = dict.fromkeys(_branching(requests, block_tokens), _SHARED)
     for index, req in enumerate(requests):
         parent = _parent(req, requests, ends, owner, session, block_tokens)
         session.append(index if parent is None else session[parent])
@@ -104,7 +105,8 @@ def find_conversations(
             next_turn[parent] = index
         num_full = req.num_full_blocks(block_tokens)
         for block_id in req.hash_ids[:num_full]:
-            if owner.setdefault(block_id, session[index]) != session[index]:
+            first_sender = owner.setdefault(block_id, session[index])
+            if first_sender != session[index]:
                 owner[block_id] = _SHARED
         if num_full:
             ends[req.hash_ids[num_full - 1]] = index
@@ -116,7 +118,8 @@ def find_conversations(
 def _branching(requests: Sequence[TraceRequest], block_tokens: int) -> list[int]:
     """Block ids followed by more than `_MAX_BRANCHES` different blocks: prefixes many prompts share."""
     successors: dict[int, set[int]] = {}
-    for req in requests:  # whole blocks only: each turn's partial last block is a new one
+    # whole blocks only: each turn's partial last block is a new one
+    for req in requests:
         whole = req.hash_ids[: req.num_full_blocks(block_tokens)]
         for block_id, after in pairwise(whole):
             successors.setdefault(block_id, set()).add(after)
@@ -132,7 +135,8 @@ def _parent(
     block_tokens: int,
 ) -> int | None:
     """The request `req` continues: the deepest whose whole blocks `req` extends, at a block its session owns."""
-    for position in range(len(req.hash_ids) - 2, -1, -1):  # `req` has a block more than its parent
+    # `req` has a block more than its parent
+    for position in range(len(req.hash_ids) - 2, -1, -1):
         block_id = req.hash_ids[position]
         earlier = ends.get(block_id)
         if earlier is None or owner.get(block_id) != session[earlier]:
@@ -172,7 +176,13 @@ def hints_for(
     rng = random.Random(seed)
     gaps = [h.next_turn_s for h in exact if h.next_turn_s is not None]
     typical_s = statistics.median(gaps) if gaps else 100 * seconds_per_request * NEXT_TURN_SLACK
-    return [_wrong(h, rng, typical_s) if rng.random() < error else h for h in exact]
+    noisy: list[ClientHints] = []
+    for told in exact:
+        hints = told
+        if rng.random() < error:
+            hints = _wrong(told, rng, typical_s)
+        noisy.append(hints)
+    return noisy
 
 
 def with_hints(
@@ -201,13 +211,13 @@ def _exact(conversations: Conversations, index: int, seconds_per_request: float)
 
 def _wrong(hints: ClientHints, rng: random.Random, typical_s: float) -> ClientHints:
     """The other answer to "does this session come back?" than the exact hint gives."""
-    if hints.next_turn_s is not None:  # it comes back: not announced, or announced over
+    # it comes back: not announced, or announced over
+    if hints.next_turn_s is not None:
         return ClientHints(hints.session, end_session=rng.random() < 0.5)
-    if hints.end_session:  # it is over: a turn announced that never comes
+    # it is over: a turn announced that never comes
+    if hints.end_session:
         return ClientHints(hints.session, next_turn_s=typical_s)
     # a leaf of a session that goes on: a turn that never comes, or the whole session ended
-    return (
-        ClientHints(hints.session, next_turn_s=typical_s)
-        if rng.random() < 0.5
-        else ClientHints(hints.session, end_session=True)
-    )
+    if rng.random() < 0.5:
+        return ClientHints(hints.session, next_turn_s=typical_s)
+    return ClientHints(hints.session, end_session=True)

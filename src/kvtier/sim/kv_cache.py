@@ -39,15 +39,12 @@ class KVCache:
         self.layer_groups = [
             [f"g{g}.l{layer}" for layer in range(num_layers)] for g in range(num_groups)
         ]
-        self._arrays = {
-            name: t.numpy() for name, t in self.tensors.items()
-        }  # views: numpy indexing costs less
-        self._names: dict[int, str] = {
-            0: "nothing (never written)"
-        }  # content -> what it stands for
-        self._values: dict[
-            tuple[bytes, int], int
-        ] = {}  # (block hash, group) -> content, computed once
+        # views: numpy indexing costs less
+        self._arrays = {name: t.numpy() for name, t in self.tensors.items()}
+        # content -> what it stands for
+        self._names: dict[int, str] = {0: "nothing (never written)"}
+        # (block hash, group) -> content, computed once
+        self._values: dict[tuple[bytes, int], int] = {}
 
     def content(self, block_hash: bytes, group: int) -> int:
         value = self._values.get((block_hash, group))
@@ -62,10 +59,8 @@ class KVCache:
 
     def write(self, group: int, block_ids: Sequence[int], contents: Sequence[int]) -> None:
         if block_ids:
-            index, values = (
-                np.asarray(block_ids, dtype=np.int64),
-                np.asarray(contents, dtype=np.int64),
-            )
+            index = np.asarray(block_ids, dtype=np.int64)
+            values = np.asarray(contents, dtype=np.int64)
             for layer, name in enumerate(self.layer_groups[group]):
                 self._arrays[name][index] = (values + layer)[:, None, None]
 
@@ -88,7 +83,8 @@ class KVCache:
         """Raise `ContentMismatch` unless block `block_ids[i]` holds `contents[i]` in every layer."""
         if not block_ids:
             return
-        index, values = np.asarray(block_ids, dtype=np.int64), np.asarray(contents, dtype=np.int64)
+        index = np.asarray(block_ids, dtype=np.int64)
+        values = np.asarray(contents, dtype=np.int64)
         for layer, name in enumerate(self.layer_groups[group]):
             rows = self._arrays[name][index].reshape(len(index), -1)
             bad = np.flatnonzero((rows != (values + layer)[:, None]).any(axis=1))

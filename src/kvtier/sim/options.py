@@ -17,7 +17,8 @@ from kvtier.sim.workload import num_unique_blocks
 
 __all__ = ["HINT_MODES", "SimOptions"]
 
-HINT_MODES = ("trace", "exact", "noisy")  # see SimOptions.hints
+# see SimOptions.hints
+HINT_MODES = ("trace", "exact", "noisy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,8 @@ class SimOptions:
     host_fraction: float = 0.05
     host_slots: int | None = None
     engine_blocks: int = 2048
-    policy: str = "adaptive"  # the CPU tier's default (KVTierConfig.eviction_policy)
+    # the CPU tier's default (KVTierConfig.eviction_policy)
+    policy: str = "adaptive"
     store_mode: str = "eager"
     evict_lookahead: int | None = None
     store_threshold: int = 1

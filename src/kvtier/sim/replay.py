@@ -62,7 +62,8 @@ from kvtier.tiers.namespace import Namespace
 
 __all__ = ["SimOptions", "simulate"]
 
-Progress = Callable[[int, int], None]  # (requests finished, requests in the trace)
+# (requests finished, requests in the trace)
+Progress = Callable[[int, int], None]
 
 
 @dataclass
@@ -109,7 +110,8 @@ def simulate(
 
 
 def _check_fits(requests: Sequence[TraceRequest], opts: SimOptions) -> None:
-    scale, block = (opts.trace_block_tokens, opts.engine_block_tokens), opts.engine_block_tokens
+    scale = (opts.trace_block_tokens, opts.engine_block_tokens)
+    block = opts.engine_block_tokens
     longest = max(
         (
             -(-(len(engine_prompt(r, *scale)) + engine_output_tokens(r, *scale)) // block)
@@ -222,7 +224,8 @@ def _replay(
 ) -> int:
     """Feed the requests in order, `max_running` at a time; returns the number of steps."""
     scale = (opts.trace_block_tokens, opts.engine_block_tokens)
-    next_index = num_steps = 0
+    next_index = 0
+    num_steps = 0
     max_steps = 1000 + 50 * len(requests)
     while True:
         while (

@@ -56,7 +56,8 @@ class SimulationReport:
     num_steps: int
     wall_s: float
     costs: CostModel = field(default_factory=CostModel)
-    counters: dict[str, int] = field(default_factory=dict)  # the scheduler's own, for the curious
+    # the scheduler's own, for the curious
+    counters: dict[str, int] = field(default_factory=dict)
     load_policy: str = "cost"
     load_decisions: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -169,7 +170,8 @@ def _tier_figures(
 ) -> tuple[int, dict[str, int], dict[str, dict[str, int]], dict[str, int]]:
     """(engine hit tokens, hit tokens per tier, bytes per tier and direction, evictions per tier),
     in trace tokens and the modelled model's bytes."""
-    block, trace_block = opts.engine_block_tokens, opts.trace_block_tokens
+    block = opts.engine_block_tokens
+    trace_block = opts.trace_block_tokens
     engine_blocks = (
         sum((r.num_cached_tokens or 0) - r.num_external_tokens for r in engine.requests.values())
         // block
@@ -193,5 +195,6 @@ def _tier_figures(
         evictions[tier.medium] = counters["evictions"]
         # a chunk read up from this tier was found there, then loaded from RAM
         found = min(counters["load_chunks"] * trace_block, tier_hits["cpu"])
-        tier_hits[tier.medium], tier_hits["cpu"] = found, tier_hits["cpu"] - found
+        tier_hits[tier.medium] = found
+        tier_hits["cpu"] -= found
     return engine_blocks * trace_block, tier_hits, bytes_moved, evictions

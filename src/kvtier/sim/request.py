@@ -21,13 +21,16 @@ class SimRequest:
     kv_transfer_params: Any = None
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
-    block_ids: list[list[int]] = field(default_factory=list)  # per group
+    # per group
+    block_ids: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    num_cached_tokens: int | None = None  # local + external at first scheduling
+    # local + external at first scheduling
+    num_cached_tokens: int | None = None
     num_external_tokens: int = 0
     num_lookups: int = 0
     is_finished: bool = False
-    awaits_first_schedule: bool = False  # its asynchronous load ended; not scheduled since
+    # its asynchronous load ended; not scheduled since
+    awaits_first_schedule: bool = False
 
     @property
     def tokens(self) -> list[int]:

@@ -129,7 +129,9 @@ def sweep(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path = _write_csv(points, out / "sweep.csv")
-    png_path = _plot(points, out / "sweep.png", len(requests), base.engine_blocks) if plot else None
+    png_path = None
+    if plot:
+        png_path = _plot(points, out / "sweep.png", len(requests), base.engine_blocks)
     return SweepResult(points, csv_path, png_path, reports)
 
 
@@ -209,11 +211,9 @@ def _plot(points: list[SweepPoint], path: Path, num_requests: int, engine_blocks
         line = sorted(
             (p.capacity_fraction * 100, p.total_hit_rate) for p in points if p.policy == policy
         )
-        style = (
-            {"color": "black", "linestyle": "--", "label": "Belady's MIN (ceiling)"}
-            if policy == "belady"
-            else {"marker": "o", "label": policy}
-        )
+        style = {"marker": "o", "label": policy}
+        if policy == "belady":
+            style = {"color": "black", "linestyle": "--", "label": "Belady's MIN (ceiling)"}
         ax.plot([x for x, _ in line], [y for _, y in line], **style)
     ax.set_xscale("log")
     ticks = sorted({p.capacity_fraction * 100 for p in points})

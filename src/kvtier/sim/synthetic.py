@@ -28,7 +28,8 @@ from kvtier.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["BlockIds", "synthetic"]
 
-_Span = tuple[int, int]  # (low, high) inclusive
+# (low, high) inclusive
+_Span = tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,8 @@ class _Kind:
     """How one kind of conversation behaves (token counts and gaps are drawn uniformly)."""
 
     turns: _Span
-    added_tokens: _Span  # a user message (chat) or a tool result (agent)
+    # a user message (chat) or a tool result (agent)
+    added_tokens: _Span
     output_tokens: _Span
     gap_ms: _Span
 
@@ -90,7 +92,8 @@ def synthetic(
     start_ms = 0.0
     for conv in range(num_conversations):
         start_ms += rng.expovariate(conversations_per_s) * 1000.0
-        kind = _AGENT if rng.random() < agent_fraction else _CHAT
+        is_agent = rng.random() < agent_fraction
+        kind = _AGENT if is_agent else _CHAT
         system = rng.choices(prompts, weights)[0]
         for turn, request in enumerate(_conversation(rng, ids, kind, list(system), int(start_ms))):
             rows.append((request.timestamp_ms, conv, turn, request))
@@ -109,7 +112,8 @@ def _conversation(
         output = rng.randint(*kind.output_tokens)
         input_length = sum(n for _, n in history)
         requests.append(TraceRequest(now, input_length, output, ids.hash_ids(history)))
-        history.append((ids.new_segment(), output))  # the reply is part of the next turn's prompt
+        # the reply is part of the next turn's prompt
+        history.append((ids.new_segment(), output))
         now += rng.randint(*kind.gap_ms)
     return requests
 
@@ -129,20 +133,22 @@ class BlockIds:
     def hash_ids(self, history: list[tuple[int, int]]) -> tuple[int, ...]:
         """One id per block of the token sequence the segments spell, the last maybe partial."""
         out: list[int] = []
-        pieces: list[
-            tuple[int, int, int]
-        ] = []  # (segment, first token, end) inside the current block
-        room, parent = self.block_tokens, -1
+        # (segment, first token, end) inside the current block
+        pieces: list[tuple[int, int, int]] = []
+        room = self.block_tokens
+        parent = -1
         for segment, length in history:
             offset = 0
             while offset < length:
                 take = min(room, length - offset)
                 pieces.append((segment, offset, offset + take))
-                offset, room = offset + take, room - take
+                offset += take
+                room -= take
                 if room == 0:
                     parent = self._id(parent, pieces)
                     out.append(parent)
-                    pieces, room = [], self.block_tokens
+                    pieces = []
+                    room = self.block_tokens
         if pieces:
             out.append(self._id(parent, pieces))
         return tuple(out)

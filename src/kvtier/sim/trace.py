@@ -43,7 +43,8 @@ __all__ = [
     "parse_mooncake",
 ]
 
-MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's published traces
+# tokens per hash id in Mooncake's published traces
+MOONCAKE_BLOCK_TOKENS = 512
 
 
 class TraceError(KVTierError, ValueError):
