@@ -285,66 +285,88 @@ def test_arc_keeps_a_frequent_head_in_place_when_its_recent_tail_goes():
     m.check()
 
 
+class _PrefixTraffic:
+    """Requests walking a prefix tree (documents with shared heads) on a small tier: each step
+    starts a request, stores a few chunks of one, ends a load, or finishes a request."""
+
+    def __init__(self, seed: int, policy: str):
+        self.rng = random.Random(seed)
+        self.m = CPUTierManager(24, policy=policy)
+        # a chunk stored after its head was READY -> that head
+        self.heads: dict[bytes, bytes] = {}
+        # request -> (its chain, chunks stored)
+        self.running: dict[str, tuple[list[bytes], int]] = {}
+        self.loads: list[tuple[str, list[bytes]]] = []
+
+    def step(self, step: int) -> None:
+        roll = self.rng.random()
+        if roll < 0.15 or not self.running:
+            self.start(f"r{step}", step)
+        elif roll < 0.8:
+            self.store(self.rng.choice(sorted(self.running)))
+        elif roll < 0.9 and self.loads:
+            req_id, pinned = self.loads.pop(self.rng.randrange(len(self.loads)))
+            self.m.complete_load(pinned, make_req_context(req_id))
+        else:
+            self.finish(self.rng.choice(sorted(self.running)))
+
+    def start(self, req_id: str, step: int) -> None:
+        doc = self.rng.randrange(4)
+        shared = self.rng.randrange(1, 6)
+        # a document's head is shared; each request continues it with chunks of its own
+        chain = [key(1000 * doc + i) for i in range(shared)]
+        chain += [key(100_000 + 100 * step + i) for i in range(self.rng.randrange(1, 30))]
+        ctx = make_req_context(req_id)
+        hits = []
+        for k in chain:
+            if self.m.lookup(k, ctx) is not LookupResult.HIT:
+                break
+            hits.append(k)
+        self.m.touch(hits, ctx)
+        if hits and self.rng.random() < 0.5:
+            self.m.prepare_load(hits, ctx)
+            self.loads.append((req_id, hits))
+        self.running[req_id] = (chain, len(hits))
+
+    def store(self, req_id: str) -> None:
+        chain, done = self.running[req_id]
+        new = chain[done : done + self.rng.randrange(1, 5)]
+        ctx = make_req_context(req_id)
+        out = self.m.prepare_store(new, ctx)
+        if out is None:
+            return
+        ok = self.rng.random() < 0.9
+        stored = chain[: done + len(new)]
+        ready_before = {k for k in stored if self.m.lookup(k, ctx) is LookupResult.HIT}
+        self.m.complete_store(out.keys_to_store, ctx, success=ok)
+        for k in out.keys_to_store if ok else ():
+            i = chain.index(k)
+            if i and chain[i - 1] in ready_before:
+                self.heads[k] = chain[i - 1]
+        self.running[req_id] = (chain, done + len(new))
+
+    def finish(self, req_id: str) -> None:
+        del self.running[req_id]
+        self.loads = [(r, ks) for r, ks in self.loads if r != req_id]
+        self.m.on_request_finished(make_req_context(req_id))
+
+    def orphans(self) -> list[bytes]:
+        """READY chunks whose head (the chunk stored before them, READY then) is gone."""
+        ready = set(self.m.ready_keys())
+        for k in [k for k in self.heads if k not in ready]:
+            del self.heads[k]
+        return [k for k, head in self.heads.items() if head not in ready]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_heads_outlive_their_tails_under_random_traffic(policy):
-    # Requests walk a prefix tree (documents with shared heads), storing and touching their
-    # chains a few chunks at a time, loading prefixes (pins) and finishing, on a small tier.
-    # After every step: no READY chunk's head (the chunk it was stored after, READY then) is gone.
+    # Requests walk a prefix tree, storing and touching their chains a few chunks at a time,
+    # loading prefixes (pins) and finishing, on a small tier. After every step: no READY
+    # chunk's head (the chunk it was stored after, READY then) is gone.
     for seed in range(6):
-        rng = random.Random(seed)
-        m = CPUTierManager(24, policy=policy)
-        heads: dict[bytes, bytes] = {}  # chunk stored after its head was READY -> that head
-        running: dict[str, tuple[list[bytes], int]] = {}  # request -> (its chain, chunks stored)
-        loads: list[tuple[str, list[bytes]]] = []
+        traffic = _PrefixTraffic(seed, policy)
         for step in range(400):
-            roll = rng.random()
-            if roll < 0.15 or not running:
-                req_id = f"r{step}"
-                doc = rng.randrange(4)
-                shared = rng.randrange(1, 6)
-                # a document's head is shared; each request continues it with chunks of its own
-                chain = [key(1000 * doc + i) for i in range(shared)]
-                chain += [key(100_000 + 100 * step + i) for i in range(rng.randrange(1, 30))]
-                running[req_id] = (chain, 0)
-                ctx = make_req_context(req_id)
-                hits = []
-                for k in chain:
-                    if m.lookup(k, ctx) is not LookupResult.HIT:
-                        break
-                    hits.append(k)
-                m.touch(hits, ctx)
-                if hits and rng.random() < 0.5:
-                    m.prepare_load(hits, ctx)
-                    loads.append((req_id, hits))
-                running[req_id] = (chain, len(hits))
-            elif roll < 0.8:
-                req_id = rng.choice(sorted(running))
-                chain, done = running[req_id]
-                new = chain[done : done + rng.randrange(1, 5)]
-                ctx = make_req_context(req_id)
-                out = m.prepare_store(new, ctx)
-                if out is not None:
-                    ok = rng.random() < 0.9
-                    ready_before = {
-                        k for k in chain[: done + len(new)] if m.lookup(k, ctx) is LookupResult.HIT
-                    }
-                    m.complete_store(out.keys_to_store, ctx, success=ok)
-                    for k in out.keys_to_store if ok else ():
-                        i = chain.index(k)
-                        if i and chain[i - 1] in ready_before:
-                            heads[k] = chain[i - 1]
-                    running[req_id] = (chain, done + len(new))
-            elif roll < 0.9 and loads:
-                req_id, pinned = loads.pop(rng.randrange(len(loads)))
-                m.complete_load(pinned, make_req_context(req_id))
-            else:
-                req_id = rng.choice(sorted(running))
-                del running[req_id]
-                loads = [(r, ks) for r, ks in loads if r != req_id]
-                m.on_request_finished(make_req_context(req_id))
-            ready = set(m.ready_keys())
-            for k in [k for k in heads if k not in ready]:
-                del heads[k]
-            orphans = [k for k, head in heads.items() if head not in ready]
+            traffic.step(step)
+            orphans = traffic.orphans()
             assert not orphans, (seed, step, nums(orphans[:3]))
-            m.check()
+            traffic.m.check()
