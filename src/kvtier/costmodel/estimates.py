@@ -23,8 +23,9 @@ the engine prefills, as measured while it runs.
   (measured on the small, decode steps, so it does not make recomputing look slower than it is). A step counts
   only when the next one continued one of its requests (an engine that idled in between says
   nothing about its speed).
-- **Priors**: until a tier or the engine has been measured, `READ_PRIORS` (what each kind of
-  tier usually does) and `PRIOR_PREFILL_TOKENS_PER_S` stand in. The prefill prior is on the side
+- **Priors**: until a tier or the engine has been measured, its read prior (what that kind of
+  tier usually does, declared by its descriptor: `kvtier.tiers.secondary.TierDescriptor`) and
+  `PRIOR_PREFILL_TOKENS_PER_S` stand in. The prefill prior is on the side
   of recomputing: an accelerator's prefill (an engine on CPU is 5-10x slower, and measures so
   within its first prefill steps). A tier measures itself soon too: its write-through stores
   are transfers, and a read estimate falls back on them (`kvtier.tiers.rates`).
@@ -40,6 +41,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 from itertools import pairwise
+from types import MappingProxyType
 from typing import NamedTuple
 
 from kvtier.errors import ConfigError
@@ -50,12 +52,16 @@ __all__ = [
     "PrefillRate",
     "ReadEstimate",
     "TransferRate",
+    "declare_read_prior",
     "read_prior",
 ]
 
-_STALL_FACTOR = 4.0  # a job counts at most this many median job times of busy time
-_MIN_SAMPLES = 3  # fewer measured jobs or steps than this: the prior still stands
-_MIN_PREFILL_STEPS = 2  # an engine that serves mostly hits computes few prefill-sized steps
+# a job counts at most this many median job times of busy time
+_STALL_FACTOR = 4.0
+# fewer measured jobs or steps than this: the prior still stands
+_MIN_SAMPLES = 3
+# an engine that serves mostly hits computes few prefill-sized steps
+_MIN_PREFILL_STEPS = 2
 # jobs that ended this long before a tier's newest one no longer count once _MIN_SAMPLES newer ones
 # did: long enough to cover several jobs of a busy tier, short enough that three explorations of a
 # recovered tier (one a second at most, `kvtier.costmodel.exploration`) outweigh a slow spell
@@ -87,21 +93,33 @@ class ReadEstimate:
         return self.latency_s + (self.queued_bytes + num_bytes) / self.bytes_per_s
 
 
-# What each kind of tier usually does (a local NVMe disk, Redis over 10 GbE, S3 in the same
-# region), until measured; recomputing is assumed fast (`PRIOR_PREFILL_TOKENS_PER_S`).
-READ_PRIORS: dict[str, ReadEstimate] = {
-    "cpu": ReadEstimate(4e9, 0.0002),  # host RAM -> engine: a memcpy or a PCIe copy
-    "disk": ReadEstimate(1e9, 0.0005),
-    "redis": ReadEstimate(1e9, 0.001),
-    "s3": ReadEstimate(3e8, 0.03),
-}
-_UNKNOWN_TIER_PRIOR = ReadEstimate(3e8, 0.03)  # an out-of-tree tier: as slow as object storage
-PRIOR_PREFILL_TOKENS_PER_S = 10_000.0  # an accelerator's prefill (Llama-3-8B on one GPU)
+# Each registered tier's read prior, by tier name, as its descriptor declares it: the tiers are a
+# layer above this one, so their registry (`kvtier.tiers.registry`) declares each prior here.
+_READ_PRIORS: dict[str, ReadEstimate] = {}
+# the same, read-only, for whoever wants to see them all
+READ_PRIORS = MappingProxyType(_READ_PRIORS)
+# an accelerator's prefill (Llama-3-8B on one GPU); recomputing is assumed fast
+PRIOR_PREFILL_TOKENS_PER_S = 10_000.0
 
 
-def read_prior(medium: str) -> ReadEstimate:
-    """The prior of a tier named `medium`."""
-    return READ_PRIORS.get(medium, _UNKNOWN_TIER_PRIOR)
+def declare_read_prior(tier: str, prior: ReadEstimate) -> None:
+    """Tier `tier` reads at `prior` until measured (called by the tier registry only)."""
+    _READ_PRIORS[tier] = prior
+
+
+def read_prior(tier: str) -> ReadEstimate:
+    """The read prior of the tier named `tier` (a tier's `medium`).
+
+    Raises:
+        ConfigError: no tier of that name is registered (`kvtier.tiers.registry`).
+    """
+    prior = _READ_PRIORS.get(tier)
+    if prior is None:
+        raise ConfigError(
+            f"no tier named {tier!r} is registered, so it has no read prior; registered: "
+            f"{sorted(_READ_PRIORS)} (a tier registers with kvtier.tiers.register_tier)"
+        )
+    return prior
 
 
 class _Job(NamedTuple):
