@@ -93,12 +93,17 @@ def _check_registered(config: Any) -> None:
     """Raises ConfigError unless slice `config`'s class is the one registered under its tier's name."""
     name = config.TIER.name
     registered = secondary_tier_configs().get(name)
-    if registered is not type(config):
+    if registered is type(config):
+        return
+    if registered is None:
         raise ConfigError(
-            f"the tier {name!r} of {type(config).__qualname__} is not registered as such "
-            f"(registered under that name: {registered!r}); register its slice with "
-            "kvtier.tiers.register_tier or name it in extra_tiers"
+            f"{type(config).__name__} configures a tier named {name!r}, which is not registered: "
+            "register its slice with kvtier.tiers.register_tier, or name it in extra_tiers"
         )
+    raise ConfigError(
+        f"{type(config).__name__} configures a tier named {name!r}, but that name is registered "
+        f"to {registered.__name__}: tier names are unique"
+    )
 
 
 def _check_medium(config: Any, tier: SecondaryTier) -> None:

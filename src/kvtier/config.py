@@ -155,12 +155,20 @@ class KVTierConfig:
             raise ConfigError(
                 f"kvtier config must be a dict of {cls.valid_keys()}, got {type(raw).__name__}"
             )
-        specs = _tier_specs("extra_tiers", raw.get("extra_tiers", ()))
-        classes = [import_tier(spec) for spec in specs]
+        # the out-of-tree tiers first: their keys are valid keys; an unknown key is said first
+        classes: list[type] = []
+        refused: ConfigError | None = None
+        try:
+            specs = _tier_specs("extra_tiers", raw.get("extra_tiers", ()))
+            classes = [import_tier(spec) for spec in specs]
+        except ConfigError as exc:
+            refused = exc
         routes = _routes(cls, classes)
         unknown = sorted(str(k) for k in raw if k not in routes)
         if unknown:
             raise ConfigError(f"unknown kvtier config key(s) {unknown}; valid keys: {list(routes)}")
+        if refused is not None:
+            raise refused
         by_owner: dict[Owner, dict[str, Any]] = {}
         for key, value in raw.items():
             owner, name = routes[key]

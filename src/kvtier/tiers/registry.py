@@ -95,7 +95,10 @@ def import_tier(spec: str) -> type:
         config = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"extra_tiers: cannot import the tier slice {spec!r}: {exc}") from None
-    return register_tier(config)
+    try:
+        return register_tier(config)
+    except ConfigError as exc:
+        raise ConfigError(f"extra_tiers: {spec!r}: {exc}") from None
 
 
 def tier_descriptor(name: str) -> TierDescriptor:
