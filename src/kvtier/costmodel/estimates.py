@@ -126,9 +126,20 @@ class _Job(NamedTuple):
     """One measured job of a `TransferRate`."""
 
     num_bytes: int
-    busy_s: float  # its share of the tier's busy time (capped, see the module docstring)
-    seconds: float  # how long it took
-    ended_at: float  # when it ended, on the owner's clock: its age counts from there
+    # its share of the tier's busy time (capped, see the module docstring)
+    busy_s: float
+    # how long it took
+    seconds: float
+    # when it ended, on the owner's clock: its age counts from there
+    ended_at: float
+
+
+class _PlannedStep(NamedTuple):
+    """One engine step a `PrefillRate` saw planned."""
+
+    at: float
+    num_tokens: int
+    req_ids: frozenset[str]
 
 
 class TransferRate:
@@ -145,7 +156,8 @@ class TransferRate:
         self.prior = prior
         self._jobs: deque[_Job] = deque(maxlen=window)
         self._busy_until = float("-inf")
-        self._estimate: ReadEstimate | None = None  # cached until the next job
+        # cached until the next job
+        self._estimate: ReadEstimate | None = None
 
     @property
     def num_samples(self) -> int:
@@ -174,20 +186,17 @@ class TransferRate:
         self._busy_until = max(self._busy_until, ended)
         if len(self._jobs) >= _MIN_SAMPLES:
             busy = min(busy, _STALL_FACTOR * statistics.median(j.seconds for j in self._jobs))
-        self._jobs.append(
-            _Job(max(num_bytes, 0), busy, seconds, ended if ended_at is None else ended_at)
-        )
+        seen_at = ended if ended_at is None else ended_at
+        self._jobs.append(_Job(max(num_bytes, 0), busy, seconds, seen_at))
         self._estimate = None
 
     def estimate(self, queued_bytes: int = 0) -> ReadEstimate:
         """The current estimate, with `queued_bytes` waiting ahead of a new job."""
         if self._estimate is None:
             self._estimate = self._measure()
-        return (
-            replace(self._estimate, queued_bytes=max(queued_bytes, 0))
-            if queued_bytes
-            else self._estimate
-        )
+        if not queued_bytes:
+            return self._estimate
+        return replace(self._estimate, queued_bytes=max(queued_bytes, 0))
 
     def _recent(self) -> list[_Job]:
         """The jobs the estimate covers: those that ended within `_SPAN_S` of the newest one, and at
@@ -245,12 +254,13 @@ class PrefillRate:
             raise ConfigError("the prefill prior, min_tokens and window must be positive, lag >= 0")
         self.prior_tokens_per_s = prior_tokens_per_s
         self.min_tokens = min_tokens
-        self._prefills: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
-        self._smalls: deque[float] = deque(maxlen=window)  # seconds of steps under min_tokens
-        self._durations: deque[float] = deque(maxlen=window)  # every step measured
-        self._planned: deque[tuple[float, int, frozenset[str]]] = deque(
-            maxlen=lag + 2
-        )  # (at, tokens, req ids)
+        # (tokens, seconds) of prefill-sized steps
+        self._prefills: deque[tuple[int, float]] = deque(maxlen=window)
+        # seconds of steps under min_tokens
+        self._smalls: deque[float] = deque(maxlen=window)
+        # every step measured
+        self._durations: deque[float] = deque(maxlen=window)
+        self._planned: deque[_PlannedStep] = deque(maxlen=lag + 2)
 
     @property
     def num_samples(self) -> int:
@@ -261,16 +271,17 @@ class PrefillRate:
         The step planned `lag` + 1 steps ago ran from the previous planning until now, if the
         engine stayed busy (each step continued a request of the one before)."""
         planned = self._planned
-        planned.append((now, num_tokens, req_ids))
+        planned.append(_PlannedStep(now, num_tokens, req_ids))
         if len(planned) < planned.maxlen:
             return
         steps = list(planned)
-        seconds = now - steps[-2][0]
-        if seconds <= 0 or any(a[2].isdisjoint(b[2]) for a, b in pairwise(steps)):
+        seconds = now - steps[-2].at
+        if seconds <= 0 or any(a.req_ids.isdisjoint(b.req_ids) for a, b in pairwise(steps)):
             return
         self._durations.append(seconds)
-        if steps[0][1] >= self.min_tokens:
-            self._prefills.append((steps[0][1], seconds))
+        ran = steps[0]
+        if ran.num_tokens >= self.min_tokens:
+            self._prefills.append((ran.num_tokens, seconds))
         else:
             self._smalls.append(seconds)
 

@@ -80,7 +80,8 @@ class RemoteConfig:
 
     prefix: str = setting(
         "kvtier",
-        matching(r"(?!\.\.?$)[A-Za-z0-9_.-]{1,64}"),  # not "." or "..": S3 path segments
+        # not "." or "..": S3 path segments
+        matching(r"(?!\.\.?$)[A-Za-z0-9_.-]{1,64}"),
         "The first part of every Redis key and S3 object name.",
     )
     key_mode: str = setting(
