@@ -7,7 +7,7 @@ status` say of it. A CPU tier of 4 slots; keys are numbered (helpers.key)."""
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -135,6 +135,19 @@ def test_a_tier_name_is_unique(tmp_path):
         register_tier(_renamed("disk"))
     # registering the same slice again changes nothing
     assert register_tier(FolderConfig) is FolderConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Colliding(FolderConfig):
+    """A slice whose user keys (`disk_path`, `disk_bytes`) are the disk tier's."""
+
+    KEY_PREFIX: ClassVar[str] = "disk_"
+    TIER: ClassVar[TierDescriptor] = replace(FolderConfig.TIER, name="colliding")
+
+
+def test_a_tier_whose_keys_are_taken_is_refused():
+    with pytest.raises(ConfigError, match="key 'disk_path' of Colliding is taken already"):
+        KVTierConfig.from_dict({"extra_tiers": [f"{__name__}:Colliding"]})
 
 
 def test_a_tier_the_registry_does_not_know_is_refused_at_build(tmp_path):

@@ -44,7 +44,10 @@ Owner = tuple[str, ...] | type
 
 
 def _tier_specs(key: str, value: Any) -> tuple[str, ...]:
-    """Out-of-tree tiers' slices, each "module:Class": a list, or a comma-separated text (a flag)."""
+    """Out-of-tree tiers' slices, each "module:Class": a list, or a comma-separated text (a flag);
+    () for none."""
+    if value is None:
+        return ()
     if isinstance(value, str):
         value = [part.strip() for part in value.split(",") if part.strip()]
     is_list = isinstance(value, (list, tuple))
@@ -143,6 +146,7 @@ class KVTierConfig:
     def __post_init__(self) -> None:
         validate(self)
         classes = [import_tier(spec) for spec in self.extra_tiers]
+        # refuses an out-of-tree tier whose key is taken, however the configuration is built
         _routes(type(self), classes)
         object.__setattr__(self, "extra_slices", _extra_slices(classes, self.extra_slices))
 
