@@ -124,9 +124,7 @@ class DiskConfig:
         from kvtier.tiers.disk.tier import DiskTier
 
         assert self.path is not None, "build only an enabled tier"
-        direct = None
-        if self.direct_io != "auto":
-            direct = bool(self.direct_io)
+        direct = None if self.direct_io == "auto" else bool(self.direct_io)
         tier = DiskTier(
             self.path,
             namespace,
