@@ -76,8 +76,21 @@ def test_queued_bytes_wait_ahead_of_a_new_read():
         ReadEstimate(0.0, 0.0)
 
 
-def test_a_tier_without_a_prior_of_its_own_is_read_as_slowly_as_object_storage():
-    assert read_prior("my-tier") == read_prior("s3")
+def test_a_tier_that_is_not_registered_has_no_prior_and_the_built_ins_keep_theirs():
+    # no silent default: a tier's prior is its descriptor's (kvtier.tiers.registry)
+    with pytest.raises(ConfigError, match="no tier named 'my-tier' is registered"):
+        read_prior("my-tier")
+    assert (
+        read_prior("cpu"),
+        read_prior("disk"),
+        read_prior("redis"),
+        read_prior("s3"),
+    ) == (
+        ReadEstimate(4e9, 0.0002),
+        ReadEstimate(1e9, 0.0005),
+        ReadEstimate(1e9, 0.001),
+        ReadEstimate(3e8, 0.03),
+    )
     assert (
         read_prior("cpu").bytes_per_s
         > read_prior("disk").bytes_per_s

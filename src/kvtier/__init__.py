@@ -12,6 +12,7 @@ from kvtier.base import (
     SlotSpec,
     StoreSpec,
 )
+from kvtier.costmodel.estimates import ReadEstimate
 from kvtier.errors import ConfigError, InvariantError, KVTierError, NotReadyError
 from kvtier.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key, split_offload_key
 from kvtier.policies import CachePolicy, make_policy, register_policy
@@ -19,7 +20,8 @@ from kvtier.tiers.cascade import TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult
+from kvtier.tiers.registry import register_tier
+from kvtier.tiers.secondary import SecondaryTier, TierDescriptor, TierJob, TierResult
 from kvtier.tiers.tiered import TieredManager
 
 __version__ = "0.1.0"
@@ -43,10 +45,12 @@ __all__ = [
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "ReadEstimate",
     "ReqContext",
     "SecondaryTier",
     "SlotSpec",
     "StoreSpec",
+    "TierDescriptor",
     "TierJob",
     "TierResult",
     "TierRules",
@@ -54,5 +58,6 @@ __all__ = [
     "make_offload_key",
     "make_policy",
     "register_policy",
+    "register_tier",
     "split_offload_key",
 ]

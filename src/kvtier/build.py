@@ -1,38 +1,34 @@
 """The manager a configuration asks for: the CPU tier alone, or a `TieredManager` with the
-secondary tiers the configuration names — each built by its own slice (`tiers/<tier>/config.py`),
-looked up in the order of `SECONDARY_TIERS`. Engine-agnostic: the engine adapter brings the slab
-rows and the namespace.
+secondary tiers the configuration names — each built by its own slice (`tiers/<tier>/config.py`,
+or an out-of-tree tier's, named in `extra_tiers`), looked up in the order of
+`KVTierConfig.tier_configs`. Engine-agnostic: the engine adapter brings the slab rows and the
+namespace.
 
-A new secondary tier is a package under `tiers/` whose configuration slice builds it, a field
-of `KVTierConfig`, and one line in `SECONDARY_TIERS`.
+A tier is built only if it is registered (`kvtier.tiers.registry`) under the name its slice's
+descriptor gives, and reports that name as its `medium`: the name is what estimates, events and
+metrics are keyed on, so a tier the registry does not know is a `ConfigError` here, never a
+silent default later.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from kvtier.base import OffloadingManager
 from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
 from kvtier.tiers.cascade import TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.quotas import in_slots
+from kvtier.tiers.registry import secondary_tier_configs
 from kvtier.tiers.secondary import SecondaryTier
 from kvtier.tiers.tiered import TieredManager
 
-__all__ = ["SECONDARY_TIERS", "build_manager", "secondary_tiers"]
-
-Built = (
-    tuple[SecondaryTier, TierRules] | None
-)  # None: a shared tier whose client could not even be built
-# each secondary tier: the `KVTierConfig` field of its slice, and how that slice builds it; searched in this order
-SECONDARY_TIERS: dict[str, Callable[[KVTierConfig, Namespace], Built]] = {
-    "disk": lambda cfg, ns: cfg.disk.build(ns, enable_events=cfg.enable_events),
-    "redis": lambda cfg, ns: cfg.redis.build(cfg.remote, ns, enable_events=cfg.enable_events),
-    "s3": lambda cfg, ns: cfg.s3.build(cfg.remote, ns, enable_events=cfg.enable_events),
-}
+__all__ = ["build_manager", "secondary_tiers"]
 
 
 def secondary_tiers(
@@ -42,15 +38,21 @@ def secondary_tiers(
 
     Raises:
         ConfigError: a tier that cannot start (a disk directory that cannot be created, a
-            secret file that cannot be read, a required shared tier that does not answer); the
-            tiers built before it are closed.
+            secret file that cannot be read, a required shared tier that does not answer), or
+            one not registered under the name it reports; the tiers built before it are closed.
     """
     tiers: list[tuple[SecondaryTier, TierRules]] = []
     try:
-        for name, build in SECONDARY_TIERS.items():
-            built = build(cfg, namespace) if getattr(cfg, name).is_enabled else None
-            if built is not None:
-                tiers.append(built)
+        for config in cfg.tier_configs():
+            if not config.is_enabled:
+                continue
+            _check_registered(config)
+            built = config.build(namespace, enable_events=cfg.enable_events, remote=cfg.remote)
+            if built is None:
+                # a shared tier whose client could not even be built: the engine runs without it
+                continue
+            tiers.append(built)
+            _check_medium(config, built[0])
     except BaseException:
         for tier, _ in tiers:
             tier.close()
@@ -85,3 +87,31 @@ def build_manager(
         max_promotion_bytes=cfg.promotion_bytes,
         job_timeout_s=cfg.job_timeout_s,
     )
+
+
+def _check_registered(config: Any) -> None:
+    """Raises ConfigError unless slice `config`'s class is the one registered under its tier's name."""
+    name = config.TIER.name
+    registered = secondary_tier_configs().get(name)
+    if registered is type(config):
+        return
+    if registered is None:
+        raise ConfigError(
+            f"{type(config).__name__} configures a tier named {name!r}, which is not registered: "
+            "register its slice with kvtier.tiers.register_tier, or name it in extra_tiers"
+        )
+    raise ConfigError(
+        f"{type(config).__name__} configures a tier named {name!r}, but that name is registered "
+        f"to {registered.__name__}: tier names are unique"
+    )
+
+
+def _check_medium(config: Any, tier: SecondaryTier) -> None:
+    """Raises ConfigError unless `tier` reports its registered name as its medium."""
+    name = config.TIER.name
+    if tier.medium != name:
+        raise ConfigError(
+            f"{type(config).__qualname__} built a tier whose medium is {tier.medium!r}, not its "
+            f"registered name {name!r}: a tier's medium is its name (estimates, events and "
+            "metrics are keyed on it)"
+        )

@@ -3,7 +3,9 @@
 It reads `kvtier:tier_predicted_hit_ratio{tier, capacity_factor}` (`kvtier.mrc`: an online,
 sampled LRU estimate from each tier's own lookups) and `kvtier:tier_capacity_bytes`, prints one
 row per tier (and engine, when a server runs several) and one line of advice per tier, naming the
-setting that sizes it. URL is the server (`http://host:8000`) or its metrics page; plain urllib.
+setting that sizes it (its descriptor's `sized_by`, `kvtier.tiers.registry`; a tier registered only
+in the server's process, an out-of-tree one, is named by its name). URL is the server
+(`http://host:8000`) or its metrics page; plain urllib.
 """
 
 from __future__ import annotations
@@ -18,20 +20,16 @@ from typing import TextIO
 
 from kvtier.cli.output import human_bytes
 from kvtier.errors import KVTierError
+from kvtier.tiers.registry import tier_descriptor, tier_descriptors
 
-__all__ = ["TierCurve", "advice", "parse_curves", "status_main"]
+__all__ = ["TierCurve", "advice", "parse_curves", "sized_by", "status_main"]
 
-SIZE_SETTINGS = {
-    "cpu": "cpu_bytes",
-    "disk": "disk_bytes",
-    "redis": "the Redis server's maxmemory",
-    "s3": "what the S3 bucket keeps",
-}
 _SAMPLE = re.compile(
     r"^(kvtier:tier_(?:predicted_hit_ratio|capacity_bytes))\{([^}]*)\}\s+(\S+)", re.MULTILINE
 )
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-_CHANGE = 0.01  # a hit ratio change smaller than this is "about the same"
+# a hit ratio change smaller than this is "about the same"
+_CHANGE = 0.01
 
 
 @dataclass
@@ -41,9 +39,8 @@ class TierCurve:
     tier: str
     engine: str = ""
     capacity_bytes: float = 0.0
-    ratios: dict[float, float] = field(
-        default_factory=dict
-    )  # capacity factor -> predicted hit ratio
+    # capacity factor -> predicted hit ratio
+    ratios: dict[float, float] = field(default_factory=dict)
 
 
 def fetch_metrics(url: str, timeout_s: float = 5.0) -> str:
@@ -68,7 +65,8 @@ def parse_curves(text: str) -> list[TierCurve]:
     curves: dict[tuple[str, str], TierCurve] = {}
     for name, labels_text, value in _SAMPLE.findall(text):
         labels = dict(_LABEL.findall(labels_text))
-        tier, engine = labels.get("tier", "?"), labels.get("engine", "")
+        tier = labels.get("tier", "?")
+        engine = labels.get("engine", "")
         curve = curves.setdefault((tier, engine), TierCurve(tier, engine))
         if name.endswith("capacity_bytes"):
             curve.capacity_bytes = float(value)
@@ -77,10 +75,21 @@ def parse_curves(text: str) -> list[TierCurve]:
     return [c for c in curves.values() if c.ratios]
 
 
+def sized_by(tier: str) -> str:
+    """What sizes tier `tier`: its descriptor's `sized_by` when this process registered it; the
+    server may run an out-of-tree tier this one never imported, named then by its name."""
+    if tier in {d.name for d in tier_descriptors()}:
+        return tier_descriptor(tier).sized_by
+    return f"the {tier} tier's size"
+
+
 def advice(curve: TierCurve) -> str:
     """One line: what doubling (or halving) the tier's size would do to its hit ratio."""
-    setting, ratios = SIZE_SETTINGS.get(curve.tier, f"the {curve.tier} tier's size"), curve.ratios
-    now, double, half = ratios.get(1.0), ratios.get(2.0), ratios.get(0.5)
+    setting = sized_by(curve.tier)
+    ratios = curve.ratios
+    now = ratios.get(1.0)
+    double = ratios.get(2.0)
+    half = ratios.get(0.5)
     if now is None or double is None:
         return f"{curve.tier}: no curve at 1x and 2x yet"
     if double - now >= _CHANGE:
@@ -120,14 +129,9 @@ def status_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     text = fetch_metrics(args.url, args.timeout)
     curves = parse_curves(text)
     if not curves:
-        has_kvtier = "kvtier:" in text
-        raise KVTierError(
-            f"{args.url} serves metrics but no kvtier curves: "
-            + (
-                "no tier has been looked up yet (send some requests)"
-                if has_kvtier
-                else "no kvtier metrics at all; is this a vLLM server with kvtier as its KV connector?"
-            )
-        )
+        why = "no kvtier metrics at all; is this a vLLM server with kvtier as its KV connector?"
+        if "kvtier:" in text:
+            why = "no tier has been looked up yet (send some requests)"
+        raise KVTierError(f"{args.url} serves metrics but no kvtier curves: {why}")
     render(curves, args.url, out)
     return 0

@@ -23,8 +23,9 @@ the engine prefills, as measured while it runs.
   (measured on the small, decode steps, so it does not make recomputing look slower than it is). A step counts
   only when the next one continued one of its requests (an engine that idled in between says
   nothing about its speed).
-- **Priors**: until a tier or the engine has been measured, `READ_PRIORS` (what each kind of
-  tier usually does) and `PRIOR_PREFILL_TOKENS_PER_S` stand in. The prefill prior is on the side
+- **Priors**: until a tier or the engine has been measured, its read prior (what that kind of
+  tier usually does, declared by its descriptor: `kvtier.tiers.secondary.TierDescriptor`) and
+  `PRIOR_PREFILL_TOKENS_PER_S` stand in. The prefill prior is on the side
   of recomputing: an accelerator's prefill (an engine on CPU is 5-10x slower, and measures so
   within its first prefill steps). A tier measures itself soon too: its write-through stores
   are transfers, and a read estimate falls back on them (`kvtier.tiers.rates`).
@@ -40,6 +41,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 from itertools import pairwise
+from types import MappingProxyType
 from typing import NamedTuple
 
 from kvtier.errors import ConfigError
@@ -50,12 +52,16 @@ __all__ = [
     "PrefillRate",
     "ReadEstimate",
     "TransferRate",
+    "declare_read_prior",
     "read_prior",
 ]
 
-_STALL_FACTOR = 4.0  # a job counts at most this many median job times of busy time
-_MIN_SAMPLES = 3  # fewer measured jobs or steps than this: the prior still stands
-_MIN_PREFILL_STEPS = 2  # an engine that serves mostly hits computes few prefill-sized steps
+# a job counts at most this many median job times of busy time
+_STALL_FACTOR = 4.0
+# fewer measured jobs or steps than this: the prior still stands
+_MIN_SAMPLES = 3
+# an engine that serves mostly hits computes few prefill-sized steps
+_MIN_PREFILL_STEPS = 2
 # jobs that ended this long before a tier's newest one no longer count once _MIN_SAMPLES newer ones
 # did: long enough to cover several jobs of a busy tier, short enough that three explorations of a
 # recovered tier (one a second at most, `kvtier.costmodel.exploration`) outweigh a slow spell
@@ -87,30 +93,53 @@ class ReadEstimate:
         return self.latency_s + (self.queued_bytes + num_bytes) / self.bytes_per_s
 
 
-# What each kind of tier usually does (a local NVMe disk, Redis over 10 GbE, S3 in the same
-# region), until measured; recomputing is assumed fast (`PRIOR_PREFILL_TOKENS_PER_S`).
-READ_PRIORS: dict[str, ReadEstimate] = {
-    "cpu": ReadEstimate(4e9, 0.0002),  # host RAM -> engine: a memcpy or a PCIe copy
-    "disk": ReadEstimate(1e9, 0.0005),
-    "redis": ReadEstimate(1e9, 0.001),
-    "s3": ReadEstimate(3e8, 0.03),
-}
-_UNKNOWN_TIER_PRIOR = ReadEstimate(3e8, 0.03)  # an out-of-tree tier: as slow as object storage
-PRIOR_PREFILL_TOKENS_PER_S = 10_000.0  # an accelerator's prefill (Llama-3-8B on one GPU)
+# Each registered tier's read prior, by tier name, as its descriptor declares it: the tiers are a
+# layer above this one, so their registry (`kvtier.tiers.registry`) declares each prior here.
+_READ_PRIORS: dict[str, ReadEstimate] = {}
+# the same, read-only, for whoever wants to see them all
+READ_PRIORS = MappingProxyType(_READ_PRIORS)
+# an accelerator's prefill (Llama-3-8B on one GPU); recomputing is assumed fast
+PRIOR_PREFILL_TOKENS_PER_S = 10_000.0
 
 
-def read_prior(medium: str) -> ReadEstimate:
-    """The prior of a tier named `medium`."""
-    return READ_PRIORS.get(medium, _UNKNOWN_TIER_PRIOR)
+def declare_read_prior(tier: str, prior: ReadEstimate) -> None:
+    """Tier `tier` reads at `prior` until measured (called by the tier registry only)."""
+    _READ_PRIORS[tier] = prior
+
+
+def read_prior(tier: str) -> ReadEstimate:
+    """The read prior of the tier named `tier` (a tier's `medium`).
+
+    Raises:
+        ConfigError: no tier of that name is registered (`kvtier.tiers.registry`).
+    """
+    prior = _READ_PRIORS.get(tier)
+    if prior is None:
+        raise ConfigError(
+            f"no tier named {tier!r} is registered, so it has no read prior; registered: "
+            f"{sorted(_READ_PRIORS)} (a tier registers with kvtier.tiers.register_tier)"
+        )
+    return prior
 
 
 class _Job(NamedTuple):
     """One measured job of a `TransferRate`."""
 
     num_bytes: int
-    busy_s: float  # its share of the tier's busy time (capped, see the module docstring)
-    seconds: float  # how long it took
-    ended_at: float  # when it ended, on the owner's clock: its age counts from there
+    # its share of the tier's busy time (capped, see the module docstring)
+    busy_s: float
+    # how long it took
+    seconds: float
+    # when it ended, on the owner's clock: its age counts from there
+    ended_at: float
+
+
+class _PlannedStep(NamedTuple):
+    """One engine step a `PrefillRate` saw planned."""
+
+    at: float
+    num_tokens: int
+    req_ids: frozenset[str]
 
 
 class TransferRate:
@@ -127,7 +156,8 @@ class TransferRate:
         self.prior = prior
         self._jobs: deque[_Job] = deque(maxlen=window)
         self._busy_until = float("-inf")
-        self._estimate: ReadEstimate | None = None  # cached until the next job
+        # cached until the next job
+        self._estimate: ReadEstimate | None = None
 
     @property
     def num_samples(self) -> int:
@@ -156,20 +186,17 @@ class TransferRate:
         self._busy_until = max(self._busy_until, ended)
         if len(self._jobs) >= _MIN_SAMPLES:
             busy = min(busy, _STALL_FACTOR * statistics.median(j.seconds for j in self._jobs))
-        self._jobs.append(
-            _Job(max(num_bytes, 0), busy, seconds, ended if ended_at is None else ended_at)
-        )
+        seen_at = ended if ended_at is None else ended_at
+        self._jobs.append(_Job(max(num_bytes, 0), busy, seconds, seen_at))
         self._estimate = None
 
     def estimate(self, queued_bytes: int = 0) -> ReadEstimate:
         """The current estimate, with `queued_bytes` waiting ahead of a new job."""
         if self._estimate is None:
             self._estimate = self._measure()
-        return (
-            replace(self._estimate, queued_bytes=max(queued_bytes, 0))
-            if queued_bytes
-            else self._estimate
-        )
+        if not queued_bytes:
+            return self._estimate
+        return replace(self._estimate, queued_bytes=max(queued_bytes, 0))
 
     def _recent(self) -> list[_Job]:
         """The jobs the estimate covers: those that ended within `_SPAN_S` of the newest one, and at
@@ -227,12 +254,13 @@ class PrefillRate:
             raise ConfigError("the prefill prior, min_tokens and window must be positive, lag >= 0")
         self.prior_tokens_per_s = prior_tokens_per_s
         self.min_tokens = min_tokens
-        self._prefills: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
-        self._smalls: deque[float] = deque(maxlen=window)  # seconds of steps under min_tokens
-        self._durations: deque[float] = deque(maxlen=window)  # every step measured
-        self._planned: deque[tuple[float, int, frozenset[str]]] = deque(
-            maxlen=lag + 2
-        )  # (at, tokens, req ids)
+        # (tokens, seconds) of prefill-sized steps
+        self._prefills: deque[tuple[int, float]] = deque(maxlen=window)
+        # seconds of steps under min_tokens
+        self._smalls: deque[float] = deque(maxlen=window)
+        # every step measured
+        self._durations: deque[float] = deque(maxlen=window)
+        self._planned: deque[_PlannedStep] = deque(maxlen=lag + 2)
 
     @property
     def num_samples(self) -> int:
@@ -243,16 +271,17 @@ class PrefillRate:
         The step planned `lag` + 1 steps ago ran from the previous planning until now, if the
         engine stayed busy (each step continued a request of the one before)."""
         planned = self._planned
-        planned.append((now, num_tokens, req_ids))
+        planned.append(_PlannedStep(now, num_tokens, req_ids))
         if len(planned) < planned.maxlen:
             return
         steps = list(planned)
-        seconds = now - steps[-2][0]
-        if seconds <= 0 or any(a[2].isdisjoint(b[2]) for a, b in pairwise(steps)):
+        seconds = now - steps[-2].at
+        if seconds <= 0 or any(a.req_ids.isdisjoint(b.req_ids) for a, b in pairwise(steps)):
             return
         self._durations.append(seconds)
-        if steps[0][1] >= self.min_tokens:
-            self._prefills.append((steps[0][1], seconds))
+        ran = steps[0]
+        if ran.num_tokens >= self.min_tokens:
+            self._prefills.append((ran.num_tokens, seconds))
         else:
             self._smalls.append(seconds)
 

@@ -24,6 +24,12 @@ Deliberately simple, and stated here so a reader can redo the arithmetic:
 A replay has a RAM tier and at most a disk tier; the Redis and S3 figures serve `snapshot`'s
 other callers (`benchmarks/plot_payoff.py`: when does each tier pay off).
 
+The model has figures of its own for the built-in tiers (`cpu`, `disk`, `redis`, `s3`): they
+model one machine (the figures below, flags of `kvtier simulate`), not what a tier does until
+measured, so they are not the tiers' read priors. Every other registered tier
+(`kvtier.tiers.registry`, an out-of-tree one) is read at its descriptor's read prior, so a
+snapshot covers every registered tier; a tier that is not registered is a `ConfigError`.
+
 The defaults model Llama-3-8B in bf16 (32 layers x 8 KV heads x 128 x 2 x 2 bytes = 128 KiB
 per token) prefilling at 10,000 tokens/s on one accelerator, host memory at 20 GB/s (PCIe
 Gen4 x16 in practice), a local NVMe disk at 2 GB/s, Redis over 10 GbE at 1.2 GB/s and S3 at
@@ -40,10 +46,9 @@ from typing import Any
 
 from kvtier.costmodel import CostSnapshot, ReadEstimate
 from kvtier.errors import ConfigError
+from kvtier.tiers.registry import tier_descriptor, tier_descriptors
 
-__all__ = ["TIERS", "CostModel", "TTFTEstimate"]
-
-TIERS = ("cpu", "disk", "redis", "s3")  # the media the model has figures for ("cpu": the host link)
+__all__ = ["CostModel", "TTFTEstimate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,21 +80,25 @@ class CostModel:
     s3_latency_ms: float = 30.0
 
     def __post_init__(self) -> None:
-        rates = [self.prefill_tokens_per_s, self.kv_bytes_per_token] + [
-            getattr(self, f"{t}_gb_per_s") for t in TIERS
-        ]
-        if min(rates) <= 0:
+        if min(self.prefill_tokens_per_s, self.kv_bytes_per_token, *self._throughputs()) <= 0:
             raise ConfigError(
                 f"prefill_tokens_per_s, kv_bytes_per_token and every *_gb_per_s must be positive: {self}"
             )
-        if min(getattr(self, f"{t}_latency_ms") for t in TIERS) < 0:
+        if min(latency_ms for _, latency_ms in self._figures().values()) < 0:
             raise ConfigError(f"a *_latency_ms cannot be negative: {self}")
 
     def read(self, medium: str) -> ReadEstimate:
-        """Reading from tier `medium` ("cpu": the host link), one of `TIERS`."""
-        return ReadEstimate(
-            getattr(self, f"{medium}_gb_per_s") * 1e9, getattr(self, f"{medium}_latency_ms") / 1e3
-        )
+        """Reading from tier `medium` ("cpu": the host link): the model's figures for a built-in
+        tier, the descriptor's read prior for another registered one.
+
+        Raises:
+            ConfigError: no tier of that name is registered.
+        """
+        figures = self._figures()
+        if medium not in figures:
+            return tier_descriptor(medium).read_prior
+        gb_per_s, latency_ms = figures[medium]
+        return ReadEstimate(gb_per_s * 1e9, latency_ms / 1e3)
 
     def snapshot(self, step_s: float = 0.0, token_scale: float = 1.0) -> CostSnapshot:
         """The figures `kvtier.costmodel.choose_load` decides with, fixed.
@@ -106,7 +115,7 @@ class CostModel:
                 f"token_scale must be positive and step_s >= 0, got {token_scale}, {step_s}"
             )
         return CostSnapshot(
-            {medium: self.read(medium) for medium in TIERS},
+            {d.name: self.read(d.name) for d in tier_descriptors()},
             self.prefill_tokens_per_s / token_scale,
             step_s,
         )
@@ -136,6 +145,18 @@ class CostModel:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def _figures(self) -> dict[str, tuple[float, float]]:
+        """The built-in tiers' figures: tier name -> (GB/s, latency in ms)."""
+        return {
+            "cpu": (self.cpu_gb_per_s, self.cpu_latency_ms),
+            "disk": (self.disk_gb_per_s, self.disk_latency_ms),
+            "redis": (self.redis_gb_per_s, self.redis_latency_ms),
+            "s3": (self.s3_gb_per_s, self.s3_latency_ms),
+        }
+
+    def _throughputs(self) -> list[float]:
+        return [gb_per_s for gb_per_s, _ in self._figures().values()]
 
 
 @dataclass(frozen=True, slots=True)

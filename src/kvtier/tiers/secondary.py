@@ -16,6 +16,13 @@ The primitives, in call order:
 3. `get_finished()`: each submitted job's `TierResult` exactly once, with per-key success.
 4. `touch(keys)`, `take_events()`, `stats()`, `reset()`, `drain(timeout)`, `close()`.
 
+A tier is named once, by its `TierDescriptor` (`name`, the `medium` of everything it reports):
+the name is unique among the registered tiers (`kvtier.tiers.registry` refuses a second tier of
+a name, and the build refuses a tier whose `medium` is not its registered name), because read
+estimates, events, stats and metrics are keyed on it. Everything else that depends on which tier
+it is — how its events name it to a router, its read prior, whether its reset announces what it
+drops, the setting that sizes it — is read from the descriptor, never from a table of names.
+
 A tier never raises into the manager for an I/O failure: an error, a timeout, a short
 or corrupt value is a failed key of the job's result, counted in `stats()`. A store of a
 key the tier already holds succeeds without rewriting it.
@@ -29,6 +36,7 @@ fails any check is a miss, is deleted and counted — it is never served.
 from __future__ import annotations
 
 import math
+import re
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -37,12 +45,15 @@ from dataclasses import dataclass
 import xxhash
 
 from kvtier.base import LookupResult, OffloadingEvent, TierStats
+from kvtier.costmodel.estimates import ReadEstimate
+from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.policies.retention import RetentionBook
 
 __all__ = [
     "HEADER_BYTES",
     "SecondaryTier",
+    "TierDescriptor",
     "TierJob",
     "TierResult",
     "TierStats",
@@ -50,13 +61,19 @@ __all__ = [
     "checksum",
 ]
 
-HEADER_BYTES = 128  # fixed; file tiers pad it to their I/O alignment
+# fixed; file tiers pad it to their I/O alignment
+HEADER_BYTES = 128
 _MAGIC = b"KVTIER\x00\x01"
 _VERSION = 1
 _MAX_KEY_BYTES = 64
 # magic, version, key length, namespace id (16 bytes), payload length, payload checksum, key (padded)
 _LAYOUT = struct.Struct(f"<8sHH16sQQ{_MAX_KEY_BYTES}s")
-_HEADER_CHECK = struct.Struct("<Q")  # xxh3-64 of everything before it
+# xxh3-64 of everything before it
+_HEADER_CHECK = struct.Struct("<Q")
+# a tier's name is a metric label, a thread name and part of an event's `ownership`
+_TIER_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+# vLLM's localities of a KV-cache event's medium
+LOCALITIES = ("LOCAL", "REMOTE")
 
 
 def checksum(buffers: Sequence[memoryview | bytes]) -> int:
@@ -65,6 +82,54 @@ def checksum(buffers: Sequence[memoryview | bytes]) -> int:
     for buf in buffers:
         hasher.update(buf)
     return hasher.intdigest()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierDescriptor:
+    """What the code outside a tier knows of it, declared once beside its configuration slice.
+
+    Args:
+        name: the tier's name, unique among registered tiers (see the module docstring): the
+            `medium` of its events, stats and estimates, a metric label (lowercase letters,
+            digits and `_`, at most 32).
+        event_medium: the medium its KV-cache events name for a router, in vLLM's vocabulary
+            (`"CPU"` for host RAM, `"STORAGE"` for anything else).
+        locality: `"LOCAL"` (this machine only) or `"REMOTE"` (shared with other engines); an
+            event's `ownership` is `kvtier:<name>`.
+        read_prior: what reading from it costs until it has been measured (a local NVMe disk
+            reads ~1 GB/s, an object store ~0.3 GB/s after 30 ms).
+        announces_reset: True when its `reset` reports every chunk it drops as a removal event;
+            False when it drops them silently (it cannot list them cheaply), and the engine
+            adapter tells routers it dropped every chunk they were told it holds.
+        sized_by: what an operator changes to make it bigger: its user key (`"disk_bytes"`) or
+            what sizes it outside kvtier (`"the Redis server's maxmemory"`).
+    """
+
+    name: str
+    event_medium: str
+    locality: str
+    read_prior: ReadEstimate
+    announces_reset: bool
+    sized_by: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _TIER_NAME.fullmatch(self.name):
+            raise ConfigError(
+                f"a tier's name must match {_TIER_NAME.pattern} (a metric label), got {self.name!r}"
+            )
+        if not isinstance(self.event_medium, str) or not self.event_medium:
+            raise ConfigError(f"tier {self.name}: event_medium must be a name like 'STORAGE'")
+        if self.locality not in LOCALITIES:
+            raise ConfigError(f"tier {self.name}: locality must be one of {list(LOCALITIES)}")
+        if not isinstance(self.read_prior, ReadEstimate):
+            raise ConfigError(f"tier {self.name}: read_prior must be a ReadEstimate")
+        if not isinstance(self.sized_by, str) or not self.sized_by:
+            raise ConfigError(f"tier {self.name}: sized_by must name what sizes the tier")
+
+    @property
+    def ownership(self) -> str:
+        """The `ownership` of its KV-cache events: a router tells kvtier's tiers apart by it."""
+        return f"kvtier:{self.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +240,7 @@ class SecondaryTier(ABC):
     """A tier behind the CPU tier; see the module docstring. Implementations state their
     thread-safety; the manager calls every method from one thread."""
 
+    # the tier's registered name (`TierDescriptor.name`): its events, stats and estimates carry it
     medium: str = "unknown"
 
     def probe(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (an optional hook)

@@ -7,14 +7,9 @@ and `cache_salt` (`extra_keys`, filled by vLLM's own `generate_block_hash_extra_
 taken from the live request when the scheduler offers the chunk to the tiers (`chunk_info`, called for the
 chunks of the current step only) and kept by `KVEventTranslator` while a tier holds the chunk.
 
-Media: every event names its tier in the engine's vocabulary:
-
-| tier  | medium    | locality | ownership      |
-| ----- | --------- | -------- | -------------- |
-| cpu   | `CPU`     | `LOCAL`  | `kvtier:cpu`   |
-| disk  | `STORAGE` | `LOCAL`  | `kvtier:disk`  |
-| redis | `STORAGE` | `REMOTE` | `kvtier:redis` |
-| s3    | `STORAGE` | `REMOTE` | `kvtier:s3`    |
+Media: every event names its tier in the engine's vocabulary, as the tier's descriptor declares
+it (`kvtier.tiers.secondary.TierDescriptor`: `event_medium`, `locality`, and `ownership`
+`kvtier:<name>`): cpu is `CPU`/`LOCAL`, disk `STORAGE`/`LOCAL`, redis and s3 `STORAGE`/`REMOTE`.
 
 (`ownership` is set for the CPU tier too, unlike vLLM's own offloading connector: a router can then tell
 kvtier's RAM from vLLM's native CPU offloading on the same engine.) A chunk of `blocks_per_chunk` blocks is
@@ -46,9 +41,9 @@ from vllm.v1.core.kv_cache_utils import (
 from kvtier.base import OffloadingEvent
 from kvtier.keys import OffloadKey, split_offload_key
 from kvtier.scheduler.config import GroupSpec
+from kvtier.tiers.registry import tier_descriptor, tier_descriptors
 
 __all__ = [
-    "TIER_MEDIA",
     "ChunkInfo",
     "KVEventTranslator",
     "chunk_info",
@@ -56,20 +51,8 @@ __all__ = [
     "group_event_kinds",
 ]
 
-# tier name -> (medium, locality, ownership) of its events; an unknown (out-of-tree) tier is remote storage
-TIER_MEDIA: dict[str, tuple[str, str, str]] = {
-    "cpu": ("CPU", "LOCAL", "kvtier:cpu"),
-    "disk": ("STORAGE", "LOCAL", "kvtier:disk"),
-    "redis": ("STORAGE", "REMOTE", "kvtier:redis"),
-    "s3": ("STORAGE", "REMOTE", "kvtier:s3"),
-}
-
-
-_MAX_DROPPED = 4096  # chunks no tier holds, still described (see KVEventTranslator._dropped)
-
-
-def _media(tier: str) -> tuple[str, str, str]:
-    return TIER_MEDIA.get(tier, ("STORAGE", "REMOTE", f"kvtier:{tier}"))
+# chunks no tier holds, still described (see KVEventTranslator._dropped)
+_MAX_DROPPED = 4096
 
 
 @dataclass(slots=True)
@@ -78,16 +61,17 @@ class ChunkInfo:
 
     block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
-    token_ids: array  # uint32, the chunk's tokens
+    # uint32, the chunk's tokens
+    token_ids: array
     block_size: int
     group: int
     lora_id: int | None = None
     lora_name: str | None = None
-    extra_keys: list[tuple[Any, ...] | None] | None = None  # untagged, as vLLM publishes them
+    # untagged, as vLLM publishes them
+    extra_keys: list[tuple[Any, ...] | None] | None = None
     session_id: str | None = None
-    tiers: tuple[
-        str, ...
-    ] = ()  # the tiers that hold it now (a tuple: a set would double an entry's size)
+    # the tiers that hold it now (a tuple: a set would double an entry's size)
+    tiers: tuple[str, ...] = ()
 
     def enter(self, tier: str) -> None:
         if tier not in self.tiers:
@@ -108,12 +92,15 @@ def chunk_info(
     """`ChunkInfo` of chunk `chunk` of `group` of a live `vllm.v1.request.Request`, as vLLM's block pool
     describes its own blocks (`BlockPool.cache_full_blocks`): hashes and extra keys per block of the group's
     block size, the parent is the hash of the block before the chunk."""
-    tpb, bpc = spec.tokens_per_block, spec.blocks_per_chunk
-    scale, first_block = tpb // hash_block_size, chunk * bpc
+    tpb = spec.tokens_per_block
+    bpc = spec.blocks_per_chunk
+    scale = tpb // hash_block_size
+    first_block = chunk * bpc
     raw = request.block_hashes
     hashes = tuple(raw[(first_block + j + 1) * scale - 1] for j in range(bpc))
     start = first_block * tpb
-    extra, mm_idx = [], 0
+    extra = []
+    mm_idx = 0
     for j in range(bpc):
         keys, mm_idx = generate_block_hash_extra_keys(
             request, start + j * tpb, start + (j + 1) * tpb, mm_idx
@@ -177,9 +164,8 @@ class KVEventTranslator:
         if old is not None:
             info.tiers = old.tiers
         self._infos[key] = info
-        if (
-            len(self._infos) > self.max_entries
-        ):  # forgotten, but its removal still names all its blocks
+        if len(self._infos) > self.max_entries:
+            # forgotten, but its removal still names all its blocks
             self._drop(next(iter(self._infos)))
 
     def translate(self, events: Iterable[OffloadingEvent]) -> list[KVCacheEvent]:
@@ -203,9 +189,8 @@ class KVEventTranslator:
                     info.enter(event.medium)
                     out.append(self._stored(info, event.medium))
             out.extend(self._removed(event.medium, by_group))
-        for (
-            key
-        ) in gone:  # (after the batch: a removal may come before another tier's store of the chunk)
+        # after the batch: a removal may come before another tier's store of the chunk
+        for key in gone:
             info = self._infos.get(key)
             if info is not None and not info.tiers:
                 self._drop(key)
@@ -224,6 +209,12 @@ class KVEventTranslator:
                 self._drop(key)
         return [e for tier, by_group in by_tier.items() for e in self._removed(tier, by_group)]
 
+    def remove_unannounced(self) -> list[KVCacheEvent]:
+        """`BlockRemoved` of every chunk held by a tier whose reset does not announce what it drops
+        (`TierDescriptor.announces_reset`): what a reset of every tier must publish for them."""
+        silent = [d.name for d in tier_descriptors() if not d.announces_reset]
+        return self.remove_all(silent)
+
     def _drop(self, key: OffloadKey) -> None:
         self._dropped[key] = self._infos.pop(key)
         if len(self._dropped) > _MAX_DROPPED:
@@ -231,14 +222,14 @@ class KVEventTranslator:
 
     @staticmethod
     def _removed(tier: str, by_group: dict[int, list[Any]]) -> list[KVCacheEvent]:
-        medium, locality, ownership = _media(tier)
+        descriptor = tier_descriptor(tier)
         return [
             BlockRemoved(
                 block_hashes=hashes,
-                medium=medium,
+                medium=descriptor.event_medium,
                 group_idx=group,
-                locality=locality,
-                ownership=ownership,
+                locality=descriptor.locality,
+                ownership=descriptor.ownership,
             )
             for group, hashes in by_group.items()
         ]
@@ -262,8 +253,12 @@ class KVEventTranslator:
         return [maybe_convert_block_hash(block_hash)], group
 
     def _stored(self, info: ChunkInfo, tier: str) -> BlockStored:
-        medium, locality, ownership = _media(tier)
-        if info.block_size == 0:  # vLLM's placeholder: the hash alone
+        descriptor = tier_descriptor(tier)
+        medium = descriptor.event_medium
+        locality = descriptor.locality
+        ownership = descriptor.ownership
+        if info.block_size == 0:
+            # vLLM's placeholder: the hash alone
             return BlockStored(
                 block_hashes=self._hashes(b"", info)[0],
                 parent_block_hash=None,
@@ -276,9 +271,9 @@ class KVEventTranslator:
                 locality=locality,
                 ownership=ownership,
             )
-        kind, window = (
-            self.group_kinds[info.group] if info.group < len(self.group_kinds) else (None, None)
-        )
+        kind, window = None, None
+        if info.group < len(self.group_kinds):
+            kind, window = self.group_kinds[info.group]
         parent = info.parent_block_hash
         return BlockStored(
             block_hashes=[maybe_convert_block_hash(h) for h in info.block_hashes],

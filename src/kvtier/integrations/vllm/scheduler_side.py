@@ -34,13 +34,10 @@ __all__ = ["SchedulerSide"]
 
 logger = logging.getLogger(__name__)
 
-_REPORT_EVERY_S = (
-    1.0  # with no scheduler counter changed, tier counters and gauges are reported this often
-)
-_EVENT_ENTRIES_BEYOND_LOCAL = (
-    16384  # chunks described beyond what RAM and disk hold: Redis, S3, offers in flight
-)
-_TIERS_SILENT_ON_RESET = ("disk", "redis", "s3")
+# with no scheduler counter changed, tier counters and gauges are reported this often
+_REPORT_EVERY_S = 1.0
+# chunks described beyond what RAM and disk hold: Redis, S3, offers in flight
+_EVENT_ENTRIES_BEYOND_LOCAL = 16384
 _SCHEDULER_COUNTERS = (
     "deferrals",
     "deferral_timeouts",
@@ -72,18 +69,21 @@ class SchedulerSide:
         group_kinds: tuple[tuple[str | None, int | None], ...] = (),
     ):
         self.layout = layout
-        self.num_slots = layout.num_slots  # HostSlab rejects 0
+        # HostSlab rejects 0
+        self.num_slots = layout.num_slots
         remove_stale_slabs()
         self.slabs: list[HostSlab] = []
         try:
-            for name in layout.slab_names:  # populate=False: its rows are touched off the hot path
+            # populate=False: its rows are touched off the hot path
+            for name in layout.slab_names:
                 self.slabs.append(
                     HostSlab(name, self.num_slots, layout.slot_bytes, owner=True, populate=False)
                 )
         except BaseException:
             self.shutdown()
             raise
-        self.payload_bytes = layout.payload_bytes  # one chunk across every rank
+        # one chunk across every rank
+        self.payload_bytes = layout.payload_bytes
         self.manager: OffloadingManager | None = None
         try:
             self.manager = build_manager(
@@ -97,13 +97,16 @@ class SchedulerSide:
             self.shutdown()
             raise
         self.core = OffloadScheduler(scheduler_config(cfg, vllm_config, layout), self.manager)
-        self._block_pool: Any = None  # vLLM's BlockPool (lazy store mode reads its free queue)
+        # vLLM's BlockPool (lazy store mode reads its free queue)
+        self._block_pool: Any = None
         self._events: KVEventTranslator | None = None
-        self._reset_events: list[Any] = []  # published at the next take_events
-        if cfg.enable_events and engine_publishes_events(
-            vllm_config
-        ):  # else describing chunks is wasted work
-            disk_chunks = cfg.disk.bytes // max(self.payload_bytes, 1) if cfg.disk.path else 0
+        # published at the next take_events
+        self._reset_events: list[Any] = []
+        # else describing chunks is wasted work
+        if cfg.enable_events and engine_publishes_events(vllm_config):
+            disk_chunks = 0
+            if cfg.disk.path:
+                disk_chunks = cfg.disk.bytes // max(self.payload_bytes, 1)
             self._events = KVEventTranslator(
                 self.num_slots + disk_chunks + _EVENT_ENTRIES_BEYOND_LOCAL, group_kinds
             )
@@ -140,9 +143,8 @@ class SchedulerSide:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVTierWorkerMetadata):
             return
-        check_slab_slots(
-            self.num_slots, meta.slab_slots
-        )  # workers' first reports: a mismatch stops the engine
+        # workers' first reports: a mismatch stops the engine
+        check_slab_slots(self.num_slots, meta.slab_slots)
         if meta.results:
             self.core.update_connector_output(meta.results)
 
@@ -157,12 +159,12 @@ class SchedulerSide:
         ended: the moment for a lazy store mode to look at what the next allocations will evict."""
         if self.core.config.store_mode == "lazy" and self._block_pool is not None:
             self.core.plan_evictions(evictable_blocks(self._block_pool, self._evict_lookahead))
-        events = (
-            self.core.take_events()
-        )  # (taken even if not published: the tiers' lists would grow)
+        # taken even if not published: the tiers' lists would grow
+        events = self.core.take_events()
         if self._events is None:
             return []
-        published, self._reset_events = self._reset_events, []
+        published = self._reset_events
+        self._reset_events = []
         return published + self._events.translate(events)
 
     def _describe_chunks(
@@ -176,7 +178,8 @@ class SchedulerSide:
         request = req.engine_request
         if request is None or self._events is None:
             return
-        groups, hash_block_size = self.core.config.groups, self.core.config.tokens_per_hash
+        groups = self.core.config.groups
+        hash_block_size = self.core.config.tokens_per_hash
         for key, (group, chunk) in zip(keys, chunks, strict=True):
             self._events.record(
                 key,
@@ -189,15 +192,15 @@ class SchedulerSide:
         return self.core.has_jobs_in_flight()
 
     def reset_cache(self) -> bool:
-        """Forget every chunk. The CPU tier reports what it drops; for the tiers behind it (which cannot
-        list their keys cheaply) removals are published of every chunk the events said they hold."""
+        """Forget every chunk. A tier whose reset announces what it drops (the CPU tier) reports it;
+        for the others (which cannot list their keys cheaply: `TierDescriptor.announces_reset`)
+        removals are published of every chunk the events said they hold."""
         if self._events is not None:
-            self._reset_events += self._events.translate(
-                self.core.take_events()
-            )  # what came before the reset
+            # what came before the reset
+            self._reset_events += self._events.translate(self.core.take_events())
         done = self.core.reset_cache()
         if self._events is not None:
-            self._reset_events += self._events.remove_all(_TIERS_SILENT_ON_RESET)
+            self._reset_events += self._events.remove_unannounced()
         return done
 
     def shutdown(self) -> None:
@@ -213,7 +216,8 @@ class SchedulerSide:
         (nothing to ship) while the scheduler's counters are unchanged and the last report is
         younger than `_REPORT_EVERY_S`. vLLM asks at every step: a full report (the tiers' stats,
         the estimates) cost ~1 ms a step, 2 % of a hit request's time on the tiny test model."""
-        now, before = self.core.stats, self._reported
+        now = self.core.stats
+        before = self._reported
         clock = time.monotonic()
         if now == before and clock - self._reported_at < _REPORT_EVERY_S:
             return None
@@ -235,7 +239,8 @@ class SchedulerSide:
         self._add_decision_stats(stats, now, before)
         self._reported = dataclasses.replace(
             now,
-            load_decisions=Counter(now.load_decisions),  # copies
+            # copies
+            load_decisions=Counter(now.load_decisions),
             explorations=Counter(now.explorations),
         )
         self._add_tier_stats(stats, cpu)
@@ -289,9 +294,11 @@ class SchedulerSide:
             for name, value in counters.items():
                 delta = value - before.get(name, 0)
                 if name.endswith("_seconds_us"):
-                    name, delta = name.removesuffix("_us"), delta / 1e6
+                    name = name.removesuffix("_us")
+                    delta = delta / 1e6
                 if name == "evictions" and medium == "cpu":
-                    stats.add("evictions", delta)  # the CPU tier's, under its historical name too
+                    # the CPU tier's, under its historical name too
+                    stats.add("evictions", delta)
                 stats.add(tier_stat_name(medium, name), delta)
             stats.set_gauge(tier_stat_name(medium, "used_bytes"), used)
             stats.set_gauge(tier_stat_name(medium, "capacity_bytes"), capacity)

@@ -1,11 +1,12 @@
-"""The disk tier's configuration: the user's `disk_*` keys, checked when built, and the tier
-they build."""
+"""The disk tier's configuration: the user's `disk_*` keys, checked when built, the tier they
+build, and the tier's descriptor (`DiskConfig.TIER`, registered in `kvtier.tiers.registry`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvtier.costmodel.estimates import ReadEstimate
 from kvtier.settings import (
     choice,
     flag,
@@ -20,7 +21,7 @@ from kvtier.settings import (
 )
 from kvtier.tiers.cascade import WRITE_MODES, TierRules
 from kvtier.tiers.namespace import Namespace
-from kvtier.tiers.secondary import SecondaryTier
+from kvtier.tiers.secondary import SecondaryTier, TierDescriptor
 
 __all__ = ["DiskConfig"]
 
@@ -30,6 +31,15 @@ class DiskConfig:
     """The disk tier's settings (user keys `disk_<field>`); no `path`: no disk tier."""
 
     KEY_PREFIX: ClassVar[str] = "disk_"
+    # a local NVMe disk, until measured; its reset deletes files it does not announce one by one
+    TIER: ClassVar[TierDescriptor] = TierDescriptor(
+        name="disk",
+        event_medium="STORAGE",
+        locality="LOCAL",
+        read_prior=ReadEstimate(1e9, 0.0005),
+        announces_reset=False,
+        sized_by="disk_bytes",
+    )
 
     path: str | None = setting(
         None,
@@ -103,9 +113,10 @@ class DiskConfig:
         )
 
     def build(
-        self, namespace: Namespace, *, enable_events: bool
+        self, namespace: Namespace, *, enable_events: bool, remote: object = None
     ) -> tuple[SecondaryTier, TierRules]:
-        """The disk tier (its index rebuilt in the background) and its rules.
+        """The disk tier (its index rebuilt in the background) and its rules (`remote`: the shared
+        tiers' settings, which a disk does not use).
 
         Raises:
             ConfigError: a directory that cannot be made or is not safe to use (see `root`).

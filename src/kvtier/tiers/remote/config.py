@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
+from kvtier.costmodel.estimates import ReadEstimate
 from kvtier.errors import ConfigError
 from kvtier.settings import choice, flag, integer, matching, seconds, setting, size, text, validate
 from kvtier.tiers.cascade import WRITE_MODES, TierRules
@@ -25,6 +26,7 @@ from kvtier.tiers.remote.breaker import CircuitBreaker
 from kvtier.tiers.remote.credentials import read_s3_credentials, read_secret, redact
 from kvtier.tiers.remote.store import RemoteStore
 from kvtier.tiers.remote.tier import RemoteTier
+from kvtier.tiers.secondary import TierDescriptor
 
 __all__ = ["RedisConfig", "RemoteConfig", "S3Config"]
 
@@ -78,7 +80,8 @@ class RemoteConfig:
 
     prefix: str = setting(
         "kvtier",
-        matching(r"(?!\.\.?$)[A-Za-z0-9_.-]{1,64}"),  # not "." or "..": S3 path segments
+        # not "." or "..": S3 path segments
+        matching(r"(?!\.\.?$)[A-Za-z0-9_.-]{1,64}"),
         "The first part of every Redis key and S3 object name.",
     )
     key_mode: str = setting(
@@ -190,6 +193,15 @@ class RedisConfig:
     """A shared Redis / Valkey tier (user keys `redis_<field>`); no `url`: no Redis tier."""
 
     KEY_PREFIX: ClassVar[str] = "redis_"
+    # Redis over 10 GbE, until measured; a reset deletes values it cannot afford to announce
+    TIER: ClassVar[TierDescriptor] = TierDescriptor(
+        name="redis",
+        event_medium="STORAGE",
+        locality="REMOTE",
+        read_prior=ReadEstimate(1e9, 0.001),
+        announces_reset=False,
+        sized_by="the Redis server's maxmemory",
+    )
 
     url: str | None = setting(
         None,
@@ -239,7 +251,7 @@ class RedisConfig:
         return self.url is not None
 
     def build(
-        self, remote: RemoteConfig, namespace: Namespace, *, enable_events: bool
+        self, namespace: Namespace, *, enable_events: bool, remote: RemoteConfig
     ) -> tuple[RemoteTier, TierRules] | None:
         """The Redis tier (disabled until the server answers) and its rules; None when its client
         cannot be built. Raises ConfigError as `RemoteConfig.start`, or for an unreadable password file."""
@@ -264,7 +276,9 @@ class RedisConfig:
         tier = remote.start(
             "redis", make_store, namespace, required=self.required, enable_events=enable_events
         )
-        return None if tier is None else (tier, remote.rules(self.write_mode, self.min_offers))
+        if tier is None:
+            return None
+        return tier, remote.rules(self.write_mode, self.min_offers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +286,15 @@ class S3Config:
     """A shared S3-compatible tier (user keys `s3_<field>`); no `endpoint`: no S3 tier."""
 
     KEY_PREFIX: ClassVar[str] = "s3_"
+    # S3 in the same region, until measured; a reset deletes objects it does not announce
+    TIER: ClassVar[TierDescriptor] = TierDescriptor(
+        name="s3",
+        event_medium="STORAGE",
+        locality="REMOTE",
+        read_prior=ReadEstimate(3e8, 0.03),
+        announces_reset=False,
+        sized_by="what the S3 bucket keeps",
+    )
 
     endpoint: str | None = setting(
         None,
@@ -321,7 +344,7 @@ class S3Config:
         return self.endpoint is not None
 
     def build(
-        self, remote: RemoteConfig, namespace: Namespace, *, enable_events: bool
+        self, namespace: Namespace, *, enable_events: bool, remote: RemoteConfig
     ) -> tuple[RemoteTier, TierRules] | None:
         """The S3 tier and its rules, as `RedisConfig.build`."""
         key_id, secret = read_s3_credentials(self.credentials_file)
@@ -343,4 +366,6 @@ class S3Config:
         tier = remote.start(
             "s3", make_store, namespace, required=self.required, enable_events=enable_events
         )
-        return None if tier is None else (tier, remote.rules(self.write_mode, self.min_offers))
+        if tier is None:
+            return None
+        return tier, remote.rules(self.write_mode, self.min_offers)
