@@ -45,7 +45,8 @@ CAPACITIES = (0.01, 0.05, 0.20)
 VARIANTS = ("lru", "nohints", "hints", "noisy")
 HINTS = {"lru": "trace", "nohints": "trace", "hints": "exact", "noisy": "noisy"}
 ENGINE_BLOCKS = {"conversation": 2048, "agentic": 256}
-Rates = dict[tuple[str, float], float]  # (variant or "belady", capacity) -> total hit rate
+# (variant or "belady", capacity) -> total hit rate
+Rates = dict[tuple[str, float], float]
 
 
 def replay_all(

@@ -79,7 +79,8 @@ def estimate(
         mrc = MissRatioCurve(max_samples)
         lookup, store = mrc.lookup, mrc.store
         start = time.perf_counter()
-        for key in stream:  # a cache that stores what it misses (and refreshes what it hits)
+        # a cache that stores what it misses (and refreshes what it hits)
+        for key in stream:
             lookup(key)
             store(key)
         best = min(best, time.perf_counter() - start)
@@ -126,7 +127,8 @@ def run(
     return worst, seconds, lru_seconds
 
 
-ENGINE_BLOCKS = {"conversation": 2048, "synthetic": 256}  # the engine's own cache (as bench_hints)
+# the engine's own cache (as bench_hints)
+ENGINE_BLOCKS = {"conversation": 2048, "synthetic": 256}
 
 
 def simulated(name: str, requests: Sequence, capacity_share: float) -> float:
@@ -134,9 +136,8 @@ def simulated(name: str, requests: Sequence, capacity_share: float) -> float:
     curves: list[MissRatioCurve] = []
     read_report = kvtier.sim.replay.read_report
 
-    def keep_curve(
-        engine, manager, *args, **kwargs
-    ):  # the replay's manager is closed after its report
+    # the replay's manager is closed after its report
+    def keep_curve(engine, manager, *args, **kwargs):
         curves.append(manager.mrc)
         return read_report(engine, manager, *args, **kwargs)
 

@@ -79,9 +79,8 @@ def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]
     from vllm.inputs import TokensPrompt
 
     prefixes = [tokens(PREFIX_TOKENS, seed=1000 + i) for i in range(num_loading)]
-    llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prefixes], params(1), use_tqdm=False
-    )  # stored
+    # stored
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prefixes], params(1), use_tqdm=False)
     llm.reset_prefix_cache(reset_connector=False)
     engine = llm.llm_engine
     for i in range(num_background):
@@ -97,7 +96,8 @@ def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]
         outs = engine.step()
         now = time.perf_counter()
         num_steps += 1
-        if num_steps == 4:  # the background requests are decoding: the loading ones arrive
+        # the background requests are decoding: the loading ones arrive
+        if num_steps == 4:
             for i, p in enumerate(prefixes):
                 engine.add_request(
                     f"ld{i}",
@@ -111,7 +111,8 @@ def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]
                 if rid in last_token:
                     itls.append(now - last_token[rid])
                 last_token[rid] = now
-            elif rid in arrived:  # a loading request's first output: its first token
+            # a loading request's first output: its first token
+            elif rid in arrived:
                 ttfts.append(now - arrived.pop(rid))
     return {"itl": itls, "ttft": ttfts}
 
@@ -210,9 +211,11 @@ def main() -> None:
     )
     engines = {}
     try:
-        for name, mode in ENGINES:  # all three alive at once, on the same cores, measured in turns
+        # all three alive at once, on the same cores, measured in turns
+        for name, mode in ENGINES:
             engines[name] = make_engine(model, mode)
-            zero_hit_round(engines[name], 4, seed=9)  # warm-up
+            # warm-up
+            zero_hit_round(engines[name], 4, seed=9)
         results = {name: {} for name in engines}
         for name, llm in engines.items():
             o = overlap(llm, num_background, num_loading)
@@ -223,20 +226,19 @@ def main() -> None:
             )
         documents = [tokens(PREFIX_TOKENS, seed=6000 + d) for d in range(NUM_DOCUMENTS)]
         user_hits = {name: [] for name in engines}
-        for r in range(
-            hit_rounds
-        ):  # round 0 computes (and kvtier stores) the documents: not counted
+        # round 0 computes (and kvtier stores) the documents: not counted
+        for r in range(hit_rounds):
             for name, ws in user_hit_round(engines, documents, r).items():
                 user_hits[name] += ws if r else []
         walls = {name: [] for name in engines}
         hits = {name: ([], []) for name in engines if name != "none"}
         prefix = tokens(PREFIX_TOKENS, seed=4000)
         for name in hits:
-            timed(engines[name], prefix)  # kvtier stores the prefix
+            # kvtier stores the prefix
+            timed(engines[name], prefix)
         for r in range(rounds):
-            order = (
-                list(engines)[r % 3 :] + list(engines)[: r % 3]
-            )  # each engine first, middle and last in turn
+            # each engine first, middle and last in turn
+            order = list(engines)[r % 3 :] + list(engines)[: r % 3]
             for name in order:
                 walls[name].append(
                     zero_hit_round(engines[name], num_prompts, seed=10_000 + 100 * r)

@@ -86,9 +86,8 @@ def main() -> None:
         f"{', '.join(f'{c:.0%}' for c in CAPACITIES)} of the distinct blocks; policies {', '.join(POLICIES)}"
     )
     started = time.perf_counter()
-    has_matplotlib = (
-        importlib.util.find_spec("matplotlib") is not None
-    )  # the demo extra; without it: no PNG
+    # the demo extra; without it: no PNG
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     result = sweep(
         requests,
         CAPACITIES,

@@ -59,9 +59,8 @@ def placement(
     """Block ids (num_chunks, bpc) and slot ids (num_chunks,) for one case."""
     if case == "contiguous":
         return np.arange(num_chunks * bpc).reshape(num_chunks, bpc), np.arange(num_chunks)
-    starts = (
-        rng.permutation(2 * num_chunks)[:num_chunks] * bpc
-    )  # the buffer has room for 2x the chunks
+    # the buffer has room for 2x the chunks
+    starts = rng.permutation(2 * num_chunks)[:num_chunks] * bpc
     return starts[:, None] + np.arange(bpc), rng.permutation(num_chunks)
 
 
@@ -139,7 +138,8 @@ def bench_size(
         for case in cases:
             blocks, slots = placement(case, num_chunks, args.bpc, rng)
             check_round_trip(engine, kv, blocks, slots)
-            rounds = []  # (store, load, copy) seconds, measured back to back
+            # (store, load, copy) seconds, measured back to back
+            rounds = []
             for _ in range(args.rounds):
                 scrub_cache()
                 store = run_jobs(engine, True, blocks, slots, args.chunks_per_job)
@@ -204,7 +204,8 @@ def gil_main(args: argparse.Namespace, rng: np.random.Generator) -> None:
                 store, load, copy, *_ = bench_size(2 << 20, args, rng, cases=("fragmented",))[
                     "fragmented"
                 ]
-            copy = ratios.setdefault("copy", copy)  # the no-spinner baseline of the first row
+            # the no-spinner baseline of the first row
+            copy = ratios.setdefault("copy", copy)
             ratios[path, spin] = (store / copy, load / copy)
             print(f"{path:>7} {'yes' if spin else 'no':>8} {store:>11.2f} {load:>10.2f} {copy:>10.2f} "
                   f"{store / copy:>10.2f} {load / copy:>9.2f}")  # fmt: skip

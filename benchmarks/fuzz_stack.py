@@ -97,7 +97,8 @@ def run_config(
         faulthandler.dump_traceback(all_threads=True)
     except Violation as exc:
         outcome.kind, outcome.detail = "violation", f"at {action}: {exc}"
-    except Exception as exc:  # an engine-facing path raised: kvtier must never do that
+    # an engine-facing path raised: kvtier must never do that
+    except Exception as exc:
         outcome.kind = "crash"
         outcome.detail = f"at {action}: {type(exc).__name__}: {exc} ({_where(exc)})"
     finally:
@@ -163,7 +164,8 @@ def run_fuzz(
     rng, outcomes = random.Random(seed), []
     if config_seed is not None:
         max_configs = 1
-    s3 = S3Server()  # started when a configuration first has an S3 tier
+    # started when a configuration first has an S3 tier
+    s3 = S3Server()
     with (
         RedisServer.temporary(prefix="kvtier-bench-redis-") as redis,
         obstore_faults(),
@@ -175,7 +177,8 @@ def run_fuzz(
         ):
             config = FuzzConfig.draw(rng.randrange(1 << 31) if config_seed is None else config_seed)
             if config_seed is None and not reaches(mutation_name, config):
-                continue  # a defect put back is looked for only where its code runs
+                # a defect put back is looked for only where its code runs
+                continue
             outcome = _run_guarded(config, redis, num_actions, hang_s, s3)
             outcomes.append(outcome)
             out(outcome.line())

@@ -72,7 +72,8 @@ def check_step(stack: Stack, driver: Driver) -> None:
     except InvariantError as exc:
         raise Violation(f"CPU tier: {exc}") from exc
     try:
-        stack.engine.check_blocks()  # the fake engine's own books (a broken double would hide bugs)
+        # the fake engine's own books (a broken double would hide bugs)
+        stack.engine.check_blocks()
     except AssertionError as exc:
         raise Violation(f"fake engine: {exc}") from exc
     stats = stack.scheduler.stats

@@ -45,11 +45,16 @@ if TYPE_CHECKING:
 __all__ = ["Episodes"]
 
 S3_LOG, RESET_LOG = "kvtier.tiers.remote.s3", "kvtier.tiers.remote.reset"
-_EPISODE_SHARE = 0.01  # of the actions, in a configuration that has the tier an episode needs
-_MAX_WAIT_STEPS = 60  # steps an episode waits for the store call it holds; then it gives up
-STALL_FACTOR = 2.5  # a stalled read takes this many times what recomputing its chunk takes
-_STALL_REQUESTS = 4  # requests on the stalled tier at most, until the cost model writes it off
-RECOVERY_GAP_S = 4.0  # fake seconds between two requests after the stall
+# of the actions, in a configuration that has the tier an episode needs
+_EPISODE_SHARE = 0.01
+# steps an episode waits for the store call it holds; then it gives up
+_MAX_WAIT_STEPS = 60
+# a stalled read takes this many times what recomputing its chunk takes
+STALL_FACTOR = 2.5
+# requests on the stalled tier at most, until the cost model writes it off
+_STALL_REQUESTS = 4
+# fake seconds between two requests after the stall
+RECOVERY_GAP_S = 4.0
 # requests after the stall by which the tier was loaded from again: the first exploration waits 3x
 # the slow read (10 s at most), three explorations (one per request here) make it trusted again
 RECOVERY_REQUESTS = 8
@@ -381,7 +386,8 @@ class _SlowReads:
 
     def end(self) -> None:
         for obj, name in self._undo:
-            delattr(obj, name)  # the class's method again
+            # the class's method again
+            delattr(obj, name)
 
 
 def _hang(what: str) -> Exception:

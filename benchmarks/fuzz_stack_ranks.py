@@ -92,9 +92,8 @@ class Ranks:
     def __init__(self, workers: Sequence[WorkerSide]):
         self.workers = list(workers)
         self.transfer = _RanksTransfer([w.transfer for w in self.workers])
-        self._load_reports: Counter[str] = (
-            Counter()
-        )  # asynchronous loads: ranks that reported each request
+        # asynchronous loads: ranks that reported each request
+        self._load_reports: Counter[str] = Counter()
         self._load_failed: set[str] = set()
 
     def handle_preemptions(self, plan: StepPlan) -> None:

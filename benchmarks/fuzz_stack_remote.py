@@ -93,11 +93,14 @@ class PutFaults:
     names fail."""
 
     def __init__(self, seed: int):
-        self.fail_share = 0.0  # PUTs failing, by name
+        # PUTs failing, by name
+        self.fail_share = 0.0
         self._seed = seed
         self._lock = threading.Lock()
-        self._slow: threading.Event | None = None  # set: PUTs wait for it
-        self._torn: tuple[str, str] | None = None  # (failing, held) names of the torn batch
+        # set: PUTs wait for it
+        self._slow: threading.Event | None = None
+        # (failing, held) names of the torn batch
+        self._torn: tuple[str, str] | None = None
         self.torn_failed, self.torn_held = threading.Event(), threading.Event()
         self._torn_release = threading.Event()
         self.num_failed = 0
@@ -165,7 +168,8 @@ class PutFaults:
             slow.wait(CEILING_S)
 
 
-_FAULTS: dict[int, PutFaults] = {}  # id(obstore's store object) -> its faults
+# id(obstore's store object) -> its faults
+_FAULTS: dict[int, PutFaults] = {}
 
 
 @contextlib.contextmanager
@@ -202,15 +206,19 @@ class StoreWatch:
 
     def __init__(self, store: RemoteStore):
         self.store = store
-        self.epoch = 0  # the fuzzer's reset_cache() calls so far
-        self.names_by_epoch: dict[
-            int, set[str]
-        ] = {}  # names a put call started in that epoch wrote
-        self.listed = threading.Event()  # set by every listing (the reset's sweep)
-        self.on_batch: Callable[[list[str]], None] | None = None  # told each put call's names first
+        # the fuzzer's reset_cache() calls so far
+        self.epoch = 0
+        # names a put call started in that epoch wrote
+        self.names_by_epoch: dict[int, set[str]] = {}
+        # set by every listing (the reset's sweep)
+        self.listed = threading.Event()
+        # told each put call's names first
+        self.on_batch: Callable[[list[str]], None] | None = None
         self._lock = threading.Lock()
-        self._hold: threading.Event | None = None  # armed: the next put call waits for it
-        self.is_holding = threading.Event()  # a put call waits now
+        # armed: the next put call waits for it
+        self._hold: threading.Event | None = None
+        # a put call waits now
+        self.is_holding = threading.Event()
         self._real_put, self._real_list = store.put, store.list_names
         store.put = self._put  # type: ignore[method-assign]
         store.list_names = self._list_names  # type: ignore[method-assign]
@@ -238,7 +246,8 @@ class StoreWatch:
             self.names_by_epoch.setdefault(self.epoch, set()).update(names)
             hold = self._hold
             if hold is not None and self.is_holding.is_set():
-                hold = None  # one call held at a time: the others pass
+                # one call held at a time: the others pass
+                hold = None
             if hold is not None:
                 self.is_holding.set()
         if (on_batch := self.on_batch) is not None:
@@ -265,7 +274,8 @@ def check_values(
     written_since = (names_by_epoch or {}).get(epoch, set())
     for name, value in zip(names, values, strict=True):
         if value is None:
-            continue  # dropped between the listing and the read (a TTL)
+            # dropped between the listing and the read (a TTL)
+            continue
         view = memoryview(value).cast("B")
         key = bytes.fromhex(name.rpartition(codec.name_prefix)[2])
         why = codec.check(key, view.nbytes, [view[:HEADER_BYTES], view[HEADER_BYTES:]])

@@ -31,12 +31,13 @@ from pathlib import Path
 from kvtier.costmodel import CostSnapshot, choose_load
 from kvtier.sim import CostModel
 
+# (name, medium, colour)
 TIERS = (
     ("RAM", "cpu", "#2a9d4b"),
     ("local disk", "disk", "#1f77b4"),
     ("Redis", "redis", "#e08a00"),
     ("S3", "s3", "#c62828"),
-)  # (name, medium, colour)
+)
 ISSUE_COSTS = {
     "prefill_tokens_per_s": 8000.0,
     "kv_bytes_per_token": 131_072,
@@ -59,7 +60,8 @@ class Point:
 
     tokens: int
     recompute_s: float
-    ttft_s: dict[str, float]  # by policy
+    # by policy
+    ttft_s: dict[str, float]
 
     def saving(self, policy: str) -> float:
         return self.recompute_s - self.ttft_s[policy]
@@ -169,10 +171,11 @@ def svg(curves: dict[str, list[Point]], model: CostModel, step_ms: float) -> str
         f'<text x="{W / 2}" y="37" text-anchor="middle" fill="#555">{_subtitle(model, step_ms)}</text>',
     ]
     out += _axes(x, y)
+    # the dashed line on top: where both agree, it runs inside the solid one
     for policy in (
         "cost",
         "always",
-    ):  # the dashed line on top: where both agree, it runs inside the solid one
+    ):
         for _, medium, colour in TIERS:
             pts = " ".join(
                 f"{x(p.tokens):.1f},{y(p.ttft_s[policy] / p.recompute_s):.1f}"

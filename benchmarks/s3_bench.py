@@ -47,15 +47,19 @@ from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote.s3 import S3Store
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import HEADER_BYTES
-from servers.s3 import SeaweedFS  # benchmarks/servers/, on sys.path above
+
+# benchmarks/servers/, on sys.path above
+from servers.s3 import SeaweedFS
 from tier_driver import run_jobs
 
 __all__ = ["measure"]
 
 SIZES = (1 << 20, 2 << 20, 4 << 20)
-CONCURRENCY = 16  # requests in flight: the baseline's threads, S3Store's max_connections
+# requests in flight: the baseline's threads, S3Store's max_connections
+CONCURRENCY = 16
 KEYS_PER_JOB, JOBS_IN_FLIGHT, IO_THREADS = 8, 8, 4
-NUM_ROWS = 64  # distinct source buffers, reused round-robin
+# distinct source buffers, reused round-robin
+NUM_ROWS = 64
 GB = 1e9
 
 
@@ -99,8 +103,10 @@ def one_round(
 ) -> dict[str, float]:
     """GB/s of every side (each on names of its own), then the names are deleted."""
     rng = np.random.default_rng(len(tag))
-    values = rng.integers(0, 256, (NUM_ROWS, size), np.uint8)  # the baseline's contiguous values
-    payloads = values[:, HEADER_BYTES:]  # the store's: a header part + a payload part
+    # the baseline's contiguous values
+    values = rng.integers(0, 256, (NUM_ROWS, size), np.uint8)
+    # the store's: a header part + a payload part
+    payloads = values[:, HEADER_BYTES:]
     header = bytes(HEADER_BYTES)
     store = S3Store(
         server.endpoint,

@@ -126,7 +126,8 @@ class SeaweedFS:
         self.volume_mb = volume_mb
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = self.data_dir / "weed.log"
-        self.start_seconds = 0.0  # of the last start, until the first write was done
+        # of the last start, until the first write was done
+        self.start_seconds = 0.0
 
     def start(self, timeout_s: float = 30.0) -> float:
         """Start the server and wait until it serves the bucket and has written once; the seconds that took."""
@@ -174,7 +175,8 @@ class SeaweedFS:
         if process is None:
             return
         if process.poll() is None:
-            os.kill(process.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
+            # a paused server cannot act on SIGTERM
+            os.kill(process.pid, signal.SIGCONT)
             (process.kill if kill else process.terminate)()
             try:
                 process.wait(_STOP_WAIT_S)
@@ -263,7 +265,8 @@ class SeaweedFS:
                 next(iter(obstore.list(store, chunk_size=1)), None)
                 obstore.delete(store, _WARM_UP)
                 return
-            except Exception as exc:  # anything means "not yet"
+            # anything means "not yet"
+            except Exception as exc:
                 last_error = str(exc).splitlines()[0]
             time.sleep(0.02)
         self.stop(kill=True)

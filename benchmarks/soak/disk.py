@@ -26,7 +26,8 @@ class DiskDir:
     def __init__(self, tmpfs_bytes: int | None = None, parent: str | None = None):
         self.path = Path(tempfile.mkdtemp(prefix="kvtier-soak-disk-", dir=parent))
         self.mounted = False
-        self._ballast = self.path / "ballast"  # not a chunk file's name: the tier never reads it
+        # not a chunk file's name: the tier never reads it
+        self._ballast = self.path / "ballast"
         if tmpfs_bytes is not None:
             done = subprocess.run(
                 [
@@ -55,7 +56,8 @@ class DiskDir:
                 try:
                     written += os.write(fd, b"\0" * size)
                 except OSError:
-                    size //= 2  # the last partial MiB, in ever smaller pieces
+                    # the last partial MiB, in ever smaller pieces
+                    size //= 2
         finally:
             os.close(fd)
         return written

@@ -33,11 +33,15 @@ def _metric(run: Run, name: str, **labels: str) -> float:
 
 class Fault:
     name = ""
-    what = ""  # the fault, in words
-    seed = 0  # of the conversations its runs replay (each fault has its own)
-    connector: str | None = None  # a class of tests/kvtier_fault_connector.py
+    # the fault, in words
+    what = ""
+    # of the conversations its runs replay (each fault has its own)
+    seed = 0
+    # a class of tests/kvtier_fault_connector.py
+    connector: str | None = None
     needs_tmpfs = False
-    retry = False  # clients resend requests that fail while the server is down
+    # clients resend requests that fail while the server is down
+    retry = False
 
     def env(self, stack_flags: Path, job_timeout_s: float) -> dict[str, str]:
         return {}
@@ -77,7 +81,8 @@ class RedisKill(Fault):
         failed = run.delta("kvtier:tier_errors_total", "fault", tier="redis") + run.delta(
             "kvtier:tier_timeouts_total", "fault", tier="redis"
         )
-        keys = run.stack.redis.num_keys()  # the restarted server started empty: all written since
+        # the restarted server started empty: all written since
+        keys = run.stack.redis.num_keys()
         run.facts.update(
             breaker_opens=opens, breaker_closes=closes, redis_errors=failed, redis_keys_after=keys
         )
@@ -109,7 +114,8 @@ class DiskCorrupt(Fault):
                 if i % 2:
                     os.truncate(path, size // 2)
                 else:
-                    with path.open("r+b") as f:  # a run of bytes in the middle of the payload
+                    # a run of bytes in the middle of the payload
+                    with path.open("r+b") as f:
                         f.seek(size // 2)
                         data = f.read(64)
                         f.seek(size // 2)
@@ -245,7 +251,8 @@ class ResetPrefixCache(Fault):
     seed = 5
 
     def env(self, flags_dir: Path, job_timeout_s: float) -> dict[str, str]:
-        return {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /reset_prefix_cache only in its dev mode
+        # vLLM serves /reset_prefix_cache only in its dev mode
+        return {"VLLM_SERVER_DEV_MODE": "1"}
 
     def _reset(self, run: Run, running: bool) -> bool:
         query = "reset_external=true" + ("&reset_running_requests=true" if running else "")
@@ -256,13 +263,14 @@ class ResetPrefixCache(Fault):
     def inject(self, run: Run) -> None:
         run.at(0.25)
         run.snap("fault")
-        self._reset(
-            run, running=False
-        )  # requests running: vLLM's own cache refuses, kvtier's resets
+        # requests running: vLLM's own cache refuses, kvtier's resets
+        self._reset(run, running=False)
         run.at(0.4)
-        self._reset(run, running=True)  # running requests preempted, then both reset
+        # running requests preempted, then both reset
+        self._reset(run, running=True)
         run.at(0.55)
-        run.clients.pause()  # a quiet moment, to look at what the reset left
+        # a quiet moment, to look at what the reset left
+        run.clients.pause()
         try:
             run.clients.wait_idle(run.timeout_s)
             run.facts["quiet_reset"] = wait_until(lambda: self._reset(run, running=False), 60, 1.0)

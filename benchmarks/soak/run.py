@@ -26,7 +26,8 @@ from .report import Check, RunReport, compare_outputs, record_rss, write_rss_csv
 from .serving import Metrics, ServedEngine
 from .workload import Clients, RssSampler, fresh_tokens
 
-if TYPE_CHECKING:  # faults.py and config.py import this module
+# faults.py and config.py import this module
+if TYPE_CHECKING:
     from .config import SoakConfig
     from .faults import Fault
 
@@ -60,9 +61,8 @@ class Run:
     num_requests: int
     baselines: dict
     timeout_s: float
-    snapshots: dict[str, tuple[int, Metrics]] = field(
-        default_factory=dict
-    )  # label -> (server start, page)
+    # label -> (server start, page)
+    snapshots: dict[str, tuple[int, Metrics]] = field(default_factory=dict)
     facts: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -75,9 +75,8 @@ def close_stack(stack: Stack, damaged: set[str] = frozenset()) -> list[Check]:
         shm_left = sorted(n for n in shm if Path("/dev/shm", n).exists())
         alive = [pid for pid in tree if is_alive(pid)]
         num_tmp, bad = disk_leftovers(stack.disk.path)
-        torn = sorted(
-            set(bad) - set(damaged)
-        )  # files the fault damaged and nothing read since stay bad
+        # files the fault damaged and nothing read since stay bad
+        torn = sorted(set(bad) - set(damaged))
         return [
             Check("shutdown: exit status 0", status == 0, f"status={status}"),
             Check("shutdown: no process left", not alive, f"alive={alive}"),

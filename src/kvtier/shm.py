@@ -44,9 +44,11 @@ __all__ = [
 
 SHM_DIR = "/dev/shm"
 SLAB_PREFIX = "kvtier-"
-_OPEN_ATTEMPTS = 8  # each one lost only to a cleaner or a rival creator in between: start over
+# each one lost only to a cleaner or a rival creator in between: start over
+_OPEN_ATTEMPTS = 8
 
-logger = logging.getLogger("kvtier.slab")  # the slab's logger, as before this part moved here
+# the slab's logger, as before this part moved here
+logger = logging.getLogger("kvtier.slab")
 
 
 def slab_name(instance_id: str, dp_rank: int, rank: int) -> str:
@@ -71,7 +73,8 @@ class SegmentOpener:
     path: str
     num_slots: int
     slot_bytes: int
-    num_bytes: int  # num_slots * slot_bytes
+    # num_slots * slot_bytes
+    num_bytes: int
 
     def _open(self) -> tuple[bool, int, mmap.mmap]:
         """Join the published segment, or create, publish and join one; again if a cleaner or a
@@ -84,13 +87,11 @@ class SegmentOpener:
             if published_fd is None:
                 continue
             try:
-                joined = (
-                    self._join()
-                )  # by its final name, so /proc/<pid>/maps and lsof show that name
+                # by its final name, so /proc/<pid>/maps and lsof show that name
+                joined = self._join()
             finally:
-                os.close(
-                    published_fd
-                )  # only now: our lock kept cleaners off it until the join's lock
+                # only now: our lock kept cleaners off it until the join's lock
+                os.close(published_fd)
             if joined is not None:
                 return True, *joined
         raise ConfigError(
@@ -103,7 +104,8 @@ class SegmentOpener:
             fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        except OSError as e:  # ELOOP: a symlink planted under the segment's name
+        # ELOOP: a symlink planted under the segment's name
+        except OSError as e:
             raise ConfigError(
                 f"cannot open the host slab {self.path}: {e.strerror}; remove it"
             ) from None
@@ -132,16 +134,16 @@ class SegmentOpener:
         """Allocate the segment under a temporary name, then publish it whole (a hard link), so
         nobody ever maps one half made. Returns the fd, still locked, of the published segment;
         None if a rival published first or a cleaner swept ours."""
-        temp = f"{self.path}.new-{os.getpid()}-{os.urandom(4).hex()}"  # under the prefix: swept if we crash
+        # under the prefix: swept if we crash
+        temp = f"{self.path}.new-{os.getpid()}-{os.urandom(4).hex()}"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         published = False
         try:
             _lock_shared(fd)
             if _is_at_path(fd, temp):
                 self._allocate(fd)
-                with contextlib.suppress(
-                    FileExistsError
-                ):  # a rival published first: we join theirs
+                # a rival published first: we join theirs
+                with contextlib.suppress(FileExistsError):
                     os.link(temp, self.path)
                     published = True
         finally:
@@ -166,10 +168,11 @@ class SegmentOpener:
         try:
             os.posix_fallocate(fd, 0, self.num_bytes)
         except OSError as e:
+            # not supported: pages come with _populate
             if e.errno not in (
                 errno.EOPNOTSUPP,
                 errno.EINVAL,
-            ):  # not supported: pages come with _populate
+            ):
                 raise ConfigError(
                     f"could not allocate the host slab {self.path} ({self.num_bytes} bytes): "
                     f"{e.strerror}; lower cpu_bytes or enlarge {directory}"
@@ -193,7 +196,8 @@ def remove_stale_slabs(prefix: str = SLAB_PREFIX, directory: str = SHM_DIR) -> l
         path = os.path.join(directory, name)
         try:
             fd = os.open(path, os.O_RDONLY)
-        except OSError:  # gone already, or not ours to open
+        # gone already, or not ours to open
+        except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

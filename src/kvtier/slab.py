@@ -53,9 +53,8 @@ __all__ = [
     "slab_name",
 ]
 
-_MADV_POPULATE_WRITE = getattr(
-    mmap, "MADV_POPULATE_WRITE", 23
-)  # Linux >= 5.14; Python 3.11 lacks the name
+# Linux >= 5.14; Python 3.11 lacks the name
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,8 @@ class _Segment:
     fd: int
     mm: mmap.mmap | None
     unlink_on_close: bool
-    pid: int  # a forked child inherits the finalizer: only the opener's process unlinks
+    # a forked child inherits the finalizer: only the opener's process unlinks
+    pid: int
     pinned_ptr: int = 0
 
 
@@ -81,11 +81,13 @@ def _release(segment: _Segment) -> None:
     if segment.mm is not None:
         try:
             segment.mm.close()
-        except BufferError:  # views still alive: the mapping ends with the last of them
+        # views still alive: the mapping ends with the last of them
+        except BufferError:
             logger.debug("kvtier: %s stays mapped until its views are gone", segment.path)
         segment.mm = None
     if segment.fd >= 0:
-        os.close(segment.fd)  # drops our LOCK_SH
+        # drops our LOCK_SH
+        os.close(segment.fd)
         segment.fd = -1
     if segment.unlink_on_close and segment.pid == os.getpid():
         with contextlib.suppress(FileNotFoundError):
@@ -165,7 +167,8 @@ class HostSlab(SegmentOpener):
         ptr = self.tensor.data_ptr()
         try:
             error: object = int(torch.cuda.cudart().cudaHostRegister(ptr, self.num_bytes, 0))
-        except Exception as e:  # pinning is an optimization: say why it is off, go on
+        # pinning is an optimization: say why it is off, go on
+        except Exception as e:
             error = repr(e)
         if error != 0:
             logger.warning(
@@ -201,9 +204,8 @@ def _populate(mm: mmap.mmap, path: str) -> None:
         mm.madvise(_MADV_POPULATE_WRITE)
         return
     except OSError as e:
-        if (
-            e.errno != errno.EINVAL
-        ):  # EFAULT: pages that could not be allocated (no fallocate, no room)
+        # EFAULT: pages that could not be allocated (no fallocate, no room)
+        if e.errno != errno.EINVAL:
             raise ConfigError(
                 f"could not allocate the host slab {path} ({len(mm)} bytes): {e.strerror}; lower "
                 "cpu_bytes or enlarge /dev/shm (docker: --shm-size)"

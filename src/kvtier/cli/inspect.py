@@ -40,8 +40,10 @@ class NamespaceReport:
     num_spares: int = 0
     verified: bool = False
     num_bad: int = 0
-    bad_files: dict[str, str] = field(default_factory=dict)  # path -> why it fails
-    problem: str | None = None  # why the namespace itself cannot be verified
+    # path -> why it fails
+    bad_files: dict[str, str] = field(default_factory=dict)
+    # why the namespace itself cannot be verified
+    problem: str | None = None
 
 
 def namespace_dirs(root: Path) -> list[Path]:
@@ -135,7 +137,8 @@ def _check(chunk_format: ChunkFormat, path: Path, key: bytes, buffer: memoryview
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None  # an engine evicted it since the listing: not a fault
+        # an engine evicted it since the listing: not a fault
+        return None
     except OSError as exc:
         return f"cannot open: {exc.strerror}"
     try:

@@ -72,7 +72,8 @@ def run_vllm_cli(argv: Sequence[str]) -> int:
     sys.argv = ["vllm", *argv]
     try:
         vllm_main()
-    except SystemExit as exc:  # argparse, --help, --version
+    # argparse, --help, --version
+    except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0
 

@@ -84,7 +84,8 @@ class GroupLayout:
     slot_offsets: tuple[int, ...]
     chunk_bytes: int
     num_blocks: int
-    plane_table: np.ndarray  # int64 (4, num_planes): offset, block_stride, nbytes, slot offset
+    # int64 (4, num_planes): offset, block_stride, nbytes, slot offset
+    plane_table: np.ndarray
 
     @property
     def is_dense(self) -> bool:

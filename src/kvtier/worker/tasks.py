@@ -28,7 +28,8 @@ __all__ = [
     "plan_copies",
 ]
 
-_MAX_REASONS = 3  # error strings name the first few bad chunks, not thousands
+# error strings name the first few bad chunks, not thousands
+_MAX_REASONS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,8 @@ class CopyTask:
     error: str | None
     block_set: frozenset[int]
     slot_set: frozenset[int]
-    num_bytes: int  # bytes its good chunks move
+    # bytes its good chunks move
+    num_bytes: int
     seq: int = 0
     skip_blocks: int = 0
     layers: frozenset[str] | None = None
@@ -230,7 +232,8 @@ def make_task(
     if len(failed) == len(slots):
         return failed_outcome(len(slots), error)
     blocks, slots = blocks[good], slots[good]
-    skip_blocks = skip_blocks if good[0] else 0  # the partial chunk itself failed
+    # the partial chunk itself failed
+    skip_blocks = skip_blocks if good[0] else 0
     return CopyTask(
         **common,
         block_ids=blocks,
@@ -286,9 +289,8 @@ def _runs(blocks: np.ndarray, first_pages: np.ndarray | None) -> tuple[np.ndarra
         return starts, np.diff(np.append(starts, blocks.size))
     skipped = np.arange(blocks.shape[1])[None, :] < first_pages[:, None]
     is_start = (is_start | (np.arange(blocks.shape[1])[None, :] == first_pages[:, None])) & ~skipped
-    edges = np.flatnonzero(
-        (is_start | skipped).ravel()
-    )  # a run ends at the next start or skipped page
+    # a run ends at the next start or skipped page
+    edges = np.flatnonzero((is_start | skipped).ravel())
     lengths = np.diff(np.append(edges, blocks.size))
     keep = is_start.ravel()[edges]
     return edges[keep], lengths[keep]

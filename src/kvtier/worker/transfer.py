@@ -43,11 +43,13 @@ from kvtier.worker.tasks import CopyTask, TaskOutcome, make_task
 
 __all__ = ["TransferEngine"]
 
-_CUDA_POLL_S = 0.0005  # CUDA completions are polled: events cannot wake a Condition
+# CUDA completions are polled: events cannot wake a Condition
+_CUDA_POLL_S = 0.0005
 # A cancelled job's running copy stops within a MiB on CPU (a CUDA copy ends with its stream's
 # work): milliseconds. A cancel still waiting after this long logs an error, then waits on.
 _CANCEL_WAIT_S = 5.0
-_CANCEL_MIN_SLICE_S = 0.001  # a zero timeout must not spin
+# a zero timeout must not spin
+_CANCEL_MIN_SLICE_S = 0.001
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,8 @@ class TransferEngine:
                 f"blocks_per_chunk and num_slots must be >= 1, got {blocks_per_chunk}, {num_slots}"
             )
         self._layouts = build_group_layouts(kv_caches, blocks_per_chunk, layer_groups, kv_layout)
-        self._kv_caches = dict(kv_caches)  # keeps the engine tensors alive while we hold addresses
+        # keeps the engine tensors alive while we hold addresses
+        self._kv_caches = dict(kv_caches)
         self.blocks_per_chunk = blocks_per_chunk
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes_of(self._layouts)
@@ -202,7 +205,8 @@ class TransferEngine:
                     )
         if refusal is not None:
             return self._report(job.failed(refusal))
-        if not job.parts:  # moves nothing: done now
+        # moves nothing: done now
+        if not job.parts:
             return self._report(JobResult(job_id=job_id))
         for item in items:
             if isinstance(item, CopyTask):
@@ -214,7 +218,8 @@ class TransferEngine:
     def _start_task(self, task: CopyTask) -> None:
         try:
             accepted, error = self._backend.submit(task), "engine is shut down"
-        except Exception as e:  # the CUDA path enqueues in this thread
+        # the CUDA path enqueues in this thread
+        except Exception as e:
             accepted, error = False, f"submit failed: {e!r}"
         if not accepted:
             self._on_done([(task, task.outcome(0, 0.0, error=error))])
@@ -229,7 +234,8 @@ class TransferEngine:
             for task, outcome in done:
                 job = self._open.get(task.job_id)
                 if job is None:
-                    continue  # defensive: every task belongs to a job opened by `submit`
+                    # defensive: every task belongs to a job opened by `submit`
+                    continue
                 job.add(
                     task.part, outcome, _layers_of(task) if isinstance(task, CopyTask) else None
                 )
@@ -258,7 +264,8 @@ class TransferEngine:
     def wait_layer(self, job_ids: Iterable[int], layer: str, timeout: float | None = None) -> bool:
         """As `wait`, for the tasks of `job_ids` that copy `layer` (a slice holding it, or all
         layers) only: True once none of them copies any more, False if `timeout` passed first."""
-        wanted = set(job_ids)  # (a job that ended, no longer open, is done with every layer)
+        # (a job that ended, no longer open, is done with every layer)
+        wanted = set(job_ids)
         return self._wait_until(
             lambda: not any(
                 job.parts_left
