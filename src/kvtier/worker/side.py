@@ -192,17 +192,24 @@ class WorkerSide:
         if self._order is None:
             return
         self._order.saw(layer)
-        if self._layered and (transfer := self.transfer) is not None:
-            self._await(
-                self._layered, lambda ids, timeout: transfer.wait_layer(ids, layer, timeout)
-            )
+        transfer = self.transfer
+        if not self._layered or transfer is None:
+            return
+
+        def wait_for_layer(job_ids: list[int], timeout: float) -> bool:
+            return transfer.wait_layer(job_ids, layer, timeout)
+
+        self._await(self._layered, wait_for_layer)
 
     def finish_layered_loads(self) -> None:
         """After the forward pass: end this step's layered loads; if the pass did not ask for
         every layer, fail them whole (a layer may have been read before its copy) and load whole
         from now on. Their results are collected here, never before."""
-        asked_all = self._order is not None and self._order.step_ended()
-        if not self._layered or self._order is None:
+        if self._order is None:
+            return
+        # the pass ends here whether or not it had layered loads
+        asked_all = self._order.step_ended()
+        if not self._layered:
             return
         self._await(self._layered)
         if not asked_all:
@@ -218,8 +225,8 @@ class WorkerSide:
         whole); a load past its deadline is cancelled first, so a parked request is always released."""
         self._cancel_expired()
         self._collect()
-        finished, failed = self._finished_loads, self._failed_loads
-        self._finished_loads, self._failed_loads = set(), set()
+        finished, self._finished_loads = self._finished_loads, set()
+        failed, self._failed_loads = self._failed_loads, set()
         return finished, failed
 
     def wait_for_save(self, plan: StepPlan) -> None:
@@ -279,9 +286,11 @@ class WorkerSide:
         cancel those still running at it."""
         left = list(jobs)
         while left and self.transfer is not None:
+            wait_for = wait if wait is not None else self.transfer.wait
             now = self._clock()
             first = min(job.deadline for job in left)
-            if (wait or self.transfer.wait)([job.job_id for job in left], max(0.0, first - now)):
+            is_done = wait_for([job.job_id for job in left], max(0.0, first - now))
+            if is_done:
                 return
             # the wait ran to `first`: every job due by then is abandoned
             due = [job for job in left if job.deadline <= first]
@@ -300,21 +309,24 @@ class WorkerSide:
             self._cancel([job for job in due if job.job_id in self._running])
 
     def _cancel(self, jobs: list[TransferJob]) -> None:
-        if self.transfer is not None and (
-            jobs := [job for job in jobs if job.job_id not in self._cut]
-        ):
-            self._cut |= {job.job_id for job in jobs}
-            logger.warning(
-                "kvtier: %d transfer job(s) past their deadline; cancelled (loads are recomputed, "
-                "stores dropped)",
-                len(jobs),
-            )
-            self._stats["cancelled_jobs"] += len(jobs)
-            num_cut = self.transfer.num_cut_tasks
-            # returns only once none of them copies any more: the caller may then reuse their blocks
-            self.transfer.cancel([job.job_id for job in jobs])
-            if self.transfer.num_cut_tasks > num_cut:
-                self._stats["cancel_cut_tasks"] += self.transfer.num_cut_tasks - num_cut
+        if self.transfer is None:
+            return
+        # a job cancelled in an earlier wait is not cancelled (nor counted) again
+        to_cancel = [job for job in jobs if job.job_id not in self._cut]
+        if not to_cancel:
+            return
+        self._cut |= {job.job_id for job in to_cancel}
+        logger.warning(
+            "kvtier: %d transfer job(s) past their deadline; cancelled (loads are recomputed, "
+            "stores dropped)",
+            len(to_cancel),
+        )
+        self._stats["cancelled_jobs"] += len(to_cancel)
+        num_cut = self.transfer.num_cut_tasks
+        # returns only once none of them copies any more: the caller may then reuse their blocks
+        self.transfer.cancel([job.job_id for job in to_cancel])
+        if self.transfer.num_cut_tasks > num_cut:
+            self._stats["cancel_cut_tasks"] += self.transfer.num_cut_tasks - num_cut
 
     def _collect(self) -> None:
         # vLLM may take results before wait_for_save (speculative decoding): end the pass's loads
@@ -344,7 +356,8 @@ class WorkerSide:
         direction = "load" if job.is_load else "store"
         self._stats[f"{direction}_bytes"] += result.num_bytes
         self._stats[f"{direction}_seconds"] += result.seconds
-        if is_async := job.job_id in self._async_load_ids:
+        is_async = job.job_id in self._async_load_ids
+        if is_async:
             self._async_load_ids.discard(job.job_id)
             self._finished_loads.add(job.req_id)
         if job.is_load and result.failed_chunks:
