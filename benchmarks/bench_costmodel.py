@@ -176,11 +176,13 @@ def warm_up(llm, salt: str) -> None:
 def drain(proxies: list[ThrottledProxy], quiet_s: float = 1.5, timeout_s: float = 180.0) -> None:
     """Until no link has carried a byte for `quiet_s` (the engines' write-through is done)."""
     deadline = time.monotonic() + timeout_s
-    last, quiet_since = None, time.monotonic()
+    last = None
+    quiet_since = time.monotonic()
     while time.monotonic() < deadline:
         now = [p.bytes_forwarded for p in proxies]
         if now != last:
-            last, quiet_since = now, time.monotonic()
+            last = now
+            quiet_since = time.monotonic()
         elif time.monotonic() - quiet_since >= quiet_s:
             return
         time.sleep(0.25)
@@ -206,7 +208,8 @@ def link_rounds(engines: dict, metrics: dict, slow: list[list[int]], ram: list[l
     for r, (slow_prefix, ram_prefix) in enumerate(zip(slow, ram, strict=True)):
         suffix = tokens(SUFFIX_TOKENS, seed=9000 + r)
         for name in names[r % 3 :] + names[: r % 3]:
-            llm, m = engines[name], metrics.get(name)
+            llm = engines[name]
+            m = metrics.get(name)
             llm.reset_prefix_cache(reset_connector=False)
             deferrals = m("kvtier:deferrals_total") if m else 0.0
             times[name]["slow"].append(ttft(llm, slow_prefix + suffix))
@@ -347,7 +350,9 @@ def report(link: dict, disk: dict, rounds: int) -> None:
         f"{ms(disk['own_local'])}; engine without kvtier, prefix-cache hit {ms(disk['local'])}"
     )
     print(f"per disk hit: deferrals {disk['deferrals']}, promotions {disk['promotions']}")
-    none, always, cost = med["none"], med["always"], med["cost"]
+    none = med["none"]
+    always = med["always"]
+    cost = med["cost"]
     local = statistics.median(disk["local"])
     print(
         f"RAM prefix, always / recompute {always['ram'] / none['ram']:.3f}; new prefix, cost / none "

@@ -50,7 +50,8 @@ from kvtier.tiers.namespace import Namespace
 from tier_driver import bench_key, run_jobs
 
 CHUNK_SIZES = (1 << 20, 2 << 20, 4 << 20)
-KEYS_PER_JOB, JOBS_IN_FLIGHT = 8, 8
+KEYS_PER_JOB = 8
+JOBS_IN_FLIGHT = 8
 GB = 1e9
 
 
@@ -108,10 +109,8 @@ def bench_chunk_size(
     num_rows = KEYS_PER_JOB * JOBS_IN_FLIGHT
     # the method before: anonymous memory, faulted in by numpy's fill
     if anon_rows:
-        slab, rows = (
-            contextlib.nullcontext(),
-            np.frombuffer(mmap.mmap(-1, num_rows * chunk), np.uint8),
-        )
+        slab = contextlib.nullcontext()
+        rows = np.frombuffer(mmap.mmap(-1, num_rows * chunk), np.uint8)
         rows = rows.reshape(num_rows, chunk)
     # the memory the tier reads into and writes from in an engine
     else:
@@ -207,7 +206,8 @@ def main() -> None:
         print(f"start-up scan: {scan_rate:,.0f} files/s over 10,000 files (dentries cached)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    store_ratio, load_ratio = min(r[0] for r in ratios), min(r[1] for r in ratios)
+    store_ratio = min(r[0] for r in ratios)
+    load_ratio = min(r[1] for r in ratios)
     print(
         f"RESULT disk_store_ratio={store_ratio:.2f} disk_load_ratio={load_ratio:.2f} "
         f"index_bytes_per_chunk={index_bytes:.0f} scan_files_per_s={scan_rate:.0f}"

@@ -276,7 +276,9 @@ def main() -> None:
         "zero-hit walls per round (s): "
         + "; ".join(f"{n} " + " ".join(f"{w:.2f}" for w in ws) for n, ws in walls.items())
     )
-    none, a, s = results["none"], results["async"], results["sync"]
+    none = results["none"]
+    a = results["async"]
+    s = results["sync"]
     print(
         f"RESULT itl_p99_ratio_async={a['itl_p99'] / none['itl_p99']:.2f} "
         f"itl_p99_ratio_sync={s['itl_p99'] / none['itl_p99']:.2f} ttft_ratio_async={a['ttft'] / none['ttft']:.2f} "

@@ -75,7 +75,8 @@ SIZES = (1 << 20, 2 << 20, 4 << 20)
 # redis-benchmark's keys x size (--quick: half)
 WORKING_SET = 64 << 20
 # redis-benchmark's requests per key of the working set
-SET_PER_KEY, GET_PER_KEY = 4, 8
+SET_PER_KEY = 4
+GET_PER_KEY = 8
 # each read side reads what it wrote this many times
 LOAD_PASSES = GET_PER_KEY // SET_PER_KEY
 KEY_SECRET = b"bench deployment secret, 32 byte"
@@ -162,8 +163,12 @@ class Brackets:
         working_set: int,
         span: int,
     ):
-        self.port, self.size, self.clients, self.pipelines = port, size, clients, pipelines
-        self.keys, self.span = max(8, working_set // size), span
+        self.port = port
+        self.size = size
+        self.clients = clients
+        self.pipelines = pipelines
+        self.keys = max(8, working_set // size)
+        self.span = span
         # db 1: the GET runs' values, under redis-benchmark's names (`key:` and 12 digits), each one set
         client = redis.Redis(port=port, db=1)
         value = os.urandom(size)
@@ -396,7 +401,9 @@ def one_round(
     port: int, size: int, count: int, args: argparse.Namespace, tag: str, keyed_first: bool = False
 ) -> dict[str, float]:
     """Every side once, the baseline first (the keyed tier before the plain one when `keyed_first`)."""
-    url, threads, batch = f"redis://127.0.0.1:{port}", args.threads, args.batch
+    url = f"redis://127.0.0.1:{port}"
+    threads = args.threads
+    batch = args.batch
     working_set = WORKING_SET // 2 if args.quick else WORKING_SET
     by_pipeline = {
         pipeline: redis_benchmark(port, size, threads, pipeline, working_set)
@@ -573,8 +580,10 @@ def main() -> None:
             ]
             for side, value in report(size, results).items():
                 ratios.setdefault(side, []).append(value)
-    redis_store, redis_load = min(ratios["tier store"]), min(ratios["tier load"])
-    keyed_store, keyed_load = min(ratios["tier keyed store"]), min(ratios["tier keyed load"])
+    redis_store = min(ratios["tier store"])
+    redis_load = min(ratios["tier load"])
+    keyed_store = min(ratios["tier keyed store"])
+    keyed_load = min(ratios["tier keyed load"])
     s3 = (
         {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan}
         if args.no_s3

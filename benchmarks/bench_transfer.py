@@ -39,8 +39,10 @@ from kvtier.jobs import Endpoint, TransferJob, TransferPart
 from kvtier.worker import TransferEngine
 
 CHUNK_SIZES = (256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)
-HEADS, TOKENS = 4, 16
-ENGINE, SLAB = Endpoint.ENGINE, Endpoint.SLAB
+HEADS = 4
+TOKENS = 16
+ENGINE = Endpoint.ENGINE
+SLAB = Endpoint.SLAB
 
 
 def make_kv(layers: int, num_blocks: int, page_bytes: int) -> dict[str, torch.Tensor]:
@@ -71,7 +73,8 @@ def run_jobs(
     start = time.perf_counter()
     job_ids = []
     for job_id, first in enumerate(range(0, len(slots), per_job)):
-        b, s = blocks[first : first + per_job].ravel(), slots[first : first + per_job]
+        b = blocks[first : first + per_job].ravel()
+        s = slots[first : first + per_job]
         engine.submit(
             TransferJob(
                 job_id=job_id,
@@ -133,7 +136,8 @@ def bench_size(
     total = num_chunks * chunk_bytes
     out = {}
     with TransferEngine(kv, args.bpc, num_chunks) as engine:
-        src, dst = next(iter(kv.values())).untyped_storage(), engine.slab.view(-1)
+        src = next(iter(kv.values())).untyped_storage()
+        dst = engine.slab.view(-1)
         src = torch.empty(0, dtype=torch.int8).set_(src, 0, (total,), (1,))
         for case in cases:
             blocks, slots = placement(case, num_chunks, args.bpc, rng)
@@ -228,7 +232,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.quick:
-        args.total_mib, args.rounds = 64, 5
+        args.total_mib = 64
+        args.rounds = 5
     rng = np.random.default_rng(0)
     if args.gil:
         return gil_main(args, rng)

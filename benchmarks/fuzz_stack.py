@@ -91,12 +91,15 @@ def run_config(
         stack.close_tiers()
         check_closed(stack, lambda medium: _fresh_store(medium, redis, s3))
     except ContentMismatch as exc:
-        outcome.kind, outcome.detail = "mismatch", f"at {action}: {exc}"
+        outcome.kind = "mismatch"
+        outcome.detail = f"at {action}: {exc}"
     except HangError as exc:
-        outcome.kind, outcome.detail = "hang", f"at {action}: {exc}"
+        outcome.kind = "hang"
+        outcome.detail = f"at {action}: {exc}"
         faulthandler.dump_traceback(all_threads=True)
     except Violation as exc:
-        outcome.kind, outcome.detail = "violation", f"at {action}: {exc}"
+        outcome.kind = "violation"
+        outcome.detail = f"at {action}: {exc}"
     # an engine-facing path raised: kvtier must never do that
     except Exception as exc:
         outcome.kind = "crash"
@@ -161,7 +164,8 @@ def run_fuzz(
     mutation, the first failure; only configurations where the mutated code runs are drawn then);
     `config_seed`: only the configuration a failure named. Returns their outcomes."""
     deadline = None if minutes is None else time.monotonic() + 60 * minutes
-    rng, outcomes = random.Random(seed), []
+    rng = random.Random(seed)
+    outcomes = []
     if config_seed is not None:
         max_configs = 1
     # started when a configuration first has an S3 tier

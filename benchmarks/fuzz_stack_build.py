@@ -192,7 +192,8 @@ class FuzzConfig:
             quotas = [("tenant-b", small), ("*", small + rng.choice([1, bpc, 2 * bpc]))]
             if rng.random() < 0.5:
                 quotas.insert(1, ("tenant-c", 8 * bpc))
-            drawn["tenants"], drawn["quotas"] = TENANTS, tuple(quotas)
+            drawn["tenants"] = TENANTS
+            drawn["quotas"] = tuple(quotas)
             if has_disk:
                 drawn["disk_quotas"] = (("tenant-b", rng.choice([1, 2])), ("*", rng.choice([3, 6])))
         drawn["lockstep"] = rng.random() < 0.5
@@ -225,7 +226,8 @@ class FuzzConfig:
         )
 
 
-_FAST, _SLOW = ReadEstimate(1e12, 0.0), ReadEstimate(1e3, 0.1)
+_FAST = ReadEstimate(1e12, 0.0)
+_SLOW = ReadEstimate(1e3, 0.1)
 # fixed figures for the decision (prefill 1,000 tokens/s: a 4-token block takes 4 ms); S3 as Redis
 LOAD_COSTS: dict[str, tuple[str, CostSnapshot]] = {
     "always": (
@@ -323,7 +325,9 @@ class Stack:
             config.num_workers,
             slot_bytes,
         )
-        self.disk = self.remote = self.s3 = None
+        self.disk = None
+        self.remote = None
+        self.s3 = None
         self.file_faults: FileFaults | None = None
         # by medium: the remote tiers' stores, watched
         self.watches: dict[str, StoreWatch] = {}

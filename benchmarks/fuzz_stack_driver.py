@@ -98,7 +98,8 @@ class Driver:
         rng = self.rng
         limit = self.max_tokens()
         self._prefixes = [[rng.randrange(1, 1000) for _ in range(limit)] for _ in range(3)]
-        config, new_rng = self.stack.config, self.new_rng
+        config = self.stack.config
+        new_rng = self.new_rng
         # keepers' prompts: tokens of their own (no other request shares a block with them)
         self._keepers = [
             (
@@ -146,7 +147,8 @@ class Driver:
         return f"{name}{self._next_id}"
 
     def _add(self) -> None:
-        engine, rng = self.stack.engine, self.rng
+        engine = self.stack.engine
+        rng = self.rng
         if self.is_full():
             return self._step()
         new_tokens = rng.randint(1, 3)
@@ -276,7 +278,8 @@ class Driver:
         self.stack.clock.now += self.rng.choice([0.3, 1.0, 2.5])
 
     def _fault(self) -> None:
-        stack, rng = self.stack, self.rng
+        stack = self.stack
+        rng = self.rng
         names = ["store_delay", "load_delay", "stuck_stores", "fail_load"]
         names += [f"disk_{mode}" for mode in FileFaults.MODES] if stack.disk is not None else []
         # a lockstep walk leaves out the faults whose effect depends on real time (`fuzz_stack_build`)
@@ -301,7 +304,8 @@ class Driver:
     # -- faults -----------------------------------------------------------------------------
 
     def _start(self, fault: _Fault) -> None:
-        name, rng = fault.name, self.rng
+        name = fault.name
+        rng = self.rng
         if name == "store_delay":
             delay = rng.randint(1, 2)
             for faults in fault.ranks:

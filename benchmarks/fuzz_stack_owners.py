@@ -24,7 +24,9 @@ from kvtier.tiers.cpu.manager import CPUTierManager
 __all__ = ["KEEPER", "PLAIN", "EvictionLog", "Owners"]
 
 # what a request asked (`Driver.kinds`)
-PLAIN, HINTED, KEEPER = "plain", "hinted", "keeper"
+PLAIN = "plain"
+HINTED = "hinted"
+KEEPER = "keeper"
 
 
 @dataclass

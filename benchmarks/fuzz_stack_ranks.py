@@ -38,7 +38,8 @@ class TwoRankKV:
 
     def __init__(self, rank0: KVCache, rank1: KVCache):
         self.ranks = (rank0, rank1)
-        self.tensors, self.layer_groups = rank0.tensors, rank0.layer_groups
+        self.tensors = rank0.tensors
+        self.layer_groups = rank0.layer_groups
 
     def content(self, block_hash: bytes, group: int) -> int:
         value = self.ranks[0].content(block_hash, group)

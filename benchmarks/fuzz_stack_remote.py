@@ -101,7 +101,8 @@ class PutFaults:
         self._slow: threading.Event | None = None
         # (failing, held) names of the torn batch
         self._torn: tuple[str, str] | None = None
-        self.torn_failed, self.torn_held = threading.Event(), threading.Event()
+        self.torn_failed = threading.Event()
+        self.torn_held = threading.Event()
         self._torn_release = threading.Event()
         self.num_failed = 0
 
@@ -120,7 +121,8 @@ class PutFaults:
     def tear(self, failing: str, held: str) -> None:
         """The PUT of `failing` fails once that of `held` runs, which waits for `release_torn()`."""
         with self._lock:
-            self.torn_failed, self.torn_held = threading.Event(), threading.Event()
+            self.torn_failed = threading.Event()
+            self.torn_held = threading.Event()
             self._torn_release = threading.Event()
             self._torn = (failing, held)
 
@@ -149,8 +151,11 @@ class PutFaults:
     def before_put(self, name: str) -> None:
         """Called in the request's thread before it is sent: raises, waits or returns."""
         with self._lock:
-            torn, slow = self._torn, self._slow
-            held, failed, release = self.torn_held, self.torn_failed, self._torn_release
+            torn = self._torn
+            slow = self._slow
+            held = self.torn_held
+            failed = self.torn_failed
+            release = self._torn_release
         if torn is not None and name == torn[1]:
             held.set()
             release.wait(CEILING_S)
@@ -219,7 +224,8 @@ class StoreWatch:
         self._hold: threading.Event | None = None
         # a put call waits now
         self.is_holding = threading.Event()
-        self._real_put, self._real_list = store.put, store.list_names
+        self._real_put = store.put
+        self._real_list = store.list_names
         store.put = self._put  # type: ignore[method-assign]
         store.list_names = self._list_names  # type: ignore[method-assign]
 
@@ -250,7 +256,8 @@ class StoreWatch:
                 hold = None
             if hold is not None:
                 self.is_holding.set()
-        if (on_batch := self.on_batch) is not None:
+        on_batch = self.on_batch
+        if on_batch is not None:
             on_batch(names)
         if hold is not None:
             hold.wait(CEILING_S)

@@ -50,7 +50,8 @@ ISSUE_COSTS = {
     "redis_latency_ms": 0.5,
     "s3_latency_ms": 30.0,
 }
-MIN_TOKENS, MAX_TOKENS = 256, 32_768
+MIN_TOKENS = 256
+MAX_TOKENS = 32_768
 POLICIES = ("always", "cost")
 
 
@@ -146,7 +147,12 @@ def _cell(p: Point, policy: str) -> str:
 
 # -- the plot: an SVG written by hand (the project keeps matplotlib out of its install) ----------
 
-W, H, LEFT, RIGHT, TOP, BOTTOM = 760, 460, 70, 170, 48, 56
+W = 760
+H = 460
+LEFT = 70
+RIGHT = 170
+TOP = 48
+BOTTOM = 56
 Y_TICKS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -204,7 +210,10 @@ def _subtitle(model: CostModel, step_ms: float) -> str:
 
 
 def _axes(x, y) -> list[str]:
-    x0, x1, y0, y1 = LEFT, W - RIGHT, TOP, H - BOTTOM
+    x0 = LEFT
+    x1 = W - RIGHT
+    y0 = TOP
+    y1 = H - BOTTOM
     out = [
         f'<rect x="{x0}" y="{y0}" width="{x1 - x0}" height="{y1 - y0}" fill="none" stroke="#888"/>'
     ]
@@ -305,7 +314,8 @@ def _shown(path: Path) -> str:
 def main() -> None:
     args = parse_args()
     model = CostModel(**{name: getattr(args, name) for name in ISSUE_COSTS})
-    costs, chunk = model.snapshot(step_s=args.step_ms / 1000), args.chunk_tokens
+    costs = model.snapshot(step_s=args.step_ms / 1000)
+    chunk = args.chunk_tokens
     shown = lengths(1, chunk)
     plotted = sorted(set(lengths(1 if args.quick else 4, chunk)) | set(shown))
     curves = {

@@ -115,7 +115,8 @@ class SeaweedFS:
         tls: bool = False,
         volume_mb: int | None = None,
     ):
-        self.data_dir, self.bucket = Path(data_dir), bucket
+        self.data_dir = Path(data_dir)
+        self.bucket = bucket
         self.access_key_id = access_key_id
         self.secret_access_key = secret_access_key or secrets.token_hex(20)
         flags = _PORT_FLAGS + (("s3.port.https",) if tls else ())

@@ -243,7 +243,8 @@ class ThrottledProxy:
                 self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
         with self._lock:
-            links, threads = list(self._links), list(self._threads)
+            links = list(self._links)
+            threads = list(self._threads)
         for link in links:
             link.abort()
         deadline = time.monotonic() + JOIN_TIMEOUT_S

@@ -49,7 +49,8 @@ class DiskDir:
 
     def fill(self) -> int:
         """Write a file until the filesystem is full (ENOSPC); returns the bytes written."""
-        written, size = 0, 1 << 20
+        written = 0
+        size = 1 << 20
         fd = os.open(self._ballast, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             while size >= 512:

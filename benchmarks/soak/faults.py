@@ -57,7 +57,8 @@ class Fault:
 
 
 class RedisKill(Fault):
-    name, what = "redis_kill", "Redis server SIGKILLed mid-run, restarted (empty) later"
+    name = "redis_kill"
+    what = "Redis server SIGKILLed mid-run, restarted (empty) later"
     seed = 4
 
     def inject(self, run: Run) -> None:
@@ -98,10 +99,8 @@ class RedisKill(Fault):
 
 
 class DiskCorrupt(Fault):
-    name, what = (
-        "disk_corrupt",
-        "every chunk file on disk damaged under the server (bytes flipped / truncated)",
-    )
+    name = "disk_corrupt"
+    what = "every chunk file on disk damaged under the server (bytes flipped / truncated)"
     seed = 2
 
     def inject(self, run: Run) -> None:
@@ -142,10 +141,8 @@ class DiskCorrupt(Fault):
 
 
 class DiskFull(Fault):
-    name, what = (
-        "disk_full",
-        "the disk tier's filesystem (a tmpfs) filled to the last byte, then freed",
-    )
+    name = "disk_full"
+    what = "the disk tier's filesystem (a tmpfs) filled to the last byte, then freed"
     seed = 3
     needs_tmpfs = True
 
@@ -198,7 +195,8 @@ class _FlagFault(Fault):
 
 
 class StuckStore(_FlagFault):
-    name, what = "stuck_store", "store copies that never run (only their deadline ends them)"
+    name = "stuck_store"
+    what = "store copies that never run (only their deadline ends them)"
     seed = 7
     env_name = "KVTIER_TEST_STUCK_STORES"
 
@@ -219,7 +217,8 @@ class StuckStore(_FlagFault):
 
 
 class DelayedReports(_FlagFault):
-    name, what = "delayed_reports", "worker job reports held back past the jobs' expiry, then sent"
+    name = "delayed_reports"
+    what = "worker job reports held back past the jobs' expiry, then sent"
     seed = 1
     env_name = "KVTIER_TEST_DELAY_REPORTS"
 
@@ -244,10 +243,8 @@ class DelayedReports(_FlagFault):
 
 
 class ResetPrefixCache(Fault):
-    name, what = (
-        "reset_prefix_cache",
-        "POST /reset_prefix_cache?reset_external=true mid-run (3 times)",
-    )
+    name = "reset_prefix_cache"
+    what = "POST /reset_prefix_cache?reset_external=true mid-run (3 times)"
     seed = 5
 
     def env(self, flags_dir: Path, job_timeout_s: float) -> dict[str, str]:
@@ -280,14 +277,13 @@ class ResetPrefixCache(Fault):
 
     def _look(self, run: Run) -> None:
         """After a reset nothing old is served: every tier is empty and a served prompt is computed anew."""
-        redis, disk = run.stack.redis, run.stack.disk.path
+        redis = run.stack.redis
+        disk = run.stack.disk.path
         run.facts["tiers_emptied"] = wait_until(
             lambda: redis.num_keys() == 0 and not chunk_files(disk), 30
         )
-        run.facts["redis_keys_after_reset"], run.facts["disk_files_after_reset"] = (
-            redis.num_keys(),
-            len(chunk_files(disk)),
-        )
+        run.facts["redis_keys_after_reset"] = redis.num_keys()
+        run.facts["disk_files_after_reset"] = len(chunk_files(disk))
         run.facts["probe_cached_tokens"], run.facts["probe_equal"] = resend_served_prompt(run)
 
     def checks(self, run: Run) -> list[Check]:
@@ -312,7 +308,8 @@ class ResetPrefixCache(Fault):
 
 
 class SigtermRestart(Fault):
-    name, what = "sigterm_restart", "server SIGTERMed mid-run, restarted on the same disk directory"
+    name = "sigterm_restart"
+    what = "server SIGTERMed mid-run, restarted on the same disk directory"
     seed = 6
     retry = True
 
@@ -383,7 +380,8 @@ class SigtermRestart(Fault):
 
 
 class NoFault(Fault):
-    name, what = "none", "no fault (the control run)"
+    name = "none"
+    what = "no fault (the control run)"
     seed = 8
 
     def inject(self, run: Run) -> None:

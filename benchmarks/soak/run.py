@@ -216,7 +216,8 @@ def disk_leftovers(root: Path) -> tuple[int, dict[str, str]]:
     """(temporary files, {bad chunk file: why}) under a disk tier root, by `kvtier inspect`'s pass."""
     from kvtier.cli.inspect import inspect_namespace, namespace_dirs
 
-    num_tmp, bad = 0, {}
+    num_tmp = 0
+    bad = {}
     for directory in namespace_dirs(root):
         report = inspect_namespace(directory, verify=True)
         num_tmp += report.num_tmp_files

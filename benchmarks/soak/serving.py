@@ -271,7 +271,8 @@ class ServedEngine:
         """The server and every process under it (vLLM's engine core, its workers, helpers)."""
         if not self.is_running():
             return []
-        found, todo = [], [self.process.pid]
+        found = []
+        todo = [self.process.pid]
         while todo:
             pid = todo.pop()
             found.append(pid)

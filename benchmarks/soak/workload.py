@@ -49,9 +49,11 @@ class Workload:
         """Per conversation, the prompt of each turn."""
         rng = random.Random(self.system_seed)
         systems = [_tokens(rng, self.system_tokens) for _ in range(self.num_system_prompts)]
-        rng, convs = random.Random(self.seed), []
+        rng = random.Random(self.seed)
+        convs = []
         for i in range(self.num_conversations):
-            history, prompts = list(systems[i % len(systems)]), []
+            history = list(systems[i % len(systems)])
+            prompts = []
             for _ in range(self.turns):
                 history += _tokens(rng, rng.randint(*self.user_tokens))
                 prompts.append(tuple(history))
@@ -62,7 +64,10 @@ class Workload:
 
     def sessions(self, num_requests: int, seed: int) -> list[list[tuple[int, ...]]]:
         """Conversations in a seeded order, repeated, cut to exactly `num_requests` prompts."""
-        convs, rng, out, left = self.conversations(), random.Random(seed), [], num_requests
+        convs = self.conversations()
+        rng = random.Random(seed)
+        out = []
+        left = num_requests
         while left > 0:
             order = list(range(len(convs)))
             rng.shuffle(order)
@@ -206,7 +211,8 @@ class Clients:
                 self._lock.notify_all()
 
     def _send(self, prompt: tuple[int, ...]) -> Outcome:
-        outcome, started = Outcome(prompt), time.monotonic()
+        outcome = Outcome(prompt)
+        started = time.monotonic()
         while True:
             # a paused client waits, a retrying one too (bounded: resume always follows)
             with self._lock:
@@ -248,10 +254,12 @@ class Clients:
         choice = reply["choices"][0]
         if choice.get("finish_reason") != "length" or len(choice["token_ids"]) != self.max_tokens:
             # e.g. "abort": the server stopped while generating; the reply is not the request's answer
-            reason, num = choice.get("finish_reason"), len(choice["token_ids"])
+            reason = choice.get("finish_reason")
+            num = len(choice["token_ids"])
             outcome.error = f"incomplete: finish_reason={reason}, {num} tokens"
             return
-        outcome.token_ids, outcome.error = list(choice["token_ids"]), None
+        outcome.token_ids = list(choice["token_ids"])
+        outcome.error = None
         details = reply.get("usage", {}).get("prompt_tokens_details") or {}
         outcome.cached_tokens = int(details.get("cached_tokens") or 0)
 

@@ -124,7 +124,9 @@ class HostSlab(SegmentOpener):
                 f"a host slab needs num_slots and slot_bytes >= 1, got {num_slots}, {slot_bytes}; "
                 "raise cpu_bytes"
             )
-        self.name, self.num_slots, self.slot_bytes = name, num_slots, slot_bytes
+        self.name = name
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
         self.path = os.path.join(directory, name)
         self.num_bytes = num_slots * slot_bytes
         self.is_owner = owner
@@ -183,7 +185,9 @@ class HostSlab(SegmentOpener):
 
     def close(self) -> None:
         """Unpin, unmap (once no view is alive), release the lock; unlink if owner (idempotent)."""
-        self.rows = self.tensor = None  # type: ignore[assignment] - our own views must not keep it mapped
+        # our own views must not keep it mapped
+        self.rows = None  # type: ignore[assignment]
+        self.tensor = None  # type: ignore[assignment]
         self._finalizer()
 
     def __enter__(self) -> HostSlab:

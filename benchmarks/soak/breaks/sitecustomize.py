@@ -93,7 +93,8 @@ def _no_start_scan(
 
 # the memory check: 8 MiB kept per finished request
 def _leak_per_request(m) -> None:
-    finished, kept = m.SchedulerSide.request_finished, []
+    finished = m.SchedulerSide.request_finished
+    kept = []
 
     def request_finished(self, request) -> None:
         kept.append(b"\x01" * (8 << 20))
@@ -132,7 +133,8 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        patches, execute = self.pending.pop(fullname), spec.loader.exec_module
+        patches = self.pending.pop(fullname)
+        execute = spec.loader.exec_module
 
         def exec_module(module) -> None:
             execute(module)

@@ -86,7 +86,8 @@ def run(
     params = SamplingParams(
         max_tokens=reply_tokens, temperature=0.0, ignore_eos=True, detokenize=False
     )
-    engine, result = llm.llm_engine, RunResult(name)
+    engine = llm.llm_engine
+    result = RunResult(name)
     histories = [list(system) for _ in users]
     start = time.perf_counter()
     with progress(
@@ -224,7 +225,9 @@ def _demo(args: argparse.Namespace, console: Console, log_path: Path) -> int:
         enforce_eager=True,
         disable_log_stats=False,
     )
-    results, bindings, stopping = [], [], None
+    results = []
+    bindings = []
+    stopping = None
     for name, transfer in (
         ("without kvtier", None),
         ("with kvtier", kv_transfer_config(cpu_bytes=args.cpu_bytes)),

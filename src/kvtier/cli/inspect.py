@@ -83,7 +83,8 @@ def inspect_namespace(
             why = _check(chunk_format, path, key, buffer)
             if why is not None:
                 report.bad_files[str(path)] = why
-        report.num_bad, report.verified = len(report.bad_files), True
+        report.num_bad = len(report.bad_files)
+        report.verified = True
     return report
 
 

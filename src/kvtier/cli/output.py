@@ -121,7 +121,8 @@ class Waiting:
     _FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 
     def __init__(self, console: Console, label: str):
-        self.console, self.label = console, label
+        self.console = console
+        self.label = label
         self.seconds = 0.0
         self._done = threading.Event()
         self._thread: threading.Thread | None = None

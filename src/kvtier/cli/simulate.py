@@ -25,7 +25,8 @@ from kvtier.errors import ConfigError
 
 __all__ = ["add_simulate_flags", "simulate_main"]
 
-_SIM, _COST = "sim_", "cost_"
+_SIM = "sim_"
+_COST = "cost_"
 
 
 def add_simulate_flags(parser: argparse.ArgumentParser) -> None:

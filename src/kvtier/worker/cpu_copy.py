@@ -71,7 +71,8 @@ class CpuBackend:
         num_threads: int = 2,
     ) -> None:
         self._layouts = layouts
-        self._slab_ptr, self._slot_bytes = slab.data_ptr(), slab.shape[1]
+        self._slab_ptr = slab.data_ptr()
+        self._slot_bytes = slab.shape[1]
         self._plane_ptrs = [
             np.array([p.storage.data_ptr() for p in g.planes], dtype=np.int64) for g in layouts
         ]
@@ -181,7 +182,8 @@ class CpuBackend:
         try:
             is_complete = handle.wait()
         except Exception as e:
-            error, is_complete = f"copy failed: {e!r}", False
+            error = f"copy failed: {e!r}"
+            is_complete = False
         with self._cond:
             self._in_flight.popleft()
             cancelled = set(running.cancelled_job_ids)

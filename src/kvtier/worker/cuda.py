@@ -97,7 +97,8 @@ class CudaBackend:
 
     def poll(self) -> None:
         """Report every task whose end event has completed."""
-        still, done = [], []
+        still = []
+        done = []
         for flight in self._in_flight:
             try:
                 if not flight.end.query():

@@ -136,4 +136,5 @@ class ForwardOrder:
             logger.warning(
                 "kvtier: layer-by-layer loading turned off: %s; loads are waited for whole", why
             )
-        self.is_off, self.slices = True, None
+        self.is_off = True
+        self.slices = None

@@ -179,7 +179,8 @@ def kv_planes(name: str, tensor: torch.Tensor, kv_layout: str = "auto") -> list[
         raise ConfigError(f"KV cache {name!r} must be a strided tensor, got layout {tensor.layout}")
     bdim = _block_dim(name, tensor, kv_layout)
     esize = tensor.element_size()
-    num_blocks, block_stride = tensor.shape[bdim], tensor.stride(bdim) * esize
+    num_blocks = tensor.shape[bdim]
+    block_stride = tensor.stride(bdim) * esize
     nbytes = {
         i: tensor.stride(i) * esize
         for i in range(tensor.dim())

@@ -124,7 +124,9 @@ class _NativeCopyHandle(CopyHandle):
 
     def __init__(self, copier: object, ticket: int, started_at: float) -> None:
         super().__init__(1)
-        self._copier, self._ticket, self._started_at = copier, ticket, started_at
+        self._copier = copier
+        self._ticket = ticket
+        self._started_at = started_at
 
     def cancel(self) -> None:
         # None once waited for: nothing copies any more
@@ -136,7 +138,8 @@ class _NativeCopyHandle(CopyHandle):
         # idempotent: the C side forgets a ticket once waited for
         if self._ticket is not None:
             seconds, self._is_complete = self._copier.wait(self._ticket)  # type: ignore[attr-defined]
-            self.finished_at, self._ticket = self._started_at + seconds, None
+            self.finished_at = self._started_at + seconds
+            self._ticket = None
         return self._is_complete
 
 
@@ -205,7 +208,8 @@ class MemmoveCopier:
             inbox.put(None)
         for thread in self._threads:
             thread.join()
-        self._inboxes, self._threads = [], []
+        self._inboxes = []
+        self._threads = []
 
 
 def _serve(inbox: queue.SimpleQueue) -> None:
@@ -229,7 +233,9 @@ def _copy_part(dst: list[int], src: list[int], nbytes: list[int], handle: CopyHa
         # a long run: sliced, so a cancel stops it within a slice
         while n > _CANCEL_SLICE_BYTES:
             memmove(d, s, _CANCEL_SLICE_BYTES)
-            d, s, n = d + _CANCEL_SLICE_BYTES, s + _CANCEL_SLICE_BYTES, n - _CANCEL_SLICE_BYTES
+            d += _CANCEL_SLICE_BYTES
+            s += _CANCEL_SLICE_BYTES
+            n -= _CANCEL_SLICE_BYTES
             if handle.is_cancelled:
                 return True
         memmove(d, s, n)
@@ -268,7 +274,8 @@ def split_by_bytes(
     skip = points - starts[run]
     lengths = np.diff(np.append(points, total))
     owner = np.searchsorted(cuts, points, side="right")
-    d, s = dst[run] + skip, src[run] + skip
+    d = dst[run] + skip
+    s = src[run] + skip
     return [
         (d[owner == k].tolist(), s[owner == k].tolist(), lengths[owner == k].tolist())
         for k in range(shares)

@@ -183,14 +183,13 @@ def make_task(
         The task holding its good chunks, or a failed `TaskOutcome` when no chunk is good
         (the caller counts it as ended at once).
     """
-    slot_ids, block_ids, group, skip_blocks = (
-        part.slot_ids,
-        part.block_ids,
-        part.group,
-        part.skip_blocks,
-    )
+    slot_ids = part.slot_ids
+    block_ids = part.block_ids
+    group = part.group
+    skip_blocks = part.skip_blocks
     try:
-        slots, blocks = _as_ids(slot_ids, "slot_ids"), _as_ids(block_ids, "block_ids")
+        slots = _as_ids(slot_ids, "slot_ids")
+        blocks = _as_ids(block_ids, "block_ids")
     except ValueError as e:
         return failed_outcome(_safe_len(slot_ids), str(e))
     if not isinstance(group, int) or not 0 <= group < len(layouts):
@@ -206,7 +205,8 @@ def make_task(
     chunk_bytes = layouts[group].chunk_bytes
     page_bytes = chunk_bytes // blocks_per_chunk
     blocks = blocks.reshape(len(slots), blocks_per_chunk)
-    block_set, slot_set = frozenset(blocks.ravel().tolist()), frozenset(slots.tolist())
+    block_set = frozenset(blocks.ravel().tolist())
+    slot_set = frozenset(slots.tolist())
     common = dict(job_id=job_id, part=part_index, is_store=is_store, group=group)
     if _all_good(
         blocks, slots, block_set, slot_set, is_store, layouts[group].num_blocks, num_slots
@@ -231,7 +231,8 @@ def make_task(
     error = "; ".join(f"chunk {c}: {reasons[c]}" for c in failed[:_MAX_REASONS])
     if len(failed) == len(slots):
         return failed_outcome(len(slots), error)
-    blocks, slots = blocks[good], slots[good]
+    blocks = blocks[good]
+    slots = slots[good]
     # the partial chunk itself failed
     skip_blocks = skip_blocks if good[0] else 0
     return CopyTask(

@@ -73,11 +73,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.kvtier_config = cfg = KVTierConfig.from_dict(
-            self._kv_transfer_config.kv_connector_extra_config
-        )
+        cfg = KVTierConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        self.kvtier_config = cfg
         # the only derivation here
-        self.layout = layout = engine_layout(cfg, vllm_config, kv_cache_config)
+        layout = engine_layout(cfg, vllm_config, kv_cache_config)
+        self.layout = layout
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._slots_reported = False

@@ -131,7 +131,8 @@ _WINDOW = 128
 # tensors sampled in all; every tensor of a dense model (Llama-70B has 723)
 _MAX_TENSORS = 1024
 # files without a tensor table: windows spread over the file
-_RAW_WINDOWS, _RAW_WINDOW = 64, 4096
+_RAW_WINDOWS = 64
+_RAW_WINDOW = 4096
 # safetensors' own limit on its JSON header
 _MAX_HEADER = 100 * 2**20
 # reads in flight: a cold read is a seek, and disks serve several at once
@@ -245,7 +246,10 @@ def fingerprint_files(paths: Sequence[str]) -> str:
     """
     fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC) for path in paths]
     try:
-        digest, total, tensors, reads = hashlib.sha256(), 0, [], []
+        digest = hashlib.sha256()
+        total = 0
+        tensors = []
+        reads = []
         for path, fd in zip(paths, fds, strict=True):
             size = os.fstat(fd).st_size
             header, spans = (

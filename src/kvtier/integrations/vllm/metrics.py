@@ -263,7 +263,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             return
         direction, _, base = what.partition("_")
         if direction in _DIRECTIONS and base in _TIER_DIRECTIONAL:
-            what, labels = base, [*labels, direction]
+            what = base
+            labels = [*labels, direction]
         family = self._tier_families.get(what)
         if family is None or (what in _TIER_DIRECTIONAL) != (
             len(labels) == len(self._engine_labels[engine_idx]) + 2
