@@ -1,14 +1,14 @@
 """`HostSlab`: the host slab as one POSIX shared-memory segment per worker rank.
 
 The CPU tier's slots live in shared memory that the scheduler-side process owns and every
-worker maps (DESIGN.md, "Who owns the bytes"): workers copy engine KV <-> slab, and the
+worker maps (docs/architecture.md, "Who owns the bytes"): workers copy engine KV <-> slab, and the
 scheduler side's tiered manager copies slab <-> disk or a remote store on its own threads,
 without a round trip through the workers.
 
 One segment is one file in `/dev/shm`, `kvtier-<instance>-dp<dp rank>-r<rank>`
 (`slab_name`), of `num_slots x slot_bytes` bytes, mapped `MAP_SHARED`. How a segment is
-created or joined, whose it may be, and when it is stale is `kvtier.shm` (its names are
-re-exported here); this module is the mapping:
+created or joined, whose it may be, and when it is stale is `kvtier.shm` (a `SegmentOpener`
+opens it; the module's names are re-exported here); this module is the mapping:
 
 - **Unlink**: a slab opened with `owner=True` unlinks its name when closed, and at interpreter
   exit if it never was (`weakref.finalize`). The mapping outlives the name: views keep working.
@@ -94,7 +94,7 @@ def _release(segment: _Segment) -> None:
             os.unlink(segment.path)
 
 
-class HostSlab(SegmentOpener):
+class HostSlab:
     """One rank's host slab in shared memory: `num_slots` rows of `slot_bytes` bytes.
 
     Creates the segment or opens the existing one (see the module docstring).
@@ -130,8 +130,10 @@ class HostSlab(SegmentOpener):
         self.path = os.path.join(directory, name)
         self.num_bytes = num_slots * slot_bytes
         self.is_owner = owner
-        self.is_creator, fd, mm = self._open()
-        self._segment = _Segment(self.path, fd, mm, owner, os.getpid())
+        opened = SegmentOpener(self.path, num_slots, slot_bytes).open()
+        self.is_creator = opened.is_creator
+        mm = opened.mm
+        self._segment = _Segment(self.path, opened.fd, mm, owner, os.getpid())
         self._finalizer = weakref.finalize(self, _release, self._segment)
         if populate:
             try:
@@ -145,10 +147,6 @@ class HostSlab(SegmentOpener):
         self.tensor: torch.Tensor = torch.frombuffer(memoryview(mm), dtype=torch.int8).view(
             num_slots, slot_bytes
         )
-
-    # -- open -------------------------------------------------------------------------
-
-    # -- use --------------------------------------------------------------------------
 
     @property
     def is_closed(self) -> bool:
