@@ -281,15 +281,14 @@ class Driver:
         stack = self.stack
         rng = self.rng
         names = ["store_delay", "load_delay", "stuck_stores", "fail_load"]
-        names += [f"disk_{mode}" for mode in FileFaults.MODES] if stack.disk is not None else []
+        if stack.disk is not None:
+            names += [f"disk_{mode}" for mode in FileFaults.MODES]
         # a lockstep walk leaves out the faults whose effect depends on real time (`fuzz_stack_build`)
         is_timed = not stack.config.lockstep
-        names += (
-            ["redis_pause", "redis_restart"]
-            if stack.remote is not None and self.redis is not None and is_timed
-            else []
-        )
-        names += ["s3_fail_put", "s3_slow_put"] if stack.s3 is not None and is_timed else []
+        if stack.remote is not None and self.redis is not None and is_timed:
+            names += ["redis_pause", "redis_restart"]
+        if stack.s3 is not None and is_timed:
+            names += ["s3_fail_put", "s3_slow_put"]
         name = rng.choice(names)
         if any(f.name == name for f in self._faults):
             return
@@ -304,6 +303,13 @@ class Driver:
     # -- faults -----------------------------------------------------------------------------
 
     def _start(self, fault: _Fault) -> None:
+        if fault.name in _RANK_FAULTS:
+            self._start_rank_fault(fault)
+        else:
+            self._start_tier_fault(fault.name)
+
+    def _start_rank_fault(self, fault: _Fault) -> None:
+        """A fault of the workers' copies, on each of `fault.ranks` (one draw for all of them)."""
         name = fault.name
         rng = self.rng
         if name == "store_delay":
@@ -321,7 +327,10 @@ class Driver:
             seed = rng.randrange(1 << 30)
             for faults in fault.ranks:
                 faults.fail_load = lambda job: random.Random(seed ^ job.job_id).random() < 0.5
-        elif name == "s3_fail_put":
+
+    def _start_tier_fault(self, name: str) -> None:
+        """A fault of a secondary tier: its store's requests, its files, or its server."""
+        if name == "s3_fail_put":
             self.stack.put_faults.fail_share = 0.5
         elif name == "s3_slow_put":
             self.stack.put_faults.slow_down()
