@@ -584,11 +584,9 @@ def main() -> None:
     redis_load = min(ratios["tier load"])
     keyed_store = min(ratios["tier keyed store"])
     keyed_load = min(ratios["tier keyed load"])
-    s3 = (
-        {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan}
-        if args.no_s3
-        else s3_ratios(args.quick)
-    )
+    s3 = {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan}
+    if not args.no_s3:
+        s3 = s3_ratios(args.quick)
     print(
         f"RESULT redis_store_ratio={redis_store:.2f} redis_load_ratio={redis_load:.2f} "
         f"s3_store_ratio={s3['s3_store_ratio']:.2f} s3_load_ratio={s3['s3_load_ratio']:.2f} "

@@ -237,7 +237,9 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="2 minutes")
     args = parser.parse_args()
-    minutes = 2.0 if args.quick or (args.minutes is None and args.configs is None) else args.minutes
+    minutes = args.minutes
+    if args.quick or (args.minutes is None and args.configs is None):
+        minutes = 2.0
     outcomes = run_fuzz(
         seed=args.seed,
         minutes=minutes,

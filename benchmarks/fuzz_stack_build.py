@@ -353,17 +353,14 @@ class Stack:
         primary = CPUTierManager(
             config.num_slots, policy=config.policy, tenant_quotas=dict(config.quotas)
         )
-        self.manager = (
-            TieredManager(
+        self.manager = primary
+        if tiers:
+            self.manager = TieredManager(
                 primary, [slab.rows for slab in slabs], tiers, job_timeout_s=tier_timeout_s
             )
-            if tiers
-            else primary
-        )
         self.primary = primary
-        policy, costs = LOAD_COSTS.get(
-            config.load_costs, ("cost" if config.load_costs == "measured" else "always", None)
-        )
+        unlisted = ("cost" if config.load_costs == "measured" else "always", None)
+        policy, costs = LOAD_COSTS.get(config.load_costs, unlisted)
         is_weighed = costs is not None or config.load_costs == "measured"
         chunk_bytes = slot_bytes * len(config.groups()) * config.num_workers if is_weighed else 0
         sched_config = SchedulerOffloadConfig(

@@ -43,7 +43,10 @@ def run_jobs(
                 keys=tuple(bench_key(next_key + i) for i in range(num)),
                 buffers=tuple((memoryview(rows[r]),) for r in row_ids[:num]),
             )
-            (tier.submit_store if is_store else tier.submit_load)(job)
+            if is_store:
+                tier.submit_store(job)
+            else:
+                tier.submit_load(job)
             running[job_id] = row_ids
             next_key += num
             job_id += 1

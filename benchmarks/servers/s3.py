@@ -178,7 +178,10 @@ class SeaweedFS:
         if process.poll() is None:
             # a paused server cannot act on SIGTERM
             os.kill(process.pid, signal.SIGCONT)
-            (process.kill if kill else process.terminate)()
+            if kill:
+                process.kill()
+            else:
+                process.terminate()
             try:
                 process.wait(_STOP_WAIT_S)
             except subprocess.TimeoutExpired:

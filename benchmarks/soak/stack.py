@@ -51,8 +51,11 @@ def open_stack(model: Path, cfg: SoakConfig, log_dir: Path, faults: list[Fault] 
         "redis_url": redis.url,
         "job_timeout_s": cfg.job_timeout_s,
     }
+    connector = None
+    if connectors:
+        connector = connectors.pop()
     engine = ServedEngine(
-        _spec(model, cfg, settings, connector=connectors.pop() if connectors else None, env=env),
+        _spec(model, cfg, settings, connector=connector, env=env),
         log_dir / "kvtier.log",
     )
     try:

@@ -163,14 +163,12 @@ def _render(root: Path, reports: list[NamespaceReport]) -> str:
     lines = []
     for r in reports:
         d = r.description
-        what = (
-            (
-                f"{d.get('model')} {d.get('dtype')}, block {d.get('block_size')} x {d.get('blocks_per_chunk')}, "
-                f"{d.get('hash_algo')}, world size {d.get('world_size')}"
+        what = "no description"
+        if d:
+            what = (
+                f"{d.get('model')} {d.get('dtype')}, block {d.get('block_size')} x "
+                f"{d.get('blocks_per_chunk')}, {d.get('hash_algo')}, world size {d.get('world_size')}"
             )
-            if d
-            else "no description"
-        )
         lines += [
             f"namespace {r.id}  ({what})",
             f"  {r.num_chunks:,} chunks, {human_bytes(r.chunk_bytes)}"

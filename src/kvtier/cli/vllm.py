@@ -74,7 +74,9 @@ def run_vllm_cli(argv: Sequence[str]) -> int:
         vllm_main()
     # argparse, --help, --version
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, int):
+            return exc.code
+        return 0 if exc.code is None else 1
     return 0
 
 
@@ -94,9 +96,9 @@ def serve_argv(args: argparse.Namespace, rest: Sequence[str]) -> list[str]:
             "run `kvtier vllm serve MODEL --kv-transfer-config '...'`"
         )
     config = json.dumps(transfer_config(extra_config(args)), separators=(",", ":"))
-    shutdown = (
-        [] if any(arg.split("=")[0] == "--shutdown-timeout" for arg in rest) else SHUTDOWN_DEFAULT
-    )
+    shutdown = SHUTDOWN_DEFAULT
+    if any(arg.split("=")[0] == "--shutdown-timeout" for arg in rest):
+        shutdown = []
     return ["serve", args.model, *rest, *shutdown, "--kv-transfer-config", config]
 
 

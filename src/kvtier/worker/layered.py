@@ -50,14 +50,10 @@ def layer_slices(order: Sequence[str], max_slices: int = MAX_SLICES) -> list[fro
     rest = list(order[1:])
     # (never fewer slices than it takes to hold every layer)
     num_rest = min(len(rest), max(1, max_slices - 1))
-    runs = (
-        [
-            frozenset(part.tolist())
-            for part in np.array_split(np.array(rest, dtype=object), num_rest)
-        ]
-        if num_rest
-        else []
-    )
+    runs = []
+    if num_rest:
+        parts = np.array_split(np.array(rest, dtype=object), num_rest)
+        runs = [frozenset(part.tolist()) for part in parts]
     return [frozenset(order[:1]), *runs]
 
 

@@ -162,12 +162,15 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
     speculative = getattr(vllm_config, "speculative_config", None)
     draft = getattr(speculative, "draft_model_config", None)
     if speculative is not None:
+        draft_factors = None
+        draft_weights = None
+        if draft is not None:
+            draft_factors = model_factors(draft)
+            draft_weights = weights_identity(draft, vllm_config.load_config)
         factors["speculative"] = {
             "method": getattr(speculative, "method", None),
-            "draft": None if draft is None else model_factors(draft),
-            "draft_weights": None
-            if draft is None
-            else weights_identity(draft, vllm_config.load_config),
+            "draft": draft_factors,
+            "draft_weights": draft_weights,
         }
     return factors
 
@@ -252,9 +255,10 @@ def fingerprint_files(paths: Sequence[str]) -> str:
         reads = []
         for path, fd in zip(paths, fds, strict=True):
             size = os.fstat(fd).st_size
-            header, spans = (
-                _safetensors_table(fd, size) if path.endswith(".safetensors") else (b"", None)
-            )
+            header = b""
+            spans = None
+            if path.endswith(".safetensors"):
+                header, spans = _safetensors_table(fd, size)
             digest.update(f"{os.path.basename(path)}\0{size}\0".encode() + header)
             total += size
             if spans is None:
