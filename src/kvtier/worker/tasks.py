@@ -101,13 +101,10 @@ class CopyTask:
             and self.memory.isdisjoint(other.memory)
         ):
             return False
-        if self.is_store == other.is_store:
-            written, others = (
-                (self.slot_set, other.slot_set)
-                if self.is_store
-                else (self.block_set, other.block_set)
-            )
-            return not written.isdisjoint(others)
+        if self.is_store and other.is_store:
+            return not self.slot_set.isdisjoint(other.slot_set)
+        if not self.is_store and not other.is_store:
+            return not self.block_set.isdisjoint(other.block_set)
         return not (
             self.slot_set.isdisjoint(other.slot_set) and self.block_set.isdisjoint(other.block_set)
         )
