@@ -52,25 +52,29 @@ from pathlib import Path
 from servers.redis import RedisServer
 from servers.throttle import ThrottledProxy
 
-PREFIX_TOKENS = 1024  # 8 chunks: 16 MiB of KV
+# 8 chunks: 16 MiB of KV
+PREFIX_TOKENS = 1024
 SUFFIX_TOKENS = 32
 # The tiny Llama recomputes ~1,000-1,300 tokens/s here: 16-21 MB/s of KV. At 4 MB/s a prefix
 # loads 4-5x slower than it is recomputed (tests/test_vllm_e2e_remote.py's slow link too).
 LINK_BYTES_PER_S = 4e6
+# a load through the link (~4 s) must not be given up on
 SLOW_ENGINE = {
     "cpu_bytes": "1GiB",
     "redis_timeout_ms": 60_000,
     "job_timeout_s": 60.0,
     "max_defer_s": 30.0,
     "max_deferrals": 100_000,
-}  # a load through the link (~4 s) must not be given up on
-DISK_RAM_CHUNKS = 24  # the disk engine's RAM tier: 3 prefixes
+}
+# the disk engine's RAM tier: 3 prefixes
+DISK_RAM_CHUNKS = 24
 DISK_ENGINE = {
     "cpu_bytes": f"{2 * DISK_RAM_CHUNKS}MiB",
     "eviction_policy": "lru",
     "disk_bytes": "4GiB",
 }
-WARMUPS = 3  # 640-token prompts of each engine's own
+# 640-token prompts of each engine's own
+WARMUPS = 3
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -172,11 +176,13 @@ def warm_up(llm, salt: str) -> None:
 def drain(proxies: list[ThrottledProxy], quiet_s: float = 1.5, timeout_s: float = 180.0) -> None:
     """Until no link has carried a byte for `quiet_s` (the engines' write-through is done)."""
     deadline = time.monotonic() + timeout_s
-    last, quiet_since = None, time.monotonic()
+    last = None
+    quiet_since = time.monotonic()
     while time.monotonic() < deadline:
         now = [p.bytes_forwarded for p in proxies]
         if now != last:
-            last, quiet_since = now, time.monotonic()
+            last = now
+            quiet_since = time.monotonic()
         elif time.monotonic() - quiet_since >= quiet_s:
             return
         time.sleep(0.25)
@@ -188,7 +194,8 @@ def start_disk_engine(
     llm = make_engine(model, {**DISK_ENGINE, "redis_url": url, "disk_path": disk_path})
     metrics = Metrics()
     warm_up(llm, "disk")
-    for prefix in disk + slow:  # the slow ones push the disk ones out of its RAM tier
+    # the slow ones push the disk ones out of its RAM tier
+    for prefix in disk + slow:
         ttft(llm, prefix, max_tokens=4)
     return llm, metrics
 
@@ -201,7 +208,8 @@ def link_rounds(engines: dict, metrics: dict, slow: list[list[int]], ram: list[l
     for r, (slow_prefix, ram_prefix) in enumerate(zip(slow, ram, strict=True)):
         suffix = tokens(SUFFIX_TOKENS, seed=9000 + r)
         for name in names[r % 3 :] + names[: r % 3]:
-            llm, m = engines[name], metrics.get(name)
+            llm = engines[name]
+            m = metrics.get(name)
             llm.reset_prefix_cache(reset_connector=False)
             deferrals = m("kvtier:deferrals_total") if m else 0.0
             times[name]["slow"].append(ttft(llm, slow_prefix + suffix))
@@ -233,9 +241,11 @@ def start_link_engines(
         for name in ("always", "cost")
     }
     engines: dict = {}
-    stack.callback(shutdown_all, engines)  # before the links close
+    # before the links close
+    stack.callback(shutdown_all, engines)
     metrics = {}
-    for name in ("always", "cost", "none"):  # each link drains while the next engine starts
+    # each link drains while the next engine starts
+    for name in ("always", "cost", "none"):
         extra = (
             None
             if name == "none"
@@ -252,7 +262,8 @@ def start_link_engines(
         for prefix in ram:
             ttft(engines[name], prefix, salt=name)
     drain(list(links.values()))
-    for name in metrics:  # a step reports the estimates as they are now (the gauges are a step's)
+    # a step reports the estimates as they are now (the gauges are a step's)
+    for name in metrics:
         ttft(engines[name], tokens(8, seed=2), salt=name)
     print(f"cost engine before the rounds: {metrics['cost'].estimates()}")
     return engines, metrics
@@ -274,19 +285,21 @@ def disk_rounds(llm, metrics: Metrics, none, prefixes: list[list[int]]) -> dict[
         for side in ("disk", "none") if r % 2 == 0 else ("none", "disk"):
             if side == "none":
                 none.reset_prefix_cache(reset_connector=False)
-                ttft(none, prefix + suffixes[0])  # computed: now in its prefix cache
+                # computed: now in its prefix cache
+                ttft(none, prefix + suffixes[0])
                 times["local"].append(ttft(none, prefix + suffixes[1]))
                 continue
             llm.reset_prefix_cache(reset_connector=False)
             before = {what: metrics(name) for what, name in counted.items()}
-            times["disk"].append(
-                ttft(llm, prefix + suffixes[0])
-            )  # only on disk: promoted, then loaded
+            # only on disk: promoted, then loaded
+            times["disk"].append(ttft(llm, prefix + suffixes[0]))
             for what, name in counted.items():
                 times[what].append(int(metrics(name) - before[what]))
-            times["own_local"].append(ttft(llm, prefix + suffixes[1]))  # its own prefix cache
+            # its own prefix cache
+            times["own_local"].append(ttft(llm, prefix + suffixes[1]))
             llm.reset_prefix_cache(reset_connector=False)
-            times["ram"].append(ttft(llm, prefix + suffixes[2]))  # promoted above: now in RAM
+            # promoted above: now in RAM
+            times["ram"].append(ttft(llm, prefix + suffixes[2]))
     print(f"disk engine: decisions {metrics.decisions()}; {metrics.estimates()}")
     return times
 
@@ -337,7 +350,9 @@ def report(link: dict, disk: dict, rounds: int) -> None:
         f"{ms(disk['own_local'])}; engine without kvtier, prefix-cache hit {ms(disk['local'])}"
     )
     print(f"per disk hit: deferrals {disk['deferrals']}, promotions {disk['promotions']}")
-    none, always, cost = med["none"], med["always"], med["cost"]
+    none = med["none"]
+    always = med["always"]
+    cost = med["cost"]
     local = statistics.median(disk["local"])
     print(
         f"RAM prefix, always / recompute {always['ram'] / none['ram']:.3f}; new prefix, cost / none "
@@ -359,7 +374,8 @@ def main() -> None:
     rounds = 3 if args.quick else 7
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault(
-        "GLIBC_TUNABLES",  # as bench_overlap: glibc's arena trimming varies per engine instance
+        # as bench_overlap: glibc's arena trimming varies per engine instance
+        "GLIBC_TUNABLES",
         "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824",
     )
     from kvtier.integrations.vllm.binding import pin_reserved_cpus

@@ -46,9 +46,8 @@ from mooncake import DEFAULT_TRACE, load_trace
 CAPACITIES = (0.01, 0.05, 0.20)
 POLICIES = ("lru", "arc", "turns", "adaptive")
 FIXED_ENGINE_BLOCKS = {"mooncake": 2048, "agentic-s1": 256}
-ENGINE_SHARE = (
-    2048 / 55287
-)  # the engine cache's share of the distinct blocks, as on the Mooncake trace
+# the engine cache's share of the distinct blocks, as on the Mooncake trace
+ENGINE_SHARE = 2048 / 55287
 
 _MIXED = {"conversations_per_s": 5.0}
 _PROMPTS = {
@@ -117,12 +116,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     started = time.perf_counter()
-    worst = dict.fromkeys(POLICIES, 0.0)  # each policy's worst gap, as if it were the default
+    # each policy's worst gap, as if it were the default
+    worst = dict.fromkeys(POLICIES, 0.0)
     built = traces(args.quick, args.trace)
     for name, build in built.items():
         requests = build()
         engine = engine_blocks(name, requests)
-        options = SimOptions(engine_blocks=engine, check_content=False)  # the tests check content
+        # the tests check content
+        options = SimOptions(engine_blocks=engine, check_content=False)
         out = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-default-{name}-"))
         result = sweep(requests, CAPACITIES, POLICIES, out, options, plot=False)
         print_table(name, result, args.default, len(requests), engine)

@@ -50,7 +50,8 @@ from kvtier.tiers.namespace import Namespace
 from tier_driver import bench_key, run_jobs
 
 CHUNK_SIZES = (1 << 20, 2 << 20, 4 << 20)
-KEYS_PER_JOB, JOBS_IN_FLIGHT = 8, 8
+KEYS_PER_JOB = 8
+JOBS_IN_FLIGHT = 8
 GB = 1e9
 
 
@@ -83,15 +84,13 @@ def one_round(work: Path, chunk: int, num_chunks: int, rows: np.ndarray) -> dict
     ns = namespace(chunk)
     with DiskTier(root, ns, capacity_bytes=num_chunks * (chunk + 4096)) as tier:
         tier.wait_scanned(10)
-        out = {
-            "fill": disk_gbps(tier, rows, range(num_chunks), is_store=True)
-        }  # an empty tier: new files
+        # an empty tier: new files
+        out = {"fill": disk_gbps(tier, rows, range(num_chunks), is_store=True)}
         out["dd_write"] = dd(
             ["if=/dev/zero", f"of={data}", f"bs={chunk}", f"count={num_chunks}", "oflag=direct"]
         )
-        out["store"] = disk_gbps(
-            tier, rows, range(num_chunks, 2 * num_chunks), is_store=True
-        )  # each evicts one
+        # each evicts one
+        out["store"] = disk_gbps(tier, rows, range(num_chunks, 2 * num_chunks), is_store=True)
         out["dd_read"] = dd([f"if={data}", "of=/dev/null", f"bs={chunk}", "iflag=direct"])
         out["load"] = disk_gbps(tier, rows, range(num_chunks, 2 * num_chunks), is_store=False)
         c = tier.stats().counters
@@ -108,19 +107,20 @@ def bench_chunk_size(
 ) -> tuple[float, float]:
     num_chunks = max(total_bytes // chunk, 2 * KEYS_PER_JOB * JOBS_IN_FLIGHT)
     num_rows = KEYS_PER_JOB * JOBS_IN_FLIGHT
-    if anon_rows:  # the method before: anonymous memory, faulted in by numpy's fill
-        slab, rows = (
-            contextlib.nullcontext(),
-            np.frombuffer(mmap.mmap(-1, num_rows * chunk), np.uint8),
-        )
+    # the method before: anonymous memory, faulted in by numpy's fill
+    if anon_rows:
+        slab = contextlib.nullcontext()
+        rows = np.frombuffer(mmap.mmap(-1, num_rows * chunk), np.uint8)
         rows = rows.reshape(num_rows, chunk)
-    else:  # the memory the tier reads into and writes from in an engine
+    # the memory the tier reads into and writes from in an engine
+    else:
         slab = HostSlab(f"kvtier-bench-disk-{os.getpid()}-{chunk}", num_rows, chunk, owner=True)
         rows = slab.rows
     with slab:
         rows[:] = np.random.default_rng(0).integers(0, 256, rows.shape, dtype=np.uint8)
         results = [one_round(work, chunk, num_chunks, rows) for _ in range(rounds)]
-        del rows  # a live view would keep the mapping after close
+        # a live view would keep the mapping after close
+        del rows
     best = {
         name: max(r[name] for r in results)
         for name in ("dd_write", "fill", "store", "dd_read", "load")
@@ -163,7 +163,8 @@ def scan_files_per_s(work: Path, num_files: int) -> float:
     for i in range(num_files):
         name = bench_key(i).hex()
         (directory / name[:2]).mkdir(parents=True, exist_ok=True)
-        (directory / name[:2] / f"{name}.kv").touch()  # the scan reads names, not contents
+        # the scan reads names, not contents
+        (directory / name[:2] / f"{name}.kv").touch()
     start = time.perf_counter()
     with DiskTier(root, ns, capacity_bytes=2 * num_files * 8192) as tier:
         tier.wait_scanned(60)
@@ -205,7 +206,8 @@ def main() -> None:
         print(f"start-up scan: {scan_rate:,.0f} files/s over 10,000 files (dentries cached)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    store_ratio, load_ratio = min(r[0] for r in ratios), min(r[1] for r in ratios)
+    store_ratio = min(r[0] for r in ratios)
+    load_ratio = min(r[1] for r in ratios)
     print(
         f"RESULT disk_store_ratio={store_ratio:.2f} disk_load_ratio={load_ratio:.2f} "
         f"index_bytes_per_chunk={index_bytes:.0f} scan_files_per_s={scan_rate:.0f}"

@@ -45,7 +45,8 @@ CAPACITIES = (0.01, 0.05, 0.20)
 VARIANTS = ("lru", "nohints", "hints", "noisy")
 HINTS = {"lru": "trace", "nohints": "trace", "hints": "exact", "noisy": "noisy"}
 ENGINE_BLOCKS = {"conversation": 2048, "agentic": 256}
-Rates = dict[tuple[str, float], float]  # (variant or "belady", capacity) -> total hit rate
+# (variant or "belady", capacity) -> total hit rate
+Rates = dict[tuple[str, float], float]
 
 
 def replay_all(
@@ -75,10 +76,21 @@ def replay_all(
 
 def gap_closed(rates: Rates, variant: str, capacity: float) -> float | None:
     """The share of the LRU-to-Belady gap `variant` closes at `capacity` (None: no gap)."""
-    lru, ceiling = rates["lru", capacity], rates["belady", capacity]
+    lru = rates["lru", capacity]
+    ceiling = rates["belady", capacity]
     if ceiling - lru < 1e-9:
         return None
     return (rates[variant, capacity] - lru) / (ceiling - lru)
+
+
+def _gap_cell(rates: Rates, variant: str, capacity: float) -> str:
+    """The share of LRU's gap to Belady that `variant` closes at `capacity`, or "-"."""
+    if variant == "belady":
+        return "-"
+    gap = gap_closed(rates, variant, capacity)
+    if gap is None:
+        return "-"
+    return f"{gap:+.0%}"
 
 
 def print_table(name: str, rates: Rates, policy: str, capacities: Sequence[float]) -> None:
@@ -90,12 +102,7 @@ def print_table(name: str, rates: Rates, policy: str, capacities: Sequence[float
     )
     for variant in (*VARIANTS, "belady"):
         cells = [rates[variant, c] for c in capacities]
-        gaps = [
-            "-"
-            if variant == "belady" or (g := gap_closed(rates, variant, c)) is None
-            else f"{g:+.0%}"
-            for c in capacities
-        ]
+        gaps = [_gap_cell(rates, variant, c) for c in capacities]
         print(
             f"{variant:<10}"
             + "".join(f"{r:>10.4f}" for r in cells)
@@ -108,7 +115,8 @@ def check_goals(results: dict[str, Rates], capacities: Sequence[float]) -> None:
     """Say which of issue 23's goals hold (of those the capacities measured)."""
     if "conversation" in results and 0.05 in capacities:
         rates = results["conversation"]
-        hints, noisy = gap_closed(rates, "hints", 0.05), gap_closed(rates, "noisy", 0.05)
+        hints = gap_closed(rates, "hints", 0.05)
+        noisy = gap_closed(rates, "noisy", 0.05)
         print(
             f"goal: hints close >= 50 % of the gap at 5 % (conversation): {_share(hints)} "
             f"{'met' if hints is not None and hints >= 0.5 else 'NOT met'}"

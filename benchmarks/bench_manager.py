@@ -87,7 +87,8 @@ def main() -> None:
     )
 
     best: dict[str, tuple[float, int]] = {}
-    for _ in range(rounds):  # interleaved rounds, best of each: timings here are noisy
+    # interleaved rounds, best of each: timings here are noisy
+    for _ in range(rounds):
         for name, run in (("kvtier", run_kvtier), ("vllm", run_vllm)):
             result = run(requests, capacity, args.policy)
             if result is not None and (name not in best or result[0] < best[name][0]):

@@ -57,7 +57,9 @@ def key_stream(requests: Sequence) -> list[OffloadKey]:
 
 def exact_lru(stream: Sequence[OffloadKey], capacity: int) -> tuple[float, float]:
     """(hit ratio, seconds) of an exact LRU cache of `capacity` keys: every lookup is stored on a miss."""
-    start, cache, hits = time.perf_counter(), OrderedDict(), 0
+    start = time.perf_counter()
+    cache = OrderedDict()
+    hits = 0
     for key in stream:
         if key in cache:
             hits += 1
@@ -77,9 +79,11 @@ def estimate(
     best = float("inf")
     for _ in range(repeats):
         mrc = MissRatioCurve(max_samples)
-        lookup, store = mrc.lookup, mrc.store
+        lookup = mrc.lookup
+        store = mrc.store
         start = time.perf_counter()
-        for key in stream:  # a cache that stores what it misses (and refreshes what it hits)
+        # a cache that stores what it misses (and refreshes what it hits)
+        for key in stream:
             lookup(key)
             store(key)
         best = min(best, time.perf_counter() - start)
@@ -109,7 +113,8 @@ def run(
         f"({capacity_share:.0%}), sampling rate {mrc.sampling_rate:.4f}, {mrc.num_samples:,} samples"
     )
     print(f"  {'factor':>6} {'chunks':>9} {'exact LRU':>10} {'predicted':>10} {'error':>8}")
-    worst, lru_seconds = 0.0, float("inf")
+    worst = 0.0
+    lru_seconds = float("inf")
     for factor in CAPACITY_FACTORS:
         chunks = max(1, round(factor * capacity))
         exact, spent = exact_lru(stream, chunks)
@@ -126,7 +131,8 @@ def run(
     return worst, seconds, lru_seconds
 
 
-ENGINE_BLOCKS = {"conversation": 2048, "synthetic": 256}  # the engine's own cache (as bench_hints)
+# the engine's own cache (as bench_hints)
+ENGINE_BLOCKS = {"conversation": 2048, "synthetic": 256}
 
 
 def simulated(name: str, requests: Sequence, capacity_share: float) -> float:
@@ -134,9 +140,8 @@ def simulated(name: str, requests: Sequence, capacity_share: float) -> float:
     curves: list[MissRatioCurve] = []
     read_report = kvtier.sim.replay.read_report
 
-    def keep_curve(
-        engine, manager, *args, **kwargs
-    ):  # the replay's manager is closed after its report
+    # the replay's manager is closed after its report
+    def keep_curve(engine, manager, *args, **kwargs):
         curves.append(manager.mrc)
         return read_report(engine, manager, *args, **kwargs)
 
@@ -147,7 +152,8 @@ def simulated(name: str, requests: Sequence, capacity_share: float) -> float:
             requests,
             SimOptions(policy="lru", host_fraction=capacity_share, engine_blocks=engine_blocks),
         )
-        capacity, curve = base.host_slots, curves[-1]
+        capacity = base.host_slots
+        curve = curves[-1]
         print(
             f"\n{name} through kvtier simulate: {len(requests):,} requests, engine cache {engine_blocks:,} blocks, "
             f"CPU tier {capacity:,} chunks (LRU), {curve.num_lookups:,} chunks asked for"
@@ -202,10 +208,15 @@ def main() -> None:
     }
     traces = {name: key_stream(reqs) for name, reqs in requests.items()}
     sim_requests = args.sim_requests or (1000 if args.quick else 3000)
-    worst, seconds, lru_seconds, lookups = 0.0, 0.0, 0.0, 0
+    worst = 0.0
+    seconds = 0.0
+    lru_seconds = 0.0
+    lookups = 0
     for name, stream in traces.items():
         err, spent, lru_spent = run(name, stream, args.capacity, args.max_samples)
-        worst, seconds, lru_seconds = max(worst, err), seconds + spent, lru_seconds + lru_spent
+        worst = max(worst, err)
+        seconds += spent
+        lru_seconds += lru_spent
         lookups += len(stream)
     sim_worst = max(
         simulated(name, reqs[:sim_requests], args.capacity) for name, reqs in requests.items()

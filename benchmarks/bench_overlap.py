@@ -39,6 +39,7 @@ import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX_TOKENS = 1536
@@ -79,9 +80,8 @@ def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]
     from vllm.inputs import TokensPrompt
 
     prefixes = [tokens(PREFIX_TOKENS, seed=1000 + i) for i in range(num_loading)]
-    llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prefixes], params(1), use_tqdm=False
-    )  # stored
+    # stored
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prefixes], params(1), use_tqdm=False)
     llm.reset_prefix_cache(reset_connector=False)
     engine = llm.llm_engine
     for i in range(num_background):
@@ -97,7 +97,8 @@ def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]
         outs = engine.step()
         now = time.perf_counter()
         num_steps += 1
-        if num_steps == 4:  # the background requests are decoding: the loading ones arrive
+        # the background requests are decoding: the loading ones arrive
+        if num_steps == 4:
             for i, p in enumerate(prefixes):
                 engine.add_request(
                     f"ld{i}",
@@ -111,7 +112,8 @@ def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]
                 if rid in last_token:
                     itls.append(now - last_token[rid])
                 last_token[rid] = now
-            elif rid in arrived:  # a loading request's first output: its first token
+            # a loading request's first output: its first token
+            elif rid in arrived:
                 ttfts.append(now - arrived.pop(rid))
     return {"itl": itls, "ttft": ttfts}
 
@@ -187,13 +189,56 @@ def shutdown(llm) -> None:
 ENGINES = (("none", None), ("async", "async"), ("sync", "sync"))
 
 
+@dataclass(frozen=True)
+class RunSize:
+    """How much each part of the run measures."""
+
+    # zero-hit and own-local rounds
+    rounds: int
+    # prompts of a zero-hit round
+    num_prompts: int
+    # hit-vs-local rounds (round 0 only stores the documents)
+    hit_rounds: int
+    # overlap: requests decoding in the background, and requests loading their prefixes
+    num_background: int
+    num_loading: int
+
+
+FULL = RunSize(rounds=9, num_prompts=22, hit_rounds=8, num_background=6, num_loading=4)
+QUICK = RunSize(rounds=3, num_prompts=8, hit_rounds=4, num_background=4, num_loading=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and requests")
     args = parser.parse_args()
-    rounds, num_prompts = (3, 8) if args.quick else (9, 22)
-    hit_rounds = 4 if args.quick else 8
-    num_background, num_loading = (4, 2) if args.quick else (6, 4)
+    size = QUICK if args.quick else FULL
+    model = prepare_machine()
+    engines = {}
+    try:
+        # all three alive at once, on the same cores, measured in turns
+        for name, mode in ENGINES:
+            engines[name] = make_engine(model, mode)
+            # warm-up
+            zero_hit_round(engines[name], 4, seed=9)
+        results = overlap_figures(engines, size)
+        user_hits = user_hit_walls(engines, size.hit_rounds)
+        walls, hits = zero_hit_and_own_local_walls(engines, size)
+    finally:
+        for llm in engines.values():
+            shutdown(llm)
+    for name in engines:
+        results[name]["zero_hit"] = statistics.median(walls[name])
+        results[name]["user_hit"] = statistics.median(user_hits[name])
+        if name in hits:
+            kvtier_walls, local_walls = hits[name]
+            results[name]["hit_kvtier"] = statistics.median(kvtier_walls)
+            results[name]["hit_local"] = statistics.median(local_walls)
+    print_report(results, user_hits, walls)
+
+
+def prepare_machine() -> Path:
+    """Set the engines' environment, pin this process's cores; the tiny model's directory."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # glibc's malloc returns freed arenas to the kernel and faults them back in: up to 2M page faults
     # per round, and +-14 % of a worker's CPU, varying per engine instance, not per configuration
@@ -205,57 +250,70 @@ def main() -> None:
     from kvtier.integrations.vllm.tiny_model import ensure_tiny_llama
 
     pin_reserved_cpus()
-    model = ensure_tiny_llama(
+    return ensure_tiny_llama(
         Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier"))
     )
-    engines = {}
-    try:
-        for name, mode in ENGINES:  # all three alive at once, on the same cores, measured in turns
-            engines[name] = make_engine(model, mode)
-            zero_hit_round(engines[name], 4, seed=9)  # warm-up
-        results = {name: {} for name in engines}
-        for name, llm in engines.items():
-            o = overlap(llm, num_background, num_loading)
-            results[name].update(
-                itl_p50=p(o["itl"], 0.5),
-                itl_p99=p(o["itl"], 0.99),
-                ttft=statistics.median(o["ttft"]),
+
+
+def overlap_figures(engines: dict, size: RunSize) -> dict[str, dict[str, float]]:
+    """Part 1 for each engine: the background requests' ITL p50/p99, the loading ones' TTFT."""
+    results = {name: {} for name in engines}
+    for name, llm in engines.items():
+        o = overlap(llm, size.num_background, size.num_loading)
+        results[name].update(
+            itl_p50=p(o["itl"], 0.5),
+            itl_p99=p(o["itl"], 0.99),
+            ttft=statistics.median(o["ttft"]),
+        )
+    return results
+
+
+def user_hit_walls(engines: dict, hit_rounds: int) -> dict[str, list[float]]:
+    """Part 3, hit vs local: each engine's request walls of every round but the first."""
+    documents = [tokens(PREFIX_TOKENS, seed=6000 + d) for d in range(NUM_DOCUMENTS)]
+    user_hits = {name: [] for name in engines}
+    # round 0 computes (and kvtier stores) the documents: not counted
+    for r in range(hit_rounds):
+        round_walls = user_hit_round(engines, documents, r)
+        if r == 0:
+            continue
+        for name, ws in round_walls.items():
+            user_hits[name] += ws
+    return user_hits
+
+
+def zero_hit_and_own_local_walls(
+    engines: dict, size: RunSize
+) -> tuple[dict[str, list[float]], dict[str, tuple[list[float], list[float]]]]:
+    """Part 2's zero-hit round walls per engine, and, for the kvtier engines, the older figure's
+    (kvtier hit, own prefix-cache hit) walls, their rounds interleaved."""
+    walls = {name: [] for name in engines}
+    hits = {name: ([], []) for name in engines if name != "none"}
+    prefix = tokens(PREFIX_TOKENS, seed=4000)
+    for name in hits:
+        # kvtier stores the prefix
+        timed(engines[name], prefix)
+    for r in range(size.rounds):
+        # each engine first, middle and last in turn
+        order = list(engines)[r % 3 :] + list(engines)[: r % 3]
+        for name in order:
+            walls[name].append(
+                zero_hit_round(engines[name], size.num_prompts, seed=10_000 + 100 * r)
             )
-        documents = [tokens(PREFIX_TOKENS, seed=6000 + d) for d in range(NUM_DOCUMENTS)]
-        user_hits = {name: [] for name in engines}
-        for r in range(
-            hit_rounds
-        ):  # round 0 computes (and kvtier stores) the documents: not counted
-            for name, ws in user_hit_round(engines, documents, r).items():
-                user_hits[name] += ws if r else []
-        walls = {name: [] for name in engines}
-        hits = {name: ([], []) for name in engines if name != "none"}
-        prefix = tokens(PREFIX_TOKENS, seed=4000)
-        for name in hits:
-            timed(engines[name], prefix)  # kvtier stores the prefix
-        for r in range(rounds):
-            order = (
-                list(engines)[r % 3 :] + list(engines)[: r % 3]
-            )  # each engine first, middle and last in turn
-            for name in order:
-                walls[name].append(
-                    zero_hit_round(engines[name], num_prompts, seed=10_000 + 100 * r)
-                )
-            for name in order:
-                if name in hits:
-                    kvtier, local = own_local_round(engines[name], prefix, r)
-                    hits[name][0].append(kvtier)
-                    hits[name][1].append(local)
-    finally:
-        for llm in engines.values():
-            shutdown(llm)
-    for name in engines:
-        results[name]["zero_hit"] = statistics.median(walls[name])
-        results[name]["user_hit"] = statistics.median(user_hits[name])
-        if name in hits:
-            results[name]["hit_kvtier"], results[name]["hit_local"] = map(
-                statistics.median, hits[name]
-            )
+        for name in order:
+            if name in hits:
+                kvtier, local = own_local_round(engines[name], prefix, r)
+                hits[name][0].append(kvtier)
+                hits[name][1].append(local)
+    return walls, hits
+
+
+def print_report(
+    results: dict[str, dict[str, float]],
+    user_hits: dict[str, list[float]],
+    walls: dict[str, list[float]],
+) -> None:
+    """The table, each engine's walls, and the RESULT line (ratios against vLLM without kvtier)."""
     print(
         f"{'engine':8} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'TTFT ms':>9} {'zero-hit s':>11} {'hit ms':>7} "
         f"{'own: kvtier ms':>15} {'own: local ms':>14}"
@@ -274,7 +332,9 @@ def main() -> None:
         "zero-hit walls per round (s): "
         + "; ".join(f"{n} " + " ".join(f"{w:.2f}" for w in ws) for n, ws in walls.items())
     )
-    none, a, s = results["none"], results["async"], results["sync"]
+    none = results["none"]
+    a = results["async"]
+    s = results["sync"]
     print(
         f"RESULT itl_p99_ratio_async={a['itl_p99'] / none['itl_p99']:.2f} "
         f"itl_p99_ratio_sync={s['itl_p99'] / none['itl_p99']:.2f} ttft_ratio_async={a['ttft'] / none['ttft']:.2f} "

@@ -61,7 +61,8 @@ def print_table(result, policies) -> None:
 
 
 def _gap(result, policy: str, capacity: float) -> str:
-    lru, ceiling = result.rate("lru", capacity), result.rate("belady", capacity)
+    lru = result.rate("lru", capacity)
+    ceiling = result.rate("belady", capacity)
     if policy == "belady" or ceiling - lru < 1e-9:
         return "-"
     return f"{(result.rate(policy, capacity) - lru) / (ceiling - lru):+.0%}"
@@ -86,9 +87,8 @@ def main() -> None:
         f"{', '.join(f'{c:.0%}' for c in CAPACITIES)} of the distinct blocks; policies {', '.join(POLICIES)}"
     )
     started = time.perf_counter()
-    has_matplotlib = (
-        importlib.util.find_spec("matplotlib") is not None
-    )  # the demo extra; without it: no PNG
+    # the demo extra; without it: no PNG
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     result = sweep(
         requests,
         CAPACITIES,
@@ -105,7 +105,8 @@ def main() -> None:
     )
     print_table(result, POLICIES)
     best = choose_best(result, POLICIES)
-    lru, top = result.rate("lru", 0.05), result.rate(best, 0.05)
+    lru = result.rate("lru", 0.05)
+    top = result.rate(best, 0.05)
     print(
         f"best: {best}, {top / lru:.3f}x LRU's hit rate at 5 %; csv {result.csv_path}, png {result.png_path}"
     )

@@ -44,8 +44,10 @@ from servers.redis import RedisServer
 from servers.throttle import ThrottledProxy
 
 BLOCK = 4
-PREFIX_TOKENS = 12  # 3 chunks
-GAP_S = 0.05  # between two requests
+# 3 chunks
+PREFIX_TOKENS = 12
+# between two requests
+GAP_S = 0.05
 STALL_S = 1.5
 TIER_JOB_TIMEOUT_S = 0.5
 
@@ -74,9 +76,8 @@ class Stack:
             chunk_bytes=self.slab.rows.shape[1],
         )
         self.scheduler = OffloadScheduler(config, self.manager)
-        self.scheduler.costs.prefill = PrefillRate(
-            prior_tokens_per_s=40.0, min_tokens=10**9
-        )  # never measured
+        # never measured
+        self.scheduler.costs.prefill = PrefillRate(prior_tokens_per_s=40.0, min_tokens=10**9)
         self.engine = FakeEngine(self.scheduler, num_blocks=32, block_size=BLOCK, slab=self.slab)
         self.prefixes = [prompt(PREFIX_TOKENS, seed=s) for s in range(1, 1 + num_prefixes)]
 
@@ -86,9 +87,8 @@ class Stack:
             self.serve(f"first-{i}", p)
             self.tier.drain(10.0)
         for i in range(2):
-            self.serve(
-                f"filler-{i}", prompt(PREFIX_TOKENS, seed=900 + i)
-            )  # (seeds equal mod 1000 collide)
+            # (seeds equal mod 1000 collide)
+            self.serve(f"filler-{i}", prompt(PREFIX_TOKENS, seed=900 + i))
             self.tier.drain(10.0)
 
     def serve(self, req_id: str, tokens: list[int]):
@@ -140,9 +140,8 @@ def stall(
         stack.engine.reset_prefix_cache()
         server.pause()
         stalled_at = time.monotonic()
-        stalled = stack.serve(
-            "stalled", stack.prefixes[0] + [7]
-        )  # its promotions expire: Redis written off
+        # its promotions expire: Redis written off
+        stalled = stack.serve("stalled", stack.prefixes[0] + [7])
         expired = stack.manager.tier_stats()[0].counters.get("expired_jobs", 0)
         if stalled.num_external_tokens or not expired:
             raise RuntimeError(
@@ -167,7 +166,8 @@ def slow(server: RedisServer, seconds: float) -> tuple[list[tuple[float, int]], 
         try:
             stack.store_prefixes()
             link.latency_s = 0.5
-            stack.serve("measure", stack.prefixes[0] + [7])  # loads at the prior: measured slow
+            # loads at the prior: measured slow
+            stack.serve("measure", stack.prefixes[0] + [7])
             stack.tier.drain(10.0)
             explored_before = stack.scheduler.stats.explorations["redis"]
             deferrals_before = stack.scheduler.stats.deferrals

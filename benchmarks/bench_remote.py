@@ -72,13 +72,16 @@ from servers.redis import RedisServer
 from tier_driver import run_jobs
 
 SIZES = (1 << 20, 2 << 20, 4 << 20)
-WORKING_SET = 64 << 20  # redis-benchmark's keys x size (--quick: half)
-SET_PER_KEY, GET_PER_KEY = 4, 8  # redis-benchmark's requests per key of the working set
-LOAD_PASSES = GET_PER_KEY // SET_PER_KEY  # each read side reads what it wrote this many times
+# redis-benchmark's keys x size (--quick: half)
+WORKING_SET = 64 << 20
+# redis-benchmark's requests per key of the working set
+SET_PER_KEY = 4
+GET_PER_KEY = 8
+# each read side reads what it wrote this many times
+LOAD_PASSES = GET_PER_KEY // SET_PER_KEY
 KEY_SECRET = b"bench deployment secret, 32 byte"
-NEW_KEYS = (
-    10**9
-)  # redis-benchmark -r for "every SET a new key" (an int: 2^40 wraps, and every SET hits one key)
+# redis-benchmark -r for "every SET a new key" (an int: 2^40 wraps, and every SET hits one key)
+NEW_KEYS = 10**9
 GB = 1e9
 
 
@@ -160,8 +163,12 @@ class Brackets:
         working_set: int,
         span: int,
     ):
-        self.port, self.size, self.clients, self.pipelines = port, size, clients, pipelines
-        self.keys, self.span = max(8, working_set // size), span
+        self.port = port
+        self.size = size
+        self.clients = clients
+        self.pipelines = pipelines
+        self.keys = max(8, working_set // size)
+        self.span = span
         # db 1: the GET runs' values, under redis-benchmark's names (`key:` and 12 digits), each one set
         client = redis.Redis(port=port, db=1)
         value = os.urandom(size)
@@ -311,7 +318,8 @@ def tier_rates(
         cpu: dict[str, float] = {}
 
         def run(side: str, passes: int) -> float:
-            start = time.process_time()  # this process only: the client's CPU, not the server's
+            # this process only: the client's CPU, not the server's
+            start = time.process_time()
             seconds = sum(
                 run_jobs(tier, rows, count, batch, side == "store", poll_s=0.0002)
                 for _ in range(passes)
@@ -393,7 +401,9 @@ def one_round(
     port: int, size: int, count: int, args: argparse.Namespace, tag: str, keyed_first: bool = False
 ) -> dict[str, float]:
     """Every side once, the baseline first (the keyed tier before the plain one when `keyed_first`)."""
-    url, threads, batch = f"redis://127.0.0.1:{port}", args.threads, args.batch
+    url = f"redis://127.0.0.1:{port}"
+    threads = args.threads
+    batch = args.batch
     working_set = WORKING_SET // 2 if args.quick else WORKING_SET
     by_pipeline = {
         pipeline: redis_benchmark(port, size, threads, pipeline, working_set)
@@ -415,9 +425,8 @@ def one_round(
         for direction, test in (("store", "set"), ("load", "get"))
     }
     brackets = Brackets(port, size, threads, best, working_set, count)
-    flush = redis.Redis(
-        port=port, db=0
-    ).flushdb  # the sides' values (the brackets' are in dbs 1 and 2)
+    # the sides' values (the brackets' are in dbs 1 and 2)
+    flush = redis.Redis(port=port, db=0).flushdb
     try:
         out.update(
             {
@@ -464,6 +473,7 @@ def report(size: int, results: list[dict[str, float]]) -> dict[str, float]:
         side: statistics.median(r[side] / r[f"bench {base}"] for r in results)
         for side, base in bases.items()
     }
+    # against the plain tier, not redis-benchmark
     ratio.update(
         {
             f"tier keyed {side}": statistics.median(
@@ -471,7 +481,7 @@ def report(size: int, results: list[dict[str, float]]) -> dict[str, float]:
             )
             for side in ("store", "load")
         }
-    )  # against the plain tier, not redis-benchmark
+    )
     print(
         f"{size >> 20} MiB  redis-benchmark SET (new keys) {best['bench set']:.2f}, GET {best['bench get']:.2f} "
         f"GB/s; SET over existing keys {best['bench set over']:.2f}"
@@ -551,9 +561,8 @@ def main() -> None:
             "redis-benchmark not found on PATH: apt-get install -y redis-server (or `make test`)"
         )
     rounds = (args.rounds or 2) if args.quick else (args.rounds or 4)
-    total = SET_PER_KEY * (
-        WORKING_SET // 2 if args.quick else WORKING_SET
-    )  # the bytes redis-benchmark sets
+    # the bytes redis-benchmark sets
+    total = SET_PER_KEY * (WORKING_SET // 2 if args.quick else WORKING_SET)
     ratios: dict[str, list[float]] = {}
     mac_rates()
     with RedisServer.temporary(prefix="kvtier-bench-redis-") as server:
@@ -571,13 +580,13 @@ def main() -> None:
             ]
             for side, value in report(size, results).items():
                 ratios.setdefault(side, []).append(value)
-    redis_store, redis_load = min(ratios["tier store"]), min(ratios["tier load"])
-    keyed_store, keyed_load = min(ratios["tier keyed store"]), min(ratios["tier keyed load"])
-    s3 = (
-        {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan}
-        if args.no_s3
-        else s3_ratios(args.quick)
-    )
+    redis_store = min(ratios["tier store"])
+    redis_load = min(ratios["tier load"])
+    keyed_store = min(ratios["tier keyed store"])
+    keyed_load = min(ratios["tier keyed load"])
+    s3 = {"s3_store_ratio": math.nan, "s3_load_ratio": math.nan}
+    if not args.no_s3:
+        s3 = s3_ratios(args.quick)
     print(
         f"RESULT redis_store_ratio={redis_store:.2f} redis_load_ratio={redis_load:.2f} "
         f"s3_store_ratio={s3['s3_store_ratio']:.2f} s3_load_ratio={s3['s3_load_ratio']:.2f} "

@@ -133,7 +133,8 @@ def run_long_prompt(num_prompt_tokens: int, policy: str, num_decode_tokens: int 
         while engine.waiting or engine.running:
             phase = "prefill" if request.num_computed < num_prompt_tokens else "decode"
             np.add(cold, 1.0, out=cold)
-            before, stored_before = sched.seconds, sched.stats.stored_chunks
+            before = sched.seconds
+            stored_before = sched.stats.stored_chunks
             engine.step()
             seconds[phase] += sched.seconds - before
             steps[phase] += 1
@@ -165,7 +166,8 @@ def long_prompts(lengths: list[int], policy: str, rounds: int) -> None:
             f"µs per chunk stored in prefill, {r['decode_us_per_step']:6.1f} µs per decode step "
             f"({r['stored']:.0f} chunks stored)"
         )
-    short, long = best[min(lengths)], best[max(lengths)]
+    short = best[min(lengths)]
+    long = best[max(lengths)]
     per_chunk = "/".join(f"{best[n]['prefill_us_per_chunk']:.2f}" for n in lengths)
     decode = "/".join(f"{best[n]['decode_us_per_step']:.1f}" for n in lengths)
     print(

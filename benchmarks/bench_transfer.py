@@ -39,8 +39,10 @@ from kvtier.jobs import Endpoint, TransferJob, TransferPart
 from kvtier.worker import TransferEngine
 
 CHUNK_SIZES = (256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)
-HEADS, TOKENS = 4, 16
-ENGINE, SLAB = Endpoint.ENGINE, Endpoint.SLAB
+HEADS = 4
+TOKENS = 16
+ENGINE = Endpoint.ENGINE
+SLAB = Endpoint.SLAB
 
 
 def make_kv(layers: int, num_blocks: int, page_bytes: int) -> dict[str, torch.Tensor]:
@@ -59,9 +61,8 @@ def placement(
     """Block ids (num_chunks, bpc) and slot ids (num_chunks,) for one case."""
     if case == "contiguous":
         return np.arange(num_chunks * bpc).reshape(num_chunks, bpc), np.arange(num_chunks)
-    starts = (
-        rng.permutation(2 * num_chunks)[:num_chunks] * bpc
-    )  # the buffer has room for 2x the chunks
+    # the buffer has room for 2x the chunks
+    starts = rng.permutation(2 * num_chunks)[:num_chunks] * bpc
     return starts[:, None] + np.arange(bpc), rng.permutation(num_chunks)
 
 
@@ -72,7 +73,8 @@ def run_jobs(
     start = time.perf_counter()
     job_ids = []
     for job_id, first in enumerate(range(0, len(slots), per_job)):
-        b, s = blocks[first : first + per_job].ravel(), slots[first : first + per_job]
+        b = blocks[first : first + per_job].ravel()
+        s = slots[first : first + per_job]
         engine.submit(
             TransferJob(
                 job_id=job_id,
@@ -134,12 +136,14 @@ def bench_size(
     total = num_chunks * chunk_bytes
     out = {}
     with TransferEngine(kv, args.bpc, num_chunks) as engine:
-        src, dst = next(iter(kv.values())).untyped_storage(), engine.slab.view(-1)
+        src = next(iter(kv.values())).untyped_storage()
+        dst = engine.slab.view(-1)
         src = torch.empty(0, dtype=torch.int8).set_(src, 0, (total,), (1,))
         for case in cases:
             blocks, slots = placement(case, num_chunks, args.bpc, rng)
             check_round_trip(engine, kv, blocks, slots)
-            rounds = []  # (store, load, copy) seconds, measured back to back
+            # (store, load, copy) seconds, measured back to back
+            rounds = []
             for _ in range(args.rounds):
                 scrub_cache()
                 store = run_jobs(engine, True, blocks, slots, args.chunks_per_job)
@@ -204,7 +208,8 @@ def gil_main(args: argparse.Namespace, rng: np.random.Generator) -> None:
                 store, load, copy, *_ = bench_size(2 << 20, args, rng, cases=("fragmented",))[
                     "fragmented"
                 ]
-            copy = ratios.setdefault("copy", copy)  # the no-spinner baseline of the first row
+            # the no-spinner baseline of the first row
+            copy = ratios.setdefault("copy", copy)
             ratios[path, spin] = (store / copy, load / copy)
             print(f"{path:>7} {'yes' if spin else 'no':>8} {store:>11.2f} {load:>10.2f} {copy:>10.2f} "
                   f"{store / copy:>10.2f} {load / copy:>9.2f}")  # fmt: skip
@@ -227,7 +232,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.quick:
-        args.total_mib, args.rounds = 64, 5
+        args.total_mib = 64
+        args.rounds = 5
     rng = np.random.default_rng(0)
     if args.gil:
         return gil_main(args, rng)

@@ -110,7 +110,8 @@ def _publish_leaving_the_claim(self: DiskTier, key: OffloadKey, tmp: str, ticket
     try:
         self._files.publish(tmp, key)
     except BaseException:
-        self._files.discard_tmp(tmp, key)  # raises too: the release below never runs
+        # raises too: the release below never runs
+        self._files.discard_tmp(tmp, key)
         index.release(key)
         raise
     with self._lock:
@@ -118,7 +119,8 @@ def _publish_leaving_the_claim(self: DiskTier, key: OffloadKey, tmp: str, ticket
             if not self.is_scanned:
                 self._fresh.append(key)
             self._book.emit([key], removed=False)
-            index.busy.discard(key)  # what 087adb5's commit did
+            # what 087adb5's commit did
+            index.busy.discard(key)
             self._cond.notify_all()
             return True
     self._files.unlink(key)

@@ -91,13 +91,17 @@ def run_config(
         stack.close_tiers()
         check_closed(stack, lambda medium: _fresh_store(medium, redis, s3))
     except ContentMismatch as exc:
-        outcome.kind, outcome.detail = "mismatch", f"at {action}: {exc}"
+        outcome.kind = "mismatch"
+        outcome.detail = f"at {action}: {exc}"
     except HangError as exc:
-        outcome.kind, outcome.detail = "hang", f"at {action}: {exc}"
+        outcome.kind = "hang"
+        outcome.detail = f"at {action}: {exc}"
         faulthandler.dump_traceback(all_threads=True)
     except Violation as exc:
-        outcome.kind, outcome.detail = "violation", f"at {action}: {exc}"
-    except Exception as exc:  # an engine-facing path raised: kvtier must never do that
+        outcome.kind = "violation"
+        outcome.detail = f"at {action}: {exc}"
+    # an engine-facing path raised: kvtier must never do that
+    except Exception as exc:
         outcome.kind = "crash"
         outcome.detail = f"at {action}: {type(exc).__name__}: {exc} ({_where(exc)})"
     finally:
@@ -160,10 +164,12 @@ def run_fuzz(
     mutation, the first failure; only configurations where the mutated code runs are drawn then);
     `config_seed`: only the configuration a failure named. Returns their outcomes."""
     deadline = None if minutes is None else time.monotonic() + 60 * minutes
-    rng, outcomes = random.Random(seed), []
+    rng = random.Random(seed)
+    outcomes = []
     if config_seed is not None:
         max_configs = 1
-    s3 = S3Server()  # started when a configuration first has an S3 tier
+    # started when a configuration first has an S3 tier
+    s3 = S3Server()
     with (
         RedisServer.temporary(prefix="kvtier-bench-redis-") as redis,
         obstore_faults(),
@@ -175,7 +181,8 @@ def run_fuzz(
         ):
             config = FuzzConfig.draw(rng.randrange(1 << 31) if config_seed is None else config_seed)
             if config_seed is None and not reaches(mutation_name, config):
-                continue  # a defect put back is looked for only where its code runs
+                # a defect put back is looked for only where its code runs
+                continue
             outcome = _run_guarded(config, redis, num_actions, hang_s, s3)
             outcomes.append(outcome)
             out(outcome.line())
@@ -230,7 +237,9 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="2 minutes")
     args = parser.parse_args()
-    minutes = 2.0 if args.quick or (args.minutes is None and args.configs is None) else args.minutes
+    minutes = args.minutes
+    if args.quick or (args.minutes is None and args.configs is None):
+        minutes = 2.0
     outcomes = run_fuzz(
         seed=args.seed,
         minutes=minutes,

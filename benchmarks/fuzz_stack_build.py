@@ -66,13 +66,16 @@ __all__ = [
     "keeper_hints",
 ]
 
-BLOCK = 4  # tokens per engine block
+# tokens per engine block
+BLOCK = 4
+# requests' cache_salt where a configuration has several tenants
 TENANTS = (
     None,
     "tenant-b",
     "tenant-c",
-)  # requests' cache_salt where a configuration has several tenants
-KEEPER_PRIORITIES = (1, 5)  # a keeper's priority (above every other request's, which is 2 at most)
+)
+# a keeper's priority (above every other request's, which is 2 at most)
+KEEPER_PRIORITIES = (1, 5)
 
 
 def keeper_hints(priority: int) -> dict:
@@ -98,10 +101,13 @@ class FuzzConfig:
     store_mode: str
     load_mode: str
     blocks_per_chunk: int
-    sliding_window: int | None  # tokens, for a second (sliding-window) group; None: one full group
+    # tokens, for a second (sliding-window) group; None: one full group
+    sliding_window: int | None
     policy: str
-    disk: str | None  # write mode of a disk tier, or None
-    redis: str | None  # write mode of a Redis tier, or None
+    # write mode of a disk tier, or None
+    disk: str | None
+    # write mode of a Redis tier, or None
+    redis: str | None
     min_offers: int
     num_slots: int
     num_blocks: int
@@ -111,15 +117,20 @@ class FuzzConfig:
     # a key of `LOAD_COSTS`, "off" (no decision: every found chunk loads), or "measured" (the cost model
     # measures the tiers; the engine's prefill speed is fixed: `MEASURED_PREFILL_TOKENS_PER_S`)
     load_costs: str = "off"
-    quotas: tuple[tuple[str, int], ...] = ()  # CPU-tier slots per tenant ("tenant-b", "*"), or none
-    s3: str | None = None  # write mode of an S3 tier, or None
-    num_workers: int = 1  # tensor-parallel ranks
-    tenants: tuple[
-        str | None, ...
-    ] = ()  # what requests draw their tenant from (): one in ten "tenant-b"
-    disk_quotas: tuple[tuple[str, int], ...] = ()  # disk files per tenant, or none
-    keepers: bool = False  # some requests ask to keep their own prompts (`keeper_hints`)
-    lockstep: bool = False  # after each step, wait until the tiers are quiet (see `Stack.is_quiet`)
+    # CPU-tier slots per tenant ("tenant-b", "*"), or none
+    quotas: tuple[tuple[str, int], ...] = ()
+    # write mode of an S3 tier, or None
+    s3: str | None = None
+    # tensor-parallel ranks
+    num_workers: int = 1
+    # what requests draw their tenant from (): one in ten "tenant-b"
+    tenants: tuple[str | None, ...] = ()
+    # disk files per tenant, or none
+    disk_quotas: tuple[tuple[str, int], ...] = ()
+    # some requests ask to keep their own prompts (`keeper_hints`)
+    keepers: bool = False
+    # after each step, wait until the tiers are quiet (see `Stack.is_quiet`)
+    lockstep: bool = False
 
     @classmethod
     def draw(cls, seed: int) -> FuzzConfig:
@@ -181,7 +192,8 @@ class FuzzConfig:
             quotas = [("tenant-b", small), ("*", small + rng.choice([1, bpc, 2 * bpc]))]
             if rng.random() < 0.5:
                 quotas.insert(1, ("tenant-c", 8 * bpc))
-            drawn["tenants"], drawn["quotas"] = TENANTS, tuple(quotas)
+            drawn["tenants"] = TENANTS
+            drawn["quotas"] = tuple(quotas)
             if has_disk:
                 drawn["disk_quotas"] = (("tenant-b", rng.choice([1, 2])), ("*", rng.choice([3, 6])))
         drawn["lockstep"] = rng.random() < 0.5
@@ -214,7 +226,8 @@ class FuzzConfig:
         )
 
 
-_FAST, _SLOW = ReadEstimate(1e12, 0.0), ReadEstimate(1e3, 0.1)
+_FAST = ReadEstimate(1e12, 0.0)
+_SLOW = ReadEstimate(1e3, 0.1)
 # fixed figures for the decision (prefill 1,000 tokens/s: a 4-token block takes 4 ms); S3 as Redis
 LOAD_COSTS: dict[str, tuple[str, CostSnapshot]] = {
     "always": (
@@ -290,9 +303,8 @@ class Stack:
     ):
         self.config = config
         if config.lockstep:
-            tier_timeout_s = (
-                30.0  # a job's real duration never decides anything: only a hang expires it
-            )
+            # a job's real duration never decides anything: only a hang expires it
+            tier_timeout_s = 30.0
         self.clock = FakeClock()
         self._is_closed = False
         self._tmp = tempfile.TemporaryDirectory(prefix="kvtier-fuzz-")
@@ -313,10 +325,14 @@ class Stack:
             config.num_workers,
             slot_bytes,
         )
-        self.disk = self.remote = self.s3 = None
+        self.disk = None
+        self.remote = None
+        self.s3 = None
         self.file_faults: FileFaults | None = None
-        self.watches: dict[str, StoreWatch] = {}  # by medium: the remote tiers' stores, watched
-        self.put_faults: PutFaults | None = None  # the S3 store's requests
+        # by medium: the remote tiers' stores, watched
+        self.watches: dict[str, StoreWatch] = {}
+        # the S3 store's requests
+        self.put_faults: PutFaults | None = None
         tiers = []
         if config.disk is not None:
             self.disk = self._disk_tier(Path(self._tmp.name) / "disk")
@@ -337,17 +353,14 @@ class Stack:
         primary = CPUTierManager(
             config.num_slots, policy=config.policy, tenant_quotas=dict(config.quotas)
         )
-        self.manager = (
-            TieredManager(
+        self.manager = primary
+        if tiers:
+            self.manager = TieredManager(
                 primary, [slab.rows for slab in slabs], tiers, job_timeout_s=tier_timeout_s
             )
-            if tiers
-            else primary
-        )
         self.primary = primary
-        policy, costs = LOAD_COSTS.get(
-            config.load_costs, ("cost" if config.load_costs == "measured" else "always", None)
-        )
+        unlisted = ("cost" if config.load_costs == "measured" else "always", None)
+        policy, costs = LOAD_COSTS.get(config.load_costs, unlisted)
         is_weighed = costs is not None or config.load_costs == "measured"
         chunk_bytes = slot_bytes * len(config.groups()) * config.num_workers if is_weighed else 0
         sched_config = SchedulerOffloadConfig(
@@ -362,7 +375,8 @@ class Stack:
             num_workers=config.num_workers,
         )
         self.scheduler = OffloadScheduler(sched_config, self.manager, clock=self.clock, costs=costs)
-        if config.load_costs == "measured":  # the fake engine's steps are no measure of a prefill
+        # the fake engine's steps are no measure of a prefill
+        if config.load_costs == "measured":
             self.scheduler.costs.prefill = PrefillRate(
                 prior_tokens_per_s=MEASURED_PREFILL_TOKENS_PER_S
             )
@@ -406,9 +420,8 @@ class Stack:
         )
 
     def _remote_options(self) -> dict:
-        if (
-            self.config.lockstep
-        ):  # jobs end in the order they were given; an absence is not re-asked by time
+        # jobs end in the order they were given; an absence is not re-asked by time
+        if self.config.lockstep:
             return {"absent_ttl_s": 3600.0, "io_threads": 1}
         return {"absent_ttl_s": 0.05}
 

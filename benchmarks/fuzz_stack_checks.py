@@ -72,7 +72,8 @@ def check_step(stack: Stack, driver: Driver) -> None:
     except InvariantError as exc:
         raise Violation(f"CPU tier: {exc}") from exc
     try:
-        stack.engine.check_blocks()  # the fake engine's own books (a broken double would hide bugs)
+        # the fake engine's own books (a broken double would hide bugs)
+        stack.engine.check_blocks()
     except AssertionError as exc:
         raise Violation(f"fake engine: {exc}") from exc
     stats = stack.scheduler.stats
@@ -135,7 +136,9 @@ def _check_disk_tenants(stack: Stack, owners: Owners) -> None:
 
 def _check_keepers(stack: Stack, driver: Driver) -> None:
     """Keepers' chunks rank as they asked, and go after every unhinted chunk of their tenant."""
-    owners, primary, now = driver.owners, stack.primary, stack.clock.now
+    owners = driver.owners
+    primary = stack.primary
+    now = stack.clock.now
     for key in primary.ready_keys():
         priority = owners.keeper_priority(key)
         if priority is not None:
@@ -161,7 +164,8 @@ def _check_keepers(stack: Stack, driver: Driver) -> None:
 def check_quiet(stack: Stack, driver: Driver) -> None:
     """The invariants that hold once every request ended and the tiers are drained."""
     remote_kept_values = driver.remote_kept_values
-    sched, engine = stack.scheduler, stack.engine
+    sched = stack.scheduler
+    engine = stack.engine
     _require(
         not (engine.waiting or engine.running or engine.parked), "requests still in the engine"
     )

@@ -34,8 +34,10 @@ from servers.redis import RedisServer
 
 __all__ = ["Driver", "HangError"]
 
-_MAX_LIVE = 6  # requests in the engine at once at most
-_DRAIN_S = 10.0  # tier I/O on small chunks takes milliseconds: longer than this is a hang
+# requests in the engine at once at most
+_MAX_LIVE = 6
+# tier I/O on small chunks takes milliseconds: longer than this is a hang
+_DRAIN_S = 10.0
 _ACTIONS = {
     "add": 3.0,
     "step": 6.0,
@@ -48,9 +50,12 @@ _ACTIONS = {
     "fault": 0.4,
     "audit": 0.5,
 }
-_MAX_REPLAYS = 40  # earlier prompts asked for again at the end, at most
-_NUM_KEEPER_PROMPTS = 3  # prompts that keepers ask for (each of one tenant, at one priority)
-_RANK_FAULTS = ("store_delay", "load_delay", "stuck_stores", "fail_load")  # on the workers' copies
+# earlier prompts asked for again at the end, at most
+_MAX_REPLAYS = 40
+# prompts that keepers ask for (each of one tenant, at one priority)
+_NUM_KEEPER_PROMPTS = 3
+# on the workers' copies
+_RANK_FAULTS = ("store_delay", "load_delay", "stuck_stores", "fail_load")
 
 
 class HangError(RuntimeError):
@@ -61,7 +66,8 @@ class HangError(RuntimeError):
 class _Fault:
     name: str
     until_step: int
-    ranks: list[Faults] = field(default_factory=list)  # the workers whose copies it faults
+    # the workers whose copies it faults
+    ranks: list[Faults] = field(default_factory=list)
 
 
 @dataclass
@@ -69,16 +75,17 @@ class Driver:
     stack: Stack
     rng: random.Random
     redis: RedisServer | None
-    num_steps: int = 0  # engine steps taken
-    remote_kept_values: bool = True  # False once the Redis server was restarted empty
+    # engine steps taken
+    num_steps: int = 0
+    # False once the Redis server was restarted empty
+    remote_kept_values: bool = True
     prompts: list[list[int]] = field(default_factory=list)
-    kinds: dict[str, tuple[str, int | None]] = field(
-        default_factory=dict
-    )  # req_id -> (kind, keeper priority)
-    reached: Counter[str] = field(
-        default_factory=Counter
-    )  # what the episodes got to (`fuzz_stack_episodes`)
-    is_settled: bool = False  # the last action drained the tiers
+    # req_id -> (kind, keeper priority)
+    kinds: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    # what the episodes got to (`fuzz_stack_episodes`)
+    reached: Counter[str] = field(default_factory=Counter)
+    # the last action drained the tiers
+    is_settled: bool = False
     _faults: list[_Fault] = field(default_factory=list)
     _next_id: int = 0
 
@@ -91,7 +98,8 @@ class Driver:
         rng = self.rng
         limit = self.max_tokens()
         self._prefixes = [[rng.randrange(1, 1000) for _ in range(limit)] for _ in range(3)]
-        config, new_rng = self.stack.config, self.new_rng
+        config = self.stack.config
+        new_rng = self.new_rng
         # keepers' prompts: tokens of their own (no other request shares a block with them)
         self._keepers = [
             (
@@ -104,9 +112,8 @@ class Driver:
             )
             for _ in range(_NUM_KEEPER_PROMPTS if config.keepers else 0)
         ]
-        self._salts: dict[
-            tuple[int, ...], str | None
-        ] = {}  # several tenants: each prompt's, for replays
+        # several tenants: each prompt's, for replays
+        self._salts: dict[tuple[int, ...], str | None] = {}
         self.owners = Owners(self.stack.engine, self.kinds)
         self.evictions = EvictionLog(self.stack.primary) if config.keepers else None
         self.episodes = Episodes(self)
@@ -140,12 +147,14 @@ class Driver:
         return f"{name}{self._next_id}"
 
     def _add(self) -> None:
-        engine, rng = self.stack.engine, self.rng
+        engine = self.stack.engine
+        rng = self.rng
         if self.is_full():
             return self._step()
         new_tokens = rng.randint(1, 3)
         if self.prompts and rng.random() < 0.3:
-            prompt = list(rng.choice(self.prompts))  # an earlier prompt again
+            # an earlier prompt again
+            prompt = list(rng.choice(self.prompts))
         else:
             shared = rng.choice(self._prefixes)[: rng.randint(0, self.max_tokens() - 8)]
             prompt = shared + [
@@ -156,9 +165,8 @@ class Driver:
             [None] * 8 + [{"kvtier": {"store": False}}, {"kvtier": {"load": False}}]
         )
         hint_rng = self._hint_rng
-        if (
-            params is None and hint_rng.random() < 0.4
-        ):  # hints: kept, ranked, dropped chunks in every tier
+        # hints: kept, ranked, dropped chunks in every tier
+        if params is None and hint_rng.random() < 0.4:
             params = {
                 "kvtier": {
                     "session": hint_rng.choice(["s0", "s1"]),
@@ -270,17 +278,17 @@ class Driver:
         self.stack.clock.now += self.rng.choice([0.3, 1.0, 2.5])
 
     def _fault(self) -> None:
-        stack, rng = self.stack, self.rng
+        stack = self.stack
+        rng = self.rng
         names = ["store_delay", "load_delay", "stuck_stores", "fail_load"]
-        names += [f"disk_{mode}" for mode in FileFaults.MODES] if stack.disk is not None else []
+        if stack.disk is not None:
+            names += [f"disk_{mode}" for mode in FileFaults.MODES]
         # a lockstep walk leaves out the faults whose effect depends on real time (`fuzz_stack_build`)
         is_timed = not stack.config.lockstep
-        names += (
-            ["redis_pause", "redis_restart"]
-            if stack.remote is not None and self.redis is not None and is_timed
-            else []
-        )
-        names += ["s3_fail_put", "s3_slow_put"] if stack.s3 is not None and is_timed else []
+        if stack.remote is not None and self.redis is not None and is_timed:
+            names += ["redis_pause", "redis_restart"]
+        if stack.s3 is not None and is_timed:
+            names += ["s3_fail_put", "s3_slow_put"]
         name = rng.choice(names)
         if any(f.name == name for f in self._faults):
             return
@@ -295,7 +303,15 @@ class Driver:
     # -- faults -----------------------------------------------------------------------------
 
     def _start(self, fault: _Fault) -> None:
-        name, rng = fault.name, self.rng
+        if fault.name in _RANK_FAULTS:
+            self._start_rank_fault(fault)
+        else:
+            self._start_tier_fault(fault.name)
+
+    def _start_rank_fault(self, fault: _Fault) -> None:
+        """A fault of the workers' copies, on each of `fault.ranks` (one draw for all of them)."""
+        name = fault.name
+        rng = self.rng
         if name == "store_delay":
             delay = rng.randint(1, 2)
             for faults in fault.ranks:
@@ -311,7 +327,10 @@ class Driver:
             seed = rng.randrange(1 << 30)
             for faults in fault.ranks:
                 faults.fail_load = lambda job: random.Random(seed ^ job.job_id).random() < 0.5
-        elif name == "s3_fail_put":
+
+    def _start_tier_fault(self, name: str) -> None:
+        """A fault of a secondary tier: its store's requests, its files, or its server."""
+        if name == "s3_fail_put":
             self.stack.put_faults.fail_share = 0.5
         elif name == "s3_slow_put":
             self.stack.put_faults.slow_down()
@@ -361,17 +380,21 @@ class Driver:
         self._run_all()
         distinct = list({tuple(p): p for p in self.prompts}.values())
         for prompt in self.rng.sample(distinct, min(_MAX_REPLAYS, len(distinct))):
-            engine.reset_prefix_cache()  # kvtier, not the engine's cache, serves what it holds
-            self._settle()  # what was written is there to be found
+            # kvtier, not the engine's cache, serves what it holds
+            engine.reset_prefix_cache()
+            # what was written is there to be found
+            self._settle()
             self._add_prompt(prompt, "again")
             self._run_all()
-        for keeper in self._keepers:  # the keepers' prompts, as they asked for them
+        # the keepers' prompts, as they asked for them
+        for keeper in self._keepers:
             engine.reset_prefix_cache()
             self._settle()
             self.add_keeper(keeper)
             self._run_all()
         self._settle()
-        self.stack.clock.now += 10.0  # past every deadline: jobs a worker never reported expire
+        # past every deadline: jobs a worker never reported expire
+        self.stack.clock.now += 10.0
         self._run_all(at_least=2)
         self._settle()
 

@@ -44,12 +44,18 @@ if TYPE_CHECKING:
 
 __all__ = ["Episodes"]
 
-S3_LOG, RESET_LOG = "kvtier.tiers.remote.s3", "kvtier.tiers.remote.reset"
-_EPISODE_SHARE = 0.01  # of the actions, in a configuration that has the tier an episode needs
-_MAX_WAIT_STEPS = 60  # steps an episode waits for the store call it holds; then it gives up
-STALL_FACTOR = 2.5  # a stalled read takes this many times what recomputing its chunk takes
-_STALL_REQUESTS = 4  # requests on the stalled tier at most, until the cost model writes it off
-RECOVERY_GAP_S = 4.0  # fake seconds between two requests after the stall
+S3_LOG = "kvtier.tiers.remote.s3"
+RESET_LOG = "kvtier.tiers.remote.reset"
+# of the actions, in a configuration that has the tier an episode needs
+_EPISODE_SHARE = 0.01
+# steps an episode waits for the store call it holds; then it gives up
+_MAX_WAIT_STEPS = 60
+# a stalled read takes this many times what recomputing its chunk takes
+STALL_FACTOR = 2.5
+# requests on the stalled tier at most, until the cost model writes it off
+_STALL_REQUESTS = 4
+# fake seconds between two requests after the stall
+RECOVERY_GAP_S = 4.0
 # requests after the stall by which the tier was loaded from again: the first exploration waits 3x
 # the slow read (10 s at most), three explorations (one per request here) make it trusted again
 RECOVERY_REQUESTS = 8
@@ -64,7 +70,8 @@ class Episodes:
 
     def draw(self) -> Callable[[], str] | None:
         """An episode to run now, or None (most actions)."""
-        stack, rng = self.stack, self.driver.new_rng
+        stack = self.stack
+        rng = self.driver.new_rng
         choices = []
         if stack.s3 is not None:
             choices.append(self.torn_batch)
@@ -79,8 +86,11 @@ class Episodes:
     # -- a torn S3 batch (issue 32, defect 4) -----------------------------------------------------
 
     def torn_batch(self) -> str:
-        driver, stack = self.driver, self.stack
-        tier, faults, watch = stack.s3, stack.put_faults, stack.watches["s3"]
+        driver = self.driver
+        stack = self.stack
+        tier = stack.s3
+        faults = stack.put_faults
+        watch = stack.watches["s3"]
         self._quiet()
         armed: list[list[str]] = []
 
@@ -121,7 +131,8 @@ class Episodes:
     # -- a reset while a put runs (issue 32, defect 5) --------------------------------------------
 
     def reset_during_put(self) -> str:
-        driver, stack = self.driver, self.stack
+        driver = self.driver
+        stack = self.stack
         medium = driver.new_rng.choice(sorted(stack.watches))
         watch = stack.watches[medium]
         self._quiet()
@@ -147,7 +158,8 @@ class Episodes:
     # -- a stall, then recovery (issue 32, defect 2) ------------------------------------------------
 
     def stall(self) -> str:
-        driver, stack = self.driver, self.stack
+        driver = self.driver
+        stack = self.stack
         tier = stack.tiers[0] if stack.tiers else None
         medium = driver.new_rng.choice(["cpu"] if tier is None else ["cpu", tier.medium])
         self._quiet()
@@ -165,11 +177,13 @@ class Episodes:
         if medium == "cpu":
             if not self._in_ram(prefixes[0]):
                 return self._reached("stall of cpu: its prefix not in RAM")
-            stalled, healthy = prefixes * _STALL_REQUESTS, prefixes * RECOVERY_REQUESTS
+            stalled = prefixes * _STALL_REQUESTS
+            healthy = prefixes * RECOVERY_REQUESTS
         else:
             if not self._only_in(tier, prefixes):
                 return self._reached(f"stall of {medium}: its prefixes not in it alone")
-            stalled, healthy = prefixes[:_STALL_REQUESTS], prefixes[_STALL_REQUESTS:]
+            stalled = prefixes[:_STALL_REQUESTS]
+            healthy = prefixes[_STALL_REQUESTS:]
         slow = _SlowReads(stack, medium, STALL_FACTOR * self._recompute_s())
         try:
             for prefix in stalled:
@@ -186,10 +200,8 @@ class Episodes:
             # a decision to load from it that is not an exploration (RAM's explorations load too): the
             # cost model trusts it again. (Not the tokens loaded: a promotion lands in RAM in real time,
             # which a request that waits a few steps at most may not see.)
-            num_loads, num_explorations = (
-                stats.load_decisions[("load", medium)],
-                stats.explorations[medium],
-            )
+            num_loads = stats.load_decisions[("load", medium)]
+            num_explorations = stats.explorations[medium]
             self._serve(prefix, gap_s=RECOVERY_GAP_S)
             if (
                 stats.load_decisions[("load", medium)] > num_loads
@@ -215,7 +227,8 @@ class Episodes:
     def _serve(self, prompt: list[int], gap_s: float = 0.0) -> int:
         """One request on `prompt` (after `gap_s` fake seconds; the engine's own cache emptied, the
         tiers quiet); the tokens it loaded."""
-        driver, stack = self.driver, self.stack
+        driver = self.driver
+        stack = self.stack
         stack.clock.now += gap_s
         stack.engine.reset_prefix_cache()
         driver.settle()
@@ -245,7 +258,8 @@ class Episodes:
     def _only_in(self, tier, prefixes: list[list[int]]) -> bool:
         """Compute `prefixes` (offered as often as the tier's admission asks) and push them out of
         RAM with new prompts: True when `tier` then holds each of their whole chunks, and RAM none."""
-        driver, stack = self.driver, self.stack
+        driver = self.driver
+        stack = self.stack
         for prefix in prefixes:
             for _ in range(stack.config.min_offers):
                 self._serve(prefix)
@@ -292,7 +306,8 @@ class Episodes:
         or a few steps after the request ended (its last stores, and the tiers' copies of them).
         After each step, wait until the condition holds or the tiers are quiet: what the tiers do
         with the step's jobs does not race the next step."""
-        driver, stack = self.driver, self.stack
+        driver = self.driver
+        stack = self.stack
         tokens = [driver.new_rng.randrange(7000, 8000) for _ in range(driver.max_tokens() - 1)]
         req = stack.engine.add_request(driver.new_id("e"), tokens, max_new_tokens=1)
         steps_after = 0
@@ -311,7 +326,8 @@ class Episodes:
 
     def _burst(self) -> None:
         """New prompts, more chunks than the CPU tier has slots, each run to its end."""
-        driver, config = self.driver, self.stack.config
+        driver = self.driver
+        config = self.stack.config
         num_chunks = max(1, (driver.max_tokens() - 1) // (config.blocks_per_chunk * 4))
         for _ in range(config.num_slots // num_chunks + 2):
             tokens = [driver.new_rng.randrange(8000, 9000) for _ in range(driver.max_tokens() - 1)]
@@ -323,7 +339,8 @@ class Episodes:
         from before the last reset is left (unless a request of it timed out: the server may have
         applied it after the client gave up, a case `kvtier.tiers.remote.reset` names)."""
         stack = self.stack
-        tier, watch = {"s3": stack.s3, "redis": stack.remote}[medium], stack.watches[medium]
+        tier = {"s3": stack.s3, "redis": stack.remote}[medium]
+        watch = stack.watches[medium]
         if tier.stats().counters["timeouts"] or tier.breaker.is_open:
             self.driver.reached[f"{medium} values not checked {when}: a timeout"] += 1
             return
@@ -348,7 +365,8 @@ class _SlowReads:
         self._seconds = seconds
         self._undo: list[tuple[object, str]] = []
         if medium == "cpu":
-            worker, loads = stack.engine.worker, stack.engine.transfer.loads
+            worker = stack.engine.worker
+            loads = stack.engine.transfer.loads
             self._patch(
                 worker,
                 "take_results",
@@ -381,7 +399,8 @@ class _SlowReads:
 
     def end(self) -> None:
         for obj, name in self._undo:
-            delattr(obj, name)  # the class's method again
+            # the class's method again
+            delattr(obj, name)
 
 
 def _hang(what: str) -> Exception:

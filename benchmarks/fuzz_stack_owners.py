@@ -23,16 +23,19 @@ from kvtier.tiers.cpu.manager import CPUTierManager
 
 __all__ = ["KEEPER", "PLAIN", "EvictionLog", "Owners"]
 
-PLAIN, HINTED, KEEPER = "plain", "hinted", "keeper"  # what a request asked (`Driver.kinds`)
+# what a request asked (`Driver.kinds`)
+PLAIN = "plain"
+HINTED = "hinted"
+KEEPER = "keeper"
 
 
 @dataclass
 class _Block:
     tenant: str
-    kinds: set[str] = field(default_factory=set)  # what the requests that used it asked
-    priority: int | None = (
-        None  # its keepers' (one keeper prompt per block: their tokens are their own)
-    )
+    # what the requests that used it asked
+    kinds: set[str] = field(default_factory=set)
+    # its keepers' (one keeper prompt per block: their tokens are their own)
+    priority: int | None = None
 
 
 class Owners:
@@ -40,9 +43,11 @@ class Owners:
 
     def __init__(self, engine: FakeEngine, kinds: dict[str, tuple[str, int | None]]):
         self._engine = engine
-        self._kinds = kinds  # req_id -> (kind, keeper priority)
+        # req_id -> (kind, keeper priority)
+        self._kinds = kinds
         self._blocks: dict[bytes, _Block] = {}
-        self._done: set[str] = set()  # requests whose hashes are all recorded (finished)
+        # requests whose hashes are all recorded (finished)
+        self._done: set[str] = set()
 
     def update(self) -> None:
         """Record the blocks of the requests added or grown since the last call."""
@@ -86,9 +91,8 @@ class EvictionLog:
     """
 
     def __init__(self, primary: CPUTierManager):
-        self.evictions: list[
-            tuple[list[OffloadKey], set[OffloadKey]]
-        ] = []  # (evicted, could have been)
+        # (evicted, could have been)
+        self.evictions: list[tuple[list[OffloadKey], set[OffloadKey]]] = []
         self._primary = primary
         self._real = primary.prepare_store
         primary.prepare_store = self._prepare_store  # type: ignore[method-assign]

@@ -38,7 +38,8 @@ class TwoRankKV:
 
     def __init__(self, rank0: KVCache, rank1: KVCache):
         self.ranks = (rank0, rank1)
-        self.tensors, self.layer_groups = rank0.tensors, rank0.layer_groups
+        self.tensors = rank0.tensors
+        self.layer_groups = rank0.layer_groups
 
     def content(self, block_hash: bytes, group: int) -> int:
         value = self.ranks[0].content(block_hash, group)
@@ -92,9 +93,8 @@ class Ranks:
     def __init__(self, workers: Sequence[WorkerSide]):
         self.workers = list(workers)
         self.transfer = _RanksTransfer([w.transfer for w in self.workers])
-        self._load_reports: Counter[str] = (
-            Counter()
-        )  # asynchronous loads: ranks that reported each request
+        # asynchronous loads: ranks that reported each request
+        self._load_reports: Counter[str] = Counter()
         self._load_failed: set[str] = set()
 
     def handle_preemptions(self, plan: StepPlan) -> None:

@@ -93,12 +93,16 @@ class PutFaults:
     names fail."""
 
     def __init__(self, seed: int):
-        self.fail_share = 0.0  # PUTs failing, by name
+        # PUTs failing, by name
+        self.fail_share = 0.0
         self._seed = seed
         self._lock = threading.Lock()
-        self._slow: threading.Event | None = None  # set: PUTs wait for it
-        self._torn: tuple[str, str] | None = None  # (failing, held) names of the torn batch
-        self.torn_failed, self.torn_held = threading.Event(), threading.Event()
+        # set: PUTs wait for it
+        self._slow: threading.Event | None = None
+        # (failing, held) names of the torn batch
+        self._torn: tuple[str, str] | None = None
+        self.torn_failed = threading.Event()
+        self.torn_held = threading.Event()
         self._torn_release = threading.Event()
         self.num_failed = 0
 
@@ -117,7 +121,8 @@ class PutFaults:
     def tear(self, failing: str, held: str) -> None:
         """The PUT of `failing` fails once that of `held` runs, which waits for `release_torn()`."""
         with self._lock:
-            self.torn_failed, self.torn_held = threading.Event(), threading.Event()
+            self.torn_failed = threading.Event()
+            self.torn_held = threading.Event()
             self._torn_release = threading.Event()
             self._torn = (failing, held)
 
@@ -146,8 +151,11 @@ class PutFaults:
     def before_put(self, name: str) -> None:
         """Called in the request's thread before it is sent: raises, waits or returns."""
         with self._lock:
-            torn, slow = self._torn, self._slow
-            held, failed, release = self.torn_held, self.torn_failed, self._torn_release
+            torn = self._torn
+            slow = self._slow
+            held = self.torn_held
+            failed = self.torn_failed
+            release = self._torn_release
         if torn is not None and name == torn[1]:
             held.set()
             release.wait(CEILING_S)
@@ -165,7 +173,8 @@ class PutFaults:
             slow.wait(CEILING_S)
 
 
-_FAULTS: dict[int, PutFaults] = {}  # id(obstore's store object) -> its faults
+# id(obstore's store object) -> its faults
+_FAULTS: dict[int, PutFaults] = {}
 
 
 @contextlib.contextmanager
@@ -202,16 +211,21 @@ class StoreWatch:
 
     def __init__(self, store: RemoteStore):
         self.store = store
-        self.epoch = 0  # the fuzzer's reset_cache() calls so far
-        self.names_by_epoch: dict[
-            int, set[str]
-        ] = {}  # names a put call started in that epoch wrote
-        self.listed = threading.Event()  # set by every listing (the reset's sweep)
-        self.on_batch: Callable[[list[str]], None] | None = None  # told each put call's names first
+        # the fuzzer's reset_cache() calls so far
+        self.epoch = 0
+        # names a put call started in that epoch wrote
+        self.names_by_epoch: dict[int, set[str]] = {}
+        # set by every listing (the reset's sweep)
+        self.listed = threading.Event()
+        # told each put call's names first
+        self.on_batch: Callable[[list[str]], None] | None = None
         self._lock = threading.Lock()
-        self._hold: threading.Event | None = None  # armed: the next put call waits for it
-        self.is_holding = threading.Event()  # a put call waits now
-        self._real_put, self._real_list = store.put, store.list_names
+        # armed: the next put call waits for it
+        self._hold: threading.Event | None = None
+        # a put call waits now
+        self.is_holding = threading.Event()
+        self._real_put = store.put
+        self._real_list = store.list_names
         store.put = self._put  # type: ignore[method-assign]
         store.list_names = self._list_names  # type: ignore[method-assign]
 
@@ -238,10 +252,12 @@ class StoreWatch:
             self.names_by_epoch.setdefault(self.epoch, set()).update(names)
             hold = self._hold
             if hold is not None and self.is_holding.is_set():
-                hold = None  # one call held at a time: the others pass
+                # one call held at a time: the others pass
+                hold = None
             if hold is not None:
                 self.is_holding.set()
-        if (on_batch := self.on_batch) is not None:
+        on_batch = self.on_batch
+        if on_batch is not None:
             on_batch(names)
         if hold is not None:
             hold.wait(CEILING_S)
@@ -265,7 +281,8 @@ def check_values(
     written_since = (names_by_epoch or {}).get(epoch, set())
     for name, value in zip(names, values, strict=True):
         if value is None:
-            continue  # dropped between the listing and the read (a TTL)
+            # dropped between the listing and the read (a TTL)
+            continue
         view = memoryview(value).cast("B")
         key = bytes.fromhex(name.rpartition(codec.name_prefix)[2])
         why = codec.check(key, view.nbytes, [view[:HEADER_BYTES], view[HEADER_BYTES:]])

@@ -31,12 +31,13 @@ from pathlib import Path
 from kvtier.costmodel import CostSnapshot, choose_load
 from kvtier.sim import CostModel
 
+# (name, medium, colour)
 TIERS = (
     ("RAM", "cpu", "#2a9d4b"),
     ("local disk", "disk", "#1f77b4"),
     ("Redis", "redis", "#e08a00"),
     ("S3", "s3", "#c62828"),
-)  # (name, medium, colour)
+)
 ISSUE_COSTS = {
     "prefill_tokens_per_s": 8000.0,
     "kv_bytes_per_token": 131_072,
@@ -49,7 +50,8 @@ ISSUE_COSTS = {
     "redis_latency_ms": 0.5,
     "s3_latency_ms": 30.0,
 }
-MIN_TOKENS, MAX_TOKENS = 256, 32_768
+MIN_TOKENS = 256
+MAX_TOKENS = 32_768
 POLICIES = ("always", "cost")
 
 
@@ -59,7 +61,8 @@ class Point:
 
     tokens: int
     recompute_s: float
-    ttft_s: dict[str, float]  # by policy
+    # by policy
+    ttft_s: dict[str, float]
 
     def saving(self, policy: str) -> float:
         return self.recompute_s - self.ttft_s[policy]
@@ -144,7 +147,12 @@ def _cell(p: Point, policy: str) -> str:
 
 # -- the plot: an SVG written by hand (the project keeps matplotlib out of its install) ----------
 
-W, H, LEFT, RIGHT, TOP, BOTTOM = 760, 460, 70, 170, 48, 56
+W = 760
+H = 460
+LEFT = 70
+RIGHT = 170
+TOP = 48
+BOTTOM = 56
 Y_TICKS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -169,10 +177,11 @@ def svg(curves: dict[str, list[Point]], model: CostModel, step_ms: float) -> str
         f'<text x="{W / 2}" y="37" text-anchor="middle" fill="#555">{_subtitle(model, step_ms)}</text>',
     ]
     out += _axes(x, y)
+    # the dashed line on top: where both agree, it runs inside the solid one
     for policy in (
         "cost",
         "always",
-    ):  # the dashed line on top: where both agree, it runs inside the solid one
+    ):
         for _, medium, colour in TIERS:
             pts = " ".join(
                 f"{x(p.tokens):.1f},{y(p.ttft_s[policy] / p.recompute_s):.1f}"
@@ -201,7 +210,10 @@ def _subtitle(model: CostModel, step_ms: float) -> str:
 
 
 def _axes(x, y) -> list[str]:
-    x0, x1, y0, y1 = LEFT, W - RIGHT, TOP, H - BOTTOM
+    x0 = LEFT
+    x1 = W - RIGHT
+    y0 = TOP
+    y1 = H - BOTTOM
     out = [
         f'<rect x="{x0}" y="{y0}" width="{x1 - x0}" height="{y1 - y0}" fill="none" stroke="#888"/>'
     ]
@@ -302,7 +314,8 @@ def _shown(path: Path) -> str:
 def main() -> None:
     args = parse_args()
     model = CostModel(**{name: getattr(args, name) for name in ISSUE_COSTS})
-    costs, chunk = model.snapshot(step_s=args.step_ms / 1000), args.chunk_tokens
+    costs = model.snapshot(step_s=args.step_ms / 1000)
+    chunk = args.chunk_tokens
     shown = lengths(1, chunk)
     plotted = sorted(set(lengths(1 if args.quick else 4, chunk)) | set(shown))
     curves = {

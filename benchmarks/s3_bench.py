@@ -47,15 +47,21 @@ from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote.s3 import S3Store
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.secondary import HEADER_BYTES
-from servers.s3 import SeaweedFS  # benchmarks/servers/, on sys.path above
+
+# benchmarks/servers/, on sys.path above
+from servers.s3 import SeaweedFS
 from tier_driver import run_jobs
 
 __all__ = ["measure"]
 
 SIZES = (1 << 20, 2 << 20, 4 << 20)
-CONCURRENCY = 16  # requests in flight: the baseline's threads, S3Store's max_connections
-KEYS_PER_JOB, JOBS_IN_FLIGHT, IO_THREADS = 8, 8, 4
-NUM_ROWS = 64  # distinct source buffers, reused round-robin
+# requests in flight: the baseline's threads, S3Store's max_connections
+CONCURRENCY = 16
+KEYS_PER_JOB = 8
+JOBS_IN_FLIGHT = 8
+IO_THREADS = 4
+# distinct source buffers, reused round-robin
+NUM_ROWS = 64
 GB = 1e9
 
 
@@ -99,8 +105,10 @@ def one_round(
 ) -> dict[str, float]:
     """GB/s of every side (each on names of its own), then the names are deleted."""
     rng = np.random.default_rng(len(tag))
-    values = rng.integers(0, 256, (NUM_ROWS, size), np.uint8)  # the baseline's contiguous values
-    payloads = values[:, HEADER_BYTES:]  # the store's: a header part + a payload part
+    # the baseline's contiguous values
+    values = rng.integers(0, 256, (NUM_ROWS, size), np.uint8)
+    # the store's: a header part + a payload part
+    payloads = values[:, HEADER_BYTES:]
     header = bytes(HEADER_BYTES)
     store = S3Store(
         server.endpoint,
@@ -136,7 +144,8 @@ def one_round(
 def timed(out: dict[str, float], side: str, num_bytes: int, fn: Callable[[], object]) -> None:
     """out[side]: GB/s of `fn`; out["cpu " + side]: this process's CPU seconds per GB meanwhile (the
     server, in its own process, shares the 2 cores: a client's CPU is taken from the server)."""
-    cpu, start = time.process_time(), time.perf_counter()
+    cpu = time.process_time()
+    start = time.perf_counter()
     fn()
     seconds = time.perf_counter() - start
     out[side] = num_bytes / seconds / GB
@@ -159,7 +168,8 @@ def bare_rates(server: SeaweedFS, names: list[str], values: np.ndarray) -> dict[
             "pool_max_idle_per_host": str(CONCURRENCY),
         },
     )
-    num_bytes, out = len(names) * values.shape[1], {}
+    num_bytes = len(names) * values.shape[1]
+    out = {}
     got: list = []
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         timed(
@@ -206,7 +216,8 @@ def boto3_rates(server: SeaweedFS, names: list[str], values: np.ndarray) -> dict
         ),
     )
     bodies = [row.tobytes() for row in values]
-    num_bytes, out = len(names) * values.shape[1], {}
+    num_bytes = len(names) * values.shape[1]
+    out = {}
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         timed(
             out,
@@ -278,10 +289,8 @@ def report(size: int, count: int, results: list[dict[str, float]]) -> dict[str, 
     print(f"{size >> 20} MiB x {count}:")
     for side in (side for side in results[0] if not side.startswith("cpu ")):
         direction = "put" if side.endswith(("put", "store")) else "get"
-        best, cpu = (
-            max(r[side] for r in results),
-            statistics.median(r[f"cpu {side}"] for r in results),
-        )
+        best = max(r[side] for r in results)
+        cpu = statistics.median(r[f"cpu {side}"] for r in results)
         figures[f"{side.replace(' ', '_')}_gbps_{mib}"] = best
         figures[f"{side.replace(' ', '_')}_cpu_s_per_gb_{mib}"] = cpu
         extra = ""

@@ -29,20 +29,27 @@ def run_jobs(
     polls once per engine step)."""
     free_sets = [list(range(i, i + batch)) for i in range(0, len(rows), batch)]
     running: dict[int, list[int]] = {}
-    next_key, end, job_id = first_key, first_key + count, 0
+    next_key = first_key
+    end = first_key + count
+    job_id = 0
     start = time.perf_counter()
     while next_key < end or running:
         while free_sets and next_key < end:
-            row_ids, num = free_sets.pop(), min(batch, end - next_key)
+            row_ids = free_sets.pop()
+            num = min(batch, end - next_key)
             job = TierJob(
                 job_id=job_id,
                 is_store=is_store,
                 keys=tuple(bench_key(next_key + i) for i in range(num)),
                 buffers=tuple((memoryview(rows[r]),) for r in row_ids[:num]),
             )
-            (tier.submit_store if is_store else tier.submit_load)(job)
+            if is_store:
+                tier.submit_store(job)
+            else:
+                tier.submit_load(job)
             running[job_id] = row_ids
-            next_key, job_id = next_key + num, job_id + 1
+            next_key += num
+            job_id += 1
         for result in tier.get_finished():
             if result.failed_keys:
                 raise RuntimeError(

@@ -235,7 +235,7 @@ def test_a_cleaner_unlinking_a_new_segment_before_it_is_locked_makes_the_open_st
 
 def test_of_two_racing_creators_the_first_to_publish_wins_and_the_other_joins(prefix, monkeypatch):
     # another process publishes the segment while this one is still allocating its own
-    real_allocate, rival = HostSlab._allocate, []
+    real_allocate, rival = slab_module.SegmentOpener._allocate, []
 
     def allocate_while_a_rival_publishes(self, fd):
         real_allocate(self, fd)
@@ -249,7 +249,7 @@ def test_of_two_racing_creators_the_first_to_publish_wins_and_the_other_joins(pr
         """)
         )
 
-    monkeypatch.setattr(HostSlab, "_allocate", allocate_while_a_rival_publishes)
+    monkeypatch.setattr(slab_module.SegmentOpener, "_allocate", allocate_while_a_rival_publishes)
     with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
         assert not slab.is_creator and slab.rows[1, 0] == 9  # we mapped the rival's
         assert segments(prefix) == [prefix + "r0"]  # our temporary is gone

@@ -14,7 +14,8 @@ from pathlib import Path
 
 __all__ = ["MIN_PORT", "ephemeral_low"]
 
-MIN_PORT = 12000  # clear of the well-known ports, and of those some servers put at HTTP + 10000
+# clear of the well-known ports, and of those some servers put at HTTP + 10000
+MIN_PORT = 12000
 
 
 def ephemeral_low() -> int:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 
 from .ports import MIN_PORT, ephemeral_low
 
-if TYPE_CHECKING:  # redis-py is imported when a server is first asked something
+# redis-py is imported when a server is first asked something
+if TYPE_CHECKING:
     import redis
 
 __all__ = ["HOST", "REDIS_MISSING", "RedisServer", "find_redis_server", "free_port"]
@@ -64,8 +65,10 @@ def _is_free(port: int) -> bool:
 def free_port() -> int:
     """A loopback port that is free, and whose cluster bus port (+10000) is free too; both below
     the ephemeral range (see servers/ports.py), so that a server restarted on them finds them free."""
-    low, high = MIN_PORT, ephemeral_low() - 10000  # the bus port too
-    if high - low < 1000:  # a host whose ephemeral range starts low: any port, as a last resort
+    # the bus port too
+    low, high = MIN_PORT, ephemeral_low() - 10000
+    # a host whose ephemeral range starts low: any port, as a last resort
+    if high - low < 1000:
         low, high = 20000, 50000
     for _ in range(200):
         port = random.randrange(low, high)
@@ -120,7 +123,8 @@ class RedisServer:
     def start(self) -> None:
         """Start the server (again) on its port unless it runs; returns once it answers PING."""
         if self.is_running():
-            return  # a second server could not bind the port, and the running one would be lost
+            # a second server could not bind the port, and the running one would be lost
+            return
         cmd = [
             find_redis_server(),
             "--port",
@@ -177,7 +181,8 @@ class RedisServer:
         """SIGTERM, wait a bounded time, then SIGKILL (nothing is saved: a started one is empty)."""
         if self.proc is None:
             return
-        self.resume()  # a paused server cannot act on SIGTERM
+        # a paused server cannot act on SIGTERM
+        self.resume()
         self.proc.terminate()
         try:
             self.proc.wait(STOP_TIMEOUT_S)

@@ -115,7 +115,8 @@ class SeaweedFS:
         tls: bool = False,
         volume_mb: int | None = None,
     ):
-        self.data_dir, self.bucket = Path(data_dir), bucket
+        self.data_dir = Path(data_dir)
+        self.bucket = bucket
         self.access_key_id = access_key_id
         self.secret_access_key = secret_access_key or secrets.token_hex(20)
         flags = _PORT_FLAGS + (("s3.port.https",) if tls else ())
@@ -126,7 +127,8 @@ class SeaweedFS:
         self.volume_mb = volume_mb
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = self.data_dir / "weed.log"
-        self.start_seconds = 0.0  # of the last start, until the first write was done
+        # of the last start, until the first write was done
+        self.start_seconds = 0.0
 
     def start(self, timeout_s: float = 30.0) -> float:
         """Start the server and wait until it serves the bucket and has written once; the seconds that took."""
@@ -174,8 +176,12 @@ class SeaweedFS:
         if process is None:
             return
         if process.poll() is None:
-            os.kill(process.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
-            (process.kill if kill else process.terminate)()
+            # a paused server cannot act on SIGTERM
+            os.kill(process.pid, signal.SIGCONT)
+            if kill:
+                process.kill()
+            else:
+                process.terminate()
             try:
                 process.wait(_STOP_WAIT_S)
             except subprocess.TimeoutExpired:
@@ -263,7 +269,8 @@ class SeaweedFS:
                 next(iter(obstore.list(store, chunk_size=1)), None)
                 obstore.delete(store, _WARM_UP)
                 return
-            except Exception as exc:  # anything means "not yet"
+            # anything means "not yet"
+            except Exception as exc:
                 last_error = str(exc).splitlines()[0]
             time.sleep(0.02)
         self.stop(kill=True)

@@ -35,12 +35,17 @@ from collections import deque
 __all__ = ["MAX_QUEUED", "MIN_BURST", "ThrottledProxy"]
 
 HOST = "127.0.0.1"
-MIN_BURST = 64 << 10  # bytes: the smallest bucket (and largest piece) at any rate
-BURST_S = 0.02  # the bucket holds this many seconds of the rate when that is more than MIN_BURST
-MAX_PIECE = 1 << 20  # a recv() never asks for more (a fast link's burst would be tens of MB)
-MAX_QUEUED = 8 << 20  # bytes a direction holds while `latency_s` delays them
+# bytes: the smallest bucket (and largest piece) at any rate
+MIN_BURST = 64 << 10
+# the bucket holds this many seconds of the rate when that is more than MIN_BURST
+BURST_S = 0.02
+# a recv() never asks for more (a fast link's burst would be tens of MB)
+MAX_PIECE = 1 << 20
+# bytes a direction holds while `latency_s` delays them
+MAX_QUEUED = 8 << 20
 CONNECT_TIMEOUT_S = 5.0
-ACCEPT_POLL_S = 0.2  # how often the accept loop looks at the stop flag (close() also wakes it)
+# how often the accept loop looks at the stop flag (close() also wakes it)
+ACCEPT_POLL_S = 0.2
 # close() waits at most this long for all its threads together: only a hang reaches it (on a busy 2-core
 # machine 5 s was reachable, and a thread still alive after close() failed the test that it ends)
 JOIN_TIMEOUT_S = 60.0
@@ -78,7 +83,8 @@ class _TokenBucket:
         self._lock = threading.Lock()
         self._rate = rate
         self._burst = self._burst_of(rate)
-        self._tokens = float(self._burst)  # a fresh link starts with a full burst
+        # a fresh link starts with a full burst
+        self._tokens = float(self._burst)
         self._stamp = time.monotonic()
 
     @staticmethod
@@ -87,7 +93,8 @@ class _TokenBucket:
 
     def set_rate(self, rate: float) -> None:
         with self._lock:
-            self._refill(time.monotonic())  # bytes earned so far are earned at the old rate
+            # bytes earned so far are earned at the old rate
+            self._refill(time.monotonic())
             self._rate = rate
             self._burst = self._burst_of(rate)
             self._tokens = min(self._tokens, self._burst)
@@ -169,8 +176,10 @@ class ThrottledProxy:
         self.latency_s = float(latency_s)
         self.host = HOST
         rate = _check_rate(bytes_per_s)
-        self._up = _TokenBucket(rate)  # client -> target
-        self._down = _TokenBucket(rate)  # target -> client
+        # client -> target
+        self._up = _TokenBucket(rate)
+        # target -> client
+        self._down = _TokenBucket(rate)
         self._rate = rate
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -226,19 +235,23 @@ class ThrottledProxy:
         """Stop accepting, close every connection, join every thread (bounded; a second call does nothing)."""
         if self._stop.is_set():
             return
-        self._stop.set()  # also wakes every direction sleeping for tokens or latency
+        # also wakes every direction sleeping for tokens or latency
+        self._stop.set()
         if self._listener is not None:
             with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() on Linux
+                # wakes a blocked accept() on Linux
+                self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
         with self._lock:
-            links, threads = list(self._links), list(self._threads)
+            links = list(self._links)
+            threads = list(self._threads)
         for link in links:
             link.abort()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        for link in links:  # a thread that did not finish in time still leaves no socket open
+        # a thread that did not finish in time still leaves no socket open
+        for link in links:
             link.close()
 
     def __enter__(self) -> ThrottledProxy:
@@ -262,9 +275,8 @@ class ThrottledProxy:
                 return False
             if link is not None:
                 self._links.add(link)
-            self._threads = [
-                t for t in self._threads if t.is_alive()
-            ]  # the list stays as long as the live ones
+            # the list stays as long as the live ones
+            self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.extend(threads)
             for thread in threads:
                 thread.start()
@@ -283,11 +295,13 @@ class ThrottledProxy:
             except TimeoutError:
                 continue
             except OSError:
-                return  # the listener was closed
+                # the listener was closed
+                return
             count += 1
             try:
                 self._open_link(client, count)
-            except OSError:  # the target refused or vanished: this connection only
+            # the target refused or vanished: this connection only
+            except OSError:
                 with contextlib.suppress(OSError):
                     client.close()
 
@@ -297,18 +311,18 @@ class ThrottledProxy:
             (self.target_host, self.target_port), timeout=CONNECT_TIMEOUT_S
         )
         target.settimeout(None)
+        # the proxy already sends in pieces: Nagle would only add delay
         for sock in (
             client,
             target,
-        ):  # the proxy already sends in pieces: Nagle would only add delay
+        ):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = _Link(client, target)
         name = f"throttle-{self._port}-{count}"
         up = self._thread(self._forward, f"{name}-up", link, client, target, self._up)
         down = self._thread(self._forward, f"{name}-down", link, target, client, self._down)
-        if not self._spawn(
-            up, down, link=link
-        ):  # close() ran while we connected: it will not see this link
+        # close() ran while we connected: it will not see this link
+        if not self._spawn(up, down, link=link):
             link.close()
 
     def _forward(
@@ -318,11 +332,11 @@ class ThrottledProxy:
         try:
             if self._pump(src, dst, bucket):
                 with contextlib.suppress(OSError):
-                    dst.shutdown(
-                        socket.SHUT_WR
-                    )  # half-close: the other side reads EOF, may still answer
+                    # half-close: the other side reads EOF, may still answer
+                    dst.shutdown(socket.SHUT_WR)
         except OSError:
-            link.abort()  # a reset or a broken pipe ends the connection (both directions), nothing else
+            # a reset or a broken pipe ends the connection (both directions), nothing else
+            link.abort()
         finally:
             if link.direction_done():
                 with self._lock:
@@ -351,9 +365,8 @@ class ThrottledProxy:
                 with self._lock:
                     self._bytes_forwarded += len(piece)
                 continue
-            if (
-                at_eof or queued >= MAX_QUEUED
-            ):  # nothing more to read (now): wait for the head's time
+            # nothing more to read (now): wait for the head's time
+            if at_eof or queued >= MAX_QUEUED:
                 if not pending:
                     return True
                 self._stop.wait(pending[0][0] - now)

@@ -17,19 +17,19 @@ __all__ = ["FULL", "QUICK", "SoakConfig"]
 @dataclass(frozen=True)
 class SoakConfig:
     workload: Workload = field(default_factory=Workload)
-    num_requests: int = 240  # per run
-    concurrency: int = 4  # clients (and vLLM's --max-num-seqs)
-    active_conversations: int = 8  # in progress at once, their turns interleaved
-    num_gpu_blocks: int = (
-        32  # 4,096 tokens of vLLM KV cache: far less than the conversations in progress
-    )
-    cpu_bytes: str = (
-        "24MiB"  # 12 chunks of the tiny Llama (2 MiB each): the disk and Redis tiers serve most
-    )
+    # per run
+    num_requests: int = 240
+    # clients (and vLLM's --max-num-seqs)
+    concurrency: int = 4
+    # in progress at once, their turns interleaved
+    active_conversations: int = 8
+    # 4,096 tokens of vLLM KV cache: far less than the conversations in progress
+    num_gpu_blocks: int = 32
+    # 12 chunks of the tiny Llama (2 MiB each): the disk and Redis tiers serve most
+    cpu_bytes: str = "24MiB"
     disk_bytes: str = "256MiB"
-    tmpfs_bytes: int = (
-        448 << 20
-    )  # the disk_full fault's filesystem: disk_bytes + 64 spare files + room
+    # the disk_full fault's filesystem: disk_bytes + 64 spare files + room
+    tmpfs_bytes: int = 448 << 20
     job_timeout_s: float = 2.0
     run_timeout_s: float = 1800.0
     # memory growth allowed between the middle and the last third of the samples: where kvtier keeps its

@@ -26,7 +26,8 @@ class DiskDir:
     def __init__(self, tmpfs_bytes: int | None = None, parent: str | None = None):
         self.path = Path(tempfile.mkdtemp(prefix="kvtier-soak-disk-", dir=parent))
         self.mounted = False
-        self._ballast = self.path / "ballast"  # not a chunk file's name: the tier never reads it
+        # not a chunk file's name: the tier never reads it
+        self._ballast = self.path / "ballast"
         if tmpfs_bytes is not None:
             done = subprocess.run(
                 [
@@ -48,14 +49,16 @@ class DiskDir:
 
     def fill(self) -> int:
         """Write a file until the filesystem is full (ENOSPC); returns the bytes written."""
-        written, size = 0, 1 << 20
+        written = 0
+        size = 1 << 20
         fd = os.open(self._ballast, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             while size >= 512:
                 try:
                     written += os.write(fd, b"\0" * size)
                 except OSError:
-                    size //= 2  # the last partial MiB, in ever smaller pieces
+                    # the last partial MiB, in ever smaller pieces
+                    size //= 2
         finally:
             os.close(fd)
         return written

@@ -33,11 +33,15 @@ def _metric(run: Run, name: str, **labels: str) -> float:
 
 class Fault:
     name = ""
-    what = ""  # the fault, in words
-    seed = 0  # of the conversations its runs replay (each fault has its own)
-    connector: str | None = None  # a class of tests/kvtier_fault_connector.py
+    # the fault, in words
+    what = ""
+    # of the conversations its runs replay (each fault has its own)
+    seed = 0
+    # a class of tests/kvtier_fault_connector.py
+    connector: str | None = None
     needs_tmpfs = False
-    retry = False  # clients resend requests that fail while the server is down
+    # clients resend requests that fail while the server is down
+    retry = False
 
     def env(self, stack_flags: Path, job_timeout_s: float) -> dict[str, str]:
         return {}
@@ -53,7 +57,8 @@ class Fault:
 
 
 class RedisKill(Fault):
-    name, what = "redis_kill", "Redis server SIGKILLed mid-run, restarted (empty) later"
+    name = "redis_kill"
+    what = "Redis server SIGKILLed mid-run, restarted (empty) later"
     seed = 4
 
     def inject(self, run: Run) -> None:
@@ -77,7 +82,8 @@ class RedisKill(Fault):
         failed = run.delta("kvtier:tier_errors_total", "fault", tier="redis") + run.delta(
             "kvtier:tier_timeouts_total", "fault", tier="redis"
         )
-        keys = run.stack.redis.num_keys()  # the restarted server started empty: all written since
+        # the restarted server started empty: all written since
+        keys = run.stack.redis.num_keys()
         run.facts.update(
             breaker_opens=opens, breaker_closes=closes, redis_errors=failed, redis_keys_after=keys
         )
@@ -93,10 +99,8 @@ class RedisKill(Fault):
 
 
 class DiskCorrupt(Fault):
-    name, what = (
-        "disk_corrupt",
-        "every chunk file on disk damaged under the server (bytes flipped / truncated)",
-    )
+    name = "disk_corrupt"
+    what = "every chunk file on disk damaged under the server (bytes flipped / truncated)"
     seed = 2
 
     def inject(self, run: Run) -> None:
@@ -109,7 +113,8 @@ class DiskCorrupt(Fault):
                 if i % 2:
                     os.truncate(path, size // 2)
                 else:
-                    with path.open("r+b") as f:  # a run of bytes in the middle of the payload
+                    # a run of bytes in the middle of the payload
+                    with path.open("r+b") as f:
                         f.seek(size // 2)
                         data = f.read(64)
                         f.seek(size // 2)
@@ -136,10 +141,8 @@ class DiskCorrupt(Fault):
 
 
 class DiskFull(Fault):
-    name, what = (
-        "disk_full",
-        "the disk tier's filesystem (a tmpfs) filled to the last byte, then freed",
-    )
+    name = "disk_full"
+    what = "the disk tier's filesystem (a tmpfs) filled to the last byte, then freed"
     seed = 3
     needs_tmpfs = True
 
@@ -192,7 +195,8 @@ class _FlagFault(Fault):
 
 
 class StuckStore(_FlagFault):
-    name, what = "stuck_store", "store copies that never run (only their deadline ends them)"
+    name = "stuck_store"
+    what = "store copies that never run (only their deadline ends them)"
     seed = 7
     env_name = "KVTIER_TEST_STUCK_STORES"
 
@@ -213,7 +217,8 @@ class StuckStore(_FlagFault):
 
 
 class DelayedReports(_FlagFault):
-    name, what = "delayed_reports", "worker job reports held back past the jobs' expiry, then sent"
+    name = "delayed_reports"
+    what = "worker job reports held back past the jobs' expiry, then sent"
     seed = 1
     env_name = "KVTIER_TEST_DELAY_REPORTS"
 
@@ -238,14 +243,13 @@ class DelayedReports(_FlagFault):
 
 
 class ResetPrefixCache(Fault):
-    name, what = (
-        "reset_prefix_cache",
-        "POST /reset_prefix_cache?reset_external=true mid-run (3 times)",
-    )
+    name = "reset_prefix_cache"
+    what = "POST /reset_prefix_cache?reset_external=true mid-run (3 times)"
     seed = 5
 
     def env(self, flags_dir: Path, job_timeout_s: float) -> dict[str, str]:
-        return {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /reset_prefix_cache only in its dev mode
+        # vLLM serves /reset_prefix_cache only in its dev mode
+        return {"VLLM_SERVER_DEV_MODE": "1"}
 
     def _reset(self, run: Run, running: bool) -> bool:
         query = "reset_external=true" + ("&reset_running_requests=true" if running else "")
@@ -256,13 +260,14 @@ class ResetPrefixCache(Fault):
     def inject(self, run: Run) -> None:
         run.at(0.25)
         run.snap("fault")
-        self._reset(
-            run, running=False
-        )  # requests running: vLLM's own cache refuses, kvtier's resets
+        # requests running: vLLM's own cache refuses, kvtier's resets
+        self._reset(run, running=False)
         run.at(0.4)
-        self._reset(run, running=True)  # running requests preempted, then both reset
+        # running requests preempted, then both reset
+        self._reset(run, running=True)
         run.at(0.55)
-        run.clients.pause()  # a quiet moment, to look at what the reset left
+        # a quiet moment, to look at what the reset left
+        run.clients.pause()
         try:
             run.clients.wait_idle(run.timeout_s)
             run.facts["quiet_reset"] = wait_until(lambda: self._reset(run, running=False), 60, 1.0)
@@ -272,14 +277,13 @@ class ResetPrefixCache(Fault):
 
     def _look(self, run: Run) -> None:
         """After a reset nothing old is served: every tier is empty and a served prompt is computed anew."""
-        redis, disk = run.stack.redis, run.stack.disk.path
+        redis = run.stack.redis
+        disk = run.stack.disk.path
         run.facts["tiers_emptied"] = wait_until(
             lambda: redis.num_keys() == 0 and not chunk_files(disk), 30
         )
-        run.facts["redis_keys_after_reset"], run.facts["disk_files_after_reset"] = (
-            redis.num_keys(),
-            len(chunk_files(disk)),
-        )
+        run.facts["redis_keys_after_reset"] = redis.num_keys()
+        run.facts["disk_files_after_reset"] = len(chunk_files(disk))
         run.facts["probe_cached_tokens"], run.facts["probe_equal"] = resend_served_prompt(run)
 
     def checks(self, run: Run) -> list[Check]:
@@ -304,7 +308,8 @@ class ResetPrefixCache(Fault):
 
 
 class SigtermRestart(Fault):
-    name, what = "sigterm_restart", "server SIGTERMed mid-run, restarted on the same disk directory"
+    name = "sigterm_restart"
+    what = "server SIGTERMed mid-run, restarted on the same disk directory"
     seed = 6
     retry = True
 
@@ -375,7 +380,8 @@ class SigtermRestart(Fault):
 
 
 class NoFault(Fault):
-    name, what = "none", "no fault (the control run)"
+    name = "none"
+    what = "no fault (the control run)"
     seed = 8
 
     def inject(self, run: Run) -> None:

@@ -97,7 +97,8 @@ def _soak(cfg: SoakConfig, faults: list[Fault], out: Path) -> int:
     )
     baseline = start_baseline(model, cfg, out)
     try:
-        baselines, cores = {}, baseline.core_ids()
+        baselines = {}
+        cores = baseline.core_ids()
         for fault in faults:
             baselines.update(
                 baseline_outputs(baseline, cfg.workload_for(fault.name), cfg.concurrency)

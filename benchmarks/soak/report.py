@@ -36,8 +36,10 @@ class RunReport:
     retried: int = 0
     hit_tokens: float = 0.0
     max_rss_mib: float = 0.0
-    rss_growth_mib: float | None = None  # the whole tree
-    scheduler_rss_growth_mib: float | None = None  # every process but vLLM's worker(s)
+    # the whole tree
+    rss_growth_mib: float | None = None
+    # every process but vLLM's worker(s)
+    scheduler_rss_growth_mib: float | None = None
     worker_rss_growth_mib: float | None = None
     seconds: float = 0.0
     checks: list[Check] = field(default_factory=list)

@@ -26,7 +26,8 @@ from .report import Check, RunReport, compare_outputs, record_rss, write_rss_csv
 from .serving import Metrics, ServedEngine
 from .workload import Clients, RssSampler, fresh_tokens
 
-if TYPE_CHECKING:  # faults.py and config.py import this module
+# faults.py and config.py import this module
+if TYPE_CHECKING:
     from .config import SoakConfig
     from .faults import Fault
 
@@ -60,9 +61,8 @@ class Run:
     num_requests: int
     baselines: dict
     timeout_s: float
-    snapshots: dict[str, tuple[int, Metrics]] = field(
-        default_factory=dict
-    )  # label -> (server start, page)
+    # label -> (server start, page)
+    snapshots: dict[str, tuple[int, Metrics]] = field(default_factory=dict)
     facts: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -216,7 +216,8 @@ def disk_leftovers(root: Path) -> tuple[int, dict[str, str]]:
     """(temporary files, {bad chunk file: why}) under a disk tier root, by `kvtier inspect`'s pass."""
     from kvtier.cli.inspect import inspect_namespace, namespace_dirs
 
-    num_tmp, bad = 0, {}
+    num_tmp = 0
+    bad = {}
     for directory in namespace_dirs(root):
         report = inspect_namespace(directory, verify=True)
         num_tmp += report.num_tmp_files

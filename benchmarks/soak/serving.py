@@ -33,9 +33,8 @@ from pathlib import Path
 __all__ = ["EngineSpec", "Metrics", "ServedEngine", "is_alive"]
 
 KVTIER = str(Path(sys.executable).parent / "kvtier")
-TESTS_DIR = (
-    Path(__file__).resolve().parents[2] / "tests"
-)  # the fault-injecting connectors live there
+# the fault-injecting connectors live there
+TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"
 DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
 # a kvtier server's --shutdown-timeout: how long a stopped engine drains its requests and its
 # processes get to exit on their own (idle: ~4 s), before vLLM kills the EngineCore, which then
@@ -80,11 +79,12 @@ class EngineSpec:
     """What one server runs: the model, vLLM's flags, and kvtier's settings (None: no kvtier)."""
 
     model: Path
-    kvtier: dict | None = None  # kv_connector_extra_config; None: the baseline, stock vLLM
-    connector: str | None = (
-        None  # a class of tests/kvtier_fault_connector.py instead of KVTierConnector
-    )
-    num_gpu_blocks: int = 40  # vLLM's KV cache, in blocks of 128 tokens: small, so it evicts
+    # kv_connector_extra_config; None: the baseline, stock vLLM
+    kvtier: dict | None = None
+    # a class of tests/kvtier_fault_connector.py instead of KVTierConnector
+    connector: str | None = None
+    # vLLM's KV cache, in blocks of 128 tokens: small, so it evicts
+    num_gpu_blocks: int = 40
     max_model_len: int = 2048
     max_num_seqs: int = 4
     env: dict[str, str] = field(default_factory=dict)
@@ -115,7 +115,8 @@ class EngineSpec:
         if self.kvtier is None:
             return [KVTIER, "vllm", "serve", str(self.model), *vllm]
         vllm += ["--shutdown-timeout", str(SHUTDOWN_GRACE_S)]
-        if self.connector is None:  # what users run: kvtier's flags
+        # what users run: kvtier's flags
+        if self.connector is None:
             return [KVTIER, "serve", str(self.model), *vllm, *_flags(self.kvtier)]
         from kvtier.cli.config import transfer_config
 
@@ -158,9 +159,11 @@ class ServedEngine:
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None
         self.num_starts = 0
-        self.ready = False  # answering: started and not being stopped
+        # answering: started and not being stopped
+        self.ready = False
         self._log = None
-        self.shm_names: set[str] = set()  # kvtier segments this server's processes mapped
+        # kvtier segments this server's processes mapped
+        self.shm_names: set[str] = set()
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -175,9 +178,8 @@ class ServedEngine:
             "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(SHUTDOWN_GRACE_S // 2),
             **self.spec.env,
         }
-        env.setdefault(
-            RESERVED_CPUS_ENV, "1"
-        )  # both servers compute on the same cores (see binding.py)
+        # both servers compute on the same cores (see binding.py)
+        env.setdefault(RESERVED_CPUS_ENV, "1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("a")
@@ -269,7 +271,8 @@ class ServedEngine:
         """The server and every process under it (vLLM's engine core, its workers, helpers)."""
         if not self.is_running():
             return []
-        found, todo = [], [self.process.pid]
+        found = []
+        todo = [self.process.pid]
         while todo:
             pid = todo.pop()
             found.append(pid)

@@ -51,8 +51,11 @@ def open_stack(model: Path, cfg: SoakConfig, log_dir: Path, faults: list[Fault] 
         "redis_url": redis.url,
         "job_timeout_s": cfg.job_timeout_s,
     }
+    connector = None
+    if connectors:
+        connector = connectors.pop()
     engine = ServedEngine(
-        _spec(model, cfg, settings, connector=connectors.pop() if connectors else None, env=env),
+        _spec(model, cfg, settings, connector=connector, env=env),
         log_dir / "kvtier.log",
     )
     try:
@@ -75,9 +78,8 @@ def close_stack(stack: Stack, damaged: set[str] = frozenset()) -> list[Check]:
         shm_left = sorted(n for n in shm if Path("/dev/shm", n).exists())
         alive = [pid for pid in tree if is_alive(pid)]
         num_tmp, bad = disk_leftovers(stack.disk.path)
-        torn = sorted(
-            set(bad) - set(damaged)
-        )  # files the fault damaged and nothing read since stay bad
+        # files the fault damaged and nothing read since stay bad
+        torn = sorted(set(bad) - set(damaged))
         return [
             Check("shutdown: exit status 0", status == 0, f"status={status}"),
             Check("shutdown: no process left", not alive, f"alive={alive}"),

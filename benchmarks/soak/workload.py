@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 __all__ = ["Clients", "Outcome", "RssSampler", "Workload", "baseline_outputs", "fresh_tokens"]
 
-_VOCAB = (3, 8192)  # token ids the tiny Llama knows, special ids left out
+# token ids the tiny Llama knows, special ids left out
+_VOCAB = (3, 8192)
 
 
 @dataclass(frozen=True)
@@ -39,26 +40,34 @@ class Workload:
     user_tokens: tuple[int, int] = (64, 192)
     reply_tokens: tuple[int, int] = (24, 48)
     max_tokens: int = 8
-    seed: int = 0  # the conversations (each soak run has its own)
-    system_seed: int = 1000  # the system prompts (shared by every run, as a deployment's are)
+    # the conversations (each soak run has its own)
+    seed: int = 0
+    # the system prompts (shared by every run, as a deployment's are)
+    system_seed: int = 1000
 
     def conversations(self) -> list[list[tuple[int, ...]]]:
         """Per conversation, the prompt of each turn."""
         rng = random.Random(self.system_seed)
         systems = [_tokens(rng, self.system_tokens) for _ in range(self.num_system_prompts)]
-        rng, convs = random.Random(self.seed), []
+        rng = random.Random(self.seed)
+        convs = []
         for i in range(self.num_conversations):
-            history, prompts = list(systems[i % len(systems)]), []
+            history = list(systems[i % len(systems)])
+            prompts = []
             for _ in range(self.turns):
                 history += _tokens(rng, rng.randint(*self.user_tokens))
                 prompts.append(tuple(history))
-                history += _tokens(rng, rng.randint(*self.reply_tokens))  # the recorded reply
+                # the recorded reply
+                history += _tokens(rng, rng.randint(*self.reply_tokens))
             convs.append(prompts)
         return convs
 
     def sessions(self, num_requests: int, seed: int) -> list[list[tuple[int, ...]]]:
         """Conversations in a seeded order, repeated, cut to exactly `num_requests` prompts."""
-        convs, rng, out, left = self.conversations(), random.Random(seed), [], num_requests
+        convs = self.conversations()
+        rng = random.Random(seed)
+        out = []
+        left = num_requests
         while left > 0:
             order = list(range(len(convs)))
             rng.shuffle(order)
@@ -88,11 +97,13 @@ class Outcome:
 
     prompt: tuple[int, ...]
     token_ids: list[int] | None = None
-    cached_tokens: int = 0  # vLLM's prompt_tokens_details: its own prefix cache + kvtier's hits
+    # vLLM's prompt_tokens_details: its own prefix cache + kvtier's hits
+    cached_tokens: int = 0
     error: str | None = None
     attempts: int = 0
     seconds: float = 0.0
-    ended_at: float = 0.0  # time.monotonic()
+    # time.monotonic()
+    ended_at: float = 0.0
 
 
 @dataclass
@@ -110,14 +121,16 @@ class Clients:
     concurrency: int
     max_tokens: int
     active: int = 8
-    retry: bool = False  # resend a failed request once the server answers again (bounded)
+    # resend a failed request once the server answers again (bounded)
+    retry: bool = False
     request_timeout_s: float = 300.0
     retry_for_s: float = 600.0
     outcomes: list[Outcome] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._lock = threading.Condition()
-        self._queue: deque[tuple[int, int]] = deque()  # (session, turn) ready to send
+        # (session, turn) ready to send
+        self._queue: deque[tuple[int, int]] = deque()
         self._next_session = 0
         self._in_flight = 0
         self._paused = False
@@ -198,11 +211,11 @@ class Clients:
                 self._lock.notify_all()
 
     def _send(self, prompt: tuple[int, ...]) -> Outcome:
-        outcome, started = Outcome(prompt), time.monotonic()
+        outcome = Outcome(prompt)
+        started = time.monotonic()
         while True:
-            with (
-                self._lock
-            ):  # a paused client waits, a retrying one too (bounded: resume always follows)
+            # a paused client waits, a retrying one too (bounded: resume always follows)
+            with self._lock:
                 self._lock.wait_for(lambda: not self._paused, self.retry_for_s)
             outcome.attempts += 1
             self._try(outcome)
@@ -214,7 +227,8 @@ class Clients:
                 outcome.ended_at = time.monotonic()
                 outcome.seconds = outcome.ended_at - started
                 return outcome
-            time.sleep(1.0)  # the server is going down or coming back up
+            # the server is going down or coming back up
+            time.sleep(1.0)
 
     def _try(self, outcome: Outcome) -> None:
         body = {
@@ -230,7 +244,8 @@ class Clients:
             status, reply = self.server.post(
                 "/v1/completions", body, timeout=self.request_timeout_s
             )
-        except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out
+        # refused, reset, timed out
+        except (OSError, http.client.HTTPException) as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
             return
         if status != 200:
@@ -239,10 +254,12 @@ class Clients:
         choice = reply["choices"][0]
         if choice.get("finish_reason") != "length" or len(choice["token_ids"]) != self.max_tokens:
             # e.g. "abort": the server stopped while generating; the reply is not the request's answer
-            reason, num = choice.get("finish_reason"), len(choice["token_ids"])
+            reason = choice.get("finish_reason")
+            num = len(choice["token_ids"])
             outcome.error = f"incomplete: finish_reason={reason}, {num} tokens"
             return
-        outcome.token_ids, outcome.error = list(choice["token_ids"]), None
+        outcome.token_ids = list(choice["token_ids"])
+        outcome.error = None
         details = reply.get("usage", {}).get("prompt_tokens_details") or {}
         outcome.cached_tokens = int(details.get("cached_tokens") or 0)
 

@@ -16,7 +16,7 @@ bytes; what maps it and how is `kvtier.slab.HostSlab`.
   creator's temporary file). Between open and lock a cleaner may unlink the file: after
   locking, the fd's inode must still be the one at the path, or the open starts over.
 
-Thread-safety: any function may run on any thread and in any process; `SegmentOpener._open` is
+Thread-safety: any function may run on any thread and in any process; `SegmentOpener.open` is
 safe against rivals and cleaners in other processes (see above).
 """
 
@@ -30,12 +30,15 @@ import mmap
 import os
 import re
 import stat
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvtier.errors import ConfigError
 
 __all__ = [
     "SHM_DIR",
     "SLAB_PREFIX",
+    "OpenedSegment",
     "SegmentOpener",
     "remove_stale_slabs",
     "shm_free_bytes",
@@ -44,9 +47,10 @@ __all__ = [
 
 SHM_DIR = "/dev/shm"
 SLAB_PREFIX = "kvtier-"
-_OPEN_ATTEMPTS = 8  # each one lost only to a cleaner or a rival creator in between: start over
+# each one lost only to a cleaner or a rival creator in between: start over
+_OPEN_ATTEMPTS = 8
 
-logger = logging.getLogger("kvtier.slab")  # the slab's logger, as before this part moved here
+logger = logging.getLogger(__name__)
 
 
 def slab_name(instance_id: str, dp_rank: int, rank: int) -> str:
@@ -64,35 +68,56 @@ def shm_free_bytes(directory: str = SHM_DIR) -> int:
     return fs.f_bavail * fs.f_frsize
 
 
+class OpenedSegment(NamedTuple):
+    """A segment this process holds: its fd (locked shared: see "Liveness" above) and mapping."""
+
+    # whether this process created and published it (False: it joined one already there)
+    is_creator: bool
+    fd: int
+    mm: mmap.mmap
+
+
+@dataclass(frozen=True)
 class SegmentOpener:
-    """How `kvtier.slab.HostSlab` creates or joins its segment (a mixin: the slab's own path and
-    shape are what it opens; see the module docstring)."""
+    """Creates or joins the segment at `path` of `num_slots x slot_bytes` bytes (see the module
+    docstring); `kvtier.slab.HostSlab` maps what `open` returns.
+
+    Args:
+        path: the segment's file (`<directory>/<slab_name>`).
+        num_slots, slot_bytes: the shape; an existing segment must hold exactly their product.
+    """
 
     path: str
     num_slots: int
     slot_bytes: int
-    num_bytes: int  # num_slots * slot_bytes
 
-    def _open(self) -> tuple[bool, int, mmap.mmap]:
+    @property
+    def num_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def open(self) -> OpenedSegment:
         """Join the published segment, or create, publish and join one; again if a cleaner or a
-        rival creator got in between."""
+        rival creator got in between.
+
+        Raises:
+            ConfigError: a segment of another size, another user's or a symlink at the path, no
+                room for a new one, or a path that kept disappearing.
+        """
         for _ in range(_OPEN_ATTEMPTS):
             joined = self._join()
             if joined is not None:
-                return False, *joined
+                return OpenedSegment(False, *joined)
             published_fd = self._create()
             if published_fd is None:
                 continue
             try:
-                joined = (
-                    self._join()
-                )  # by its final name, so /proc/<pid>/maps and lsof show that name
+                # by its final name, so /proc/<pid>/maps and lsof show that name
+                joined = self._join()
             finally:
-                os.close(
-                    published_fd
-                )  # only now: our lock kept cleaners off it until the join's lock
+                # only now: our lock kept cleaners off it until the join's lock
+                os.close(published_fd)
             if joined is not None:
-                return True, *joined
+                return OpenedSegment(True, *joined)
         raise ConfigError(
             f"could not open the host slab {self.path}: it kept disappearing while being opened"
         )
@@ -103,7 +128,8 @@ class SegmentOpener:
             fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        except OSError as e:  # ELOOP: a symlink planted under the segment's name
+        # ELOOP: a symlink planted under the segment's name
+        except OSError as e:
             raise ConfigError(
                 f"cannot open the host slab {self.path}: {e.strerror}; remove it"
             ) from None
@@ -132,16 +158,16 @@ class SegmentOpener:
         """Allocate the segment under a temporary name, then publish it whole (a hard link), so
         nobody ever maps one half made. Returns the fd, still locked, of the published segment;
         None if a rival published first or a cleaner swept ours."""
-        temp = f"{self.path}.new-{os.getpid()}-{os.urandom(4).hex()}"  # under the prefix: swept if we crash
+        # under the prefix: swept if we crash
+        temp = f"{self.path}.new-{os.getpid()}-{os.urandom(4).hex()}"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         published = False
         try:
             _lock_shared(fd)
             if _is_at_path(fd, temp):
                 self._allocate(fd)
-                with contextlib.suppress(
-                    FileExistsError
-                ):  # a rival published first: we join theirs
+                # a rival published first: we join theirs
+                with contextlib.suppress(FileExistsError):
                     os.link(temp, self.path)
                     published = True
         finally:
@@ -166,10 +192,8 @@ class SegmentOpener:
         try:
             os.posix_fallocate(fd, 0, self.num_bytes)
         except OSError as e:
-            if e.errno not in (
-                errno.EOPNOTSUPP,
-                errno.EINVAL,
-            ):  # not supported: pages come with _populate
+            # not supported: pages come with _populate
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise ConfigError(
                     f"could not allocate the host slab {self.path} ({self.num_bytes} bytes): "
                     f"{e.strerror}; lower cpu_bytes or enlarge {directory}"
@@ -193,7 +217,8 @@ def remove_stale_slabs(prefix: str = SLAB_PREFIX, directory: str = SHM_DIR) -> l
         path = os.path.join(directory, name)
         try:
             fd = os.open(path, os.O_RDONLY)
-        except OSError:  # gone already, or not ours to open
+        # gone already, or not ours to open
+        except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,14 +1,14 @@
 """`HostSlab`: the host slab as one POSIX shared-memory segment per worker rank.
 
 The CPU tier's slots live in shared memory that the scheduler-side process owns and every
-worker maps (DESIGN.md, "Who owns the bytes"): workers copy engine KV <-> slab, and the
+worker maps (docs/architecture.md, "Who owns the bytes"): workers copy engine KV <-> slab, and the
 scheduler side's tiered manager copies slab <-> disk or a remote store on its own threads,
 without a round trip through the workers.
 
 One segment is one file in `/dev/shm`, `kvtier-<instance>-dp<dp rank>-r<rank>`
 (`slab_name`), of `num_slots x slot_bytes` bytes, mapped `MAP_SHARED`. How a segment is
-created or joined, whose it may be, and when it is stale is `kvtier.shm` (its names are
-re-exported here); this module is the mapping:
+created or joined, whose it may be, and when it is stale is `kvtier.shm` (a `SegmentOpener`
+opens it; the module's names are re-exported here); this module is the mapping:
 
 - **Unlink**: a slab opened with `owner=True` unlinks its name when closed, and at interpreter
   exit if it never was (`weakref.finalize`). The mapping outlives the name: views keep working.
@@ -53,9 +53,8 @@ __all__ = [
     "slab_name",
 ]
 
-_MADV_POPULATE_WRITE = getattr(
-    mmap, "MADV_POPULATE_WRITE", 23
-)  # Linux >= 5.14; Python 3.11 lacks the name
+# Linux >= 5.14; Python 3.11 lacks the name
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,8 @@ class _Segment:
     fd: int
     mm: mmap.mmap | None
     unlink_on_close: bool
-    pid: int  # a forked child inherits the finalizer: only the opener's process unlinks
+    # a forked child inherits the finalizer: only the opener's process unlinks
+    pid: int
     pinned_ptr: int = 0
 
 
@@ -81,18 +81,20 @@ def _release(segment: _Segment) -> None:
     if segment.mm is not None:
         try:
             segment.mm.close()
-        except BufferError:  # views still alive: the mapping ends with the last of them
+        # views still alive: the mapping ends with the last of them
+        except BufferError:
             logger.debug("kvtier: %s stays mapped until its views are gone", segment.path)
         segment.mm = None
     if segment.fd >= 0:
-        os.close(segment.fd)  # drops our LOCK_SH
+        # drops our LOCK_SH
+        os.close(segment.fd)
         segment.fd = -1
     if segment.unlink_on_close and segment.pid == os.getpid():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(segment.path)
 
 
-class HostSlab(SegmentOpener):
+class HostSlab:
     """One rank's host slab in shared memory: `num_slots` rows of `slot_bytes` bytes.
 
     Creates the segment or opens the existing one (see the module docstring).
@@ -122,12 +124,16 @@ class HostSlab(SegmentOpener):
                 f"a host slab needs num_slots and slot_bytes >= 1, got {num_slots}, {slot_bytes}; "
                 "raise cpu_bytes"
             )
-        self.name, self.num_slots, self.slot_bytes = name, num_slots, slot_bytes
+        self.name = name
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
         self.path = os.path.join(directory, name)
         self.num_bytes = num_slots * slot_bytes
         self.is_owner = owner
-        self.is_creator, fd, mm = self._open()
-        self._segment = _Segment(self.path, fd, mm, owner, os.getpid())
+        opened = SegmentOpener(self.path, num_slots, slot_bytes).open()
+        self.is_creator = opened.is_creator
+        mm = opened.mm
+        self._segment = _Segment(self.path, opened.fd, mm, owner, os.getpid())
         self._finalizer = weakref.finalize(self, _release, self._segment)
         if populate:
             try:
@@ -141,10 +147,6 @@ class HostSlab(SegmentOpener):
         self.tensor: torch.Tensor = torch.frombuffer(memoryview(mm), dtype=torch.int8).view(
             num_slots, slot_bytes
         )
-
-    # -- open -------------------------------------------------------------------------
-
-    # -- use --------------------------------------------------------------------------
 
     @property
     def is_closed(self) -> bool:
@@ -165,7 +167,8 @@ class HostSlab(SegmentOpener):
         ptr = self.tensor.data_ptr()
         try:
             error: object = int(torch.cuda.cudart().cudaHostRegister(ptr, self.num_bytes, 0))
-        except Exception as e:  # pinning is an optimization: say why it is off, go on
+        # pinning is an optimization: say why it is off, go on
+        except Exception as e:
             error = repr(e)
         if error != 0:
             logger.warning(
@@ -180,7 +183,9 @@ class HostSlab(SegmentOpener):
 
     def close(self) -> None:
         """Unpin, unmap (once no view is alive), release the lock; unlink if owner (idempotent)."""
-        self.rows = self.tensor = None  # type: ignore[assignment] - our own views must not keep it mapped
+        # our own views must not keep it mapped
+        self.rows = None  # type: ignore[assignment]
+        self.tensor = None  # type: ignore[assignment]
         self._finalizer()
 
     def __enter__(self) -> HostSlab:
@@ -201,9 +206,8 @@ def _populate(mm: mmap.mmap, path: str) -> None:
         mm.madvise(_MADV_POPULATE_WRITE)
         return
     except OSError as e:
-        if (
-            e.errno != errno.EINVAL
-        ):  # EFAULT: pages that could not be allocated (no fallocate, no room)
+        # EFAULT: pages that could not be allocated (no fallocate, no room)
+        if e.errno != errno.EINVAL:
             raise ConfigError(
                 f"could not allocate the host slab {path} ({len(mm)} bytes): {e.strerror}; lower "
                 "cpu_bytes or enlarge /dev/shm (docker: --shm-size)"

@@ -20,12 +20,14 @@ import os
 import sys
 
 
-def _breaker_never_opens(m) -> None:  # redis_kill: the circuit breaker
+# redis_kill: the circuit breaker
+def _breaker_never_opens(m) -> None:
     m.CircuitBreaker.record_failure = lambda self: False
     m.CircuitBreaker.open_now = lambda self: None
 
 
-def _no_checksum(m) -> None:  # disk_corrupt: every read is verified (size, header, checksum)
+# disk_corrupt: every read is verified (size, header, checksum)
+def _no_checksum(m) -> None:
     def read(self, fd, key, views):
         m._preadv_all(fd, [memoryview(m._header_block()), *views])
         return None
@@ -33,11 +35,13 @@ def _no_checksum(m) -> None:  # disk_corrupt: every read is verified (size, head
     m.ChunkFormat.read = read
 
 
+# disk_full: a failed write is a failed chunk, never an exception
 def _store_errors_escape(
     m,
-) -> None:  # disk_full: a failed write is a failed chunk, never an exception
+) -> None:
     def store_one(self, state, key, bufs, ticket):
-        tmp, direct = self._files.write_tmp(key, bufs)  # ENOSPC now escapes the tier's own handling
+        # ENOSPC now escapes the tier's own handling
+        tmp, direct = self._files.write_tmp(key, bufs)
         published = self._publish(key, tmp, ticket)
         with self._lock:
             self._queued_store_bytes -= sum(b.nbytes for b in bufs)
@@ -54,19 +58,23 @@ def _store_errors_escape(
     m.DiskTier._store_one = store_one
 
 
-def _no_worker_cancel(m) -> None:  # stuck_store: the worker cancels jobs at their deadline
+# stuck_store: the worker cancels jobs at their deadline
+def _no_worker_cancel(m) -> None:
     m.WorkerSide._cancel = lambda self, jobs: None
 
 
-def _no_job_expiry(m) -> None:  # delayed_reports: the scheduler fails jobs not reported in time
+# delayed_reports: the scheduler fails jobs not reported in time
+def _no_job_expiry(m) -> None:
     m.TransferJobBook.expire = lambda self, now: []
 
 
-def _no_connector_reset(m) -> None:  # reset_prefix_cache: kvtier forgets every tier's chunks
+# reset_prefix_cache: kvtier forgets every tier's chunks
+def _no_connector_reset(m) -> None:
     m.SchedulerSide.reset_cache = lambda self: True
 
 
-def _slab_not_unlinked(m) -> None:  # sigterm_restart: shared memory unlinked at shutdown
+# sigterm_restart: shared memory unlinked at shutdown
+def _slab_not_unlinked(m) -> None:
     release = m._release
 
     def keep(segment) -> None:
@@ -76,14 +84,17 @@ def _slab_not_unlinked(m) -> None:  # sigterm_restart: shared memory unlinked at
     m._release = keep
 
 
+# sigterm_restart: the disk index is rebuilt from the directory at start
 def _no_start_scan(
     m,
-) -> None:  # sigterm_restart: the disk index is rebuilt from the directory at start
+) -> None:
     m.ChunkFiles.scan = lambda self: m.FileScan()
 
 
-def _leak_per_request(m) -> None:  # the memory check: 8 MiB kept per finished request
-    finished, kept = m.SchedulerSide.request_finished, []
+# the memory check: 8 MiB kept per finished request
+def _leak_per_request(m) -> None:
+    finished = m.SchedulerSide.request_finished
+    kept = []
 
     def request_finished(self, request) -> None:
         kept.append(b"\x01" * (8 << 20))
@@ -122,7 +133,8 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        patches, execute = self.pending.pop(fullname), spec.loader.exec_module
+        patches = self.pending.pop(fullname)
+        execute = spec.loader.exec_module
 
         def exec_module(module) -> None:
             execute(module)
@@ -140,7 +152,8 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
 def _install() -> None:
     names = [n for n in os.environ.get("KVTIER_SOAK_BREAK", "").split(",") if n]
-    if not names or os.environ.get("KVTIER_SOAK_SERVER") != "1":  # set for the soak's servers only
+    # set for the soak's servers only
+    if not names or os.environ.get("KVTIER_SOAK_SERVER") != "1":
         return
     pending: dict[str, list] = {}
     for name in names:

@@ -137,9 +137,10 @@ def _table(runs: list[BenchRun]) -> str:
     lines = []
     for r in runs:
         shown = "  ".join(f"{k}={_number(v)}" for k, v in r.figures.items())
-        lines.append(
-            f"{r.name:<{width}}  {shown}" if not r.error else f"{r.name:<{width}}  FAILED {r.error}"
-        )
+        if r.error:
+            lines.append(f"{r.name:<{width}}  FAILED {r.error}")
+        else:
+            lines.append(f"{r.name:<{width}}  {shown}")
     return "\n".join(lines)
 
 

@@ -36,9 +36,8 @@ CONNECTOR = {
     "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute",
 }
-_DEST_PREFIX = (
-    "kvtier_"  # argparse destinations of the config flags: never clash with another command's
-)
+# argparse destinations of the config flags: never clash with another command's
+_DEST_PREFIX = "kvtier_"
 _DOC_LINE = re.compile(r"^\s+([a-z0-9_*][a-z0-9_*, /]*): (.*)$")
 
 
@@ -84,8 +83,10 @@ def add_dataclass_flags(group, cls: type, dest_prefix: str, skip: tuple[str, ...
 
 def _add_flag(group, name: str, kind: str, default: Any, text: str, dest_prefix: str) -> None:
     flag = "--" + name.replace("_", "-")
-    text = (text[:1].upper() + text[1:]).replace("%", "%%")  # a docstring's entry starts lower-case
-    if "(default:" not in text:  # a text that explains its default keeps it
+    # a docstring's entry starts lower-case
+    text = (text[:1].upper() + text[1:]).replace("%", "%%")
+    # a text that explains its default keeps it
+    if "(default:" not in text:
         text = f"{text} (default: {_shown(default)})".strip()
     dest = dest_prefix + name
     if kind == "bool":
@@ -128,7 +129,8 @@ def config_main(args: argparse.Namespace, out) -> int:
 
 
 def _converter(name: str, kind: str):
-    kind = kind.removesuffix(" | None")  # a flag that is not given is None already
+    # a flag that is not given is None already
+    kind = kind.removesuffix(" | None")
     if name.endswith("_bytes") and kind == "int":
         return _size
     if kind == "int":

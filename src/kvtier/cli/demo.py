@@ -36,19 +36,23 @@ from kvtier.config import KVTierConfig
 __all__ = ["RunResult", "add_demo_flags", "demo_main", "workload"]
 
 MODEL_CACHE = Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier"))
-SHUTDOWN_S = 60.0  # how long an engine's processes get to exit on their own
+# how long an engine's processes get to exit on their own
+SHUTDOWN_S = 60.0
 
 
 @dataclass
 class RunResult:
     name: str
-    ttft_by_turn: list[list[float]] = field(default_factory=list)  # seconds, per request
+    # seconds, per request
+    ttft_by_turn: list[list[float]] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
     seconds: float = 0.0
-    kvtier_hit_tokens: float = 0.0  # from kvtier's own Prometheus counter
+    # from kvtier's own Prometheus counter
+    kvtier_hit_tokens: float = 0.0
     replies: list[list[int]] = field(default_factory=list)
-    start_seconds: float = 0.0  # the engine's start, not part of any figure
+    # the engine's start, not part of any figure
+    start_seconds: float = 0.0
 
 
 def workload(
@@ -82,7 +86,8 @@ def run(
     params = SamplingParams(
         max_tokens=reply_tokens, temperature=0.0, ignore_eos=True, detokenize=False
     )
-    engine, result = llm.llm_engine, RunResult(name)
+    engine = llm.llm_engine
+    result = RunResult(name)
     histories = [list(system) for _ in users]
     start = time.perf_counter()
     with progress(
@@ -163,9 +168,8 @@ def demo_main(args: argparse.Namespace) -> int:
         ConfigError: a bad --cpu-bytes (before any engine starts).
     """
     KVTierConfig.from_dict({"cpu_bytes": args.cpu_bytes})
-    os.environ.setdefault(
-        "VLLM_CPU_KVCACHE_SPACE", "1"
-    )  # GiB: a 20-40 s engine start instead of 90 s
+    # GiB: a 20-40 s engine start instead of 90 s
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     args.out.mkdir(parents=True, exist_ok=True)
     logs = EngineLogs(args.out / "vllm.log", echo=args.verbose)
     logs.path.write_text("")
@@ -184,7 +188,8 @@ def demo_main(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace, console: Console, log_path: Path) -> int:
-    model_job = _generate_model()  # in its own process, while this one imports vLLM
+    # in its own process, while this one imports vLLM
+    model_job = _generate_model()
     with Waiting(console, "loading vLLM"):
         try:
             from vllm import LLM
@@ -220,7 +225,9 @@ def _demo(args: argparse.Namespace, console: Console, log_path: Path) -> int:
         enforce_eager=True,
         disable_log_stats=False,
     )
-    results, bindings, stopping = [], [], None
+    results = []
+    bindings = []
+    stopping = None
     for name, transfer in (
         ("without kvtier", None),
         ("with kvtier", kv_transfer_config(cpu_bytes=args.cpu_bytes)),
@@ -229,7 +236,8 @@ def _demo(args: argparse.Namespace, console: Console, log_path: Path) -> int:
             llm = LLM(kv_transfer_config=transfer, **common)
         bindings.append(binding_log.next_engine_core_ids())
         if stopping is not None:
-            stopping.join()  # the previous engine is gone before this one is measured
+            # the previous engine is gone before this one is measured
+            stopping.join()
         if bindings[-1] != bindings[0]:
             console.note(
                 f"the engines are bound to different cores ({bindings[0]} vs {bindings[-1]}): "

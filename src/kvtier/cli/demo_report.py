@@ -15,11 +15,9 @@ __all__ = ["pct", "plot", "report", "summary"]
 
 def pct(values: list[float], q: float) -> float:
     """The q-th percentile (inclusive method); the value itself for a single one."""
-    return (
-        statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-        if len(values) > 1
-        else values[0]
-    )
+    if len(values) <= 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 def _later(r) -> list[float]:

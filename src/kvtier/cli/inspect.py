@@ -40,8 +40,10 @@ class NamespaceReport:
     num_spares: int = 0
     verified: bool = False
     num_bad: int = 0
-    bad_files: dict[str, str] = field(default_factory=dict)  # path -> why it fails
-    problem: str | None = None  # why the namespace itself cannot be verified
+    # path -> why it fails
+    bad_files: dict[str, str] = field(default_factory=dict)
+    # why the namespace itself cannot be verified
+    problem: str | None = None
 
 
 def namespace_dirs(root: Path) -> list[Path]:
@@ -81,7 +83,8 @@ def inspect_namespace(
             why = _check(chunk_format, path, key, buffer)
             if why is not None:
                 report.bad_files[str(path)] = why
-        report.num_bad, report.verified = len(report.bad_files), True
+        report.num_bad = len(report.bad_files)
+        report.verified = True
     return report
 
 
@@ -135,7 +138,8 @@ def _check(chunk_format: ChunkFormat, path: Path, key: bytes, buffer: memoryview
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None  # an engine evicted it since the listing: not a fault
+        # an engine evicted it since the listing: not a fault
+        return None
     except OSError as exc:
         return f"cannot open: {exc.strerror}"
     try:
@@ -159,14 +163,12 @@ def _render(root: Path, reports: list[NamespaceReport]) -> str:
     lines = []
     for r in reports:
         d = r.description
-        what = (
-            (
-                f"{d.get('model')} {d.get('dtype')}, block {d.get('block_size')} x {d.get('blocks_per_chunk')}, "
-                f"{d.get('hash_algo')}, world size {d.get('world_size')}"
+        what = "no description"
+        if d:
+            what = (
+                f"{d.get('model')} {d.get('dtype')}, block {d.get('block_size')} x "
+                f"{d.get('blocks_per_chunk')}, {d.get('hash_algo')}, world size {d.get('world_size')}"
             )
-            if d
-            else "no description"
-        )
         lines += [
             f"namespace {r.id}  ({what})",
             f"  {r.num_chunks:,} chunks, {human_bytes(r.chunk_bytes)}"

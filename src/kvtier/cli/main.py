@@ -34,9 +34,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (text, extra) in _COMMANDS.items():
-        sub = commands.add_parser(
-            name, help=text, allow_abbrev=False, **extra
-        )  # flags are exact key names
+        # flags are exact key names
+        sub = commands.add_parser(name, help=text, allow_abbrev=False, **extra)
         if name == command:
             _OPTIONS[name](sub)
     return parser
@@ -146,7 +145,8 @@ _OPTIONS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["vllm"]:  # everything after it is vLLM's, --help included
+    # everything after it is vLLM's, --help included
+    if argv[:1] == ["vllm"]:
         from kvtier.cli.vllm import run_vllm_cli
 
         return run_vllm_cli(argv[1:])
@@ -159,8 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KVTierError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"kvtier {args.command}: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `kvtier ... | head`: the reader has what it wanted
-        sys.stdout = None  # type: ignore[assignment]  # nothing more to flush at exit
+    # `kvtier ... | head`: the reader has what it wanted
+    except BrokenPipeError:
+        # nothing more to flush at exit
+        sys.stdout = None  # type: ignore[assignment]
         return 0
 
 

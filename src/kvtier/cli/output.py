@@ -70,7 +70,8 @@ class EngineLogs:
         self._saved = (os.dup(1), os.dup(2))
         console = Console(_reopen(self._saved[0]), _reopen(self._saved[1]))
         target = _open_private(self.path)
-        if self.echo:  # tee appends to the file made private above
+        # tee appends to the file made private above
+        if self.echo:
             os.close(target)
             self._tee = subprocess.Popen(
                 ["tee", "-a", str(self.path)],
@@ -84,7 +85,8 @@ class EngineLogs:
         if self._tee is None:
             os.close(target)
         else:
-            self._tee.stdin.close()  # type: ignore[union-attr]  # fds 1 and 2 hold the pipe now
+            # fds 1 and 2 hold the pipe now
+            self._tee.stdin.close()  # type: ignore[union-attr]
         return console
 
     def __exit__(self, *exc: Any) -> None:
@@ -97,9 +99,8 @@ class EngineLogs:
             os.close(self._saved[0])
             os.close(self._saved[1])
             self._saved = None
-        if (
-            self._tee is not None
-        ):  # it ends when the last process holding the pipe (maybe a child) does
+        # it ends when the last process holding the pipe (maybe a child) does
+        if self._tee is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._tee.wait(timeout=5)
 
@@ -120,7 +121,8 @@ class Waiting:
     _FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 
     def __init__(self, console: Console, label: str):
-        self.console, self.label = console, label
+        self.console = console
+        self.label = label
         self.seconds = 0.0
         self._done = threading.Event()
         self._thread: threading.Thread | None = None

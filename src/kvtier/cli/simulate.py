@@ -25,7 +25,8 @@ from kvtier.errors import ConfigError
 
 __all__ = ["add_simulate_flags", "simulate_main"]
 
-_SIM, _COST = "sim_", "cost_"
+_SIM = "sim_"
+_COST = "cost_"
 
 
 def add_simulate_flags(parser: argparse.ArgumentParser) -> None:
@@ -190,10 +191,13 @@ def _load(trace: str, limit: int | None, seed: int) -> list:
             raise ConfigError(
                 f"TRACE: expected {name}:N with N {name} conversations or sessions, got {trace!r}"
             )
-        generate = synthetic if name == "synthetic" else agentic
-        requests = generate(
-            int(count) if count else (200 if name == "synthetic" else 100), seed=seed
-        )
+        if name == "synthetic":
+            generate = synthetic
+            default_count = 200
+        else:
+            generate = agentic
+            default_count = 100
+        requests = generate(int(count) if count else default_count, seed=seed)
         return requests[:limit] if limit is not None else requests
     from kvtier.sim.trace import load_mooncake
 

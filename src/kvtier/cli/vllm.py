@@ -72,8 +72,11 @@ def run_vllm_cli(argv: Sequence[str]) -> int:
     sys.argv = ["vllm", *argv]
     try:
         vllm_main()
-    except SystemExit as exc:  # argparse, --help, --version
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    # argparse, --help, --version
+    except SystemExit as exc:
+        if isinstance(exc.code, int):
+            return exc.code
+        return 0 if exc.code is None else 1
     return 0
 
 
@@ -93,9 +96,9 @@ def serve_argv(args: argparse.Namespace, rest: Sequence[str]) -> list[str]:
             "run `kvtier vllm serve MODEL --kv-transfer-config '...'`"
         )
     config = json.dumps(transfer_config(extra_config(args)), separators=(",", ":"))
-    shutdown = (
-        [] if any(arg.split("=")[0] == "--shutdown-timeout" for arg in rest) else SHUTDOWN_DEFAULT
-    )
+    shutdown = SHUTDOWN_DEFAULT
+    if any(arg.split("=")[0] == "--shutdown-timeout" for arg in rest):
+        shutdown = []
     return ["serve", args.model, *rest, *shutdown, "--kv-transfer-config", config]
 
 

@@ -53,7 +53,8 @@ def copy_threads_off_compute_cores() -> Iterator[set[int] | None]:
         others = usable_cpus() - mine
         if others:
             os.sched_setaffinity(0, others)
-    except (AttributeError, OSError, ValueError):  # no such call here, or a cpuset we misread
+    # no such call here, or a cpuset we misread
+    except (AttributeError, OSError, ValueError):
         yield None
         return
     if not others:

@@ -71,7 +71,8 @@ class CpuBackend:
         num_threads: int = 2,
     ) -> None:
         self._layouts = layouts
-        self._slab_ptr, self._slot_bytes = slab.data_ptr(), slab.shape[1]
+        self._slab_ptr = slab.data_ptr()
+        self._slot_bytes = slab.shape[1]
         self._plane_ptrs = [
             np.array([p.storage.data_ptr() for p in g.planes], dtype=np.int64) for g in layouts
         ]
@@ -79,11 +80,11 @@ class CpuBackend:
         self._copier = MemmoveCopier(num_threads)
         self._queue = TaskQueue()
         self._cond = threading.Condition()
-        self._in_flight: deque[_Running] = (
-            deque()
-        )  # taken from the queue, not reported; oldest first
+        # taken from the queue, not reported; oldest first
+        self._in_flight: deque[_Running] = deque()
         self._stopping = False
-        self.num_cut_tasks = 0  # tasks failed because a cancel of another job cut their batch short
+        # tasks failed because a cancel of another job cut their batch short
+        self.num_cut_tasks = 0
         self._thread = threading.Thread(target=self._loop, name="kvtier-transfer", daemon=True)
         self._thread.start()
 
@@ -110,7 +111,8 @@ class CpuBackend:
                 hit = {task.job_id for task in running.batch if task.job_id in job_ids}
                 if hit:
                     running.cancelled_job_ids |= hit
-                    if running.handle is not None:  # else `_start` cancels it once started
+                    # else `_start` cancels it once started
+                    if running.handle is not None:
                         running.handle.cancel()
             return self._queue.drain(job_ids)
 
@@ -132,7 +134,8 @@ class CpuBackend:
                 running = self._pop_batch()
             # only this thread adds to or removes from `_in_flight`: its length is read unlocked
             if running is None and not self._in_flight:
-                return  # stopping, and nothing queued or in flight
+                # stopping, and nothing queued or in flight
+                return
             if running is not None:
                 self._start(running)
             if self._in_flight and (running is None or len(self._in_flight) >= _MAX_IN_FLIGHT):
@@ -167,17 +170,20 @@ class CpuBackend:
             return
         with self._cond:
             running.handle = handle
-            if running.cancelled_job_ids:  # cancelled while being planned
+            # cancelled while being planned
+            if running.cancelled_job_ids:
                 handle.cancel()
 
     def _finish(self, running: _Running) -> None:
         """Wait for a batch and report each task, charged its share of the time by bytes."""
-        handle: CopyHandle = running.handle  # type: ignore[assignment]  # set by `_start`, which ran first
+        # set by `_start`, which ran first
+        handle: CopyHandle = running.handle  # type: ignore[assignment]
         error = None
         try:
             is_complete = handle.wait()
         except Exception as e:
-            error, is_complete = f"copy failed: {e!r}", False
+            error = f"copy failed: {e!r}"
+            is_complete = False
         with self._cond:
             self._in_flight.popleft()
             cancelled = set(running.cancelled_job_ids)

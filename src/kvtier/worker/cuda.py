@@ -64,7 +64,8 @@ class CudaBackend:
         self._load_stream = torch.cuda.Stream(device=device)
         self._in_flight: list[_InFlight] = []
         self._closed = False
-        self.num_cut_tasks = 0  # a CUDA copy is never cut short (see `cancel`)
+        # a CUDA copy is never cut short (see `cancel`)
+        self.num_cut_tasks = 0
 
     def submit(self, task: CopyTask) -> bool:
         """Enqueue `task`'s copies; False once shut down. Raises on a CUDA error (the task fails)."""
@@ -78,7 +79,8 @@ class CudaBackend:
         stream = self._store_stream if task.is_store else self._load_stream
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(self._device), torch.cuda.stream(stream):
-            stream.wait_stream(torch.cuda.current_stream(self._device))  # see the module docstring
+            # see the module docstring
+            stream.wait_stream(torch.cuda.current_stream(self._device))
             for other in self._in_flight:
                 if other.task.conflicts_with(task):
                     stream.wait_event(other.end)
@@ -95,15 +97,18 @@ class CudaBackend:
 
     def poll(self) -> None:
         """Report every task whose end event has completed."""
-        still, done = [], []
+        still = []
+        done = []
         for flight in self._in_flight:
             try:
                 if not flight.end.query():
                     still.append(flight)
                     continue
-                seconds = flight.start.elapsed_time(flight.end) / 1000.0  # elapsed_time is in ms
+                # elapsed_time is in ms
+                seconds = flight.start.elapsed_time(flight.end) / 1000.0
                 done.append((flight.task, flight.task.outcome(flight.num_bytes, seconds)))
-            except Exception as e:  # a sticky CUDA error: the task failed, the engine goes on
+            # a sticky CUDA error: the task failed, the engine goes on
+            except Exception as e:
                 done.append(
                     (flight.task, flight.task.outcome(0, 0.0, error=f"CUDA copy failed: {e!r}"))
                 )
@@ -126,10 +131,12 @@ class CudaBackend:
         """Wait for in-flight tasks (reporting them) and refuse new ones; nothing is left unstarted."""
         self._closed = True
         for flight in self._in_flight:
-            with contextlib.suppress(Exception):  # poll() below reports it as a failed task
+            # poll() below reports it as a failed task
+            with contextlib.suppress(Exception):
                 flight.end.synchronize()
         self.poll()
-        if self._in_flight:  # only after a CUDA error that query() did not raise
+        # only after a CUDA error that query() did not raise
+        if self._in_flight:
             error = "did not complete before shutdown"
             self._on_done(
                 [

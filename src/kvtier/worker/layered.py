@@ -36,9 +36,8 @@ from kvtier.worker.tasks import CopyTask
 
 __all__ = ["MAX_SLICES", "ForwardOrder", "layer_slices", "slice_task"]
 
-MAX_SLICES = (
-    8  # a slice is a batch on the copy threads (~0.1 ms of planning each); more buys little
-)
+# a slice is a batch on the copy threads (~0.1 ms of planning each); more buys little
+MAX_SLICES = 8
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +48,12 @@ def layer_slices(order: Sequence[str], max_slices: int = MAX_SLICES) -> list[fro
     if not order:
         return []
     rest = list(order[1:])
-    num_rest = min(
-        len(rest), max(1, max_slices - 1)
-    )  # (never fewer slices than it takes to hold every layer)
-    runs = (
-        [
-            frozenset(part.tolist())
-            for part in np.array_split(np.array(rest, dtype=object), num_rest)
-        ]
-        if num_rest
-        else []
-    )
+    # (never fewer slices than it takes to hold every layer)
+    num_rest = min(len(rest), max(1, max_slices - 1))
+    runs = []
+    if num_rest:
+        parts = np.array_split(np.array(rest, dtype=object), num_rest)
+        runs = [frozenset(part.tolist()) for part in parts]
     return [frozenset(order[:1]), *runs]
 
 
@@ -94,7 +88,8 @@ def slice_task(
             )
         )
     covered = set().union(*(t.layers for t in out)) if out else set()
-    if covered != group_layers:  # a layer no slice holds: never left out, copy the task whole
+    # a layer no slice holds: never left out, copy the task whole
+    if covered != group_layers:
         return [task]
     return out
 
@@ -109,11 +104,11 @@ class ForwardOrder:
 
     def __init__(self, layers: Sequence[str]) -> None:
         self._registered = frozenset(layers)
-        self._seen: dict[str, None] = {}  # the layers this pass asked for, each once, in its order
+        # the layers this pass asked for, each once, in its order
+        self._seen: dict[str, None] = {}
         self.slices: list[frozenset[str]] | None = None
-        self.is_off = (
-            not self._registered
-        )  # no layers, or turned off after a pass that skipped some
+        # no layers, or turned off after a pass that skipped some
+        self.is_off = not self._registered
 
     def saw(self, layer: str) -> None:
         self._seen.setdefault(layer)
@@ -137,4 +132,5 @@ class ForwardOrder:
             logger.warning(
                 "kvtier: layer-by-layer loading turned off: %s; loads are waited for whole", why
             )
-        self.is_off, self.slices = True, None
+        self.is_off = True
+        self.slices = None

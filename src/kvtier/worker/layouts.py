@@ -84,7 +84,8 @@ class GroupLayout:
     slot_offsets: tuple[int, ...]
     chunk_bytes: int
     num_blocks: int
-    plane_table: np.ndarray  # int64 (4, num_planes): offset, block_stride, nbytes, slot offset
+    # int64 (4, num_planes): offset, block_stride, nbytes, slot offset
+    plane_table: np.ndarray
 
     @property
     def is_dense(self) -> bool:
@@ -178,7 +179,8 @@ def kv_planes(name: str, tensor: torch.Tensor, kv_layout: str = "auto") -> list[
         raise ConfigError(f"KV cache {name!r} must be a strided tensor, got layout {tensor.layout}")
     bdim = _block_dim(name, tensor, kv_layout)
     esize = tensor.element_size()
-    num_blocks, block_stride = tensor.shape[bdim], tensor.stride(bdim) * esize
+    num_blocks = tensor.shape[bdim]
+    block_stride = tensor.stride(bdim) * esize
     nbytes = {
         i: tensor.stride(i) * esize
         for i in range(tensor.dim())

@@ -49,15 +49,18 @@ import numpy as np
 _copyruns: ModuleType | None
 try:
     from kvtier.worker import _copyruns
-except ImportError:  # not built (no C compiler at install time): the ctypes path copies
+# not built (no C compiler at install time): the ctypes path copies
+except ImportError:
     _copyruns = None
 
 __all__ = ["CopyHandle", "MemmoveCopier", "native_copy_available"]
 
 logger = logging.getLogger(__name__)
 
-_SPLIT_MIN_BYTES = 1 << 20  # below this, waking a second thread costs more than it saves
-_CANCEL_SLICE_BYTES = 1 << 20  # a long run is copied in slices this long, a cancel checked between
+# below this, waking a second thread costs more than it saves
+_SPLIT_MIN_BYTES = 1 << 20
+# a long run is copied in slices this long, a cancel checked between
+_CANCEL_SLICE_BYTES = 1 << 20
 _logged_paths: set[str] = set()
 _PATH_NOTES = {
     "native": "C helper kvtier.worker._copyruns: batches copy without the GIL",
@@ -82,9 +85,8 @@ class CopyHandle:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._is_complete = True
-        self.is_cancelled = (
-            False  # read by the copy threads before every run (a plain attribute: cheap)
-        )
+        # read by the copy threads before every run (a plain attribute: cheap)
+        self.is_cancelled = False
         self.finished_at = 0.0
         if num_parts == 0:
             self._done.set()
@@ -122,17 +124,22 @@ class _NativeCopyHandle(CopyHandle):
 
     def __init__(self, copier: object, ticket: int, started_at: float) -> None:
         super().__init__(1)
-        self._copier, self._ticket, self._started_at = copier, ticket, started_at
+        self._copier = copier
+        self._ticket = ticket
+        self._started_at = started_at
 
     def cancel(self) -> None:
-        ticket = self._ticket  # None once waited for: nothing copies any more
+        # None once waited for: nothing copies any more
+        ticket = self._ticket
         if ticket is not None:
             self._copier.cancel(ticket)  # type: ignore[attr-defined]
 
     def wait(self) -> bool:
-        if self._ticket is not None:  # idempotent: the C side forgets a ticket once waited for
+        # idempotent: the C side forgets a ticket once waited for
+        if self._ticket is not None:
             seconds, self._is_complete = self._copier.wait(self._ticket)  # type: ignore[attr-defined]
-            self.finished_at, self._ticket = self._started_at + seconds, None
+            self.finished_at = self._started_at + seconds
+            self._ticket = None
         return self._is_complete
 
 
@@ -184,7 +191,8 @@ class MemmoveCopier:
             )
         parts = split_by_bytes(dst, src, nbytes, shares)
         handle = CopyHandle(len(parts))
-        for inbox, part in zip(self._inboxes, parts, strict=False):  # small copies have one part
+        # small copies have one part
+        for inbox, part in zip(self._inboxes, parts, strict=False):
             inbox.put((part, handle))
         return handle
 
@@ -200,7 +208,8 @@ class MemmoveCopier:
             inbox.put(None)
         for thread in self._threads:
             thread.join()
-        self._inboxes, self._threads = [], []
+        self._inboxes = []
+        self._threads = []
 
 
 def _serve(inbox: queue.SimpleQueue) -> None:
@@ -208,7 +217,8 @@ def _serve(inbox: queue.SimpleQueue) -> None:
         (dst, src, nbytes), handle = work
         try:
             is_cut_short = _copy_part(dst, src, nbytes, handle)
-        except BaseException as e:  # handed to the waiter, which fails the jobs
+        # handed to the waiter, which fails the jobs
+        except BaseException as e:
             handle.part_done(e)
         else:
             handle.part_done(None, is_cut_short)
@@ -220,9 +230,12 @@ def _copy_part(dst: list[int], src: list[int], nbytes: list[int], handle: CopyHa
     for d, s, n in zip(dst, src, nbytes, strict=True):
         if handle.is_cancelled and n:
             return True
-        while n > _CANCEL_SLICE_BYTES:  # a long run: sliced, so a cancel stops it within a slice
+        # a long run: sliced, so a cancel stops it within a slice
+        while n > _CANCEL_SLICE_BYTES:
             memmove(d, s, _CANCEL_SLICE_BYTES)
-            d, s, n = d + _CANCEL_SLICE_BYTES, s + _CANCEL_SLICE_BYTES, n - _CANCEL_SLICE_BYTES
+            d += _CANCEL_SLICE_BYTES
+            s += _CANCEL_SLICE_BYTES
+            n -= _CANCEL_SLICE_BYTES
             if handle.is_cancelled:
                 return True
         memmove(d, s, n)
@@ -261,7 +274,8 @@ def split_by_bytes(
     skip = points - starts[run]
     lengths = np.diff(np.append(points, total))
     owner = np.searchsorted(cuts, points, side="right")
-    d, s = dst[run] + skip, src[run] + skip
+    d = dst[run] + skip
+    s = src[run] + skip
     return [
         (d[owner == k].tolist(), s[owner == k].tolist(), lengths[owner == k].tolist())
         for k in range(shares)

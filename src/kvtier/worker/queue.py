@@ -41,7 +41,10 @@ class TaskQueue:
         """Queue `task` behind every task submitted before it."""
         task.seq = self._next_seq
         self._next_seq += 1
-        (self._stores if task.is_store else self._loads).append(task)
+        if task.is_store:
+            self._stores.append(task)
+        else:
+            self._loads.append(task)
 
     def pop_next(self) -> CopyTask | None:
         """Remove and return the task to run now, or None when the queue is empty.
@@ -49,7 +52,9 @@ class TaskQueue:
         Only call it when no task popped before is still running.
         """
         side = self._next_side()
-        return side.popleft() if side else None
+        if not side:
+            return None
+        return side.popleft()
 
     def pop_batch(
         self, max_tasks: int, max_bytes: int, running: Sequence[CopyTask] = ()

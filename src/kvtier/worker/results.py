@@ -20,7 +20,8 @@ from kvtier.worker.tasks import TaskOutcome
 __all__ = ["ALL_LAYERS", "CANCELLED", "EndedPart", "OpenJob"]
 
 CANCELLED = "cancelled: past its deadline"
-ALL_LAYERS = ""  # `OpenJob.copying`'s key for a task of every layer (no layer is named "")
+# `OpenJob.copying`'s key for a task of every layer (no layer is named "")
+ALL_LAYERS = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +36,17 @@ class EndedPart:
 class OpenJob:
     """A submitted job whose parts have not all ended; folded into one `JobResult`."""
 
-    offsets: list[int]  # job-wide index of each part's first chunk
-    parts_left: int  # tasks and failed parts not ended yet
+    # job-wide index of each part's first chunk
+    offsets: list[int]
+    # tasks and failed parts not ended yet
+    parts_left: int
     num_chunks: int
     failed_chunks: set[int] = field(default_factory=set)
     num_bytes: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
-    is_cancelled: bool = False  # every chunk fails, whatever its parts report
+    # every chunk fails, whatever its parts report
+    is_cancelled: bool = False
     # a job copied by slices: layer (ALL_LAYERS: a task of every layer) -> its tasks not ended; else None
     copying: Counter[str] | None = None
 
@@ -58,7 +62,8 @@ class OpenJob:
         self.parts_left -= 1
 
     def result(self, job_id: int) -> JobResult:
-        if self.is_cancelled:  # past its deadline: all of it fails, also a part that ended in time
+        # past its deadline: all of it fails, also a part that ended in time
+        if self.is_cancelled:
             self.failed_chunks.update(range(self.num_chunks))
             if CANCELLED not in self.errors:
                 self.errors.insert(0, CANCELLED)

@@ -57,7 +57,8 @@ __all__ = ["WorkerSide"]
 
 logger = logging.getLogger(__name__)
 
-IDLE_STEP_WAIT_S = 0.05  # how long a step with nothing to compute waits for its asynchronous loads
+# how long a step with nothing to compute waits for its asynchronous loads
+IDLE_STEP_WAIT_S = 0.05
 
 
 class WorkerSide:
@@ -95,22 +96,26 @@ class WorkerSide:
         self.transfer: TransferEngine | None = None
         self._clock = clock
         self._transfer_factory = transfer_factory
-        self._running: dict[int, TransferJob] = {}  # submitted, result not taken yet
-        self._started_early: set[int] = (
-            set()
-        )  # this plan's flushed stores, started before the forward
+        # submitted, result not taken yet
+        self._running: dict[int, TransferJob] = {}
+        # this plan's flushed stores, started before the forward
+        self._started_early: set[int] = set()
         self._results: list[JobResult] = []
         self._load_errors: set[int] = set()
         self._async_load_ids: set[int] = set()
-        self._finished_loads: set[str] = set()  # requests whose asynchronous load ended
-        self._failed_loads: set[str] = set()  # ... and failed (reported whole)
+        # requests whose asynchronous load ended
+        self._finished_loads: set[str] = set()
+        # ... and failed (reported whole)
+        self._failed_loads: set[str] = set()
         self._stats: Counter[str] = Counter()
-        self._order: ForwardOrder | None = None  # the forward pass's layers (CPU copies only)
-        self._layered: list[TransferJob] = []  # this step's loads, copied layer by layer
-        self._unasked: set[int] = set()  # ... whose pass did not ask for every layer: they fail
-        self._cut: set[int] = (
-            set()
-        )  # cancelled, result not taken yet (a later layer's wait must not cancel again)
+        # the forward pass's layers (CPU copies only)
+        self._order: ForwardOrder | None = None
+        # this step's loads, copied layer by layer
+        self._layered: list[TransferJob] = []
+        # ... whose pass did not ask for every layer: they fail
+        self._unasked: set[int] = set()
+        # cancelled, result not taken yet (a later layer's wait must not cancel again)
+        self._cut: set[int] = set()
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         """Map this rank's slab (creating it if the scheduler side has not yet) and start copying.
@@ -126,7 +131,8 @@ class WorkerSide:
             # never came up to do it (an engine that failed to start); a second unlink is harmless
             self.slab = HostSlab(self.slab_name, self.num_slots, slot_bytes, owner=True)
         try:
-            with copy_threads_off_compute_cores() as cores:  # its copy threads start here
+            # its copy threads start here
+            with copy_threads_off_compute_cores() as cores:
                 self.transfer = self._transfer_factory(
                     kv_caches,
                     self.blocks_per_chunk,
@@ -168,9 +174,8 @@ class WorkerSide:
         for job in plan.load_jobs:
             self._submit(job, slices)
         loads = [self._running[job.job_id] for job in plan.load_jobs if job.job_id in self._running]
-        if (
-            slices and loads
-        ):  # each layer awaited by `wait_for_layer_load`, all by `finish_layered_loads`
+        # each layer awaited by `wait_for_layer_load`, all by `finish_layered_loads`
+        if slices and loads:
             self._layered = loads
             return
         self._await(loads)
@@ -187,17 +192,24 @@ class WorkerSide:
         if self._order is None:
             return
         self._order.saw(layer)
-        if self._layered and (transfer := self.transfer) is not None:
-            self._await(
-                self._layered, lambda ids, timeout: transfer.wait_layer(ids, layer, timeout)
-            )
+        transfer = self.transfer
+        if not self._layered or transfer is None:
+            return
+
+        def wait_for_layer(job_ids: list[int], timeout: float) -> bool:
+            return transfer.wait_layer(job_ids, layer, timeout)
+
+        self._await(self._layered, wait_for_layer)
 
     def finish_layered_loads(self) -> None:
         """After the forward pass: end this step's layered loads; if the pass did not ask for
         every layer, fail them whole (a layer may have been read before its copy) and load whole
         from now on. Their results are collected here, never before."""
-        asked_all = self._order is not None and self._order.step_ended()
-        if not self._layered or self._order is None:
+        if self._order is None:
+            return
+        # the pass ends here whether or not it had layered loads
+        asked_all = self._order.step_ended()
+        if not self._layered:
             return
         self._await(self._layered)
         if not asked_all:
@@ -213,8 +225,8 @@ class WorkerSide:
         whole); a load past its deadline is cancelled first, so a parked request is always released."""
         self._cancel_expired()
         self._collect()
-        finished, failed = self._finished_loads, self._failed_loads
-        self._finished_loads, self._failed_loads = set(), set()
+        finished, self._finished_loads = self._finished_loads, set()
+        failed, self._failed_loads = self._failed_loads, set()
         return finished, failed
 
     def wait_for_save(self, plan: StepPlan) -> None:
@@ -256,11 +268,13 @@ class WorkerSide:
 
     def _close_slab(self) -> None:
         if self.slab is not None:
-            self.slab.close()  # the transfer engine's view keeps the mapping until it is gone
+            # the transfer engine's view keeps the mapping until it is gone
+            self.slab.close()
 
     def _submit(self, job: TransferJob, slices: list[frozenset[str]] | None = None) -> None:
         self._running[job.job_id] = job
-        if self.transfer is None:  # no KV caches registered: nothing can move, the job fails
+        # no KV caches registered: nothing can move, the job fails
+        if self.transfer is None:
             self._end(job, job.failed("no KV caches registered"))
         else:
             self.transfer.submit(job, slices)
@@ -272,9 +286,11 @@ class WorkerSide:
         cancel those still running at it."""
         left = list(jobs)
         while left and self.transfer is not None:
+            wait_for = wait if wait is not None else self.transfer.wait
             now = self._clock()
             first = min(job.deadline for job in left)
-            if (wait or self.transfer.wait)([job.job_id for job in left], max(0.0, first - now)):
+            is_done = wait_for([job.job_id for job in left], max(0.0, first - now))
+            if is_done:
                 return
             # the wait ran to `first`: every job due by then is abandoned
             due = [job for job in left if job.deadline <= first]
@@ -282,39 +298,43 @@ class WorkerSide:
             left = [job for job in left if job.deadline > first]
 
     def _cancel_expired(self) -> None:
-        if (
-            not self._running
-        ):  # the usual step: nothing in flight, nothing to check (called 3x a step)
+        # the usual step: nothing in flight, nothing to check (called 3x a step)
+        if not self._running:
             return
         now = self._clock()
         due = [job for job in self._running.values() if job.deadline <= now]
         if due:
-            self._collect()  # those that did end in time are reported as they ended
+            # those that did end in time are reported as they ended
+            self._collect()
             self._cancel([job for job in due if job.job_id in self._running])
 
     def _cancel(self, jobs: list[TransferJob]) -> None:
-        if self.transfer is not None and (
-            jobs := [job for job in jobs if job.job_id not in self._cut]
-        ):
-            self._cut |= {job.job_id for job in jobs}
-            logger.warning(
-                "kvtier: %d transfer job(s) past their deadline; cancelled (loads are recomputed, "
-                "stores dropped)",
-                len(jobs),
-            )
-            self._stats["cancelled_jobs"] += len(jobs)
-            num_cut = self.transfer.num_cut_tasks
-            # returns only once none of them copies any more: the caller may then reuse their blocks
-            self.transfer.cancel([job.job_id for job in jobs])
-            if self.transfer.num_cut_tasks > num_cut:
-                self._stats["cancel_cut_tasks"] += self.transfer.num_cut_tasks - num_cut
+        if self.transfer is None:
+            return
+        # a job cancelled in an earlier wait is not cancelled (nor counted) again
+        to_cancel = [job for job in jobs if job.job_id not in self._cut]
+        if not to_cancel:
+            return
+        self._cut |= {job.job_id for job in to_cancel}
+        logger.warning(
+            "kvtier: %d transfer job(s) past their deadline; cancelled (loads are recomputed, "
+            "stores dropped)",
+            len(to_cancel),
+        )
+        self._stats["cancelled_jobs"] += len(to_cancel)
+        num_cut = self.transfer.num_cut_tasks
+        # returns only once none of them copies any more: the caller may then reuse their blocks
+        self.transfer.cancel([job.job_id for job in to_cancel])
+        if self.transfer.num_cut_tasks > num_cut:
+            self._stats["cancel_cut_tasks"] += self.transfer.num_cut_tasks - num_cut
 
     def _collect(self) -> None:
-        if self._layered:  # vLLM may take results before wait_for_save (speculative decoding): end the pass's loads
-            self.finish_layered_loads()  # first, or a layered load whose pass skipped a layer would count as loaded
-        if (
-            self.transfer is None or not self._running
-        ):  # a result of no running job would be dropped anyway
+        # vLLM may take results before wait_for_save (speculative decoding): end the pass's loads
+        if self._layered:
+            # first, or a layered load whose pass skipped a layer would count as loaded
+            self.finish_layered_loads()
+        # a result of no running job would be dropped anyway
+        if self.transfer is None or not self._running:
             return
         for result in self.transfer.get_finished():
             job = self._running.get(result.job_id)
@@ -324,7 +344,8 @@ class WorkerSide:
     def _end(self, job: TransferJob, result: JobResult) -> None:
         del self._running[job.job_id]
         self._cut.discard(job.job_id)
-        if job.job_id in self._unasked:  # copied, but maybe after the forward pass read it
+        # copied, but maybe after the forward pass read it
+        if job.job_id in self._unasked:
             self._unasked.remove(job.job_id)
             result = dataclasses.replace(
                 result,
@@ -335,7 +356,8 @@ class WorkerSide:
         direction = "load" if job.is_load else "store"
         self._stats[f"{direction}_bytes"] += result.num_bytes
         self._stats[f"{direction}_seconds"] += result.seconds
-        if is_async := job.job_id in self._async_load_ids:
+        is_async = job.job_id in self._async_load_ids
+        if is_async:
             self._async_load_ids.discard(job.job_id)
             self._finished_loads.add(job.req_id)
         if job.is_load and result.failed_chunks:

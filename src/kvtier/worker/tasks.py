@@ -28,7 +28,8 @@ __all__ = [
     "plan_copies",
 ]
 
-_MAX_REASONS = 3  # error strings name the first few bad chunks, not thousands
+# error strings name the first few bad chunks, not thousands
+_MAX_REASONS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,8 @@ class CopyTask:
     error: str | None
     block_set: frozenset[int]
     slot_set: frozenset[int]
-    num_bytes: int  # bytes its good chunks move
+    # bytes its good chunks move
+    num_bytes: int
     seq: int = 0
     skip_blocks: int = 0
     layers: frozenset[str] | None = None
@@ -99,13 +101,10 @@ class CopyTask:
             and self.memory.isdisjoint(other.memory)
         ):
             return False
-        if self.is_store == other.is_store:
-            written, others = (
-                (self.slot_set, other.slot_set)
-                if self.is_store
-                else (self.block_set, other.block_set)
-            )
-            return not written.isdisjoint(others)
+        if self.is_store and other.is_store:
+            return not self.slot_set.isdisjoint(other.slot_set)
+        if not self.is_store and not other.is_store:
+            return not self.block_set.isdisjoint(other.block_set)
         return not (
             self.slot_set.isdisjoint(other.slot_set) and self.block_set.isdisjoint(other.block_set)
         )
@@ -181,14 +180,13 @@ def make_task(
         The task holding its good chunks, or a failed `TaskOutcome` when no chunk is good
         (the caller counts it as ended at once).
     """
-    slot_ids, block_ids, group, skip_blocks = (
-        part.slot_ids,
-        part.block_ids,
-        part.group,
-        part.skip_blocks,
-    )
+    slot_ids = part.slot_ids
+    block_ids = part.block_ids
+    group = part.group
+    skip_blocks = part.skip_blocks
     try:
-        slots, blocks = _as_ids(slot_ids, "slot_ids"), _as_ids(block_ids, "block_ids")
+        slots = _as_ids(slot_ids, "slot_ids")
+        blocks = _as_ids(block_ids, "block_ids")
     except ValueError as e:
         return failed_outcome(_safe_len(slot_ids), str(e))
     if not isinstance(group, int) or not 0 <= group < len(layouts):
@@ -204,7 +202,8 @@ def make_task(
     chunk_bytes = layouts[group].chunk_bytes
     page_bytes = chunk_bytes // blocks_per_chunk
     blocks = blocks.reshape(len(slots), blocks_per_chunk)
-    block_set, slot_set = frozenset(blocks.ravel().tolist()), frozenset(slots.tolist())
+    block_set = frozenset(blocks.ravel().tolist())
+    slot_set = frozenset(slots.tolist())
     common = dict(job_id=job_id, part=part_index, is_store=is_store, group=group)
     if _all_good(
         blocks, slots, block_set, slot_set, is_store, layouts[group].num_blocks, num_slots
@@ -229,8 +228,10 @@ def make_task(
     error = "; ".join(f"chunk {c}: {reasons[c]}" for c in failed[:_MAX_REASONS])
     if len(failed) == len(slots):
         return failed_outcome(len(slots), error)
-    blocks, slots = blocks[good], slots[good]
-    skip_blocks = skip_blocks if good[0] else 0  # the partial chunk itself failed
+    blocks = blocks[good]
+    slots = slots[good]
+    # the partial chunk itself failed
+    skip_blocks = skip_blocks if good[0] else 0
     return CopyTask(
         **common,
         block_ids=blocks,
@@ -286,9 +287,8 @@ def _runs(blocks: np.ndarray, first_pages: np.ndarray | None) -> tuple[np.ndarra
         return starts, np.diff(np.append(starts, blocks.size))
     skipped = np.arange(blocks.shape[1])[None, :] < first_pages[:, None]
     is_start = (is_start | (np.arange(blocks.shape[1])[None, :] == first_pages[:, None])) & ~skipped
-    edges = np.flatnonzero(
-        (is_start | skipped).ravel()
-    )  # a run ends at the next start or skipped page
+    # a run ends at the next start or skipped page
+    edges = np.flatnonzero((is_start | skipped).ravel())
     lengths = np.diff(np.append(edges, blocks.size))
     keep = is_start.ravel()[edges]
     return edges[keep], lengths[keep]

@@ -43,11 +43,13 @@ from kvtier.worker.tasks import CopyTask, TaskOutcome, make_task
 
 __all__ = ["TransferEngine"]
 
-_CUDA_POLL_S = 0.0005  # CUDA completions are polled: events cannot wake a Condition
+# CUDA completions are polled: events cannot wake a Condition
+_CUDA_POLL_S = 0.0005
 # A cancelled job's running copy stops within a MiB on CPU (a CUDA copy ends with its stream's
 # work): milliseconds. A cancel still waiting after this long logs an error, then waits on.
 _CANCEL_WAIT_S = 5.0
-_CANCEL_MIN_SLICE_S = 0.001  # a zero timeout must not spin
+# a zero timeout must not spin
+_CANCEL_MIN_SLICE_S = 0.001
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,8 @@ class TransferEngine:
                 f"blocks_per_chunk and num_slots must be >= 1, got {blocks_per_chunk}, {num_slots}"
             )
         self._layouts = build_group_layouts(kv_caches, blocks_per_chunk, layer_groups, kv_layout)
-        self._kv_caches = dict(kv_caches)  # keeps the engine tensors alive while we hold addresses
+        # keeps the engine tensors alive while we hold addresses
+        self._kv_caches = dict(kv_caches)
         self.blocks_per_chunk = blocks_per_chunk
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes_of(self._layouts)
@@ -155,67 +158,86 @@ class TransferEngine:
         Raises:
             ConfigError: `job.job_id` is not an integer (a caller bug: there is no id to report).
         """
-        try:
-            job_id = operator.index(job.job_id)
-        except TypeError:
-            raise ConfigError(f"job_id must be an int, got {type(job.job_id).__name__}") from None
-        refusal = (
-            None
-            if job.is_load or job.is_store
-            else f"cannot move {job.src.value} -> {job.dst.value}"
-        )
-        items: list[CopyTask | tuple[EndedPart, TaskOutcome]] = []
-        if refusal is None:
-            for index, part in enumerate(job.parts):
-                task = make_task(
-                    job_id,
-                    index,
-                    job.is_store,
-                    part,
-                    self._layouts,
-                    self.blocks_per_chunk,
-                    self.num_slots,
-                )
-                if isinstance(task, TaskOutcome):
-                    items.append((EndedPart(job_id, index), task))
-                elif slices and self.can_slice:
-                    items += slice_task(
-                        task, slices, self._layouts[task.group], self.blocks_per_chunk
-                    )
-                else:
-                    items.append(task)
-        with self._cond:
-            if refusal is None and self._closed:
-                refusal = "engine is shut down"
-            elif refusal is None and job_id in self._open:
-                refusal = f"job id {job_id} is already in flight"
-            if refusal is None and job.parts:
-                self._open[job_id] = OpenJob(
-                    [offset for offset, _ in job.chunk_offsets()], len(items), job.num_chunks
-                )
-                if slices:
-                    self._open[job_id].copying = Counter(
-                        layer
-                        for item in items
-                        if isinstance(item, CopyTask)
-                        for layer in _layers_of(item)
-                    )
+        job_id = _checked_job_id(job)
+        if not (job.is_load or job.is_store):
+            self._report(job.failed(f"cannot move {job.src.value} -> {job.dst.value}"))
+            return
+        items = self._tasks_of(job, job_id, slices)
+        refusal = self._open_job(job, job_id, items, slices)
         if refusal is not None:
-            return self._report(job.failed(refusal))
-        if not job.parts:  # moves nothing: done now
-            return self._report(JobResult(job_id=job_id))
+            self._report(job.failed(refusal))
+            return
+        # moves nothing: done now
+        if not job.parts:
+            self._report(JobResult(job_id=job_id))
+            return
         for item in items:
             if isinstance(item, CopyTask):
                 self._start_task(item)
             else:
                 self._on_done([item])
+
+    def _tasks_of(
+        self, job: TransferJob, job_id: int, slices: Sequence[frozenset[str]] | None
+    ) -> list[CopyTask | tuple[EndedPart, TaskOutcome]]:
+        """A copy task per part of `job` (per slice of layers, with `slices` where `can_slice`),
+        or the outcome of a part that fails before it copies."""
+        items: list[CopyTask | tuple[EndedPart, TaskOutcome]] = []
+        for index, part in enumerate(job.parts):
+            task = make_task(
+                job_id,
+                index,
+                job.is_store,
+                part,
+                self._layouts,
+                self.blocks_per_chunk,
+                self.num_slots,
+            )
+            if isinstance(task, TaskOutcome):
+                items.append((EndedPart(job_id, index), task))
+            elif slices and self.can_slice:
+                items += slice_task(task, slices, self._layouts[task.group], self.blocks_per_chunk)
+            else:
+                items.append(task)
+        return items
+
+    def _open_job(
+        self,
+        job: TransferJob,
+        job_id: int,
+        items: list[CopyTask | tuple[EndedPart, TaskOutcome]],
+        slices: Sequence[frozenset[str]] | None,
+    ) -> str | None:
+        """Open `job` to collect its parts' outcomes (a job without parts opens nothing);
+        why it cannot be (shut down, its id in flight), or None."""
+        with self._cond:
+            if self._closed:
+                return "engine is shut down"
+            if job_id in self._open:
+                return f"job id {job_id} is already in flight"
+            if not job.parts:
+                return None
+            opened = OpenJob(
+                [offset for offset, _ in job.chunk_offsets()], len(items), job.num_chunks
+            )
+            if slices:
+                opened.copying = Counter(
+                    layer
+                    for item in items
+                    if isinstance(item, CopyTask)
+                    for layer in _layers_of(item)
+                )
+            self._open[job_id] = opened
         return None
 
     def _start_task(self, task: CopyTask) -> None:
+        error = "engine is shut down"
         try:
-            accepted, error = self._backend.submit(task), "engine is shut down"
-        except Exception as e:  # the CUDA path enqueues in this thread
-            accepted, error = False, f"submit failed: {e!r}"
+            accepted = self._backend.submit(task)
+        # the CUDA path enqueues in this thread
+        except Exception as e:
+            accepted = False
+            error = f"submit failed: {e!r}"
         if not accepted:
             self._on_done([(task, task.outcome(0, 0.0, error=error))])
 
@@ -229,7 +251,8 @@ class TransferEngine:
             for task, outcome in done:
                 job = self._open.get(task.job_id)
                 if job is None:
-                    continue  # defensive: every task belongs to a job opened by `submit`
+                    # defensive: every task belongs to a job opened by `submit`
+                    continue
                 job.add(
                     task.part, outcome, _layers_of(task) if isinstance(task, CopyTask) else None
                 )
@@ -258,23 +281,20 @@ class TransferEngine:
     def wait_layer(self, job_ids: Iterable[int], layer: str, timeout: float | None = None) -> bool:
         """As `wait`, for the tasks of `job_ids` that copy `layer` (a slice holding it, or all
         layers) only: True once none of them copies any more, False if `timeout` passed first."""
-        wanted = set(job_ids)  # (a job that ended, no longer open, is done with every layer)
-        return self._wait_until(
-            lambda: not any(
-                job.parts_left
-                if job.copying is None
-                else job.copying[layer] > 0 or job.copying[ALL_LAYERS] > 0
-                for job in map(self._open.get, wanted)
-                if job is not None
-            ),
-            timeout,
-        )
+        wanted = set(job_ids)
+
+        def is_layer_copied() -> bool:
+            # (a job that ended, no longer open, is done with every layer)
+            open_jobs = [job for job in map(self._open.get, wanted) if job is not None]
+            return not any(_copies_layer(job, layer) for job in open_jobs)
+
+        return self._wait_until(is_layer_copied, timeout)
 
     def _wait_until(self, is_done: Callable[[], bool], timeout: float | None) -> bool:
         """Block until `is_done()` (called under the lock) or `timeout` seconds passed (False)."""
-        deadline = (
-            None if timeout is None else time.monotonic() + min(timeout, threading.TIMEOUT_MAX)
-        )
+        deadline = None
+        if timeout is not None:
+            deadline = time.monotonic() + min(timeout, threading.TIMEOUT_MAX)
         poll_s = _CUDA_POLL_S if isinstance(self._backend, CudaBackend) else None
         while True:
             self._backend.poll()
@@ -312,7 +332,8 @@ class TransferEngine:
             return True
         never_run = self._backend.cancel(wanted)
         self._on_done([(task, task.outcome(0, 0.0, error=CANCELLED)) for task in never_run])
-        slice_s, waited = max(timeout, _CANCEL_MIN_SLICE_S), 0.0
+        slice_s = max(timeout, _CANCEL_MIN_SLICE_S)
+        waited = 0.0
         while not self.wait(wanted, slice_s):
             waited += slice_s
             logger.error(
@@ -347,6 +368,22 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _checked_job_id(job: TransferJob) -> int:
+    """`job.job_id` as an int; raises ConfigError if it is not one (no id to report a failure by)."""
+    try:
+        return operator.index(job.job_id)
+    except TypeError:
+        raise ConfigError(f"job_id must be an int, got {type(job.job_id).__name__}") from None
+
+
+def _copies_layer(job: OpenJob, layer: str) -> bool:
+    """Whether a task of `job` still copies `layer`: a slice holding it or a task of all layers
+    (any task at all, for a job not copied by slices)."""
+    if job.copying is None:
+        return job.parts_left != 0
+    return job.copying[layer] > 0 or job.copying[ALL_LAYERS] > 0
 
 
 def _layers_of(task: CopyTask) -> frozenset[str]:

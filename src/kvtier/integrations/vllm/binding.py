@@ -47,7 +47,8 @@ class CoreBindingLog:
         self.path = Path(path)
         self._read = 0
         if not install:
-            self._read = len(self.path.read_text(errors="replace")) if self.path.exists() else 0
+            if self.path.exists():
+                self._read = len(self.path.read_text(errors="replace"))
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("")

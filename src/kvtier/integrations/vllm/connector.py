@@ -24,7 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-try:  # vLLM >= 0.32: request-level load failures (models with several KV-cache groups need them)
+# vLLM >= 0.32: request-level load failures (models with several KV-cache groups need them)
+try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # pragma: no cover (older vLLM)
     KVConnectorTransferResults = None
@@ -67,23 +68,22 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered KV-cache offloading for vLLM; see the module docstring for its configuration."""
 
     _cache_hit_source = CacheHitSource.HOST
-    transfer_factory = TransferEngine  # what the worker moves bytes with (tests inject faults here)
+    # what the worker moves bytes with (tests inject faults here)
+    transfer_factory = TransferEngine
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.kvtier_config = cfg = KVTierConfig.from_dict(
-            self._kv_transfer_config.kv_connector_extra_config
-        )
-        self.layout = layout = engine_layout(
-            cfg, vllm_config, kv_cache_config
-        )  # the only derivation here
+        cfg = KVTierConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        self.kvtier_config = cfg
+        # the only derivation here
+        layout = engine_layout(cfg, vllm_config, kv_cache_config)
+        self.layout = layout
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._slots_reported = False
         if role == KVConnectorRole.SCHEDULER:
-            namespace = namespace_for(
-                cfg, vllm_config, kv_cache_config, layout
-            )  # hashes the weights: here only
+            # hashes the weights: here only
+            namespace = namespace_for(cfg, vllm_config, kv_cache_config, layout)
             self._scheduler = SchedulerSide(
                 cfg, vllm_config, layout, namespace, group_event_kinds(kv_cache_config)
             )
@@ -98,7 +98,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return False  # a best-effort cache: a dropped store is only a future miss
+        # a best-effort cache: a dropped store is only a future miss
+        return False
 
     # -- scheduler side ---------------------------------------------------------------
 
@@ -118,7 +119,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._sched().request_finished(request)
-        return False, None  # blocks may be freed now: stores still reading them are fenced
+        # blocks may be freed now: stores still reading them are fenced
+        return False, None
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -157,12 +159,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._work().wait_for_layer_load(layer_name)  # the step's synchronous loads of this layer
+        # the step's synchronous loads of this layer
+        self._work().wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        pass  # whole chunks are stored after the forward pass (wait_for_save)
+        # whole chunks are stored after the forward pass (wait_for_save)
+        pass
 
     def wait_for_save(self) -> None:
         self._work().wait_for_save(self._plan())
@@ -185,9 +189,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
         worker = self._work()
         results = worker.take_results()
-        slots = (
-            () if self._slots_reported else (worker.num_slots,)
-        )  # checked by the scheduler, once
+        # checked by the scheduler, once
+        slots = () if self._slots_reported else (worker.num_slots,)
         self._slots_reported = True
         return KVTierWorkerMetadata(results, slots) if results or slots else None
 
@@ -195,7 +198,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
-            self._scheduler.shutdown()  # vLLM's Scheduler.shutdown: the host slabs are unlinked
+            # vLLM's Scheduler.shutdown: the host slabs are unlinked
+            self._scheduler.shutdown()
 
     # -- stats ------------------------------------------------------------------------
 
@@ -205,7 +209,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None
         taken = self._worker.take_stats()
-        if not taken:  # most steps: nothing moved, no report built
+        # most steps: nothing moved, no report built
+        if not taken:
             return None
         stats = KVTierStats()
         for name, value in taken.items():

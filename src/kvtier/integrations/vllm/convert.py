@@ -168,7 +168,8 @@ def namespace_for(
     engine's, if derived already (None derives it).
     """
     layout = layout or engine_layout(cfg, vllm_config, kv_cache_config)
-    model, cache = vllm_config.model_config, vllm_config.cache_config
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
     groups = [
         [type(g.kv_cache_spec).__name__, g.kv_cache_spec.page_size_bytes, list(g.layer_names)]
         for g in kv_cache_config.kv_cache_groups

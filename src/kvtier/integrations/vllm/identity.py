@@ -95,11 +95,13 @@ _KVTIER_IGNORED = frozenset(
     {
         "model",
         "model_weights",
-        "revision",  # where the weights are: `weights_identity` names their content
+        # where the weights are: `weights_identity` names their content
+        "revision",
         "max_model_len",
         "max_logprobs",
         "generation_config",
-        "override_generation_config",  # limits, sampling
+        # limits, sampling
+        "override_generation_config",
         "enable_sleep_mode",
         "sleep_preserve_parameter_names",
         "sleep_mode_backend",
@@ -124,11 +126,17 @@ _PARALLEL_FACTORS = (
 # the weight files vLLM's default loader reads: the first pattern that matches anything wins
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.tensors")
 # the sample `fingerprint_files` reads: at most ~2000 pages beyond the headers, for a model of any size
-_WINDOW = 128  # bytes at the start, the middle and the end of a tensor
-_MAX_TENSORS = 1024  # tensors sampled in all; every tensor of a dense model (Llama-70B has 723)
-_RAW_WINDOWS, _RAW_WINDOW = 64, 4096  # files without a tensor table: windows spread over the file
-_MAX_HEADER = 100 * 2**20  # safetensors' own limit on its JSON header
-_READ_THREADS = 8  # reads in flight: a cold read is a seek, and disks serve several at once
+# bytes at the start, the middle and the end of a tensor
+_WINDOW = 128
+# tensors sampled in all; every tensor of a dense model (Llama-70B has 723)
+_MAX_TENSORS = 1024
+# files without a tensor table: windows spread over the file
+_RAW_WINDOWS = 64
+_RAW_WINDOW = 4096
+# safetensors' own limit on its JSON header
+_MAX_HEADER = 100 * 2**20
+# reads in flight: a cold read is a seek, and disks serve several at once
+_READ_THREADS = 8
 
 
 def engine_digest(vllm_config: Any) -> str:
@@ -154,12 +162,15 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
     speculative = getattr(vllm_config, "speculative_config", None)
     draft = getattr(speculative, "draft_model_config", None)
     if speculative is not None:
+        draft_factors = None
+        draft_weights = None
+        if draft is not None:
+            draft_factors = model_factors(draft)
+            draft_weights = weights_identity(draft, vllm_config.load_config)
         factors["speculative"] = {
             "method": getattr(speculative, "method", None),
-            "draft": None if draft is None else model_factors(draft),
-            "draft_weights": None
-            if draft is None
-            else weights_identity(draft, vllm_config.load_config),
+            "draft": draft_factors,
+            "draft_weights": draft_weights,
         }
     return factors
 
@@ -203,7 +214,8 @@ def weights_identity(model_config: Any, load_config: Any) -> str:
     """
     load_format = str(getattr(load_config, "load_format", "auto"))
     if load_format == "dummy":
-        return "dummy"  # random weights from vLLM's fixed seed, no files
+        # random weights from vLLM's fixed seed, no files
+        return "dummy"
     source = model_config.model_weights or model_config.model
     files = _weight_files(_local_weights(model_config, load_config))
     try:
@@ -237,12 +249,16 @@ def fingerprint_files(paths: Sequence[str]) -> str:
     """
     fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC) for path in paths]
     try:
-        digest, total, tensors, reads = hashlib.sha256(), 0, [], []
+        digest = hashlib.sha256()
+        total = 0
+        tensors = []
+        reads = []
         for path, fd in zip(paths, fds, strict=True):
             size = os.fstat(fd).st_size
-            header, spans = (
-                _safetensors_table(fd, size) if path.endswith(".safetensors") else (b"", None)
-            )
+            header = b""
+            spans = None
+            if path.endswith(".safetensors"):
+                header, spans = _safetensors_table(fd, size)
             digest.update(f"{os.path.basename(path)}\0{size}\0".encode() + header)
             total += size
             if spans is None:
@@ -327,7 +343,8 @@ def _local_weights(model_config: Any, load_config: Any) -> str | None:
             cache_dir=getattr(load_config, "download_dir", None),
             local_files_only=True,
         )
-    except Exception:  # not a hub id, or not in the cache: the caller falls back to the name
+    # not a hub id, or not in the cache: the caller falls back to the name
+    except Exception:
         return None
 
 

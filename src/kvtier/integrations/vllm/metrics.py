@@ -104,7 +104,8 @@ PREDICTED_HIT_RATIO_DOC = (
     "The hit ratio a tier would get with capacity_factor x its capacity (in chunks), estimated online from its "
     "lookups (kvtier.mrc, SHARDS; an LRU estimate: the tier's own policy may do better or worse)."
 )
-_PREDICTED = "predicted_hit_ratio"  # reported as "tier.<medium>.predicted_hit_ratio.<factor>"
+# reported as "tier.<medium>.predicted_hit_ratio.<factor>"
+_PREDICTED = "predicted_hit_ratio"
 _DIRECTIONS = ("load", "store")
 
 
@@ -262,12 +263,14 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             return
         direction, _, base = what.partition("_")
         if direction in _DIRECTIONS and base in _TIER_DIRECTIONAL:
-            what, labels = base, [*labels, direction]
+            what = base
+            labels = [*labels, direction]
         family = self._tier_families.get(what)
         if family is None or (what in _TIER_DIRECTIONAL) != (
             len(labels) == len(self._engine_labels[engine_idx]) + 2
         ):
-            return  # a tier-specific counter without a metric: in the log line only
+            # a tier-specific counter without a metric: in the log line only
+            return
         if is_gauge:
             family.labels(*labels).set(value)
         elif value > 0:
