@@ -46,7 +46,8 @@ def kv_cache(layout: str, num_layers: int, num_blocks: int, content: int) -> KV:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return np.array_equal(a.numpy(), b.numpy())  # torch.equal takes ~8 ms per 128 KiB on this host
+    # torch.equal takes ~8 ms per 128 KiB on this host
+    return np.array_equal(a.numpy(), b.numpy())
 
 
 def randomize(kv: KV, seed: int) -> None:
@@ -112,7 +113,8 @@ def held(monkeypatch):
 
 @pytest.mark.parametrize("num_layers", [1, 2, 3, 8, 9, 40])
 def test_layer_slices_put_the_first_layer_alone_and_keep_every_layer_once_in_order(num_layers):
-    order = [f"l{i}" for i in reversed(range(num_layers))]  # the forward's order, not the names'
+    # the forward's order, not the names'
+    order = [f"l{i}" for i in reversed(range(num_layers))]
     slices = layer_slices(order)
     assert slices[0] == {order[0]} and len(slices) == min(num_layers, 8)
     # each slice a run of consecutive layers, the runs in order: every layer once
@@ -136,20 +138,21 @@ CASES = [
 def test_a_sliced_load_writes_exactly_the_bytes_of_a_whole_load(layout, bpc, skip, bad_chunk):
     kv = kv_cache(layout, num_layers=5, num_blocks=16, content=8)
     names = list(kv)
-    slot_ids = [3, 0, 5] + (
-        [99] if bad_chunk else []
-    )  # slot 99 is out of range: that chunk fails alone
+    # slot 99 is out of range: that chunk fails alone
+    slot_ids = [3, 0, 5] + ([99] if bad_chunk else [])
     block_ids = np.random.default_rng(bpc).permutation(16)[: len(slot_ids) * bpc]
+    # not runs of the names
     odd = [
         frozenset(names[3:4]),
         frozenset(names[0:5:4]),
         frozenset(names[1:3]),
-    ]  # not runs of the names
+    ]
     outcomes = []
     with TransferEngine(kv, bpc, num_slots=6) as engine:
         engine.slab.copy_(torch.randint(-128, 127, engine.slab.shape, dtype=torch.int8))
         for job_id, slices in enumerate([None, layer_slices(names[::-1]), odd]):
-            randomize(kv, seed=7)  # the same background each time: a stray write shows
+            # the same background each time: a stray write shows
+            randomize(kv, seed=7)
             engine.submit(load_job(job_id, slot_ids, block_ids, skip_blocks=skip), slices)
             assert engine.wait([job_id], timeout=HANG_S)
             (result,) = engine.get_finished()
@@ -166,7 +169,8 @@ def test_wait_layer_returns_once_its_slice_is_copied_while_later_slices_are_held
     kv = kv_cache("blocks_first", num_layers=4, num_blocks=8, content=8)
     with TransferEngine(kv, 1, num_slots=8) as engine:
         stored = fill_slots(engine, kv, [0, 1, 2, 3])
-        held.hold_after(1)  # the first slice (layer.0) copies; the later ones are held
+        # the first slice (layer.0) copies; the later ones are held
+        held.hold_after(1)
         engine.submit(load_job(1, [0, 1, 2, 3], [4, 5, 6, 7]), layer_slices(LAYERS))
         assert engine.wait_layer(
             [1], "layer.0", timeout=HANG_S
@@ -195,7 +199,8 @@ def test_a_slice_waits_for_a_running_slice_of_its_layers_into_its_blocks_only():
             make_task(job_id, 0, False, part, layouts, 1, 4), layer_slices(LAYERS), layouts[0], 1
         )
 
-    a, b = sliced(1, [4, 5]), sliced(2, [5, 6])  # both write block 5, a first
+    # both write block 5, a first
+    a, b = sliced(1, [4, 5]), sliced(2, [5, 6])
     queue = TaskQueue()
     for task in a + b:
         queue.push(task)
@@ -207,7 +212,8 @@ def test_a_slice_waits_for_a_running_slice_of_its_layers_into_its_blocks_only():
     assert queue.pop_batch(64, 1 << 30, a[1:] + b[:1]) == []
 
 
-POISON = -1  # a model tag: what a failed (maybe half-done) copy left; nothing to check
+# a model tag: what a failed (maybe half-done) copy left; nothing to check
+POISON = -1
 
 
 class Model:
@@ -215,7 +221,8 @@ class Model:
     (one content of all its layers) and per slot page; a failed job leaves its targets POISON."""
 
     def __init__(self, num_blocks: int, num_slots: int, bpc: int) -> None:
-        self.block_tag = list(range(1, num_blocks + 1))  # tag 0: zeros, the slab's first content
+        # tag 0: zeros, the slab's first content
+        self.block_tag = list(range(1, num_blocks + 1))
         self.slot_tags = [[0] * bpc for _ in range(num_slots)]
 
     def apply(self, job: TransferJob, ok: bool) -> None:
@@ -226,67 +233,76 @@ class Model:
             if job.is_store:
                 self.slot_tags[slot] = [self.block_tag[b] if ok else POISON for b in chunk]
                 continue
-            for page in range(
-                part.skip_blocks if c == 0 else 0, len(chunk)
-            ):  # a load's first chunk may skip
+            # a load's first chunk may skip
+            for page in range(part.skip_blocks if c == 0 else 0, len(chunk)):
                 self.block_tag[chunk[page]] = self.slot_tags[slot][page] if ok else POISON
+
+
+class _Blocks:
+    """The engine's KV blocks as the model tracks them: each block holds the bytes of one tag."""
+
+    def __init__(self, kv: KV, model: Model, shape: tuple[int, ...]):
+        self.kv = kv
+        self.model = model
+        self.base = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32)
+
+    def content(self, tag: int) -> torch.Tensor:
+        """A block's bytes (all layers) that carry `tag`."""
+        return self.base * 0 if tag == 0 else self.base + tag
+
+    def holds(self, block: int, tag: int) -> bool:
+        return same(torch.stack([self.kv[layer][block] for layer in LAYERS]), self.content(tag))
+
+    def write(self, block: int, tag: int) -> None:
+        """The forward pass (re)computes a block."""
+        for layer, t in zip(LAYERS, self.content(tag), strict=True):
+            self.kv[layer][block] = t
+        self.model.block_tag[block] = tag
+
+
+def _random_job(rng, job_id: int, num_blocks: int, bpc: int) -> TransferJob:
+    """A store or a load of 1-6 chunks anywhere: jobs of one step overlap."""
+    n = int(rng.integers(1, 7))
+    slots = rng.choice(8, n, replace=False)
+    blocks = rng.choice(num_blocks, n * bpc, replace=False)
+    if rng.random() < 0.4:
+        return store_job(job_id, blocks, slots)
+    return load_job(job_id, slots, blocks, skip_blocks=int(rng.integers(bpc)))
 
 
 @pytest.mark.parametrize("seed", range(30))
 def test_random_stores_and_sliced_loads_end_as_if_run_one_by_one_in_submission_order(seed):
-    rng, bpc, num_blocks = np.random.default_rng(seed), 1 + seed % 2, 24
-    kv = kv_cache(
-        "blocks_first", num_layers=4, num_blocks=num_blocks + bpc, content=1024
-    )  # 32 KiB pages
-    model, next_tag = Model(num_blocks, num_slots=8, bpc=bpc), num_blocks + 1
-    base = torch.randint(-(2**31), 2**31 - 1, (4, *kv["layer.0"].shape[1:]), dtype=torch.int32)
-    order = list(rng.permutation(LAYERS))  # the forward's order (not the names')
-
-    def content(tag: int) -> torch.Tensor:  # a block's bytes (all layers) that carry `tag`
-        return base * 0 if tag == 0 else base + tag
-
-    def holds(block: int, tag: int) -> bool:
-        return same(torch.stack([kv[layer][block] for layer in LAYERS]), content(tag))
-
-    def write(block: int, tag: int) -> None:  # the forward pass (re)computes a block
-        for layer, t in zip(LAYERS, content(tag), strict=True):
-            kv[layer][block] = t
-        model.block_tag[block] = tag
-
+    rng = np.random.default_rng(seed)
+    bpc = 1 + seed % 2
+    num_blocks = 24
+    # 32 KiB pages
+    kv = kv_cache("blocks_first", num_layers=4, num_blocks=num_blocks + bpc, content=1024)
+    model = Model(num_blocks, num_slots=8, bpc=bpc)
+    next_tag = num_blocks + 1
+    blocks = _Blocks(kv, model, (4, *kv["layer.0"].shape[1:]))
+    # the forward's order (not the names')
+    order = list(rng.permutation(LAYERS))
     for block, tag in enumerate(model.block_tag):
-        write(block, tag)
+        blocks.write(block, tag)
     job_id = 0
     with TransferEngine(kv, bpc, num_slots=8) as engine:
         for _step in range(6):
-            jobs, cancelled = [], set()
-            for _ in range(int(rng.integers(2, 6))):  # each one 1-6 chunks anywhere: they overlap
-                n = int(rng.integers(1, 7))
-                slots, blocks = (
-                    rng.choice(8, n, replace=False),
-                    rng.choice(num_blocks, n * bpc, replace=False),
-                )
-                if rng.random() < 0.4:
-                    jobs.append(store_job(job_id := job_id + 1, blocks, slots))
-                else:
-                    jobs.append(
-                        load_job(
-                            job_id := job_id + 1, slots, blocks, skip_blocks=int(rng.integers(bpc))
-                        )
-                    )
-                engine.submit(
-                    jobs[-1],
-                    layer_slices(order) if jobs[-1].is_load and rng.random() < 0.7 else None,
-                )
-                if (
-                    rng.random() < 0.15
-                ):  # past its deadline: a job of this step, maybe ended already
-                    cancelled.add(victim := int(rng.choice([job.job_id for job in jobs])))
+            jobs = []
+            cancelled = set()
+            for _ in range(int(rng.integers(2, 6))):
+                job_id += 1
+                jobs.append(_random_job(rng, job_id, num_blocks, bpc))
+                sliced = jobs[-1].is_load and rng.random() < 0.7
+                engine.submit(jobs[-1], layer_slices(order) if sliced else None)
+                # past its deadline: a job of this step, maybe ended already
+                if rng.random() < 0.15:
+                    victim = int(rng.choice([job.job_id for job in jobs]))
+                    cancelled.add(victim)
                     engine.cancel([victim])
             assert engine.wait([job.job_id for job in jobs], timeout=HANG_S)
             results = {r.job_id: r for r in engine.get_finished()}
-            for (
-                job
-            ) in jobs:  # all or nothing; failed only if cancelled, or cut short with one that was
+            # all or nothing; failed only if cancelled, or cut short with one that was
+            for job in jobs:
                 result = results[job.job_id]
                 assert result.failed_chunks in ((), tuple(range(job.num_chunks))), result
                 assert (
@@ -294,18 +310,21 @@ def test_random_stores_and_sliced_loads_end_as_if_run_one_by_one_in_submission_o
                 ), result
                 model.apply(job, result.success)
             for block, tag in enumerate(model.block_tag):
-                assert tag == POISON or holds(block, tag), f"block {block} is not tag {tag}"
-                if tag == POISON:  # the engine recomputes it
-                    write(block, next_tag := next_tag + 1)
+                assert tag == POISON or blocks.holds(block, tag), f"block {block} is not tag {tag}"
+                # the engine recomputes it
+                if tag == POISON:
+                    next_tag += 1
+                    blocks.write(block, next_tag)
         spare = list(range(num_blocks, num_blocks + bpc))
-        for slot, tags in enumerate(
-            model.slot_tags
-        ):  # every slot, read back whole into the spare blocks
-            engine.submit(load_job(job_id := job_id + 1, [slot], spare))
+        # every slot, read back whole into the spare blocks
+        for slot, tags in enumerate(model.slot_tags):
+            job_id += 1
+            engine.submit(load_job(job_id, [slot], spare))
             assert engine.wait([job_id], timeout=HANG_S) and engine.get_finished()[0].success
-            assert all(
-                tag == POISON or holds(block, tag) for block, tag in zip(spare, tags, strict=True)
-            ), slot
+            held = [
+                tag == POISON or blocks.holds(b, tag) for b, tag in zip(spare, tags, strict=True)
+            ]
+            assert all(held), slot
 
 
 def layered_worker(clock=time.monotonic) -> tuple[WorkerSide, KV, list[torch.Tensor]]:
@@ -371,18 +390,21 @@ def load_whole(
 
 def test_loads_are_waited_for_whole_until_a_forward_pass_asked_for_every_layer(held):
     worker, kv, stored = layered_worker()
-    load_whole(worker, kv, stored, held, 1, asked=[])  # no forward pass seen yet
-    load_whole(
-        worker, kv, stored, held, 2, asked=LAYERS[:-1]
-    )  # a pass that skipped layer.3 (no slices)
-    load_whole(worker, kv, stored, held, 3, asked=LAYERS)  # only from the next step on
+    # no forward pass seen yet
+    load_whole(worker, kv, stored, held, 1, asked=[])
+    # a pass that skipped layer.3 (no slices)
+    load_whole(worker, kv, stored, held, 2, asked=LAYERS[:-1])
+    # only from the next step on
+    load_whole(worker, kv, stored, held, 3, asked=LAYERS)
 
 
 def test_after_a_pass_that_asked_for_every_layer_each_layer_is_waited_for_alone(held):
     worker, kv, stored = layered_worker()
-    order = ["layer.2", "layer.0", "layer.3", "layer.1"]  # the engine's order: slices follow it
+    # the engine's order: slices follow it
+    order = ["layer.2", "layer.0", "layer.3", "layer.1"]
     forward(worker, StepPlan(), asked=order)
-    held.hold_after(1)  # the first slice (layer.2) copies; the later ones are held
+    # the first slice (layer.2) copies; the later ones are held
+    held.hold_after(1)
     plan = start_load(worker, 2)
     assert not worker.transfer.wait([2], timeout=0), "start_load_kv waited for the whole load"
     worker.wait_for_layer_load("layer.2")
@@ -414,7 +436,8 @@ def test_a_layered_load_past_its_deadline_is_cancelled_while_its_layer_is_awaite
     clock = FakeClock(now=0.0)
     worker, kv, _ = layered_worker(clock)
     forward(worker, StepPlan(), asked=LAYERS)
-    held.hold_after(0)  # no slice copies, until cancelled
+    # no slice copies, until cancelled
+    held.hold_after(0)
     plan = start_load(worker, 2, deadline=1.0)
     clock.now = 2.0
     worker.wait_for_layer_load("layer.0")
@@ -433,7 +456,8 @@ def test_results_taken_before_wait_for_save_end_the_pass_first(held):
     worker, kv, stored = layered_worker()
     forward(worker, StepPlan(), asked=LAYERS)
     plan = start_load(worker, 2)
-    for layer in ["layer.0", "layer.1", "layer.3"]:  # the pass read layer.2 without asking
+    # the pass read layer.2 without asking
+    for layer in ["layer.0", "layer.1", "layer.3"]:
         worker.wait_for_layer_load(layer)
     assert worker.take_finished_loads() == (set(), set())
     assert worker.take_load_errors() == {4, 5, 6, 7}
@@ -449,9 +473,8 @@ def test_a_load_cancelled_in_one_layers_wait_is_counted_once_while_another_still
     # wait; in the later layers' waits it comes first again while the other still copies
     clock = FakeClock(now=0.0)
     kv = kv_cache("blocks_first", num_layers=4, num_blocks=8, content=8)
-    one_thread = functools.partial(
-        TransferEngine, num_copy_threads=1
-    )  # batches copy in queue order
+    # batches copy in queue order
+    one_thread = functools.partial(TransferEngine, num_copy_threads=1)
     worker = close_after_test(
         WorkerSide(num_slots=8, blocks_per_chunk=1, clock=clock, transfer_factory=one_thread)
     )
@@ -471,15 +494,16 @@ def test_a_load_cancelled_in_one_layers_wait_is_counted_once_while_another_still
         )
 
     plan = StepPlan(load_jobs=[load(3, [0, 1], deadline=60.0), load(2, [2, 3], deadline=1.0)])
-    held.hold_after(1)  # job 3's first slice (layer.0) copies; every later batch waits
+    # job 3's first slice (layer.0) copies; every later batch waits
+    held.hold_after(1)
     worker.handle_preemptions(plan)
     worker.start_load_kv(plan)
     assert worker.transfer.wait_layer([3], "layer.0", timeout=HANG_S)
-    clock.now = 2.0  # job 2 is past its deadline, job 3 is not
+    # job 2 is past its deadline, job 3 is not
+    clock.now = 2.0
     worker.wait_for_layer_load("layer.0")
-    threading.Timer(
-        0.2, held.release
-    ).start()  # job 3's later slices copy only after layer.1's wait began
+    # job 3's later slices copy only after layer.1's wait began
+    threading.Timer(0.2, held.release).start()
     forward(worker, plan, asked=LAYERS[1:])
     assert worker.take_load_errors() == {6, 7}
     results = {result.job_id: result for result in worker.take_results()}
