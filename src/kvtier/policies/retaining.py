@@ -85,9 +85,9 @@ class Filing(NamedTuple):
     """How a key set aside was filed: the heap entries that carry another filing are stale."""
 
     rank: Rank
-    #: the book's order of the key when it was filed
+    # the book's order of the key when it was filed
     order: Order
-    #: ranked last among its equals (`rank_last`)
+    # ranked last among its equals (`rank_last`)
     is_last: bool = False
 
 
@@ -95,7 +95,7 @@ class LowEntry(NamedTuple):
     """A key in the low heap (ranks below `ORDINARY`), compared as a tuple: the least first."""
 
     rank: Rank
-    #: its filing's `order.seq`: the least recently hinted first (inf: ranked last)
+    # its filing's `order.seq`: the least recently hinted first (inf: ranked last)
     seq: float
     filing: Filing
     key: OffloadKey
@@ -111,9 +111,9 @@ class HighEntry(NamedTuple):
     """A key in the high heap (ranks above `ORDINARY`), compared as a tuple: the least first."""
 
     rank: Rank
-    #: minus its filing's `order.until`: the hint that reaches furthest first (inf: ranked last)
+    # minus its filing's `order.until`: the hint that reaches furthest first (inf: ranked last)
     reach: float
-    #: minus its filing's `order.seq`: the most recently hinted first (inf: ranked last)
+    # minus its filing's `order.seq`: the most recently hinted first (inf: ranked last)
     recency: float
     filing: Filing
     key: OffloadKey

@@ -41,13 +41,13 @@ __all__ = ["ORDINARY", "Band", "Order", "Rank", "RetentionBook"]
 class Band(IntEnum):
     """What a chunk's hints say now: the first field of its `Rank` (lowest evicted first)."""
 
-    #: its session ended and no other session or request used it (`end_session`)
+    # its session ended and no other session or request used it (`end_session`)
     DROPPED = -1
-    #: no live hint keeps it (none, or expired): ordinary, unless its priority is not 0
+    # no live hint keeps it (none, or expired): ordinary, unless its priority is not 0
     NOT_KEPT = 0
-    #: expected back: `next_turn_s` not expired (a prediction, which a tier may stop honoring)
+    # expected back: `next_turn_s` not expired (a prediction, which a tier may stop honoring)
     EXPECTED = 1
-    #: retained: `retain_s` not expired (the client's instruction)
+    # retained: `retain_s` not expired (the client's instruction)
     RETAINED = 2
 
 
@@ -55,16 +55,16 @@ class Rank(NamedTuple):
     """A chunk's rank: compared as a tuple (band first, then priority), lowest evicted first."""
 
     band: Band
-    #: the highest priority any request gave the chunk (never below 0 once shared)
+    # the highest priority any request gave the chunk (never below 0 once shared)
     priority: int
 
 
 class Order(NamedTuple):
     """How the book breaks ties within a rank (`RetentionBook.order`)."""
 
-    #: kept until then (the book's clock): the end of its `retain_s` or `next_turn_s`
+    # kept until then (the book's clock): the end of its `retain_s` or `next_turn_s`
     until: float
-    #: when it was last hinted (the book's counter)
+    # when it was last hinted (the book's counter)
     seq: int
 
 
