@@ -389,10 +389,6 @@ class RetainingPolicy(CachePolicy):
         self._set_aside([(key, rank) for key, rank in ranked if rank != ORDINARY], now)
         return [key for key, rank in ranked if rank == ORDINARY]
 
-    def _is_live(self, entry: LowEntry | HighEntry) -> bool:
-        """Whether `entry` is its key's filing now (else it is stale)."""
-        return self._aside.get(entry.key) == entry.filing
-
     def _available(
         self, heap: Sequence[LowEntry | HighEntry], protected: Container[OffloadKey], enough: int
     ) -> int:
@@ -403,7 +399,8 @@ class RetainingPolicy(CachePolicy):
         for entry in heap:
             if len(found) >= enough:
                 break
-            if self._is_live(entry) and entry.key not in protected:
+            is_live = self._aside.get(entry.key) == entry.filing
+            if is_live and entry.key not in protected:
                 found.add(entry.key)
         return len(found)
 
@@ -430,7 +427,8 @@ class RetainingPolicy(CachePolicy):
         skipped: list[LowEntry | HighEntry] = []
         while heap and len(taken) < n:
             entry = heapq.heappop(heap)
-            if not self._is_live(entry) or entry.key in taken:
+            is_live = self._aside.get(entry.key) == entry.filing
+            if not is_live or entry.key in taken:
                 # evicted, moved back, or filed again since
                 continue
             if entry.key in protected:
@@ -489,5 +487,6 @@ class RetainingPolicy(CachePolicy):
         live ones, drop them: a session's chunks hinted at every turn would leave one per turn."""
         heapq.heappush(heap, entry)
         if len(heap) > 2 * len(self._aside) + 64:
-            heap[:] = dict.fromkeys(entry for entry in heap if self._is_live(entry))
+            aside = self._aside
+            heap[:] = dict.fromkeys(e for e in heap if aside.get(e.key) == e.filing)
             heapq.heapify(heap)

@@ -102,6 +102,11 @@ class _Entry:
             return Band.EXPECTED
         return Band.NOT_KEPT
 
+    def state(self, now: float) -> tuple[Band, int, float, float]:
+        """What a hint may change that the book's subscribers must hear of: the rank's fields,
+        `until` and `retained`."""
+        return (self.band(now), self.priority, self.until, self.retained)
+
     def next_change(self, now: float) -> float:
         """When its rank drops next by time alone."""
         return self.retained if self.retained > now else self.until
@@ -267,7 +272,7 @@ class RetentionBook:
         entry = self._entries.get(key)
         before = None
         if entry is not None:
-            before = (entry.rank(self.clock()), entry.until, entry.retained)
+            before = entry.state(self.clock())
         if entry is None:
             entry = _Entry(next(self._seq))
             self._entries[key] = entry
@@ -291,7 +296,7 @@ class RetentionBook:
             entry.owners.add(owner)
             if session is not None:
                 self._sessions.setdefault(session, {})[key] = None
-        return before != (entry.rank(self.clock()), entry.until, entry.retained)
+        return before != entry.state(self.clock())
 
     def _share(self, key: OffloadKey) -> bool:
         """An unhinted request used `key`: it is nobody's alone, and no longer dropped."""
