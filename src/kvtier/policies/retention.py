@@ -58,6 +58,9 @@ class Rank(NamedTuple):
     # the highest priority any request gave the chunk (never below 0 once shared)
     priority: int
 
+    def __str__(self) -> str:
+        return f"{self.band.name} at priority {self.priority}"
+
 
 class Order(NamedTuple):
     """How the book breaks ties within a rank (`RetentionBook.order`)."""
