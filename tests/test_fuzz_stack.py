@@ -92,7 +92,7 @@ I32_MUTATIONS = [
     # RAM stalled then fast (two ranks): without exploration, no decision loads from it again
     ("i32-defect2", 95872739, "was not loaded from again"),
     # lazy stores of a keeper's chunks: the defect leaves them ordinary
-    ("i32-defect3", 1048948905, "a keeper's chunk ('') ranks (0, 0)"),
+    ("i32-defect3", 1048948905, "a keeper's chunk ('') ranks NOT_KEPT at priority 0"),
     # a torn S3 batch reported at its failure: its held upload sends another chunk's bytes
     ("i32-defect4", 523127052, "payload checksum mismatch"),
     # a Redis put held across a reset: a sweep that does not wait for it leaves its value

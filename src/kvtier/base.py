@@ -113,18 +113,25 @@ class ReqContext:
 class LookupResult(enum.Enum):
     """What a tier knows about one key right now."""
 
-    MISS = "miss"  # not stored (or not readable): recompute
-    HIT = "hit"  # readable now
-    HIT_PENDING = "hit_pending"  # stored, but its write is still in flight: ask again
-    RETRY = "retry"  # not known yet (an asynchronous probe runs): ask again
+    # not stored (or not readable): recompute
+    MISS = "miss"
+    # readable now
+    HIT = "hit"
+    # stored, but its write is still in flight: ask again
+    HIT_PENDING = "hit_pending"
+    # not known yet (an asynchronous probe runs): ask again
+    RETRY = "retry"
 
 
 class ChunkState(enum.Enum):
     """Lifecycle of one chunk in a tier; the pin count is kept beside it."""
 
-    PENDING = "pending"  # slot reserved, write in flight; invisible to loads
-    READY = "ready"  # readable; evictable when unpinned
-    RETIRED = "retired"  # dropped by reset() while in use; freed when its transfer ends
+    # slot reserved, write in flight; invisible to loads
+    PENDING = "pending"
+    # readable; evictable when unpinned
+    READY = "ready"
+    # dropped by reset() while in use; freed when its transfer ends
+    RETIRED = "retired"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,14 +139,17 @@ class SlotSpec:
     """Where a transfer reads or writes in a tier: one slot id per key, in key order."""
 
     medium: str
-    slot_ids: np.ndarray  # int64, shape (num_keys,)
+    # int64, shape (num_keys,)
+    slot_ids: np.ndarray
 
     def __len__(self) -> int:
         return len(self.slot_ids)
 
 
-LoadSpec = SlotSpec  # slots to read, in the order of the keys passed to prepare_load
-StoreSpec = SlotSpec  # slots to write, in the order of PrepareStoreOutput.keys_to_store
+# slots to read, in the order of the keys passed to prepare_load
+LoadSpec = SlotSpec
+# slots to write, in the order of PrepareStoreOutput.keys_to_store
+StoreSpec = SlotSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +193,8 @@ class ManagerStats:
     evictions: int = 0
     stores: int = 0
     failed_stores: int = 0
-    rejected_stores: int = 0  # prepare_store returned None
+    # prepare_store returned None
+    rejected_stores: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -201,12 +212,12 @@ class TierStats:
     used_bytes: int = 0
     queued_store_bytes: int = 0
     counters: Counter[str] = field(default_factory=Counter)
-    gauges: dict[str, float] = field(
-        default_factory=dict
-    )  # tier-specific states (e.g. breaker_open)
+    # tier-specific states (e.g. breaker_open)
+    gauges: dict[str, float] = field(default_factory=dict)
 
 
-NOT_KNOWN_YET = "?"  # `locate`: a tier is still checking whether it holds the key
+# `locate`: a tier is still checking whether it holds the key
+NOT_KNOWN_YET = "?"
 
 
 class OffloadingManager(ABC):

@@ -21,7 +21,8 @@ class ConfigError(KVTierError, ValueError):
 class NotReadyError(KVTierError, KeyError):
     """`prepare_load` was asked for a key that is not readable now (not a HIT)."""
 
-    def __str__(self) -> str:  # KeyError would quote the message otherwise
+    # KeyError would quote the message otherwise
+    def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
 

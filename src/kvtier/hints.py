@@ -33,13 +33,12 @@ from typing import Any
 
 __all__ = ["HINT_NAMES", "NO_HINTS", "Hints", "parse_hints"]
 
-logger = logging.getLogger(
-    "kvtier.scheduler.params"
-)  # where the other kv_transfer_params warnings go
+logger = logging.getLogger(__name__)
 
 HINT_NAMES = ("session", "retain_s", "priority", "next_turn_s", "end_session")
 MAX_SESSION_CHARS = 256
-MAX_SECONDS = 366 * 24 * 3600.0  # a year: beyond it a hint is a mistake, not a plan
+# a year: beyond it a hint is a mistake, not a plan
+MAX_SECONDS = 366 * 24 * 3600.0
 MAX_PRIORITY = 1000
 
 

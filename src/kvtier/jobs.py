@@ -39,14 +39,17 @@ __all__ = [
     "check_slab_slots",
 ]
 
-BlockIds = tuple[list[int], ...]  # one list of engine block ids per KV-cache group
+# one list of engine block ids per KV-cache group
+BlockIds = tuple[list[int], ...]
 
 
 class Endpoint(enum.Enum):
     """Where a job's bytes come from or go to."""
 
-    ENGINE = "engine"  # the engine's KV-cache blocks, named by block id
-    SLAB = "slab"  # the host slab's slots (the CPU tier), named by slot id
+    # the engine's KV-cache blocks, named by block id
+    ENGINE = "engine"
+    # the host slab's slots (the CPU tier), named by slot id
+    SLAB = "slab"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,8 +63,10 @@ class TransferPart:
     """
 
     group: int
-    slot_ids: np.ndarray  # int64 (num_chunks,)
-    block_ids: np.ndarray  # int64 (num_chunks * blocks_per_chunk,)
+    # int64 (num_chunks,)
+    slot_ids: np.ndarray
+    # int64 (num_chunks * blocks_per_chunk,)
+    block_ids: np.ndarray
     skip_blocks: int = 0
 
     @property
@@ -160,11 +165,9 @@ class TransferJob:
 
     def read_blocks(self) -> set[int]:
         """Engine blocks a store reads."""
-        return (
-            {int(b) for part in self.parts for b in part.block_ids.tolist()}
-            if self.is_store
-            else set()
-        )
+        if not self.is_store:
+            return set()
+        return {int(b) for part in self.parts for b in part.block_ids.tolist()}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

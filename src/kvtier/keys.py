@@ -51,13 +51,17 @@ __all__ = [
     "split_offload_key",
 ]
 
-BlockHash = bytes  # the engine's chained prefix hash of one full block
-OffloadKey = bytes  # BlockHash of a chunk's last block + 4-byte big-endian group index
+# the engine's chained prefix hash of one full block
+BlockHash = bytes
+# BlockHash of a chunk's last block + 4-byte big-endian group index
+OffloadKey = bytes
 
-BLOCK_HASH_BYTES = 32  # sha256 / HMAC-SHA256 digests; engines with other hashes pass key_bytes
+# sha256 / HMAC-SHA256 digests; engines with other hashes pass key_bytes
+BLOCK_HASH_BYTES = 32
 GROUP_INDEX_BYTES = 4
 OFFLOAD_KEY_BYTES = BLOCK_HASH_BYTES + GROUP_INDEX_BYTES
-DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for sha256 hashes without PYTHONHASHSEED
+# vLLM's NONE_HASH seed for sha256 hashes without PYTHONHASHSEED
+DEFAULT_SEED = "vllm-none-hash"
 _MAX_GROUP_INDEX = 2 ** (8 * GROUP_INDEX_BYTES) - 1
 
 
@@ -132,7 +136,10 @@ def extra_keys(
 
 def key_length_error(key: object, expected: int) -> ConfigError:
     """The error a tier raises for an offload key of the wrong length."""
-    size = len(key) if isinstance(key, (bytes, bytearray, memoryview)) else type(key).__name__
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        size: int | str = len(key)
+    else:
+        size = type(key).__name__
     return ConfigError(
         f"offload key of {size} bytes where this tier expects {expected}: build keys with "
         "kvtier.keys.make_offload_key(block_hash, group_idx), or pass key_bytes for other hash sizes"

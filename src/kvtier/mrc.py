@@ -39,13 +39,19 @@ from kvtier.errors import ConfigError
 __all__ = ["CAPACITY_FACTORS", "DEFAULT_MAX_SAMPLES", "MissRatioCurve", "curve_gauges"]
 
 CAPACITY_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-DEFAULT_MAX_SAMPLES = 8192  # SHARDS' s_max; bench_mrc: error <= 0.012, 1.5 MB
+# SHARDS' s_max; bench_mrc: error <= 0.012, 1.5 MB
+DEFAULT_MAX_SAMPLES = 8192
 _HASH_SPACE = 2**64
-_ALL = 2**63  # hash() is uniform over [-2**63, 2**63): a threshold of 2**63 samples every key
-_EXACT_BUCKETS = 256  # reuse distances below this are counted one bucket per chunk
-_BUCKETS_PER_DOUBLING = 32  # above it, geometric buckets ~2 % wide
-_BLOCK = 512  # times per block of `_Uses`
-_TIME_ROOM = 4  # the time record has room for this many uses per sampled key before it is compacted
+# hash() is uniform over [-2**63, 2**63): a threshold of 2**63 samples every key
+_ALL = 2**63
+# reuse distances below this are counted one bucket per chunk
+_EXACT_BUCKETS = 256
+# above it, geometric buckets ~2 % wide
+_BUCKETS_PER_DOUBLING = 32
+# times per block of `_Uses`
+_BLOCK = 512
+# the time record has room for this many uses per sampled key before it is compacted
+_TIME_ROOM = 4
 
 
 class MissRatioCurve:
@@ -71,14 +77,21 @@ class MissRatioCurve:
         if max_samples < 1:
             raise ConfigError(f"max_samples must be >= 1, got {max_samples}")
         self.max_samples = max_samples
-        self.num_lookups = 0  # every lookup, sampled or not
-        self._threshold = _ALL  # a key is sampled when hash(key) < threshold
+        # every lookup, sampled or not
+        self.num_lookups = 0
+        # a key is sampled when hash(key) < threshold
+        self._threshold = _ALL
         self._rate = 1.0
-        self._last: dict[int, int] = {}  # sampled cached key's hash -> time of its last use
-        self._heap: list[int] = []  # -hash of every sampled key: the largest leaves first
-        self._uses = _Uses(_TIME_ROOM * max_samples)  # the times of the sampled keys' last uses
-        self._histogram: list[float] = []  # weighted lookups by reuse-distance bucket
-        self._cold = 0.0  # weighted lookups of keys not cached (never stored)
+        # sampled cached key's hash -> time of its last use
+        self._last: dict[int, int] = {}
+        # -hash of every sampled key: the largest leaves first
+        self._heap: list[int] = []
+        # the times of the sampled keys' last uses
+        self._uses = _Uses(_TIME_ROOM * max_samples)
+        # weighted lookups by reuse-distance bucket
+        self._histogram: list[float] = []
+        # weighted lookups of keys not cached (never stored)
+        self._cold = 0.0
 
     def lookup(self, key: Hashable) -> None:
         """A lookup of `key`: counts toward the hit ratio; a cached key becomes the most recent."""
@@ -128,21 +141,25 @@ class MissRatioCurve:
         return len(self._last)
 
     def _use(self, h: int, is_lookup: bool) -> None:
-        book, uses = self._last, self._uses
+        book = self._last
+        uses = self._uses
         last = book.get(h)
         if last is None:
-            if is_lookup:  # never written (or not since it left the sample): a miss, and not cached
+            # never written (or not since it left the sample): a miss, and not cached
+            if is_lookup:
                 self._cold += 1.0 / self._rate
                 return
             if len(book) < self.max_samples:
                 heapq.heappush(self._heap, -h)
             elif not self._make_room(h):
-                return  # the new key has the largest hash: it is the one that leaves
+                # the new key has the largest hash: it is the one that leaves
+                return
         else:
             if is_lookup:
                 self._count(uses.count_after(last) / self._rate)
             uses.unmark(last)
-            del book[h]  # out of the record and the book while `_renumber` may renumber them
+            # out of the record and the book while `_renumber` may renumber them
+            del book[h]
         if uses.now + 1 >= uses.size:
             book, uses = self._renumber()
         book[h] = uses.mark_next()
@@ -210,7 +227,8 @@ class _Uses:
 
     def __init__(self, size: int, ones: int = 0):
         self.size = size + 1
-        self.now = ones  # the latest time marked
+        # the latest time marked
+        self.now = ones
         self._used = bytearray(self.size)
         self._used[1 : ones + 1] = b"\x01" * ones
         self._blocks = [0] * (self.size // _BLOCK + 1)
@@ -219,7 +237,8 @@ class _Uses:
 
     def mark_next(self) -> int:
         """Mark the next time (the caller renumbers before the record is full); returns it."""
-        self.now = t = self.now + 1
+        t = self.now + 1
+        self.now = t
         self._used[t] = 1
         self._blocks[t // _BLOCK] += 1
         return t
@@ -231,7 +250,8 @@ class _Uses:
     def count_after(self, t: int) -> int:
         """Uses after time t."""
         now = self.now
-        block, last_block = t // _BLOCK, now // _BLOCK
+        block = t // _BLOCK
+        last_block = now // _BLOCK
         if block == last_block:
             return self._used.count(1, t + 1, now + 1)
         return self._used.count(1, t + 1, (block + 1) * _BLOCK) + sum(

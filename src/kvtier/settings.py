@@ -36,7 +36,8 @@ __all__ = [
     "validate",
 ]
 
-Check = Callable[[str, Any], Any]  # (user key, value) -> the value to keep; raises ConfigError
+# (user key, value) -> the value to keep; raises ConfigError
+Check = Callable[[str, Any], Any]
 
 _UNITS = {
     "": 1,
@@ -54,12 +55,14 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE = re.compile(
-    r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*"
-)  # fullmatch: "$" would take a trailing newline
-_MAX_BYTES = 2**63 - 1  # what every size field of a header, a file offset or a C size_t holds
-_MAX_SECONDS = 10.0**9  # ~30 years: larger is a typo (and overflows float conversions and timers)
-_MAX_INT = 2**31 - 1  # counts and milliseconds: larger ones overflow C ints in timers and sockets
+# fullmatch: "$" would take a trailing newline
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+# what every size field of a header, a file offset or a C size_t holds
+_MAX_BYTES = 2**63 - 1
+# ~30 years: larger is a typo (and overflows float conversions and timers)
+_MAX_SECONDS = 10.0**9
+# counts and milliseconds: larger ones overflow C ints in timers and sockets
+_MAX_INT = 2**31 - 1
 
 
 def setting(default: Any, check: Check, help: str, *, key: str | None = None) -> Any:
@@ -100,9 +103,8 @@ def parse_size(value: Any, key: str = "size") -> int:
     if isinstance(value, int):
         num_bytes = value
     elif isinstance(value, str) and (m := _SIZE.fullmatch(value)) and m.group(2).lower() in _UNITS:
-        num_bytes = (
-            float(m.group(1)) * _UNITS[m.group(2).lower()]
-        )  # inf for 400 digits: refused below
+        # inf for 400 digits: refused below
+        num_bytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
     else:
         raise ConfigError(
             f"{key}: expected a size like '4GiB', '512MiB' or a number of bytes, got {_short(value)}"

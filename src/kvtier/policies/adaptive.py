@@ -39,7 +39,8 @@ from kvtier.policies.turns import TurnsPolicy
 
 __all__ = ["AdaptivePolicy"]
 
-_Expert = LRUPolicy | ARCPolicy | TurnsPolicy  # a built-in: it has `evict_keys`
+# a built-in: it has `evict_keys`
+_Expert = LRUPolicy | ARCPolicy | TurnsPolicy
 _EXPERTS: dict[str, type[_Expert]] = {"turns": TurnsPolicy, "arc": ARCPolicy, "lru": LRUPolicy}
 
 
@@ -47,12 +48,18 @@ class AdaptivePolicy(CachePolicy):
     """Victims of the expert whose miniature hits most; see the module docstring."""
 
     name = "adaptive"
-    experts: tuple[str, ...] = ("turns", "arc", "lru")  # the first leads until measured
-    max_sample, min_keys = 8, 512  # the miniatures' key sample (at most 1 in n) and least size
+    # the first leads until measured
+    experts: tuple[str, ...] = ("turns", "arc", "lru")
+    # the miniatures' key sample: at most 1 key in this many
+    max_sample = 8
+    # the miniatures' least size (keys)
+    min_keys = 512
     # choose every capacity's worth of accesses, remembering ~64 of them, switching on a 2-sigma
     # lead: on the conversation trace at 20 %, where the three are within 0.01 of each other,
     # halving every 4 capacities and no margin switched on noise and lost 0.005
-    period, memory, margin = 1, 64.0, 2.0
+    period = 1
+    memory = 64.0
+    margin = 2.0
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -158,8 +165,9 @@ class _SameBonus:
 
     def access(self, key: OffloadKey, level: int, now: float) -> bool:
         """Whether the full-size expert's choice changed since the miniature last asked."""
-        best, self.best = self.best, self.source.best
-        return best != self.best
+        previous = self.best
+        self.best = self.source.best
+        return previous != self.best
 
     def clear(self) -> None:
         self.best = self.source.best

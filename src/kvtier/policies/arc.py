@@ -34,13 +34,13 @@ class ARCPolicy(CachePolicy):
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self.target_t1 = 0.0
-        self.t1: OrderedDict[OffloadKey, None] = OrderedDict()  # oldest first
+        # oldest first
+        self.t1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.t2: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._returning: OrderedDict[OffloadKey, None] = (
-            OrderedDict()
-        )  # ghost hits whose store is in flight
+        # ghost hits whose store is in flight
+        self._returning: OrderedDict[OffloadKey, None] = OrderedDict()
 
     def prepare_insert(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
@@ -53,7 +53,8 @@ class ARCPolicy(CachePolicy):
             else:
                 continue
             self._returning[key] = None
-            if len(self._returning) > self.capacity:  # stores that never completed
+            # stores that never completed
+            if len(self._returning) > self.capacity:
                 self._returning.popitem(last=False)
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
@@ -85,7 +86,10 @@ class ARCPolicy(CachePolicy):
                 del self.t1[key]
                 self.t2[key] = None
         for key in reversed(keys):
-            (self.t1 if key in self.t1 else self.t2).move_to_end(key)
+            if key in self.t1:
+                self.t1.move_to_end(key)
+            else:
+                self.t2.move_to_end(key)
 
     def rank_last(self, keys: Sequence[OffloadKey]) -> None:
         """To the most recent end of its own list (not a use: a T1 key stays in T1)."""
@@ -115,32 +119,35 @@ class ARCPolicy(CachePolicy):
         takes from that list now (T1 while it is larger than its target); otherwise (a T2 head whose
         tail left T1 keeps its place) `evict` decides."""
         self.take_places((key,), (victim,))
-        live = self.t1 if key in self.t1 else self.t2 if key in self.t2 else None
+        live = self._list_of(key)
         if live is None or next(iter(live)) != key or key in protected:
             return False
-        if (live is self.t1) != (len(self.t1) > self.target_t1):
+        is_t1 = live is self.t1
+        if is_t1 != (len(self.t1) > self.target_t1):
             return False
-        self._to_ghost(key, live, self.b1 if live is self.t1 else self.b2)
+        self._evict_from(key, is_t1)
         return True
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         from_t1 = self._candidates(self.t1, protected)
         from_t2 = self._candidates(self.t2, protected)
         size_t1 = len(self.t1)
-        plan: list[tuple[OffloadKey, bool]] = []  # (victim, came from T1)
+        # (victim, came from T1)
+        plan: list[tuple[OffloadKey, bool]] = []
         for _ in range(n):
             prefer_t1 = size_t1 > self.target_t1
             first, second = (from_t1, from_t2) if prefer_t1 else (from_t2, from_t1)
             key = next(first, None)
             is_t1 = prefer_t1
             if key is None:
-                key, is_t1 = next(second, None), not prefer_t1
+                key = next(second, None)
+                is_t1 = not prefer_t1
             if key is None:
                 return None
             size_t1 -= is_t1
             plan.append((key, is_t1))
         for key, is_t1 in plan:
-            self._to_ghost(key, self.t1 if is_t1 else self.t2, self.b1 if is_t1 else self.b2)
+            self._evict_from(key, is_t1)
         return [key for key, _ in plan]
 
     def evict_keys(self, keys: Sequence[OffloadKey]) -> None:
@@ -155,7 +162,7 @@ class ARCPolicy(CachePolicy):
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         held = []
         for key in keys:
-            live = self.t1 if key in self.t1 else self.t2 if key in self.t2 else None
+            live = self._list_of(key)
             if live is not None:
                 del live[key]
                 held.append(key)
@@ -174,6 +181,21 @@ class ARCPolicy(CachePolicy):
 
     def _adapt(self, delta: float) -> None:
         self.target_t1 = min(max(self.target_t1 + delta, 0.0), float(self.capacity))
+
+    def _list_of(self, key: OffloadKey) -> OrderedDict[OffloadKey, None] | None:
+        """T1 or T2, whichever holds `key` (None: neither)."""
+        if key in self.t1:
+            return self.t1
+        if key in self.t2:
+            return self.t2
+        return None
+
+    def _evict_from(self, key: OffloadKey, is_t1: bool) -> None:
+        """`key` leaves T1 (`is_t1`) or T2 for that list's ghosts, B1 or B2."""
+        if is_t1:
+            self._to_ghost(key, self.t1, self.b1)
+        else:
+            self._to_ghost(key, self.t2, self.b2)
 
     def _to_ghost(self, key: OffloadKey, live: OrderedDict, ghost: OrderedDict) -> None:
         del live[key]

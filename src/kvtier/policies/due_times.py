@@ -21,9 +21,8 @@ class DueTimes:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, OffloadKey]] = []
-        self._at: dict[
-            OffloadKey, float
-        ] = {}  # each key's live time (other heap entries are stale)
+        # each key's live time (other heap entries are stale)
+        self._at: dict[OffloadKey, float] = {}
 
     def __len__(self) -> int:
         return len(self._at)
@@ -56,7 +55,8 @@ class DueTimes:
             self._at.pop(key, None)
 
     def clear(self) -> None:
-        self._heap, self._at = [], {}
+        self._heap = []
+        self._at = {}
 
     def entries(self) -> int:
         """Heap entries, stale ones included (what it holds in memory)."""

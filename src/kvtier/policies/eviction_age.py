@@ -26,7 +26,8 @@ class EvictionAge:
         self.sample = sample
         self.seconds = float("inf")
         self._keep = 1.0 - 1.0 / memory
-        self._seen: dict[OffloadKey, float] = {}  # sampled held keys: last used
+        # sampled held keys: last used
+        self._seen: dict[OffloadKey, float] = {}
 
     def used(self, keys: Iterable[OffloadKey], now: float) -> None:
         """Held `keys` were used (stored or read) now."""
@@ -40,8 +41,11 @@ class EvictionAge:
             seen = self._seen.pop(key, None)
             if seen is not None:
                 age = now - seen
-                first = self.seconds == float("inf")
-                self.seconds = age if first else self._keep * self.seconds + (1 - self._keep) * age
+                if self.seconds == float("inf"):
+                    # the first: no average yet
+                    self.seconds = age
+                else:
+                    self.seconds = self._keep * self.seconds + (1 - self._keep) * age
 
     def forget(self, keys: Iterable[OffloadKey]) -> None:
         """`keys` left the tier otherwise (deleted, or evicted with a hint): no age to learn."""

@@ -23,7 +23,8 @@ class LRUPolicy(CachePolicy):
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self._order: OrderedDict[OffloadKey, None] = OrderedDict()  # oldest first
+        # oldest first
+        self._order: OrderedDict[OffloadKey, None] = OrderedDict()
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         order = self._order
@@ -32,20 +33,23 @@ class LRUPolicy(CachePolicy):
             order.move_to_end(key)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        order, move = self._order, self._order.move_to_end
+        order = self._order
+        move = self._order.move_to_end
         for key in reversed(keys):
             if key in order:
                 move(key)
 
     def rank_last(self, keys: Sequence[OffloadKey]) -> None:
-        order, move = self._order, self._order.move_to_end
+        order = self._order
+        move = self._order.move_to_end
         for key in keys:
             if key in order:
                 move(key)
 
     def take_places(self, keys: Sequence[OffloadKey], victims: Sequence[OffloadKey]) -> None:
         """The victims were the oldest keys: to the oldest end."""
-        order, move = self._order, self._order.move_to_end
+        order = self._order
+        move = self._order.move_to_end
         for key in reversed(keys):
             if key in order:
                 move(key, last=False)
@@ -76,7 +80,8 @@ class LRUPolicy(CachePolicy):
         self.discard(keys)
 
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-        order, held = self._order, []
+        order = self._order
+        held = []
         for key in keys:
             if key in order:
                 del order[key]

@@ -31,8 +31,10 @@ from kvtier.policies.base import CachePolicy
 
 __all__ = ["PolicySelector", "SettingSelector", "is_sampled"]
 
-Bonus = Callable[[float, int], float]  # (setting, level) -> bonus in key time
-MakePolicy = Callable[[str, int], CachePolicy]  # (name, capacity) -> a fresh policy
+# (setting, level) -> bonus in key time
+Bonus = Callable[[float, int], float]
+# (name, capacity) -> a fresh policy
+MakePolicy = Callable[[str, int], CachePolicy]
 
 
 def is_sampled(key: OffloadKey, sample: int) -> bool:
@@ -46,13 +48,15 @@ class _Miniature:
     __slots__ = ("capacity", "heap", "hits", "scores", "setting")
 
     def __init__(self, capacity: int, setting: float):
-        self.capacity, self.setting = capacity, setting
+        self.capacity = capacity
+        self.setting = setting
         self.scores: dict[OffloadKey, float] = {}
         self.heap: list[tuple[float, OffloadKey]] = []
         self.hits = 0.0
 
     def access(self, key: OffloadKey, score: float) -> None:
-        scores, heap = self.scores, self.heap
+        scores = self.scores
+        heap = self.heap
         if key in scores:
             self.hits += 1.0
         scores[key] = score
@@ -109,10 +113,11 @@ class SettingSelector:
         if self._accesses < self._period:
             return False
         self._accesses = 0
-        best, self.best = self.best, max(self._minis, key=lambda m: m.hits).setting
+        previous = self.best
+        self.best = max(self._minis, key=lambda m: m.hits).setting
         for mini in self._minis:
             mini.hits *= 0.5
-        return best != self.best
+        return previous != self.best
 
     def clear(self) -> None:
         for mini in self._minis:
@@ -154,9 +159,8 @@ class PolicySelector:
         self.best = names[0]
         self.minis = {name: make(name, max(1, capacity // self.sample)) for name in names}
         self.hits = dict.fromkeys(names, 0.0)
-        self.wins = {
-            (a, b): 0.0 for a in names for b in names if a != b
-        }  # keys a held and b did not
+        # keys a held and b did not
+        self.wins = {(a, b): 0.0 for a in names for b in names if a != b}
         self._period = period * capacity
         self._keep = 1.0 - 1.0 / memory
         self._margin = margin
@@ -190,9 +194,8 @@ class PolicySelector:
         return best != self.best
 
     def _choose(self) -> None:
-        top = max(
-            self.hits, key=lambda name: (self.hits[name], name == self.best)
-        )  # a tie keeps best
+        # a tie keeps best
+        top = max(self.hits, key=lambda name: (self.hits[name], name == self.best))
         if top == self.best:
             return
         won, lost = self.wins[top, self.best], self.wins[self.best, top]
@@ -223,7 +226,8 @@ def _replay(mini: CachePolicy, keys: list[OffloadKey]) -> set[OffloadKey]:
     held = [k for k in keys if k in mini]
     hits = set(held)
     mini.touch(held)
-    missing = [k for k in keys if k not in mini][: mini.capacity - len(held)]  # the held ones stay
+    # the held ones stay
+    missing = [k for k in keys if k not in mini][: mini.capacity - len(held)]
     if not missing:
         return hits
     mini.prepare_insert(missing)

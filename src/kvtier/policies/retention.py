@@ -3,10 +3,13 @@
 The book records, per chunk, what the requests that used it said (`kvtier.hints`): how long to
 keep it, its priority, its sessions, whether they ended. One book serves every tier of a manager:
 the CPU and disk tiers evict by its ranks (`kvtier.policies.retaining.RetainingPolicy`, which
-subscribes to its changes), a shared store sets a value's lifetime from `kept_until`. Ranks,
-lowest evicted first: -1 dropped (an ended session's chunk nothing else used), then by priority;
-0 not kept; 1 expected (`next_turn_s` not expired: a prediction, which a tier may find wrong and
-stop honoring); 2 retained (`retain_s` not expired: the client's instruction). ORDINARY is (0, 0).
+subscribes to its changes), a shared store sets a value's lifetime from `kept_until`.
+
+A chunk's `Rank` is its `Band` (what its hints say now), then its priority; lower ranks are
+evicted first. `ORDINARY` (`Band.NOT_KEPT`, priority 0) is the rank of a chunk without a live
+hint: never hinted, or its hints expired.
+How a tier evicts each band, and when it stops honoring an `EXPECTED` chunk (the guard and the
+horizon), is explained once, in `kvtier.policies.retaining`.
 
 Priority: the highest any request gave the chunk; never below 0 once a request without that
 wish used it (another session, an unhinted request, or one that found the chunk already stored).
@@ -25,16 +28,50 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from enum import IntEnum
+from typing import NamedTuple, Protocol
 
 from kvtier.errors import ConfigError
 from kvtier.hints import Hints
 from kvtier.keys import OffloadKey
 
-__all__ = ["ORDINARY", "Rank", "RetentionBook"]
+__all__ = ["ORDINARY", "Band", "Order", "Rank", "RetentionBook"]
 
-Rank = tuple[int, int]  # (band: -1 dropped, 0 not kept, 1 kept; priority)
-ORDINARY: Rank = (0, 0)
+
+class Band(IntEnum):
+    """What a chunk's hints say now: the first field of its `Rank` (lowest evicted first)."""
+
+    # its session ended and no other session or request used it (`end_session`)
+    DROPPED = -1
+    # no live hint keeps it (none, or expired): ordinary, unless its priority is not 0
+    NOT_KEPT = 0
+    # expected back: `next_turn_s` not expired (a prediction, which a tier may stop honoring)
+    EXPECTED = 1
+    # retained: `retain_s` not expired (the client's instruction)
+    RETAINED = 2
+
+
+class Rank(NamedTuple):
+    """A chunk's rank: compared as a tuple (band first, then priority), lowest evicted first."""
+
+    band: Band
+    # the highest priority any request gave the chunk (never below 0 once shared)
+    priority: int
+
+    def __str__(self) -> str:
+        return f"{self.band.name} at priority {self.priority}"
+
+
+class Order(NamedTuple):
+    """How the book breaks ties within a rank (`RetentionBook.order`)."""
+
+    # kept until then (the book's clock): the end of its `retain_s` or `next_turn_s`
+    until: float
+    # when it was last hinted (the book's counter)
+    seq: int
+
+
+ORDINARY = Rank(Band.NOT_KEPT, 0)
 _NEVER = float("-inf")
 
 
@@ -42,20 +79,36 @@ class _Entry:
     __slots__ = ("is_dropped", "is_shared", "owners", "priority", "retained", "seq", "until")
 
     def __init__(self, seq: int) -> None:
-        self.until = _NEVER  # kept until then (the scheduler's clock): retained or expected
-        self.retained = _NEVER  # retained until then (`retain_s`; never after `until`)
+        # kept until then (the scheduler's clock): retained or expected
+        self.until = _NEVER
+        # retained until then (`retain_s`; never after `until`)
+        self.retained = _NEVER
         self.priority = 0
-        self.owners: set[str] = (
-            set()
-        )  # who hinted it: (tenant, session) names, or requests without one
-        self.is_shared = False  # used outside its sessions: their end does not drop it
-        self.is_dropped = False  # its session ended
-        self.seq = seq  # when it was last hinted (a counter)
+        # who hinted it: (tenant, session) names, or requests without one
+        self.owners: set[str] = set()
+        # used outside its sessions: their end does not drop it
+        self.is_shared = False
+        # its session ended
+        self.is_dropped = False
+        # when it was last hinted (a counter)
+        self.seq = seq
 
     def rank(self, now: float) -> Rank:
+        return Rank(self.band(now), self.priority)
+
+    def band(self, now: float) -> Band:
         if self.is_dropped:
-            return (-1, self.priority)
-        return (2 if self.retained > now else 1 if self.until > now else 0, self.priority)
+            return Band.DROPPED
+        if self.retained > now:
+            return Band.RETAINED
+        if self.until > now:
+            return Band.EXPECTED
+        return Band.NOT_KEPT
+
+    def state(self, now: float) -> tuple[Band, int, float, float]:
+        """What a hint may change that the book's subscribers must hear of: the rank's fields,
+        `until` and `retained`."""
+        return (self.band(now), self.priority, self.until, self.retained)
 
     def next_change(self, now: float) -> float:
         """When its rank drops next by time alone."""
@@ -81,14 +134,14 @@ class RetentionBook:
             )
         self.clock = clock
         self.max_entries = max_entries
-        self.track_tenants = False  # set by a tier with tenant quotas
+        # set by a tier with tenant quotas
+        self.track_tenants = False
         self._entries: OrderedDict[OffloadKey, _Entry] = OrderedDict()
         self._sessions: dict[str, dict[OffloadKey, None]] = {}
         self._tenants: OrderedDict[OffloadKey, str] = OrderedDict()
         self._listeners: list[RankListener] = []
-        self._forgotten: list[
-            OffloadKey
-        ] = []  # forgotten while the lock is held: ordinary now, to tell
+        # forgotten while the lock is held: ordinary now, to tell
+        self._forgotten: list[OffloadKey] = []
         self._seq = itertools.count()
         self._lock = threading.Lock()
 
@@ -110,21 +163,27 @@ class RetentionBook:
         """Request `req_id` of `tenant` with `hints` used `keys` now; `is_new`: it stored them (else
         they were already there, so someone else used them first)."""
         with self._lock:
+            changed: list[OffloadKey] = []
             if hints.is_empty:
-                changed = [key for key in keys if self._share(key)]
+                for key in keys:
+                    if self._share(key):
+                        changed.append(key)
             else:
                 now = self.clock()
-                until = now + hints.keep_s if hints.keep_s > 0 else _NEVER
-                retained = now + hints.retain_s if hints.retain_s > 0 else _NEVER
-                session = None if hints.session is None else f"{tenant or ''}\x00{hints.session}"
-                owner = (
-                    session or f"\x01{req_id}"
-                )  # a request without a session owns what it alone used
-                changed = [
-                    key
-                    for key in keys
-                    if self._hint(key, hints, (until, retained), session, owner, is_new)
-                ]
+                until = _NEVER
+                if hints.keep_s > 0:
+                    until = now + hints.keep_s
+                retained = _NEVER
+                if hints.retain_s > 0:
+                    retained = now + hints.retain_s
+                session = None
+                if hints.session is not None:
+                    session = f"{tenant or ''}\x00{hints.session}"
+                # a request without a session owns what it alone used
+                owner = session or f"\x01{req_id}"
+                for key in keys:
+                    if self._hint(key, hints, until, retained, session, owner, is_new):
+                        changed.append(key)
             changed += self._forgotten
             self._forgotten = []
         self._tell(changed)
@@ -165,10 +224,13 @@ class RetentionBook:
         entry = self._entries.get(key)
         return ORDINARY if entry is None else entry.rank(now)
 
-    def order(self, key: OffloadKey) -> tuple[float, int]:
-        """(kept until, last hinted) of `key`: ties within a rank are broken by them."""
+    def order(self, key: OffloadKey) -> Order:
+        """When `key` is kept until and when it was last hinted: ties within a rank are broken by
+        them."""
         entry = self._entries.get(key)
-        return (_NEVER, 0) if entry is None else (entry.until, entry.seq)
+        if entry is None:
+            return Order(_NEVER, 0)
+        return Order(entry.until, entry.seq)
 
     def next_change(self, key: OffloadKey, now: float) -> float:
         """When `key`'s rank drops next by time alone (-inf: never)."""
@@ -183,7 +245,9 @@ class RetentionBook:
     def kept_until(self, key: OffloadKey) -> float | None:
         """Until when (the book's clock) `key` is to be kept, or None."""
         entry = self._entries.get(key)
-        return None if entry is None or entry.is_dropped or entry.until == _NEVER else entry.until
+        if entry is None or entry.is_dropped or entry.until == _NEVER:
+            return None
+        return entry.until
 
     def clear(self) -> None:
         with self._lock:
@@ -200,44 +264,51 @@ class RetentionBook:
         self,
         key: OffloadKey,
         hints: Hints,
-        until: tuple[float, float],
+        until: float,
+        retained: float,
         session: str | None,
         owner: str,
         is_new: bool,
     ) -> bool:
+        """Note `hints` on `key` (kept until `until`, retained until `retained`); whether its rank,
+        `until` or `retained` changed."""
         entry = self._entries.get(key)
-        before = None if entry is None else (entry.rank(self.clock()), entry.until, entry.retained)
+        before = None
+        if entry is not None:
+            before = entry.state(self.clock())
         if entry is None:
-            entry = self._entries[key] = _Entry(next(self._seq))
-            entry.priority, entry.is_shared = (
-                hints.priority,
-                not is_new,
-            )  # found stored: someone's before
+            entry = _Entry(next(self._seq))
+            self._entries[key] = entry
+            entry.priority = hints.priority
+            # found stored: someone's before
+            entry.is_shared = not is_new
             self._forget_oldest()
         else:
             self._entries.move_to_end(key)
-            entry.priority, entry.seq = max(entry.priority, hints.priority), next(self._seq)
+            entry.priority = max(entry.priority, hints.priority)
+            entry.seq = next(self._seq)
             entry.is_shared |= owner not in entry.owners
-        entry.until, entry.retained, entry.is_dropped = (
-            max(entry.until, until[0]),
-            max(entry.retained, until[1]),
-            False,
-        )
-        if entry.is_shared:  # nobody's alone: no session's end drops it, so no session lists it
+        entry.until = max(entry.until, until)
+        entry.retained = max(entry.retained, retained)
+        entry.is_dropped = False
+        if entry.is_shared:
+            # nobody's alone: no session's end drops it, so no session lists it
             entry.priority = max(entry.priority, 0)
             self._unlist(key, entry)
         else:
             entry.owners.add(owner)
             if session is not None:
                 self._sessions.setdefault(session, {})[key] = None
-        return before != (entry.rank(self.clock()), entry.until, entry.retained)
+        return before != entry.state(self.clock())
 
     def _share(self, key: OffloadKey) -> bool:
         """An unhinted request used `key`: it is nobody's alone, and no longer dropped."""
         entry = self._entries.get(key)
         if entry is None or (entry.is_shared and not entry.is_dropped and entry.priority >= 0):
             return False
-        entry.is_shared, entry.is_dropped, entry.priority = True, False, max(entry.priority, 0)
+        entry.is_shared = True
+        entry.is_dropped = False
+        entry.priority = max(entry.priority, 0)
         self._unlist(key, entry)
         return True
 
@@ -250,7 +321,8 @@ class RetentionBook:
     def _unlist(self, key: OffloadKey, entry: _Entry) -> None:
         """Take `key` out of every session's list (its owners' sessions)."""
         for owner in entry.owners:
-            if (keys := self._sessions.get(owner)) is not None:
+            keys = self._sessions.get(owner)
+            if keys is not None:
                 keys.pop(key, None)
                 if not keys:
                     del self._sessions[owner]

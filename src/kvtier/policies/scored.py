@@ -37,16 +37,17 @@ class ScoredPolicy(CachePolicy):
         self._seq = itertools.count()
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
-        heap, scores = self._heap, self.scores
+        heap = self._heap
+        scores = self.scores
         victims: dict[OffloadKey, None] = {}
-        taken: list[
-            tuple[float, int, OffloadKey]
-        ] = []  # popped entries, pushed back unless evicted
+        # popped entries, pushed back unless evicted
+        taken: list[tuple[float, int, OffloadKey]] = []
         while heap and len(victims) < n:
             entry = heapq.heappop(heap)
             score, _, key = entry
             if scores.get(key) != score or key in victims:
-                continue  # stale: the key was rescored or is gone
+                # stale: the key was rescored or is gone
+                continue
             taken.append(entry)
             if key not in protected:
                 victims[key] = None
@@ -66,13 +67,15 @@ class ScoredPolicy(CachePolicy):
         """Forget `keys` as evicted, chosen by another policy (`kvtier.policies.adaptive`),
         leaving the history an eviction leaves; keys not held are ignored."""
         for key in keys:
-            if self.scores.pop(key, None) is not None:  # its heap entries go stale
+            # its heap entries go stale
+            if self.scores.pop(key, None) is not None:
                 self._forget(key, evicted=True)
 
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         held = [key for key in dict.fromkeys(keys) if key in self.scores]
         for key in held:
-            del self.scores[key]  # its heap entries go stale
+            # its heap entries go stale
+            del self.scores[key]
             self._forget(key, evicted=False)
         return held
 
@@ -110,7 +113,8 @@ class ScoredPolicy(CachePolicy):
         if key in protected:
             self.take_places((key,), (victim,))
             return False
-        del self.scores[key]  # its heap entries go stale
+        # its heap entries go stale
+        del self.scores[key]
         self._forget(key, evicted=True)
         return True
 
@@ -126,7 +130,8 @@ class ScoredPolicy(CachePolicy):
 
     def _lowest_score(self) -> float:
         """The lowest score held (stale heap entries on top are dropped), or `clock` when none is held."""
-        heap, scores = self._heap, self.scores
+        heap = self._heap
+        scores = self.scores
         while heap and scores.get(heap[0][2]) != heap[0][0]:
             heapq.heappop(heap)
         return heap[0][0] if heap else self.clock

@@ -35,40 +35,37 @@ from kvtier.policies.scored import ScoredPolicy
 
 __all__ = ["TurnsPolicy"]
 
-_CHAIN_STEP = 1e-6  # a head's last use is at least this much after its tail's
+# a head's last use is at least this much after its tail's
+_CHAIN_STEP = 1e-6
 
 
 class TurnsPolicy(ScoredPolicy):
     """Score = last use + capacity x bonus x (level - 1); see the module docstring."""
 
     name = "turns"
-    bonuses: tuple[float, ...] = (
-        0.0,
-        0.25,
-        0.5,
-        1.0,
-        2.0,
-        4.0,
-    )  # candidates; the first until measured
+    # candidates; the first until measured
+    bonuses: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
     max_turns = 8
-    ghosts_per_slot, max_ghosts = (
-        8,
-        1 << 20,
-    )  # evicted keys whose depth is remembered: per slot, at most
-    sample, period = (
-        4,
-        1,
-    )  # the miniatures' key sample (1 in n) and how often they choose (x capacity)
+    # evicted keys whose depth is remembered, per slot
+    ghosts_per_slot = 8
+    # evicted keys whose depth is remembered, at most
+    max_ghosts = 1 << 20
+    # the miniatures' key sample (1 in n)
+    sample = 4
+    # how often the miniatures choose (x capacity)
+    period = 1
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self.depth: dict[OffloadKey, int] = {}  # depth of the request that wrote the key
-        self.level: dict[OffloadKey, int] = {}  # depth of the deepest request that used it
+        # depth of the request that wrote the key
+        self.depth: dict[OffloadKey, int] = {}
+        # depth of the deepest request that used it
+        self.level: dict[OffloadKey, int] = {}
         self.last_use: dict[OffloadKey, float] = {}
-        self._fresh: dict[
-            OffloadKey, int | None
-        ] = {}  # inserted, not yet ranked: key -> depth as a ghost
-        self._ghosts: OrderedDict[OffloadKey, int] = OrderedDict()  # evicted key -> its depth
+        # inserted, not yet ranked: key -> depth as a ghost
+        self._fresh: dict[OffloadKey, int | None] = {}
+        # evicted key -> its depth
+        self._ghosts: OrderedDict[OffloadKey, int] = OrderedDict()
         self._max_ghosts = min(self.ghosts_per_slot * capacity, self.max_ghosts)
         self.selector = SettingSelector(
             capacity, self.bonuses, self._bonus_for, sample=self.sample, period=self.period
@@ -95,24 +92,27 @@ class TurnsPolicy(ScoredPolicy):
                 self._use(key, 0)
                 continue
             self._fresh[key] = self._ghosts.pop(key, None)
-            self.depth[key] = self.level[key] = 1
+            self.depth[key] = 1
+            self.level[key] = 1
             self.last_use[key] = self.clock
             self._set(key, self.clock)
 
     def order_chain(self, keys: Sequence[OffloadKey]) -> None:
         depth = 1
         for key in keys:
-            known = self.depth[key] if key not in self._fresh else self._fresh[key]
+            known = self._fresh[key] if key in self._fresh else self.depth[key]
             if known is not None:
                 depth = 1 + known
         latest = float("-inf")
-        for key in reversed(keys):  # a head is as recent as its tail, and at least as deep
+        # a head is as recent as its tail, and at least as deep
+        for key in reversed(keys):
             if key in self._fresh:
                 ghost = self._fresh.pop(key)
                 self.depth[key] = depth if ghost is None else ghost
                 self._sample(key, depth, self.last_use[key])
             self.level[key] = max(self.level[key], depth)
-            latest = self.last_use[key] = max(self.last_use[key], latest + _CHAIN_STEP)
+            self.last_use[key] = max(self.last_use[key], latest + _CHAIN_STEP)
+            latest = self.last_use[key]
             self._rescore(key)
 
     def clear(self) -> None:
