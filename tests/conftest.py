@@ -17,9 +17,8 @@ def serves_a_model(item: pytest.Item) -> bool:
     return bool(ENGINE_FIXTURES & set(item.fixturenames))
 
 
-@pytest.hookimpl(
-    tryfirst=True
-)  # before xdist's own, which names each test's group from these marks
+# before xdist's own, which names each test's group from these marks
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n 2 --dist loadgroup` (`make test`), every test that serves a model runs in
     one worker, in file order, and first: engines are pinned to the same cores and computed one at a

@@ -20,7 +20,8 @@ from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.secondary import TierJob
 
-IN_FLIGHT = 8  # stores in flight at any time, so a kill lands mid-write
+# stores in flight at any time, so a kill lands mid-write
+IN_FLIGHT = 8
 
 
 def crash_namespace(slot_bytes: int, world_size: int) -> Namespace:
@@ -44,9 +45,8 @@ def main() -> None:
     namespace = crash_namespace(slot_bytes, world_size)
     tier = DiskTier(root, namespace, capacity_bytes=1 << 40)
     rows = np.frombuffer(mmap.mmap(-1, IN_FLIGHT * world_size * slot_bytes), np.uint8)
-    rows = rows.reshape(
-        IN_FLIGHT, world_size, slot_bytes
-    )  # page-aligned rows: O_DIRECT where allowed
+    # page-aligned rows: O_DIRECT where allowed
+    rows = rows.reshape(IN_FLIGHT, world_size, slot_bytes)
     free_rows, keys_by_job = list(range(IN_FLIGHT)), {}
     for i in range(sys.maxsize):
         while not free_rows:
@@ -55,7 +55,8 @@ def main() -> None:
                 if key not in result.failed_keys:
                     print(f"stored {key.hex()}", flush=True)
                 free_rows.append(row)
-            time.sleep(0.0005)  # the writes need the CPUs more than this loop does
+            # the writes need the CPUs more than this loop does
+            time.sleep(0.0005)
         key, row = crash_key(i), free_rows.pop()
         for rank in range(world_size):
             rows[row, rank] = chunk_content(key, rank, slot_bytes)

@@ -109,9 +109,8 @@ class _StoreStickingTransferEngine(TransferEngine):
         if not (job.is_store and job.parts and flag):
             return super().submit(job, slices)
         _count_seen(flag)
-        with (
-            self._cond
-        ):  # in flight for `wait` (a flush waits for it in vain), but no copy ever starts
+        # in flight for `wait` (a flush waits for it in vain), but no copy ever starts
+        with self._cond:
             self._stuck[job.job_id] = job
             self._open[job.job_id] = None  # type: ignore[assignment]
         return None
@@ -142,7 +141,8 @@ class SoakFaultKVTierConnector(KVTierConnector):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._held: list[tuple[float, list]] = []  # (when to send, results)
+        # (when to send, results)
+        self._held: list[tuple[float, list]] = []
 
     def build_connector_worker_meta(self):
         meta = super().build_connector_worker_meta()

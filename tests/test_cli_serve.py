@@ -26,7 +26,8 @@ from kvtier.shm import SLAB_PREFIX
 from vllm_helpers import SHM, mapped_shm, tokens
 
 KVTIER = shutil.which("kvtier", path=str(Path(sys.executable).parent))
-START_TIMEOUT_S = 300  # an engine start is 20-40 s on 2 idle cores; far more when they are busy
+# an engine start is 20-40 s on 2 idle cores; far more when they are busy
+START_TIMEOUT_S = 300
 # vLLM's grace period at Ctrl-C (`--shutdown-timeout`; kvtier serve's default is 10 s): both how long
 # the engine drains its requests and how long it waits for each process to exit before killing it.
 # Idle here, the processes' own exit (torch and vLLM tearing down, with or without kvtier) takes
@@ -145,7 +146,8 @@ def server(model, tmp_path_factory):
 
 
 def test_serve_answers_a_completion_and_exposes_kvtier_metrics(server):
-    prompt = tokens(600, seed=3)  # 4 whole blocks of 128 tokens: kvtier stores them
+    # 4 whole blocks of 128 tokens: kvtier stores them
+    prompt = tokens(600, seed=3)
     status, body = server.post(
         "/v1/completions",
         {
@@ -164,7 +166,8 @@ def test_serve_answers_a_completion_and_exposes_kvtier_metrics(server):
     # /metrics: kvtier's own series beside vLLM's; the request went through the connector
     status, text = server.get("/metrics")
     assert status == 200
-    samples: dict[str, float] = {}  # summed over labels
+    # summed over labels
+    samples: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("kvtier:"):
             name = line.split("{")[0].split()[0]

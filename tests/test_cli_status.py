@@ -76,8 +76,10 @@ def run_status(capsys, url: str) -> tuple[int, str, str]:
 
 def test_status_prints_each_tiers_curve_and_advice(capsys):
     with serving(page(CURVES)) as url:
-        status, out, err = run_status(capsys, url)  # the bare address: /metrics is appended
-    print(out)  # the screen, for the record (pytest -s)
+        # the bare address: /metrics is appended
+        status, out, err = run_status(capsys, url)
+    # the screen, for the record (pytest -s)
+    print(out)
     assert status == 0 and err == ""
     rows = {
         line.split()[0]: line.split()
@@ -111,7 +113,8 @@ def test_advice_names_a_tier_with_room_to_spare_and_the_setting_of_each_tier():
 
 def test_status_of_an_unreachable_server_is_a_one_line_error(capsys):
     with serving("") as url:
-        pass  # closed: nothing listens on that port now
+        # closed: nothing listens on that port now
+        pass
     status, out, err = run_status(capsys, url)
     assert status == 2 and out == ""
     assert (
@@ -145,10 +148,12 @@ def test_a_tiers_lookups_reach_the_status_screen_through_prometheus(tmp_path, ca
     from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 
     manager, slabs = make_tiered(tmp_path, num_slots=2, disk_chunks=16)
-    for batch in (keys(1, 2), keys(3, 4)):  # RAM holds 2 chunks: 1 and 2 end up on disk only
+    # RAM holds 2 chunks: 1 and 2 end up on disk only
+    for batch in (keys(1, 2), keys(3, 4)):
         put(manager, slabs, batch)
         settle(manager)
-    for k in keys(3, 1):  # a request's scan, then its admission
+    # a request's scan, then its admission
+    for k in keys(3, 1):
         manager.lookup(k, CTX)
     manager.count_query(keys(3, 1), CTX)
     side = SimpleNamespace(

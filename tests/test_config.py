@@ -80,7 +80,8 @@ def test_a_disk_tier_config():
     assert cfg.disk.rules() == TierRules(
         write_mode="on_evict", min_offers=2, max_queue_bytes=64 * 2**20
     )
-    assert not KVTierConfig().disk.is_enabled  # no disk tier unless asked for
+    # no disk tier unless asked for
+    assert not KVTierConfig().disk.is_enabled
 
 
 def test_unknown_key_lists_the_valid_ones():
@@ -165,7 +166,8 @@ def test_the_constructor_checks_like_from_dict():
         KVTierConfig(cpu_bytes=-1)
     with pytest.raises(ConfigError, match="disk_bytes: expected a size"):
         KVTierConfig(disk=DiskConfig(path="/x", bytes="lots"))
-    assert KVTierConfig(cpu_bytes="1GiB").cpu_bytes == 2**30  # kept as bytes, as from_dict keeps it
+    # kept as bytes, as from_dict keeps it
+    assert KVTierConfig(cpu_bytes="1GiB").cpu_bytes == 2**30
 
 
 def test_every_key_has_a_whole_sentence_of_help_and_a_valid_default():

@@ -41,15 +41,19 @@ from tier_helpers import HeldTier
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 32, 4, 4
 PREFIX_TOKENS = 12
-PREFILL_TOKENS_PER_S = 10.0  # a chunk's 4 tokens: 0.4 s to recompute
+# a chunk's 4 tokens: 0.4 s to recompute
+PREFILL_TOKENS_PER_S = 10.0
 # a read given up on counts as 1 s: three given up on together read as 1 s a chunk, 2.5x recomputing it.
 # The stall test's fault (a real deadline); every other engine's tier jobs have HANG_S
 TIER_JOB_TIMEOUT_S = 1.0
-REQUEST_GAP_S = 0.25  # fake seconds between two requests
+# fake seconds between two requests
+REQUEST_GAP_S = 0.25
 MAX_REQUESTS = (
-    40  # 10 fake seconds of requests: a tier that recovered is loaded from again within them
+    # 10 fake seconds of requests: a tier that recovered is loaded from again within them
+    40
 )
-HEALTHY_READ_S = 0.001  # what a read of a disk that is not slow reports (`SlowReads`)
+# what a read of a disk that is not slow reports (`SlowReads`)
+HEALTHY_READ_S = 0.001
 
 
 class SlowReads(HeldTier):
@@ -63,8 +67,10 @@ class SlowReads(HeldTier):
         super().__init__(inner, hold_stores=False)
         self.hold_loads = False
         self.read_delay_s = 0.0
-        self._submitted: dict[int, float] = {}  # read job id -> when it was submitted (monotonic)
-        self._early: list[TierResult] = []  # reads the inner tier ended, not yet due
+        # read job id -> when it was submitted (monotonic)
+        self._submitted: dict[int, float] = {}
+        # reads the inner tier ended, not yet due
+        self._early: list[TierResult] = []
 
     def submit_load(self, job: TierJob) -> None:
         self._submitted[job.job_id] = time.monotonic()
@@ -184,10 +190,13 @@ def chunk_seconds(engine, medium: str) -> float:
 class Served:
     """One request after the slow spell, as the test saw it."""
 
-    at: float  # fake seconds since the tier answered again
+    # fake seconds since the tier answered again
+    at: float
     loaded_tokens: int
-    explored: bool  # its decision tried the tier it wrote off
-    deferrals: int  # times it was asked to wait
+    # its decision tried the tier it wrote off
+    explored: bool
+    # times it was asked to wait
+    deferrals: int
 
 
 def serve_one(
@@ -200,7 +209,8 @@ def serve_one(
     manager = engine.scheduler.manager
     if isinstance(manager, TieredManager):
         settle(engine)
-        manager.stats()  # the tier jobs that ended are applied: the estimate sees them
+        # the tier jobs that ended are applied: the estimate sees them
+        manager.stats()
     return Served(
         clock() - since,
         req.num_external_tokens,
@@ -228,9 +238,11 @@ def test_a_tier_written_off_by_a_stall_is_loaded_from_again_once_it_answers(tmp_
     stalled = serve(engine, "stalled", prefixes[0] + [7])
     assert stalled.num_external_tokens == 0 and tier_counters(engine)["expired_jobs"] == 3
     disk.hold_loads = False
-    disk.release()  # the held reads end late: ignored (given up on), their slots freed
+    # the held reads end late: ignored (given up on), their slots freed
+    disk.release()
     settle(engine)
-    assert chunk_seconds(engine, "disk") > BLOCK_SIZE / PREFILL_TOKENS_PER_S  # written off
+    # written off
+    assert chunk_seconds(engine, "disk") > BLOCK_SIZE / PREFILL_TOKENS_PER_S
     # the disk answers at full speed again; a request every REQUEST_GAP_S, each with a prefix only on disk
     healthy_at = clock()
     served = []
@@ -253,7 +265,8 @@ def test_a_tier_written_off_by_a_stall_is_loaded_from_again_once_it_answers(tmp_
     explored = [s for s in served if s.explored]
     # a request that explored recomputed as decided, without waiting for the read it started
     assert explored and all(s.loaded_tokens == 0 and s.deferrals == 0 for s in explored), explored
-    assert len(explored) <= 3, explored  # the newest three reads outweigh the stall
+    # the newest three reads outweigh the stall
+    assert len(explored) <= 3, explored
 
 
 def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_request_waits(
@@ -274,18 +287,19 @@ def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_
     first = serve(engine, "first-read", prefixes[0] + [7])
     settle(engine)
     assert first.num_external_tokens == PREFIX_TOKENS
-    assert chunk_seconds(engine, "disk") > BLOCK_SIZE / PREFILL_TOKENS_PER_S  # written off
+    # written off
+    assert chunk_seconds(engine, "disk") > BLOCK_SIZE / PREFILL_TOKENS_PER_S
     reads_before = tier_counters(engine).get("load_chunks", 0)
     start = clock()
     served = []
-    for i in range(num_requests):  # prefixes on disk in turn
+    # prefixes on disk in turn
+    for i in range(num_requests):
         clock.now += REQUEST_GAP_S
         served.append(serve_one(engine, clock, f"q-{i}", prefixes[1 + i % 19] + [7], "disk", start))
     explored = [s.at for s in served if s.explored]
     reads = tier_counters(engine).get("load_chunks", 0) - reads_before
-    assert (
-        tier_counters(engine)["promotions"] == first.num_external_tokens // BLOCK_SIZE
-    )  # nothing read into RAM
+    # nothing read into RAM
+    assert tier_counters(engine)["promotions"] == first.num_external_tokens // BLOCK_SIZE
     seconds = clock() - start
     print(
         f"a disk reading a chunk in {read_s} s, over {seconds:.0f} fake s and {num_requests} requests:",
@@ -294,13 +308,13 @@ def test_exploring_a_tier_that_really_is_slow_costs_a_chunk_now_and_then_and_no_
         f"= {reads} chunk reads ({reads * chunk_bytes} bytes),",
         f"the disk busy with them {reads * read_s / seconds:.0%} of the time",
     )
-    assert all(
-        s.loaded_tokens == 0 and s.deferrals == 0 for s in served
-    )  # nobody loaded from it, nor waited
+    # nobody loaded from it, nor waited
+    assert all(s.loaded_tokens == 0 and s.deferrals == 0 for s in served)
     assert reads == len(explored)
     # a read of 1 s is followed by 3 s without one: at most one every 4 s (a quarter of the disk's time)
     assert all(b - a >= 3 * read_s for a, b in pairwise(explored)), explored
-    assert len(explored) >= seconds / 5  # and it is measured again all along
+    # and it is measured again all along
+    assert len(explored) >= seconds / 5
 
 
 def written_off_disk(tmp_path, clock: FakeClock, num_prefixes: int):
@@ -310,7 +324,8 @@ def written_off_disk(tmp_path, clock: FakeClock, num_prefixes: int):
     engine.reset_prefix_cache()
     serve(engine, "first-read", prefixes[0] + [7])
     settle(engine)
-    assert chunk_seconds(engine, "disk") > BLOCK_SIZE / PREFILL_TOKENS_PER_S  # written off
+    # written off
+    assert chunk_seconds(engine, "disk") > BLOCK_SIZE / PREFILL_TOKENS_PER_S
     return engine, disk, prefixes
 
 
@@ -320,7 +335,8 @@ def test_a_request_sharing_an_explored_prefix_does_not_wait_for_the_exploration(
     # slower than recomputing (and after a hung read's deadline, its RETIRED slot kept the key out of RAM)
     clock = FakeClock()
     engine, _, prefixes = written_off_disk(tmp_path, clock, 3)
-    clock.now += 10.0  # the disk's estimate is stale
+    # the disk's estimate is stale
+    clock.now += 10.0
     engine.reset_prefix_cache()
     explored_before = _explorations(engine, "disk")
     a = serve(engine, "A", prefixes[1] + [7])
@@ -330,7 +346,8 @@ def test_a_request_sharing_an_explored_prefix_does_not_wait_for_the_exploration(
     deferrals_before = engine.scheduler.stats.deferrals
     b = serve(engine, "B", prefixes[1] + [8])
     assert engine.scheduler.stats.deferrals == deferrals_before, "B waited for A's exploration"
-    assert b.num_external_tokens == PREFIX_TOKENS  # A's own chunks, stored as it recomputed them
+    # A's own chunks, stored as it recomputed them
+    assert b.num_external_tokens == PREFIX_TOKENS
     assert engine.manager.stats().pending_slots == 0
 
 
@@ -343,11 +360,13 @@ def test_an_exploration_never_evicts_the_ram_head_its_decision_loads(tmp_path):
     engine.reset_prefix_cache()
     serve(engine, "P", p + [7])
     settle(engine)
-    for i in range(2):  # two one-chunk requests push P's tail out of RAM: its head [0, 1] stays
+    # two one-chunk requests push P's tail out of RAM: its head [0, 1] stays
+    for i in range(2):
         serve(engine, f"fill-{i}", prompt(5, seed=200 + i))
         settle(engine)
     clock.now += (
-        20.0  # the disk's estimate is stale: the decision that stops before P's tail explores it
+        # the disk's estimate is stale: the decision that stops before P's tail explores it
+        20.0
     )
     engine.reset_prefix_cache()
     explored_before = _explorations(engine, "disk")
@@ -379,7 +398,8 @@ def test_ram_written_off_by_three_slow_copies_is_loaded_from_again(tmp_path):
         [(s.at, s.loaded_tokens, "explored" if s.explored else "") for s in served],
     )
     print("decisions:", dict(scheduler.stats.load_decisions))
-    assert served[0].loaded_tokens == 0  # written off: recomputed
+    # written off: recomputed
+    assert served[0].loaded_tokens == 0
     explored = [i for i, s in enumerate(served) if s.explored]
     # each exploration loaded the RAM head; after at most three, RAM is trusted again: every later
     # request loads from it without exploring

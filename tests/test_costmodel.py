@@ -47,16 +47,19 @@ def test_concurrent_jobs_are_not_mistaken_for_slow_ones():
 def test_one_stalled_job_lowers_the_estimate_for_a_while_only():
     rate = TransferRate(PRIOR, window=8)
     t = 0.0
-    for _ in range(7):  # 1 MB in 10 ms each: 100 MB/s
+    # 1 MB in 10 ms each: 100 MB/s
+    for _ in range(7):
         rate.add(MB, submitted_at=t, seconds=0.01)
         t += 1.0
-    rate.add(MB, submitted_at=t, seconds=10.0)  # a job stuck for 10 s (given up on at its timeout)
+    # a job stuck for 10 s (given up on at its timeout)
+    rate.add(MB, submitted_at=t, seconds=10.0)
     stalled = rate.estimate().bytes_per_s
     # it counts as at most 4 median jobs (40 ms), not 10 s: the tier does not look dead. (It ended
     # 10 s after the others: the estimate covers it and the two jobs before it, the fewest it
     # stands on, 3 MB in 60 ms; uncapped it would be 3 MB in 10.02 s.)
     assert 3 * MB / 0.06 * 0.99 < stalled < 100 * MB
-    for _ in range(8):  # the window moves on past it
+    # the window moves on past it
+    for _ in range(8):
         t += 20.0
         rate.add(MB, submitted_at=t, seconds=0.01)
     assert rate.estimate().bytes_per_s == pytest.approx(100 * MB)
@@ -65,7 +68,8 @@ def test_one_stalled_job_lowers_the_estimate_for_a_while_only():
 def test_a_tier_slow_on_every_job_is_measured_slow():
     rate = TransferRate(PRIOR, window=8)
     for i in range(8):
-        rate.add(MB, submitted_at=10.0 * i, seconds=2.0)  # 0.5 MB/s, job after job
+        # 0.5 MB/s, job after job
+        rate.add(MB, submitted_at=10.0 * i, seconds=2.0)
     assert rate.estimate().bytes_per_s == pytest.approx(0.5 * MB)
 
 
@@ -104,12 +108,16 @@ def test_a_tier_that_is_not_registered_has_no_prior_and_the_built_ins_keep_their
 def test_prefill_is_measured_from_consecutive_steps_of_a_busy_engine():
     prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
     now = 0.0
-    prefill.step_started(now, 1000, frozenset({"a"}))  # request "a" prefills 1,000 tokens in 0.5 s
+    # request "a" prefills 1,000 tokens in 0.5 s
+    prefill.step_started(now, 1000, frozenset({"a"}))
     now += 0.5
-    prefill.step_started(now, 1000, frozenset({"a"}))  # and 1,000 more
+    # and 1,000 more
+    prefill.step_started(now, 1000, frozenset({"a"}))
     now += 0.5
-    assert prefill.tokens_per_s() == 10_000.0  # one prefill step measured: still the prior
-    for _ in range(4):  # then decodes, 0.1 s a step
+    # one prefill step measured: still the prior
+    assert prefill.tokens_per_s() == 10_000.0
+    # then decodes, 0.1 s a step
+    for _ in range(4):
         prefill.step_started(now, 1, frozenset({"a"}))
         now += 0.1
     # 0.1 s of each prefill step is what any step costs: 1,000 tokens in 0.4 s
@@ -132,16 +140,20 @@ def test_a_noisy_fixed_part_never_makes_prefill_look_free():
         prefill.step_started(now, tokens, frozenset({"a"}))
         now += seconds
     prefill.step_started(now, 1, frozenset({"a"}))
-    assert prefill.tokens_per_s() == pytest.approx(2000 / 0.2)  # half of each prefill step at least
+    # half of each prefill step at least
+    assert prefill.tokens_per_s() == pytest.approx(2000 / 0.2)
 
 
 def test_an_idle_gap_and_decode_steps_say_nothing_about_prefill_speed():
     prefill = PrefillRate(prior_tokens_per_s=10_000.0, min_tokens=256)
     prefill.step_started(0.0, 1000, frozenset({"a"}))
-    prefill.step_started(60.0, 1000, frozenset({"b"}))  # "a" ended; "b" arrived a minute later
-    for i in range(5):  # decode steps: one token each
+    # "a" ended; "b" arrived a minute later
+    prefill.step_started(60.0, 1000, frozenset({"b"}))
+    # decode steps: one token each
+    for i in range(5):
         prefill.step_started(61.0 + i, 1, frozenset({"b"}))
-    assert prefill.tokens_per_s() == 10_000.0  # still the prior
+    # still the prior
+    assert prefill.tokens_per_s() == 10_000.0
     with pytest.raises(ConfigError):
         PrefillRate(prior_tokens_per_s=0.0)
 
@@ -177,7 +189,8 @@ def test_a_head_in_ram_is_loaded_before_a_slow_tail():
 def test_waiting_one_engine_step_is_charged_to_a_head_read_up_from_a_tier():
     slow_steps = CostSnapshot(COSTS.reads, prefill_tokens_per_s=1000.0, step_s=1.0)
     assert choose_load(["disk"] * 4, MB, 16, slow_steps).decision == "recompute"
-    assert choose_load(["cpu"] * 4, MB, 16, slow_steps).decision == "load"  # nothing to wait for
+    # nothing to wait for
+    assert choose_load(["cpu"] * 4, MB, 16, slow_steps).decision == "load"
 
 
 def _ttft(locations, n, chunk_bytes, chunk_tokens, costs):
@@ -282,12 +295,14 @@ def test_failed_or_empty_tier_reads_say_nothing_about_its_speed():
 
     rates = TierRates([Named()])
     ctx = ReqContext("r")
-    for i in range(3):  # 10 MiB in 0.1 s, one read after another
+    # 10 MiB in 0.1 s, one read after another
+    for i in range(3):
         flight = Flight(FlightKind.PROMOTION, 0, (b"k",), ctx, 10 * 2**20, 10.0 * i, 100.0)
         rates.submitted(flight)
         rates.ended(flight, TierResult(job_id=i, num_bytes=10 * 2**20, seconds=0.1))
     measured = rates.estimates()["redis"].bytes_per_s
-    for i in range(27):  # a missing key, a breaker reject: failed at once
+    # a missing key, a breaker reject: failed at once
+    for i in range(27):
         flight = Flight(FlightKind.PROMOTION, 0, (b"k",), ctx, 10 * 2**20, 50.0 + i, 100.0)
         rates.submitted(flight)
         rates.ended(flight, TierResult(job_id=100 + i, failed_keys=frozenset({b"k"}), seconds=0.0))
@@ -318,9 +333,8 @@ def test_jobs_submitted_together_do_not_read_their_queueing_as_latency():
     """bench_costmodel: seven promotions submitted at once through a slow link read a 6 ms latency
     as 34 ms (each waited for the ones before it); the decision counts queued bytes separately."""
     rate = TransferRate(PRIOR)
-    for i in range(
-        7
-    ):  # 10 MB at 100 MB/s after 6 ms, one after another: job i ends at 6 ms + (i+1) x 0.1 s
+    # 10 MB at 100 MB/s after 6 ms, one after another: job i ends at 6 ms + (i+1) x 0.1 s
+    for i in range(7):
         rate.add(10 * MB, submitted_at=0.0, seconds=0.006 + 0.1 * (i + 1))
     measured = rate.estimate()
     assert measured.latency_s == pytest.approx(0.006, abs=1e-3)
@@ -340,7 +354,8 @@ def test_one_load_copied_by_two_workers_is_one_sample_of_both_halves():
     costs = OffloadScheduler(SchedulerOffloadConfig(num_workers=2), CPUTierManager(4)).costs
     half = 4 * 2**20
     samples_after_one_half = []
-    for job_id in range(3):  # three loads; each worker copies its 4 MiB half in 1 ms (or less)
+    # three loads; each worker copies its 4 MiB half in 1 ms (or less)
+    for job_id in range(3):
         costs.worker_results(
             [(JobResult(job_id=job_id, num_bytes=half, seconds=0.001), True)], now=10.0 * job_id
         )
@@ -359,11 +374,12 @@ def test_one_load_copied_by_two_workers_is_one_sample_of_both_halves():
         samples_after_one_half,
     )
     assert measured.bytes_per_s == pytest.approx(2 * half / 0.001, rel=1e-6)
+    # half a job says nothing yet
     assert measured.num_samples == 3 and samples_after_one_half == [
         0,
         1,
         2,
-    ]  # half a job says nothing yet
+    ]
 
 
 # -- estimates age, and a written-off tier is explored (issue 32, defect 2) ---------------------
@@ -373,13 +389,16 @@ def test_a_slow_spell_stops_counting_once_newer_jobs_ended_well_after_it():
     """Issue 32, defect 2: a window of 32 jobs kept a slow spell for the next 29 jobs; now the jobs
     that ended more than 2 s before the newest no longer count once three newer ones did."""
     rate = TransferRate(PRIOR)
-    for i in range(3):  # a slow spell: 10 MB in 1 s, one job after another
+    # a slow spell: 10 MB in 1 s, one job after another
+    for i in range(3):
         rate.add(10 * MB, submitted_at=float(i), seconds=1.0)
     assert rate.estimate().bytes_per_s == pytest.approx(10 * MB)
     t = 10.0
-    for i in range(3):  # 10 s later the tier reads 1 GB/s again
+    # 10 s later the tier reads 1 GB/s again
+    for i in range(3):
         rate.add(10 * MB, submitted_at=t + i, seconds=0.01)
-        if i < 2:  # too few jobs since: the spell still counts
+        # too few jobs since: the spell still counts
+        if i < 2:
             assert rate.estimate().bytes_per_s < 100 * MB
     print("after a slow spell and three fast jobs:", rate.estimate())
     assert rate.estimate().bytes_per_s == pytest.approx(1000 * MB)
@@ -426,25 +445,30 @@ def test_a_tier_written_off_by_expired_reads_is_explored_once_its_wait_passed():
 
     rates, clock, flight, ok, kind = _redis_rates()
     given_up = [flight(kind.PROMOTION) for _ in range(3)]
-    for read in given_up:  # as the manager's Flights.expire marks them, then counts them
+    # as the manager's Flights.expire marks them, then counts them
+    for read in given_up:
         read.is_expired = True
         rates.expired(read, timeout_s=0.5)
-    assert rates.estimates()["redis"].bytes_per_s < 100 * MB  # three reads of 10 MB in 0.5 s each
+    # three reads of 10 MB in 0.5 s each
+    assert rates.estimates()["redis"].bytes_per_s < 100 * MB
     clock.now = 1.0
-    assert not rates.may_explore(0)  # 1 s after: the 0.5 s reads wait 1.5 s
+    # 1 s after: the 0.5 s reads wait 1.5 s
+    assert not rates.may_explore(0)
     clock.now = 10.0
-    assert not rates.may_explore(
-        0
-    )  # and the tier has not answered them: hung, another read would hang
-    for read in given_up:  # Redis answers again: the late reads end (not measured: given up on)
+    # and the tier has not answered them: hung, another read would hang
+    assert not rates.may_explore(0)
+    # Redis answers again: the late reads end (not measured: given up on)
+    for read in given_up:
         rates.ended(read, ok(9.0))
     assert rates.may_explore(0)
     rates.explored(0)
     read = flight(kind.PROMOTION)
-    assert not rates.may_explore(0)  # a read in flight will measure it
+    # a read in flight will measure it
+    assert not rates.may_explore(0)
     rates.ended(read, ok(0.01))
     clock.now += EXPLORE_AFTER_S - 0.01
-    assert not rates.may_explore(0)  # one exploration per interval at most
+    # one exploration per interval at most
+    assert not rates.may_explore(0)
     for _ in range(2):
         clock.now += EXPLORE_AFTER_S
         assert rates.may_explore(0)
@@ -460,15 +484,19 @@ def test_a_tier_measured_by_writes_still_draining_is_not_explored():
     read from it. Those writes will measure it: no exploration (it would read through the link
     the decision just refused)."""
     rates, clock, flight, ok, kind = _redis_rates()
-    for _ in range(3):  # 10 MB at 2 MB/s each, one after another
+    # 10 MB at 2 MB/s each, one after another
+    for _ in range(3):
         write = flight(kind.CASCADE)
         clock.now += 5.0
         rates.ended(write, ok(5.0))
-    assert rates.estimates()["redis"].bytes_per_s == pytest.approx(2 * MB)  # measured by its writes
+    # measured by its writes
+    assert rates.estimates()["redis"].bytes_per_s == pytest.approx(2 * MB)
     draining = [flight(kind.CASCADE) for _ in range(3)]
     clock.now += 60.0
-    assert not rates.may_explore(0)  # three writes still in flight
+    # three writes still in flight
+    assert not rates.may_explore(0)
     for write in draining:
         rates.ended(write, ok(5.0))
     clock.now += 15.0
-    assert rates.may_explore(0)  # nothing left to measure it, and its last job ended 3 x 5 s ago
+    # nothing left to measure it, and its last job ended 3 x 5 s ago
+    assert rates.may_explore(0)

@@ -233,7 +233,8 @@ def test_a_retained_chunk_outlives_an_ordinary_chain_that_is_evicted_tail_first(
 
     store([4], ReqContext("keeper", hints=Hints(retain_s=3600, priority=5)))
     store([1], make_req_context("x"))
-    store([2, 3], make_req_context("a"))  # a chain: 3 continues 2
+    # a chain: 3 continues 2
+    store([2, 3], make_req_context("a"))
     # a store of 3 new chunks: the ordinary ones go (1, then the chain tail first), never the retained 4
     out = store([10, 11, 12], make_req_context("new"))
     assert sorted(nums(out.evicted_keys)) == [1, 2, 3]
@@ -276,10 +277,13 @@ def test_arc_keeps_a_frequent_head_in_place_when_its_recent_tail_goes():
     x = make_req_context("x")
     a = make_req_context("a")
     m.complete_store(m.prepare_store(keys(1), x).keys_to_store, x)
-    m.touch(keys(1), x)  # 1 in T2
+    # 1 in T2
+    m.touch(keys(1), x)
     m.complete_store(m.prepare_store(keys(2), a).keys_to_store, a)
-    m.touch(keys(2), a)  # the head 2 in T2, more recent than 1
-    m.complete_store(m.prepare_store(keys(3), a).keys_to_store, a)  # its tail 3 in T1
+    # the head 2 in T2, more recent than 1
+    m.touch(keys(2), a)
+    # its tail 3 in T1
+    m.complete_store(m.prepare_store(keys(3), a).keys_to_store, a)
     out = m.prepare_store(keys(10, 11), make_req_context("n"))
     assert nums(out.evicted_keys) == [3, 1]
     m.check()

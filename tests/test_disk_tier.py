@@ -35,7 +35,8 @@ from tier_jobs import Slab, load, run, store
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 SLOT = 4096
-FILE = 4096 + SLOT  # header block + one rank's payload (world size 1)
+# header block + one rank's payload (world size 1)
+FILE = 4096 + SLOT
 
 
 def namespace(world_size: int = 1, slot_bytes: int = SLOT, model: str = "tiny") -> Namespace:
@@ -105,7 +106,8 @@ def test_store_of_present_key_is_not_rewritten(make_tier):
 
 def test_capacity_evicts_in_lru_order_with_removed_events(make_tier):
     tier, slab = make_tier(capacity_files=3), Slab(1, namespace())
-    for i in (1, 2, 3):  # one job each: the order of insertion is the order of the calls
+    # one job each: the order of insertion is the order of the calls
+    for i in (1, 2, 3):
         store(tier, slab, keys(i))
     tier.take_events()
     # store 4 -> evicts 1 (least recent), whose file goes
@@ -212,7 +214,8 @@ def test_interleaved_jobs_evictions_and_resets_never_serve_wrong_bytes(make_tier
     ns = namespace()
     tier, slab = make_tier(capacity_files=6), Slab(48, ns)
     rng = random.Random(7)
-    free_rows, jobs = list(range(48)), {}  # job id -> (job, rows)
+    # job id -> (job, rows)
+    free_rows, jobs = list(range(48)), {}
     for _ in range(400):
         # each step: a store of 1-4 keys out of 20, a load of some HITs, or (rarely) a reset
         is_store = len(free_rows) >= 4 and rng.random() < 0.5
@@ -275,7 +278,8 @@ def test_a_restart_over_capacity_keeps_the_newest_files(make_tier):
     first, slab = make_tier(capacity_files=4), Slab(1, namespace())
     for i in (1, 2, 3, 4):
         store(first, slab, keys(i))
-        time.sleep(0.01)  # distinct modification times
+        # distinct modification times
+        time.sleep(0.01)
     first.close()
     # restart with room for 2 -> the two newest stay, the older files are deleted
     second = make_tier(capacity_files=2)
@@ -329,9 +333,8 @@ def test_rescans_adopt_files_another_engine_wrote(make_tier):
 
 
 def test_a_tier_killed_mid_write_leaves_no_torn_chunk(tmp_path):
-    ns = crash_namespace(
-        slot_bytes=512 * 1024, world_size=2
-    )  # 1 MiB writes: the kill lands mid-write
+    # 1 MiB writes: the kill lands mid-write
+    ns = crash_namespace(slot_bytes=512 * 1024, world_size=2)
     root = tmp_path / "disk"
     # a writer process stores chunks in a loop; kill it (SIGKILL) once 20 stores have finished
     writer = subprocess.Popen(
@@ -385,7 +388,8 @@ def flip_payload_byte(tier, k, other):
 
 def flip_header_byte(tier, k, other):
     with open(chunk_path(tier, k), "r+b") as f:
-        f.seek(40)  # inside the payload checksum field
+        # inside the payload checksum field
+        f.seek(40)
         f.write(b"\x7f")
 
 
@@ -403,7 +407,8 @@ def another_keys_file(tier, k, other):
 
 def future_format_version(tier, k, other):
     with open(chunk_path(tier, k), "r+b") as f:
-        f.seek(8)  # the version field, right after the 8-byte magic
+        # the version field, right after the 8-byte magic
+        f.seek(8)
         f.write((2).to_bytes(2, "little"))
 
 
@@ -486,7 +491,8 @@ def test_a_store_whose_rename_and_cleanup_both_fail_releases_its_key(make_tier, 
     with monkeypatch.context() as patch:
         patch.setattr(tier._files, "publish", erofs)
         patch.setattr(tier._files, "discard_tmp", erofs)
-        assert store(tier, slab, keys(1)).failed_keys == frozenset(keys(1))  # counted, not raised
+        # counted, not raised
+        assert store(tier, slab, keys(1)).failed_keys == frozenset(keys(1))
     # the filesystem works again: the same key stores, loads and is deleted by a reset in bounded time
     assert store(tier, slab, keys(1)).failed_keys == frozenset()
     assert load(tier, slab, keys(1)).failed_keys == frozenset() and slab.holds(0, key(1))
@@ -503,12 +509,14 @@ def test_engines_with_the_same_pid_never_share_a_temporary_or_spare_name(make_ti
     (pid 1 in each). A temporary name two writers share lets one rename its spare over the other's
     file in flight; names are unique per engine instance, not per pid."""
     monkeypatch.setattr(os, "getpid", lambda: 1)
-    first, second = make_tier(), make_tier()  # two engines on one directory, both "pid 1"
+    # two engines on one directory, both "pid 1"
+    first, second = make_tier(), make_tier()
     views = [memoryview(np.zeros(SLOT, np.uint8))]
     names = {tier._files.write_tmp(key(1), views)[0] for tier in (first, second)}
     assert len(names) == 2
     for tier in (first, second):
-        tier._files.retire(key(1))  # nothing there: no spare, no error
+        # nothing there: no spare, no error
+        tier._files.retire(key(1))
     assert first._files._unique_suffix() != second._files._unique_suffix()
 
 
@@ -521,7 +529,8 @@ def test_a_tier_starting_beside_another_in_the_same_process_leaves_its_writes_al
     slab.fill(0, key(1))
     first.submit_store(slab.job(True, keys(1), [0]))
     assert writing.wait(HANG_S)
-    make_tier()  # its start-up scan runs while the first tier's file is half written
+    # its start-up scan runs while the first tier's file is half written
+    make_tier()
     go.set()
     assert first.drain(HANG_S) and first.get_finished()[0].failed_keys == frozenset()
     assert load(first, slab, keys(1)).failed_keys == frozenset() and slab.holds(0, key(1))
@@ -570,7 +579,8 @@ def small_tmpfs(tmp_path):
 
 def test_a_full_disk_fails_stores_cleanly_and_keeps_serving(small_tmpfs):
     ns = namespace(slot_bytes=2 * SLOT)
-    with DiskTier(small_tmpfs, ns, 1 << 30) as tier:  # the budget is far larger than the disk
+    # the budget is far larger than the disk
+    with DiskTier(small_tmpfs, ns, 1 << 30) as tier:
         assert tier.wait_scanned(HANG_S)
         slab = Slab(40, ns)
         # store 200 chunks of 12 KiB, 40 per job, into 1 MiB -> the first ones fit, the rest fail
@@ -668,15 +678,16 @@ def test_a_failed_store_of_a_key_just_evicted_leaves_no_orphan_file(make_tier, m
     gate, real_write = threading.Event(), tier._files.write_tmp
     monkeypatch.setattr(tier._files, "write_tmp", lambda *a: (gate.wait(HANG_S), real_write(*a))[1])
     slab.fill(2, key(3))
-    tier.submit_store(
-        slab.job(True, keys(3), [2])
-    )  # evicts 1: its deletion queues behind 3's (held) write
+    # evicts 1: its deletion queues behind 3's (held) write
+    tier.submit_store(slab.job(True, keys(3), [2]))
     late = dataclasses.replace(slab.job(True, keys(1), [0]), deadline=time.monotonic() - 1)
-    tier.submit_store(late)  # 1 again, reserved now, failing when it runs
+    # 1 again, reserved now, failing when it runs
+    tier.submit_store(late)
     gate.set()
     assert tier.drain(HANG_S)
     assert {r.job_id: r.failed_keys for r in tier.get_finished()}[late.job_id] == frozenset(keys(1))
-    tier.check()  # the index equals the directory
+    # the index equals the directory
+    tier.check()
     assert not chunk_path(tier, key(1)).exists()
 
 
@@ -697,11 +708,16 @@ def test_a_file_from_before_a_reset_never_outlives_a_failed_store_of_its_key(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(tier._files, "write_tmp", full_disk)
-    tier.reset()  # its sweep waits to scan
-    tier.submit_store(slab.job(True, keys(1), [0]))  # 1 again, after the reset: its write waits
-    sweep_may_scan.set()  # the sweep finds 1 being written: leaves its old file to that store
-    assert tier.drain(0.3) is False  # (the write still waits)
-    write_may_go.set()  # the store fails
+    # its sweep waits to scan
+    tier.reset()
+    # 1 again, after the reset: its write waits
+    tier.submit_store(slab.job(True, keys(1), [0]))
+    # the sweep finds 1 being written: leaves its old file to that store
+    sweep_may_scan.set()
+    # (the write still waits)
+    assert tier.drain(0.3) is False
+    # the store fails
+    write_may_go.set()
     assert tier.drain(HANG_S)
     assert tier.get_finished()[0].failed_keys == frozenset(keys(1))
     assert not chunk_path(tier, key(1)).exists()

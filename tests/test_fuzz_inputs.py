@@ -54,9 +54,8 @@ def fuzz(max_examples: int) -> settings:
 # -- kv_connector_extra_config ----------------------------------------------------------------------
 
 huge_ints = st.sampled_from([0, -1, 2**31, 2**63, 2**64, 10**30, -(10**30), 10**400])
-sizes = st.from_regex(
-    r"\d{1,400}(\.\d{1,3})?\s?(GiB|MiB|k|TB|b|)\n?", fullmatch=True
-)  # 400 digits: inf
+# 400 digits: inf
+sizes = st.from_regex(r"\d{1,400}(\.\d{1,3})?\s?(GiB|MiB|k|TB|b|)\n?", fullmatch=True)
 scalars = st.one_of(
     st.none(),
     st.booleans(),
@@ -124,9 +123,12 @@ def check_config(raw) -> KVTierConfig | ConfigError:
 
 @fuzz(400)
 @given(raw=configs)
-@example(raw={"cpu_bytes": "9" * 400 + "GiB"})  # 1e400 bytes: a float infinity
-@example(raw={"max_defer_s": 10**400})  # too large for a float
-@example(raw={"remote_prefix": "kvtier\n"})  # "$" would have matched before the newline
+# 1e400 bytes: a float infinity
+@example(raw={"cpu_bytes": "9" * 400 + "GiB"})
+# too large for a float
+@example(raw={"max_defer_s": 10**400})
+# "$" would have matched before the newline
+@example(raw={"remote_prefix": "kvtier\n"})
 def test_a_config_dict_is_valid_or_a_config_error_naming_the_key(raw):
     got = check_config(raw)
     if isinstance(got, ConfigError):
@@ -134,7 +136,8 @@ def test_a_config_dict_is_valid_or_a_config_error_naming_the_key(raw):
         unknown = [k for k in raw if k not in VALID_KEYS]
         if unknown:
             assert message.startswith("unknown kvtier config key(s)"), message
-        else:  # the first key it names is one that was given
+        # the first key it names is one that was given
+        else:
             assert any(message.startswith(k) for k in raw) or message.startswith(
                 "s3_endpoint and s3_bucket"
             ), message
@@ -175,7 +178,8 @@ def test_the_connector_refuses_a_bad_config_at_construction_as_from_dict_does(
     from kvtier.integrations.vllm.connector import KVTierConnector
 
     refused = check_config(raw)
-    assume(isinstance(refused, ConfigError))  # a valid one would go on to build slabs and tiers
+    # a valid one would go on to build slabs and tiers
+    assume(isinstance(refused, ConfigError))
     # as the engine gets it: through vLLM's own (pydantic) KVTransferConfig
     bare_vllm_config.kv_transfer_config = KVTransferConfig(
         kv_connector="KVTierConnector",
@@ -255,7 +259,8 @@ def expected_params(raw) -> tuple[OffloadParams, bool]:
 
 @fuzz(400)
 @given(raw=transfer_params)
-@example(raw={"kvtier": {"load": "x" * 1_000_000, "y" * 100_000: 1}})  # megabytes of garbage
+# megabytes of garbage
+@example(raw={"kvtier": {"load": "x" * 1_000_000, "y" * 100_000: 1}})
 @example(raw={"kvtier": {"load": False, "store": 0}})
 def test_kv_transfer_params_never_raise_and_warn_in_a_line(raw):
     with Records("kvtier.scheduler.params") as log:
@@ -270,10 +275,11 @@ def test_kv_transfer_params_never_raise_and_warn_in_a_line(raw):
         ), message[:200]
 
 
+# 4 chunks of one 4-token block each
 PREFIXES = {
     "victim": prompt(16, seed=11),
     "garbage": prompt(16, seed=12),
-}  # 4 chunks of one 4-token block each
+}
 
 
 def serve_with_garbage(params) -> tuple[tuple, tuple]:
@@ -284,7 +290,8 @@ def serve_with_garbage(params) -> tuple[tuple, tuple]:
     for name, prefix in PREFIXES.items():
         engine.add_request(f"warm-{name}", prefix + [5], 1)
     engine.run()
-    engine.reset_prefix_cache()  # what comes back now comes from kvtier
+    # what comes back now comes from kvtier
+    engine.reset_prefix_cache()
     garbage = engine.add_request(
         "garbage", PREFIXES["garbage"] + prompt(8, seed=13), 2, kv_transfer_params=params
     )
@@ -312,18 +319,16 @@ def test_garbage_params_on_one_request_change_nothing_for_another(reference, raw
     # the victim gets exactly what it gets next to a request without params
     assert victim == reference[0] and victim[0] == 16
     # the request with garbage is served too, as its params mean (garbage: the defaults)
-    loadable = (
-        16 if wanted.max_load_tokens is None else wanted.max_load_tokens // 4 * 4
-    )  # whole 4-token chunks
+    # whole 4-token chunks
+    loadable = 16 if wanted.max_load_tokens is None else wanted.max_load_tokens // 4 * 4
     assert garbage[0] == (min(16, loadable) if wanted.load else 0) and garbage[1] == reference[1][1]
     assert any("request garbage" in r.getMessage() for r in log.records) == is_bad
 
 
 # -- stored values: short, long, wrong magic, version, namespace, key, flipped bits --------------------
 
-_CHECKED_HEADER = (
-    _LAYOUT.size + _HEADER_CHECK.size
-)  # the header's bytes its checksum covers; the rest is padding
+# the header's bytes its checksum covers; the rest is padding
+_CHECKED_HEADER = _LAYOUT.size + _HEADER_CHECK.size
 _FIELDS = ("magic", "version", "key_len", "namespace", "payload_bytes", "payload_checksum", "key")
 _FIELD_VALUES = {
     "magic": st.binary(min_size=8, max_size=8),
@@ -367,7 +372,8 @@ def apply(value: bytes, edit: tuple) -> bytes:
     at = args[0] % len(value)
     if kind == "flip":
         return value[:at] + bytes([value[at] ^ (1 << args[1])]) + value[at + 1 :]
-    return value[:at] + args[1] + value[at + len(args[1]) :]  # write
+    # write
+    return value[:at] + args[1] + value[at + len(args[1]) :]
 
 
 def forge(value: bytes, field: str, new) -> bytes:
@@ -413,7 +419,8 @@ def namespace(model: str = "fuzz") -> Namespace:
     return Namespace(model, "float16", "blocks", 16, 4, "sha256_cbor", 1, SLOT)
 
 
-DISK_FILE_BYTES = 4096 + SLOT  # a header block, then the payload
+# a header block, then the payload
+DISK_FILE_BYTES = 4096 + SLOT
 REMOTE_VALUE_BYTES = HEADER_BYTES + SLOT
 # each damage the issue names, alone, on every run; hypothesis adds its own (and combinations)
 NAMED = [
@@ -462,7 +469,8 @@ def test_a_damaged_chunk_file_is_never_served(disk, edit_list):
 
 
 def remote_damage_test(tier: RemoteTier, edit_list: list[tuple]) -> None:
-    slab, k = Slab(1, namespace()), key(next(_keys))  # the tier's namespace has the same shape
+    # the tier's namespace has the same shape
+    slab, k = Slab(1, namespace()), key(next(_keys))
     store(tier, slab, [k])
     name = tier.codec.name(k)
     before = bytes(tier.store.get([name])[0])
@@ -522,7 +530,8 @@ def test_a_damaged_s3_value_is_never_served(s3_tier, edit_list):
 
 # -- keyed mode: whoever writes the store without the secret cannot make a value pass ---------------
 
-KEYED_VALUE_BYTES = HEADER_BYTES + SLOT + 32  # + the tag
+# + the tag
+KEYED_VALUE_BYTES = HEADER_BYTES + SLOT + 32
 
 
 def reforge(value: bytes, mask: int) -> bytes:
@@ -560,7 +569,8 @@ def keyed_redis_tier(redis_server):
 )
 @example(edit_list=[("reforge", 0x5A)])
 @example(edit_list=[("flip", KEYED_VALUE_BYTES - 1, 0)])
-@example(edit_list=[("flip", HEADER_BYTES - 1, 0)])  # header padding: covered by the tag too
+# header padding: covered by the tag too
+@example(edit_list=[("flip", HEADER_BYTES - 1, 0)])
 def test_a_keyed_value_changed_anywhere_is_never_served(keyed_redis_tier, edit_list):
     tier, slab, k = keyed_redis_tier, Slab(1, namespace()), key(next(_keys))
     store(tier, slab, [k])

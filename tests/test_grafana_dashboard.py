@@ -37,11 +37,13 @@ DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "kvtier.j
 PROMETHEUS = shutil.which("prometheus")
 SCRAPE_INTERVAL_S = 1
 PROMETHEUS_START_TIMEOUT_S = 60
-WAIT_TIMEOUT_S = 90  # for a counter to reach /metrics, or Prometheus to scrape it (busy cores)
+# for a counter to reach /metrics, or Prometheus to scrape it (busy cores)
+WAIT_TIMEOUT_S = 90
 # Grafana's variables, as the test sets them: every model; a window that covers the whole workload
 VARIABLES = {"$model_name": ".*", "$__rate_interval": "10m"}
 MRC_METRIC = "kvtier:tier_predicted_hit_ratio"
-CHUNK_TOKENS = 128  # the tiny model's block, one chunk (blocks_per_chunk 1): 1 MiB of KV
+# the tiny model's block, one chunk (blocks_per_chunk 1): 1 MiB of KV
+CHUNK_TOKENS = 128
 
 
 def load_dashboard() -> dict:
@@ -114,7 +116,8 @@ class Prometheus:
         config = root / "prometheus.yml"
         config.write_text(
             json.dumps(
-                {  # JSON is YAML
+                # JSON is YAML
+                {
                     "global": {
                         "scrape_interval": f"{SCRAPE_INTERVAL_S}s",
                         "evaluation_interval": f"{SCRAPE_INTERVAL_S}s",
@@ -148,9 +151,8 @@ class Prometheus:
         try:
             with urllib.request.urlopen(url, timeout=10) as response:
                 return json.loads(response.read())
-        except (
-            urllib.error.HTTPError
-        ) as exc:  # a bad query: 400 with Prometheus's reason in the body
+        # a bad query: 400 with Prometheus's reason in the body
+        except urllib.error.HTTPError as exc:
             return json.loads(exc.read())
 
     def wait_ready(self) -> None:
@@ -200,7 +202,8 @@ class Stack:
     redis: RedisServer
 
 
-@pytest.fixture(scope="session")  # before the session's model and Redis: without it, nothing starts
+# before the session's model and Redis: without it, nothing starts
+@pytest.fixture(scope="session")
 def prometheus_binary() -> str:
     if PROMETHEUS is None:
         pytest.skip(
@@ -214,7 +217,8 @@ def stack(prometheus_binary, model, redis_server, tmp_path_factory) -> Iterator[
     """`kvtier serve` with an 8-chunk CPU tier, disk and Redis, and a Prometheus scraping it."""
     assert KVTIER is not None, "pip install -e . installs the `kvtier` console script"
     root = tmp_path_factory.mktemp("dashboard")
-    redis_server.ready()  # running, not paused, empty
+    # running, not paused, empty
+    redis_server.ready()
     server = Server(
         model,
         root / "server.log",
@@ -297,18 +301,19 @@ def scraped(stack) -> tuple[Server, Prometheus]:
     prompts = {
         name: tokens(4 * CHUNK_TOKENS + 40, seed=seed) for seed, name in enumerate("abc", start=70)
     }
-    complete(server, prompts["a"])  # stores a's 4 chunks in RAM, on disk and in Redis
+    # stores a's 4 chunks in RAM, on disk and in Redis
+    complete(server, prompts["a"])
     # the hit ratio is a rate(): Prometheus must hold a sample from before the hits, or they are
     # in its first sample and never counted (the next request takes well under a 1 s scrape)
     assert prometheus.wait_for_result("kvtier:hit_tokens_total"), prometheus.log_tail()
-    complete(
-        server, prompts["a"][:-5] + [7, 7, 7, 7, 7]
-    )  # the same 4 chunks again: loaded from RAM
-    complete(server, prompts["b"])  # 8 chunks in RAM: full
-    complete(server, prompts["c"])  # evicts a's chunks (RAM holds 8)
-    complete(
-        server, prompts["a"]
-    )  # a again, from disk or Redis: loaded or recomputed as the cost model decides
+    # the same 4 chunks again: loaded from RAM
+    complete(server, prompts["a"][:-5] + [7, 7, 7, 7, 7])
+    # 8 chunks in RAM: full
+    complete(server, prompts["b"])
+    # evicts a's chunks (RAM holds 8)
+    complete(server, prompts["c"])
+    # a again, from disk or Redis: loaded or recomputed as the cost model decides
+    complete(server, prompts["a"])
     # Redis stalls: its operations time out, 2 failures in a row open its breaker
     with stack.redis.paused():
         drive_until(
@@ -333,7 +338,8 @@ def test_every_panel_query_returns_data_from_prometheus(scraped, panel):
     _, prometheus = scraped
     exprs = [promql(target["expr"]) for target in panel["targets"]]
     results = {expr: prometheus.wait_for_result(expr) for expr in exprs}
-    for expr, result in results.items():  # shown with -rP
+    # shown with -rP
+    for expr, result in results.items():
         print(
             f"{expr}\n  -> "
             + ", ".join(f"{series['metric']}={series['value'][1]}" for series in result)
@@ -346,9 +352,8 @@ def test_the_workload_hit_and_the_model_variable_finds_the_model(scraped):
     server, prometheus = scraped
     hit_ratio = next(panel for panel in query_panels() if "hit ratio (all tiers)" in panel["title"])
     (series,) = prometheus.query(promql(hit_ratio["targets"][0]["expr"]))
-    assert (
-        0 < float(series["value"][1]) < 1
-    ), series  # a's second request hit its 4 chunks; the rest missed
+    # a's second request hit its 4 chunks; the rest missed
+    assert 0 < float(series["value"][1]) < 1, series
     assert prometheus.query(
         "sum(kvtier:tier_breaker_opens_total) >= 1"
     ), "the Redis stall opened no breaker"

@@ -20,7 +20,8 @@ from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote.redis_wire import read_replies
 from kvtier.tiers.remote.values import IncomingValue, ValueCodec
 
-PAYLOAD = 3 * 4096 + 17  # received into two buffers of unequal size (as two ranks' rows)
+# received into two buffers of unequal size (as two ranks' rows)
+PAYLOAD = 3 * 4096 + 17
 KEY = bytes(range(32)) + bytes(4)
 
 
@@ -78,7 +79,8 @@ def test_a_value_hashed_as_it_arrives_passes_and_lands_in_the_rows(is_keyed, pie
 def test_a_value_whose_last_piece_is_altered_is_refused(is_keyed):
     c = codec(is_keyed)
     value = bytearray(packed(c))
-    value[128 + PAYLOAD - 1] ^= 0x01  # the payload's last byte: in the last piece received
+    # the payload's last byte: in the last piece received
+    value[128 + PAYLOAD - 1] ^= 0x01
     incoming = c.receiving_parts(slab_rows())
     receive(incoming, bytes(value), 4096)
     why = c.check(KEY, len(value), incoming)

@@ -33,7 +33,8 @@ from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.worker import WorkerSide
 from sched_helpers import FakeClock, close_after_test, make_engine, prompt
 
-P20 = prompt(20)  # 5 blocks
+# 5 blocks
+P20 = prompt(20)
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
 
@@ -54,7 +55,8 @@ def view(req_id: str, hashes, num_tokens: int) -> RequestView:
 
 def test_a_finished_requests_last_stores_hold_its_kv_when_its_blocks_are_reused_at_once():
     engine = make_engine(num_blocks=8)
-    serve(engine, "A0", P20)  # chunks 0..4 stored
+    # chunks 0..4 stored
+    serve(engine, "A0", P20)
     engine.reset_prefix_cache()
     # A loads chunks 0..4, computes chunks 5, 6 and ends in that same step (1 new token)
     a_prompt = P20 + prompt(8, seed=3)
@@ -118,7 +120,8 @@ def test_the_engine_taking_fewer_external_tokens_than_offered_recomputes_them():
     a = serve(engine, "A", P20)
     sched = engine.scheduler
     assert sched.get_num_new_matched_tokens(view("X", a.block_hashes, 21), 0) == (20, False)
-    sched.update_state_after_alloc("X", ([30, 31, 32, 33, 34, 35],), 8)  # the engine took 8 of 20
+    # the engine took 8 of 20
+    sched.update_state_after_alloc("X", ([30, 31, 32, 33, 34, 35],), 8)
     plan = sched.build_connector_meta(StepView())
     # no load; the blocks of every offered token are reported failed, so the engine recomputes them
     assert not plan.load_jobs and plan.failed_load_block_ids == {30, 31, 32, 33, 34}
@@ -135,7 +138,8 @@ def test_prepare_load_failing_recomputes_the_blocks(monkeypatch, caplog):
 
     monkeypatch.setattr(engine.scheduler.manager, "prepare_load", gone)
     with caplog.at_level(logging.WARNING, logger="kvtier.scheduler.core"):
-        b = serve(engine, "B", P20)  # the engine recomputes what kvtier offered: its checks pass
+        # the engine recomputes what kvtier offered: its checks pass
+        b = serve(engine, "B", P20)
     assert b.is_finished and engine.scheduler.stats.load_prepare_failures == 1
     assert "will be recomputed" in caplog.text
 
@@ -153,7 +157,8 @@ class TwoWorkers:
         self.clock = clock
         self.sched = OffloadScheduler(config, CPUTierManager(8), clock=clock)
         self.ranks = [one_worker(num_blocks=16, num_slots=8) for _ in range(2)]
-        self.hashes = [bytes([i]) * 32 for i in range(1, 5)]  # a 4-block prompt
+        # a 4-block prompt
+        self.hashes = [bytes([i]) * 32 for i in range(1, 5)]
 
     def step(
         self, scheduled: list[ScheduledRequest], deliver=(True, True), compute: list[int] = ()
@@ -202,13 +207,16 @@ class TwoWorkers:
 def test_a_store_one_worker_never_reports_is_failed_at_its_expiry():
     clock = FakeClock()
     w = TwoWorkers(clock)
-    w.store_prefix(deliver=(True, False))  # rank 1's report is lost
+    # rank 1's report is lost
+    w.store_prefix(deliver=(True, False))
     assert w.lookups() == [PENDING] * 4 and w.sched.has_jobs_in_flight()
-    clock.now = 1.9  # past the workers' deadline (1 s), not yet past the scheduler's expiry (2 s)
+    # past the workers' deadline (1 s), not yet past the scheduler's expiry (2 s)
+    clock.now = 1.9
     w.step([])
     assert w.lookups() == [PENDING] * 4
     clock.now = 2.0
-    w.step([])  # the scheduler fails the job: the chunks are rolled back, nothing waits for them
+    # the scheduler fails the job: the chunks are rolled back, nothing waits for them
+    w.step([])
     assert w.lookups() == [MISS] * 4 and not w.sched.has_jobs_in_flight()
     assert w.sched.stats.expired_jobs == 1 and w.sched.manager.stats().used_slots == 0
     # a request on that prefix gets its answer at once: no deferral
@@ -226,10 +234,13 @@ def test_an_expired_stores_slots_are_freed_only_after_the_workers_ran_the_step_t
     w = TwoWorkers(clock)
     w.store_prefix(deliver=(True, False))
     clock.now = 2.0
-    w.sched.build_connector_meta(StepView([]))  # the job is failed here ...
+    # the job is failed here ...
+    w.sched.build_connector_meta(StepView([]))
     assert w.sched.stats.expired_jobs == 1
-    assert w.sched.manager.stats().used_slots == 4  # ... but its slots are still held
-    w.sched.update_connector_output([])  # the workers ran the step: now they are free
+    # ... but its slots are still held
+    assert w.sched.manager.stats().used_slots == 4
+    # the workers ran the step: now they are free
+    w.sched.update_connector_output([])
     assert w.sched.manager.stats().used_slots == 0 and not w.sched.has_jobs_in_flight()
     w.sched.manager.check()
 
@@ -242,6 +253,7 @@ def test_a_request_preempted_in_the_step_its_store_expires_does_not_break_the_st
     sched = w.sched
     assert sched.get_num_new_matched_tokens(view("S", w.hashes, 17), 0) == (0, False)
     sched.update_state_after_alloc("S", ([0, 1, 2, 3, 4],), 0)
+    # S's store: rank 1's report is lost
     w.step(
         [
             ScheduledRequest(
@@ -254,8 +266,9 @@ def test_a_request_preempted_in_the_step_its_store_expires_does_not_break_the_st
         ],
         deliver=(True, False),
         compute=[0, 1, 2, 3],
-    )  # S's store: rank 1's report is lost
-    clock.now = 2.0  # the store expires in the next plan, which also reports S preempted
+    )
+    # the store expires in the next plan, which also reports S preempted
+    clock.now = 2.0
     plan = sched.build_connector_meta(StepView([], preempted_req_ids={"S"}))
     assert sched.stats.expired_jobs == 1 and not plan.flush_job_ids
     sched.update_connector_output([])
@@ -305,7 +318,8 @@ def test_a_load_one_worker_never_reports_is_recomputed_and_releases_its_chunks()
 def test_a_stuck_store_that_must_be_flushed_is_cancelled_at_its_deadline():
     clock = FakeClock()
     engine = make_engine(num_blocks=6, clock=clock, job_timeout_s=1.0)
-    engine.faults.stuck_stores = True  # stores never start: a flush waits until their deadline
+    # stores never start: a flush waits until their deadline
+    engine.faults.stuck_stores = True
     serve(engine, "A", P20)
     engine.reset_prefix_cache()
     # B reuses A's blocks: A's store is flushed, does not end by its deadline, and is cancelled
@@ -327,15 +341,18 @@ def test_hits_are_counted_once_per_admission_not_per_question():
     engine = make_engine()
     a = serve(engine, "A", P20)
     sched = engine.scheduler
+    # A
     assert (sched.stats.requests, sched.stats.query_tokens, sched.stats.hit_tokens) == (
         1,
         19,
         0,
-    )  # A
-    for _ in range(3):  # vLLM re-asks a waiting request every step it cannot schedule it
+    )
+    # vLLM re-asks a waiting request every step it cannot schedule it
+    for _ in range(3):
         assert sched.get_num_new_matched_tokens(view("X", a.block_hashes, 21), 0) == (20, False)
     assert (sched.stats.requests, sched.stats.query_tokens, sched.stats.hit_tokens) == (1, 19, 0)
-    sched.update_state_after_alloc("X", ([30, 31, 32, 33, 34, 35],), 20)  # admitted: counted once
+    # admitted: counted once
+    sched.update_state_after_alloc("X", ([30, 31, 32, 33, 34, 35],), 20)
     assert (sched.stats.requests, sched.stats.query_tokens, sched.stats.hit_tokens) == (
         2,
         19 + 20,
@@ -345,10 +362,13 @@ def test_hits_are_counted_once_per_admission_not_per_question():
 
 def test_exact_counts_with_a_deferred_request():
     engine = make_engine()
-    serve(engine, "A", P20)  # asks for 19 tokens, gets none
+    # asks for 19 tokens, gets none
+    serve(engine, "A", P20)
     engine.reset_prefix_cache()
-    engine.add_request("B", P20 + [1])  # loads 20
-    engine.add_request("C", P20 + [2])  # waits one step, then the engine's own cache serves 20
+    # loads 20
+    engine.add_request("B", P20 + [1])
+    # waits one step, then the engine's own cache serves 20
+    engine.add_request("C", P20 + [2])
     engine.run()
     s = engine.scheduler.stats
     assert (s.requests, s.query_tokens, s.hit_tokens, s.local_hit_tokens, s.deferrals) == (
@@ -375,7 +395,8 @@ def test_an_unsupported_group_is_named_at_start_and_stores_nothing(caplog):
     serve(engine, "A", P20)
     engine.reset_prefix_cache()
     assert serve(engine, "B", P20).num_external_tokens == 0
-    assert engine.scheduler.stats.store_jobs == 0  # nothing stored that could never be loaded
+    # nothing stored that could never be loaded
+    assert engine.scheduler.stats.store_jobs == 0
 
 
 # -- defect 6: the workers' slabs agree with the scheduler ----------------------------------
@@ -435,7 +456,9 @@ def test_a_step_that_computes_nothing_waits_a_little_for_its_asynchronous_loads(
     worker.start_load_kv(plan)
     finished, failed = worker.take_finished_loads()
     assert finished == ({"r"} if idle else set()) and not failed
-    if not idle:  # reported by a later step's poll instead
-        for _ in range(2):  # the load is due one step later
+    # reported by a later step's poll instead
+    if not idle:
+        # the load is due one step later
+        for _ in range(2):
             worker.transfer.end_step()
         assert worker.take_finished_loads()[0] == {"r"}

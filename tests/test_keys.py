@@ -51,7 +51,8 @@ def test_pinned_hash_bytes():
 
 def test_hash_chain_structure():
     hasher = BlockHasher(block_size=4, seed="0")
-    tokens = list(range(10))  # two full blocks, the partial third is not hashed
+    # two full blocks, the partial third is not hashed
+    tokens = list(range(10))
     h1, h2 = hasher.hash_blocks(tokens)
     assert h1 == sha256_cbor((none_hash("0"), (0, 1, 2, 3), None))
     assert h2 == sha256_cbor((h1, (4, 5, 6, 7), None))

@@ -63,7 +63,8 @@ def test_no_module_imports_a_layer_above_its_own():
     for module, path in _modules().items():
         rank = _layer(module)
         if rank is None:
-            continue  # the package's __init__: it re-exports the public names
+            # the package's __init__: it re-exports the public names
+            continue
         for name in _imports(path, top_level_only=False):
             other = _layer(name)
             if other is not None and other > rank:

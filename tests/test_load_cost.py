@@ -85,7 +85,8 @@ def test_a_prefix_only_on_a_slow_disk_is_recomputed_and_never_read(tmp_path):
     req = serve(engine, "p-again", p + [7])
     assert req.num_external_tokens == 0
     assert decisions(engine) == {("recompute", "disk"): 1}
-    assert promotions(engine) == 0  # no read started for chunks the request recomputes
+    # no read started for chunks the request recomputes
+    assert promotions(engine) == 0
     engine.manager.check()
 
 
@@ -94,9 +95,8 @@ def test_with_load_policy_always_the_same_prefix_is_read_from_the_slow_disk(tmp_
     p = prompt(12, seed=1)
     only_on_disk(engine, p)
     req = serve(engine, "p-again", p + [7])
-    assert (
-        req.num_external_tokens == 12
-    )  # every chunk promoted and loaded (the fake engine checked them)
+    # every chunk promoted and loaded (the fake engine checked them)
+    assert req.num_external_tokens == 12
     assert decisions(engine) == {("load", "disk"): 1}
     assert promotions(engine) == 3
 
@@ -141,7 +141,8 @@ def test_the_request_cap_bounds_what_the_cost_model_would_load(tmp_path):
     )
     run_until_done(engine)
     assert req.num_external_tokens == 4
-    assert promotions(engine) == 1  # only the chunk it may load is read up
+    # only the chunk it may load is read up
+    assert promotions(engine) == 1
 
 
 def test_a_request_decides_once_while_its_promotions_run(tmp_path):
@@ -152,20 +153,21 @@ def test_a_request_decides_once_while_its_promotions_run(tmp_path):
     # it was asked again while its 3 chunks came up from disk, and kept its first decision
     assert engine.scheduler.stats.deferrals > 0
     assert sum(decisions(engine).values()) == 1 and req.num_external_tokens == 12
-    assert (
-        engine.scheduler.stats.timed_loads == 1
-    )  # the load's expected and measured seconds were added
+    # the load's expected and measured seconds were added
+    assert engine.scheduler.stats.timed_loads == 1
 
 
 def test_the_tiered_manager_measures_its_tiers_from_their_jobs(tmp_path):
     engine = engine_with(tmp_path, FAST_DISK)
     before = engine.manager.read_estimates()["disk"]
-    assert before.num_samples == 0  # the prior
+    # the prior
+    assert before.num_samples == 0
     # write-through stores of 3 requests' chunks: the disk's read estimate stands on its writes
     for i in range(3):
         serve(engine, f"w-{i}", prompt(12, seed=50 + i))
         settle(engine)
-    engine.manager.stats()  # applies the finished jobs
+    # applies the finished jobs
+    engine.manager.stats()
     assert engine.manager.read_estimates()["disk"].num_samples >= 3
 
 
@@ -202,7 +204,8 @@ def test_a_preempted_request_decides_again_when_it_resumes(tmp_path):
     p = prompt(8, seed=1)
     only_on_disk(engine, p)
     q = engine.add_request("q", p + prompt(4, seed=9) + [7], max_new_tokens=6)
-    for _ in range(3):  # q recomputes p and starts decoding; its chunks are stored in RAM
+    # q recomputes p and starts decoding; its chunks are stored in RAM
+    for _ in range(3):
         engine.step()
     settle(engine)
     assert decisions(engine) == {("recompute", "disk"): 1}

@@ -154,9 +154,11 @@ def test_rollback_after_failed_store(manager):
 
 def test_repeated_or_unknown_completion_is_ignored(manager):
     store(manager, 1)
-    manager.complete_store(keys(1, 9), CTX, success=False)  # 1 is READY, 9 unknown
+    # 1 is READY, 9 unknown
+    manager.complete_store(keys(1, 9), CTX, success=False)
     assert manager.lookup(key(1), CTX) is HIT
-    manager.complete_load(keys(1), CTX)  # never pinned: ignored
+    # never pinned: ignored
+    manager.complete_load(keys(1), CTX)
     manager.check()
 
 
@@ -207,8 +209,10 @@ def test_on_request_finished_releases_leftover_pins(manager):
 
 def test_reset_forgets_ready_chunks_and_retires_busy_ones(manager):
     store(manager, 1, 2)
-    manager.prepare_load(keys(1), CTX)  # 1 is being loaded
-    manager.prepare_store(keys(3), CTX)  # 3 is being written
+    # 1 is being loaded
+    manager.prepare_load(keys(1), CTX)
+    # 3 is being written
+    manager.prepare_store(keys(3), CTX)
     manager.take_events()
     manager.reset()
     # everything is a MISS now, even the chunks still in transfer
@@ -218,7 +222,8 @@ def test_reset_forgets_ready_chunks_and_retires_busy_ones(manager):
     # 2 was freed at once; 1 and 3 keep their slots until their transfers end
     assert manager.stats().used_slots == 2
     manager.complete_load(keys(1), CTX)
-    manager.complete_store(keys(3), CTX)  # a stale completion: frees, does not resurrect
+    # a stale completion: frees, does not resurrect
+    manager.complete_store(keys(3), CTX)
     assert manager.lookup(key(3), CTX) is MISS
     assert manager.stats().used_slots == 0
     manager.check()
@@ -228,8 +233,10 @@ def test_a_second_reset_keeps_the_slots_of_transfers_still_running(manager):
     """A chunk an earlier reset retired is still being written or read: a second reset must not
     hand its slot to a new chunk (the transfer in flight would overwrite the new chunk's bytes)."""
     store(manager, 1)
-    manager.prepare_load(keys(1), CTX)  # 1 is being loaded
-    manager.prepare_store(keys(2), CTX)  # 2 is being written
+    # 1 is being loaded
+    manager.prepare_load(keys(1), CTX)
+    # 2 is being written
+    manager.prepare_store(keys(2), CTX)
     manager.reset()
     manager.reset()
     assert manager.stats().used_slots == 2

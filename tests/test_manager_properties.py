@@ -17,7 +17,8 @@ from helpers import key, make_req_context
 from kvtier import CPUTierManager, LookupResult
 
 KEY_IDS = st.lists(st.integers(0, 7), min_size=1, max_size=4)
-SUCCESS = st.sampled_from([True, True, True, False])  # stores mostly succeed, so loads happen
+# stores mostly succeed, so loads happen
+SUCCESS = st.sampled_from([True, True, True, False])
 REQS = st.sampled_from(["a", "b", "c"])
 
 
@@ -29,9 +30,12 @@ class TierMachine(RuleBasedStateMachine):
     )
     def setup(self, policy, capacity, threshold):
         self.m = CPUTierManager(capacity, policy=policy, store_threshold=threshold)
-        self.in_flight: list[tuple[str, list[bytes]]] = []  # prepared, not completed stores
-        self.loads: list[tuple[str, list[bytes]]] = []  # pinned, not completed loads
-        self.readable: set[bytes] = set()  # replayed from events
+        # prepared, not completed stores
+        self.in_flight: list[tuple[str, list[bytes]]] = []
+        # pinned, not completed loads
+        self.loads: list[tuple[str, list[bytes]]] = []
+        # replayed from events
+        self.readable: set[bytes] = set()
 
     def _busy(self) -> set[bytes]:
         return {k for _, ks in self.in_flight + self.loads for k in ks}
@@ -81,7 +85,8 @@ class TierMachine(RuleBasedStateMachine):
 
     @rule(roll=st.integers(0, 9))
     def reset(self, roll):
-        if roll == 0:  # rare, or the tier would rarely fill up
+        # rare, or the tier would rarely fill up
+        if roll == 0:
             self.m.reset()
 
     @invariant()

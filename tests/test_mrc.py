@@ -46,7 +46,8 @@ def skewed_stream(seed: int, length: int, num_keys: int, hot: int) -> list[bytes
 
 def feed(stream, max_samples: int = 1 << 20) -> MissRatioCurve:
     mrc = MissRatioCurve(max_samples)
-    for k in stream:  # an LRU cache: a lookup, then the miss is stored (a hit refreshed)
+    # an LRU cache: a lookup, then the miss is stored (a hit refreshed)
+    for k in stream:
         mrc.lookup(k)
         mrc.store(k)
     return mrc
@@ -98,11 +99,13 @@ def test_memory_stays_bounded_whatever_the_number_of_distinct_keys():
     mrc = MissRatioCurve(max_samples=256)
     names = [key(i) for i in range(60_000)]
     tracemalloc.start()
-    for k in names[:6000]:  # the sample is full long before
+    # the sample is full long before
+    for k in names[:6000]:
         mrc.lookup(k)
         mrc.store(k)
     held_early = tracemalloc.get_traced_memory()[0]
-    for k in names[6000:]:  # 10x more distinct keys
+    # 10x more distinct keys
+    for k in names[6000:]:
         mrc.lookup(k)
         mrc.store(k)
     held_late = tracemalloc.get_traced_memory()[0]
@@ -115,12 +118,15 @@ def test_memory_stays_bounded_whatever_the_number_of_distinct_keys():
 
 def test_a_key_is_cached_by_its_store_not_by_the_lookup_that_missed_it():
     mrc = MissRatioCurve()
-    mrc.lookup(key(1))  # two requests admitted together ask for a prefix nobody computed yet
+    # two requests admitted together ask for a prefix nobody computed yet
+    mrc.lookup(key(1))
     mrc.lookup(key(1))
     assert mrc.num_lookups == 2 and mrc.hit_ratio(100) == 0.0
-    for k in keys(1, 2, 3):  # the first stores it (and two more)
+    # the first stores it (and two more)
+    for k in keys(1, 2, 3):
         mrc.store(k)
-    mrc.lookup(key(1))  # stored 2 keys ago: a hit from 3 chunks on
+    # stored 2 keys ago: a hit from 3 chunks on
+    mrc.lookup(key(1))
     assert mrc.num_lookups == 3
     assert mrc.hit_ratio(2) == 0.0 and mrc.hit_ratio(3) == pytest.approx(1 / 3)
 
@@ -128,7 +134,8 @@ def test_a_key_is_cached_by_its_store_not_by_the_lookup_that_missed_it():
 def test_curve_gauges_name_each_factor_and_wait_for_lookups():
     mrc = MissRatioCurve()
     assert curve_gauges(mrc, 10) == {} and curve_gauges(None, 10) == {}
-    for k in keys(1, 2, 1, 2):  # a cache: misses stored, hits refreshed
+    # a cache: misses stored, hits refreshed
+    for k in keys(1, 2, 1, 2):
         mrc.lookup(k)
         mrc.store(k)
     gauges = curve_gauges(mrc, 4)
@@ -138,30 +145,33 @@ def test_curve_gauges_name_each_factor_and_wait_for_lookups():
 
 def test_the_cpu_tier_counts_each_admitted_query_and_its_stores():
     cpu = CPUTierManager(4, policy="lru")
-    out = cpu.prepare_store(keys(1, 2), WRITER)  # stored: cached, no lookup counted
+    # stored: cached, no lookup counted
+    out = cpu.prepare_store(keys(1, 2), WRITER)
     cpu.complete_store(out.keys_to_store, WRITER)
     # the cost model's locate stops at the first miss; the scan looks up what was found; neither counts
     assert cpu.locate(keys(1, 2, 3, 4), CTX) == ["cpu", "cpu", None, None]
     cpu.lookup(key(1), CTX)
     assert cpu.mrc.num_lookups == 0
-    cpu.count_query(
-        keys(1, 2, 3, 4), CTX
-    )  # admitted: every chunk it asked for, past the first miss too
+    # admitted: every chunk it asked for, past the first miss too
+    cpu.count_query(keys(1, 2, 3, 4), CTX)
     assert cpu.mrc.num_lookups == 4
-    assert cpu.mrc.hit_ratio(1) == 0.0 and cpu.mrc.hit_ratio(2) == pytest.approx(
-        2 / 4
-    )  # 3 and 4: misses
+    # 3 and 4: misses
+    assert cpu.mrc.hit_ratio(1) == 0.0 and cpu.mrc.hit_ratio(2) == pytest.approx(2 / 4)
 
 
 def test_a_secondary_tier_counts_what_ram_did_not_hold_and_what_was_written_to_it(tmp_path):
     manager, slabs = make_tiered(tmp_path, num_slots=2, disk_chunks=16)
     put(manager, slabs, keys(1, 2))
-    settle(manager)  # written through to disk
-    put(manager, slabs, keys(3, 4))  # RAM holds 2 chunks: 1 and 2 are on disk only
+    # written through to disk
     settle(manager)
-    for k in keys(3, 1):  # the scan: 3 in RAM, 1 on disk (its promotion starts)
+    # RAM holds 2 chunks: 1 and 2 are on disk only
+    put(manager, slabs, keys(3, 4))
+    settle(manager)
+    # the scan: 3 in RAM, 1 on disk (its promotion starts)
+    for k in keys(3, 1):
         manager.lookup(k, CTX)
-    manager.count_query(keys(3, 1, 5), CTX)  # admitted
+    # admitted
+    manager.count_query(keys(3, 1, 5), CTX)
     disk = manager._tiers[0].mrc
     # RAM counts all three; the disk tier 1 (promoted for this request) and 5 (nowhere)
     assert disk.num_lookups == 2 and manager.mrc.num_lookups == 3
@@ -173,13 +183,15 @@ def test_a_secondary_tier_counts_what_ram_did_not_hold_and_what_was_written_to_i
 
 
 def test_the_scheduler_counts_each_request_once_when_the_engine_admits_it():
-    engine = make_engine(num_blocks=64)  # chunks of one 4-token block
+    # chunks of one 4-token block
+    engine = make_engine(num_blocks=64)
     curve = engine.scheduler.manager.mrc
     engine.add_request("A", prompt(20), 1)
     engine.run()
     # A asked for chunks 0..3 (the last token is always computed): 4 misses, then stored 0..4
     assert curve.num_lookups == 4 and curve.hit_ratio(64) == 0.0
-    engine.reset_prefix_cache()  # the engine forgets: B's prefix can only come from kvtier
+    # the engine forgets: B's prefix can only come from kvtier
+    engine.reset_prefix_cache()
     engine.add_request("B", prompt(20) + [7, 7, 7], 1)
     engine.run()
     # B asked for chunks 0..4, each stored since A: hits in any tier of 5 chunks

@@ -99,9 +99,8 @@ def test_weights_replaced_at_the_same_path_are_another_namespace(llama):
     write_small_llama(llama, seed=1)
     after = namespace_of(llama)
     assert after.id != before.id
-    assert (
-        after.weights != before.weights and after.engine == before.engine
-    )  # the weights, not the config
+    # the weights, not the config
+    assert after.weights != before.weights and after.engine == before.engine
 
 
 @needs_vllm
@@ -122,7 +121,8 @@ def test_the_same_model_at_two_paths_shares_one_namespace(tmp_path, llama):
     shutil.copytree(llama, copy)
     here, there = namespace_of(llama), namespace_of(copy)
     assert there.id == here.id
-    assert str(llama) in here.label and str(copy) in there.label  # for people, not part of the id
+    # for people, not part of the id
+    assert str(llama) in here.label and str(copy) in there.label
 
 
 @needs_vllm
@@ -251,7 +251,8 @@ def test_other_weight_files_are_sampled_over_their_whole_length(tmp_path):
     data = bytearray(os.urandom(4 << 20))
     weights.write_bytes(data)
     name = fingerprint_files([str(weights)])
-    data[-100:] = bytes(100)  # the last window moves
+    # the last window moves
+    data[-100:] = bytes(100)
     weights.write_bytes(data)
     assert fingerprint_files([str(weights)]) != name
     # a safetensors file whose header does not parse is sampled the same way, not refused
@@ -277,7 +278,8 @@ def test_the_label_is_for_people_and_every_other_field_is_the_id():
         weights="w1",
         label="/models/llama",
     )
-    assert replace(ns, label="/srv/llama").id == ns.id  # a replica at another path
+    # a replica at another path
+    assert replace(ns, label="/srv/llama").id == ns.id
     for field, other in [("engine", "e2"), ("weights", "w2"), ("model", "Qwen2ForCausalLM")]:
         assert replace(ns, **{field: other}).id != ns.id
     # namespace.json: every field and the id; read back (as `kvtier inspect` does) it is the same namespace

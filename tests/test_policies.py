@@ -54,7 +54,8 @@ def test_lru_order_after_complete_load():
     fill(m, 1)
     fill(m, 2)
     fill(m, 3)
-    fill(m, 4)  # oldest first: 1, 2, 3, 4
+    # oldest first: 1, 2, 3, 4
+    fill(m, 4)
     # load [1] (pinned), then store [5] → 1 is pinned, so 2 goes
     m.prepare_load(keys(1), CTX)
     assert fill(m, 5) == [2]
@@ -78,12 +79,14 @@ def test_arc_touch_promotes_t1_to_t2():
 def test_arc_evicts_from_t1_while_above_target_and_keeps_frequent_keys():
     m = CPUTierManager(4, policy="arc")
     fill(m, 1, 2, 3, 4)
-    m.touch(keys(1, 2), CTX)  # 1 and 2 used twice → T2
+    # 1 and 2 used twice → T2
+    m.touch(keys(1, 2), CTX)
     # a scan of one-use keys [5,6,7] only ever displaces one-use keys
     assert fill(m, 5) == [4]
     assert fill(m, 6) == [3]
     assert fill(m, 7) == [5]
-    assert nums(m.prepare_store(keys(1, 2), CTX).keys_to_store) == []  # both still present
+    # both still present
+    assert nums(m.prepare_store(keys(1, 2), CTX).keys_to_store) == []
 
 
 def test_arc_ghost_hit_in_b1_grows_target():
@@ -104,11 +107,14 @@ def test_arc_ghost_hit_in_b2_shrinks_target():
     p = ARCPolicy(4)
     p.target_t1 = 3.0
     p.insert(keys(1))
-    p.touch(keys(1))  # 1 in T2
-    p.insert(keys(2))  # T1 = [2], |T1| = 1 <= target → evict from T2
+    # 1 in T2
+    p.touch(keys(1))
+    # T1 = [2], |T1| = 1 <= target → evict from T2
+    p.insert(keys(2))
     assert p.evict(1, set()) == [key(1)]
     assert list(p.b2) == keys(1)
-    p.prepare_insert(keys(1))  # B2 hit → target shrinks by 1
+    # B2 hit → target shrinks by 1
+    p.prepare_insert(keys(1))
     p.insert(keys(1))
     assert p.target_t1 == 2.0 and key(1) in p.t2
 
@@ -122,7 +128,8 @@ def test_arc_ghost_hits_survive_the_evictions_their_own_store_causes():
         m.complete_store(out.keys_to_store, a)
     # storing 1-4 again evicted 5-8 into B1, which trimmed the oldest ghosts — 1-4 — but
     # the ghost hits were taken first: 1-4 are in T2 and T1's target grew
-    policy = m._policy.inner  # the ARC policy under the hints' ranks
+    # the ARC policy under the hints' ranks
+    policy = m._policy.inner
     assert sorted(nums(list(policy.t2))) == [1, 2, 3, 4] and not policy.t1
     assert policy.target_t1 == 4.0
     m.check()
@@ -131,9 +138,11 @@ def test_arc_ghost_hits_survive_the_evictions_their_own_store_causes():
 def test_arc_keeps_a_head_at_least_as_frequent_as_its_tail():
     p = ARCPolicy(4)
     p.insert(keys(1, 2))
-    p.touch(keys(2))  # the tail is in T2 (a ghost hit, say), its head in T1
+    # the tail is in T2 (a ghost hit, say), its head in T1
+    p.touch(keys(2))
     p.order_chain(keys(1, 2))
-    assert list(p.t2) == keys(2, 1) and not p.t1  # head promoted, and the more recent
+    # head promoted, and the more recent
+    assert list(p.t2) == keys(2, 1) and not p.t1
 
 
 def test_arc_ghost_lists_are_bounded():
@@ -166,7 +175,8 @@ class BaseDiscardLRU(LRUPolicy):
 @pytest.mark.parametrize("policy_cls", [LRUPolicy, ARCPolicy, BaseDiscardLRU])
 def test_discard_forgets_held_keys_and_keeps_the_order_of_the_rest(policy_cls):
     p = policy_cls(4)
-    p.insert(keys(1, 2, 3, 4))  # eviction order: 4, 3, 2, 1
+    # eviction order: 4, 3, 2, 1
+    p.insert(keys(1, 2, 3, 4))
     # discard [3, 9, 1]: 3 and 1 are held and returned, 9 never was and is ignored
     assert p.discard(keys(3, 9, 1)) == keys(3, 1)
     assert len(p) == 2 and key(3) not in p and key(1) not in p
@@ -180,7 +190,8 @@ def test_discard_forgets_held_keys_and_keeps_the_order_of_the_rest(policy_cls):
 def test_arc_discard_leaves_no_ghost_and_keeps_the_target():
     p = ARCPolicy(4)
     p.insert(keys(1, 2))
-    p.touch(keys(2))  # 1 in T1, 2 in T2
+    # 1 in T1, 2 in T2
+    p.touch(keys(2))
     # both files are lost: they leave T1 and T2 without entering B1 or B2
     assert p.discard(keys(1, 2)) == keys(1, 2)
     assert not (p.t1 or p.t2 or p.b1 or p.b2)
@@ -212,14 +223,18 @@ def test_a_retried_store_is_one_offer():
     # issue #8 defect 4: with store_threshold=2, a request retrying its store (no room the
     # first time) must not count twice
     m = CPUTierManager(2, store_threshold=2)
-    for req in ("Z1", "Z2"):  # two requests offer [5, 6]: stored on the second offer
+    # two requests offer [5, 6]: stored on the second offer
+    for req in ("Z1", "Z2"):
         ctx = make_req_context(req)
         m.complete_store(m.prepare_store(keys(5, 6), ctx).keys_to_store, ctx)
     loader = make_req_context("L")
-    m.prepare_load(keys(5, 6), loader)  # both slots pinned
-    m.prepare_store(keys(1), make_req_context("X"))  # X offers 1 once
+    # both slots pinned
+    m.prepare_load(keys(5, 6), loader)
+    # X offers 1 once
+    m.prepare_store(keys(1), make_req_context("X"))
     a = make_req_context("A")
-    assert m.prepare_store(keys(1, 2), a) is None  # 1 admitted (X, A), no room: A retries
+    # 1 admitted (X, A), no room: A retries
+    assert m.prepare_store(keys(1, 2), a) is None
     m.complete_load(keys(5, 6), loader)
     # A's retry: 1 has two requests' offers, 2 only A's → only 1 is stored
     assert nums(m.prepare_store(keys(1, 2), a).keys_to_store) == [1]

@@ -40,10 +40,14 @@ def turn(m: CPUTierManager, reused: tuple[int, ...], new: tuple[int, ...]) -> li
 
 def conversations(policy: str) -> CPUTierManager:
     m = CPUTierManager(5, policy=policy)
-    turn(m, (), (S,))  # the system prompt, depth 1
-    turn(m, (S,), (A1,))  # A's first turn: depth 2
-    turn(m, (S, A1), (A2,))  # A comes back: depth 3, and S, A1 rise to it
-    turn(m, (S,), (B1,))  # B's first turn, more recent than all of A: depth 2
+    # the system prompt, depth 1
+    turn(m, (), (S,))
+    # A's first turn: depth 2
+    turn(m, (S,), (A1,))
+    # A comes back: depth 3, and S, A1 rise to it
+    turn(m, (S, A1), (A2,))
+    # B's first turn, more recent than all of A: depth 2
+    turn(m, (S,), (B1,))
     return m
 
 
@@ -63,8 +67,10 @@ def test_lru_would_drop_the_older_conversation_instead():
 def test_a_tail_goes_before_its_head_within_a_level():
     m = CPUTierManager(4, policy="test_policies_turns:Bonus1")
     turn(m, (), (S,))
-    turn(m, (S,), (A1, A2))  # one chain at depth 2: A2 is its tail
-    turn(m, (S,), (B1,))  # depth 2, newest
+    # one chain at depth 2: A2 is its tail
+    turn(m, (S,), (A1, A2))
+    # depth 2, newest
+    turn(m, (S,), (B1,))
     # C needs 2 slots, 0 free: A's tail, then its head (the oldest chain)
     assert turn(m, (S,), (C1, C2)) == [A2, A1]
 
@@ -72,9 +78,11 @@ def test_a_tail_goes_before_its_head_within_a_level():
 def test_a_chunk_stored_again_after_its_eviction_keeps_its_depth():
     p = Bonus1(3)
     p.insert(keys(S))
-    p.order_chain(keys(S))  # depth 1
+    # depth 1
+    p.order_chain(keys(S))
     p.insert(keys(A1))
-    p.order_chain(keys(S, A1))  # depth 2
+    # depth 2
+    p.order_chain(keys(S, A1))
     assert nums(p.evict(1, {key(S)})) == [A1]
     # A's next turn misses A1 (gone) and stores it again with a new chunk A2
     p.insert(keys(A1, A2))
@@ -128,5 +136,6 @@ def test_the_miniatures_keep_plain_recency_when_deep_keys_do_not_come_back():
 
 
 def test_a_small_tier_runs_no_miniature_and_keeps_the_first_setting():
-    p = TurnsPolicy(100)  # 100 / 4 sampled keys: too few to rank settings
+    # 100 / 4 sampled keys: too few to rank settings
+    p = TurnsPolicy(100)
     assert p.bonus == TurnsPolicy.bonuses[0] == 0.0

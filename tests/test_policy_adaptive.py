@@ -110,7 +110,8 @@ def test_random_calls_keep_every_expert_on_the_tiers_keys():
     held: set[bytes] = set()
     for _ in range(1500):
         op = rng.random()
-        if op < 0.35:  # store: the tier evicts for the new keys first, then inserts them
+        # store: the tier evicts for the new keys first, then inserts them
+        if op < 0.35:
             batch = keys(*rng.sample(range(60), rng.randint(1, 6)))
             new = [k for k in batch if k not in held]
             p.prepare_insert(new)
@@ -123,11 +124,14 @@ def test_random_calls_keep_every_expert_on_the_tiers_keys():
                 held -= set(victims)
             p.insert(new)
             held |= set(new)
-        elif op < 0.6:  # a lookup touches the keys (unheld ones are ignored)
+        # a lookup touches the keys (unheld ones are ignored)
+        elif op < 0.6:
             p.touch(keys(*rng.sample(range(60), rng.randint(1, 6))))
-        elif op < 0.75 and held:  # a request's chain, head first, all held
+        # a request's chain, head first, all held
+        elif op < 0.75 and held:
             p.order_chain(rng.sample(sorted(held), min(len(held), rng.randint(1, 5))))
-        elif op < 0.9:  # evict n with some keys protected: all or nothing
+        # evict n with some keys protected: all or nothing
+        elif op < 0.9:
             n, protected = rng.randint(1, 8), set(keys(*rng.sample(range(60), 20)))
             victims = p.evict(n, protected)
             if victims is None:
@@ -135,7 +139,8 @@ def test_random_calls_keep_every_expert_on_the_tiers_keys():
             else:
                 assert len(set(victims)) == n and set(victims) <= held - protected
                 held -= set(victims)
-        elif op < 0.99:  # lost keys: the held ones come back once each, in the order given
+        # lost keys: the held ones come back once each, in the order given
+        elif op < 0.99:
             lost = keys(*rng.choices(range(60), k=rng.randint(1, 4)))
             assert p.discard(lost) == [k for k in dict.fromkeys(lost) if k in held]
             held -= set(lost)
@@ -152,14 +157,16 @@ def test_the_lead_goes_to_arc_where_a_scan_flushes_recency():
     p, lru = AdaptivePolicy(64), make_policy("lru", 64)
     rng, fresh = random.Random(1), iter(range(1000, 10**6))
     assert p.leader == "turns"
-    hits = lru_hits = 0  # in the second half
+    # in the second half
+    hits = lru_hits = 0
     for step in range(1200):
         ids = [rng.randrange(32), *(next(fresh) for _ in range(8))]
         hit, lru_hit = access(p, ids), access(lru, ids)
         if step >= 600:
             hits, lru_hits = hits + hit, lru_hits + lru_hit
     assert p.leader == "arc"
-    assert hits > 2 * lru_hits  # ARC's hits on the hot set, well above LRU's
+    # ARC's hits on the hot set, well above LRU's
+    assert hits > 2 * lru_hits
 
 
 def test_the_lead_stays_when_the_experts_tie():

@@ -77,7 +77,8 @@ def test_get_into_fills_the_callers_buffers(env):
     a = parts_of("a")
     store.put([("t:a", a), ("t:short", [b"tiny"])])
     # a value of exactly the buffers' size → received straight into them, answered by its size
-    floats = np.zeros(300 * KiB // 4, np.float32)  # a rank's buffer need not be bytes
+    # a rank's buffer need not be bytes
+    floats = np.zeros(300 * KiB // 4, np.float32)
     dest = [memoryview(bytearray(128)), memoryview(floats), memoryview(bytearray(300 * KiB))]
     other = [memoryview(bytearray(16))]
     assert store.get_into(["t:a", "t:absent", "t:short"], [dest, other, other]) == [
@@ -239,7 +240,8 @@ def test_a_killed_server_refuses_and_a_restarted_one_serves(fresh_redis):
     # restarted on the same port (empty: nothing is saved) → the same store works again
     fresh_redis.start()
     pid = fresh_redis.proc.pid
-    fresh_redis.start()  # already running: nothing happens (a second server could not bind the port)
+    # already running: nothing happens (a second server could not bind the port)
+    fresh_redis.start()
     assert fresh_redis.proc.pid == pid
     assert store.exists(["t:a"]) == [False]
     assert store.put([("t:a", [b"b"])]) == [True]
@@ -366,10 +368,11 @@ def test_a_redirected_get_into_reads_no_more_than_expected(fresh_redis_cluster):
     huge = 32 << 20
     store.put([("moved:huge", [bytes(huge)]), ("moved:ok", [b"12345678"])])
     client = store._client()
+    # the store believes another node owns each slot → MOVED
     for name in (
         "moved:huge",
         "moved:ok",
-    ):  # the store believes another node owns each slot → MOVED
+    ):
         slot = client.keyslot(name)
         owner = client.nodes_manager.slots_cache[slot][0]
         client.nodes_manager.slots_cache[slot] = [

@@ -17,7 +17,8 @@ from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote.tier import RemoteTier
 from redis_servers import RedisServer, free_port
 
-PLANTED = "planted-secret-7f3a9c"  # must never appear in a log line or an error
+# must never appear in a log line or an error
+PLANTED = "planted-secret-7f3a9c"
 
 
 def namespace() -> Namespace:
@@ -50,7 +51,8 @@ def test_an_acl_user_with_its_password_from_a_file(redis_server_acl, tmp_path):
     )
     try:
         assert not tiers[0].breaker.is_open
-        assert tiers[0].lookup(keys(1)[0]) is LookupResult.RETRY  # a probe runs: the server answers
+        # a probe runs: the server answers
+        assert tiers[0].lookup(keys(1)[0]) is LookupResult.RETRY
     finally:
         close(tiers)
 
@@ -74,7 +76,8 @@ def test_a_wrong_password_starts_the_tier_disabled_with_a_warning_and_no_secret_
         )
     try:
         assert tiers[0].breaker.is_open
-        assert tiers[0].lookup(keys(1)[0]) is LookupResult.MISS  # disabled: misses, never a wait
+        # disabled: misses, never a wait
+        assert tiers[0].lookup(keys(1)[0]) is LookupResult.MISS
         assert "did not answer at start" in caplog.text and "disabled" in caplog.text
         assert PLANTED not in caplog.text
         assert PLANTED not in repr(tiers[0].stats()) and PLANTED not in tiers[0].store.describe()
@@ -96,7 +99,8 @@ def test_a_wrong_password_with_redis_required_stops_the_start(redis_server_acl, 
 
 
 def test_an_unreachable_server_turns_the_tier_on_once_it_answers(tmp_path, caplog):
-    server = RedisServer(port=free_port(), dir=tmp_path)  # nothing listens on its port yet
+    # nothing listens on its port yet
+    server = RedisServer(port=free_port(), dir=tmp_path)
     tiers = start(
         {"redis_url": server.url, "redis_connect_timeout_ms": 100, "remote_breaker_retry_s": 0.05}
     )

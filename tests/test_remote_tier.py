@@ -62,9 +62,8 @@ def backend(request):
     if request.param == "s3":
         from kvtier.tiers.remote.s3 import S3Store
 
-        server = request.getfixturevalue(
-            "s3_server"
-        )  # shared: each test's names use a namespace of its own
+        # shared: each test's names use a namespace of its own
+        server = request.getfixturevalue("s3_server")
         return server, lambda **kw: S3Store(
             server.endpoint,
             server.bucket,
@@ -75,7 +74,8 @@ def backend(request):
     from kvtier.tiers.remote.redis import RedisStore
 
     fixture = {"redis": "redis_server"}.get(request.param, request.param)
-    server = request.getfixturevalue(fixture).ready()  # running (after a fault test) and empty
+    # running (after a fault test) and empty
+    server = request.getfixturevalue(fixture).ready()
     return server, lambda **kw: RedisStore(
         server.url, cluster=request.param == "redis_cluster", **({"timeout_ms": HANG_MS} | kw)
     )
@@ -93,7 +93,8 @@ def make_tier(backend):
 
     yield make
     for tier in tiers:
-        tier.reset()  # leave nothing behind on the shared server
+        # leave nothing behind on the shared server
+        tier.reset()
         tier.drain(HANG_S)
         tier.close()
 
@@ -160,7 +161,8 @@ def test_keyed_names_differ_from_plain_ones_and_do_not_read_each_other(make_tier
     store(keyed, slab, k)
     names = sorted(plain.store.list_names(plain.codec.name_prefix))
     assert len(names) == 2 and plain.codec.name(k[0]) in names and keyed.codec.name(k[0]) in names
-    assert k[0].hex() not in keyed.codec.name(k[0])  # listing the store reveals no block hash
+    # listing the store reveals no block hash
+    assert k[0].hex() not in keyed.codec.name(k[0])
     # an engine without the secret cannot tell what a keyed name holds, and a keyed engine
     # without the value under its own name finds nothing
     plain.store.delete([keyed.codec.name(k[0])])
@@ -224,11 +226,14 @@ def test_a_value_the_server_dropped_is_a_failed_load_and_forgotten(make_tier):
     tier, slab = make_tier(ns), Slab(4, ns)
     k = keys(60)
     store(tier, slab, k)
-    tier.store.delete([tier.codec.name(k[0])])  # maxmemory eviction or a TTL on the server
-    assert tier.lookup(k[0]) is HIT  # the tier cannot know yet
+    # maxmemory eviction or a TTL on the server
+    tier.store.delete([tier.codec.name(k[0])])
+    # the tier cannot know yet
+    assert tier.lookup(k[0]) is HIT
     assert load(tier, slab, k).failed_keys == frozenset(k)
     assert tier.stats().counters["load_missing"] == 1
-    assert [e.removed for e in tier.take_events()] == [False, True]  # stored, then known to be gone
+    # stored, then known to be gone
+    assert [e.removed for e in tier.take_events()] == [False, True]
     assert answer(tier, k[0]) is MISS
 
 
@@ -243,7 +248,8 @@ def test_reset_deletes_the_namespace_and_nothing_else(make_tier):
     store(tier, slab, ks)
     store(other, other_slab, ks)
     tier.reset()
-    assert tier.lookup(ks[0]) is MISS  # at once: nothing from before the reset is served
+    # at once: nothing from before the reset is served
+    assert tier.lookup(ks[0]) is MISS
     assert tier.drain(HANG_S)
     assert list(tier.store.list_names(tier.codec.name_prefix)) == []
     assert len(list(other.store.list_names(other.codec.name_prefix))) == 2
@@ -253,9 +259,8 @@ def test_reset_deletes_the_namespace_and_nothing_else(make_tier):
 # -- the circuit breaker -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "backend", ["redis", "s3"], indirect=True
-)  # one server each (the cluster: three)
+# one server each (the cluster: three)
+@pytest.mark.parametrize("backend", ["redis", "s3"], indirect=True)
 def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(make_tier, backend):
     server, make_store = backend
     ns = namespace()
@@ -450,7 +455,8 @@ def test_a_store_that_skipped_a_known_key_does_not_bring_it_back(make_tier, back
     slab = Slab(4, ns)
     k, other = keys(97, 98)
     store(tier, slab, [k])
-    tier.store.delete([tier.codec.name(k)])  # the server drops k (maxmemory, a TTL)
+    # the server drops k (maxmemory, a TTL)
+    tier.store.delete([tier.codec.name(k)])
     # a store of [k, other]: k is known, so only other is written; the job is held after writing
     tier.store.put_done.arm()
     slab.fill(1, other)
@@ -488,16 +494,18 @@ def test_a_value_used_again_lives_another_ttl_and_a_longer_one_is_never_shortene
     store(first, slab, [loaded, found, known, long])
     names = {k: first.codec.name(k) for k in (loaded, found, known, long)}
     for k in (loaded, found, known):
-        raw.pexpire(
-            names[k], 20_000
-        )  # closer to expiring (long enough for a loaded machine's steps)
-    raw.pexpire(names[long], 600_000)  # kept longer by a hint
+        # closer to expiring (long enough for a loaded machine's steps)
+        raw.pexpire(names[k], 20_000)
+    # kept longer by a hint
+    raw.pexpire(names[long], 600_000)
     assert (
         answer(second, loaded) is HIT
         and load(second, slab, [loaded, long]).failed_keys == frozenset()
     )
-    store(second, slab, [found])  # present: SET NX writes nothing
-    store(first, slab, [known])  # known to the tier: no SET at all
+    # present: SET NX writes nothing
+    store(second, slab, [found])
+    # known to the tier: no SET at all
+    store(first, slab, [known])
     assert (
         first.stats().counters["store_existing"] == 0
         and second.stats().counters["store_existing"] == 1
@@ -517,7 +525,8 @@ def test_without_a_ttl_a_value_never_gains_one(make_tier, backend):
     store(tier, slab, k)
     assert load(tier, slab, k).failed_keys == frozenset()
     store(tier, slab, k)
-    if not hasattr(server, "bucket"):  # Redis: no TTL set; S3 objects never expire
+    # Redis: no TTL set; S3 objects never expire
+    if not hasattr(server, "bucket"):
         assert server.client().pttl(tier.codec.name(k[0])) == -1
     assert tier.stats().counters["errors"] == 0
 

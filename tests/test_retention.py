@@ -119,7 +119,8 @@ def test_kept_chunks_outlive_unhinted_traffic_while_their_hint_lasts(policy):
 @pytest.mark.parametrize("policy", policy_names())
 def test_the_same_session_unhinted_loses_its_chunks(policy):
     m, _ = manager(policy)
-    run(m, (1, 2), ctx(session="A"))  # a session alone keeps nothing
+    # a session alone keeps nothing
+    run(m, (1, 2), ctx(session="A"))
     for i in range(3, 11):
         run(m, (i,))
     assert not m.is_readable(key(1)) and not m.is_readable(key(2))
@@ -154,10 +155,13 @@ def test_lower_priorities_go_first_higher_ones_last(policy):
 
 def test_a_chunk_another_request_uses_is_never_below_ordinary():
     m, _ = manager()
-    run(m, (1, 2), ctx(priority=-5))  # a batch job: its chunks go first
-    m.touch(keys(1), ctx())  # an interactive request reuses 1
+    # a batch job: its chunks go first
+    run(m, (1, 2), ctx(priority=-5))
+    # an interactive request reuses 1
+    m.touch(keys(1), ctx())
     run(m, (3, 4))
-    assert run(m, (5,)) == [2]  # 2 is still the batch job's alone; 1 is ordinary again
+    # 2 is still the batch job's alone; 1 is ordinary again
+    assert run(m, (5,)) == [2]
 
 
 def test_when_only_kept_chunks_are_left_the_one_kept_furthest_ahead_goes_first():
@@ -175,8 +179,10 @@ def test_with_every_chunk_pinned_or_kept_too_few_a_store_is_refused_and_nothing_
     run(m, (1, 2), ctx(retain_s=60))
     reader = ctx()
     run(m, (3, 4))
-    m.prepare_load(keys(3, 4), reader)  # 3 and 4 are pinned by a load
-    assert run(m, (5, 6, 7)) is None  # 3 new chunks, 2 evictable (both kept)
+    # 3 and 4 are pinned by a load
+    m.prepare_load(keys(3, 4), reader)
+    # 3 new chunks, 2 evictable (both kept)
+    assert run(m, (5, 6, 7)) is None
     assert all(m.is_readable(k) for k in keys(1, 2, 3, 4))
 
 
@@ -201,7 +207,8 @@ def test_random_traffic_evicts_by_rank_atomically(policy, seed):
     clock, capacity = Clock(), 12
     book = RetentionBook(clock, max_entries=40)
     ranked = RetainingPolicy(make_policy(policy, capacity), book)
-    twin = make_policy(policy, capacity)  # the same calls, never hinted
+    # the same calls, never hinted
+    twin = make_policy(policy, capacity)
     held: set[bytes] = set()
     for _ in range(400):
         op = rng.random()
@@ -291,7 +298,8 @@ def test_without_a_quota_the_flood_evicts_the_other_tenant():
 
 def test_the_star_quota_applies_to_every_tenant_not_named_and_a_big_store_keeps_its_head():
     m = CPUTierManager(8, policy="lru", tenant_quotas={"*": 2, "big": 6})
-    out = m.prepare_store(keys(1, 2, 3), tenant(None))  # no cache_salt: tenant "", under "*"
+    # no cache_salt: tenant "", under "*"
+    out = m.prepare_store(keys(1, 2, 3), tenant(None))
     assert nums(out.keys_to_store) == [1, 2]
     out = m.prepare_store(keys(4, 5, 6, 7, 8, 9, 10), tenant("big"))
     assert nums(out.keys_to_store) == [4, 5, 6, 7, 8, 9]
@@ -408,7 +416,8 @@ def test_writing_chunks_down_to_disk_is_no_use_that_undoes_their_hints(tmp_path)
     # write-down pins them under kvtier's own context, which must not count as someone's use
     batch = ctx("batch", priority=-5)
     put(manager, slabs, keys(1), batch)
-    manager.on_request_finished(batch)  # its own end is no one else's use either
+    # its own end is no one else's use either
+    manager.on_request_finished(batch)
     last = ctx("chat", session="s", end_session=True)
     put(manager, slabs, keys(2), last)
     manager.on_request_finished(last)
@@ -418,9 +427,11 @@ def test_writing_chunks_down_to_disk_is_no_use_that_undoes_their_hints(tmp_path)
 
 def test_a_system_prompt_stored_before_any_hint_is_not_one_sessions_to_drop():
     m, _ = manager()
-    run(m, (1,))  # an unhinted request stores the shared prompt first
+    # an unhinted request stores the shared prompt first
+    run(m, (1,))
     turn = ctx(session="A", end_session=True)
-    m.touch(keys(1), turn)  # a session's only turn reuses it, and ends the session
+    # a session's only turn reuses it, and ends the session
+    m.touch(keys(1), turn)
     run(m, (2,), turn)
     assert m.retention.rank(key(1), 0.0) == ORDINARY and m.retention.rank(key(2), 0.0)[0] == -1
 
@@ -430,8 +441,10 @@ def test_sessions_are_per_tenant():
     a_turn = ReqContext("a1", None, Hints(session="chat-1", retain_s=600), "tenant-a")
     run(m, (1, 2), a_turn)
     b_end = ReqContext("b1", None, Hints(session="chat-1", end_session=True), "tenant-b")
-    m.on_request_finished(b_end)  # tenant b ends *its* chat-1
-    assert m.retention.rank(key(1), 0.0)[0] == 2  # a's chunks are still retained
+    # tenant b ends *its* chat-1
+    m.on_request_finished(b_end)
+    # a's chunks are still retained
+    assert m.retention.rank(key(1), 0.0)[0] == 2
 
 
 def test_the_book_forgets_a_key_in_every_session_that_hinted_it():
@@ -446,14 +459,16 @@ def test_the_book_forgets_a_key_in_every_session_that_hinted_it():
 @pytest.mark.parametrize("policy", policy_names())
 def test_kept_chunks_wait_beside_the_policy_so_an_eviction_never_walks_past_them(policy):
     m, clock = manager(policy, slots=40)
-    run(m, tuple(range(1, 37)), ctx(session="s", next_turn_s=60))  # 36 kept chunks
-    run(m, (100, 101, 102, 103))  # 4 ordinary ones
+    # 36 kept chunks
+    run(m, tuple(range(1, 37)), ctx(session="s", next_turn_s=60))
+    # 4 ordinary ones
+    run(m, (100, 101, 102, 103))
     inner = m._policy.inner
     assert len(inner) == 4 and len(m._policy) == 40
-    assert run(m, (200,)) == [
-        103
-    ]  # an ordinary chunk (the tail of its store), by the wrapped policy
-    clock.now += 61  # the hint expired: the 36 are ordinary again, back in the wrapped policy
+    # an ordinary chunk (the tail of its store), by the wrapped policy
+    assert run(m, (200,)) == [103]
+    # the hint expired: the 36 are ordinary again, back in the wrapped policy
+    clock.now += 61
     assert len(run(m, (201,))) == 1 and len(m._policy.inner) == 40
 
 
@@ -462,11 +477,14 @@ def test_a_chunk_the_book_forgets_is_ordinary_again_in_the_policy():
     book = RetentionBook(clock, max_entries=2)
     ranked = RetainingPolicy(make_policy("lru", 8), book)
     ranked.insert(keys(1, 2, 3))
-    book.note(keys(1), Hints(priority=-3), is_new=True)  # 1 goes first: set aside, below ordinary
+    # 1 goes first: set aside, below ordinary
+    book.note(keys(1), Hints(priority=-3), is_new=True)
     assert key(1) not in ranked.inner
-    book.note(keys(2, 3), Hints(retain_s=60), is_new=True)  # the book keeps 2 entries: it forgets 1
+    # the book keeps 2 entries: it forgets 1
+    book.note(keys(2, 3), Hints(retain_s=60), is_new=True)
     assert book.rank(key(1), clock.now) == ORDINARY and key(1) in ranked.inner
-    assert ranked.evict(1, set()) == [key(1)]  # the only ordinary chunk left
+    # the only ordinary chunk left
+    assert ranked.evict(1, set()) == [key(1)]
 
 
 # -- next_turn_s is a prediction: honored once the turn is near ----------------------------------
@@ -478,10 +496,13 @@ def _policy_with_age(age_s: float) -> tuple[RetainingPolicy, RetentionBook, Cloc
     clock = Clock()
     book = RetentionBook(clock)
     ranked = RetainingPolicy(make_policy("lru", 8), book, guard=False)
-    ranked.horizon_factor = 1.0  # the mechanism alone (the guard chooses it: see below)
-    book.note(keys(999), Hints(session="other", retain_s=1))  # a non-empty book: ages are measured
+    # the mechanism alone (the guard chooses it: see below)
+    ranked.horizon_factor = 1.0
+    # a non-empty book: ages are measured
+    book.note(keys(999), Hints(session="other", retain_s=1))
     sampled = [key(i) for i in range(10_000, 20_000) if is_sampled(key(i), ranked.age.sample)][:40]
-    for k in sampled:  # each lasts `age_s` unused, then is evicted
+    # each lasts `age_s` unused, then is evicted
+    for k in sampled:
         ranked.prepare_insert([k])
         ranked.insert([k])
         clock.now += age_s / 8
@@ -495,23 +516,22 @@ def _policy_with_age(age_s: float) -> tuple[RetainingPolicy, RetentionBook, Cloc
 def test_a_next_turn_far_beyond_the_eviction_age_is_ordinary_until_it_nears():
     ranked, book, clock = _policy_with_age(10.0)
     ranked.insert(keys(1, 2, 3))
-    book.note(
-        keys(1), Hints(session="s", next_turn_s=100), is_new=True
-    )  # due in 100 s, chunks last ~10
-    book.note(
-        keys(2), Hints(session="t", next_turn_s=5), is_new=True
-    )  # due within the age: kept now
+    # due in 100 s, chunks last ~10
+    book.note(keys(1), Hints(session="s", next_turn_s=100), is_new=True)
+    # due within the age: kept now
+    book.note(keys(2), Hints(session="t", next_turn_s=5), is_new=True)
     assert ranked.rank_here(key(1), clock.now) == ORDINARY and key(1) in ranked.inner
     assert ranked.rank_here(key(2), clock.now) == (1, 0) and key(2) not in ranked.inner
-    ranked.touch(keys(3))  # 1 is now the least recent ordinary chunk: it goes first
+    # 1 is now the least recent ordinary chunk: it goes first
+    ranked.touch(keys(3))
     assert ranked.evict(1, set()) == [key(1)]
     ranked.insert(keys(1))
     book.note(keys(1), Hints(session="s", next_turn_s=100), is_new=False)
-    clock.now += 95  # its turn is within the eviction age now: set aside at the next eviction
+    # its turn is within the eviction age now: set aside at the next eviction
+    clock.now += 95
     ranked.touch(keys(1))
-    assert ranked.evict(1, set()) == [
-        key(3)
-    ]  # not 2 either: expired, it is ordinary again, as recent as new
+    # not 2 either: expired, it is ordinary again, as recent as new
+    assert ranked.evict(1, set()) == [key(3)]
     assert key(1) not in ranked.inner and ranked.rank_here(key(1), clock.now) == (1, 0)
 
 
@@ -521,7 +541,8 @@ def test_retain_s_is_honored_however_far_it_reaches():
     book.note(keys(1), Hints(session="s", retain_s=1000), is_new=True)
     ranked.touch(keys(2))
     assert ranked.rank_here(key(1), clock.now) == (2, 0)
-    assert ranked.evict(1, set()) == [key(2)]  # the ordinary chunk, though 1 is less recent
+    # the ordinary chunk, though 1 is less recent
+    assert ranked.evict(1, set()) == [key(2)]
 
 
 @pytest.mark.parametrize("policy", policy_names())
@@ -536,13 +557,14 @@ def test_a_failed_eviction_leaves_the_wrapped_policys_order_as_it_was(policy):
         for k in keys(1, 2, 3, 4, 5):
             p.prepare_insert([k])
             p.insert([k])
-    book.note(keys(9), Hints(retain_s=60), is_new=True)  # the book is in use, for another chunk
+    # the book is in use, for another chunk
+    book.note(keys(9), Hints(retain_s=60), is_new=True)
     ranked.insert(keys(6))
-    book.note(
-        keys(6), Hints(retain_s=60), is_new=True
-    )  # set aside: 1 spare beside the ordinary ones
+    # set aside: 1 spare beside the ordinary ones
+    book.note(keys(6), Hints(retain_s=60), is_new=True)
     assert ranked.evict(5, set(keys(4, 5))) is None and twin.evict(5, set(keys(4, 5))) is None
-    assert ranked.evict(3, set()) == twin.evict(3, set())  # the same victims, in the same order
+    # the same victims, in the same order
+    assert ranked.evict(3, set()) == twin.evict(3, set())
 
 
 def _drive(ranked: RetainingPolicy, book: RetentionBook, clock: Clock, steps: int, step) -> None:
@@ -569,9 +591,8 @@ def test_the_guard_stops_honoring_far_next_turns_that_crowd_out_reused_chunks():
     clock = Clock()
     book = RetentionBook(clock)
     ranked = RetainingPolicy(make_policy("lru", 256), book)
-    assert (
-        ranked.guard is not None and ranked.guard.best == "all"
-    )  # every hint honored until measured
+    # every hint honored until measured
+    assert ranked.guard is not None and ranked.guard.best == "all"
     _drive(
         ranked,
         book,
@@ -617,16 +638,16 @@ def test_an_eviction_succeeds_when_a_chunks_turn_nears_in_the_middle_of_it():
     raised out of the tier's insert)."""
     ranked, book, clock = _policy_with_age(10.0)
     late = [key(i) for i in range(40_000, 60_000) if is_sampled(key(i), ranked.age.sample)][:3]
-    ranked.insert(late)  # 3 ordinary chunks, left unused
+    # 3 ordinary chunks, left unused
+    ranked.insert(late)
     clock.now += 3000
     ranked.insert(keys(1, 2, 3))
-    book.note(
-        keys(2), Hints(session="b", next_turn_s=100), is_new=True
-    )  # near in ~90 s: ordinary now
-    book.note(keys(3), Hints(session="h", retain_s=1000), is_new=True)  # retained: aside
-    assert (
-        ranked.evict(3, set(keys(1, 2, 3))) is not None
-    )  # the late ones: the age grows to ~3,000 s
+    # near in ~90 s: ordinary now
+    book.note(keys(2), Hints(session="b", next_turn_s=100), is_new=True)
+    # retained: aside
+    book.note(keys(3), Hints(session="h", retain_s=1000), is_new=True)
+    # the late ones: the age grows to ~3,000 s
+    assert ranked.evict(3, set(keys(1, 2, 3))) is not None
     assert ranked.rank_here(key(2), clock.now) == (1, 0)
     victims = ranked.evict(3, set())
     assert victims is not None and sorted(victims) == sorted(keys(1, 2, 3)) and len(ranked) == 0
@@ -638,7 +659,8 @@ def test_keys_the_tier_does_not_hold_teach_it_nothing():
     clock = Clock()
     book = RetentionBook(clock)
     disk = RetainingPolicy(make_policy("lru", 1024), book)
-    book.note(keys(1), Hints(session="s", retain_s=60))  # any hint: the book is in use
+    # any hint: the book is in use
+    book.note(keys(1), Hints(session="s", retain_s=60))
     for i in range(20_000):
         clock.now += 0.001
         disk.touch([key(1_000_000 + i)])
@@ -675,9 +697,11 @@ def test_a_session_hinted_at_every_turn_holds_a_bounded_number_of_entries(guard)
     entries = (
         len(ranked._low) + len(ranked._high) + ranked._expiries.entries() + ranked._soon.entries()
     )
-    assert entries <= 4 * (2 * len(ranked) + 64), entries  # without pruning: ~8 per turn, 24,000
+    # without pruning: ~8 per turn, 24,000
+    assert entries <= 4 * (2 * len(ranked) + 64), entries
     clock.now += (
-        31  # the time-bound hints have run out; every held chunk can still be evicted, once
+        # the time-bound hints have run out; every held chunk can still be evicted, once
+        31
     )
     held = len(ranked)
     evicted = ranked.evict(held, set())

@@ -74,9 +74,8 @@ def test_put_writes_new_names_and_never_overwrites(store, prefix):
 
 def test_a_value_is_its_parts_back_to_back(store, prefix):
     header = b"H" * 128
-    rank0 = np.arange(
-        1 << 19, dtype=np.uint16
-    )  # 1 MiB, a buffer of 2-byte items (cast, not copied)
+    # 1 MiB, a buffer of 2-byte items (cast, not copied)
+    rank0 = np.arange(1 << 19, dtype=np.uint16)
     rank1 = bytearray(b"\x07" * 3000)
     # header + two ranks' buffers + an empty part → one object, exactly their concatenation
     assert store.put([(prefix + "v", [header, memoryview(rank0), memoryview(rank1), b""])]) == [
@@ -114,7 +113,8 @@ def test_delete_removes_names_and_ignores_absent_ones(store, prefix):
     # delete a, c and a name never written → only b is left
     store.delete([prefix + "a", prefix + "c", prefix + "never"])
     assert store.exists([prefix + n for n in "abc"]) == [False, True, False]
-    store.delete([])  # nothing to do, no request
+    # nothing to do, no request
+    store.delete([])
     # a deleted name can be written again
     assert store.put([(prefix + "a", [b"again"])]) == [True]
 
@@ -167,7 +167,8 @@ def test_a_hung_server_times_out_within_the_timeout(make_store, s3_server, prefi
 
 
 def test_a_refused_connection_raises_at_once_and_is_no_timeout(s3_server):
-    with socket.socket() as sock:  # a port with nothing listening on it
+    # a port with nothing listening on it
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # timeouts only a hang reaches: a refusal that waited for them (or retried until them) would take
@@ -385,7 +386,8 @@ def test_a_failed_request_ends_its_batch_only_once_the_others_have_ended(
     caller.join(CEILING_S)
     if first != "returned":
         rows[1][:] = next_owner
-    store.close()  # waits for any request still running on the pool
+    # waits for any request still running on the pool
+    store.close()
     if op == "put":
         (stored,) = values(make_store(), [held])
         damage = (

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from sched_helpers import FakeClock, make_engine, prompt
 
-P20 = prompt(20)  # 5 blocks
+# 5 blocks
+P20 = prompt(20)
 OTHER = prompt(12, seed=5)
 
 
@@ -28,15 +29,19 @@ def stored_then_forgotten(engine):
 def test_a_loading_request_is_parked_while_the_others_keep_stepping():
     engine = make_engine(load_mode="async")
     stored_then_forgotten(engine)
-    engine.faults.load_delay_steps = 3  # B's load runs for 3 steps
+    # B's load runs for 3 steps
+    engine.faults.load_delay_steps = 3
     b = engine.add_request("B", P20 + [7, 7, 7])
     c = engine.add_request("C", OTHER, max_new_tokens=6)
-    engine.step()  # B is offered 20 tokens asynchronously: parked; C is prefilled
+    # B is offered 20 tokens asynchronously: parked; C is prefilled
+    engine.step()
     assert "B" in engine.parked and b.num_external_tokens == 20 and c.num_computed == 12
-    for _ in range(3):  # C decodes while B's load runs
+    # C decodes while B's load runs
+    for _ in range(3):
         engine.step()
     assert len(c.output) >= 3 and b.output == []
-    engine.run()  # B runs once its load is reported, on the loaded KV (checked)
+    # B runs once its load is reported, on the loaded KV (checked)
+    engine.run()
     assert b.is_finished and c.is_finished and not engine.parked
     assert engine.scheduler.stats.failed_load_chunks == 0
 
@@ -60,25 +65,31 @@ def test_a_request_aborted_while_parked_keeps_its_blocks_until_the_load_ends():
     engine.step()
     assert "B" in engine.parked
     held = set(b.block_ids[0])
-    engine.abort("B")  # the load still writes into B's blocks
+    # the load still writes into B's blocks
+    engine.abort("B")
     c = engine.add_request("C", OTHER, max_new_tokens=2)
-    engine.step()  # C must not get a block the load is writing
+    # C must not get a block the load is writing
+    engine.step()
     assert not held & set(c.block_ids[0])
     engine.run()
     assert c.is_finished and not engine.parked
-    assert not any(engine.pool.refs)  # every block of B (and C) came back
+    # every block of B (and C) came back
+    assert not any(engine.pool.refs)
 
 
 def test_an_async_load_slower_than_the_request_budget_is_cancelled_and_recomputed():
     clock = FakeClock()
     engine = make_engine(load_mode="async", clock=clock, max_defer_s=1.0, job_timeout_s=10.0)
     stored_then_forgotten(engine)
-    engine.faults.load_delay_steps = 10**6  # never starts
+    # never starts
+    engine.faults.load_delay_steps = 10**6
     b = engine.add_request("B", P20)
     engine.step()
     assert "B" in engine.parked
     (job,) = engine.transfer.loads[-1:]
-    assert job.deadline <= clock.now + 1.0  # the request's waiting budget, not job_timeout_s
-    clock.now += 1.5  # past it: the worker cancels the load and reports the request
+    # the request's waiting budget, not job_timeout_s
+    assert job.deadline <= clock.now + 1.0
+    # past it: the worker cancels the load and reports the request
+    clock.now += 1.5
     engine.run()
     assert b.is_finished and engine.scheduler.stats.failed_load_chunks == 4

@@ -50,9 +50,8 @@ def test_lazy_keeps_what_the_engine_lost_where_eager_keeps_copies(num_slots, num
         if mode == "lazy":
             assert engine.scheduler.stats.lazy_offered_chunks > 0
     assert hits["eager"] == 0
-    assert (
-        hits["lazy"] >= 3 * num_prompts * 5 * BLOCK // 3
-    )  # rounds 2-4: at least a third of all reuse
+    # rounds 2-4: at least a third of all reuse
+    assert hits["lazy"] >= 3 * num_prompts * 5 * BLOCK // 3
 
 
 def test_lazy_stores_nothing_while_the_engine_has_room():
@@ -61,7 +60,8 @@ def test_lazy_stores_nothing_while_the_engine_has_room():
     stats = engine.scheduler.stats
     assert stats.store_jobs == 0 and stats.lazy_offered_chunks == 0
     assert engine.scheduler.manager.stats().used_slots == 0
-    assert stats.local_hit_tokens > 0  # the engine's own cache served the second round
+    # the engine's own cache served the second round
+    assert stats.local_hit_tokens > 0
 
 
 def test_lazy_store_fenced_before_its_blocks_are_rewritten():
@@ -73,17 +73,20 @@ def test_lazy_store_fenced_before_its_blocks_are_rewritten():
     engine.add_request("b", prompt(5 * BLOCK + 1, seed=2), max_new_tokens=1)
     engine.run()
     engine.add_request("a2", prompt(5 * BLOCK + 1, seed=1), max_new_tokens=1)
-    engine.run()  # content checked block by block: a stale or torn store fails here
+    # content checked block by block: a stale or torn store fails here
+    engine.run()
     stats = engine.scheduler.stats
     assert stats.flushed_jobs > 0
-    assert stats.hit_tokens > 0  # "a2" loaded what "a" computed and "b" evicted
+    # "a2" loaded what "a" computed and "b" evicted
+    assert stats.hit_tokens > 0
 
 
 def test_rewritten_blocks_are_never_stored_lazily():
     ledger = EvictionLedger()
     ledger.record(b"k1", 0, [1, 2], REQ_R, 0)
     ledger.record(b"k2", 0, [3, 4], REQ_R, 1)
-    ledger.forget([2])  # block 2 handed to a new owner: chunk k1 is no longer whole
+    # block 2 handed to a new owner: chunk k1 is no longer whole
+    ledger.forget([2])
     assert [e.key for e in ledger.take([1, 2, 3])] == [b"k2"]
     assert len(ledger) == 0
 
@@ -93,7 +96,8 @@ def test_ledger_takes_chunks_head_first_per_request():
     for chunk in range(3):
         ledger.record(bytes([chunk]), 0, [10 + chunk], REQ_A, chunk)
     ledger.record(b"x", 0, [20], REQ_B, 0)
-    taken = ledger.take([12, 20, 11, 10])  # an engine evicts tails first
+    # an engine evicts tails first
+    taken = ledger.take([12, 20, 11, 10])
     assert [(e.req_id, e.chunk) for e in taken] == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
     ledger.restore(taken)
     assert len(ledger) == 4
@@ -105,7 +109,8 @@ def test_lazy_mode_reset_forgets_unstored_chunks():
     assert len(engine.scheduler._stores.ledger) > 0
     engine.scheduler.reset_cache()
     assert len(engine.scheduler._stores.ledger) == 0
-    _cycle(engine, num_prompts=8, prompt_tokens=5 * BLOCK + 1, rounds=2)  # still correct afterwards
+    # still correct afterwards
+    _cycle(engine, num_prompts=8, prompt_tokens=5 * BLOCK + 1, rounds=2)
 
 
 def test_blocks_rewritten_before_they_were_reported_are_not_stored_under_their_old_chunk():
@@ -124,9 +129,8 @@ def test_blocks_rewritten_before_they_were_reported_are_not_stored_under_their_o
         kv_transfer_params={"kvtier": {"store": False}},
     )
     engine.run()
-    for i in range(
-        6
-    ):  # small requests that store nothing push b's blocks to eviction: reported then
+    # small requests that store nothing push b's blocks to eviction: reported then
+    for i in range(6):
         engine.add_request(
             f"c{i}",
             prompt(BLOCK + 1, seed=10 + i),
@@ -135,17 +139,19 @@ def test_blocks_rewritten_before_they_were_reported_are_not_stored_under_their_o
         )
         engine.run()
     engine.add_request("a2", prompt(5 * BLOCK + 1, seed=1), max_new_tokens=1)
-    engine.run()  # a chunk of "a" loaded with "b"'s content fails the content check here
+    # a chunk of "a" loaded with "b"'s content fails the content check here
+    engine.run()
     assert engine.scheduler.stats.lazy_offered_chunks > 0
 
 
 def test_a_block_shared_by_two_chunks_drops_both_when_rewritten():
     ledger = EvictionLedger()
-    ledger.record(b"a0", 0, [0, 1], REQ_A, 0)  # A's chunk 0
-    ledger.record(
-        b"b0", 0, [0, 3], REQ_B, 0
-    )  # B reused block 0 from the engine's cache: chunk 0 is [0, 3]
-    ledger.forget([0])  # block 0 goes to a new owner: neither chunk is whole any more
+    # A's chunk 0
+    ledger.record(b"a0", 0, [0, 1], REQ_A, 0)
+    # B reused block 0 from the engine's cache: chunk 0 is [0, 3]
+    ledger.record(b"b0", 0, [0, 3], REQ_B, 0)
+    # block 0 goes to a new owner: neither chunk is whole any more
+    ledger.forget([0])
     assert ledger.take([1, 3]) == []
     assert len(ledger) == 0
 
@@ -154,8 +160,10 @@ def test_a_shared_block_does_not_hide_the_other_chunk_that_holds_it():
     ledger = EvictionLedger()
     ledger.record(b"a0", 0, [0, 1], REQ_A, 0)
     ledger.record(b"b0", 0, [0, 3], REQ_B, 0)
-    ledger.forget([3])  # B's own block rewritten: only B's chunk goes
-    assert [e.key for e in ledger.take([0])] == [b"a0"]  # A's chunk is still found through block 0
+    # B's own block rewritten: only B's chunk goes
+    ledger.forget([3])
+    # A's chunk is still found through block 0
+    assert [e.key for e in ledger.take([0])] == [b"a0"]
 
 
 def test_a_prefix_hit_ending_mid_chunk_never_stores_another_requests_kv():
@@ -173,12 +181,13 @@ def test_a_prefix_hit_ending_mid_chunk_never_stores_another_requests_kv():
     )
     a = [1, 2, 3, 4, 10, 11, 12, 13, 14]
     engine.add_request("a", a, max_new_tokens=1)
-    engine.step()  # A computes its first block (A0) and one token of the next
+    # A computes its first block (A0) and one token of the next
+    engine.step()
     engine.add_request("b", [1, 2, 3, 4, 20, 21, 22, 23, 24], max_new_tokens=1)
-    engine.run()  # B's prefix hit is A0; both chunk 0s are recorded, unstored
-    for i in range(
-        2
-    ):  # unrelated requests that store nothing take A0, then A1, from the engine's cache
+    # B's prefix hit is A0; both chunk 0s are recorded, unstored
+    engine.run()
+    # unrelated requests that store nothing take A0, then A1, from the engine's cache
+    for i in range(2):
         engine.add_request(
             f"x{i}",
             prompt(5, seed=40 + i),
@@ -187,4 +196,5 @@ def test_a_prefix_hit_ending_mid_chunk_never_stores_another_requests_kv():
         )
         engine.run()
     engine.add_request("a2", a, max_new_tokens=1)
-    engine.run()  # a chunk stored with the new owner's KV fails the content check here
+    # a chunk stored with the new owner's KV fails the content check here
+    engine.run()

@@ -29,8 +29,10 @@ from kvtier.tiers.tiered import TieredManager
 from sched_helpers import UNBOUNDED_DEFERRALS, FakeClock, close_after_test, prompt, run_until_done
 
 BLOCK = 4
-NUM_BLOCKS = 8  # the engine's own cache: two prompts' worth
-PROMPT_TOKENS = 4 * BLOCK + 1  # 4 whole chunks
+# the engine's own cache: two prompts' worth
+NUM_BLOCKS = 8
+# 4 whole chunks
+PROMPT_TOKENS = 4 * BLOCK + 1
 MODES = ("eager", "lazy")
 KEEP = {"kvtier": {"retain_s": 3600, "priority": 5}}
 
@@ -147,9 +149,8 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_in_either_store_mode(
     from kvtier.tiers.disk.tier import DiskTier
 
     slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK), 1, 8)
-    file_bytes = ChunkFormat(
-        b"", slab.rows.shape[1]
-    ).file_bytes  # a header block and the aligned payload
+    # a header block and the aligned payload
+    file_bytes = ChunkFormat(b"", slab.rows.shape[1]).file_bytes
     namespace = Namespace(
         "sim-disk-quotas", "float32", "sim", BLOCK, 1, "sha256", 1, slab.rows.shape[1]
     )
@@ -158,9 +159,8 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_files_in_either_store_mode(
     manager = TieredManager(
         CPUTierManager(8, policy="lru"), [slab.rows], [(disk, TierRules())], job_timeout_s=HANG_S
     )
-    close_after_test(
-        manager
-    )  # closed after the engine (last given, first closed): its tier threads stop
+    # closed after the engine (last given, first closed): its tier threads stop
+    close_after_test(manager)
     engine = make_engine(manager, mode, slab=slab)
     # tenant B's 4 chunks are written through to disk
     serve(engine, "b", seed=1, tenant="B")
@@ -199,15 +199,20 @@ def test_a_hinted_requests_chunks_outlive_unhinted_traffic_in_either_store_mode(
 @pytest.mark.parametrize(
     "hints,rank",
     [
-        ({"retain_s": 3600, "priority": 5}, (2, 5)),  # retained, at its priority
-        ({"next_turn_s": 60}, (1, 0)),  # expected: the session's next turn comes within a minute
-        ({"priority": -3}, (0, -3)),  # a batch job's: goes before ordinary chunks
+        # retained, at its priority
+        ({"retain_s": 3600, "priority": 5}, (2, 5)),
+        # expected: the session's next turn comes within a minute
+        ({"next_turn_s": 60}, (1, 0)),
+        # a batch job's: goes before ordinary chunks
+        ({"priority": -3}, (0, -3)),
         ({"session": "s", "retain_s": 60}, (2, 0)),
         (
             {"session": "s", "end_session": True},
             (-1, 0),
-        ),  # its session ended (before they were stored, lazily)
-        ({"end_session": True}, (-1, 0)),  # a request without a session ends what it alone used
+            # its session ended (before they were stored, lazily)
+        ),
+        # a request without a session ends what it alone used
+        ({"end_session": True}, (-1, 0)),
     ],
 )
 def test_a_chunk_stored_lazily_ranks_as_its_requests_hints_say(mode, hints, rank):
@@ -257,7 +262,8 @@ def test_a_lazily_stored_chunk_lives_in_redis_as_long_as_its_request_asked(fresh
     close_after_test(manager)
     engine = make_engine(manager, "lazy", slab=slab)
     serve(engine, "h", seed=1, params={"kvtier": {"retain_s": 600}})
-    serve(engine, "u", seed=2)  # its steps run h's lazy stores, written through to Redis
+    # its steps run h's lazy stores, written through to Redis
+    serve(engine, "u", seed=2)
     assert redis_tier.drain(HANG_S)
     raw = fresh_redis.client()
     ttl_ms = [raw.pttl(redis_tier.codec.name(k)) for k in chunk_keys(engine, "h")]
@@ -274,7 +280,8 @@ def test_kvtiers_own_context_acts_for_a_request_only_when_it_says_so():
     assert ReqContext("\x00kvtier:cascade").user_id is None
     assert ReqContext("\x00kvtier:evictions:3:r", on_behalf_of="r").user_id == "r"
     with pytest.raises(Exception, match="on_behalf_of"):
-        ReqContext("r", on_behalf_of="q")  # an engine request acts for itself only
+        # an engine request acts for itself only
+        ReqContext("r", on_behalf_of="q")
 
 
 def test_lazy_owners_end_with_their_stores():
@@ -321,7 +328,8 @@ class _WatchedTier(CPUTierManager):
         return out
 
 
-_QUOTAS = {"a": 3, "b": 5, "*": 4}  # tenant "c" and requests without a tenant get "*"
+# tenant "c" and requests without a tenant get "*"
+_QUOTAS = {"a": 3, "b": 5, "*": 4}
 _TENANTS = ("a", "b", "c", None)
 
 
@@ -343,7 +351,8 @@ def test_random_tenants_and_hints_keep_quotas_and_ranks_at_every_step(mode, seed
             priority = rng.randint(0, 9) if p < 2 else None
             num_chunks = rng.randint(2, 3) if p < 2 else rng.randint(1, 4)
             prompts[(tenant, p)] = (prompt(num_chunks * BLOCK + 1, seed=100 * t + p + 1), priority)
-    rank_of: dict[OffloadKey, tuple[int, int]] = {}  # what each chunk's requests asked for
+    # what each chunk's requests asked for
+    rank_of: dict[OffloadKey, tuple[int, int]] = {}
     tenant_of: dict[OffloadKey, str] = {}
     for n in range(60):
         for _ in range(rng.randint(1, 2)):

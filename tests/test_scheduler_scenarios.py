@@ -18,7 +18,8 @@ from kvtier.jobs import StepPlan
 from kvtier.scheduler import GroupKind, GroupSpec, RequestView, StepView
 from sched_helpers import FakeClock, make_engine, prompt
 
-P20 = prompt(20)  # 5 blocks
+# 5 blocks
+P20 = prompt(20)
 
 
 def view(req_id, like, num_tokens):
@@ -65,7 +66,8 @@ def test_only_whole_chunks_are_stored():
 
 def test_a_hit_in_a_middle_chunk_loads_only_that_chunk():
     engine = make_engine()
-    serve(engine, "A", P20)  # chunks 0..4 in kvtier
+    # chunks 0..4 in kvtier
+    serve(engine, "A", P20)
     engine.reset_prefix_cache()
     # C re-computes the first 2 blocks only, so the engine's own cache holds chunks 0,1 again
     serve(engine, "C", P20[:8] + [1, 2, 3])
@@ -79,9 +81,11 @@ def test_a_hit_in_a_middle_chunk_loads_only_that_chunk():
 def test_partial_local_hit_loads_the_rest_of_the_chunk_without_touching_the_local_blocks():
     # chunks of 2 blocks; the engine holds block 0 only → kvtier's chunk 0 is loaded without block 0
     engine = make_engine(blocks_per_chunk=2)
-    serve(engine, "A", P20)  # chunks 0,1 stored (16 tokens)
+    # chunks 0,1 stored (16 tokens)
+    serve(engine, "A", P20)
     engine.reset_prefix_cache()
-    serve(engine, "C", P20[:4] + [5])  # the engine caches block 0 again
+    # the engine caches block 0 again
+    serve(engine, "C", P20[:4] + [5])
     b = serve(engine, "B", P20)
     assert (b.num_cached_tokens, b.num_external_tokens) == (16, 12)
     assert engine.transfer.loads[-1].parts[0].skip_blocks == 1
@@ -89,10 +93,12 @@ def test_partial_local_hit_loads_the_rest_of_the_chunk_without_touching_the_loca
 
 def test_preemption_flushes_stores_and_the_request_reloads_later():
     engine = make_engine(max_tokens_per_step=8)
-    engine.faults.store_delay_steps = 5  # stores stay in flight for a while
+    # stores stay in flight for a while
+    engine.faults.store_delay_steps = 5
     a = engine.add_request("A", P20, max_new_tokens=3)
     engine.step()
-    engine.step()  # A computed 16 tokens: chunks 0..3 are being stored
+    # A computed 16 tokens: chunks 0..3 are being stored
+    engine.step()
     assert engine.transfer.held_store_ids
     engine.preempt("A")
     engine.reset_prefix_cache()
@@ -130,7 +136,8 @@ def test_two_requests_for_one_prefix_do_not_load_it_twice():
 
 def test_a_write_that_never_completes_stops_deferring_at_the_cap():
     engine = make_engine(max_deferrals=5, max_defer_s=3600)
-    engine.faults.stuck_stores = True  # every store stays PENDING forever
+    # every store stays PENDING forever
+    engine.faults.stuck_stores = True
     serve(engine, "A", P20)
     engine.reset_prefix_cache()
     b = serve(engine, "B", P20)
@@ -170,10 +177,11 @@ def test_failed_load_reports_exactly_the_loaded_blocks():
     engine = make_engine()
     serve(engine, "A", P20)
     sched = engine.scheduler
+    # local 1 block
     assert sched.get_num_new_matched_tokens(view("X", engine.requests["A"], 21), 4) == (
         16,
         False,
-    )  # local 1 block
+    )
     sched.update_state_after_alloc("X", ([30, 31, 32, 33, 34, 35],), 16)
     (job,) = sched.build_connector_meta(StepView()).load_jobs
     # the real worker gets the load with chunk 1's slot out of range: only that chunk fails
@@ -181,7 +189,8 @@ def test_failed_load_reports_exactly_the_loaded_blocks():
     bad_part = dataclasses.replace(part, slot_ids=part.slot_ids + np.array([0, 10**6, 0, 0]))
     bad = dataclasses.replace(job, parts=(bad_part,))
     engine.worker.start_load_kv(StepPlan(load_jobs=[bad]))
-    for layer in engine.kv.tensors:  # the forward pass (the loads are copied layer by layer by now)
+    # the forward pass (the loads are copied layer by layer by now)
+    for layer in engine.kv.tensors:
         engine.worker.wait_for_layer_load(layer)
     engine.worker.finish_layered_loads()
     assert engine.worker.take_load_errors() == {32}
@@ -193,12 +202,14 @@ def test_reset_cache_ignores_stale_completions():
     engine = make_engine()
     engine.faults.store_delay_steps = 3
     engine.add_request("A", P20, max_new_tokens=1)
-    engine.step()  # A's chunks are being stored
+    # A's chunks are being stored
+    engine.step()
     assert engine.transfer.held_store_ids
     assert engine.scheduler.reset_cache()
     engine.run()
     for _ in range(4):
-        engine.step()  # the stale stores complete
+        # the stale stores complete
+        engine.step()
     manager = engine.scheduler.manager
     assert engine.scheduler.stats.stale_completions >= 1
     assert manager.stats().used_slots == 0 and len(manager) == 0
@@ -248,9 +259,8 @@ def test_a_window_load_never_writes_the_blocks_the_engine_skipped():
     engine = make_engine(groups=groups, num_blocks=64)
     serve(engine, "A", prompt(17))
     engine.reset_prefix_cache()
-    b = serve(
-        engine, "B", prompt(17) + [3]
-    )  # the fake engine checks the null block after every step
+    # the fake engine checks the null block after every step
+    b = serve(engine, "B", prompt(17) + [3])
     assert b.num_external_tokens == 16
     window = engine.transfer.loads[-1].parts[1]
     assert window.block_ids[0] == engine.pool.null_block and window.skip_blocks == 1
@@ -269,21 +279,23 @@ def test_a_window_store_never_reads_blocks_the_engine_freed():
     engine = make_engine(groups=groups, num_blocks=24, num_slots=64, max_tokens_per_step=8)
     manager = engine.scheduler.manager
     real_prepare = manager.prepare_store
-    manager.prepare_store = lambda keys, ctx: None  # no room: A's store cursor stays at chunk 0
+    # no room: A's store cursor stays at chunk 0
+    manager.prepare_store = lambda keys, ctx: None
     engine.add_request("A", prompt(20), max_new_tokens=1)
     engine.step()
-    engine.step()  # A computed 16 tokens; chunk 0 (blocks 0, 1) is still unstored
+    # A computed 16 tokens; chunk 0 (blocks 0, 1) is still unstored
+    engine.step()
     manager.prepare_store = real_prepare
     engine.add_request("X", prompt(9, seed=5), max_new_tokens=1)
-    engine.step()  # A's window block 0 is freed and handed out again; A's chunks are stored now
+    # A's window block 0 is freed and handed out again; A's chunks are stored now
+    engine.step()
     engine.run()
     # the window group's chunk 0 had a freed block when it could be stored: it never was
     window_chunk_0 = engine.requests["A"].block_hashes[1] + b"\0\0\0\1"
     assert engine.scheduler.manager.lookup(window_chunk_0, ReqContext("x")) is LookupResult.MISS
     engine.reset_prefix_cache()
-    serve(
-        engine, "A2", prompt(20)[:8] + [1]
-    )  # a request on A's first chunk: what was stored is checked
+    # a request on A's first chunk: what was stored is checked
+    serve(engine, "A2", prompt(20)[:8] + [1])
 
 
 def test_a_window_load_covers_the_tokens_the_engine_retains_before_the_window():
@@ -298,9 +310,8 @@ def test_a_window_load_covers_the_tokens_the_engine_retains_before_the_window():
     engine.reset_prefix_cache()
     assert serve(engine, "B", prompt(17) + [3]).num_external_tokens == 16
     part = engine.transfer.loads[-1].parts[1]
-    assert (
-        part.skip_blocks == 1 and len(part.block_ids) == 4
-    )  # chunk 0 from its block 1, and chunk 1
+    # chunk 0 from its block 1, and chunk 1
+    assert part.skip_blocks == 1 and len(part.block_ids) == 4
 
 
 def test_sliding_window_suffix_scan_lowers_the_boundary():
@@ -331,7 +342,8 @@ def test_an_unsupported_group_gets_no_hits():
 @pytest.mark.parametrize("prompt_only, expected", [(True, 2), (False, 4)])
 def test_offload_prompt_only(prompt_only, expected):
     engine = make_engine(offload_prompt_only=prompt_only)
-    serve(engine, "A", prompt(8), max_new_tokens=10)  # 8 prompt tokens, 17 computed at the end
+    # 8 prompt tokens, 17 computed at the end
+    serve(engine, "A", prompt(8), max_new_tokens=10)
     assert engine.scheduler.stats.stored_chunks == expected
 
 
@@ -366,18 +378,16 @@ def test_max_load_tokens_caps_what_a_request_loads_to_whole_chunks(cap, loaded):
     a = serve(engine, "A", P20)
     engine.reset_prefix_cache()
     b = serve(engine, "B", P20, kv_transfer_params={"kvtier": {"max_load_tokens": cap}})
-    assert (
-        b.num_external_tokens == loaded and b.output == a.output
-    )  # the rest recomputed, the same tokens
+    # the rest recomputed, the same tokens
+    assert b.num_external_tokens == loaded and b.output == a.output
 
 
 def test_max_load_tokens_counts_after_the_engines_own_hits():
     engine = make_engine()
     a = serve(engine, "A", P20)
     engine.reset_prefix_cache()
-    serve(
-        engine, "W", P20[:8] + prompt(12, seed=3)
-    )  # the engine's cache now holds P20's first 2 chunks
+    # the engine's cache now holds P20's first 2 chunks
+    serve(engine, "W", P20[:8] + prompt(12, seed=3))
     b = serve(engine, "B", P20, kv_transfer_params={"kvtier": {"max_load_tokens": 4}})
     assert (b.num_cached_tokens - b.num_external_tokens, b.num_external_tokens) == (
         8,
@@ -416,8 +426,8 @@ def test_an_event_observer_that_raises_never_fails_a_step_and_chunks_are_still_s
         serve(engine, "A", P20)
         engine.reset_prefix_cache()
         b = serve(engine, "B", P20 + [7, 7, 7])
-    assert (
-        calls == [calls[0]] and engine.scheduler.store_observer is None
-    )  # called once, then dropped
-    assert b.num_external_tokens > 0  # A's chunks were stored and loaded
+    # called once, then dropped
+    assert calls == [calls[0]] and engine.scheduler.store_observer is None
+    # A's chunks were stored and loaded
+    assert b.num_external_tokens > 0
     assert "describing chunks for KV events failed" in caplog.text

@@ -48,7 +48,8 @@ from tier_jobs import Slab, load, store
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 SLOT = 4096
-OTHER_UID = 4242  # a user that is not this process's
+# a user that is not this process's
+OTHER_UID = 4242
 KVTIER = shutil.which("kvtier", path=str(Path(sys.executable).parent))
 # planted secrets: long, unique strings that no message could contain by chance
 REDIS_SECRET = "planted-redis-password-7c1e9a44d0"
@@ -89,11 +90,13 @@ def chunk_file(tier: DiskTier, k: bytes) -> Path:
 
 
 def test_disk_files_are_0600_in_directories_0700(make_disk, tmp_path):
-    with umask(0):  # a mode left to the umask would come out 0666 / 0777 here
+    # a mode left to the umask would come out 0666 / 0777 here
+    with umask(0):
         tier = make_disk(capacity_files=1)
         slab = Slab(2, namespace())
         store(tier, slab, keys(1))
-        store(tier, slab, keys(2))  # evicts 1 (its file becomes a spare, reused or kept)
+        # evicts 1 (its file becomes a spare, reused or kept)
+        store(tier, slab, keys(2))
     ns_dir = Path(tier.directory)
     assert mode(tmp_path / "disk") == mode(ns_dir) == 0o700
     assert mode(chunk_file(tier, key(2)).parent) == mode(ns_dir / "spare") == 0o700
@@ -104,11 +107,13 @@ def test_disk_file_mode_0640_lets_the_group_read_and_narrows_an_older_directory(
     root = tmp_path / "disk"
     ns = namespace()
     (root / ns.id_hex).mkdir(parents=True)
-    os.chmod(root / ns.id_hex, 0o755)  # as an older kvtier made it: open to every user
+    # as an older kvtier made it: open to every user
+    os.chmod(root / ns.id_hex, 0o755)
     cfg = KVTierConfig.from_dict(
         {"disk_path": str(root), "disk_bytes": 4 * (4096 + SLOT), "disk_file_mode": "0640"}
     )
-    with umask(0o077):  # a mode left to the umask would lose the group's bits here
+    # a mode left to the umask would lose the group's bits here
+    with umask(0o077):
         ((tier, _),) = secondary_tiers(cfg, ns)
         try:
             assert tier.wait_scanned(HANG_S)
@@ -145,7 +150,8 @@ def test_the_host_slab_is_0600_and_one_made_by_another_user_or_a_symlink_is_refu
 def test_engine_logs_are_0600_even_when_the_file_existed(tmp_path, capfd):
     made, existing = tmp_path / "out" / "made.log", tmp_path / "existing.log"
     existing.write_text("")
-    os.chmod(existing, 0o644)  # as `Path.write_text` makes it (the demo does, before EngineLogs)
+    # as `Path.write_text` makes it (the demo does, before EngineLogs)
+    os.chmod(existing, 0o644)
     with umask(0):
         for path, echo in ((made, False), (existing, True)):
             with EngineLogs(path, echo=echo):
@@ -167,7 +173,8 @@ def test_a_disk_directory_owned_by_another_user_is_refused_at_start(tmp_path):
         ConfigError, match=f"'{root}' refused: it is owned by uid {OTHER_UID}, not by this process"
     ):
         secondary_tiers(cfg, namespace())
-    assert list(root.iterdir()) == []  # nothing was written there
+    # nothing was written there
+    assert list(root.iterdir()) == []
     # our root, but a namespace directory inside it that another user made first
     mine = tmp_path / "mine"
     (mine / namespace().id_hex).mkdir(parents=True)
@@ -353,7 +360,8 @@ def start_tiers(extra: dict, ns: Namespace | None = None) -> tuple[list[str], li
 def test_a_redis_password_is_never_printed_wrong_or_unreachable(
     redis_server_acl, monkeypatch, caplog, tmp_path
 ):
-    server = redis_server_acl.ready()  # its only user is ACL_USER with a password that is not ours
+    # its only user is ACL_USER with a password that is not ours
+    server = redis_server_acl.ready()
     caplog.set_level(logging.DEBUG)
     # timeouts only a hang reaches: the server's AuthenticationError, not a busy machine's timeout
     base = {
@@ -467,7 +475,8 @@ def test_kvtier_config_never_prints_a_secret(tmp_path):
             json.dumps({"access_key_id": "AKID", "secret_access_key": S3_SECRET}),
         ),
     }
-    runs = [  # (arguments, exit status): the first is valid, the others put a secret where none may go
+    # (arguments, exit status): the first is valid, the others put a secret where none may go
+    runs = [
         (
             [
                 "--json",
@@ -498,7 +507,8 @@ def test_kvtier_config_never_prints_a_secret(tmp_path):
         )
         assert done.returncode == status, done.stderr
         assert leaks(done.stdout, done.stderr) == [], argv
-        if status == 0:  # the files are named, their content is not read
+        # the files are named, their content is not read
+        if status == 0:
             assert json.loads(done.stdout)["kv_connector_extra_config"][
                 "redis_password_file"
             ] == str(tmp_path / "pw")
@@ -545,7 +555,8 @@ def test_the_connector_logs_and_metrics_never_show_a_secret(
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
     caplog.set_level(logging.DEBUG)
-    monkeypatch.setenv("KVTIER_REDIS_PASSWORD", REDIS_SECRET)  # wrong: the tier starts disabled
+    # wrong: the tier starts disabled
+    monkeypatch.setenv("KVTIER_REDIS_PASSWORD", REDIS_SECRET)
     monkeypatch.setenv("KVTIER_KEY_SECRET", KEY_SECRET)
     creds = secret_file(
         tmp_path / "s3.json",
@@ -580,7 +591,8 @@ def test_the_connector_logs_and_metrics_never_show_a_secret(
 # -- tenants: a request with salt A never gets what salt B stored, in any tier -----------------------
 
 NUM_BLOCKS, BLOCK, NUM_SLOTS = 32, 4, 8
-PROMPT = prompt(16, seed=3)  # 4 chunks of 1 block
+# 4 chunks of 1 block
+PROMPT = prompt(16, seed=3)
 TierMaker = Callable[[Namespace], SecondaryTier]
 
 
@@ -598,9 +610,8 @@ def engines():
         manager = (
             TieredManager(cpu, [slab.rows], tiers, job_timeout_s=HANG_S) if tier_makers else cpu
         )
-        clock = (
-            FakeClock()
-        )  # never advances: a request waits for its probes and promotions, however slow
+        # never advances: a request waits for its probes and promotions, however slow
+        clock = FakeClock()
         config = SchedulerOffloadConfig(
             groups=(GroupSpec(tokens_per_block=BLOCK),),
             max_defer_s=60.0,
@@ -641,7 +652,8 @@ def serve(engine: FakeEngine, req_id: str, salt: str | None) -> int:
 def settle(engine: FakeEngine) -> None:
     """Every chunk stored in RAM has reached the secondary tiers."""
     manager = engine.scheduler.manager
-    manager.stats()  # cascades what became ready
+    # cascades what became ready
+    manager.stats()
     for tier in manager.tiers:
         assert tier.drain(HANG_S)
     manager.stats()
@@ -702,17 +714,18 @@ def test_the_disk_tier_keeps_tenants_apart_across_a_restart(engines, tmp_path):
 
 @pytest.mark.parametrize("backend", ["redis", "s3"])
 def test_a_shared_tier_keeps_tenants_apart_between_two_engines(engines, request, backend):
-    model = f"salted-{backend}-{os.getpid()}-{time.monotonic_ns()}"  # S3's bucket is shared by the session
+    # S3's bucket is shared by the session
+    model = f"salted-{backend}-{os.getpid()}-{time.monotonic_ns()}"
     first = engines(remote_on(backend, request), model=model)
-    second = engines(
-        remote_on(backend, request), model=model
-    )  # another engine, same store, both running
+    # another engine, same store, both running
+    second = engines(remote_on(backend, request), model=model)
     serve(first, "a1", salt="tenant-a")
     settle(first)
     assert serve(second, "b1", salt="tenant-b") == 0
     assert serve(second, "a2", salt="tenant-a") == 16
     assert second.scheduler.manager.tier_stats()[0].counters["promotions"] == 4
-    second.scheduler.manager.tiers[0].reset()  # leave nothing in the shared bucket
+    # leave nothing in the shared bucket
+    second.scheduler.manager.tiers[0].reset()
     assert second.scheduler.manager.tiers[0].drain(HANG_S)
 
 
@@ -734,7 +747,8 @@ def test_keyed_deployments_share_nothing_and_names_reveal_no_key(engines, reques
     names = list(tier.store.list_names(tier.codec.name_prefix))
     values = [bytes(v) for v in tier.store.get(names)]
     block_keys = [make_offload_key(h, 0) for h in first.requests["a1"].block_hashes]
-    assert len(names) == 2 * len(block_keys)  # each deployment wrote its own copy
+    # each deployment wrote its own copy
+    assert len(names) == 2 * len(block_keys)
     assert not any(
         k.hex() in name or k in value for k in block_keys for name in names for value in values
     )

@@ -24,13 +24,18 @@ def req(*hash_ids: int, whole: int | None = None) -> TraceRequest:
 
 
 def test_a_later_request_that_extends_a_prompt_is_its_next_turn():
+    # 4: A, turn 3: extends [1, 2, 4]
     trace = [
-        req(1, 2, 3),  # 0: conversation A, turn 1: whole blocks [1, 2]
-        req(10, 11),  # 1: B, one turn
-        req(1, 2, 4, 5),  # 2: A, turn 2: extends [1, 2] -> A's next turn
-        req(20, 21, 22),  # 3: C, one turn
+        # 0: conversation A, turn 1: whole blocks [1, 2]
+        req(1, 2, 3),
+        # 1: B, one turn
+        req(10, 11),
+        # 2: A, turn 2: extends [1, 2] -> A's next turn
+        req(1, 2, 4, 5),
+        # 3: C, one turn
+        req(20, 21, 22),
         req(1, 2, 4, 6, 7),
-    ]  # 4: A, turn 3: extends [1, 2, 4]
+    ]
     found = find_conversations(trace)
     assert found.session == [0, 1, 0, 3, 0]
     assert found.next_turn == [2, None, 4, None, None]
@@ -43,28 +48,35 @@ def test_a_later_request_that_extends_a_prompt_is_its_next_turn():
 
 
 def test_a_sub_agent_joins_its_parents_session_and_its_last_turn_ends_nothing():
+    # 3: the agent goes on from its own prefix: the session's last
     trace = [
-        req(1, 2, 3),  # 0: the agent
-        req(1, 2, 8, 9),  # 1: a sub-agent from the agent's prefix: the agent's next turn
-        req(1, 2, 8, 10),  # 2: the sub-agent again (extends [1, 2, 8]); its last turn
+        # 0: the agent
+        req(1, 2, 3),
+        # 1: a sub-agent from the agent's prefix: the agent's next turn
+        req(1, 2, 8, 9),
+        # 2: the sub-agent again (extends [1, 2, 8]); its last turn
+        req(1, 2, 8, 10),
         req(1, 2, 4, 5),
-    ]  # 3: the agent goes on from its own prefix: the session's last
+    ]
     found = find_conversations(trace)
     assert found.session == [0, 0, 0, 0]
     assert found.next_turn == [1, 2, None, None]
     hints = hints_for(found, 0.01)
-    assert hints[2] == ClientHints("s0")  # a leaf while the session goes on: neither hint
+    # a leaf while the session goes on: neither hint
+    assert hints[2] == ClientHints("s0")
     assert hints[3].end_session
 
 
 def test_a_shared_prefix_links_no_conversations():
     # 0 starts many prompts (a system prompt): followed by 6 different whole blocks
     starts = [req(0, 10 + i, 100 + i) for i in range(6)]
+    # another conversation, not request 0's next turn
     trace = [
-        req(0, 50, whole=1),  # whole blocks [0] only: nothing of its own
+        # whole blocks [0] only: nothing of its own
+        req(0, 50, whole=1),
         *starts,
         req(0, 60, 61, whole=2),
-    ]  # another conversation, not request 0's next turn
+    ]
     found = find_conversations(trace)
     assert found.session == list(range(len(trace)))
     # a block two conversations sent links neither: 7 is sent by 0 and 1, then 1 ends on it
@@ -73,20 +85,23 @@ def test_a_shared_prefix_links_no_conversations():
 
 
 def test_noisy_hints_are_wrong_about_one_request_in_five_in_each_way():
-    trace = synthetic(400, seed=3)  # 2,897 requests
+    # 2,897 requests
+    trace = synthetic(400, seed=3)
     found = find_conversations(trace)
     exact = hints_for(found, 0.01)
     noisy = hints_for(found, 0.01, error=0.2, seed=1)
     wrong = [(e, n) for e, n in zip(exact, noisy, strict=True) if e != n]
     assert 0.17 < len(wrong) / len(trace) < 0.23
-    assert all(e.session == n.session for e, n in wrong)  # a client knows its own conversation
+    # a client knows its own conversation
+    assert all(e.session == n.session for e, n in wrong)
     missing = sum(
         1 for e, n in wrong if e.next_turn_s and n.next_turn_s is None and not n.end_session
     )
     ended_early = sum(1 for e, n in wrong if e.next_turn_s and n.end_session)
     phantom = sum(1 for e, n in wrong if e.next_turn_s is None and n.next_turn_s)
     assert min(missing, ended_early, phantom) > 0 and missing + ended_early + phantom == len(wrong)
-    assert hints_for(found, 0.01, error=0.2, seed=1) == noisy  # seeded
+    # seeded
+    assert hints_for(found, 0.01, error=0.2, seed=1) == noisy
 
 
 def test_agent_sessions_have_tens_of_turns_and_a_growing_context():
@@ -110,7 +125,8 @@ def test_agent_sessions_have_tens_of_turns_and_a_growing_context():
                 == before.hash_ids[: before.num_full_blocks()]
             )
             shares.append(before.input_length / after.input_length)
-    assert statistics.fmean(shares) > 0.94  # agent traffic: > 96 % prefix hits at full size
+    # agent traffic: > 96 % prefix hits at full size
+    assert statistics.fmean(shares) > 0.94
     timestamps = [turn.request.timestamp_ms for turn in turns]
     assert timestamps == sorted(timestamps)
     # sessions interleave: tens of them between a session's first and last request
@@ -125,7 +141,8 @@ def test_agent_sessions_have_tens_of_turns_and_a_growing_context():
 def test_sub_agents_start_from_their_parents_prefix():
     turns = agentic_turns(30, seed=5)
     seen: set[tuple[int, int]] = set()
-    subs = []  # each sub-agent's first request, with its index
+    # each sub-agent's first request, with its index
+    subs = []
     for index, turn in enumerate(turns):
         if turn.agent > 0 and (turn.session, turn.agent) not in seen:
             subs.append((index, turn))
@@ -147,9 +164,11 @@ def test_the_agentic_trace_is_seeded_and_its_sessions_are_found_apart():
     sessions = defaultdict(set)
     for turn, session in zip(turns, found.session, strict=True):
         sessions[session].add(turn.session)
-    assert all(len(true) == 1 for true in sessions.values())  # no two sessions merged
+    # no two sessions merged
+    assert all(len(true) == 1 for true in sessions.values())
     linked = sum(1 for nxt in found.next_turn if nxt is not None)
-    assert linked > 0.9 * (len(turns) - 20 - 2 * len(sessions))  # most turns are found continuing
+    # most turns are found continuing
+    assert linked > 0.9 * (len(turns) - 20 - 2 * len(sessions))
 
 
 def test_hints_reach_the_scheduler_as_kv_transfer_params(monkeypatch):
@@ -167,7 +186,8 @@ def test_hints_reach_the_scheduler_as_kv_transfer_params(monkeypatch):
     hinted = with_hints(trace, replay_pace(trace, options))
     assert seen == {str(i): {"kvtier": r.hints.to_params()} for i, r in enumerate(hinted)}
     assert any(r.hints.next_turn_s for r in hinted) and any(r.hints.end_session for r in hinted)
-    assert parse_kv_transfer_params(seen["0"], "0").hints.session == "s0"  # the stack reads them
+    # the stack reads them
+    assert parse_kv_transfer_params(seen["0"], "0").hints.session == "s0"
     # no hints asked: the requests carry none; hints a caller attached travel as they are
     seen.clear()
     simulate(trace, replace(options, hints="trace"))

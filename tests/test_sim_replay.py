@@ -29,11 +29,11 @@ from kvtier.sim.workload import engine_output_tokens, engine_prompt
 from kvtier.tiers.cpu.manager import CPUTierManager
 from sched_helpers import FakeClock, close_after_test
 
-TRACE = synthetic(
-    24, seed=7, conversations_per_s=2.0
-)  # 170 requests, 502 distinct blocks, the longest 53
+# 170 requests, 502 distinct blocks, the longest 53
+TRACE = synthetic(24, seed=7, conversations_per_s=2.0)
 ENGINE_BLOCKS = (
-    57  # room for the longest request and its reply: the engine's cache alone serves 30 %
+    # room for the longest request and its reply: the engine's cache alone serves 30 %
+    57
 )
 OPTIONS = SimOptions(host_slots=60, engine_blocks=ENGINE_BLOCKS, max_running=1)
 
@@ -65,7 +65,8 @@ def step_by_step(requests, opts: SimOptions) -> FakeEngine:
         engine.add_request(str(i), engine_prompt(req, *scale), engine_output_tokens(req, *scale))
         while engine.waiting or engine.running:
             engine.step()
-            clock.now += opts.step_s  # as the replay's clock: a load's measured seconds agree
+            # as the replay's clock: a load's measured seconds agree
+            clock.now += opts.step_s
     return engine
 
 
@@ -81,9 +82,11 @@ def test_the_simulator_counts_what_the_fake_engine_gives_step_by_step(policy):
     )
     kvtier_hits = sum(r.num_external_tokens for r in engine.requests.values()) * scale
     stats, manager = engine.scheduler.stats, engine.scheduler.manager.stats()
-    assert kvtier_hits > 0 and engine_hits > 0  # the workload exercises both caches
+    # the workload exercises both caches
+    assert kvtier_hits > 0 and engine_hits > 0
     assert (report.engine_hit_tokens, report.kvtier_hit_tokens) == (engine_hits, kvtier_hits)
-    assert report.counters == stats.as_dict()  # the load decisions and their expected seconds too
+    # the load decisions and their expected seconds too
+    assert report.counters == stats.as_dict()
     assert sum(report.load_decisions["load"].values()) > 0
     assert (report.evictions["cpu"], report.num_steps) == (manager.evictions, engine.num_steps)
 
@@ -124,7 +127,8 @@ def test_a_disk_tier_serves_what_ram_evicted(tmp_path):
     assert report.tier_hit_tokens["disk"] > 0
     assert report.kvtier_hit_rate > ram_only.kvtier_hit_rate
     assert report.bytes_moved["disk"]["store"] > 0 and report.bytes_moved["disk"]["load"] > 0
-    assert report.deferrals > 0  # a promotion is a wait of a step
+    # a promotion is a wait of a step
+    assert report.deferrals > 0
     # the disk's hits still save time (a RAM hit saves more: it waits no step, reads no disk)
     assert report.ttft.saving_s > 0
 
@@ -169,7 +173,8 @@ def test_a_slow_disk_is_recomputed_not_promoted(tmp_path):
         max_running=2,
         costs=slow,
     )
-    cost = simulate(TRACE, opts)  # the fake engine checks every block it attends to: no wrong byte
+    # the fake engine checks every block it attends to: no wrong byte
+    cost = simulate(TRACE, opts)
     # with the cost model: what is found only on disk is recomputed, only RAM heads are loaded
     assert cost.load_decisions["recompute"]["disk"] > 0 and "disk" not in cost.load_decisions.get(
         "load", {}
@@ -249,13 +254,15 @@ def test_the_fake_engine_never_evicts_a_requests_own_hits_to_make_room_for_it():
     engine = close_after_test(FakeEngine(None, num_blocks=8, block_size=4))
     a = list(range(12))
     engine.add_request("A", a)
-    engine.run()  # A's 3 whole blocks stay cached, unreferenced; 5 blocks free
-    engine.add_request("R", [90 + i for i in range(8)], max_new_tokens=6)  # runs, holding 2 blocks
-    engine.add_request(
-        "B", a + list(range(100, 116)), max_new_tokens=2
-    )  # 3 hits + 4 new blocks: 1 short
+    # A's 3 whole blocks stay cached, unreferenced; 5 blocks free
+    engine.run()
+    # runs, holding 2 blocks
+    engine.add_request("R", [90 + i for i in range(8)], max_new_tokens=6)
+    # 3 hits + 4 new blocks: 1 short
+    engine.add_request("B", a + list(range(100, 116)), max_new_tokens=2)
     engine.step()
     # B cannot start yet: taking A's cached blocks for it would hand B its own hits twice
     assert [r.req_id for r in engine.running] == ["R"] and engine.requests["B"].block_ids == []
-    engine.run()  # R finishes and frees its blocks; B runs on its 3 hits (checked at every step)
+    # R finishes and frees its blocks; B runs on its 3 hits (checked at every step)
+    engine.run()
     assert engine.requests["B"].num_cached_tokens == 12

@@ -119,7 +119,8 @@ def test_synthetic_ids_are_prefix_ids_and_turns_resend_the_history():
 
 
 def test_each_whole_trace_block_becomes_one_engine_block_and_a_partial_one_a_token():
-    req = TraceRequest(0, 1100, 300, (4, 5, 6))  # 2 whole blocks of 512 + 76 tokens
+    # 2 whole blocks of 512 + 76 tokens
+    req = TraceRequest(0, 1100, 300, (4, 5, 6))
     assert engine_prompt(req, 512, 2) == [8, 9, 10, 11, 12]
     assert list(hittable_blocks(req, 512)) == [4, 5]
     assert engine_output_tokens(req, 512, 2) == 1

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/s
 @pytest.fixture
 def prefix():
     """A name prefix no other test or engine uses; whatever is left under it is removed afterwards."""
-    prefix = f"kvtest-{uuid.uuid4().hex[:8]}-"  # not "kvtier-": an engine beside us sweeps that
+    # not "kvtier-": an engine beside us sweeps that
+    prefix = f"kvtest-{uuid.uuid4().hex[:8]}-"
     yield prefix
     for leftover in [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]:
         os.unlink(os.path.join(SHM_DIR, leftover))
@@ -63,7 +64,8 @@ def finish(proc: subprocess.Popen, reply: str = "") -> str:
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(reply)
     proc.stdin.close()
-    out = proc.stdout.read()  # not communicate(): it would skip what readline() buffered
+    # not communicate(): it would skip what readline() buffered
+    out = proc.stdout.read()
     assert proc.wait(timeout=HANG_S) == 0, out
     return out
 
@@ -75,7 +77,8 @@ def test_a_second_process_maps_the_same_bytes_both_ways(prefix):
     name = prefix + "dp0-r0"
     with HostSlab(name, num_slots=4, slot_bytes=5000, owner=True) as slab:
         assert slab.is_creator and os.path.getsize(slab.path) == 20_000
-        assert slab.rows.ctypes.data % os.sysconf("SC_PAGE_SIZE") == 0  # page-aligned base
+        # page-aligned base
+        assert slab.rows.ctypes.data % os.sysconf("SC_PAGE_SIZE") == 0
         slab.rows[1, :3] = [7, 8, 9]
         # another process opens it by name (as a worker does), reads ours, writes its own
         proc = child(f"""
@@ -88,8 +91,10 @@ def test_a_second_process_maps_the_same_bytes_both_ways(prefix):
             slab.close()
         """)
         assert finish(proc).strip() == "[7, 8, 9]"
-        assert slab.rows[3, -2:].tolist() == [42, 42]  # its write, seen here
-    assert not os.path.exists(slab.path)  # the owner unlinked it
+        # its write, seen here
+        assert slab.rows[3, -2:].tolist() == [42, 42]
+    # the owner unlinked it
+    assert not os.path.exists(slab.path)
 
 
 def test_both_roles_in_one_process_share_one_segment(prefix):
@@ -99,7 +104,8 @@ def test_both_roles_in_one_process_share_one_segment(prefix):
     worker.tensor[0, 0] = 5
     assert owner.rows[0, 0] == 5 and owner.is_creator and not worker.is_creator
     worker.close()
-    assert segments(prefix) == [prefix + "r0"]  # a non-owner leaves the name
+    # a non-owner leaves the name
+    assert segments(prefix) == [prefix + "r0"]
     owner.close()
     assert segments(prefix) == []
 
@@ -114,8 +120,10 @@ def resident_kib(address: int) -> int:
 def test_a_new_segment_is_allocated_at_once_and_a_populating_opener_maps_every_page(prefix):
     # the scheduler side creates without populating its own mapping; the pages exist all the same
     owner = HostSlab(prefix + "r0", 64, 4096, owner=True, populate=False)
-    assert os.stat(owner.path).st_blocks * 512 >= 64 * 4096  # allocated: a full /dev/shm fails here
-    assert resident_kib(owner.tensor.data_ptr()) == 0  # not mapped into this process yet
+    # allocated: a full /dev/shm fails here
+    assert os.stat(owner.path).st_blocks * 512 >= 64 * 4096
+    # not mapped into this process yet
+    assert resident_kib(owner.tensor.data_ptr()) == 0
     # a worker populates its mapping: its copies never fault on first touch
     worker = HostSlab(prefix + "r0", 64, 4096)
     assert resident_kib(worker.tensor.data_ptr()) == 64 * 4
@@ -135,7 +143,8 @@ def test_an_existing_segment_of_another_size_is_a_config_error(prefix):
             ConfigError, match=r"holds 4000 bytes but this process computed 4 slots x 1001 bytes"
         ):
             HostSlab(prefix + "r0", 4, 1001)
-        assert segments(prefix) == [prefix + "r0"]  # the creator's segment is untouched
+        # the creator's segment is untouched
+        assert segments(prefix) == [prefix + "r0"]
 
 
 def test_a_segment_too_big_for_dev_shm_is_a_config_error_naming_cpu_bytes(prefix):
@@ -167,8 +176,10 @@ def test_views_outlive_close_and_the_name_goes(prefix):
     rows[1, 7] = 3
     slab.close()
     assert segments(prefix) == [] and slab.is_closed
-    assert rows[1, 7] == 3  # still mapped: it is unmapped with its last view
-    slab.close()  # idempotent
+    # still mapped: it is unmapped with its last view
+    assert rows[1, 7] == 3
+    # idempotent
+    slab.close()
 
 
 def test_an_owner_that_exits_without_closing_leaves_nothing(prefix):
@@ -194,11 +205,13 @@ def test_stale_cleanup_removes_a_killed_processs_segment_and_keeps_a_live_ones(p
     """
     killed = child(holder.format(name=prefix + "crashed"))
     alive = child(holder.format(name=prefix + "alive"))
-    killed.send_signal(signal.SIGKILL)  # no finalizer runs: its segment stays behind
+    # no finalizer runs: its segment stays behind
+    killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=HANG_S)
     assert segments(prefix) == [prefix + "alive", prefix + "crashed"]
     assert remove_stale_slabs(prefix) == [prefix + "crashed"]
-    assert segments(prefix) == [prefix + "alive"]  # its process still maps it
+    # its process still maps it
+    assert segments(prefix) == [prefix + "alive"]
     finish(alive, "exit\n")
     assert segments(prefix) == []
 
@@ -222,15 +235,12 @@ def test_a_cleaner_unlinking_a_new_segment_before_it_is_locked_makes_the_open_st
 
     monkeypatch.setattr(slab_module, "_lock_shared", lock_after_a_sweep)
     with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
-        assert len(swept) == 1 and swept[0].startswith(
-            prefix + "r0.new-"
-        )  # the first attempt was swept away...
-        assert (
-            os.stat(slab.path).st_ino == os.fstat(slab._segment.fd).st_ino
-        )  # ...this one is at the path
-        assert remove_stale_slabs(prefix) == [] and segments(prefix) == [
-            prefix + "r0"
-        ]  # held, temp gone
+        # the first attempt was swept away...
+        assert len(swept) == 1 and swept[0].startswith(prefix + "r0.new-")
+        # ...this one is at the path
+        assert os.stat(slab.path).st_ino == os.fstat(slab._segment.fd).st_ino
+        # held, temp gone
+        assert remove_stale_slabs(prefix) == [] and segments(prefix) == [prefix + "r0"]
 
 
 def test_of_two_racing_creators_the_first_to_publish_wins_and_the_other_joins(prefix, monkeypatch):
@@ -251,8 +261,10 @@ def test_of_two_racing_creators_the_first_to_publish_wins_and_the_other_joins(pr
 
     monkeypatch.setattr(slab_module.SegmentOpener, "_allocate", allocate_while_a_rival_publishes)
     with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
-        assert not slab.is_creator and slab.rows[1, 0] == 9  # we mapped the rival's
-        assert segments(prefix) == [prefix + "r0"]  # our temporary is gone
+        # we mapped the rival's
+        assert not slab.is_creator and slab.rows[1, 0] == 9
+        # our temporary is gone
+        assert segments(prefix) == [prefix + "r0"]
         finish(rival[0], "exit\n")
 
 
@@ -306,17 +318,21 @@ def test_a_transfer_engine_refuses_a_slab_of_another_shape():
 
 def test_the_fake_engine_keeps_its_slab_in_shared_memory_and_unlinks_it_on_close():
     engine = make_engine(num_slots=8)
-    (slab,) = engine.slabs  # its "scheduler" made it; its worker mapped it by name
+    # its "scheduler" made it; its worker mapped it by name
+    (slab,) = engine.slabs
     engine.add_request("A", list(range(20)))
     engine.run()
-    assert slab.rows.any()  # the worker's stores landed in the segment the scheduler side maps
+    # the worker's stores landed in the segment the scheduler side maps
+    assert slab.rows.any()
+    # the other way: the worker's mapping sees the scheduler side's writes
     slab.rows[7, :4] = [
         1,
         2,
         3,
         4,
-    ]  # the other way: the worker's mapping sees the scheduler side's writes
+    ]
     assert engine.transfer.slab[7, :4].tolist() == [1, 2, 3, 4]
-    assert engine.transfer.slab.data_ptr() != slab.tensor.data_ptr()  # two mappings of one segment
+    # two mappings of one segment
+    assert engine.transfer.slab.data_ptr() != slab.tensor.data_ptr()
     engine.close()
     assert not os.path.exists(slab.path)

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.skipif(
 
 CFG = soak.QUICK
 FAULT_NAMES = ("redis_kill", "disk_corrupt")
-_damaged: set[str] = set()  # chunk files (b) damaged: those nothing read since stay bad, by design
+# chunk files (b) damaged: those nothing read since stay bad, by design
+_damaged: set[str] = set()
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +55,16 @@ def baseline(model, log_dir) -> dict:
 def stack(model, baseline, log_dir):
     stack = soak.open_stack(model, CFG, log_dir, [FAULTS[name] for name in FAULT_NAMES])
     yield stack
-    if stack.engine.is_running():  # (c) did not run or stopped early
+    # (c) did not run or stopped early
+    if stack.engine.is_running():
         soak.close_stack(stack, _damaged)
 
 
 def run(stack, baseline, name: str) -> soak.RunReport:
     report = soak.run_fault(stack, CFG, FAULTS[name], baseline["outputs"])
     _damaged.update(report.facts.get("damaged_paths", ()))
-    print(soak.table(report))  # for the record (pytest -s)
+    # for the record (pytest -s)
+    print(soak.table(report))
     return report
 
 

@@ -23,11 +23,15 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from helpers import HANG_S, wait_until
-from servers.throttle import ThrottledProxy  # benchmarks/servers/, on sys.path above
+
+# benchmarks/servers/, on sys.path above
+from servers.throttle import ThrottledProxy
 
 KiB, MiB = 1 << 10, 1 << 20
-SLACK = 0.6  # a rate test passes when it took at least this share of the ideal time
-FAST = 256 * MiB  # a rate that does not limit these tests
+# a rate test passes when it took at least this share of the ideal time
+SLACK = 0.6
+# a rate that does not limit these tests
+FAST = 256 * MiB
 
 
 def payload(size: int, seed: int = 0) -> bytes:
@@ -110,7 +114,8 @@ def exchange(proxy: ThrottledProxy, data: bytes) -> bytes:
 
         sender = threading.Thread(target=send, daemon=True)
         sender.start()
-        received = read_exactly(sock, len(data) + 1)  # one more than sent: returns at EOF only
+        # one more than sent: returns at EOF only
+        received = read_exactly(sock, len(data) + 1)
         sender.join(HANG_S)
         return received
 
@@ -190,7 +195,8 @@ def test_close_while_a_connection_is_active(echo):
 
     # a client pushes 4 MiB through a 256 KiB/s link (16 s worth) from a thread of its own
     def send() -> None:
-        with contextlib.suppress(OSError):  # the proxy goes away mid-send
+        # the proxy goes away mid-send
+        with contextlib.suppress(OSError):
             sock.sendall(payload(4 * MiB))
 
     sender = threading.Thread(target=send, daemon=True)

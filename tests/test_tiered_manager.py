@@ -36,7 +36,8 @@ HIT, MISS, PENDING, RETRY = (
 def evict_1_to_4_to_disk(manager, slabs) -> None:
     """Store 1..4 (written through to disk), then 5..8: RAM evicts 1..4, disk keeps them."""
     put(manager, slabs, keys(1, 2, 3, 4))
-    settle(manager)  # written down: the slots are unpinned
+    # written down: the slots are unpinned
+    settle(manager)
     put(manager, slabs, keys(5, 6, 7, 8))
     settle(manager)
 
@@ -78,7 +79,8 @@ def test_two_ranks_promote_each_ranks_shard_into_its_own_slab(tmp_path):
     manager, slabs = make_tiered(tmp_path, world_size=2)
     put(manager, slabs, keys(1, 2, 3, 4))
     settle(manager)
-    put(manager, slabs, keys(5))  # evicts one of 1..4 from RAM
+    # evicts one of 1..4 from RAM
+    put(manager, slabs, keys(5))
     settle(manager)
     gone = next(k for k in keys(1, 2, 3, 4) if manager.lookup(k, CTX) is not HIT)
     settle(manager)
@@ -131,9 +133,8 @@ def test_a_failed_promotion_frees_its_slot_and_the_tier_forgets_the_key(tmp_path
     assert counters(manager)["promotion_failures"] == 1
     assert counters(manager)["corrupt"] == 1
     assert not path.exists()
-    assert (
-        manager.stats().used_slots == 3
-    )  # 6..8: the promotion's slot (5's, evicted for it) is free
+    # 6..8: the promotion's slot (5's, evicted for it) is free
+    assert manager.stats().used_slots == 3
     manager.check()
 
 
@@ -171,16 +172,19 @@ def test_a_backed_up_tier_gets_no_cascades_until_its_queue_drains(tmp_path):
 
 def test_slow_stores_trip_backpressure_only_while_a_queue_exists():
     slot = SecondarySlot(_QueueOf(4096), TierRules(max_store_seconds=1.0), max_tracked=8)
-    slot.record_store(10.0)  # one very slow store → average 2 s > 1 s
+    # one very slow store → average 2 s > 1 s
+    slot.record_store(10.0)
     assert slot.is_backed_up(1)
-    slot.tier.queued = 0  # the queue drained: the slow spell is over
+    # the queue drained: the slow spell is over
+    slot.tier.queued = 0
     assert not slot.is_backed_up(1)
 
 
 def test_on_evict_writes_what_ram_evicts_with_the_bytes_it_had(tmp_path):
     manager, slabs = make_tiered(tmp_path, held=True, rules=TierRules(write_mode="on_evict"))
     put(manager, slabs, keys(1, 2, 3, 4))
-    assert disk_of(manager).stats().used_bytes == 0  # nothing written while RAM holds it
+    # nothing written while RAM holds it
+    assert disk_of(manager).stats().used_bytes == 0
     # store 5 → evicts 4 (a prefix's tail goes first): 4's bytes are staged before 5's land in
     # its slot; the write to disk runs only after that (held until now)
     put(manager, slabs, keys(5))
@@ -197,7 +201,8 @@ def test_on_evict_writes_what_ram_evicts_with_the_bytes_it_had(tmp_path):
 def test_a_request_s_promotions_never_evict_the_chunks_it_is_about_to_load(tmp_path):
     manager, slabs = make_tiered(tmp_path)
     evict_1_to_4_to_disk(manager, slabs)
-    put(manager, slabs, keys(9, 10, 11, 12))  # RAM: 9..12; disk: 1..12
+    # RAM: 9..12; disk: 1..12
+    put(manager, slabs, keys(9, 10, 11, 12))
     settle(manager)
     # request r scans its prefix 1..5: 1..4 are promoted into the 4 CPU slots
     assert [manager.lookup(k, CTX) for k in keys(1, 2, 3, 4)] == [PENDING] * 4
@@ -241,14 +246,14 @@ def test_a_requests_promotions_never_evict_the_hits_its_own_scan_just_found(tmp_
     serve 4 chunks, or failed its load when it could not wait)."""
     manager, slabs = make_tiered(tmp_path)
     other = make_req_context("other")
-    for i, pair in enumerate(
-        ((3, 4), (5, 6), (1, 2))
-    ):  # RAM holds 5, 6, 1, 2 (3 and 4 went to disk)
-        put(
-            manager, slabs, keys(*pair), make_req_context(f"writer-{i}")
-        )  # three requests, three chains
-        settle(manager)  # written through to disk: the slots are free to evict
-    manager.touch(keys(5, 6), other)  # 1 and 2 are now the least recently used
+    # RAM holds 5, 6, 1, 2 (3 and 4 went to disk)
+    for i, pair in enumerate(((3, 4), (5, 6), (1, 2))):
+        # three requests, three chains
+        put(manager, slabs, keys(*pair), make_req_context(f"writer-{i}"))
+        # written through to disk: the slots are free to evict
+        settle(manager)
+    # 1 and 2 are now the least recently used
+    manager.touch(keys(5, 6), other)
     # r's scan: two hits, then two promotions that need two slots
     assert [manager.lookup(k, CTX) for k in keys(1, 2, 3, 4)] == [HIT, HIT, PENDING, PENDING]
     settle(manager)
@@ -276,17 +281,21 @@ def test_a_promotion_past_its_deadline_is_given_up_but_its_slot_waits_for_the_la
     timeout_s = 2.0
     manager, slabs = make_tiered(tmp_path, held="loads", job_timeout_s=timeout_s)
     evict_1_to_4_to_disk(manager, slabs)
-    assert manager.lookup(key(1), CTX) is PENDING  # its read is stuck (held)
+    # its read is stuck (held)
+    assert manager.lookup(key(1), CTX) is PENDING
     clock.now += timeout_s + 0.1
-    assert manager.lookup(key(1), CTX) is MISS  # given up: a miss, not a wait
+    # given up: a miss, not a wait
+    assert manager.lookup(key(1), CTX) is MISS
     stats = manager.stats()
     assert stats.extra["promoting_bytes"] == 0 and counters(manager)["expired_jobs"] == 1
-    assert stats.used_slots == 4  # the slot the stuck read may still write stays taken
+    # the slot the stuck read may still write stays taken
+    assert stats.used_slots == 4
     # the late read ends: its slot is free, and the chunk never became readable through it
     manager.tiers[0].release()
     settle(manager)
     assert manager.stats().used_slots == 3
-    assert manager.lookup(key(1), CTX) is PENDING  # promoted again, from scratch
+    # promoted again, from scratch
+    assert manager.lookup(key(1), CTX) is PENDING
     manager.tiers[0].release()
     settle(manager)
     assert np.array_equal(read_back(manager, slabs, key(1))[0], content(key(1)))
@@ -313,10 +322,10 @@ def test_reset_with_cascades_and_promotions_in_flight_serves_nothing_stale(tmp_p
     put(manager, slabs, keys(1, 2, 3, 4))
     manager.tiers[0].release()
     settle(manager)
-    put(
-        manager, slabs, keys(5, 6, 7)
-    )  # evicts 4, 3, 2; the cascades of 5..7 are held (slots pinned)
-    assert manager.lookup(key(4), CTX) is PENDING  # a promotion of 4 (evicting 1) is held
+    # evicts 4, 3, 2; the cascades of 5..7 are held (slots pinned)
+    put(manager, slabs, keys(5, 6, 7))
+    # a promotion of 4 (evicting 1) is held
+    assert manager.lookup(key(4), CTX) is PENDING
     # reset → every tier forgets; the jobs in flight end later and free what they held
     manager.reset()
     manager.tiers[0].release()

@@ -77,9 +77,8 @@ def settle(engine) -> None:
 
 def test_prefixes_evicted_from_ram_come_back_from_disk_with_the_right_kv(tmp_path):
     engine = tiered_engine(tmp_path)
-    prompts = [
-        prompt(12, seed=s) for s in range(4)
-    ]  # 3 chunks each: 12 chunks for a 4-slot CPU tier
+    # 3 chunks each: 12 chunks for a 4-slot CPU tier
+    prompts = [prompt(12, seed=s) for s in range(4)]
     # four requests compute their prompts; every chunk is written through to disk; RAM keeps the last 4
     for i, p in enumerate(prompts):
         serve(engine, f"first-{i}", p)
@@ -102,12 +101,14 @@ def test_a_request_does_not_wait_past_its_budget_for_a_promotion_that_never_ends
     p = prompt(12, seed=9)
     serve(engine, "A", p)
     settle(engine)
-    for i in range(4):  # push A's chunks out of RAM
+    # push A's chunks out of RAM
+    for i in range(4):
         serve(engine, f"filler-{i}", prompt(12, seed=20 + i))
         settle(engine)
     # the disk's reads stop answering: promotions start and never end
     disk = engine.manager.tiers[0]
-    disk.submit_load = lambda job: None  # a read that hangs forever (the tier never reports it)
+    # a read that hangs forever (the tier never reports it)
+    disk.submit_load = lambda job: None
     engine.reset_prefix_cache()
     req = engine.add_request("B", p + [7], 1)
     for _ in range(50):
@@ -124,13 +125,14 @@ def test_a_prefix_half_in_ram_half_on_disk_is_promoted_once(tmp_path):
     the head was promoted back, evicting the tail in turn: 8 disk reads to serve 4 chunks)."""
     engine = tiered_engine(tmp_path)
     p, q = prompt(16, seed=1), prompt(8, seed=2)
-    serve(engine, "p", p)  # 4 chunks in RAM (and on disk)
+    # 4 chunks in RAM (and on disk)
+    serve(engine, "p", p)
     settle(engine)
-    serve(
-        engine, "q", q
-    )  # q's 2 chunks evict p's tail (tails go before heads): RAM holds p0, p1, q0, q1
+    # q's 2 chunks evict p's tail (tails go before heads): RAM holds p0, p1, q0, q1
+    serve(engine, "q", q)
     settle(engine)
-    serve(engine, "q-again", q + [5])  # q is now more recent than p's head
+    # q is now more recent than p's head
+    serve(engine, "q-again", q + [5])
     engine.reset_prefix_cache()
     req = serve(engine, "p-again", p + [7])
     assert req.num_external_tokens == 16

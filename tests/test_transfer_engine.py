@@ -29,11 +29,13 @@ def random_kv(
     def bits(*shape: int) -> torch.Tensor:
         return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32).view(torch.float32)
 
-    if layout == "blocks_first":  # vLLM CPU
+    # vLLM CPU
+    if layout == "blocks_first":
         tensors = [bits(num_blocks, HEADS, TOKENS, content) for _ in range(num_layers)]
     elif layout == "kv_first":
         tensors = [bits(2, num_blocks, TOKENS, HEADS, content) for _ in range(num_layers)]
-    else:  # blocks outside layers: every layer's rows are strided
+    # blocks outside layers: every layer's rows are strided
+    else:
         buffer = bits(num_blocks, num_layers, HEADS, TOKENS, content)
         tensors = [buffer[:, i] for i in range(num_layers)]
     return {f"layer.{i}": t for i, t in enumerate(tensors)}
@@ -91,7 +93,8 @@ def gate(monkeypatch):
 
 @pytest.mark.parametrize("layout", ["blocks_first", "kv_first", "strided"])
 @pytest.mark.parametrize("bpc", [1, 4])
-@pytest.mark.parametrize("content", [2, 32, 512])  # pages of 64 B, 1 KiB, 16 KiB
+# pages of 64 B, 1 KiB, 16 KiB
+@pytest.mark.parametrize("content", [2, 32, 512])
 def test_store_then_load_returns_every_byte(layout, bpc, content):
     kv = random_kv(layout, num_layers=3, num_blocks=48, content=content)
     rng = np.random.default_rng(content * bpc)
@@ -135,14 +138,16 @@ def test_out_of_range_ids_fail_their_chunk_and_the_engine_keeps_going():
     with TransferEngine(kv, 2, num_slots=4) as engine:
         # chunk 1 names block 99 (of 16), chunk 2 slot 7 (of 4), chunk 3 slot -1: only 0 and 4 copy
         engine.submit(store_job(1, [0, 1, 2, 99, 6, 7, 8, 9, 4, 5], [0, 1, 7, -1, 2]))
-        engine.submit(store_job(2, [0, 1], [9]))  # its only chunk is bad: the whole job fails
+        # its only chunk is bad: the whole job fails
+        engine.submit(store_job(2, [0, 1], [9]))
         engine.submit(load_job(3, [0, 2], [10, 11, 12, 13]))
         engine.wait([1, 2, 3], timeout=HANG_S)
         results = {r.job_id: r for r in engine.get_finished()}
     assert not results[1].success and results[1].failed_chunks == (1, 2, 3)
     assert "block id 99 out of range [0, 16)" in results[1].error
     assert "slot id 7 out of range [0, 4)" in results[1].error
-    assert results[1].num_bytes == 2 * 2 * 2 * HEADS * TOKENS * 8 * 4  # the two good chunks
+    # the two good chunks
+    assert results[1].num_bytes == 2 * 2 * 2 * HEADS * TOKENS * 8 * 4
     assert not results[2].success and results[2].failed_chunks == (0,) and results[2].num_bytes == 0
     # the later load finds both good chunks in their slots
     assert results[3].success
@@ -170,8 +175,10 @@ def test_malformed_jobs_fail_whole(block_ids, slot_ids, group, message):
 
 def test_writing_one_place_twice_fails_the_repeat_and_empty_jobs_succeed():
     with TransferEngine(random_kv("blocks_first", 1, 8, 2), 1, 4) as engine:
-        engine.submit(store_job(1, [0, 1, 2], [3, 3, 1]))  # slot 3 written twice
-        engine.submit(load_job(2, [0, 1], [5, 5]))  # block 5 written twice
+        # slot 3 written twice
+        engine.submit(store_job(1, [0, 1, 2], [3, 3, 1]))
+        # block 5 written twice
+        engine.submit(load_job(2, [0, 1], [5, 5]))
         engine.submit(store_job(3, [], []))
         engine.wait([1, 2, 3], timeout=HANG_S)
         results = {r.job_id: r for r in engine.get_finished()}
@@ -183,7 +190,8 @@ def test_writing_one_place_twice_fails_the_repeat_and_empty_jobs_succeed():
 def test_duplicate_job_id_in_flight_fails_the_new_job(gate):
     with TransferEngine(random_kv("blocks_first", 1, 8, 2), 1, 4) as engine:
         engine.submit(store_job(1, [0], [0]))
-        engine.submit(store_job(1, [1], [1]))  # job 1 is still in flight
+        # job 1 is still in flight
+        engine.submit(store_job(1, [1], [1]))
         (refused,) = engine.get_finished()
         assert not refused.success and "already in flight" in refused.error
         gate.set()
@@ -198,7 +206,8 @@ def test_wait_times_out_then_succeeds(gate):
         assert engine.wait([1], timeout=0.05) is False
         gate.set()
         assert engine.wait([1], timeout=HANG_S) is True
-        assert engine.wait([12345], timeout=0) is True  # unknown ids count as finished
+        # unknown ids count as finished
+        assert engine.wait([12345], timeout=0) is True
 
 
 def test_an_exception_in_a_copy_fails_the_job_not_the_thread(monkeypatch):
@@ -248,19 +257,24 @@ def test_a_load_into_a_block_waits_for_the_store_reading_it(gate):
     kv = random_kv("blocks_first", 1, 8, 16)
     old_block_5 = kv["layer.0"][5].view(torch.int32).clone()
     with TransferEngine(kv, 1, num_slots=2) as engine:
-        engine.submit(store_job(1, [6], [1]))  # held at the gate: queued behind it...
-        engine.submit(store_job(2, [5], [0]))  # ...this store reads block 5
-        engine.submit(load_job(3, [1], [5]))  # loads are preferred, but this one overwrites block 5
+        # held at the gate: queued behind it...
+        engine.submit(store_job(1, [6], [1]))
+        # ...this store reads block 5
+        engine.submit(store_job(2, [5], [0]))
+        # loads are preferred, but this one overwrites block 5
+        engine.submit(load_job(3, [1], [5]))
         gate.set()
         assert engine.wait([1, 2, 3], timeout=HANG_S)
     assert torch.equal(engine.slab[0].view(torch.int32).view(-1), old_block_5.view(-1))
 
 
 def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
-    before = set(threading.enumerate())  # other tests' tier threads may still be winding down
+    # other tests' tier threads may still be winding down
+    before = set(threading.enumerate())
     engine = TransferEngine(random_kv("blocks_first", 1, 64, 16), 1, num_slots=64)
     engine.submit(store_job(0, [0], [0]))
-    assert gate.reached.wait(HANG_S)  # job 0 is held mid-flight; the next 39 queue behind it
+    # job 0 is held mid-flight; the next 39 queue behind it
+    assert gate.reached.wait(HANG_S)
     for i in range(1, 40):
         engine.submit(store_job(i, [i], [i]))
 
@@ -291,7 +305,8 @@ def test_shutdown_with_jobs_in_flight_reports_each_job_once(gate):
 
 
 def test_slab_is_allocated_once_and_jobs_allocate_no_pages(monkeypatch):
-    page_bytes = HEADS * TOKENS * 2048 * 4  # 64 KiB
+    # 64 KiB
+    page_bytes = HEADS * TOKENS * 2048 * 4
     kv = random_kv("blocks_first", 2, 64, 2048)
     engine = TransferEngine(kv, 2, num_slots=16)
     slab_ptr = engine.slab.data_ptr()
@@ -301,6 +316,7 @@ def test_slab_is_allocated_once_and_jobs_allocate_no_pages(monkeypatch):
         monkeypatch.setattr(
             torch, name, lambda *a, _o=original, _n=name, **k: allocations.append(_n) or _o(*a, **k)
         )
+    # the caller's objects: built before
     jobs = [
         job
         for i in range(20)
@@ -312,7 +328,7 @@ def test_slab_is_allocated_once_and_jobs_allocate_no_pages(monkeypatch):
             ),
             load_job(2 * i + 1, np.array([i % 8]), np.array([50, 51])),
         )
-    ]  # the caller's objects: built before
+    ]
     tracemalloc.start()
     try:
         for job in jobs:
@@ -324,7 +340,8 @@ def test_slab_is_allocated_once_and_jobs_allocate_no_pages(monkeypatch):
         engine.shutdown()
     assert all(r.success for r in engine.get_finished())
     assert allocations == [] and engine.slab.data_ptr() == slab_ptr
-    assert peak < page_bytes  # bookkeeping only: nothing page-sized is allocated per job
+    # bookkeeping only: nothing page-sized is allocated per job
+    assert peak < page_bytes
 
 
 def test_bad_arguments_are_config_errors():
@@ -381,7 +398,8 @@ def test_a_load_can_skip_the_leading_blocks_of_its_first_chunk(layout):
 def test_skip_blocks_is_validated():
     kv = random_kv("blocks_first", num_layers=1, num_blocks=8, content=2)
     with TransferEngine(kv, blocks_per_chunk=2, num_slots=2) as engine:
-        engine.submit(load_job(1, [0], [0, 1], skip_blocks=2))  # a whole chunk: not a partial one
+        # a whole chunk: not a partial one
+        engine.submit(load_job(1, [0], [0, 1], skip_blocks=2))
         engine.wait([1], timeout=HANG_S)
         (result,) = engine.get_finished()
         assert not result.success and "skip_blocks=2" in result.error

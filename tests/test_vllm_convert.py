@@ -85,12 +85,14 @@ def test_evictable_blocks_are_the_cached_ones_the_next_allocations_take():
     cached = blocks[:3]
     for i, block in enumerate(cached):
         block.set_block_hash(make_block_hash_with_group_id(bytes([i]) * 32, 0), 16)
-    pool.free_blocks(blocks)  # cached ones go to the tail in this order, the others to the head
+    # cached ones go to the tail in this order, the others to the head
+    pool.free_blocks(blocks)
     num_free = pool.get_num_free_blocks()
     assert evictable_blocks(pool, num_free) == [b.block_id for b in cached]
     assert evictable_blocks(pool, num_free - 1) == [b.block_id for b in cached[:2]]
     assert evictable_blocks(pool, num_free - 3) == []
-    taken = pool.get_new_blocks(num_free - 2)  # evicts the first cached block
+    # evicts the first cached block
+    taken = pool.get_new_blocks(num_free - 2)
     assert cached[0] in taken
     assert evictable_blocks(pool, 2) == [b.block_id for b in cached[1:]]
 

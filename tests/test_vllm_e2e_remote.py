@@ -27,9 +27,11 @@ from collections.abc import Iterator
 import pytest
 
 from helpers import HANG_MS, HANG_S
+
+# benchmarks/servers/, on sys.path by tests/redis_servers.py
 from servers.throttle import (
     ThrottledProxy,
-)  # benchmarks/servers/, on sys.path by tests/redis_servers.py
+)
 from vllm_helpers import (
     assert_same_outputs,
     conversations,
@@ -46,7 +48,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 SYSTEM, USERS = conversations(num_convs=6, system_tokens=600, seed=7)
-SHARED_PROMPTS = [tokens(900, seed=60 + i) for i in range(2)]  # 7 whole blocks of 128 tokens each
+# 7 whole blocks of 128 tokens each
+SHARED_PROMPTS = [tokens(900, seed=60 + i) for i in range(2)]
 SHARED_QUERIES = [p + tokens(40, seed=70 + i) for i, p in enumerate(SHARED_PROMPTS)]
 SALT = "tenant-b"
 METRICS = (
@@ -109,16 +112,19 @@ def first_engine(model, baseline, redis_server):
         turns, seconds, metrics = [], [], []
         for turn in range(3):
             if turn == 2:
-                redis_server.stop()  # killed between turns: turn 3 runs without its server
+                # killed between turns: turn 3 runs without its server
+                redis_server.stop()
             started = time.monotonic()
             turns.append(_turn(llm, histories, turn))
             seconds.append(time.monotonic() - started)
             metrics.append(read_metrics())
             if turn == 1:
                 decisions = decision_counters()
-        redis_server.start()  # back, and empty
+        # back, and empty
+        redis_server.start()
         closed = _wait_for_breaker_to_close(llm)
-        for i, prompt in enumerate(SHARED_PROMPTS):  # what the second engine will find in Redis
+        # what the second engine will find in Redis
+        for i, prompt in enumerate(SHARED_PROMPTS):
             generate(llm, [prompt], max_tokens=1)
             # a prompt's write-through runs after its answer, each chunk pinned in the CPU tier of 8 until
             # written: the next prompt's 7 chunks find room once they are (on a loaded machine they were
@@ -127,7 +133,8 @@ def first_engine(model, baseline, redis_server):
     finally:
         if not redis_server.is_running():
             redis_server.start()
-        shutdown(llm)  # waits (bounded) for the writes in flight
+        # waits (bounded) for the writes in flight
+        shutdown(llm)
     with redis_server.client() as client:
         stored = sum(1 for _ in client.scan_iter(match="kvtier:*", count=1000))
     return {
@@ -211,7 +218,8 @@ def test_reuse_through_redis_and_a_killed_server_with_identical_outputs(baseline
     # turn 3 ran against a dead server: the breaker opened; after the restart it closed again
     assert after_kill["kvtier:tier_breaker_opens_total"] >= 1, after_kill
     assert first_engine["closed"]
-    assert first_engine["stored"] >= 2 * 7  # the shared prompts' chunks, stored after the restart
+    # the shared prompts' chunks, stored after the restart
+    assert first_engine["stored"] >= 2 * 7
     assert after_kill["kvtier:tier_corrupt_total"] == 0
 
 
@@ -239,12 +247,14 @@ def test_another_cache_salt_is_not_served_from_the_shared_tier(baseline, second_
 # engine shares 2 cores with the other pytest worker (and, in issue 33's proof, a CPU hog): at
 # 2 MB/s a prefill at a third of its speed left a 1.2-2.5x margin. (4 MB/s was a coin toss.)
 SLOW_LINK_BYTES_PER_S = 1e6
-KV_BYTES_PER_TOKEN = 16 * 1024  # 8 layers x 2 (K, V) x 4 heads x 64 x fp32
-FAST_LINK_BYTES_PER_S = 1e9  # set before a slow engine shuts down: its write-through drains at once
-WARMUPS = [
-    tokens(640, seed=80 + i) for i in range(3)
-]  # prefill steps to measure; 15 chunks through the link
-HEAD_CHUNKS = 3  # of SHARED_PROMPTS[1]'s 7: computed by the cost engine itself, so in its RAM
+# 8 layers x 2 (K, V) x 4 heads x 64 x fp32
+KV_BYTES_PER_TOKEN = 16 * 1024
+# set before a slow engine shuts down: its write-through drains at once
+FAST_LINK_BYTES_PER_S = 1e9
+# prefill steps to measure; 15 chunks through the link
+WARMUPS = [tokens(640, seed=80 + i) for i in range(3)]
+# of SHARED_PROMPTS[1]'s 7: computed by the cost engine itself, so in its RAM
+HEAD_CHUNKS = 3
 HEAD_PROMPT = SHARED_PROMPTS[1][: HEAD_CHUNKS * 128] + tokens(16, seed=90)
 
 
@@ -332,10 +342,10 @@ def cost_engine(model, first_engine, slow_link):
         # The engine's first forward pass takes ~10 s here whatever its size (measured): a tiny
         # request takes it, so that the prefill estimate is of warm steps (it has no outlier cap).
         generate(llm, [tokens(8, seed=2)], max_tokens=2)
-        for prompt in WARMUPS:  # nothing of the prompts under test: both sides measured first
-            generate(
-                llm, [prompt], max_tokens=4
-            )  # a prefill step, then decode steps: a measured pair
+        # nothing of the prompts under test: both sides measured first
+        for prompt in WARMUPS:
+            # a prefill step, then decode steps: a measured pair
+            generate(llm, [prompt], max_tokens=4)
         measured = _wait_for_measured_estimates(llm)
         # SHARED_QUERIES[0]'s 7 chunks are only in Redis, behind the link: recomputed
         before = decision_counters()
@@ -343,7 +353,8 @@ def cost_engine(model, first_engine, slow_link):
         slow_delta = since(before)
         # SHARED_PROMPTS[1]'s first 3 chunks computed here (recomputed too: they are in Redis) -> in RAM
         generate(llm, [HEAD_PROMPT], max_tokens=1)
-        llm.reset_prefix_cache(reset_connector=False)  # vLLM's own cache no longer serves the head
+        # vLLM's own cache no longer serves the head
+        llm.reset_prefix_cache(reset_connector=False)
         # SHARED_QUERIES[1]: chunks 0-2 in RAM, 3-6 only in Redis -> the head is loaded, the tail recomputed
         before = decision_counters()
         split = generate(llm, SHARED_QUERIES[1:], max_tokens=4)
@@ -388,7 +399,8 @@ def test_the_cost_model_measured_both_sides_before_deciding(cost_engine):
     m = cost_engine["estimates"]
     print("cost engine estimates:", m, "at the end:", cost_engine["estimates_at_end"])
     assert m["prefill_tokens_per_s"] != PRIOR_PREFILL_TOKENS_PER_S, m
-    assert m["redis_read_bytes_per_s"] < 2 * SLOW_LINK_BYTES_PER_S, m  # the link, not the prior
+    # the link, not the prior
+    assert m["redis_read_bytes_per_s"] < 2 * SLOW_LINK_BYTES_PER_S, m
     # recomputing is at least twice as fast as the link, as the engine measured it
     assert m["prefill_tokens_per_s"] * KV_BYTES_PER_TOKEN > 2 * SLOW_LINK_BYTES_PER_S, m
 

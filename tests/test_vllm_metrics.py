@@ -44,7 +44,8 @@ def test_a_tiers_counters_exist_at_zero_from_its_first_report(prom):
     assert value("kvtier:tier_failures_total", tier="disk", direction="load") == 0
     assert value("kvtier:tier_timeouts_total", tier="disk") == 0
     assert value("kvtier:load_decisions_total", tier="disk", decision="recompute") == 0
-    assert len(samples("kvtier:tier_corrupt_total")) == 1  # disk only: no tier that never reported
+    # disk only: no tier that never reported
+    assert len(samples("kvtier:tier_corrupt_total")) == 1
     assert all(
         value(
             f"kvtier:tier_{name}_total",

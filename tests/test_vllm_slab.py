@@ -39,7 +39,8 @@ pytestmark = pytest.mark.skipif(
 
 # "always": a restarted engine loads what it finds (the test is about the slab, not the cost model)
 EXTRA = {"cpu_bytes": "256MiB", "blocks_per_chunk": 1, "load_policy": "always"}
-PROMPT = tokens(700, seed=31)  # 5 full blocks of 128 tokens
+# 5 full blocks of 128 tokens
+PROMPT = tokens(700, seed=31)
 # The tiny Llama's KV: 8 layers of (blocks, 2, 128 tokens, 4 heads x 64) float32 -> 256 KiB pages
 SLOT_BYTES = 1 * 8 * (2 * 128 * 4 * 64 * 4)
 
@@ -69,9 +70,8 @@ def remove_crash_leftovers(existing_before: set[str], killed_at: float) -> None:
         *(mapped_shm(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit())
     )
     for path in SHM.iterdir():
-        if path.name in existing_before | mapped or path.name.startswith(
-            ("kvtier-", "kvtest-")
-        ):  # kvtest-: test_slab
+        # kvtest-: test_slab
+        if path.name in existing_before | mapped or path.name.startswith(("kvtier-", "kvtest-")):
             continue
         with contextlib.suppress(FileNotFoundError):
             if path.stat().st_ctime <= killed_at:
@@ -115,19 +115,22 @@ def crashed(model, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("engine")
     (workdir / "serve_until_killed.py").write_text(ENGINE_SCRIPT)
     log = workdir / "engine.log"
-    with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the engine
+    # a file, not a pipe: a full pipe would stall the engine
+    with log.open("w") as out:
+        # its own process group
         proc = subprocess.Popen(
             [sys.executable, str(workdir / "serve_until_killed.py"), str(model)],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # its own process group
+        )
     processes: dict[str, int] = {}
     try:
         wait_until_serving(proc, log)
         processes = engine_processes(proc.pid)
         maps = {role: mapped_shm(pid, "kvtier-") for role, pid in processes.items()}
-        segments = set().union(*maps.values())  # by what it maps: other engines may run beside it
+        # by what it maps: other engines may run beside it
+        segments = set().union(*maps.values())
         sizes = {name: (SHM / name).stat().st_size for name in segments}
     finally:
         killed_at = time.time()
@@ -137,7 +140,8 @@ def crashed(model, tmp_path_factory):
         [psutil.Process(p) for p in processes.values() if psutil.pid_exists(p)], 30
     )
     assert not alive, f"engine processes outlived SIGKILL: {alive}"
-    remove_crash_leftovers(existing, killed_at)  # vLLM's own: not under test
+    # vLLM's own: not under test
+    remove_crash_leftovers(existing, killed_at)
     return {
         "segments": segments,
         "processes": processes,
@@ -158,15 +162,19 @@ def restarted(model, crashed):
             *(mapped_shm(pid, "kvtier-") for pid in engine_processes(os.getpid()).values())
         )
         out = {"stale_after_start": kvtier_segments() & crashed["segments"], "own": own}
-        out["first"] = generate(llm, [PROMPT], max_tokens=4)  # stored by kvtier
-        llm.reset_prefix_cache(reset_connector=False)  # vLLM's own cache emptied: hits are kvtier's
+        # stored by kvtier
+        out["first"] = generate(llm, [PROMPT], max_tokens=4)
+        # vLLM's own cache emptied: hits are kvtier's
+        llm.reset_prefix_cache(reset_connector=False)
         hits = read_metric("kvtier:hit_tokens_total")
         out["reused"] = generate(llm, [PROMPT], max_tokens=4)
-        generate(llm, [tokens(200, seed=32)], max_tokens=1)  # one more step reports the metrics
+        # one more step reports the metrics
+        generate(llm, [tokens(200, seed=32)], max_tokens=1)
         out["hit_tokens"] = read_metric("kvtier:hit_tokens_total") - hits
     finally:
         shutdown(llm)
-    deadline = time.monotonic() + 30  # the engine core unlinks as it exits
+    # the engine core unlinks as it exits
+    deadline = time.monotonic() + 30
     while kvtier_segments() & (out["own"] | crashed["segments"]) and time.monotonic() < deadline:
         time.sleep(0.2)
     out["left_after_shutdown"] = kvtier_segments() & (out["own"] | crashed["segments"])
@@ -177,7 +185,8 @@ def test_the_engine_core_and_its_worker_are_two_processes_mapping_the_same_segme
     (core,) = [pid for role, pid in crashed["processes"].items() if role.startswith("EngineCore")]
     workers = [pid for role, pid in crashed["processes"].items() if role.startswith("Worker")]
     assert workers and core not in workers
-    (segment,) = crashed["segments"]  # one worker rank: one segment, named for this engine instance
+    # one worker rank: one segment, named for this engine instance
+    (segment,) = crashed["segments"]
     assert segment.startswith("kvtier-") and segment.endswith("-dp0-r0")
     # the scheduler side (engine core) and the worker each map it: shared, not copied
     assert all(crashed["maps"][role] == {segment} for role in crashed["processes"]), crashed["maps"]
@@ -186,7 +195,8 @@ def test_the_engine_core_and_its_worker_are_two_processes_mapping_the_same_segme
 
 
 def test_a_killed_engine_leaves_its_segment_and_the_next_engine_removes_it(crashed, restarted):
-    assert crashed["left_behind"] == crashed["segments"]  # SIGKILL: nobody could unlink it
+    # SIGKILL: nobody could unlink it
+    assert crashed["left_behind"] == crashed["segments"]
     assert restarted["stale_after_start"] == set()
     assert len(restarted["own"]) == 1
 
@@ -194,9 +204,8 @@ def test_a_killed_engine_leaves_its_segment_and_the_next_engine_removes_it(crash
 def test_the_next_engine_serves_a_reused_prompt_from_kvtier_with_identical_outputs(
     baseline, restarted
 ):
-    assert (
-        restarted["reused"][0]["num_cached_tokens"] == 640
-    )  # 5 blocks, none from vLLM's own cache
+    # 5 blocks, none from vLLM's own cache
+    assert restarted["reused"][0]["num_cached_tokens"] == 640
     assert restarted["hit_tokens"] == 640
     assert_same_outputs(baseline, restarted["first"], "first serve")
     assert_same_outputs(baseline, restarted["reused"], "served from kvtier after the crash")

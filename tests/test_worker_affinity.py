@@ -26,7 +26,8 @@ def _bound_to(cores: set[int], work):
     out = {}
 
     def run():
-        out["tid"] = threading.get_native_id()  # joined, it may linger in /proc a moment more
+        # joined, it may linger in /proc a moment more
+        out["tid"] = threading.get_native_id()
         os.sched_setaffinity(0, cores)
         out["result"] = work()
         out["after"] = os.sched_getaffinity(0)
@@ -62,7 +63,8 @@ def test_threads_started_inside_run_on_the_other_cores_and_the_caller_keeps_its_
     out = _bound_to(compute, work)
     cores, child_cores = out["result"]
     assert cores == child_cores and cores and not cores & compute
-    assert out["after"] == compute  # the caller's binding is restored
+    # the caller's binding is restored
+    assert out["after"] == compute
 
 
 def test_a_worker_registered_from_a_bound_thread_copies_on_the_other_cores():

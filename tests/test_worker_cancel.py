@@ -33,9 +33,12 @@ from kvtier.worker import TransferEngine, WorkerSide
 from kvtier.worker.memmove import MemmoveCopier
 from sched_helpers import FakeClock, close_after_test
 
-PAGE_INTS = 1 << 18  # 1 MiB pages: one block per chunk, one run per chunk
-NUM_CHUNKS = 256  # 256 MiB per job: long enough to cancel mid-copy
-OLD, NEW = 0x0A0A0A0A, 0x0B0B0B0B  # what the blocks hold before and after the forward pass
+# 1 MiB pages: one block per chunk, one run per chunk
+PAGE_INTS = 1 << 18
+# 256 MiB per job: long enough to cancel mid-copy
+NUM_CHUNKS = 256
+# what the blocks hold before and after the forward pass
+OLD, NEW = 0x0A0A0A0A, 0x0B0B0B0B
 
 
 @pytest.fixture(autouse=True, params=["native", "ctypes"])
@@ -58,7 +61,8 @@ def ints(t: torch.Tensor) -> torch.Tensor:
 
 
 def wait_until(condition, what: str) -> None:
-    helpers.wait_until(condition, what, interval_s=0.0002)  # a copy's first bytes: polled closely
+    # a copy's first bytes: polled closely
+    helpers.wait_until(condition, what, interval_s=0.0002)
 
 
 def still_copying(engine: TransferEngine, job_ids: list[int]) -> None:
@@ -110,7 +114,8 @@ def test_after_cancel_returns_no_byte_of_the_slots_or_blocks_changes(direction):
             last_pages = target[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]].clone()
             snapshot = target.clone()
             assert engine.wait([1], timeout=HANG_S)
-            time.sleep(0.05)  # a copy that went on would have written more by now
+            # a copy that went on would have written more by now
+            time.sleep(0.05)
             assert torch.equal(
                 target[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]], last_pages
             ), "a copy wrote after cancel()"
@@ -139,16 +144,13 @@ def test_a_copy_that_cannot_be_cut_short_is_waited_for_however_long(monkeypatch,
                 if engine.cancel([1], timeout=0):
                     raise CopyEnded
             assert engine.wait([1], timeout=0), "cancel() returned while the job was still copying"
-            assert torch.equal(
-                ints(engine.slab)[-1], ints(kv["layer.0"])[-1]
-            )  # its last page was copied
+            # its last page was copied
+            assert torch.equal(ints(engine.slab)[-1], ints(kv["layer.0"])[-1])
             (result,) = engine.get_finished()
-        assert result.failed_chunks == tuple(
-            range(NUM_CHUNKS)
-        )  # copied whole, yet past its deadline
-        assert (
-            "still copying after" in caplog.text
-        )  # the copy outlived the wait: logged, and waited for
+        # copied whole, yet past its deadline
+        assert result.failed_chunks == tuple(range(NUM_CHUNKS))
+        # the copy outlived the wait: logged, and waited for
+        assert "still copying after" in caplog.text
 
     mid_copy(scenario)
 
@@ -184,7 +186,8 @@ def test_a_flush_past_its_deadline_does_not_return_while_the_store_still_copies(
             worker.handle_preemptions(StepPlan(flush_job_ids={1}))
             last_pages = slab[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]].clone()
             snapshot = slab.clone()
-            ints(kv["layer.0"]).fill_(NEW)  # the new owner's forward pass
+            # the new owner's forward pass
+            ints(kv["layer.0"]).fill_(NEW)
             assert worker.transfer.wait([1], timeout=HANG_S)
             time.sleep(0.05)
             last_now = slab[[NUM_CHUNKS // 2 - 1, NUM_CHUNKS - 1]]
@@ -196,13 +199,15 @@ def test_a_flush_past_its_deadline_does_not_return_while_the_store_still_copies(
             ), f"a store cancelled mid-copy reported {result}"
             assert worker.take_stats()["cancelled_jobs"] == 1
         finally:
-            worker.shutdown()  # its copy threads and 256 MiB go before another attempt
+            # its copy threads and 256 MiB go before another attempt
+            worker.shutdown()
 
     mid_copy(scenario)
 
 
 def test_a_job_cancelled_after_one_of_its_parts_ended_fails_every_chunk(monkeypatch):
-    monkeypatch.setattr(cpu_copy, "_BATCH_MAX_TASKS", 1)  # each part copies in a batch of its own
+    # each part copies in a batch of its own
+    monkeypatch.setattr(cpu_copy, "_BATCH_MAX_TASKS", 1)
 
     def scenario():
         kv = {
@@ -251,7 +256,8 @@ def test_tasks_batched_with_a_cancelled_copy_fail_and_are_counted(monkeypatch):
     def scenario():
         gate, reached = threading.Event(), threading.Event()
 
-        def held(self, *args):  # the first batch waits, so that the next two jobs queue together
+        # the first batch waits, so that the next two jobs queue together
+        def held(self, *args):
             reached.set()
             gate.wait(HANG_S)
             return original(self, *args)
@@ -270,7 +276,8 @@ def test_tasks_batched_with_a_cancelled_copy_fail_and_are_counted(monkeypatch):
             engine.cancel([2])
             assert engine.wait([0, 1, 2], timeout=HANG_S)
             if torch.equal(ints(engine.slab)[:half], ints(kv["layer.0"])[:half]):
-                raise CopyEnded  # job 1's share had ended: nothing of it was cut short
+                # job 1's share had ended: nothing of it was cut short
+                raise CopyEnded
             results = {r.job_id: r for r in engine.get_finished()}
             # job 1 was not cancelled, but its bytes were cut short with the batch: failed, and counted
             assert results[0].success
@@ -287,12 +294,13 @@ def test_tasks_batched_with_a_cancelled_copy_fail_and_are_counted(monkeypatch):
 
 # -- a seeded random race: many jobs, cancels at random moments of their copies ------------------
 
+# 128 KiB pages, 256 KiB chunks
 BPC, RAND_PAGE_INTS, RAND_BLOCKS, RAND_SLOTS = (
     2,
     1 << 15,
     1024,
     256,
-)  # 128 KiB pages, 256 KiB chunks
+)
 
 
 class Race:
@@ -327,7 +335,8 @@ class Race:
         for i in to_cancel:
             time.sleep(float(self.rng.uniform(0, 0.003)))
             job = jobs[i]
-            self.engine.cancel([job.job_id], timeout=0.001)  # copies may outlive so short a wait
+            # copies may outlive so short a wait
+            self.engine.cancel([job.job_id], timeout=0.001)
             self.collect()
             done = self.results.get(job.job_id)
             if job.is_store or done is None or not done.success:
@@ -376,9 +385,8 @@ class Race:
                 if c not in result.failed_chunks:
                     wants = [stamps["slot"] - slot] * BPC
                 elif cancelled:
-                    wants = [
-                        stamps["after"] + b for b in blocks
-                    ]  # recomputed after cancel() returned
+                    # recomputed after cancel() returned
+                    wants = [stamps["after"] + b for b in blocks]
                 else:
                     continue
                 for b, want in zip(blocks, wants, strict=True):

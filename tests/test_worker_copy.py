@@ -29,7 +29,8 @@ class Runs:
         self.src = rng.integers(0, 256, total, dtype=np.uint8)
         self.dst = np.zeros(total, dtype=np.uint8)
         src_offsets = np.cumsum(self.nbytes) - self.nbytes
-        order = rng.permutation(num_runs)  # destination runs laid out in a shuffled order
+        # destination runs laid out in a shuffled order
+        order = rng.permutation(num_runs)
         dst_offsets = np.empty(num_runs, dtype=np.int64)
         dst_offsets[order] = np.cumsum(self.nbytes[order]) - self.nbytes[order]
         self.src_addr = self.src.ctypes.data + src_offsets
@@ -69,7 +70,8 @@ def test_copy_runs_with_nothing_to_copy_returns():
     empty = np.zeros(0, dtype=np.int64)
     copyruns.copy_runs(empty, empty, empty, 2)
     zeros = np.zeros(3, dtype=np.int64)
-    copyruns.copy_runs(zeros, zeros, zeros, 2)  # zero-length runs may have null addresses
+    # zero-length runs may have null addresses
+    copyruns.copy_runs(zeros, zeros, zeros, 2)
 
 
 def good() -> np.ndarray:
@@ -172,7 +174,8 @@ def test_the_path_is_logged_once_per_process(monkeypatch, caplog):
 
 # -- cancelling a started copy (issue #20) -------------------------------------------------------
 
-RUN = 256 << 20  # one long run: about 0.1 s here, cancelled inside it
+# one long run: about 0.1 s here, cancelled inside it
+RUN = 256 << 20
 
 
 def one_long_run() -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -196,7 +199,8 @@ def test_a_cancel_stops_a_copy_inside_a_long_run_and_nothing_is_written_after_it
     copier = copyruns.Copier(2)
 
     def attempt() -> tuple[np.ndarray, np.ndarray, int, int]:
-        src, dst, runs = one_long_run()  # returned: `runs` holds only addresses of src and dst
+        # returned: `runs` holds only addresses of src and dst
+        src, dst, runs = one_long_run()
         ticket = copier.start(*runs, num_shares)
         wait_for_first_byte(dst)
         assert copier.cancel(ticket) is True
@@ -209,9 +213,8 @@ def test_a_cancel_stops_a_copy_inside_a_long_run_and_nothing_is_written_after_it
         assert 0 < copied < RUN
         return src, dst, copied, ticket
 
-    src, dst, copied, ticket = mid_copy(
-        attempt
-    )  # both kept mapped while a late write is looked for
+    # both kept mapped while a late write is looked for
+    src, dst, copied, ticket = mid_copy(attempt)
     time.sleep(0.05)
     assert int(np.count_nonzero(dst)) == copied, "a thread wrote after wait() returned"
     # the ticket is gone; the copier copies the next batch whole
@@ -229,7 +232,8 @@ def test_a_cancel_after_the_copy_ended_leaves_it_complete():
     ticket = copier.start(*runs.arrays(), 1)
     while not np.array_equal(runs.dst, runs.expected):
         time.sleep(0.001)
-    copier.cancel(ticket)  # too late to cut anything: every byte was copied
+    # too late to cut anything: every byte was copied
+    copier.cancel(ticket)
     assert copier.wait(ticket)[1] is True
 
 
@@ -240,7 +244,8 @@ def test_a_cancelled_handle_says_it_was_cut_short_on_either_path(path, monkeypat
     copier = MemmoveCopier(2)
 
     def attempt() -> tuple[np.ndarray, np.ndarray, int]:
-        src, dst, runs = one_long_run()  # returned: `runs` holds only addresses of src and dst
+        # returned: `runs` holds only addresses of src and dst
+        src, dst, runs = one_long_run()
         handle = copier.start(*runs)
         wait_for_first_byte(dst)
         handle.cancel()
@@ -251,7 +256,8 @@ def test_a_cancelled_handle_says_it_was_cut_short_on_either_path(path, monkeypat
         assert cut and 0 < copied < RUN
         return src, dst, copied
 
-    src, dst, copied = mid_copy(attempt)  # both kept mapped while a late write is looked for
+    # both kept mapped while a late write is looked for
+    src, dst, copied = mid_copy(attempt)
     time.sleep(0.05)
     assert int(np.count_nonzero(dst)) == copied
     small = Runs(20, 1000, seed=7)

@@ -63,7 +63,8 @@ def test_planes_cover_each_block_exactly_once(name):
     # mark block 3 only: its rows are all marked, every other row is untouched
     tensor.zero_()
     block = tensor[:, 3] if name == "kv_first" else tensor[3]
-    block.view(torch.int32).fill_(0x01020304)  # no zero byte anywhere in the block
+    # no zero byte anywhere in the block
+    block.view(torch.int32).fill_(0x01020304)
     for plane in planes:
         rows = plane.view().view(torch.uint8)
         assert rows[3].any() and not rows[3].eq(0).any()

@@ -57,7 +57,8 @@ def test_a_load_overtakes_unrelated_stores():
     [
         load(3, [1], [7]),
         load(3, [5], [1]),
-    ],  # reads the slot store 2 writes / writes the block it reads
+        # reads the slot store 2 writes / writes the block it reads
+    ],
     ids=["same-slot", "same-block"],
 )
 def test_a_load_waits_for_an_earlier_store_it_conflicts_with(conflicting_load):
@@ -72,8 +73,10 @@ def test_a_load_waits_for_an_earlier_store_it_conflicts_with(conflicting_load):
 def test_a_store_never_runs_before_an_earlier_load_it_conflicts_with():
     queue = TaskQueue()
     queue.push(store(1, [0], [0]))
-    queue.push(load(2, [0], [4]))  # blocked by store 1 (slot 0)
-    queue.push(store(3, [9], [0]))  # rewrites slot 0: after load 2
+    # blocked by store 1 (slot 0)
+    queue.push(load(2, [0], [4]))
+    # rewrites slot 0: after load 2
+    queue.push(store(3, [9], [0]))
     assert drain_order(queue) == [1, 2, 3]
 
 
@@ -81,7 +84,8 @@ def test_batches_stop_before_a_conflict_with_the_batch_or_what_is_running():
     queue = TaskQueue()
     queue.push(store(1, [0], [0]))
     queue.push(store(2, [1], [1]))
-    queue.push(store(3, [2], [0]))  # writes slot 0 again: not beside store 1
+    # writes slot 0 again: not beside store 1
+    queue.push(store(3, [2], [0]))
     assert [j.job_id for j in queue.pop_batch(10, 100)] == [1, 2]
     # store 1 still copying: store 3 may not start beside it
     running = [store(1, [0], [0])]

@@ -22,8 +22,10 @@ from kvtier.tiers.secondary import SecondaryTier, TierJob, TierResult, TierStats
 from kvtier.tiers.tiered import TieredManager
 
 SLOT_BYTES = 4096
-CTX = make_req_context("r")  # the request that looks chunks up and loads them
-WRITER = make_req_context("w")  # the request that stored them (another one: see `put`)
+# the request that looks chunks up and loads them
+CTX = make_req_context("r")
+# the request that stored them (another one: see `put`)
+WRITER = make_req_context("w")
 
 
 def namespace(world_size: int = 1) -> Namespace:
@@ -124,7 +126,8 @@ def settle(manager: TieredManager, timeout: float = HANG_S) -> None:
     """Wait for every tier job, then let the manager apply the results."""
     for tier in manager.tiers:
         assert tier.drain(timeout)
-    manager.stats()  # polls
+    # polls
+    manager.stats()
 
 
 def read_back(

@@ -14,8 +14,10 @@ TESTS_DIR = Path(__file__).resolve().parent
 # vLLM on CPU is not bitwise reproducible across engines: two runs *without* kvtier differ by
 # 1 ulp (4.8e-7) in some logprobs (measured on the 2-core machine). Across engines a tolerance
 # far below any token-changing difference is asserted; within one engine, bit equality.
-LOGPROB_TOL = 1e-5  # ~20 ulp at the logprob magnitudes here (-7 .. -9)
-SHUTDOWN_S = 60  # how long an engine's processes get to exit on their own (idle here: ~4 s)
+# ~20 ulp at the logprob magnitudes here (-7 .. -9)
+LOGPROB_TOL = 1e-5
+# how long an engine's processes get to exit on their own (idle here: ~4 s)
+SHUTDOWN_S = 60
 SHM = Path("/dev/shm")
 
 
@@ -23,7 +25,8 @@ def mapped_shm(pid: int, prefix: str = "") -> set[str]:
     """Names of the /dev/shm files under `prefix` that process `pid` maps (from /proc/<pid>/maps)."""
     try:
         lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    except OSError:  # gone, or not ours to read
+    # gone, or not ours to read
+    except OSError:
         return set()
     return {Path(line.split()[-1]).name for line in lines if f" {SHM}/{prefix}" in line}
 
@@ -32,11 +35,13 @@ def engine_env() -> None:
     """Settings every test engine needs; set before the engine spawns its processes."""
     from kvtier.integrations.vllm.binding import pin_reserved_cpus
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: a 20-40 s start instead of 90 s
+    # GiB: a 20-40 s start instead of 90 s
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM waits 5 s for its workers to exit before it signals them; on 2 busy cores that is short.
     # Half the EngineCore's own grace: a stuck worker is still signalled before that runs out
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_S // 2))
-    pin_reserved_cpus()  # engines with and without kvtier compute on the same cores
+    # engines with and without kvtier compute on the same cores
+    pin_reserved_cpus()
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])
     )
