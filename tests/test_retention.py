@@ -706,3 +706,20 @@ def test_a_session_hinted_at_every_turn_holds_a_bounded_number_of_entries(guard)
     held = len(ranked)
     evicted = ranked.evict(held, set())
     assert set(prompt) <= set(evicted) and len(set(evicted)) == held and len(ranked) == 0
+
+
+def test_an_expected_chunk_is_kept_at_horizon_0_before_any_eviction_age_is_measured():
+    """At a horizon factor of 0 the turn is "near" only at its end; with no eviction measured yet
+    (the age is infinite) 0 * inf is NaN, which must not read as "not near yet"."""
+    now = 0.0
+    book = RetentionBook(lambda: now, max_entries=100)
+    policy = RetainingPolicy(make_policy("lru", 4), book, guard=False)
+    policy.horizon_factor = 0.0
+    ks = keys(1, 2, 3, 4)
+    for k in ks:
+        policy.prepare_insert([k])
+        policy.insert([k])
+    book.note([ks[0]], Hints(session="s", next_turn_s=20.0))
+    assert policy.age.seconds == float("inf")
+    assert policy.rank_here(ks[0], now) > ORDINARY
+    assert policy.evict(1, set()) == [ks[1]]

@@ -247,7 +247,9 @@ class RetainingPolicy(CachePolicy):
         if rank.band != Band.EXPECTED or self.horizon_factor == math.inf:
             return rank, None
         near = self.book.order(key).until - self.horizon_factor * self.age.seconds
-        if near <= now:
+        # `not near > now`, not `near <= now`: before the eviction age is measured (inf) a
+        # horizon factor of 0 makes `near` NaN, and the chunk then ranks as the book says
+        if not near > now:
             return rank, None
         return Rank(Band.NOT_KEPT, rank.priority), near
 

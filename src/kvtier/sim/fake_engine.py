@@ -85,7 +85,7 @@ class FakeEngine:
         self.scheduler = scheduler
         self.check_content = check_content
         self.block_size = block_size
-        if groups is None and scheduler is not None:
+        if not groups and scheduler is not None:
             groups = scheduler.config.groups
         self.groups = groups or (GroupSpec(tokens_per_block=block_size),)
         self.max_tokens_per_step = max_tokens_per_step
