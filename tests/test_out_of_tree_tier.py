@@ -21,7 +21,7 @@ from kvtier.build import build_manager, secondary_tiers
 from kvtier.cli.status import TierCurve, advice
 from kvtier.config import KVTierConfig
 from kvtier.sim.costs import CostModel
-from kvtier.tiers import TieredManager, tier_descriptor
+from kvtier.tiers import TieredManager, tier_descriptor, tier_descriptors
 from tier_helpers import CTX, SLOT_BYTES, content, make_slabs, namespace, put, read_back, settle
 
 NUM_SLOTS = 4
@@ -145,9 +145,28 @@ class Colliding(FolderConfig):
     TIER: ClassVar[TierDescriptor] = replace(FolderConfig.TIER, name="colliding")
 
 
-def test_a_tier_whose_keys_are_taken_is_refused():
+def test_a_tier_whose_keys_are_taken_is_refused_and_left_unregistered():
     with pytest.raises(ConfigError, match="key 'disk_path' of Colliding is taken already"):
         KVTierConfig.from_dict({"extra_tiers": [f"{__name__}:Colliding"]})
+    with pytest.raises(ConfigError, match="key 'disk_path' of Colliding is taken already"):
+        KVTierConfig(extra_tiers=(f"{__name__}:Colliding",))
+    assert "colliding" not in [d.name for d in tier_descriptors()]
+
+
+def test_a_tier_that_cannot_be_loaded_is_said_before_the_keys_it_would_have_made_valid(
+    tmp_path, monkeypatch
+):
+    # a typo in the module's name, the tier's own keys given as they should be
+    with pytest.raises(ConfigError, match="cannot import the tier slice 'folder_tierr:Folder"):
+        KVTierConfig.from_dict({"extra_tiers": ["folder_tierr:FolderConfig"], "folder_path": "x"})
+    # whatever the module raises while it is imported is a configuration error naming the tier
+    (tmp_path / "broken_tier.py").write_text("raise RuntimeError('no such backend')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="'broken_tier:Config': RuntimeError: no such backend"):
+        KVTierConfig.from_dict({"extra_tiers": ["broken_tier:Config"]})
+    # a class that is not a slice
+    with pytest.raises(ConfigError, match="'folder_tier:FolderTier': .* is not a tier's config"):
+        KVTierConfig.from_dict({"extra_tiers": ["folder_tier:FolderTier"]})
 
 
 def test_a_tier_the_registry_does_not_know_is_refused_at_build(tmp_path):

@@ -129,6 +129,8 @@ def test_a_chunk_of_several_blocks_is_announced_as_those_blocks(request_and_gpu_
         ("disk", ("STORAGE", "LOCAL", "kvtier:disk")),
         ("redis", ("STORAGE", "REMOTE", "kvtier:redis")),
         ("s3", ("STORAGE", "REMOTE", "kvtier:s3")),
+        # a custom manager's tier nobody registered: named as a shared store, never an error
+        ("memcached", ("STORAGE", "REMOTE", "kvtier:memcached")),
     ],
 )
 def test_each_tier_has_the_engines_medium_and_a_locality(request_and_gpu_event, tier, media):

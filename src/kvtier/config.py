@@ -32,7 +32,7 @@ from kvtier.settings import (
     validate,
 )
 from kvtier.tiers.disk.config import DiskConfig
-from kvtier.tiers.registry import import_tier
+from kvtier.tiers.registry import import_tier, load_tier
 from kvtier.tiers.remote.config import RedisConfig, RemoteConfig, S3Config
 
 __all__ = ["KVTierConfig", "parse_size"]
@@ -145,9 +145,12 @@ class KVTierConfig:
 
     def __post_init__(self) -> None:
         validate(self)
-        classes = [import_tier(spec) for spec in self.extra_tiers]
-        # refuses an out-of-tree tier whose key is taken, however the configuration is built
+        classes = [load_tier(spec) for spec in self.extra_tiers]
+        # refuses an out-of-tree tier whose key is taken, however the configuration is built,
+        # before it is registered: a refused tier leaves the registry as it was
         _routes(type(self), classes)
+        for spec in self.extra_tiers:
+            import_tier(spec)
         object.__setattr__(self, "extra_slices", _extra_slices(classes, self.extra_slices))
 
     @classmethod
@@ -159,20 +162,14 @@ class KVTierConfig:
             raise ConfigError(
                 f"kvtier config must be a dict of {cls.valid_keys()}, got {type(raw).__name__}"
             )
-        # the out-of-tree tiers first: their keys are valid keys; an unknown key is said first
-        classes: list[type] = []
-        refused: ConfigError | None = None
-        try:
-            specs = _tier_specs("extra_tiers", raw.get("extra_tiers", ()))
-            classes = [import_tier(spec) for spec in specs]
-        except ConfigError as exc:
-            refused = exc
+        # the out-of-tree tiers first: their keys are valid keys (a tier that cannot be loaded is
+        # said before the keys it would have made valid)
+        specs = _tier_specs("extra_tiers", raw.get("extra_tiers", ()))
+        classes = [load_tier(spec) for spec in specs]
         routes = _routes(cls, classes)
         unknown = sorted(str(k) for k in raw if k not in routes)
         if unknown:
             raise ConfigError(f"unknown kvtier config key(s) {unknown}; valid keys: {list(routes)}")
-        if refused is not None:
-            raise refused
         by_owner: dict[Owner, dict[str, Any]] = {}
         for key, value in raw.items():
             owner, name = routes[key]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from typing import Any
 
 from kvtier.costmodel.estimates import ReadEstimate, declare_read_prior
 from kvtier.errors import ConfigError
@@ -35,6 +36,7 @@ from kvtier.tiers.secondary import TierDescriptor
 __all__ = [
     "CPU_TIER",
     "import_tier",
+    "load_tier",
     "register_tier",
     "secondary_tier_configs",
     "tier_descriptor",
@@ -62,15 +64,7 @@ def register_tier(config: type) -> type:
     Raises:
         ConfigError: `config` is not a slice with a `TIER` descriptor, or another tier has its name.
     """
-    descriptor = getattr(config, "TIER", None)
-    if not dataclasses.is_dataclass(config) or not isinstance(descriptor, TierDescriptor):
-        raise ConfigError(
-            f"{config!r} is not a tier's configuration slice: a dataclass with a TIER "
-            "descriptor (kvtier.tiers.secondary.TierDescriptor)"
-        )
-    missing = [a for a in ("KEY_PREFIX", "is_enabled", "build") if not hasattr(config, a)]
-    if missing:
-        raise ConfigError(f"tier slice {_qualname(config)} lacks {missing}")
+    descriptor = _checked_slice(config)
     if _CONFIGS.get(descriptor.name) is config:
         return config
     if descriptor.name in _DESCRIPTORS:
@@ -84,17 +78,34 @@ def register_tier(config: type) -> type:
     return config
 
 
+def load_tier(spec: str) -> type:
+    """The slice class named by `spec`, "module:Class", imported and checked but not registered
+    (`KVTierConfig` registers it once its keys are known to be free).
+
+    Raises:
+        ConfigError: it cannot be imported (whatever its module raises), or is not a slice.
+    """
+    module_name, _, class_name = spec.partition(":")
+    try:
+        config = getattr(importlib.import_module(module_name), class_name)
+    except Exception as exc:
+        raise ConfigError(
+            f"extra_tiers: cannot import the tier slice {spec!r}: {type(exc).__name__}: {exc}"
+        ) from None
+    try:
+        _checked_slice(config)
+    except ConfigError as exc:
+        raise ConfigError(f"extra_tiers: {spec!r}: {exc}") from None
+    return config
+
+
 def import_tier(spec: str) -> type:
     """Import and register the slice class named by `spec`, "module:Class".
 
     Raises:
         ConfigError: it cannot be imported, or `register_tier` refuses it.
     """
-    module_name, _, class_name = spec.partition(":")
-    try:
-        config = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"extra_tiers: cannot import the tier slice {spec!r}: {exc}") from None
+    config = load_tier(spec)
     try:
         return register_tier(config)
     except ConfigError as exc:
@@ -124,6 +135,24 @@ def tier_descriptors() -> list[TierDescriptor]:
 def secondary_tier_configs() -> dict[str, type]:
     """Every registered secondary tier's slice class, by tier name, in registration order."""
     return dict(_CONFIGS)
+
+
+def _checked_slice(config: Any) -> TierDescriptor:
+    """`config`'s descriptor, once `config` is known to be a slice class.
+
+    Raises:
+        ConfigError: it is not a dataclass with a `TIER` descriptor and the slice's members.
+    """
+    descriptor = getattr(config, "TIER", None)
+    if not dataclasses.is_dataclass(config) or not isinstance(descriptor, TierDescriptor):
+        raise ConfigError(
+            f"{config!r} is not a tier's configuration slice: a dataclass with a TIER "
+            "descriptor (kvtier.tiers.secondary.TierDescriptor)"
+        )
+    missing = [a for a in ("KEY_PREFIX", "is_enabled", "build") if not hasattr(config, a)]
+    if missing:
+        raise ConfigError(f"tier slice {_qualname(config)} lacks {missing}")
+    return descriptor
 
 
 def _add(descriptor: TierDescriptor) -> None:

@@ -25,6 +25,8 @@ Thread-safety: not thread-safe; vLLM's scheduler thread calls it.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
@@ -39,9 +41,15 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from kvtier.base import OffloadingEvent
+from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey, split_offload_key
 from kvtier.scheduler.config import GroupSpec
 from kvtier.tiers.registry import tier_descriptor, tier_descriptors
+from kvtier.tiers.secondary import TierDescriptor
+
+logger = logging.getLogger(__name__)
+# descriptors stood in for tiers nobody registered (a custom manager's), by name
+_UNREGISTERED: dict[str, TierDescriptor] = {}
 
 __all__ = [
     "ChunkInfo",
@@ -222,7 +230,7 @@ class KVEventTranslator:
 
     @staticmethod
     def _removed(tier: str, by_group: dict[int, list[Any]]) -> list[KVCacheEvent]:
-        descriptor = tier_descriptor(tier)
+        descriptor = _descriptor(tier)
         return [
             BlockRemoved(
                 block_hashes=hashes,
@@ -253,7 +261,7 @@ class KVEventTranslator:
         return [maybe_convert_block_hash(block_hash)], group
 
     def _stored(self, info: ChunkInfo, tier: str) -> BlockStored:
-        descriptor = tier_descriptor(tier)
+        descriptor = _descriptor(tier)
         medium = descriptor.event_medium
         locality = descriptor.locality
         ownership = descriptor.ownership
@@ -291,3 +299,21 @@ class KVEventTranslator:
             ownership=ownership,
             session_id=info.session_id,
         )
+
+
+def _descriptor(tier: str) -> TierDescriptor:
+    """The registered tier's descriptor. A tier nobody registered cannot come from `build_manager`
+    (it refuses one), only from a custom manager: its events then name it as a shared store
+    (STORAGE, REMOTE) and say so once in the log; an event is never why an engine step fails."""
+    try:
+        return tier_descriptor(tier)
+    except ConfigError:
+        pass
+    if tier not in _UNREGISTERED:
+        logger.warning(
+            "kvtier events: tier %r is not registered; its events say medium STORAGE, "
+            "locality REMOTE (register its slice to name them)",
+            tier,
+        )
+        _UNREGISTERED[tier] = dataclasses.replace(tier_descriptor("s3"), name=tier)
+    return _UNREGISTERED[tier]
