@@ -18,7 +18,9 @@ import pytest
 
 from helpers import HANG_MS, HANG_S, keys, wait_until
 from kvtier.base import LookupResult
+from kvtier.errors import ConfigError
 from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.remote.breaker import CircuitBreaker
 from kvtier.tiers.remote.redis import RedisStore
 from kvtier.tiers.remote.store import RemoteStore, ValueParts
 from kvtier.tiers.remote.tier import RemoteTier
@@ -208,7 +210,104 @@ def test_an_epoch_record_that_holds_no_token_is_replaced(make_store, make_tier):
 
 
 def test_a_store_that_says_it_lists_must_implement_list_names():
-    with pytest.raises(TypeError, match="list_names"):
+    class Forgetful(DictStore):
+        lists = True
 
-        class Forgetful(DictStore):
-            lists = True
+    with pytest.raises(TypeError, match="Forgetful: lists = True needs a list_names"):
+        Forgetful(DictServer())
+
+    # an abstract base may leave `list_names` to the stores made from it
+    class HttpStoreBase(RemoteStore):
+        lists = True
+
+    class HttpStore(HttpStoreBase, DictStore):
+        lists = True
+
+        def list_names(self, prefix: str) -> Iterator[str]:
+            return iter(sorted(n for n in self.server.data if n.startswith(prefix)))
+
+    assert HttpStore(DictServer()).lists
+
+
+def test_the_epoch_is_read_at_a_positive_period():
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="epoch_check_s must be > 0"):
+            RemoteTier(DictStore(DictServer()), namespace(), epoch_check_s=bad)
+
+
+class FlakyDictStore(DictStore):
+    """A `DictStore` whose every call fails while `down`."""
+
+    down = False
+
+    def _reach(self) -> None:
+        if self.down:
+            raise ConnectionError("the store is down")
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        self._reach()
+        return super().exists(names)
+
+    def get(self, names: Sequence[str]) -> list[bytes | memoryview | None]:
+        self._reach()
+        return super().get(names)
+
+    def put(
+        self, items: Sequence[tuple[str, ValueParts]], keep_s: Sequence[float] | None = None
+    ) -> list[bool]:
+        self._reach()
+        return super().put(items, keep_s)
+
+    def delete(self, names: Sequence[str]) -> None:
+        self._reach()
+        super().delete(names)
+
+    def ping(self) -> None:
+        self._reach()
+
+
+def test_a_replica_cut_off_during_another_replicas_reset_reads_the_epoch_before_serving_again(
+    make_tier,
+):
+    server = DictServer()
+    ns = namespace()
+    resetting = make_tier(DictStore(server), ns)
+    flaky = FlakyDictStore(server)
+    # its periodic epoch check never comes in this test: only the breaker's closing can read it
+    breaker = CircuitBreaker(failures=1, retry_s=0.05, max_retry_s=0.05)
+    cut_off = make_tier(flaky, ns, breaker=breaker, epoch_check_s=3600.0)
+    slab = Slab(2, ns)
+    (k,) = keys(1)
+    assert not store(resetting, slab, [k]).failed_keys
+    assert answer(cut_off, k) is HIT
+    old_epoch = cut_off.codec.epoch
+    # cut off: a failed load opens its breaker; the other replica resets meanwhile
+    flaky.down = True
+    load(cut_off, Slab(2, ns), [k])
+    assert cut_off.breaker.is_open
+    resetting.reset()
+    assert resetting.drain(HANG_S)
+    wait_until(lambda: resetting.codec.epoch not in (None, old_epoch), "the reset's new epoch")
+    flaky.down = False
+    wait_until(lambda: not cut_off.breaker.is_open, "the breaker closes")
+    # what it knew is of the old epoch: nothing from before the reset is served
+    assert cut_off.lookup(k) is not HIT
+    assert load(cut_off, Slab(2, ns), [k]).failed_keys == frozenset([k])
+    wait_until(lambda: cut_off.codec.epoch == resetting.codec.epoch, "it follows the new epoch")
+
+
+def test_a_replica_that_follows_another_replicas_reset_announces_what_it_no_longer_holds(
+    make_tier,
+):
+    # a router learnt from this replica's events that it holds k: it must learn that it does not
+    server = DictServer()
+    ns = namespace()
+    resetting = make_tier(DictStore(server), ns)
+    following = make_tier(DictStore(server), ns, epoch_check_s=0.01)
+    (k,) = keys(1)
+    assert not store(following, Slab(2, ns), [k]).failed_keys
+    assert [e.removed for e in following.take_events()] == [False]
+    resetting.reset()
+    assert resetting.drain(HANG_S)
+    wait_until(lambda: following.codec.epoch == resetting.codec.epoch, "it follows the new epoch")
+    assert [(e.keys, e.removed) for e in following.take_events()] == [([k], True)]

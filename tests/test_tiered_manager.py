@@ -302,6 +302,26 @@ def test_a_promotion_past_its_deadline_is_given_up_but_its_slot_waits_for_the_la
     manager.check()
 
 
+def test_a_tier_whose_submit_raises_leaves_the_promotion_budget_balanced(tmp_path, monkeypatch):
+    """A tier may not raise from `submit_load` (the contract), but one that does (a bug) must not
+    unbalance the promotion budget: its flight is recorded, and its expiry takes back exactly the
+    bytes it added (they were added after the submit: the expiry drove the budget below 0)."""
+    clock = FakeClock(now=0.0)
+    for module in (tiered, writedown, disk_tier):
+        monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=clock))
+    manager, slabs = make_tiered(tmp_path, held="loads", job_timeout_s=2.0)
+    evict_1_to_4_to_disk(manager, slabs)
+
+    def submit_load(job):
+        raise RuntimeError("a tier's bug")
+
+    monkeypatch.setattr(manager.tiers[0], "submit_load", submit_load)
+    with pytest.raises(RuntimeError, match="a tier's bug"):
+        manager.lookup(key(1), CTX)
+    clock.now += 2.1
+    assert manager.stats().extra["promoting_bytes"] == 0
+
+
 def test_a_promotion_in_flight_is_never_evicted_by_stores(tmp_path):
     manager, slabs = make_tiered(tmp_path, held="loads")
     evict_1_to_4_to_disk(manager, slabs)

@@ -84,8 +84,11 @@ class Promotions:
             return _MISS
         self._write_down.write_evicted(out)
         row = int(out.store_spec.slot_ids[0])
-        flight = self._submit(FlightKind.PROMOTION, index, (key,), ctx, (self._rows(row),), ())
-        self.num_bytes += flight.num_bytes
+        buffers = (self._rows(row),)
+        # in the budget before the tier has the job (the flight's `num_bytes`, which `ended` or
+        # `expired` take back): a tier whose submit raises leaves the budget balanced
+        self.num_bytes += sum(buf.nbytes for buf in buffers[0])
+        self._submit(FlightKind.PROMOTION, index, (key,), ctx, buffers, ())
         self._awaited.setdefault(ctx.req_id, set()).add(key)
         slot.counters["promotions"] += 1
         return LookupResult.HIT_PENDING

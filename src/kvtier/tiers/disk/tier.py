@@ -367,7 +367,7 @@ class DiskTier(SecondaryTier):
         scanned.insert(kept)
         with self._lock:
             self._book.count_scan(found)
-            # else a reset came: these files are being deleted
+            # (a reset since the scan began: its files are being deleted, none is installed)
             if generation == self._generation:
                 # plus what was stored meanwhile
                 victims = self._index.install(scanned, self._fresh)

@@ -27,6 +27,7 @@ from kvtier.tiers.rate_limited_log import RateLimitedLog
 from kvtier.tiers.remote.breaker import CircuitBreaker
 from kvtier.tiers.remote.credentials import redact
 from kvtier.tiers.remote.keys import KnownKeys
+from kvtier.tiers.remote.reports import RemoteReports
 from kvtier.tiers.remote.reset import ResetSweep
 from kvtier.tiers.remote.store import RemoteStore
 
@@ -47,6 +48,7 @@ class ProbeThread:
     log: the tier's rate-limited log.
     probe_batch: keys per round trip at most.
     epoch_check_s: how often the epoch record is read (a store that cannot list).
+    reports: the tier's reports (the keys it forgets when it follows another replica's reset).
     """
 
     def __init__(
@@ -61,9 +63,11 @@ class ProbeThread:
         failed: Callable[[Exception, str], str],
         log: RateLimitedLog,
         probe_batch: int,
-        epoch_check_s: float = 1.0,
+        epoch_check_s: float,
+        reports: RemoteReports,
     ):
         self._cond = cond
+        self._reports = reports
         self._keys = keys
         self._store = store
         self._name = name
@@ -136,17 +140,20 @@ class ProbeThread:
             self._counters["probed_keys"] += len(keys)
             self._keys.record_probe(keys, found, is_current=generation == self._reset.generation)
 
-    def _check_epoch(self) -> None:
-        """A store that cannot list: read the epoch record when due, and follow another replica's
-        reset (the tier forgets what it knew, and names values under the new epoch once the jobs
-        from before are over); see `kvtier.tiers.remote.reset`."""
+    def _check_epoch(self, due: bool = False) -> bool:
+        """A store that cannot list: read the epoch record when due (or `due`), and follow another
+        replica's reset (the tier forgets what it knew, announcing each key it held as removed,
+        and names values under the new epoch once the jobs from before are over); see
+        `kvtier.tiers.remote.reset`. False: the record could not be read."""
         now = time.monotonic()
-        if self._reset.epoch_record is None or now < self._next_epoch_check:
-            return
+        if self._reset.epoch_record is None:
+            return True
+        if not due and now < self._next_epoch_check:
+            return True
         self._next_epoch_check = now + self._epoch_check_s
         with self._cond:
             if self._reset.is_sweeping:
-                return
+                return True
             generation = self._reset.generation
         try:
             epoch = self._reset.epoch_record.read()
@@ -154,18 +161,22 @@ class ProbeThread:
             failed = self._failed()
             if failed is not None:
                 failed(exc, "epoch read")
-            return
+            return False
         self._breaker.record_success()
         with self._cond:
             following = self._reset.follow_locked(epoch, generation)
             if following is None:
-                return
+                return True
+            # nothing else tells the engine's routers: unlike after its own reset, the tier
+            # does not look these keys up again to find them gone
+            self._reports.emit(sorted(self._keys), removed=True)
             self._keys.clear()
             self._counters["epoch_changes"] += 1
         logger.info(
             "kvtier: %s tier: another replica reset the namespace; following it", self._store.medium
         )
         self._reset.rejoin_soon(following)
+        return True
 
     def _forget(self, keys: list[OffloadKey]) -> None:
         with self._cond:
@@ -182,6 +193,11 @@ class ProbeThread:
             self._log.log_once(
                 "ping", f"{medium} tier: {endpoint} still unreachable: {redact(str(exc))}"
             )
+            return
+        # a store that cannot list: the keys the tier knew may be of an epoch another replica
+        # reset while this one could not reach the store; they are not served before the record
+        # is read (the breaker stays open if it cannot be)
+        if not self._check_epoch(due=True):
             return
         if self._breaker.probe_succeeded():
             logger.warning("kvtier: %s tier at %s answers again; serving from it", medium, endpoint)

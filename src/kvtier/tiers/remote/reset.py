@@ -70,7 +70,15 @@ The replicas sharing the namespace follow one rule:
   fails, as at a reset). So a replica serves a value from before another replica's reset for
   about `epoch_check_s` at most (plus the probe round trip in progress), and what it stores
   meanwhile is named under the old epoch: unreachable, never wrong. While its breaker is open it
-  does not read the record, and serves nothing either.
+  does not read the record, and serves nothing either; the ping that would close the breaker is
+  followed by a read of the record before it closes (a read that fails keeps it open), so a
+  replica cut off during another's reset serves nothing from before it once it answers again.
+  Following a reset, the tier announces every key it knew as removed (its own reset leaves that
+  to the engine's adapter, which knows of it; another replica's it alone learns of).
+- Who can write the store can also write an old token back into the record and make the replicas
+  name values of a past epoch again (keyed values still pass their tags: they were this
+  namespace's). A store that lists deletes them at a reset instead. Keys are no defence against a
+  writer of the store here; the store's own access control is.
 - A reset deletes the record and makes a new one with put-if-absent; when another replica made one
   first (after the delete, so it is as new), that one is the epoch. A record that holds no token
   is replaced. Tokens are random, never counted up: a record evicted or expired comes back as a

@@ -75,11 +75,12 @@ class RemoteStore(ABC):
     # whether `list_names` works (a reset then deletes the namespace's values)
     lists: bool = True
 
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        """A store that says it lists implements `list_names` (checked when its class is made)."""
-        super().__init_subclass__(**kwargs)
+    def __new__(cls, *args: object, **kwargs: object) -> RemoteStore:
+        """A store that says it lists implements `list_names` (checked when one is made, so that
+        an abstract base may leave it to its subclasses)."""
         if cls.lists and cls.list_names is RemoteStore.list_names:
             raise TypeError(f"{cls.__name__}: lists = True needs a list_names() method")
+        return super().__new__(cls)
 
     @abstractmethod
     def describe(self) -> str:

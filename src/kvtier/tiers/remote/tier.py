@@ -42,7 +42,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvtier.base import LookupResult, OffloadingEvent
-from kvtier.errors import InvariantError
+from kvtier.errors import ConfigError, InvariantError
 from kvtier.keys import OffloadKey
 from kvtier.policies.retention import RetentionBook
 from kvtier.tiers.namespace import Namespace
@@ -100,6 +100,8 @@ class RemoteTier(SecondaryTier):
         start_open: bool = False,
         epoch_check_s: float = 1.0,
     ):
+        if not epoch_check_s > 0:
+            raise ConfigError(f"epoch_check_s must be > 0 seconds, got {epoch_check_s!r}")
         self.store = store
         self.medium = store.medium
         self.codec = ValueCodec(namespace, prefix, store.separator, key_secret)
@@ -143,6 +145,7 @@ class RemoteTier(SecondaryTier):
             self._log,
             probe_batch,
             epoch_check_s,
+            self._book,
         )
 
     # -- lookups ------------------------------------------------------------------------------

@@ -118,11 +118,12 @@ class ValueCodec:
         `buffers` (the slab rows: no copy), the tag (keyed) into one of its own; see `check`."""
         tag = (memoryview(bytearray(TAG_BYTES)),) if self.is_keyed else ()
         parts = (memoryview(bytearray(HEADER_BYTES)), *buffers, *tag)
-        # the checksum covers the payload; the tag, header and payload
         if self._mac_key is None:
+            # the checksum covers the payload
             return IncomingValue(
                 parts, xxhash.xxh3_64(), HEADER_BYTES, HEADER_BYTES + self.payload_bytes
             )
+        # the tag covers the header and the payload
         return IncomingValue(parts, blake3(key=self._mac_key), 0, HEADER_BYTES + self.payload_bytes)
 
     def check(self, key: OffloadKey, size: int, parts: Sequence[memoryview]) -> str | None:
