@@ -153,6 +153,39 @@ def test_a_tier_whose_keys_are_taken_is_refused_and_left_unregistered():
     assert "colliding" not in [d.name for d in tier_descriptors()]
 
 
+@dataclass(frozen=True, slots=True)
+class TwinA(FolderConfig):
+    """One of two slices, keys of their own, that claim one tier name."""
+
+    KEY_PREFIX: ClassVar[str] = "twina_"
+    TIER: ClassVar[TierDescriptor] = replace(FolderConfig.TIER, name="twin")
+
+
+@dataclass(frozen=True, slots=True)
+class TwinB(TwinA):
+    KEY_PREFIX: ClassVar[str] = "twinb_"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisNamed(TwinA):
+    """A slice, keys of its own, that claims a built-in tier's name."""
+
+    KEY_PREFIX: ClassVar[str] = "rednamed_"
+    TIER: ClassVar[TierDescriptor] = replace(FolderConfig.TIER, name="redis")
+
+
+def test_a_configuration_refused_for_any_of_its_tiers_registers_none_of_them():
+    twins = [f"{__name__}:TwinA", f"{__name__}:TwinB"]
+    with pytest.raises(ConfigError, match="a tier named 'twin' is registered already .*TwinA"):
+        KVTierConfig.from_dict({"extra_tiers": twins})
+    with pytest.raises(ConfigError, match="a tier named 'redis' is registered already"):
+        KVTierConfig.from_dict({"extra_tiers": [twins[0], f"{__name__}:RedisNamed"]})
+    # a slice given for a tier the configuration does not name
+    with pytest.raises(ConfigError, match="TwinB is not named once in extra_tiers"):
+        KVTierConfig(extra_tiers=(twins[0],), extra_slices=(TwinB(),))
+    assert "twin" not in [d.name for d in tier_descriptors()]
+
+
 def test_a_tier_that_cannot_be_loaded_is_said_before_the_keys_it_would_have_made_valid(
     tmp_path, monkeypatch
 ):

@@ -229,9 +229,9 @@ def test_a_store_that_says_it_lists_must_implement_list_names():
     assert HttpStore(DictServer()).lists
 
 
-def test_the_epoch_is_read_at_a_positive_period():
-    for bad in (0.0, -1.0, float("nan")):
-        with pytest.raises(ConfigError, match="epoch_check_s must be > 0"):
+def test_the_epoch_is_read_at_a_bounded_period():
+    for bad in (0.0, -1.0, 1e-9, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="epoch_check_s must be at least 0.01 s and finite"):
             RemoteTier(DictStore(DictServer()), namespace(), epoch_check_s=bad)
 
 

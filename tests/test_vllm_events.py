@@ -131,6 +131,9 @@ def test_a_chunk_of_several_blocks_is_announced_as_those_blocks(request_and_gpu_
         ("s3", ("STORAGE", "REMOTE", "kvtier:s3")),
         # a custom manager's tier nobody registered: named as a shared store, never an error
         ("memcached", ("STORAGE", "REMOTE", "kvtier:memcached")),
+        # ... whatever its name (no tier could be registered under these)
+        ("nvme-ssd", ("STORAGE", "REMOTE", "kvtier:nvme-ssd")),
+        ("MyTier", ("STORAGE", "REMOTE", "kvtier:MyTier")),
     ],
 )
 def test_each_tier_has_the_engines_medium_and_a_locality(request_and_gpu_event, tier, media):

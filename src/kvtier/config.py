@@ -32,7 +32,7 @@ from kvtier.settings import (
     validate,
 )
 from kvtier.tiers.disk.config import DiskConfig
-from kvtier.tiers.registry import import_tier, load_tier
+from kvtier.tiers.registry import check_registrable, import_tier, load_tier
 from kvtier.tiers.remote.config import RedisConfig, RemoteConfig, S3Config
 
 __all__ = ["KVTierConfig", "parse_size"]
@@ -146,12 +146,14 @@ class KVTierConfig:
     def __post_init__(self) -> None:
         validate(self)
         classes = [load_tier(spec) for spec in self.extra_tiers]
-        # refuses an out-of-tree tier whose key is taken, however the configuration is built,
-        # before it is registered: a refused tier leaves the registry as it was
+        # every refusal (a key or a name taken, a slice not named) before any registration,
+        # however the configuration is built: a refused one leaves the registry as it was
         _routes(type(self), classes)
+        extra_slices = _extra_slices(classes, self.extra_slices)
+        check_registrable(classes)
         for spec in self.extra_tiers:
             import_tier(spec)
-        object.__setattr__(self, "extra_slices", _extra_slices(classes, self.extra_slices))
+        object.__setattr__(self, "extra_slices", extra_slices)
 
     @classmethod
     def from_dict(cls, raw: Any) -> KVTierConfig:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.costmodel.estimates import ReadEstimate, declare_read_prior
@@ -35,6 +36,7 @@ from kvtier.tiers.secondary import TierDescriptor
 
 __all__ = [
     "CPU_TIER",
+    "check_registrable",
     "import_tier",
     "load_tier",
     "register_tier",
@@ -68,14 +70,26 @@ def register_tier(config: type) -> type:
     if _CONFIGS.get(descriptor.name) is config:
         return config
     if descriptor.name in _DESCRIPTORS:
-        raise ConfigError(
-            f"a tier named {descriptor.name!r} is registered already "
-            f"({_owner(descriptor.name)}), so {_qualname(config)} cannot be: tier names are "
-            "unique (estimates, events and metrics are keyed on them); rename one"
-        )
+        raise _name_taken(config, _owner(descriptor.name))
     _add(descriptor)
     _CONFIGS[descriptor.name] = config
     return config
+
+
+def check_registrable(configs: Sequence[type]) -> None:
+    """Raise the `ConfigError` that registering `configs` one after another would, registering
+    nothing (a configuration refused for one of its tiers leaves the registry as it was)."""
+    named: dict[str, type] = {}
+    for config in configs:
+        name = _checked_slice(config).name
+        owner = _CONFIGS.get(name, named.get(name))
+        if owner is config:
+            continue
+        if name in _DESCRIPTORS:
+            raise _name_taken(config, _owner(name))
+        if name in named:
+            raise _name_taken(config, _qualname(named[name]))
+        named[name] = config
 
 
 def load_tier(spec: str) -> type:
@@ -158,6 +172,14 @@ def _checked_slice(config: Any) -> TierDescriptor:
 def _add(descriptor: TierDescriptor) -> None:
     _DESCRIPTORS[descriptor.name] = descriptor
     declare_read_prior(descriptor.name, descriptor.read_prior)
+
+
+def _name_taken(config: type, owner: str) -> ConfigError:
+    return ConfigError(
+        f"a tier named {config.TIER.name!r} is registered already ({owner}), so "
+        f"{_qualname(config)} cannot be: tier names are unique (estimates, events and metrics "
+        "are keyed on them); rename one"
+    )
 
 
 def _owner(name: str) -> str:

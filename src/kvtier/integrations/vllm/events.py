@@ -25,13 +25,12 @@ Thread-safety: not thread-safe; vLLM's scheduler thread calls it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import (
@@ -48,8 +47,18 @@ from kvtier.tiers.registry import tier_descriptor, tier_descriptors
 from kvtier.tiers.secondary import TierDescriptor
 
 logger = logging.getLogger(__name__)
-# descriptors stood in for tiers nobody registered (a custom manager's), by name
-_UNREGISTERED: dict[str, TierDescriptor] = {}
+
+
+class _Media(NamedTuple):
+    """What the events of a tier nobody registered say of it: any name, checked by no one."""
+
+    event_medium: str
+    locality: str
+    ownership: str
+
+
+# what the events of tiers nobody registered (a custom manager's) say of them, by name
+_UNREGISTERED: dict[str, _Media] = {}
 
 __all__ = [
     "ChunkInfo",
@@ -301,7 +310,7 @@ class KVEventTranslator:
         )
 
 
-def _descriptor(tier: str) -> TierDescriptor:
+def _descriptor(tier: str) -> TierDescriptor | _Media:
     """The registered tier's descriptor. A tier nobody registered cannot come from `build_manager`
     (it refuses one), only from a custom manager: its events then name it as a shared store
     (STORAGE, REMOTE) and say so once in the log; an event is never why an engine step fails."""
@@ -315,5 +324,5 @@ def _descriptor(tier: str) -> TierDescriptor:
             "locality REMOTE (register its slice to name them)",
             tier,
         )
-        _UNREGISTERED[tier] = dataclasses.replace(tier_descriptor("s3"), name=tier)
+        _UNREGISTERED[tier] = _Media("STORAGE", "REMOTE", f"kvtier:{tier}")
     return _UNREGISTERED[tier]

@@ -142,7 +142,7 @@ class ProbeThread:
 
     def _check_epoch(self, due: bool = False) -> bool:
         """A store that cannot list: read the epoch record when due (or `due`), and follow another
-        replica's reset (the tier forgets what it knew, announcing each key it held as removed,
+        replica's reset (the tier forgets what it knew, announcing each key it knew as removed,
         and names values under the new epoch once the jobs from before are over); see
         `kvtier.tiers.remote.reset`. False: the record could not be read."""
         now = time.monotonic()
@@ -169,7 +169,7 @@ class ProbeThread:
                 return True
             # nothing else tells the engine's routers: unlike after its own reset, the tier
             # does not look these keys up again to find them gone
-            self._reports.emit(sorted(self._keys), removed=True)
+            self._reports.emit(list(self._keys), removed=True)
             self._keys.clear()
             self._counters["epoch_changes"] += 1
         logger.info(

@@ -82,6 +82,9 @@ class RemoteStore(ABC):
             raise TypeError(f"{cls.__name__}: lists = True needs a list_names() method")
         return super().__new__(cls)
 
+    def __init__(self) -> None:  # noqa: B027 (a store's own arguments are its subclass's)
+        """Nothing to set up here (and a store that takes no arguments refuses any)."""
+
     @abstractmethod
     def describe(self) -> str:
         """The endpoint for logs and errors (scheme, host, port, bucket), never a credential."""

@@ -36,6 +36,7 @@ and the pools share state with it only under `_lock`, never held across I/O.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -62,6 +63,8 @@ __all__ = ["RemoteTier"]
 
 logger = logging.getLogger(__name__)
 
+# the epoch record is read at most this often (a store that cannot list): more is a busy loop
+_MIN_EPOCH_CHECK_S = 0.01
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _RETRY = LookupResult.RETRY
@@ -100,8 +103,11 @@ class RemoteTier(SecondaryTier):
         start_open: bool = False,
         epoch_check_s: float = 1.0,
     ):
-        if not epoch_check_s > 0:
-            raise ConfigError(f"epoch_check_s must be > 0 seconds, got {epoch_check_s!r}")
+        if not _MIN_EPOCH_CHECK_S <= epoch_check_s < math.inf:
+            raise ConfigError(
+                f"epoch_check_s must be at least {_MIN_EPOCH_CHECK_S} s and finite (how long a "
+                f"replica may serve values from before another's reset), got {epoch_check_s!r}"
+            )
         self.store = store
         self.medium = store.medium
         self.codec = ValueCodec(namespace, prefix, store.separator, key_secret)
