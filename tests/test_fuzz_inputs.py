@@ -129,6 +129,8 @@ def check_config(raw) -> KVTierConfig | ConfigError:
 @example(raw={"max_defer_s": 10**400})
 # "$" would have matched before the newline
 @example(raw={"remote_prefix": "kvtier\n"})
+# an unknown key is said first, even beside an extra_tiers that is refused
+@example(raw={"extra_tiers": "4GiB", "": "4GiB"})
 def test_a_config_dict_is_valid_or_a_config_error_naming_the_key(raw):
     got = check_config(raw)
     if isinstance(got, ConfigError):

@@ -186,12 +186,14 @@ def test_a_configuration_refused_for_any_of_its_tiers_registers_none_of_them():
     assert "twin" not in [d.name for d in tier_descriptors()]
 
 
-def test_a_tier_that_cannot_be_loaded_is_said_before_the_keys_it_would_have_made_valid(
+def test_a_tier_that_cannot_be_loaded_is_said_with_the_keys_it_would_have_made_valid(
     tmp_path, monkeypatch
 ):
     # a typo in the module's name, the tier's own keys given as they should be
-    with pytest.raises(ConfigError, match="cannot import the tier slice 'folder_tierr:Folder"):
+    with pytest.raises(ConfigError) as refused:
         KVTierConfig.from_dict({"extra_tiers": ["folder_tierr:FolderConfig"], "folder_path": "x"})
+    assert str(refused.value).startswith("unknown kvtier config key(s) ['folder_path'] (they may")
+    assert "cannot import the tier slice 'folder_tierr:FolderConfig'" in str(refused.value)
     # whatever the module raises while it is imported is a configuration error naming the tier
     (tmp_path / "broken_tier.py").write_text("raise RuntimeError('no such backend')\n")
     monkeypatch.syspath_prepend(str(tmp_path))

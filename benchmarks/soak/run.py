@@ -152,22 +152,17 @@ def run_fault(stack: Stack, cfg: SoakConfig, fault: Fault, baselines: dict) -> R
 
 
 def _settle(run: Run, fault: Fault, timeout_s: float = 90.0) -> bool:
-    """Until no job is in flight, no slot pinned and the fault is over (bounded).
+    """Until the fault is over, then no job in flight and no slot pinned (bounded).
 
-    Gauges are reported at engine steps, so the server is kept stepping: first one request of
-    fresh tokens (two new chunks: a store through every tier after the fault), then tiny ones
-    (no whole block: no kvtier job). None of these is compared or counted.
+    Gauges are reported at engine steps, so the server is kept stepping with tiny requests (no
+    whole block: no kvtier job). Once the fault is over (a tier's breaker closed again), one
+    request of fresh tokens (two new chunks) stores through every tier: what a fault's checks of
+    the tiers read (sent before, it found the breaker open on a slow machine and stored nothing).
+    None of these is compared or counted.
     """
     probes = iter(range(10**6))
 
-    def quiet() -> bool:
-        page = run.snap("end")
-        done = all(
-            page.sum(f"kvtier:{n}") == 0
-            for n in ("jobs_in_flight", "tier_jobs_in_flight", "pinned_slots")
-        )
-        if done and fault.settled(page) and page.has("kvtier:jobs_in_flight"):
-            return True
+    def step() -> None:
         with contextlib.suppress(OSError):
             run.engine.post(
                 "/v1/completions",
@@ -179,8 +174,25 @@ def _settle(run: Run, fault: Fault, timeout_s: float = 90.0) -> bool:
                 },
                 timeout=120,
             )
+
+    def over() -> bool:
+        if fault.settled(run.snap("end")):
+            return True
+        step()
         return False
 
+    def quiet() -> bool:
+        page = run.snap("end")
+        done = all(
+            page.sum(f"kvtier:{n}") == 0
+            for n in ("jobs_in_flight", "tier_jobs_in_flight", "pinned_slots")
+        )
+        if done and fault.settled(page) and page.has("kvtier:jobs_in_flight"):
+            return True
+        step()
+        return False
+
+    fault_over = wait_until(over, timeout_s, 1.0)
     with contextlib.suppress(OSError):
         run.engine.post(
             "/v1/completions",
@@ -195,7 +207,7 @@ def _settle(run: Run, fault: Fault, timeout_s: float = 90.0) -> bool:
     ok = wait_until(quiet, timeout_s, 1.0)
     if not ok:
         run.snap("end")
-    return ok
+    return fault_over and ok
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:

@@ -164,14 +164,26 @@ class KVTierConfig:
             raise ConfigError(
                 f"kvtier config must be a dict of {cls.valid_keys()}, got {type(raw).__name__}"
             )
-        # the out-of-tree tiers first: their keys are valid keys (a tier that cannot be loaded is
-        # said before the keys it would have made valid)
-        specs = _tier_specs("extra_tiers", raw.get("extra_tiers", ()))
-        classes = [load_tier(spec) for spec in specs]
+        # the out-of-tree tiers first: their keys are valid keys. An unknown key is said first,
+        # with why extra_tiers was refused if it was (the keys may be that tier's)
+        classes: list[type] = []
+        refused: ConfigError | None = None
+        try:
+            specs = _tier_specs("extra_tiers", raw.get("extra_tiers", ()))
+            classes = [load_tier(spec) for spec in specs]
+        except ConfigError as exc:
+            refused = exc
         routes = _routes(cls, classes)
         unknown = sorted(str(k) for k in raw if k not in routes)
         if unknown:
-            raise ConfigError(f"unknown kvtier config key(s) {unknown}; valid keys: {list(routes)}")
+            why = ""
+            if refused is not None:
+                why = f" (they may be an extra tier's, and {refused})"
+            raise ConfigError(
+                f"unknown kvtier config key(s) {unknown}{why}; valid keys: {list(routes)}"
+            )
+        if refused is not None:
+            raise refused
         by_owner: dict[Owner, dict[str, Any]] = {}
         for key, value in raw.items():
             owner, name = routes[key]
