@@ -129,6 +129,8 @@ def check_config(raw) -> KVTierConfig | ConfigError:
 @example(raw={"max_defer_s": 10**400})
 # "$" would have matched before the newline
 @example(raw={"remote_prefix": "kvtier\n"})
+# a (tenant, size) pair whose tenant is a list (dict() raised TypeError)
+@example(raw={"disk_tenant_quotas": [([], None)]})
 # an unknown key is said first, even beside an extra_tiers that is refused
 @example(raw={"extra_tiers": "4GiB", "": "4GiB"})
 def test_a_config_dict_is_valid_or_a_config_error_naming_the_key(raw):

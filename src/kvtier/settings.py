@@ -131,9 +131,12 @@ def quotas(key: str, value: Any) -> tuple[tuple[str, int], ...]:
         if any(not sep or not name.strip() for name, sep, _ in pairs):
             raise ConfigError(f"{key}: expected 'tenant=size,*=size', got {_short(value)}")
         value = {name.strip(): amount.strip() for name, _, amount in pairs}
-    if isinstance(value, (tuple, list)) and all(
-        isinstance(p, (tuple, list)) and len(p) == 2 for p in value
-    ):
+    # (tenant, size) pairs, as `to_dict` gives them back; a tenant that is not text is refused
+    # below (as a dict key, a list would not even hash)
+    is_pairs = isinstance(value, (tuple, list)) and all(
+        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in value
+    )
+    if is_pairs:
         value = dict(value)
     if not isinstance(value, dict) or not all(
         isinstance(t, str) and 0 < len(t) <= 256 for t in value
