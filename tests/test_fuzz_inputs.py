@@ -237,7 +237,8 @@ class Records(logging.Handler):
 
 def expected_params(raw) -> tuple[OffloadParams, bool]:
     """What the params should mean, and whether they are malformed (worth a warning), written
-    from the documented format alone: {"kvtier": {"load": bool, "store": bool, "max_load_tokens": int >= 0}}."""
+    from the documented format alone: {"kvtier": {"load": bool, "store": bool, "max_load_tokens":
+    int from 0 to 2**63 - 1}}."""
     if raw is None:
         return OffloadParams(), False
     if not isinstance(raw, dict):
@@ -249,7 +250,7 @@ def expected_params(raw) -> tuple[OffloadParams, bool]:
         return OffloadParams(), True
     flags = {name: mine.get(name, True) for name in ("load", "store")}
     cap = mine.get("max_load_tokens")
-    is_cap = isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0
+    is_cap = isinstance(cap, int) and not isinstance(cap, bool) and 0 <= cap < 2**63
     is_bad = (
         any(k not in ("load", "store", "max_load_tokens") for k in mine)
         or any(not isinstance(v, bool) for v in flags.values())
@@ -266,6 +267,8 @@ def expected_params(raw) -> tuple[OffloadParams, bool]:
 # megabytes of garbage
 @example(raw={"kvtier": {"load": "x" * 1_000_000, "y" * 100_000: 1}})
 @example(raw={"kvtier": {"load": False, "store": 0}})
+# past an int64: refused with a warning, as documented
+@example(raw={"kvtier": {"max_load_tokens": 2**63}})
 def test_kv_transfer_params_never_raise_and_warn_in_a_line(raw):
     with Records("kvtier.scheduler.params") as log:
         params = parse_kv_transfer_params(raw, "req-7")

@@ -5,7 +5,8 @@ kvtier reads only its own sub-dict, so other connectors' parameters pass through
     {"kvtier": {"load": false, "store": true, "max_load_tokens": 512, "session": "chat-42", "retain_s": 600}}
 
 `max_load_tokens` caps the tokens a request loads from kvtier after the engine's own hits (0:
-none), with the meaning of vLLM's own `max_load_tokens`: the rest is recomputed. The hints
+none; at most 2**63 - 1, an int64 as the engine counts tokens), with the meaning of vLLM's own
+`max_load_tokens`: the rest is recomputed. The hints
 (`session`, `retain_s`, `priority`, `next_turn_s`, `end_session`) are read by
 `kvtier.hints.parse_hints` and reach every manager call in `ReqContext.hints`.
 
