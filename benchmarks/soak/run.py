@@ -162,18 +162,16 @@ def _settle(run: Run, fault: Fault, timeout_s: float = 90.0) -> bool:
     """
     probes = iter(range(10**6))
 
-    def step() -> None:
+    def complete(prompt: list[int], timeout: float) -> None:
         with contextlib.suppress(OSError):
             run.engine.post(
                 "/v1/completions",
-                {
-                    "model": "tiny",
-                    "prompt": fresh_tokens(4, next(probes)),
-                    "max_tokens": 1,
-                    "temperature": 0.0,
-                },
-                timeout=120,
+                {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0},
+                timeout=timeout,
             )
+
+    def step() -> None:
+        complete(fresh_tokens(4, next(probes)), timeout=120)
 
     def over() -> bool:
         if fault.settled(run.snap("end")):
@@ -193,17 +191,7 @@ def _settle(run: Run, fault: Fault, timeout_s: float = 90.0) -> bool:
         return False
 
     fault_over = wait_until(over, timeout_s, 1.0)
-    with contextlib.suppress(OSError):
-        run.engine.post(
-            "/v1/completions",
-            {
-                "model": "tiny",
-                "prompt": fresh_tokens(2 * 128 + 16, -1),
-                "max_tokens": 1,
-                "temperature": 0.0,
-            },
-            timeout=300,
-        )
+    complete(fresh_tokens(2 * 128 + 16, -1), timeout=300)
     ok = wait_until(quiet, timeout_s, 1.0)
     if not ok:
         run.snap("end")

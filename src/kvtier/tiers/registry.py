@@ -66,11 +66,10 @@ def register_tier(config: type) -> type:
     Raises:
         ConfigError: `config` is not a slice with a `TIER` descriptor, or another tier has its name.
     """
-    descriptor = _checked_slice(config)
+    check_registrable([config])
+    descriptor = config.TIER
     if _CONFIGS.get(descriptor.name) is config:
         return config
-    if descriptor.name in _DESCRIPTORS:
-        raise _name_taken(config, _owner(descriptor.name))
     _add(descriptor)
     _CONFIGS[descriptor.name] = config
     return config
