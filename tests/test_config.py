@@ -172,7 +172,7 @@ def test_the_constructor_checks_like_from_dict():
 
 def test_every_key_has_a_whole_sentence_of_help_and_a_valid_default():
     keys = KVTierConfig.valid_keys()
-    assert len(keys) == len(set(keys)) == 54
+    assert len(keys) == len(set(keys)) == 57
     for key, f, _ in slice_fields(KVTierConfig):
         text = f.metadata["help"]
         assert text[0].isupper() and text.endswith("."), key

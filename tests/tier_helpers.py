@@ -175,6 +175,13 @@ class HeldTier(SecondaryTier):
     def lookup(self, key: OffloadKey) -> LookupResult:
         return self.inner.lookup(key)
 
+    def recheck(self, keys: Sequence[OffloadKey]) -> None:
+        self.inner.recheck(keys)
+
+    @property
+    def is_reachable(self) -> bool:
+        return self.inner.is_reachable
+
     def get_finished(self) -> list[TierResult]:
         dropped, self._dropped = self._dropped, []
         return dropped + self.inner.get_finished()

@@ -74,6 +74,7 @@ class ReqContext:
             ended): the tiers count the store as that request's use (its tenant's quota, its hints,
             its session) while `req_id` keeps the store's own pins and chain. None on an engine
             request's context and on kvtier's contexts that act for nobody (a write-down's pins).
+        hands_off: the request's prefix is handed to another engine (`OffloadingManager.hand_off`).
     """
 
     req_id: str
@@ -81,6 +82,9 @@ class ReqContext:
     hints: Hints = NO_HINTS
     tenant: str | None = None
     on_behalf_of: str | None = None
+    # the request's prefix goes to another engine (disaggregated prefill): the CPU tier's
+    # admission rule does not keep its chunks out
+    hands_off: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.req_id, str):
@@ -339,6 +343,36 @@ class OffloadingManager(ABC):
         Returns:
             True if a read started.
         """
+        return False
+
+    def hand_off(self, keys: Sequence[OffloadKey], ctx: ReqContext, coming: bool = False) -> int:
+        """Send a request's prefix to the tier another engine reads hand-offs from (disaggregated
+        prefill, `kvtier.scheduler.handoff`), past its admission rule and its backpressure.
+
+        Args:
+            keys: the chunks a decode engine will need, in prefix order.
+            ctx: the request that computed them.
+            coming: the keys not here yet will be stored soon (their request's load is in flight):
+                they count as on their way, and are written once readable.
+        Returns:
+            How many leading keys are on their way: readable here or being stored here (each is
+            written to the hand-off tier once readable), or known to that tier already. 0 for a
+            manager without a shared tier behind it.
+        """
+        return 0
+
+    def recheck(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (an optional hook)
+        """A request was promised `keys` by another engine: the tiers behind this one look for them
+        afresh at their next lookup (past a remembered absence, or a directory's rescan period)."""
+
+    @property
+    def handoff_medium(self) -> str | None:
+        """The `medium` of the tier `hand_off` writes to (None: none)."""
+        return None
+
+    def is_reachable(self, medium: str) -> bool:
+        """Whether the tier `medium` behind this one answers now (False also for a tier this
+        manager lacks: nothing will appear in it that a request should wait for)."""
         return False
 
     def drain(self, timeout_s: float) -> bool:

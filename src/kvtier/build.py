@@ -12,6 +12,7 @@ silent default later.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from kvtier.tiers.secondary import SecondaryTier
 from kvtier.tiers.tiered import TieredManager
 
 __all__ = ["build_manager", "secondary_tiers"]
+
+logger = logging.getLogger(__name__)
 
 
 def secondary_tiers(
@@ -78,6 +81,12 @@ def build_manager(
         tenant_quotas=in_slots(dict(cfg.tenant_quotas), slot_bytes),
     )
     tiers = secondary_tiers(cfg, namespace)
+    try:
+        handoff_tier = _handoff_tier(cfg, [tier.medium for tier, _ in tiers])
+    except ConfigError:
+        for tier, _ in tiers:
+            tier.close()
+        raise
     if not tiers:
         return primary
     return TieredManager(
@@ -86,7 +95,31 @@ def build_manager(
         tiers,
         max_promotion_bytes=cfg.promotion_bytes,
         job_timeout_s=cfg.job_timeout_s,
+        handoff_tier=handoff_tier,
+        # into RAM (an engine job), then out of it
+        handoff_store_s=2 * cfg.job_timeout_s,
     )
+
+
+def _handoff_tier(cfg: KVTierConfig, built: list[str]) -> str | None:
+    """The tier hand-offs go to: `handoff_tier` ("": the manager picks the first shared one).
+
+    Raises:
+        ConfigError: `handoff_tier` names a tier that is not configured.
+    """
+    name = cfg.handoff_tier
+    if name is None:
+        return ""
+    configured = [c.TIER.name for c in cfg.tier_configs() if c.is_enabled]
+    if name not in configured:
+        raise ConfigError(
+            f"handoff_tier {name!r} is not a configured tier (configured: {configured})"
+        )
+    if name not in built:
+        # a shared tier whose client could not be built: the engine runs without it
+        logger.warning("kvtier: the hand-off tier %s is not available; no hand-offs", name)
+        return None
+    return name
 
 
 def _check_registered(config: Any) -> None:

@@ -23,6 +23,7 @@ from kvtier.scheduler.config import CHECKS as SCHEDULER_CHECKS
 from kvtier.settings import (
     flag,
     integer,
+    matching,
     parse_size,
     policy,
     quotas,
@@ -128,6 +129,22 @@ class KVTierConfig:
         "cost",
         SCHEDULER_CHECKS["load_policy"],
         "Load as much of a found prefix as pays off against recomputing it (cost), or all of it (always).",
+    )
+    handoff_tier: str | None = setting(
+        None,
+        matching(r"[a-z][a-z0-9_]{0,31}"),
+        "Disaggregated prefill: the tier a prefill engine hands a prompt's chunks over in (redis, "
+        "s3, disk); default: the first shared tier configured.",
+    )
+    handoff_wait_s: float = setting(
+        5.0,
+        SCHEDULER_CHECKS["handoff_wait_s"],
+        "Disaggregated prefill: the longest a decode engine waits for chunks a prefill engine promised.",
+    )
+    consumer_stores: bool = setting(
+        False,
+        flag,
+        "With kv_role kv_consumer, store what this engine computes too (a consumer only loads by default).",
     )
     extra_tiers: tuple[str, ...] = setting(
         (),

@@ -9,7 +9,10 @@ from kvtier.costmodel.decision import LOAD_POLICIES
 from kvtier.errors import ConfigError
 from kvtier.settings import Check, choice, integer, seconds
 
-__all__ = ["GroupKind", "GroupSpec", "SchedulerOffloadConfig"]
+__all__ = ["ROLES", "GroupKind", "GroupSpec", "SchedulerOffloadConfig"]
+
+# vLLM's `kv_role` values: both, prefill (produces KV for others), decode (consumes it)
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
 class GroupKind(enum.Enum):
@@ -102,6 +105,8 @@ CHECKS: dict[str, Check] = {
     "load_mode": choice("sync", "async"),
     "store_mode": choice("eager", "lazy"),
     "load_policy": choice(*LOAD_POLICIES),
+    "role": choice(*ROLES),
+    "handoff_wait_s": seconds(0.0),
 }
 
 
@@ -132,6 +137,12 @@ class SchedulerOffloadConfig:
             them; 0: unknown, every found chunk is loaded).
         steps_planned_ahead: steps the engine plans before the one running ends (vLLM's async
             scheduling: 1), for timing its steps.
+        role: the engine's part in disaggregated serving (vLLM's `kv_role`; see
+            `kvtier.scheduler.handoff`): "kv_both" loads and stores; "kv_producer" (prefill)
+            also hands prompts off; "kv_consumer" (decode) waits for hand-offs, and stores
+            nothing unless `consumer_stores`.
+        handoff_wait_s: a request promised a hand-off waits at most this long for it.
+        consumer_stores: a "kv_consumer" stores what it computes too.
     """
 
     groups: tuple[GroupSpec, ...] = (GroupSpec(),)
@@ -146,6 +157,9 @@ class SchedulerOffloadConfig:
     load_policy: str = "cost"
     chunk_bytes: int = 0
     steps_planned_ahead: int = 0
+    role: str = "kv_both"
+    handoff_wait_s: float = 5.0
+    consumer_stores: bool = False
 
     def __post_init__(self) -> None:
         for key, check in CHECKS.items():

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvtier.base import OffloadingManager
 from kvtier.costmodel.decision import CostSnapshot
@@ -47,6 +48,7 @@ from kvtier.errors import KVTierError
 from kvtier.jobs import BlockIds, JobResult, StepPlan
 from kvtier.scheduler.completions import JobCompletion
 from kvtier.scheduler.config import SchedulerOffloadConfig
+from kvtier.scheduler.handoff import Handoffs
 from kvtier.scheduler.jobs import NextPlan, TransferJobBook
 from kvtier.scheduler.lazy import EvictionLedger
 from kvtier.scheduler.load_cost import LoadCosts
@@ -103,6 +105,7 @@ class OffloadScheduler:
             ledger=EvictionLedger(),
             next_plan=self._next,
         )
+        self._handoffs = Handoffs(config, manager, self.stats, clock)
         self._completions = JobCompletion(
             manager,
             self.stats,
@@ -156,10 +159,13 @@ class OffloadScheduler:
         size = self.config.tokens_per_chunk
         start = num_local // size
         max_chunks = min(state.num_hashed_chunks(), (req.num_tokens - 1) // size)
+        # a hand-off's chunks are loaded, whatever the cost model says: a decode engine is not
+        # there to prefill (`kvtier.scheduler.handoff`)
+        promised = self._handoffs.promised_chunks(state, max_chunks)
         if state.params.max_load_tokens is not None:
             # the request's cap on what it loads
             max_chunks = min(max_chunks, (num_local + state.params.max_load_tokens) // size)
-        if start < max_chunks:
+        if start < max_chunks and not promised:
             # load or recompute: how far the scan may look
             max_chunks = self.costs.scan_end(state, start, max_chunks, self._clock())
             if max_chunks is None:
@@ -167,7 +173,10 @@ class OffloadScheduler:
         if start >= max_chunks:
             return self._answer(state, num_local, 0)
         scan = scan_hits(state, self.manager, self._jobs.loading_keys, start, max_chunks)
-        if scan.must_wait and may_defer(state, self.config, self._clock(), self.stats):
+        if scan.end_chunk < min(promised, max_chunks):
+            if self._handoffs.may_wait(state, scan.end_chunk):
+                return None, False
+        elif scan.must_wait and may_defer(state, self.config, self._clock(), self.stats):
             return None, False
         # recency for every chunk the request reuses, also those the engine's cache served
         self.manager.touch(state.chain_keys(scan.end_chunk), state.req_context)
@@ -322,24 +331,30 @@ class OffloadScheduler:
 
     # -- 6. request end, reset --------------------------------------------------------
 
-    def request_finished(self, req: RequestView) -> None:
+    def request_finished(self, req: RequestView) -> dict[str, Any] | None:
         """The request ended (finished, aborted): store its last chunks, then forget it.
 
         Its engine blocks may be freed at once: stores still reading them are flushed
         before a new owner writes them (see `StepPlan.flush_job_ids`). A request that ends
         in the step its load ran stores once that load is reported
         (`StorePlanning.store_final_chunks`).
+
+        Returns:
+            A request handed off to a decode engine: its promise, the `kv_transfer_params` for
+            that engine (`kvtier.scheduler.handoff`); else None.
         """
         state = self._requests.get(req.req_id)
         if state is None:
-            return
+            return None
         state.req = req
         state.is_finished = True
         state.pending_load = None
         state.finished_at_step = self._next.step
         if state.load_job_id is None:
             self._stores.store_final_chunks(state)
+        promise = self._handoffs.promise(state)
         self._requests.release_if_done(state)
+        return promise
 
     def reset_cache(self) -> bool:
         """Forget every offloaded chunk; jobs in flight are flushed and their results ignored."""

@@ -15,7 +15,7 @@ from kvtier.costmodel.decision import LoadChoice
 from kvtier.jobs import TransferJob
 from kvtier.keys import OffloadKey, make_offload_key
 from kvtier.scheduler.config import GroupKind, GroupSpec, SchedulerOffloadConfig
-from kvtier.scheduler.params import OffloadParams, parse_kv_transfer_params
+from kvtier.scheduler.params import OffloadParams, for_role, parse_kv_transfer_params
 from kvtier.scheduler.types import RequestView
 
 __all__ = [
@@ -140,18 +140,25 @@ class RequestOffloadState:
     is_finished: bool = False
     # the scheduler step in which request_finished came
     finished_at_step: int | None = None
+    # a hand-off it was promised (`kvtier.scheduler.handoff`): the chunks it waits for (0: none),
+    # until when, and whether the wait is over
+    handoff_chunks: int = 0
+    handoff_deadline: float | None = None
+    handoff_over: bool = False
 
     def __post_init__(self) -> None:
         self.group_states = [
             RequestGroupState(g, spec) for g, spec in enumerate(self.config.groups)
         ]
         raw = self.req.kv_transfer_params
-        self.params = parse_kv_transfer_params(raw, self.req.req_id)
+        params = parse_kv_transfer_params(raw, self.req.req_id)
+        self.params = for_role(params, self.config.role, self.config.consumer_stores)
         self.req_context = ReqContext(
             self.req.req_id,
             raw if isinstance(raw, dict) else None,
             self.params.hints,
             self.req.tenant,
+            hands_off=self.params.remote_decode,
         )
 
     @property

@@ -44,6 +44,15 @@ class SchedulerStats:
     expired_jobs: int = 0
     # requests whose kv_transfer_params carried a valid hint (`kvtier.hints`)
     hinted_requests: int = 0
+    # disaggregated prefill (`kvtier.scheduler.handoff`): a producer's promises and the chunks in
+    # them; a consumer's requests that waited for one, stopped at its deadline, found its tier
+    # unreachable, or were promised another prompt's chunks
+    handoff_promises: int = 0
+    handoff_promised_chunks: int = 0
+    handoff_waits: int = 0
+    handoff_timeouts: int = 0
+    handoff_unreachable: int = 0
+    handoff_mismatches: int = 0
     # load or recompute (`kvtier.scheduler.load_cost`): decisions by (decision, tier), and the
     # loads that ended, with the seconds they were expected to take and took (microseconds)
     load_decisions: Counter[tuple[str, str]] = field(default_factory=Counter)

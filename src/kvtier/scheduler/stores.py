@@ -116,8 +116,9 @@ class StorePlanning:
                 self.observer = None
         groups = [group for group, _ in chunks]
         blocks = [state.group_states[group].chunk_blocks(chunk) for group, chunk in chunks]
-        if self._lazy:
-            # stored when the engine is about to evict them (`plan_evictions`)
+        if self._lazy and not state.params.remote_decode:
+            # stored when the engine is about to evict them (`plan_evictions`); a hand-off's at
+            # once: its decode engine waits for them
             for key, (group, chunk), chunk_blocks in zip(keys, chunks, blocks, strict=True):
                 self.ledger.record(key, group, chunk_blocks, state.req_context, chunk)
         else:

@@ -427,7 +427,8 @@ class FakeEngine:
     def _finish(self, req: SimRequest, keep_blocks: bool = False) -> None:
         req.is_finished = True
         if self.scheduler:
-            self.scheduler.request_finished(req.view())
+            # a hand-off's promise, for the decode engine (`kvtier.scheduler.handoff`)
+            req.returned_params = self.scheduler.request_finished(req.view())
         if not keep_blocks:
             self._release_blocks(req)
         self._finished.add(req.req_id)

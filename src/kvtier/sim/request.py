@@ -31,6 +31,8 @@ class SimRequest:
     is_finished: bool = False
     # its asynchronous load ended; not scheduled since
     awaits_first_schedule: bool = False
+    # what the scheduler returned when it ended (vLLM: the output's kv_transfer_params)
+    returned_params: Any = None
 
     @property
     def tokens(self) -> list[int]:

@@ -36,6 +36,8 @@ class FlightKind(enum.Enum):
     CASCADE = "cascade"
     # a staging row (an evicted chunk's bytes) -> an on_evict secondary
     EVICTED = "evicted"
+    # a pinned READY CPU slot -> the hand-off tier, for another engine (`kvtier.tiers.handoff`)
+    HANDOFF = "handoff"
 
 
 # the kinds that read from a tier

@@ -267,6 +267,18 @@ class SecondaryTier(ABC):
     def queued_store_bytes(self) -> int:
         """Bytes of stores submitted and not finished (the manager's backpressure reads it)."""
 
+    def recheck(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (an optional hook)
+        """Another engine says it wrote `keys` here: look for them afresh at their next lookup,
+        past what the tier remembers of their absence (a tier that learns of other engines' writes
+        only now and then, like a shared directory, looks now). A tier that sees every write at
+        once needs nothing."""
+
+    @property
+    def is_reachable(self) -> bool:
+        """False while the tier cannot answer (a shared tier's open circuit breaker, a reset's
+        sweep): nothing will appear in it that a request should wait for."""
+        return True
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 (an optional hook)
         """`keys` were used (recency for the tier's own eviction)."""
 

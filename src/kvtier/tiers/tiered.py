@@ -65,8 +65,10 @@ from kvtier.mrc import MissRatioCurve, curve_gauges
 from kvtier.tiers.cascade import SecondarySlot, TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.flights import READS, Flight, FlightKind, Flights
+from kvtier.tiers.handoff import HandOffs
 from kvtier.tiers.promotions import Promotions
 from kvtier.tiers.rates import TierRates
+from kvtier.tiers.registry import tier_descriptor
 from kvtier.tiers.secondary import HEADER_BYTES, SecondaryTier, TierJob, TierStats
 from kvtier.tiers.writedown import WriteDown
 
@@ -92,6 +94,9 @@ class TieredManager(OffloadingManager):
         staging_bytes: room for evicted chunks waiting for an `on_evict` tier.
         job_timeout_s: how long a tier job may take before the manager gives up on it (see
             `kvtier.tiers.flights`).
+        handoff_tier: the `medium` of the secondary tier hand-offs go to (`kvtier.tiers.handoff`);
+            "" picks the first shared one (a `REMOTE` tier), else the first; None: no hand-off.
+        handoff_store_s: how long a handed-off chunk may take to be stored into RAM first.
     """
 
     medium = "cpu"
@@ -105,6 +110,8 @@ class TieredManager(OffloadingManager):
         max_promotion_bytes: int = 256 * 2**20,
         staging_bytes: int = 64 * 2**20,
         job_timeout_s: float = 10.0,
+        handoff_tier: str | None = "",
+        handoff_store_s: float = 20.0,
     ):
         if not slabs or any(
             s.ndim != 2 or s.shape[0] != primary.num_slots or s.dtype != np.uint8 for s in slabs
@@ -137,11 +144,28 @@ class TieredManager(OffloadingManager):
             self.payload_bytes,
             max_promotion_bytes,
         )
+        self._handoffs = self._hand_offs(handoff_tier, handoff_store_s)
         self._flights = Flights(job_timeout_s)
         self._rates = TierRates(self.tiers)
         self._job_ids = itertools.count(1)
         # tiers with an exploration read not reported yet
         self._exploring: set[int] = set()
+
+    def _hand_offs(self, name: str | None, store_s: float) -> HandOffs | None:
+        """The hand-off writer of the tier `name` (see `__init__`), or None."""
+        if name is None or not self._tiers:
+            return None
+        if name:
+            index = next((i for i, s in enumerate(self._tiers) if s.tier.medium == name), None)
+            if index is None:
+                raise ConfigError(
+                    f"handoff_tier {name!r} is not one of this engine's tiers "
+                    f"{[s.tier.medium for s in self._tiers]}"
+                )
+        else:
+            shared = [i for i, s in enumerate(self._tiers) if _is_shared(s.tier.medium)]
+            index = shared[0] if shared else 0
+        return HandOffs(self.primary, self._tiers[index], index, self._slabs, self._submit, store_s)
 
     @property
     def tiers(self) -> list[SecondaryTier]:
@@ -263,6 +287,28 @@ class TieredManager(OffloadingManager):
         ready = self.primary.complete_store(keys, ctx, success)
         if ready:
             self._write_down.cascade(ready)
+            if self._handoffs is not None:
+                self._handoffs.ready(ready)
+
+    # -- hand-offs (`kvtier.tiers.handoff`) ----------------------------------------------
+
+    def hand_off(self, keys: Sequence[OffloadKey], ctx: ReqContext, coming: bool = False) -> int:
+        self._poll()
+        if self._handoffs is None:
+            return 0
+        return self._handoffs.start(keys, coming)
+
+    def recheck(self, keys: Sequence[OffloadKey]) -> None:
+        for slot in self._tiers:
+            slot.tier.recheck(keys)
+
+    def is_reachable(self, medium: str) -> bool:
+        return any(s.tier.medium == medium and s.tier.is_reachable for s in self._tiers)
+
+    @property
+    def handoff_medium(self) -> str | None:
+        """The hand-off tier's `medium` (None: none)."""
+        return None if self._handoffs is None else self._handoffs.medium
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -286,6 +332,8 @@ class TieredManager(OffloadingManager):
         """Forget every chunk in every tier; jobs in flight free what they hold when they end."""
         self.primary.reset()
         self._promotions.clear()
+        if self._handoffs is not None:
+            self._handoffs.clear()
         for slot in self._tiers:
             slot.tier.reset()
             if slot.gate is not None:
@@ -365,6 +413,8 @@ class TieredManager(OffloadingManager):
     def _poll(self) -> None:
         """Apply the results of every tier job that ended since the last call; give up on those past
         their deadline."""
+        if self._handoffs is not None:
+            self._handoffs.poll()
         if not self._flights:
             return
         for slot in self._tiers:
@@ -379,6 +429,8 @@ class TieredManager(OffloadingManager):
                     self._exploring.discard(flight.tier)
                 elif flight.kind is FlightKind.PROMOTION:
                     self._promotions.ended(slot, flight, result)
+                elif flight.kind is FlightKind.HANDOFF and self._handoffs is not None:
+                    self._handoffs.ended(flight, result)
                 else:
                     self._write_down.ended(slot, flight, result)
         for flight in self._flights.expire(time.monotonic()):
@@ -415,3 +467,12 @@ class TieredManager(OffloadingManager):
     def check(self) -> None:
         """The CPU tier's invariants (for tests)."""
         self.primary.check()
+
+
+def _is_shared(medium: str) -> bool:
+    """Whether the tier named `medium` is shared with other engines (a tier built outside the
+    registry, as tests do, is not)."""
+    try:
+        return tier_descriptor(medium).locality == "REMOTE"
+    except ConfigError:
+        return False

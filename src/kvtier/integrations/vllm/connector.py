@@ -46,10 +46,13 @@ __all__ = ["KVTierConnector", "kv_transfer_config"]
 def kv_transfer_config(
     connector: str = "KVTierConnector",
     module: str = "kvtier.integrations.vllm",
+    role: str = "kv_both",
     **extra_config: Any,
 ) -> Any:
     """vLLM's `KVTransferConfig` for kvtier; `extra_config` becomes `kv_connector_extra_config`.
 
+    `role` is vLLM's `kv_role`: "kv_producer" for a prefill engine, "kv_consumer" for a decode
+    engine of disaggregated serving (`kvtier.scheduler.handoff`), "kv_both" otherwise.
     Failed loads are recomputed (`kv_load_failure_policy="recompute"`): vLLM's default,
     "fail", would abort the request instead.
     """
@@ -58,7 +61,7 @@ def kv_transfer_config(
     return KVTransferConfig(
         kv_connector=connector,
         kv_connector_module_path=module,
-        kv_role="kv_both",
+        kv_role=role,
         kv_load_failure_policy="recompute",
         kv_connector_extra_config=extra_config,
     )
@@ -118,9 +121,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._sched().request_finished(request)
-        # blocks may be freed now: stores still reading them are fenced
-        return False, None
+        """(False: blocks may be freed now, stores still reading them are fenced; the request's
+        hand-off promise for a decode engine, or None: `kvtier.scheduler.handoff`)."""
+        return False, self._sched().request_finished(request)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]

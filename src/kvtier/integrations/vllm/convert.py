@@ -12,12 +12,14 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.identity import engine_digest, weights_identity
 from kvtier.integrations.vllm.layout import EngineLayout, engine_layout
 from kvtier.scheduler import RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
+from kvtier.scheduler.config import ROLES
 from kvtier.tiers.namespace import Namespace
 
 __all__ = [
     "block_hash_bytes",
     "evict_lookahead",
     "evictable_blocks",
+    "kv_role",
     "load_mode_for",
     "namespace_for",
     "request_view",
@@ -129,11 +131,21 @@ def scheduler_config(
         hash_block_size=vllm_config.cache_config.block_size,
         load_policy=cfg.load_policy,
         chunk_bytes=layout.payload_bytes * len(layout.groups),
+        role=kv_role(vllm_config),
+        handoff_wait_s=cfg.handoff_wait_s,
+        consumer_stores=cfg.consumer_stores,
         # vLLM's async scheduling plans step k+1 before step k ran (its batch queue holds two)
         steps_planned_ahead=1
         if getattr(vllm_config.scheduler_config, "async_scheduling", False)
         else 0,
     )
+
+
+def kv_role(vllm_config: Any) -> str:
+    """vLLM's `kv_role` of this engine ("kv_both" when it names none)."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    role = getattr(transfer, "kv_role", None)
+    return role if role in ROLES else "kv_both"
 
 
 def worker_rank(vllm_config: Any, num_workers: int) -> int:

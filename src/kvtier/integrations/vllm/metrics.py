@@ -50,6 +50,13 @@ COUNTERS = {
     "cancelled_jobs": "Transfer jobs a worker cancelled at their deadline.",
     "cancel_cut_tasks": "Copies of other jobs failed because a cancel cut short the batch they were copied in.",
     "hinted_requests": "Requests that sent kvtier hints (session, retain_s, priority, next_turn_s, end_session).",
+    "handoff_promises": "Disaggregated prefill: requests this engine handed off to a decode engine, a promise each.",
+    "handoff_promised_chunks": "Disaggregated prefill: chunks this engine promised decode engines.",
+    "handoff_waits": "Disaggregated decode: requests that waited for chunks a prefill engine promised.",
+    "handoff_timeouts": "Disaggregated decode: requests whose promised chunks did not all come by the deadline "
+    "(handoff_wait_s): the rest was recomputed.",
+    "handoff_unreachable": "Disaggregated decode: requests that did not wait because the hand-off tier did not answer.",
+    "handoff_mismatches": "Disaggregated decode: requests whose promise named another prompt (not awaited).",
     "expected_load_seconds": "Seconds the cost model expected the loads that ended to take (decision to loaded).",
     "measured_load_seconds": "Seconds the loads that ended took, from their load-or-recompute decision to loaded.",
 }
@@ -90,6 +97,8 @@ TIER_COUNTERS = {
     "expired_jobs": "Jobs of a tier the manager gave up on at their deadline (what they hold is freed when they end).",
     "expired": "Chunks a tier did not read or write because their job was past its deadline.",
     "late": "Chunks a tier read after their job's deadline (reported failed, never served).",
+    "handoff_chunks": "Chunks a prefill engine wrote to its hand-off tier for decode engines.",
+    "handoff_failures": "Chunks a prefill engine promised that did not reach its hand-off tier.",
     "reset_rejects": "Chunks a shared tier refused while a reset deleted its values.",
 }
 TIER_GAUGES = {

@@ -46,6 +46,12 @@ _SCHEDULER_COUNTERS = (
     "failed_store_chunks",
     "expired_jobs",
     "hinted_requests",
+    "handoff_promises",
+    "handoff_promised_chunks",
+    "handoff_waits",
+    "handoff_timeouts",
+    "handoff_unreachable",
+    "handoff_mismatches",
 )
 
 
@@ -115,13 +121,24 @@ class SchedulerSide:
         self._reported = SchedulerStats()
         self._reported_at = float("-inf")
         self._reported_tiers: dict[str, Counter[str]] = {}
+        role = self.core.config.role
+        if role == "kv_producer" and self.manager.handoff_medium is None:
+            logger.warning(
+                "kvtier: kv_role kv_producer without a shared tier (redis, s3, or a disk_path "
+                "the decode engines share): nothing can be handed off"
+            )
         logger.info(
-            "kvtier: CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), chunks of %d block(s)%s",
+            "kvtier: %s; CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), "
+            "chunks of %d block(s)%s%s",
+            role,
             self.num_slots,
             cfg.cpu_bytes,
             layout.num_workers,
             layout.blocks_per_chunk,
             f"; disk tier at {cfg.disk.path} ({cfg.disk.bytes} bytes)" if cfg.disk.path else "",
+            f"; hand-offs through {self.manager.handoff_medium}"
+            if self.manager.handoff_medium
+            else "",
         )
 
     def get_num_new_matched_tokens(
@@ -148,8 +165,10 @@ class SchedulerSide:
         if meta.results:
             self.core.update_connector_output(meta.results)
 
-    def request_finished(self, request: Any) -> None:
-        self.core.request_finished(request_view(request))
+    def request_finished(self, request: Any) -> dict[str, Any] | None:
+        """The request's promise to a decode engine if it is handed off (its `kv_transfer_params`
+        in the engine's output; `kvtier.scheduler.handoff`), else None."""
+        return self.core.request_finished(request_view(request))
 
     def bind_block_pool(self, block_pool: Any) -> None:
         self._block_pool = block_pool

@@ -210,7 +210,9 @@ class CPUTierManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         for key in reversed(keys):
             self.mrc.store(key)
-        return self._reserve(keys, ctx, admit=self._gate.admit, spared=())
+        # a hand-off's chunks are wanted by another engine whatever their offers
+        admit = None if ctx.hands_off else self._gate.admit
+        return self._reserve(keys, ctx, admit=admit, spared=())
 
     def prepare_promotion(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, spare: Iterable[OffloadKey] = ()

@@ -29,6 +29,7 @@ only under `_lock`, which is never held across I/O; the manager's thread never w
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -53,6 +54,9 @@ from kvtier.tiers.workers import Workers
 __all__ = ["DiskTier"]
 
 logger = logging.getLogger(__name__)
+
+# a hand-off's rescans of the directory at most this often (`recheck`)
+_RECHECK_EVERY_S = 0.02
 
 
 class DiskTier(SecondaryTier):
@@ -143,6 +147,7 @@ class DiskTier(SecondaryTier):
         # the start-up scan has built the index
         self.is_scanned = False
         self._is_rescanning = False
+        self._rechecked_at = -math.inf
         self._scanned = threading.Event()
         self._workers = Workers(self._cond, num_read_threads, num_write_threads, logger, "disk")
         self._workers.housekeep(self._scan_at_start, 0)
@@ -160,6 +165,17 @@ class DiskTier(SecondaryTier):
             hit = self.is_scanned and self._index.is_ready(key)
             self._counters["hits" if hit else "misses"] += 1
         return LookupResult.HIT if hit else LookupResult.MISS
+
+    def recheck(self, keys: Sequence[OffloadKey]) -> None:
+        """Adopt what other engines wrote now, not at the next `rescan_s` (one rescan at a time, at
+        most one per `_RECHECK_EVERY_S`: a waiting request asks every step)."""
+        with self._lock:
+            is_known = all(self._index.is_ready(key) for key in keys)
+        now = time.monotonic()
+        if is_known or now - self._rechecked_at < _RECHECK_EVERY_S:
+            return
+        self._rechecked_at = now
+        self._rescan_soon()
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         with self._lock:

@@ -65,6 +65,11 @@ class KnownKeys:
             self._queue.append(key)
         return LookupResult.RETRY
 
+    def recheck(self, keys: Sequence[OffloadKey]) -> None:
+        """Forget that `keys` were absent: their next lookup probes again."""
+        for key in keys:
+            self._absent.pop(key, None)
+
     def take_queued(self, limit: int) -> list[OffloadKey]:
         """Up to `limit` keys to probe now (they stay `probing` until `record_probe` or `unprobe`)."""
         batch = self._queue[:limit]

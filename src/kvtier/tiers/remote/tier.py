@@ -176,6 +176,15 @@ class RemoteTier(SecondaryTier):
             self._cond.notify_all()
         return result
 
+    def recheck(self, keys: Sequence[OffloadKey]) -> None:
+        with self._cond:
+            self._keys.recheck(keys)
+
+    @property
+    def is_reachable(self) -> bool:
+        with self._cond:
+            return not (self.breaker.is_open or self._reset.is_sweeping)
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """The server's eviction policy orders a shared store's values; nothing to record here."""
 

@@ -1,0 +1,140 @@
+"""`HandOffs`: a request's prefix written to the tier another engine reads it from.
+
+In disaggregated serving (`kvtier.scheduler.handoff`) a prefill engine promises a decode engine
+the chunks of a prompt; the decode engine waits for them in one shared tier, the hand-off tier.
+The usual write-down (`kvtier.tiers.writedown`) may leave a chunk out of that tier — its
+admission rule, its backpressure, an `on_evict` tier that gets chunks only when RAM evicts them,
+a chunk that was in RAM before this request came — so a hand-off writes its chunks itself:
+
+- a chunk READY in the CPU tier is written now, its slot pinned until the write ends;
+- a chunk being stored into the CPU tier is written when it becomes READY (`ready`); one that
+  never does (its store failed, or a reset dropped it) is given up on at its deadline
+  (`poll`) and counted as a failure;
+- a chunk the CPU tier does not hold counts as on its way only if the hand-off tier says it
+  holds it (its `lookup` is HIT): the promise ends before the first chunk that is neither.
+
+A write the tier refuses or fails is counted (`handoff_failures` of that tier); the decode
+engine, promised it, waits for it until its own deadline and then recomputes it.
+
+Thread-safety: not thread-safe; the manager calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvtier.base import NOT_KNOWN_YET, LookupResult, ReqContext
+from kvtier.keys import OffloadKey
+from kvtier.tiers.cascade import SecondarySlot
+from kvtier.tiers.cpu.manager import CPUTierManager
+from kvtier.tiers.flights import Flight, FlightKind
+from kvtier.tiers.secondary import TierResult
+from kvtier.tiers.writedown import Submit
+
+__all__ = ["HANDOFF_CTX", "HandOffs"]
+
+# holds the pins of slots being handed off
+HANDOFF_CTX = ReqContext("\x00kvtier:handoff")
+
+
+class HandOffs:
+    """Args:
+    primary: the CPU tier's bookkeeping.
+    slot: the hand-off tier, as the manager sees it.
+    index: its index among the manager's secondary tiers.
+    slabs: the host slab of every worker rank (rows = the CPU tier's slots).
+    submit: starts a tier job (the manager's).
+    wait_s: how long a chunk being stored may take to become READY before it is given up on.
+    clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        primary: CPUTierManager,
+        slot: SecondarySlot,
+        index: int,
+        slabs: Sequence[np.ndarray],
+        submit: Submit,
+        wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.primary = primary
+        self.slot = slot
+        self.index = index
+        self._slabs = list(slabs)
+        self._submit = submit
+        self._wait_s = wait_s
+        self._clock = clock
+        # chunks being stored into RAM, to write once READY -> when to give up on them
+        self._awaited: OrderedDict[OffloadKey, float] = OrderedDict()
+
+    @property
+    def medium(self) -> str:
+        return self.slot.tier.medium
+
+    def start(self, keys: Sequence[OffloadKey], coming: bool = False) -> int:
+        """Hand `keys` (a prefix, in order) off; returns how many leading keys are on their way.
+        `coming`: keys not in RAM will be stored there soon (awaited like those being stored)."""
+        self.poll()
+        now_ready: list[OffloadKey] = []
+        num_promised = 0
+        for key in keys:
+            place = self.primary.place(key)
+            if place == self.primary.medium:
+                now_ready.append(key)
+            elif place is NOT_KNOWN_YET or coming:
+                self._awaited[key] = self._clock() + self._wait_s
+                self._awaited.move_to_end(key)
+            elif self.slot.tier.lookup(key) is not LookupResult.HIT:
+                break
+            num_promised += 1
+        self._write(now_ready)
+        return num_promised
+
+    def ready(self, keys: Sequence[OffloadKey]) -> None:
+        """`keys` just became READY in the CPU tier: write those a hand-off awaits."""
+        if not self._awaited:
+            return
+        wanted = [key for key in keys if self._awaited.pop(key, None) is not None]
+        self._write(wanted)
+
+    def poll(self) -> None:
+        """Write the awaited chunks that became READY another way (read back from a tier behind
+        RAM); give up on those past their deadline (their store failed or was dropped)."""
+        if not self._awaited:
+            return
+        now = self._clock()
+        now_ready = []
+        for key, deadline in list(self._awaited.items()):
+            if self.primary.is_readable(key):
+                now_ready.append(key)
+                del self._awaited[key]
+            elif deadline <= now:
+                del self._awaited[key]
+                self.slot.counters["handoff_failures"] += 1
+        self._write(now_ready)
+
+    def ended(self, flight: Flight, result: TierResult) -> None:
+        """A hand-off write ended (or failed): unpin its slots, count it."""
+        self.slot.record_store(self._clock() - flight.submitted_at)
+        self.primary.complete_load(flight.keys, HANDOFF_CTX)
+        self.slot.counters["handoff_failures"] += len(result.failed_keys)
+        self.slot.counters["handoff_chunks"] += len(flight.keys) - len(result.failed_keys)
+
+    def clear(self) -> None:
+        """A reset: nothing awaited is written any more."""
+        self._awaited.clear()
+
+    def _write(self, keys: list[OffloadKey]) -> None:
+        if not keys:
+            return
+        # pinned while the tier reads them; past the tier's backpressure on purpose
+        spec = self.primary.prepare_load(keys, HANDOFF_CTX)
+        buffers = tuple(
+            tuple(memoryview(slab[int(s)]) for slab in self._slabs) for s in spec.slot_ids
+        )
+        self._submit(FlightKind.HANDOFF, self.index, tuple(keys), HANDOFF_CTX, buffers, ())

@@ -1,0 +1,370 @@
+"""Disaggregated prefill through a shared tier (`kvtier.scheduler.handoff`), without vLLM: two fake
+engines — a producer (prefill) and a consumer (decode) — each drive the real OffloadScheduler, a
+TieredManager and the real worker, over one directory that both engines' real disk tiers use.
+The fake engines check every block a token attends to, so a hand-off that brought the wrong
+bytes raises ContentMismatch.
+
+The producer's writes to the shared directory are held (`HeldTier`) where a test needs the
+consumer to ask before they land: what the consumer sees then does not depend on timing. The
+consumer's disk tier never rescans on its own (`rescan_s=None`): only the hand-off's fresh check
+(`recheck`) can show it what the producer wrote. Its deadline runs on a fake clock.
+
+Block size 4 tokens, chunks of 1 block; prompts of 8 whole chunks and a 2-token tail.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import pytest
+
+from helpers import HANG_S
+from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
+from kvtier.scheduler.params import for_role, parse_kv_transfer_params
+from kvtier.sim import FakeEngine, KVCache
+from kvtier.sim.fake_engine import make_slab
+from kvtier.tiers.cascade import TierRules
+from kvtier.tiers.cpu.manager import CPUTierManager
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.namespace import Namespace
+from kvtier.tiers.remote.redis import RedisStore
+from kvtier.tiers.remote.tier import RemoteTier
+from kvtier.tiers.tiered import TieredManager
+from sched_helpers import UNBOUNDED_DEFERRALS, FakeClock, close_after_test, prompt, run_until_done
+from tier_helpers import HeldTier
+
+NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS = 64, 4, 32
+PROMPT_TOKENS = 8 * BLOCK_SIZE + 2
+# what a decode engine can load of it: whole chunks, at most num_tokens - 1 tokens
+PROMISED_CHUNKS = (PROMPT_TOKENS - 1) // BLOCK_SIZE
+MARKER = {"do_remote_decode": True}
+# the producer's own write-down never writes a chunk: only the hand-off can
+NO_WRITE_DOWN = TierRules(write_mode="on_evict", min_offers=3)
+
+
+class Side:
+    """One engine of the pair: the fake engine, its manager and its tier."""
+
+    def __init__(self, engine: FakeEngine, manager: TieredManager, tier):
+        self.engine = engine
+        self.manager = manager
+        self.tier = tier
+        self.stats = engine.scheduler.stats
+
+    def close(self) -> None:
+        if isinstance(self.tier, HeldTier):
+            self.tier.release()
+        self.manager.close()
+        self.engine.close()
+
+
+def namespace(slot_bytes: int) -> Namespace:
+    return Namespace("sim", "float32", "sim", BLOCK_SIZE, 1, "sha256", 1, slot_bytes)
+
+
+def side(
+    root,
+    role: str,
+    clock: FakeClock,
+    rules: TierRules | None = None,
+    hold: bool = False,
+    tier=None,
+    **config,
+) -> Side:
+    slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
+    if tier is None:
+        disk = DiskTier(
+            root, namespace(slab.rows.shape[1]), 256 * (slab.rows.shape[1] + 4096), rescan_s=None
+        )
+        assert disk.wait_scanned(HANG_S)
+        tier = HeldTier(disk) if hold else disk
+    manager = TieredManager(
+        CPUTierManager(NUM_SLOTS, store_threshold=config.pop("store_threshold", 1)),
+        [slab.rows],
+        [(tier, rules or TierRules())],
+        job_timeout_s=HANG_S,
+    )
+    scheduler_config = SchedulerOffloadConfig(
+        groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),),
+        max_deferrals=UNBOUNDED_DEFERRALS,
+        role=role,
+        **config,
+    )
+    engine = FakeEngine(
+        OffloadScheduler(scheduler_config, manager, clock=clock),
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        clock=clock,
+        slab=slab,
+    )
+    return close_after_test(Side(engine, manager, tier))
+
+
+def prefill(producer: Side, req_id: str, tokens: list[int], **kw) -> dict:
+    req = producer.engine.add_request(req_id, tokens, 1, kv_transfer_params=dict(MARKER), **kw)
+    run_until_done(producer.engine)
+    return req.returned_params
+
+
+def step_a_while(engine: FakeEngine, num_steps: int = 30) -> None:
+    for _ in range(num_steps):
+        engine.step()
+
+
+def handoff_of(params: dict) -> dict:
+    return params["kvtier"]["handoff"]
+
+
+def test_the_consumer_waits_for_what_it_was_promised_and_loads_it(tmp_path):
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, hold=True)
+    consumer = side(tmp_path, "kv_consumer", clock)
+    tokens = prompt(PROMPT_TOKENS, seed=1)
+    params = prefill(producer, "p", tokens)
+    promise = handoff_of(params)
+    assert promise["chunks"] == PROMISED_CHUNKS
+    assert promise["tokens"] == PROMISED_CHUNKS * BLOCK_SIZE
+    assert promise["tier"] == "disk"
+    # the race a store connector alone loses: sent at once, without the promise, nothing is there
+    plain = consumer.engine.add_request("plain", tokens, 2)
+    run_until_done(consumer.engine)
+    assert plain.num_external_tokens == 0
+    consumer.engine.reset_prefix_cache()
+    # with it, the request waits while the writes are held ...
+    req = consumer.engine.add_request("c", tokens, 2, kv_transfer_params=params)
+    step_a_while(consumer.engine)
+    assert req.num_cached_tokens is None and not req.is_finished
+    # ... and loads every promised chunk once they land (the fake engine checks their bytes)
+    producer.tier.release()
+    run_until_done(consumer.engine)
+    assert req.num_external_tokens == PROMISED_CHUNKS * BLOCK_SIZE
+    assert consumer.stats.handoff_waits == 1
+    assert consumer.stats.handoff_timeouts == 0
+    # a consumer stores nothing by default; the producer wrote each promised chunk once
+    assert consumer.stats.store_jobs == 0
+    assert producer.manager.drain(HANG_S)
+    counters = producer.manager.tier_stats()[0].counters
+    assert counters["handoff_chunks"] == PROMISED_CHUNKS
+    assert counters["handoff_failures"] == 0
+    assert counters["cascaded_chunks"] == 0
+    assert producer.stats.handoff_promises == 1
+
+
+def test_past_its_deadline_the_consumer_recomputes_what_did_not_come(tmp_path):
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, hold=True)
+    consumer = side(tmp_path, "kv_consumer", clock, handoff_wait_s=3.0)
+    tokens = prompt(PROMPT_TOKENS, seed=2)
+    params = prefill(producer, "p", tokens)
+    req = consumer.engine.add_request("c", tokens, 2, kv_transfer_params=params)
+    step_a_while(consumer.engine)
+    assert req.num_cached_tokens is None
+    clock.now += 3.0
+    run_until_done(consumer.engine)
+    assert req.num_external_tokens == 0
+    assert consumer.stats.handoff_timeouts == 1
+    # its budget is spent: nothing else makes it wait again
+    assert consumer.engine.scheduler.request_state("c") is None
+
+
+def test_the_wait_is_the_shorter_of_the_consumers_and_the_producers(tmp_path):
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, hold=True)
+    consumer = side(tmp_path, "kv_consumer", clock, handoff_wait_s=1000.0)
+    tokens = prompt(PROMPT_TOKENS, seed=3)
+    params = prefill(producer, "p", tokens)
+    handoff_of(params)["deadline_s"] = 2.0
+    req = consumer.engine.add_request("c", tokens, 2, kv_transfer_params=params)
+    step_a_while(consumer.engine)
+    clock.now += 2.0
+    run_until_done(consumer.engine)
+    assert req.num_external_tokens == 0
+    assert consumer.stats.handoff_timeouts == 1
+
+
+def test_a_promise_for_another_prompt_or_tenant_is_not_awaited(tmp_path):
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, hold=True)
+    consumer = side(tmp_path, "kv_consumer", clock)
+    tokens = prompt(PROMPT_TOKENS, seed=4)
+    params = prefill(producer, "p", tokens)
+    salted = consumer.engine.add_request(
+        "salted", tokens, 2, kv_transfer_params=params, cache_salt="another"
+    )
+    other = consumer.engine.add_request(
+        "other", prompt(PROMPT_TOKENS, seed=5), 2, kv_transfer_params=params
+    )
+    shorter = consumer.engine.add_request("short", tokens[:9], 2, kv_transfer_params=params)
+    # nobody waits: the writes stay held, and the fake clock never moves
+    run_until_done(consumer.engine)
+    assert [r.num_external_tokens for r in (salted, other, shorter)] == [0, 0, 0]
+    assert consumer.stats.handoff_mismatches == 3
+    assert consumer.stats.handoff_waits == 0
+
+
+def test_an_unreachable_tier_ends_the_wait_at_once(tmp_path):
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, hold=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    ns = namespace(make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 1).rows.shape[1])
+    redis = RemoteTier(RedisStore(f"redis://127.0.0.1:{dead}"), ns, start_open=True)
+    consumer = side(tmp_path, "kv_consumer", clock, tier=redis)
+    tokens = prompt(PROMPT_TOKENS, seed=6)
+    params = prefill(producer, "p", tokens)
+    handoff_of(params)["tier"] = "redis"
+    req = consumer.engine.add_request("c", tokens, 2, kv_transfer_params=params)
+    run_until_done(consumer.engine)
+    assert req.num_external_tokens == 0
+    assert consumer.stats.handoff_unreachable == 1
+    assert consumer.stats.handoff_timeouts == 0
+
+
+def test_a_hand_off_passes_ram_admission_and_keeps_a_prefix_ram_held_before(tmp_path):
+    clock = FakeClock()
+    # RAM admits a chunk on its third offer: the hand-off request's own chunks go in anyway
+    producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, store_threshold=3)
+    consumer = side(tmp_path, "kv_consumer", clock)
+    tokens = prompt(PROMPT_TOKENS, seed=7)
+    params = prefill(producer, "p", tokens)
+    assert handoff_of(params)["chunks"] == PROMISED_CHUNKS
+    # a second hand-off of the same prompt finds it in the engine's cache and kvtier's RAM
+    again = prefill(producer, "p2", tokens)
+    assert handoff_of(again)["chunks"] == PROMISED_CHUNKS
+    req = consumer.engine.add_request("c", tokens, 2, kv_transfer_params=again)
+    run_until_done(consumer.engine)
+    assert req.num_external_tokens == PROMISED_CHUNKS * BLOCK_SIZE
+
+
+def test_without_a_shared_tier_the_promise_is_empty_and_nobody_waits(tmp_path):
+    clock = FakeClock()
+    slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
+    config = SchedulerOffloadConfig(
+        groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),), role="kv_producer"
+    )
+    engine = close_after_test(
+        FakeEngine(
+            OffloadScheduler(config, CPUTierManager(NUM_SLOTS), clock=clock),
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            clock=clock,
+            slab=slab,
+        )
+    )
+    req = engine.add_request("p", prompt(PROMPT_TOKENS), 1, kv_transfer_params=dict(MARKER))
+    run_until_done(engine)
+    promise = handoff_of(req.returned_params)
+    assert promise["chunks"] == 0
+    assert promise["key"] == ""
+    assert parse_kv_transfer_params(req.returned_params, "d").handoff.chunks == 0
+
+
+def test_requests_without_the_marker_return_nothing(tmp_path):
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_both", clock)
+    req = producer.engine.add_request("p", prompt(PROMPT_TOKENS), 1)
+    # vLLM's marker on a kv_both engine is a transfer connector's beside kvtier (NIXL)
+    nixl = producer.engine.add_request("n", prompt(PROMPT_TOKENS, 1), 1, kv_transfer_params=MARKER)
+    ours = producer.engine.add_request(
+        "o", prompt(PROMPT_TOKENS, 2), 1, kv_transfer_params={"kvtier": {"remote_decode": True}}
+    )
+    run_until_done(producer.engine)
+    assert req.returned_params is None
+    assert nixl.returned_params is None
+    assert handoff_of(ours.returned_params)["chunks"] == PROMISED_CHUNKS
+    assert producer.stats.handoff_promises == 1
+
+
+A_PROMISE = {"chunks": 1, "tokens": 4, "tier": "redis", "key": "ab"}
+
+
+@pytest.mark.parametrize(
+    ("role", "raw", "load", "store", "remote_decode", "waits"),
+    [
+        ("kv_both", MARKER, True, True, False, False),
+        ("kv_both", {"kvtier": {"remote_decode": True}}, True, True, True, False),
+        ("kv_producer", MARKER, True, True, True, False),
+        ("kv_producer", {"kvtier": {"remote_decode": True}}, True, True, True, False),
+        ("kv_consumer", MARKER, True, False, False, False),
+        ("kv_consumer", {"kvtier": {"store": True}}, True, False, False, False),
+        ("kv_both", {"kvtier": {"handoff": A_PROMISE}}, True, True, False, True),
+        ("kv_producer", {"kvtier": {"handoff": A_PROMISE}}, True, True, False, False),
+    ],
+)  # fmt: skip
+def test_roles_decide_what_a_request_does(role, raw, load, store, remote_decode, waits):
+    params = for_role(parse_kv_transfer_params(raw, "r"), role, consumer_stores=False)
+    assert (params.load, params.store, params.remote_decode) == (load, store, remote_decode)
+    assert (params.handoff is not None) == waits
+
+
+def test_a_consumer_may_be_told_to_store():
+    params = for_role(parse_kv_transfer_params(None, "r"), "kv_consumer", consumer_stores=True)
+    assert params.store
+
+
+@pytest.mark.parametrize(
+    "promise",
+    [
+        "all of it",
+        {"chunks": -1, "tokens": 4, "tier": "redis", "key": "ab"},
+        {"chunks": 1, "tokens": 4.0, "tier": "redis", "key": "ab"},
+        {"chunks": True, "tokens": 4, "tier": "redis", "key": "ab"},
+        {"chunks": 1, "tokens": 4, "tier": None, "key": "ab"},
+        {"chunks": 1, "tokens": 4, "tier": "redis", "key": "not hex"},
+        {"chunks": 1, "tokens": 4, "tier": "redis", "key": ""},
+        {"chunks": 1, "tokens": 4, "tier": "redis", "key": "ab" * 65},
+        {"chunks": 1, "tokens": 4, "tier": "redis", "key": "ab", "deadline_s": -1},
+        {"chunks": 1, "tokens": 4, "tier": "redis", "key": "ab", "deadline_s": float("nan")},
+        {"chunks": 2**63, "tokens": 4, "tier": "redis", "key": "ab"},
+    ],
+)
+def test_a_malformed_promise_is_ignored_with_a_warning(promise, caplog):
+    params = parse_kv_transfer_params({"kvtier": {"handoff": promise}}, "r")
+    assert params.handoff is None
+    assert params.load and params.store
+    assert "no hand-off is awaited" in caplog.text
+
+
+# -- a seeded walk over the real stack --------------------------------------------------
+
+
+def _walk(tmp_path, seed: int) -> None:
+    """Prefills and decodes of random prompts (shared heads, tails, salts), the producer's writes
+    held and released at random points, the consumer's clock moved at random. Checked: the fake
+    engines' block contents (every byte the consumer loads is the producer's KV of that prefix),
+    that no decode request loads more than it was promised nor waits past its deadline, and
+    that one whose promised writes all landed before its deadline loads all of it."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, hold=True)
+    consumer = side(tmp_path, "kv_consumer", clock, handoff_wait_s=5.0)
+    heads = [prompt(rng.choice([8, 16, 24]), seed=rng.randrange(1000)) for _ in range(3)]
+    for i in range(8):
+        tokens = rng.choice(heads) + prompt(rng.randrange(1, 12), seed=rng.randrange(1000))
+        salt = rng.choice([None, None, "t"])
+        params = prefill(producer, f"p{i}", tokens, cache_salt=salt)
+        promised = handoff_of(params)["tokens"]
+        assert promised <= len(tokens) - 1 and promised % BLOCK_SIZE == 0
+        released = rng.random() < 0.7
+        if released:
+            producer.tier.release()
+        consumer.engine.reset_prefix_cache()
+        req = consumer.engine.add_request(
+            f"c{i}", tokens, 2, kv_transfer_params=params, cache_salt=salt
+        )
+        step_a_while(consumer.engine, rng.randrange(1, 10))
+        if not released:
+            clock.now += 5.0
+        run_until_done(consumer.engine)
+        assert req.num_external_tokens <= promised
+        if released:
+            assert req.num_external_tokens == promised, (seed, i)
+    producer.tier.release()
+    assert consumer.stats.handoff_timeouts <= 8
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_seeded_walks_of_prefills_and_decodes(tmp_path, seed):
+    _walk(tmp_path, seed)
