@@ -505,20 +505,23 @@ def deployment(model, redis_server, tmp_path_factory):
     redis_server.ready()
     logs = tmp_path_factory.mktemp("proxy")
     shared = ("--cpu-bytes", "16MiB", "--redis-url", redis_server.url)
-    producer = Server(model, logs / "producer.log", ("--kv-role", "kv_producer", *shared))
-    consumer = Server(model, logs / "consumer.log", ("--kv-role", "kv_consumer", *shared))
+    servers: list[Server] = []
     proxy = None
     try:
-        producer.wait_ready()
-        consumer.wait_ready()
+        # both engines start at once (each start is 20-40 s)
+        for role in ("kv_producer", "kv_consumer"):
+            servers.append(Server(model, logs / f"{role}.log", ("--kv-role", role, *shared)))
+        for server in servers:
+            server.wait_ready()
+        producer, consumer = servers
         proxy = ProxyProcess([producer.url], [consumer.url], logs / "proxy.log")
         proxy.wait_ready()
         yield Deployment(producer, consumer, proxy)
     finally:
         if proxy is not None:
             proxy.stop()
-        producer.stop()
-        consumer.stop()
+        for server in servers:
+            server.stop()
 
 
 def completion_tokens(url: str, body: dict) -> list[int]:

@@ -342,7 +342,23 @@ async def _stream(request: web.Request, upstream: ClientResponse, url: str) -> w
     """Copy `upstream`'s body to the client chunk by chunk, with its status and content type."""
     response = web.StreamResponse(status=upstream.status)
     response.headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
-    await response.prepare(request)
+    try:
+        await response.prepare(request)
+        await _copy_body(request, upstream, response, url)
+    except ConnectionError:
+        # leaving the upstream's context closes its connection: vLLM aborts the request
+        logger.info("a client of decode engine %s went away before the answer's end", url)
+    return response
+
+
+async def _copy_body(
+    request: web.Request, upstream: ClientResponse, response: web.StreamResponse, url: str
+) -> None:
+    """Engine answer `upstream`'s body into client answer `response`, prepared.
+
+    Raises:
+        ConnectionError: the client went away.
+    """
     while True:
         try:
             chunk = await upstream.content.readany()
@@ -351,17 +367,11 @@ async def _stream(request: web.Request, upstream: ClientResponse, url: str) -> w
             logger.warning("decode engine %s broke off its answer: %s", url, exc)
             if request.transport is not None:
                 request.transport.close()
-            return response
+            return
         if not chunk:
             break
-        try:
-            await response.write(chunk)
-        except ConnectionError:
-            # leaving the upstream's context closes its connection: vLLM aborts the request
-            logger.info("a client of decode engine %s went away before the answer's end", url)
-            return response
+        await response.write(chunk)
     await response.write_eof()
-    return response
 
 
 def make_app(settings: ProxySettings) -> web.Application:
