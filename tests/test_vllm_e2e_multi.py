@@ -1,9 +1,11 @@
 """kvtier as a `MultiConnector` child inside real vLLM on CPU, stats logging on (issue 35).
 
 The engine's `kv_transfer_config` names every connector by name only (no module path): vLLM
-resolves "KVTierConnector" through kvtier's registration (`kvtier.integrations.vllm.plugin`), in
-the engine's processes and in the front end, which rebuilds each child's stats by its class name
-(before the registration that failed: "Connector 'KVTierConnector' is not registered").
+resolves "KVTierConnector" through kvtier's registration (`kvtier.integrations.vllm.plugin`). The
+engine's processes are spawned, so they know the name only through kvtier's `vllm.general_plugins`
+entry point (the installed metadata must have it); the front end (this process) also rebuilds each
+child's stats by its class name (before the registration that failed: "Connector
+'KVTierConnector' is not registered").
 
 The children are vLLM's `ExampleConnector` (a safetensors file per layer and prompt, in a temporary
 directory) first and kvtier second: the order users run on GPUs (a transfer connector first, kvtier
@@ -91,19 +93,30 @@ def baseline(plain_llama):
 
 @pytest.fixture(scope="module")
 def with_multi(model, tmp_path_factory):
+    from importlib.metadata import entry_points
+
     from vllm import LLM
 
-    storage = tmp_path_factory.mktemp("example_connector")
-    llm = LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        seed=0,
-        enforce_eager=True,
-        max_model_len=4096,
-        disable_log_stats=False,
-        kv_transfer_config=multi_transfer_config(str(storage)),
+    plugins = {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    assert "kvtier" in plugins, (
+        "the installed kvtier's metadata lacks pyproject.toml's vllm.general_plugins entry point: "
+        "reinstall it (pip install -e .)"
     )
+    storage = tmp_path_factory.mktemp("example_connector")
+    # spawned, not forked: the engine core and the worker start without this process's imports,
+    # so they know "KVTierConnector" only through kvtier's vllm.general_plugins entry point
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        llm = LLM(
+            model=str(model),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            seed=0,
+            enforce_eager=True,
+            max_model_len=4096,
+            disable_log_stats=False,
+            kv_transfer_config=multi_transfer_config(str(storage)),
+        )
     try:
         out = {"metrics": [read_metrics()]}
         # 1. both children store A
