@@ -118,6 +118,26 @@ def test_the_factory_finds_kvtier_by_name():
     assert KVConnectorFactory.supports_hma_config(_multi_config()) is False
 
 
+def test_beside_nixl_the_hybrid_kv_cache_manager_stays_on():
+    """docs/disaggregated.md's layout: NIXL first, kvtier second, both by name. vLLM keeps its
+    hybrid KV-cache manager only if every child supports it (both do); NIXL's class imports
+    without NIXL installed."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    _base_and_ours()
+    children = [
+        {"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
+        {"kv_connector": "KVTierConnector", "kv_role": "kv_both"},
+    ]
+    config = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_producer",
+        kv_connector_extra_config={"connectors": children},
+    )
+    assert KVConnectorFactory.supports_hma_config(config) is True
+
+
 def test_registering_again_is_harmless():
     from kvtier.integrations.vllm.plugin import register_connector, register_with_vllm
 
