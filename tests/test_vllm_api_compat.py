@@ -187,6 +187,29 @@ def test_vllm_general_plugin_registers_in_a_fresh_process():
     assert done.stdout.splitlines()[-1] == "kvtier.integrations.vllm.connector.KVTierConnector"
 
 
+def test_the_package_imports_without_vllm():
+    """Registering is skipped, not an error, where vLLM is absent (simulated: `import vllm` fails);
+    only the connector itself needs vLLM."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "sys.modules['vllm'] = None\n"
+        "import kvtier.integrations.vllm as integration\n"
+        "try:\n"
+        "    integration.KVTierConnector\n"
+        "except ImportError:\n"
+        "    print('connector needs vllm')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "connector needs vllm"
+    assert "Traceback" not in done.stderr
+
+
 def test_multiconnector_front_end_rebuilds_kvtier_stats():
     """The path that failed with "Connector 'KVTierConnector' is not registered": the engine core
     sends a MultiConnector's stats as a dict keyed by each child's class name, msgpack-encoded; the

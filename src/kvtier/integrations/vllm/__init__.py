@@ -1,10 +1,11 @@
 """kvtier inside vLLM: `KVTierConnector`, known to vLLM's connector factory by name
 (`kv_connector="KVTierConnector"`; `kv_connector_module_path="kvtier.integrations.vllm"` works too).
 
-Importing this package registers the name (`plugin.register_connector`) but does not import the
-connector module: `KVTierConnector` and `kv_transfer_config` are imported on first use. vLLM's
-plugin loader imports `kvtier.integrations.vllm.plugin`, hence this package, in every vLLM
-process, whether it serves with kvtier or not.
+Importing this package registers the name (`plugin.register_with_vllm`: a failure is logged, not
+raised, so the module path still works) but does not import the connector module:
+`KVTierConnector` and `kv_transfer_config` are imported on first use. vLLM's plugin loader imports
+`kvtier.integrations.vllm.plugin`, hence this package, in every vLLM process, whether it serves
+with kvtier or not.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kvtier.integrations.vllm.plugin import register_connector
+from kvtier.integrations.vllm.plugin import register_with_vllm
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.connector import KVTierConnector, kv_transfer_config
 
-__all__ = ["KVTierConnector", "kv_transfer_config", "register_connector"]
+__all__ = ["KVTierConnector", "kv_transfer_config"]
 
 _CONNECTOR_EXPORTS = frozenset({"KVTierConnector", "kv_transfer_config"})
 
-register_connector()
+register_with_vllm()
 
 
 def __getattr__(name: str) -> Any:

@@ -20,6 +20,7 @@ front end, engine core and workers import the factory module themselves (read in
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 __all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "register_connector", "register_with_vllm"]
@@ -49,9 +50,15 @@ def register_connector() -> bool:
 
 
 def register_with_vllm() -> None:
-    """The `vllm.general_plugins` entry point. Never raises: vLLM calls a plugin's function outside
-    its own error handling, and every vLLM process on a machine with kvtier installed runs it,
-    kvtier configured or not. A failure is logged; `kv_connector_module_path` still works then."""
+    """The `vllm.general_plugins` entry point, also run by importing `kvtier.integrations.vllm`.
+
+    Never raises: vLLM calls a plugin's function outside its own error handling, and every vLLM
+    process on a machine with kvtier installed runs it, kvtier configured or not. A failure is
+    logged; `kv_connector_module_path` still works then. Without vLLM installed there is nothing to
+    register (kvtier's vLLM-free modules under this package stay importable).
+    """
+    if importlib.util.find_spec("vllm") is None:
+        return
     try:
         register_connector()
     except Exception:
