@@ -52,6 +52,7 @@ def make_llm(
     connector: str | None = None,
     module: str = "kvtier.integrations.vllm",
     extra: dict | None = None,
+    role: str = "kv_both",
     **kwargs,
 ):
     from vllm import LLM
@@ -60,7 +61,7 @@ def make_llm(
 
     transfer = None
     if connector is not None:
-        transfer = kv_transfer_config(connector, module, **(extra or {"cpu_bytes": "1GiB"}))
+        transfer = kv_transfer_config(connector, module, role, **(extra or {"cpu_bytes": "1GiB"}))
     kwargs.setdefault("max_model_len", 4096)
     return LLM(
         model=str(model),
