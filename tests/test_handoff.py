@@ -203,6 +203,19 @@ def test_a_promise_for_another_prompt_or_tenant_is_not_awaited(tmp_path):
     assert consumer.stats.handoff_waits == 0
 
 
+def test_a_promise_from_an_engine_of_another_namespace_is_not_awaited(tmp_path):
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, namespace_id="aa" * 16)
+    consumer = side(tmp_path, "kv_consumer", clock, namespace_id="bb" * 16)
+    tokens = prompt(PROMPT_TOKENS, seed=8)
+    params = prefill(producer, "p", tokens)
+    assert handoff_of(params)["namespace"] == "aa" * 16
+    req = consumer.engine.add_request("c", tokens, 2, kv_transfer_params=params)
+    run_until_done(consumer.engine)
+    assert req.num_external_tokens == 0
+    assert consumer.stats.handoff_mismatches == 1
+
+
 def test_an_unreachable_tier_ends_the_wait_at_once(tmp_path):
     clock = FakeClock()
     producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, hold=True)
@@ -318,6 +331,7 @@ def test_a_consumer_may_be_told_to_store():
         {"chunks": 1, "tokens": 4, "tier": "redis", "key": "ab", "deadline_s": -1},
         {"chunks": 1, "tokens": 4, "tier": "redis", "key": "ab", "deadline_s": float("nan")},
         {"chunks": 2**63, "tokens": 4, "tier": "redis", "key": "ab"},
+        {"chunks": 1, "tokens": 4, "tier": "redis", "key": "ab", "namespace": 7},
     ],
 )
 def test_a_malformed_promise_is_ignored_with_a_warning(promise, caplog):

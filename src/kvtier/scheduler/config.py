@@ -143,6 +143,8 @@ class SchedulerOffloadConfig:
             nothing unless `consumer_stores`.
         handoff_wait_s: a request promised a hand-off waits at most this long for it.
         consumer_stores: a "kv_consumer" stores what it computes too.
+        namespace_id: the engine's namespace (hex; "": not known), which a hand-off's promise
+            names: a decode engine of another namespace does not wait for it.
     """
 
     groups: tuple[GroupSpec, ...] = (GroupSpec(),)
@@ -160,6 +162,7 @@ class SchedulerOffloadConfig:
     role: str = "kv_both"
     handoff_wait_s: float = 5.0
     consumer_stores: bool = False
+    namespace_id: str = ""
 
     def __post_init__(self) -> None:
         for key, check in CHECKS.items():

@@ -16,7 +16,8 @@ prompt. kvtier makes the hand-off a promise:
   other connector's parameters clash with under vLLM's `MultiConnector`:
 
       {"kvtier": {"handoff": {"tokens": 896, "chunks": 56, "tier": "redis",
-                              "deadline_s": 20.0, "key": "<hex of the last promised chunk>"}}}
+                              "deadline_s": 20.0, "key": "<hex of the last promised chunk>",
+                              "namespace": "<hex of the producer's namespace id>"}}}
 
   `chunks` counts the leading chunks that are on their way (readable or being stored in RAM, or
   known to the hand-off tier): a chunk RAM has no room for, or a tier that is down when the
@@ -24,8 +25,9 @@ prompt. kvtier makes the hand-off a promise:
   that fails after the promise was made is counted on the producer (`handoff_failures` of the
   tier), and costs the consumer its wait: it recomputes what did not come, at its deadline.
   `deadline_s` is how long the producer's writes may still take (its engine and tier job
-  timeouts); `key` names the prompt: a decode request whose own chunk there differs (another
-  prompt, another `cache_salt`, another namespace) does not wait for it.
+  timeouts); `key` and `namespace` name the prompt and what its bytes mean: a decode request
+  whose own chunk there differs (another prompt, another `cache_salt`) or whose engine's
+  namespace differs (other weights, dtype, layout) does not wait for it.
 - **The consumer** (`kv_role` "kv_consumer" or "kv_both"): a request carrying a promise loads
   the promised chunks whatever the load-or-recompute decision would say (a decode engine is not
   there to prefill), and while some are not visible yet answers "ask again" — each time telling
@@ -104,7 +106,9 @@ class Handoffs:
             key = state.keys(0, num_chunks - 1, num_chunks)[0]
         self.stats.handoff_promises += 1
         self.stats.handoff_promised_chunks += num_chunks
-        promise = HandoffPromise(num_chunks, num_chunks * size, medium, self._deadline_s, key)
+        promise = HandoffPromise(
+            num_chunks, num_chunks * size, medium, self._deadline_s, key, self.config.namespace_id
+        )
         return promise.as_params()
 
     def _hand_off(self, state: RequestOffloadState, end: int) -> int:
@@ -139,7 +143,9 @@ class Handoffs:
         own_key = None
         if promise.chunks <= max_chunks:
             own_key = state.keys(0, promise.chunks - 1, promise.chunks)[0]
-        if own_key != promise.key:
+        ours = self.config.namespace_id
+        other_namespace = bool(ours and promise.namespace and promise.namespace != ours)
+        if own_key != promise.key or other_namespace:
             state.handoff_over = True
             self.stats.handoff_mismatches += 1
             logger.warning(

@@ -32,6 +32,8 @@ class HandoffPromise:
     deadline_s: float
     # the last promised chunk's key (group 0)
     key: bytes
+    # the producer's namespace (hex; "": not known)
+    namespace: str = ""
 
     def as_params(self) -> dict[str, Any]:
         """The promise as `request_finished` returns it (JSON-safe)."""
@@ -43,6 +45,7 @@ class HandoffPromise:
                     "tier": self.tier,
                     "deadline_s": self.deadline_s,
                     "key": self.key.hex(),
+                    "namespace": self.namespace,
                 }
             }
         }
@@ -72,7 +75,10 @@ def parse_promise(value: Any, req_id: str) -> HandoffPromise | None:
         key_bytes = None
     if key_bytes is None or len(key_bytes) > _MAX_KEY_BYTES or (chunks and not key_bytes):
         return _refused(req_id, "needs the hex key of its last chunk")
-    return HandoffPromise(chunks, tokens, tier, float(deadline), key_bytes)
+    namespace = value.get("namespace", "")
+    if not isinstance(namespace, str) or len(namespace) > 64:
+        return _refused(req_id, "has a namespace that is not a hex id")
+    return HandoffPromise(chunks, tokens, tier, float(deadline), key_bytes, namespace)
 
 
 def _refused(req_id: str, why: str) -> None:

@@ -102,7 +102,10 @@ class SchedulerSide:
         except BaseException:
             self.shutdown()
             raise
-        self.core = OffloadScheduler(scheduler_config(cfg, vllm_config, layout), self.manager)
+        config = scheduler_config(cfg, vllm_config, layout)
+        # a hand-off's promise names it
+        config = dataclasses.replace(config, namespace_id=namespace.id_hex)
+        self.core = OffloadScheduler(config, self.manager)
         # vLLM's BlockPool (lazy store mode reads its free queue)
         self._block_pool: Any = None
         self._events: KVEventTranslator | None = None
