@@ -382,3 +382,25 @@ def _walk(tmp_path, seed: int) -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_seeded_walks_of_prefills_and_decodes(tmp_path, seed):
     _walk(tmp_path, seed)
+
+
+# -- review findings ----------------------------------------------------------------------
+
+
+def _dead_redis() -> RemoteTier:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    ns = namespace(make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 1).rows.shape[1])
+    return RemoteTier(RedisStore(f"redis://127.0.0.1:{dead}"), ns, start_open=True)
+
+
+def test_a_hand_off_tier_that_is_down_when_the_request_ends_empties_the_promise(tmp_path):
+    """Defect: the docs say a tier that is down when the request ends shortens the promise; the
+    producer promised every chunk RAM held, to a tier whose breaker was open, so a decode engine
+    that still reaches the tier waits its whole deadline for writes that were refused at once."""
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_producer", clock, tier=_dead_redis())
+    params = prefill(producer, "p", prompt(PROMPT_TOKENS, seed=30))
+    assert handoff_of(params)["tier"] == "redis"
+    assert handoff_of(params)["chunks"] == 0

@@ -11,7 +11,8 @@ a chunk that was in RAM before this request came — so a hand-off writes its ch
   never does (its store failed, or a reset dropped it) is given up on at its deadline
   (`poll`) and counted as a failure;
 - a chunk the CPU tier does not hold counts as on its way only if the hand-off tier says it
-  holds it (its `lookup` is HIT): the promise ends before the first chunk that is neither.
+  holds it (its `lookup` is HIT): the promise ends before the first chunk that is neither;
+- nothing is on its way while the hand-off tier is unreachable (`SecondaryTier.is_reachable`).
 
 A write the tier refuses or fails is counted (`handoff_failures` of that tier); the decode
 engine, promised it, waits for it until its own deadline and then recomputes it.
@@ -80,6 +81,10 @@ class HandOffs:
         """Hand `keys` (a prefix, in order) off; returns how many leading keys are on their way.
         `coming`: keys not in RAM will be stored there soon (awaited like those being stored)."""
         self.poll()
+        if not self.slot.tier.is_reachable:
+            # its writes would be refused at once (an open breaker): promising them would cost a
+            # decode engine that still reaches the tier its whole wait
+            return 0
         now_ready: list[OffloadKey] = []
         num_promised = 0
         for key in keys:
