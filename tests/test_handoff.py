@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import socket
+import time
 
 import pytest
 
@@ -26,7 +27,7 @@ from kvtier.sim import FakeEngine, KVCache
 from kvtier.sim.fake_engine import make_slab
 from kvtier.tiers.cascade import TierRules
 from kvtier.tiers.cpu.manager import CPUTierManager
-from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.disk.tier import _RECHECK_EVERY_S, DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote.redis import RedisStore
 from kvtier.tiers.remote.tier import RemoteTier
@@ -385,6 +386,59 @@ def test_seeded_walks_of_prefills_and_decodes(tmp_path, seed):
 
 
 # -- review findings ----------------------------------------------------------------------
+
+
+def _disk(root, num_files: int) -> DiskTier:
+    row_bytes = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 1).rows.shape[1]
+    # a chunk file of these tests takes 8 KiB
+    disk = DiskTier(root, namespace(row_bytes), num_files * 8192, rescan_s=None)
+    assert disk.wait_scanned(HANG_S)
+    assert disk.capacity_files == num_files
+    return disk
+
+
+def _decode(consumer: Side, req_id: str, tokens: list[int], params: dict):
+    """A decode request, stepped until it ends or its tiers had every chance to show it the
+    promised chunks: each step's fresh look (at most one a `_RECHECK_EVERY_S`) ends before the
+    next step."""
+    req = consumer.engine.add_request(req_id, tokens, 2, kv_transfer_params=params)
+    for _ in range(30):
+        if req.is_finished:
+            break
+        consumer.engine.step()
+        assert consumer.tier.drain(HANG_S)
+        time.sleep(_RECHECK_EVERY_S)
+    return req
+
+
+def _handed_off(producer: Side) -> None:
+    """The producer's stores end, and its hand-off writes with them."""
+    step_a_while(producer.engine)
+    assert producer.manager.drain(HANG_S)
+    producer.manager.stats()
+    assert producer.manager.drain(HANG_S)
+
+
+def test_a_consumer_whose_disk_index_is_full_still_sees_new_hand_offs(tmp_path):
+    """A decode engine's disk tier adopted other engines' files only into free room, and forgets
+    none whose file another engine deleted: once it had adopted `capacity` files of earlier
+    hand-offs (which the producer evicts as it writes new ones), it never saw a new hand-off, and
+    every later decode request waited its whole deadline and recomputed the prompt."""
+    clock = FakeClock()
+    # both engines' directories hold 10 chunk files; a prompt hands off 8
+    producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, tier=_disk(tmp_path, 10))
+    consumer = side(tmp_path, "kv_consumer", clock, handoff_wait_s=5.0, tier=_disk(tmp_path, 10))
+    for i in range(3):
+        tokens = prompt(PROMPT_TOKENS, seed=20 + i)
+        params = prefill(producer, f"p{i}", tokens)
+        assert handoff_of(params)["chunks"] == PROMISED_CHUNKS
+        _handed_off(producer)
+        req = _decode(consumer, f"c{i}", tokens, params)
+        # (a consumer that never saw the chunks is still waiting: its deadline passes now)
+        clock.now += 5.0
+        run_until_done(consumer.engine)
+        assert req.num_external_tokens == PROMISED_CHUNKS * BLOCK_SIZE, f"prompt {i}"
+    assert consumer.stats.handoff_timeouts == 0
 
 
 def _dead_redis() -> RemoteTier:

@@ -70,6 +70,8 @@ class DiskIndex:
         # keys whose old file this tier decided to delete (evicted, corrupt, reset) but left to the
         # store writing them again (its rename replaces it; if it fails, the file is this tier's to delete)
         self.left_for_store: set[OffloadKey] = set()
+        # keys a request waits for (`DiskTier.recheck`): the next `adopt` takes them past free room
+        self.wanted: set[OffloadKey] = set()
         self._policy_spec = policy_spec
         self._cond = cond
         self._retention: RetentionBook | None = None
@@ -211,13 +213,36 @@ class DiskIndex:
         return victims
         return victims
 
-    def adopt(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-        """Add files other engines wrote, into free room only; returns the keys adopted."""
-        room = self.capacity_files - len(self.policy) - len(self.pending)
+    def want(self, keys: Sequence[OffloadKey]) -> bool:
+        """A request waits for `keys`: the next `adopt` takes those not READY; True if any."""
+        missing = [key for key in keys if not self.is_ready(key)]
+        self.wanted.update(missing)
+        return bool(missing)
+
+    def adopt(self, keys: Sequence[OffloadKey]) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        """Add files other engines wrote, into free room only (never evicting ours for them) —
+        except `wanted` keys, which a request waits for (`DiskTier.recheck`): room is made for
+        those by forgetting the keys the policy would evict, whose files are left alone (another
+        engine's, maybe deleted by it already: a decode engine that stores nothing fills its index
+        with hand-offs the prefill engine evicts since, and without this never saw a new one).
+
+        Returns:
+            The keys adopted, and the keys forgotten for them.
+        """
+        wanted = self.wanted
+        self.wanted = set()
         new = [key for key in keys if not self.holds(key) and key not in self.busy]
-        adopted = new[: max(room, 0)]
+        room = max(self.capacity_files - len(self.policy) - len(self.pending), 0)
+        needed = [key for key in new if key in wanted]
+        forgotten: list[OffloadKey] = []
+        if len(needed) > room:
+            forgotten = self.policy.evict(len(needed) - room, Spared((), self.pinned)) or []
+            self.quotas.release(forgotten)
+            room += len(forgotten)
+        others = [key for key in new if key not in wanted]
+        adopted = (needed + others)[:room]
         self.policy.insert(adopted)
-        return adopted
+        return adopted, forgotten
 
     def clear(self) -> None:
         """Forget every key (`reset()`); claims in `busy` stay with their threads."""
@@ -226,3 +251,4 @@ class DiskIndex:
         self.pending.clear()
         self.pinned.clear()
         self.left_for_store.clear()
+        self.wanted.clear()

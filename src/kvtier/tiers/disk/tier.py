@@ -12,7 +12,8 @@ and the index in agreement (scans, the reset sweep, deletions).
   `rescan_s` adopts files that other engines sharing the directory wrote.
 - Start-up: spares a previous run left are adopted, the directory is scanned, the newest
   `capacity_files` files are indexed (with what was stored meanwhile) and the rest become
-  spares. Rescans adopt files into free room only; a scan that a reset overtook changes nothing.
+  spares. Rescans adopt files into free room only (and those a hand-off waits for: `recheck`);
+  a scan that a reset overtook changes nothing.
 - A store in flight at `reset()` (its ticket is gone) deletes its own file instead of publishing.
   Evicted files become spares later stores overwrite (`files`); lost or corrupt ones are unlinked.
 - A file is deleted only while the key is neither READY nor being written: else it is left
@@ -167,14 +168,12 @@ class DiskTier(SecondaryTier):
         return LookupResult.HIT if hit else LookupResult.MISS
 
     def recheck(self, keys: Sequence[OffloadKey]) -> None:
-        """Adopt what other engines wrote now, not at the next `rescan_s` (one rescan at a time, at
-        most one per `_RECHECK_EVERY_S`: a waiting request asks every step)."""
+        """Adopt what other engines wrote now, `keys` even into a full index (`DiskIndex.want`)."""
         with self._lock:
-            is_known = all(self._index.is_ready(key) for key in keys)
-        now = time.monotonic()
-        if is_known or now - self._rechecked_at < _RECHECK_EVERY_S:
+            is_known = not self._index.want(keys)
+        if is_known or time.monotonic() - self._rechecked_at < _RECHECK_EVERY_S:
             return
-        self._rechecked_at = now
+        self._rechecked_at = time.monotonic()
         self._rescan_soon()
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
@@ -416,7 +415,9 @@ class DiskTier(SecondaryTier):
             if generation != self._generation:
                 # a reset came during the scan: these files are being deleted
                 return
-            self._book.emit(self._index.adopt(found.keys), removed=False)
+            adopted, forgotten = self._index.adopt(found.keys)
+            self._book.emit(forgotten, removed=True)
+            self._book.emit(adopted, removed=False)
 
     def reset(self) -> None:
         with self._lock:
