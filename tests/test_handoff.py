@@ -22,6 +22,7 @@ import pytest
 
 from helpers import HANG_S
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
+from kvtier.scheduler.config import GroupKind
 from kvtier.scheduler.params import for_role, parse_kv_transfer_params
 from kvtier.sim import FakeEngine, KVCache
 from kvtier.sim.fake_engine import make_slab
@@ -397,11 +398,11 @@ def _disk(root, num_files: int) -> DiskTier:
     return disk
 
 
-def _decode(consumer: Side, req_id: str, tokens: list[int], params: dict):
+def _decode(consumer: Side, req_id: str, tokens: list[int], params: dict, **kw):
     """A decode request, stepped until it ends or its tiers had every chance to show it the
     promised chunks: each step's fresh look (at most one a `_RECHECK_EVERY_S`) ends before the
     next step."""
-    req = consumer.engine.add_request(req_id, tokens, 2, kv_transfer_params=params)
+    req = consumer.engine.add_request(req_id, tokens, 2, kv_transfer_params=params, **kw)
     for _ in range(30):
         if req.is_finished:
             break
@@ -458,3 +459,57 @@ def test_a_hand_off_tier_that_is_down_when_the_request_ends_empties_the_promise(
     params = prefill(producer, "p", prompt(PROMPT_TOKENS, seed=30))
     assert handoff_of(params)["tier"] == "redis"
     assert handoff_of(params)["chunks"] == 0
+
+
+HYBRID = (
+    GroupSpec(tokens_per_block=BLOCK_SIZE),
+    GroupSpec(GroupKind.SLIDING_WINDOW, BLOCK_SIZE, sliding_window=8),
+)
+
+
+def hybrid_side(root, role: str, clock: FakeClock, quota: int | None = None, **config) -> Side:
+    """A side whose model has a full-attention and a sliding-window KV-cache group; `quota`: the
+    CPU slots a request of tenant "t" may hold."""
+    slab = make_slab(KVCache(len(HYBRID), NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
+    row_bytes = slab.rows.shape[1]
+    disk = DiskTier(root, namespace(row_bytes), 256 * (row_bytes + 4096), rescan_s=None)
+    assert disk.wait_scanned(HANG_S)
+    quotas = None if quota is None else {"t": quota}
+    manager = TieredManager(
+        CPUTierManager(NUM_SLOTS, tenant_quotas=quotas),
+        [slab.rows],
+        [(disk, NO_WRITE_DOWN)],
+        job_timeout_s=HANG_S,
+    )
+    scheduler_config = SchedulerOffloadConfig(
+        groups=HYBRID, max_deferrals=UNBOUNDED_DEFERRALS, role=role, **config
+    )
+    engine = FakeEngine(
+        OffloadScheduler(scheduler_config, manager, clock=clock),
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        clock=clock,
+        slab=slab,
+    )
+    return close_after_test(Side(engine, manager, disk))
+
+
+def test_a_shortened_promise_of_a_hybrid_model_brings_its_window_too(tmp_path):
+    """Defect: a promise cut short at chunk c (here: RAM's quota kept the tenant's last chunks
+    out) promised c chunks, but the sliding-window group's chunks were handed off only for the
+    whole prompt's window: those in the window before chunk c, which a decode engine needs to
+    load c chunks, never came, and it waited its whole deadline to load nothing."""
+    clock = FakeClock()
+    # RAM holds 10 chunks of tenant "t": the first 5 chunks of both groups
+    producer = hybrid_side(tmp_path, "kv_producer", clock, quota=10)
+    consumer = hybrid_side(tmp_path, "kv_consumer", clock, handoff_wait_s=5.0)
+    tokens = prompt(PROMPT_TOKENS, seed=40)
+    params = prefill(producer, "p", tokens, cache_salt="t")
+    promised = handoff_of(params)["chunks"]
+    assert 0 < promised < PROMISED_CHUNKS
+    _handed_off(producer)
+    req = _decode(consumer, "c", tokens, params, cache_salt="t")
+    clock.now += 5.0
+    run_until_done(consumer.engine)
+    assert req.num_external_tokens == promised * BLOCK_SIZE
+    assert consumer.stats.handoff_timeouts == 0

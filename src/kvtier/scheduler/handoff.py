@@ -114,19 +114,30 @@ class Handoffs:
     def _hand_off(self, state: RequestOffloadState, end: int) -> int:
         """Hand chunks [0, end) off (each group's that a decode engine needs); the leading chunks on
         their way. A request whose load is still in flight stores its computed chunks once the load
-        is reported: they are counted as coming."""
-        firsts = {
-            gs.group: gs.spec.first_needed_chunk(end)
-            for gs in state.group_states
-            if gs.spec.kind is not GroupKind.UNSUPPORTED
-        }
-        keys, chunks = state.chunk_major(firsts, end)
+        is reported: they are counted as coming.
+
+        A promise cut short at chunk c needs a sliding-window group's chunks in the window before c,
+        which the window before `end` did not include: those are handed off too (and, if one of
+        them is not on its way either, the promise is cut again)."""
+        groups = [gs for gs in state.group_states if gs.spec.kind is not GroupKind.UNSUPPORTED]
+        # each group's chunks from this one on were handed off already
+        handed_from = {gs.group: end for gs in groups}
         is_loading = state.load_job_id is not None
-        num_keys = self.manager.hand_off(keys, state.req_context, coming=is_loading)
-        if num_keys >= len(keys):
-            return end
-        # chunk-major: the chunk of the first key not on its way is the first one not promised
-        return chunks[num_keys][1]
+        while end > 0:
+            firsts = {gs.group: gs.spec.first_needed_chunk(end) for gs in groups}
+            keys, chunks = state.chunk_major(firsts, end)
+            new = [i for i, (g, c) in enumerate(chunks) if c < handed_from[g]]
+            for group, first in firsts.items():
+                handed_from[group] = min(handed_from[group], first)
+            new_keys = [keys[i] for i in new]
+            if not new_keys:
+                return end
+            num_keys = self.manager.hand_off(new_keys, state.req_context, coming=is_loading)
+            if num_keys >= len(new_keys):
+                return end
+            # chunk-major: the chunk of the first key not on its way is the first one not promised
+            end = chunks[new[num_keys]][1]
+        return 0
 
     # -- the consumer -------------------------------------------------------------------
 
