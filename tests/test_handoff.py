@@ -467,18 +467,24 @@ HYBRID = (
 )
 
 
-def hybrid_side(root, role: str, clock: FakeClock, quota: int | None = None, **config) -> Side:
-    """A side whose model has a full-attention and a sliding-window KV-cache group; `quota`: the
-    CPU slots a request of tenant "t" may hold."""
+def hybrid_side(
+    root, role: str, clock: FakeClock, quota: int | None = None, tier=None, **config
+) -> Side:
+    """A side whose model has a full-attention and a sliding-window KV-cache group, over a disk
+    tier in `root` unless `tier` is given (a function of the namespace); `quota`: the CPU slots a
+    request of tenant "t" may hold."""
     slab = make_slab(KVCache(len(HYBRID), NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
     row_bytes = slab.rows.shape[1]
-    disk = DiskTier(root, namespace(row_bytes), 256 * (row_bytes + 4096), rescan_s=None)
-    assert disk.wait_scanned(HANG_S)
+    if tier is None:
+        tier = DiskTier(root, namespace(row_bytes), 256 * (row_bytes + 4096), rescan_s=None)
+        assert tier.wait_scanned(HANG_S)
+    else:
+        tier = tier(namespace(row_bytes))
     quotas = None if quota is None else {"t": quota}
     manager = TieredManager(
         CPUTierManager(NUM_SLOTS, tenant_quotas=quotas),
         [slab.rows],
-        [(disk, NO_WRITE_DOWN)],
+        [(tier, NO_WRITE_DOWN)],
         job_timeout_s=HANG_S,
     )
     scheduler_config = SchedulerOffloadConfig(
@@ -491,7 +497,7 @@ def hybrid_side(root, role: str, clock: FakeClock, quota: int | None = None, **c
         clock=clock,
         slab=slab,
     )
-    return close_after_test(Side(engine, manager, disk))
+    return close_after_test(Side(engine, manager, tier))
 
 
 def test_a_shortened_promise_of_a_hybrid_model_brings_its_window_too(tmp_path):
@@ -512,4 +518,55 @@ def test_a_shortened_promise_of_a_hybrid_model_brings_its_window_too(tmp_path):
     clock.now += 5.0
     run_until_done(consumer.engine)
     assert req.num_external_tokens == promised * BLOCK_SIZE
+    assert consumer.stats.handoff_timeouts == 0
+
+
+def test_a_hybrid_models_wait_looks_afresh_for_its_window_chunks_too(tmp_path, redis_server):
+    """Defect: each step of a wait made the tiers look afresh for the full-attention groups' chunks
+    only: a sliding-window chunk found absent when the request first asked stayed absent in the
+    shared tier's memory (`absent_ttl_s`), and the request waited its whole deadline."""
+    server = redis_server.ready()
+    clock = FakeClock()
+
+    def redis(ns: Namespace, **kw) -> RemoteTier:
+        return RemoteTier(RedisStore(server.url), ns, **kw)
+
+    held = []
+
+    def producer_tier(ns: Namespace) -> HeldTier:
+        held.append(HeldTier(redis(ns), hold_stores=False))
+        return held[0]
+
+    producer = hybrid_side(tmp_path, "kv_producer", clock, tier=producer_tier)
+    # an absence is remembered longer than any wait here
+    consumer = hybrid_side(
+        tmp_path, "kv_consumer", clock, tier=lambda ns: redis(ns, absent_ttl_s=1e6)
+    )
+    tokens = prompt(PROMPT_TOKENS, seed=50)
+    # a longer prompt of the same head first: the consumer's RAM gets every full-attention chunk
+    # of `tokens` and the window of the longer one, not `tokens`' own window
+    longer = tokens[: 8 * BLOCK_SIZE] + prompt(BLOCK_SIZE + 2, seed=51)
+    first = _decode(consumer, "c0", longer, prefill(producer, "p0", longer))
+    run_until_done(consumer.engine)
+    assert first.num_external_tokens == 9 * BLOCK_SIZE
+    consumer.engine.reset_prefix_cache()
+    # the hand-off of `tokens` is held: its window chunk the consumer lacks is absent when it asks
+    held[0].hold_stores = True
+    params = prefill(producer, "p", tokens)
+    assert handoff_of(params)["chunks"] == PROMISED_CHUNKS
+    req = consumer.engine.add_request("c", tokens, 2, kv_transfer_params=params)
+    for _ in range(5):
+        consumer.engine.step()
+        assert consumer.tier.drain(HANG_S)
+    assert req.num_cached_tokens is None
+    # it lands; each step now looks afresh (a probe and a read a chunk, in the background)
+    held[0].release()
+    _handed_off(producer)
+    deadline = time.monotonic() + HANG_S
+    while not req.is_finished and time.monotonic() < deadline:
+        consumer.engine.step()
+        assert consumer.tier.drain(HANG_S)
+    clock.now += 5.0
+    run_until_done(consumer.engine)
+    assert req.num_external_tokens == PROMISED_CHUNKS * BLOCK_SIZE
     assert consumer.stats.handoff_timeouts == 0

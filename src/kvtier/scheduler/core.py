@@ -173,8 +173,9 @@ class OffloadScheduler:
         if start >= max_chunks:
             return self._answer(state, num_local, 0)
         scan = scan_hits(state, self.manager, self._jobs.loading_keys, start, max_chunks)
-        if scan.end_chunk < min(promised, max_chunks):
-            if self._handoffs.may_wait(state, scan.end_chunk):
+        target = min(promised, max_chunks)
+        if scan.end_chunk < target:
+            if self._handoffs.may_wait(state, scan.end_chunk, target):
                 return None, False
         elif scan.must_wait and may_defer(state, self.config, self._clock(), self.stats):
             return None, False

@@ -171,10 +171,12 @@ class Handoffs:
         self.stats.handoff_waits += 1
         return promise.chunks
 
-    def may_wait(self, state: RequestOffloadState, end_chunk: int) -> bool:
-        """Chunks [end_chunk, promised) are not loadable yet: True to ask again next step (the tiers
-        look for them afresh); False once the wait is over (counted), and the request then loads
-        what came and recomputes the rest, waiting for nothing more."""
+    def may_wait(self, state: RequestOffloadState, end_chunk: int, target: int) -> bool:
+        """Not all of chunks [0, target) are loadable yet, only up to `end_chunk`: True to ask again
+        next step (the tiers look afresh for what is missing: each full-attention group's chunks
+        from `end_chunk` on, each sliding-window group's window before `target`); False once the
+        wait is over (counted), and the request then loads what came and recomputes the rest,
+        waiting for nothing more."""
         promise = state.params.handoff
         if promise is None or not self.manager.is_reachable(promise.tier):
             self.stats.handoff_unreachable += 1
@@ -186,7 +188,10 @@ class Handoffs:
             return False
         for gs in state.group_states:
             if gs.spec.kind is GroupKind.FULL:
-                self.manager.recheck(state.keys(gs.group, end_chunk, state.handoff_chunks))
+                self.manager.recheck(state.keys(gs.group, end_chunk, target))
+            elif gs.spec.kind is GroupKind.SLIDING_WINDOW:
+                first = gs.spec.first_needed_chunk(target)
+                self.manager.recheck(state.keys(gs.group, first, target))
         self.stats.deferrals += 1
         return True
 
