@@ -21,6 +21,9 @@ import time
 import pytest
 
 from helpers import HANG_S
+from kvtier.build import build_manager
+from kvtier.config import KVTierConfig
+from kvtier.keys import OFFLOAD_KEY_BYTES
 from kvtier.scheduler import GroupSpec, OffloadScheduler, SchedulerOffloadConfig
 from kvtier.scheduler.config import GroupKind
 from kvtier.scheduler.params import for_role, parse_kv_transfer_params
@@ -86,6 +89,8 @@ def side(
         [slab.rows],
         [(tier, rules or TierRules())],
         job_timeout_s=HANG_S,
+        # the directory is shared: the tests' engines run side by side
+        handoff_tier=tier.medium,
     )
     scheduler_config = SchedulerOffloadConfig(
         groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),),
@@ -486,6 +491,7 @@ def hybrid_side(
         [slab.rows],
         [(tier, NO_WRITE_DOWN)],
         job_timeout_s=HANG_S,
+        handoff_tier=tier.medium,
     )
     scheduler_config = SchedulerOffloadConfig(
         groups=HYBRID, max_deferrals=UNBOUNDED_DEFERRALS, role=role, **config
@@ -570,3 +576,23 @@ def test_a_hybrid_models_wait_looks_afresh_for_its_window_chunks_too(tmp_path, r
     run_until_done(consumer.engine)
     assert req.num_external_tokens == PROMISED_CHUNKS * BLOCK_SIZE
     assert consumer.stats.handoff_timeouts == 0
+
+
+@pytest.mark.parametrize(("handoff_tier", "medium"), [(None, None), ("disk", "disk")])
+def test_a_local_disk_is_the_hand_off_tier_only_when_named(tmp_path, handoff_tier, medium):
+    """Defect: with no shared tier configured, hand-offs went to the first tier, an engine's own
+    `disk_path` (the docs: "the first shared tier"; "a manager without a shared tier hands nothing
+    off"). A prefill engine promised every prompt there, and a decode engine with a disk of its
+    own waited its whole deadline each time for chunks written to another machine's disk."""
+    slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
+    raw = {"disk_path": str(tmp_path), "disk_bytes": 64 * 8192}
+    if handoff_tier is not None:
+        raw["handoff_tier"] = handoff_tier
+    cfg = KVTierConfig.from_dict(raw)
+    ns = namespace(slab.rows.shape[1])
+    manager = build_manager(cfg, NUM_SLOTS, OFFLOAD_KEY_BYTES, [slab.rows], ns)
+    try:
+        assert manager.handoff_medium == medium
+    finally:
+        manager.close()
+        slab.close()

@@ -95,7 +95,8 @@ class TieredManager(OffloadingManager):
         job_timeout_s: how long a tier job may take before the manager gives up on it (see
             `kvtier.tiers.flights`).
         handoff_tier: the `medium` of the secondary tier hand-offs go to (`kvtier.tiers.handoff`);
-            "" picks the first shared one (a `REMOTE` tier), else the first; None: no hand-off.
+            "" picks the first shared one (a `REMOTE` tier), else none: a disk tier is shared only
+            if its directory is, which this engine cannot know (named, it is used); None: none.
         handoff_store_s: how long a handed-off chunk may take to be stored into RAM first.
     """
 
@@ -164,7 +165,9 @@ class TieredManager(OffloadingManager):
                 )
         else:
             shared = [i for i, s in enumerate(self._tiers) if _is_shared(s.tier.medium)]
-            index = shared[0] if shared else 0
+            if not shared:
+                return None
+            index = shared[0]
         return HandOffs(self.primary, self._tiers[index], index, self._slabs, self._submit, store_s)
 
     @property

@@ -128,7 +128,7 @@ class SchedulerSide:
         if role == "kv_producer" and self.manager.handoff_medium is None:
             logger.warning(
                 "kvtier: kv_role kv_producer without a shared tier (redis, s3, or a disk_path "
-                "the decode engines share): nothing can be handed off"
+                "the decode engines share, with handoff_tier: disk): nothing can be handed off"
             )
         logger.info(
             "kvtier: %s; CPU tier of %d slots per worker (cpu_bytes %d for %d worker(s)), "
