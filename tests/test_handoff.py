@@ -596,3 +596,22 @@ def test_a_local_disk_is_the_hand_off_tier_only_when_named(tmp_path, handoff_tie
     finally:
         manager.close()
         slab.close()
+
+
+def test_a_hand_off_that_does_not_store_promises_only_what_is_stored(tmp_path):
+    """Defect: a request whose load was still in flight when it ended had every chunk not in RAM
+    counted as coming, also when it stores nothing ({"store": false}): the promise named chunks
+    that were never written, and its decode engine waited its whole deadline for them."""
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_producer", clock)
+    head = prompt(4 * BLOCK_SIZE, seed=60)
+    tokens = head + prompt(4 * BLOCK_SIZE + 2, seed=61)
+    # the head is in RAM; the engine's own cache forgets it, so the next request loads it
+    prefill(producer, "p0", head + [1])
+    producer.engine.reset_prefix_cache()
+    req = producer.engine.add_request(
+        "p", tokens, 1, kv_transfer_params={"kvtier": {"remote_decode": True, "store": False}}
+    )
+    run_until_done(producer.engine)
+    assert req.num_external_tokens == 4 * BLOCK_SIZE
+    assert handoff_of(req.returned_params)["chunks"] == 4

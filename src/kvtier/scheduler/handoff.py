@@ -122,7 +122,8 @@ class Handoffs:
         groups = [gs for gs in state.group_states if gs.spec.kind is not GroupKind.UNSUPPORTED]
         # each group's chunks from this one on were handed off already
         handed_from = {gs.group: end for gs in groups}
-        is_loading = state.load_job_id is not None
+        # (a request that stores nothing stores nothing then either)
+        is_loading = state.load_job_id is not None and state.params.store
         while end > 0:
             firsts = {gs.group: gs.spec.first_needed_chunk(end) for gs in groups}
             keys, chunks = state.chunk_major(firsts, end)
