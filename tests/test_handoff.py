@@ -615,3 +615,28 @@ def test_a_hand_off_that_does_not_store_promises_only_what_is_stored(tmp_path):
     run_until_done(producer.engine)
     assert req.num_external_tokens == 4 * BLOCK_SIZE
     assert handoff_of(req.returned_params)["chunks"] == 4
+
+
+def test_a_request_preempted_after_its_hand_off_came_does_not_wait_for_it_again(tmp_path):
+    """Defect: a decode request that had loaded its hand-off, preempted past its deadline and
+    asked again while the chunks were being read back into RAM, counted a hand-off timeout (and
+    spent its whole waiting budget) although its hand-off had come."""
+    clock = FakeClock()
+    producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN)
+    consumer = side(tmp_path, "kv_consumer", clock, handoff_wait_s=5.0)
+    tokens = prompt(PROMPT_TOKENS, seed=70)
+    params = prefill(producer, "p", tokens)
+    _handed_off(producer)
+    req = consumer.engine.add_request("c", tokens, 3, kv_transfer_params=params)
+    # it loads every promised chunk, then decodes a token
+    while not req.output:
+        consumer.engine.step()
+        assert consumer.tier.drain(HANG_S)
+    assert req.num_external_tokens == PROMISED_CHUNKS * BLOCK_SIZE
+    # preempted past its deadline; RAM and the engine's cache forgot the prompt, the disk did not
+    consumer.engine.preempt("c")
+    consumer.engine.reset_prefix_cache()
+    consumer.manager.primary.reset()
+    clock.now += 10.0
+    run_until_done(consumer.engine)
+    assert consumer.stats.handoff_timeouts == 0

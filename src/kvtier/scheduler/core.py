@@ -223,6 +223,8 @@ class OffloadScheduler:
                 is_loading = self._start_load(state, pending)
                 if is_loading:
                     loaded = num_external_tokens
+                    # a hand-off's wait was over to get here: asked again, it waits for it no more
+                    state.handoff_over = True
         self.stats.count_admission(state.answer, loaded)
         state.answer = None
 
