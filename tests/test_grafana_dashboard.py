@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from redis_servers import RedisServer
-from test_cli_serve import KVTIER, Server, free_port
+from serve_helpers import KVTIER, Server, free_port
 from vllm_helpers import tokens
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "kvtier.json"

@@ -34,6 +34,10 @@ PROMPTS = [tokens(900, seed=700 + i) for i in range(8)]
 TIERS = {
     "cpu_bytes": "24MiB",
     "disk_bytes": "40MiB",
+    # backpressure only a hang reaches: on a loaded machine a disk write took more than the default
+    # 2 s, the write-down dropped the next chunks, and the prompt meant to come back from disk was
+    # not there (1 clean-clone run)
+    "disk_max_store_s": HANG_S,
     "load_policy": "always",
     "max_defer_s": HANG_S,
     "max_deferrals": 10**6,
