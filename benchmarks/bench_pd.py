@@ -15,7 +15,8 @@ Engines (vLLM on CPU, the tiny random Llama, one process, all pinned alike by
   at most; `single` is measured beside each path.
 
 Prompts: 12 whole chunks of 128 tokens and a 40-token tail (1,576 tokens), new ones each round (a
-warm-up round first, not counted), the same prompts on every engine. Within a round each prompt is
+warm-up round first, not counted), the same prompts on every engine (`single` empties its prefix
+cache before each request: both paths send it the same ones). Within a round each prompt is
 served by `single` and by the path's pair, which one first alternating prompt by prompt. A P/D
 request is what a proxy does: the producer prefills it (`max_tokens=1`, vLLM's
 `do_remote_decode`), and at its answer the consumer gets the prompt with the returned
@@ -33,9 +34,10 @@ Measured (each request driven by `LLMEngine.step`, times from the wall clock):
   engine's first token, from the producer's answer on.
 - hand-off bytes: the chunks the producer's hand-off wrote (its tier's `handoff_chunks`) x the
   bytes of one value in the tier (read there: Redis `STRLEN`, a chunk file's size).
-  handoff GB/s = those bytes / the sum of the hand-off times. It counts the consumer's wait for the
-  producer's writes, its reads and the copy into its KV cache: a hand-off's end-to-end rate, not
-  a link's.
+  handoff GB/s = those bytes per prompt / the median hand-off time (total bytes / total hand-off
+  time is printed too: one stalled write moves it a lot here). It counts the consumer's wait for
+  the producer's writes, its reads and the copy into its KV cache: a hand-off's end-to-end rate,
+  not a link's.
 - `redis-benchmark -t set -d <value bytes> -c 1 -P 1` on new keys, once per round right after
   the round's P/D requests: `redis_ratio` = Redis handoff GB/s / its median SET GB/s.
 - the consumer's loaded tokens (`num_cached_tokens` of the decode output: its prefix cache held
@@ -63,13 +65,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 from bench_overlap import prepare_machine, tokens
 from servers.redis import RedisServer
@@ -105,9 +107,9 @@ QUICK = RunSize(rounds=1, num_prompts=2, bench_requests=48)
 
 
 class KVTierTally:
-    """A stat logger (vLLM's `StatLoggerBase` interface) that sums the kvtier counters one engine
-    reports. One per engine: the `kvtier:` Prometheus metrics of a process follow the engine
-    started last."""
+    """A stat logger (what `LLMEngine` calls of vLLM's `StatLoggerBase`; it never sleeps here) that
+    sums the kvtier counters one engine reports. One per engine: the `kvtier:` Prometheus metrics
+    of a process follow the engine started last."""
 
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
@@ -116,12 +118,6 @@ class KVTierTally:
         data = getattr(scheduler_stats, "kv_connector_stats", None) or {}
         for name, value in data.get("counters", {}).items():
             self.counters[name] += value
-
-    def record_sleep_state(self, *args) -> None:
-        pass
-
-    def record_admission_rejection(self, reason: str) -> None:
-        pass
 
     def log(self) -> None:
         pass
@@ -249,33 +245,11 @@ def serve_single(single: Engine, prompt: list[int]) -> Served:
 
 def redis_benchmark(redis: RedisServer, value_bytes: int, requests: int) -> float:
     """GB/s of `redis-benchmark` SETs of new keys, one client, no pipelining."""
-    done = subprocess.run(
-        [
-            "redis-benchmark",
-            "-h",
-            redis.host,
-            "-p",
-            str(redis.port),
-            "-t",
-            "set",
-            "-d",
-            str(value_bytes),
-            "-n",
-            str(requests),
-            "-c",
-            "1",
-            "-P",
-            "1",
-            "-r",
-            str(NEW_KEYS),
-            "--dbnum",
-            str(BENCH_DB),
-            "--csv",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+    command = (
+        f"redis-benchmark -h {redis.host} -p {redis.port} -t set -d {value_bytes} -n {requests} "
+        f"-c 1 -P 1 -r {NEW_KEYS} --dbnum {BENCH_DB} --csv"
     )
+    done = subprocess.run(command.split(), capture_output=True, text=True, check=True)
     with redis.client(db=BENCH_DB) as client:
         client.flushdb()
     row = done.stdout.splitlines()[1].replace('"', "").split(",")
@@ -316,9 +290,18 @@ class PathRun:
         return self.producer[f"tier.{self.name}.handoff_chunks"]
 
     @property
+    def handoff_bytes(self) -> float:
+        return self.handoff_chunks * self.value_bytes
+
+    @property
     def handoff_gbps(self) -> float:
-        seconds = sum(pd.handoff_s for pd in self.pds)
-        return self.handoff_chunks * self.value_bytes / seconds / GB
+        """Bytes per prompt over the median hand-off time."""
+        per_prompt = self.handoff_bytes / len(self.pds)
+        return per_prompt / median(pd.handoff_s for pd in self.pds) / GB
+
+    @property
+    def mean_handoff_gbps(self) -> float:
+        return self.handoff_bytes / sum(pd.handoff_s for pd in self.pds) / GB
 
 
 def prompts_of(round_: int, size: RunSize) -> list[list[int]]:
@@ -333,38 +316,45 @@ def run_path(
     size: RunSize,
     redis: RedisServer | None,
 ) -> PathRun:
-    """Warm-up round, then the counted rounds; the engines' counters over the counted ones."""
+    """A warm-up round, then the counted rounds; the engines' counters over the counted ones."""
+    warm_up = PathRun(name)
+    serve_round(warm_up, 0, single, producer, consumer, size)
+    # the warm-up's counters in, none of the counted rounds'
+    settle(producer, consumer)
+    producer_before = Counter(producer.tally.counters)
+    consumer_before = Counter(consumer.tally.counters)
+    sets_before = set_calls(redis) if redis else 0
     run = PathRun(name)
-    for r in range(size.rounds + 1):
-        is_counted = r > 0
-        if r == 1:
-            # the warm-up's counters in, none of the counted rounds'
-            settle(producer, consumer)
-            before = (Counter(producer.tally.counters), Counter(consumer.tally.counters))
-            sets_before = set_calls(redis) if redis else 0
-        for i, prompt in enumerate(prompts_of(r, size)):
-            single_first = (r + i) % 2 == 0
-            if single_first:
-                alone = serve_single(single, prompt)
-            pd = serve_pd(producer, consumer, prompt)
-            if not single_first:
-                alone = serve_single(single, prompt)
-            if is_counted:
-                run.single.append(alone)
-                run.pds.append(pd)
-                run.same_tokens += alone.output.outputs[0].token_ids == (
-                    pd.decode.output.outputs[0].token_ids
-                )
-        if redis is not None and is_counted:
+    for r in range(1, size.rounds + 1):
+        serve_round(run, r, single, producer, consumer, size)
+        if redis is not None:
             run.value_bytes = redis_value_bytes(redis)
             run.bench_gbps.append(redis_benchmark(redis, run.value_bytes, size.bench_requests))
     settle(producer, consumer)
-    run.producer = producer.tally.counters - before[0]
-    run.consumer = consumer.tally.counters - before[1]
+    run.producer = producer.tally.counters - producer_before
+    run.consumer = consumer.tally.counters - consumer_before
     if redis is not None:
         sets = set_calls(redis) - sets_before - size.bench_requests * size.rounds
         run.sets_per_chunk = sets / max(1, run.handoff_chunks)
     return run
+
+
+def serve_round(
+    run: PathRun, r: int, single: Engine, producer: Engine, consumer: Engine, size: RunSize
+) -> None:
+    """Round `r`'s prompts, each on `single` and through the pair, which first alternating."""
+    for i, prompt in enumerate(prompts_of(r, size)):
+        is_single_first = (r + i) % 2 == 0
+        if is_single_first:
+            alone = serve_single(single, prompt)
+        pd = serve_pd(producer, consumer, prompt)
+        if not is_single_first:
+            alone = serve_single(single, prompt)
+        run.single.append(alone)
+        run.pds.append(pd)
+        run.same_tokens += (
+            alone.output.outputs[0].token_ids == pd.decode.output.outputs[0].token_ids
+        )
 
 
 def settle(producer: Engine, consumer: Engine) -> None:
@@ -377,8 +367,7 @@ def settle(producer: Engine, consumer: Engine) -> None:
 def redis_path(model: Path, single: Engine, size: RunSize) -> PathRun:
     with RedisServer.temporary() as redis:
         config = {"cpu_bytes": "512MiB", "redis_url": redis.url, "handoff_tier": "redis"}
-        run = pair_run("redis", model, single, size, config, redis)
-    return run
+        return pair_run("redis", model, single, size, config, redis)
 
 
 def disk_path(model: Path, single: Engine, size: RunSize) -> PathRun:
@@ -409,39 +398,45 @@ def pair_run(name: str, model: Path, single: Engine, size: RunSize, config: dict
                 shutdown(engine)
 
 
-def med(values) -> float:
-    return statistics.median(values)
-
-
 def print_path(run: PathRun) -> None:
-    n = len(run.pds)
-    single = med(s.ttft for s in run.single)
-    prefill = med(pd.prefill.ttft for pd in run.pds)
-    consumer = med(pd.decode.ttft for pd in run.pds)
-    local = med(pd.local.ttft for pd in run.pds)
-    pd_ttft = med(pd.prefill.ttft + pd.decode.ttft for pd in run.pds)
-    print(f"-- {run.name} path: {n} prompts of {PROMPT_TOKENS} tokens (medians, ms)")
+    """The path's times, then its tokens and counters."""
+    print(f"-- {run.name} path: {len(run.pds)} prompts of {PROMPT_TOKENS} tokens")
+    print_times(run)
+    print_counters(run)
+
+
+def print_times(run: PathRun) -> None:
+    single = median(s.ttft for s in run.single)
+    prefill = median(pd.prefill.ttft for pd in run.pds)
+    consumer = median(pd.decode.ttft for pd in run.pds)
+    local = median(pd.local.ttft for pd in run.pds)
+    pd_ttft = median(pd.prefill.ttft + pd.decode.ttft for pd in run.pds)
     print(
-        f"   single TTFT {single * 1e3:.0f} | P/D TTFT {pd_ttft * 1e3:.0f} "
-        f"(= prefill {prefill * 1e3:.0f} + consumer {consumer * 1e3:.0f}) "
+        f"   medians (ms): single TTFT {single * 1e3:.0f} | P/D TTFT {pd_ttft * 1e3:.0f} "
+        f"(prefill {prefill * 1e3:.0f} + consumer {consumer * 1e3:.0f}) "
         f"| P/D / single {pd_ttft / single:.2f}"
     )
     print(
-        f"   consumer: TTFT {consumer * 1e3:.0f} = own compute {local * 1e3:.0f} (same prompt from "
-        f"its prefix cache) + hand-off {med(pd.handoff_s for pd in run.pds) * 1e3:.0f}"
+        f"   consumer TTFT {consumer * 1e3:.0f} = own compute {local * 1e3:.0f} (same prompt from "
+        f"its prefix cache) + hand-off {median(pd.handoff_s for pd in run.pds) * 1e3:.0f}"
     )
     print(
-        "   per prompt (ms): single/prefill/consumer/local "
+        "   per prompt (ms), single/prefill/consumer/own compute: "
         + " ".join(
             f"{s.ttft * 1e3:.0f}/{pd.prefill.ttft * 1e3:.0f}/{pd.decode.ttft * 1e3:.0f}/"
             f"{pd.local.ttft * 1e3:.0f}"
             for s, pd in zip(run.single, run.pds, strict=True)
         )
     )
+
+
+def print_counters(run: PathRun) -> None:
+    n = len(run.pds)
     promised = sum(pd.promised_tokens for pd in run.pds)
     loaded = sum(pd.loaded_tokens for pd in run.pds)
     c = run.consumer
     p = run.producer
+    tier = f"tier.{run.name}"
     print(
         f"   tokens: promised {promised}, loaded {loaded}, recomputed "
         f"{n * PROMPT_TOKENS - loaded} (tail {n * TAIL}); decode tokens equal to single's "
@@ -450,22 +445,24 @@ def print_path(run: PathRun) -> None:
     print(
         f"   consumer: handoff_waits {c['handoff_waits']:.0f} timeouts {c['handoff_timeouts']:.0f} "
         f"unreachable {c['handoff_unreachable']:.0f} deferrals {c['deferrals']:.0f} "
-        f"hit_tokens {c['hit_tokens']:.0f} load {c['load_bytes'] / 2**20:.0f} MiB in "
-        f"{c['load_seconds'] * 1e3:.0f} ms, {run.name} reads {c[f'tier.{run.name}.load_chunks']:.0f} "
-        f"chunks in {c[f'tier.{run.name}.load_seconds'] * 1e3:.0f} ms (thread-seconds)"
+        f"hit_tokens {c['hit_tokens']:.0f}; copied in {c['load_bytes'] / 2**20:.0f} MiB in "
+        f"{c['load_seconds'] * 1e3:.0f} ms; {run.name} read {c[f'{tier}.load_chunks']:.0f} "
+        f"chunks in {c[f'{tier}.load_seconds'] * 1e3:.0f} ms (thread-seconds)"
     )
     print(
-        f"   producer: promised {p['handoff_promised_chunks']:.0f} chunks, hand-off wrote "
-        f"{run.handoff_chunks:.0f} (failures {p[f'tier.{run.name}.handoff_failures']:.0f}) "
-        f"and the write-down {p[f'tier.{run.name}.cascaded_chunks']:.0f}, "
-        f"{run.name} writes {p[f'tier.{run.name}.store_chunks']:.0f} chunks in "
-        f"{p[f'tier.{run.name}.store_seconds'] * 1e3:.0f} ms (thread-seconds); "
-        f"value {run.value_bytes} bytes"
+        f"   producer: promised {p['handoff_promised_chunks']:.0f} chunks; the hand-off wrote "
+        f"{run.handoff_chunks:.0f} (failures {p[f'{tier}.handoff_failures']:.0f}), the write-down "
+        f"{p[f'{tier}.cascaded_chunks']:.0f}; {run.name} stored {p[f'{tier}.store_chunks']:.0f} "
+        f"chunks in {p[f'{tier}.store_seconds'] * 1e3:.0f} ms (thread-seconds); a value is "
+        f"{run.value_bytes} bytes"
     )
-    line = f"   hand-off: {run.handoff_gbps:.3f} GB/s"
+    line = (
+        f"   hand-off: {run.handoff_gbps:.3f} GB/s at the median hand-off time "
+        f"({run.mean_handoff_gbps:.3f} over their sum)"
+    )
     if run.bench_gbps:
         line += (
-            f"; redis-benchmark SET {med(run.bench_gbps):.3f} GB/s (runs: "
+            f"; redis-benchmark SET {median(run.bench_gbps):.3f} GB/s (runs: "
             + " ".join(f"{g:.3f}" for g in run.bench_gbps)
             + f"); Redis SETs per chunk handed off {run.sets_per_chunk:.2f}"
         )
@@ -493,7 +490,7 @@ def main() -> None:
     print(
         f"RESULT handoff_hit_ratio={loaded / promised:.3f} consumer_recomputed_tokens={recomputed} "
         f"handoff_timeouts={timeouts:.0f} handoff_gbps={redis_run.handoff_gbps:.3f} "
-        f"redis_ratio={redis_run.handoff_gbps / med(redis_run.bench_gbps):.3f}"
+        f"redis_ratio={redis_run.handoff_gbps / median(redis_run.bench_gbps):.3f}"
     )
 
 
