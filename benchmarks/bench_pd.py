@@ -136,10 +136,9 @@ class Engine:
 
 @dataclass
 class Served:
-    """One request's times and its finished output."""
+    """One request's time to its first token, and its finished output."""
 
     ttft: float
-    wall: float
     output: object
 
 
@@ -163,7 +162,7 @@ def make_engine(model: Path, name: str, role: str | None = None, **extra) -> Eng
         disable_log_stats=False,
     )
     tally = KVTierTally()
-    # vLLM's public logger interface; LLM has no argument for one
+    # `LLM` takes no stat logger of the caller's: added to its engine's (an internal list)
     llm.llm_engine.logger_manager.stat_loggers.append(tally)
     engine = Engine(name, llm, tally)
     # warm-up: the first requests of an engine are slower
@@ -180,7 +179,7 @@ def shutdown(engine: Engine) -> None:
 
 
 def serve(engine: Engine, prompt: list[int], max_tokens: int, kv_params=None) -> Served:
-    """One greedy request, stepped to its end: its TTFT, wall time and final output."""
+    """One greedy request, stepped to its end: its TTFT and final output."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -204,7 +203,7 @@ def serve(engine: Engine, prompt: list[int], max_tokens: int, kv_params=None) ->
                 ttft = time.perf_counter() - started
             if out.finished:
                 final = out
-    return Served(ttft, time.perf_counter() - started, final)
+    return Served(ttft, final)
 
 
 @dataclass
