@@ -640,3 +640,30 @@ def test_a_request_preempted_after_its_hand_off_came_does_not_wait_for_it_again(
     clock.now += 10.0
     run_until_done(consumer.engine)
     assert consumer.stats.handoff_timeouts == 0
+
+
+def test_a_hand_off_rides_on_a_write_down_in_flight_instead_of_writing_twice(tmp_path):
+    clock = FakeClock()
+    # the producer's write-down writes every chunk as it becomes READY; its writes are held
+    producer = side(tmp_path, "kv_producer", clock, hold=True)
+    consumer = side(tmp_path, "kv_consumer", clock)
+    tokens = prompt(PROMPT_TOKENS, seed=9)
+    params = prefill(producer, "p", tokens)
+    assert handoff_of(params)["chunks"] == PROMISED_CHUNKS
+    # one write of each chunk waits for the tier: the write-down's (a shared store moved each
+    # chunk's bytes twice when the hand-off wrote them again)
+    held = [key for job in producer.tier._held for key in job.keys]
+    assert sorted(held) == sorted(set(held))
+    assert len(held) == PROMISED_CHUNKS
+    producer.tier.release()
+    req = consumer.engine.add_request("c", tokens, 2, kv_transfer_params=params)
+    run_until_done(consumer.engine)
+    assert req.num_external_tokens == PROMISED_CHUNKS * BLOCK_SIZE
+    assert producer.manager.drain(HANG_S)
+    # the results are applied at the manager's next call
+    producer.manager.tier_stats()
+    counters = producer.manager.tier_stats()[0].counters
+    # each chunk was written once, by the write-down; the hand-off rode on it
+    assert counters["cascaded_chunks"] == PROMISED_CHUNKS
+    assert counters["handoff_chunks"] == PROMISED_CHUNKS
+    assert counters["handoff_failures"] == 0

@@ -34,7 +34,7 @@ from kvtier.tiers.cascade import SecondarySlot
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.flights import Flight, FlightKind
 from kvtier.tiers.secondary import TierResult
-from kvtier.tiers.writedown import Submit
+from kvtier.tiers.writedown import Submit, WriteDown
 
 __all__ = ["HANDOFF_CTX", "HandOffs"]
 
@@ -49,6 +49,7 @@ class HandOffs:
     index: its index among the manager's secondary tiers.
     slabs: the host slab of every worker rank (rows = the CPU tier's slots).
     submit: starts a tier job (the manager's).
+    write_down: the manager's write-down (a chunk it is writing to the tier is not written twice).
     wait_s: how long a chunk being stored may take to become READY before it is given up on.
     clock: monotonic seconds.
     """
@@ -60,6 +61,7 @@ class HandOffs:
         index: int,
         slabs: Sequence[np.ndarray],
         submit: Submit,
+        write_down: WriteDown,
         wait_s: float,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -68,10 +70,14 @@ class HandOffs:
         self.index = index
         self._slabs = list(slabs)
         self._submit = submit
+        self._write_down = write_down
         self._wait_s = wait_s
         self._clock = clock
         # chunks being stored into RAM, to write once READY -> when to give up on them
         self._awaited: OrderedDict[OffloadKey, float] = OrderedDict()
+        # chunks whose write-down to the tier was in flight: delivered by it (`cascaded`), or
+        # written here if it fails -> when to give up on them
+        self._riding: dict[OffloadKey, float] = {}
 
     @property
     def medium(self) -> str:
@@ -107,12 +113,33 @@ class HandOffs:
         wanted = [key for key in keys if self._awaited.pop(key, None) is not None]
         self._write(wanted)
 
+    def cascaded(self, keys: Sequence[OffloadKey], failed: frozenset[OffloadKey]) -> None:
+        """A write-down of `keys` to the hand-off tier ended: the chunks a hand-off rode on are
+        delivered, or, where it failed, written now (if still readable)."""
+        if not self._riding:
+            return
+        again = []
+        for key in keys:
+            if self._riding.pop(key, None) is None:
+                continue
+            if key not in failed:
+                self.slot.counters["handoff_chunks"] += 1
+            elif self.primary.is_readable(key):
+                again.append(key)
+            else:
+                self.slot.counters["handoff_failures"] += 1
+        self._write(again)
+
     def poll(self) -> None:
         """Write the awaited chunks that became READY another way (read back from a tier behind
         RAM); give up on those past their deadline (their store failed or was dropped)."""
+        now = self._clock()
+        for key, deadline in list(self._riding.items()):
+            if deadline <= now:
+                del self._riding[key]
+                self.slot.counters["handoff_failures"] += 1
         if not self._awaited:
             return
-        now = self._clock()
         now_ready = []
         for key, deadline in list(self._awaited.items()):
             if self.primary.is_readable(key):
@@ -133,8 +160,16 @@ class HandOffs:
     def clear(self) -> None:
         """A reset: nothing awaited is written any more."""
         self._awaited.clear()
+        self._riding.clear()
 
     def _write(self, keys: list[OffloadKey]) -> None:
+        """Write `keys` (READY) to the tier, but those its write-down is writing already: a hand-off
+        rides on that write (one value written once, not twice: a shared store moved each chunk's
+        bytes twice, the second write refused as a duplicate)."""
+        riding = {key for key in keys if self._write_down.is_writing(self.index, key)}
+        for key in riding:
+            self._riding[key] = self._clock() + self._wait_s
+        keys = [key for key in keys if key not in riding]
         if not keys:
             return
         # pinned while the tier reads them; past the tier's backpressure on purpose

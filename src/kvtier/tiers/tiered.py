@@ -168,7 +168,15 @@ class TieredManager(OffloadingManager):
             if not shared:
                 return None
             index = shared[0]
-        return HandOffs(self.primary, self._tiers[index], index, self._slabs, self._submit, store_s)
+        return HandOffs(
+            self.primary,
+            self._tiers[index],
+            index,
+            self._slabs,
+            self._submit,
+            self._write_down,
+            store_s,
+        )
 
     @property
     def tiers(self) -> list[SecondaryTier]:
@@ -436,6 +444,8 @@ class TieredManager(OffloadingManager):
                     self._handoffs.ended(flight, result)
                 else:
                     self._write_down.ended(slot, flight, result)
+                    if self._handoffs is not None and flight.tier == self._handoffs.index:
+                        self._handoffs.cascaded(flight.keys, result.failed_keys)
         for flight in self._flights.expire(time.monotonic()):
             self._give_up(flight)
 

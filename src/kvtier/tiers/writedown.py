@@ -18,6 +18,7 @@ Thread-safety: not thread-safe; the manager calls it from one thread.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -76,6 +77,13 @@ class WriteDown:
         self._staging = (
             StagingRows(num_staging, [s.shape[1] for s in slabs]) if has_on_evict else None
         )
+        # per tier: the keys whose write to it is in flight (a hand-off rides on them instead of
+        # writing them twice: `kvtier.tiers.handoff`)
+        self._writing: list[Counter[OffloadKey]] = [Counter() for _ in slots]
+
+    def is_writing(self, index: int, key: OffloadKey) -> bool:
+        """Whether a write of `key` to the tier `index` is in flight."""
+        return self._writing[index][key] > 0
 
     def count_offers(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """A request storing or reusing `keys`: one offer of each to every gated tier."""
@@ -133,6 +141,7 @@ class WriteDown:
                     (self._staging.buffers(staged),),
                     (staged,),
                 )
+                self._writing[i][key] += 1
 
     def ended(self, slot: SecondarySlot, flight: Flight, result: TierResult) -> None:
         """A write down ended (or failed): release what it held, count it."""
@@ -145,6 +154,11 @@ class WriteDown:
                 self._staging.release(row)
         slot.counters["cascade_failures"] += len(result.failed_keys)
         slot.counters["cascaded_chunks"] += len(flight.keys) - len(result.failed_keys)
+        writing = self._writing[flight.tier]
+        for key in flight.keys:
+            writing[key] -= 1
+            if writing[key] <= 0:
+                del writing[key]
 
     def _cascade_to(self, index: int, keys: list[OffloadKey]) -> None:
         slot = self._tiers[index]
@@ -157,3 +171,4 @@ class WriteDown:
             tuple(memoryview(slab[int(s)]) for slab in self._slabs) for s in spec.slot_ids
         )
         self._submit(FlightKind.CASCADE, index, tuple(keys), CASCADE_CTX, buffers, ())
+        self._writing[index].update(keys)
