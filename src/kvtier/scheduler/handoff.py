@@ -16,7 +16,7 @@ prompt. kvtier makes the hand-off a promise:
   other connector's parameters clash with under vLLM's `MultiConnector`:
 
       {"kvtier": {"handoff": {"tokens": 896, "chunks": 56, "tier": "redis",
-                              "deadline_s": 20.0, "key": "<hex of the last promised chunk>",
+                              "deadline_s": 30.0, "key": "<hex of the last promised chunk>",
                               "namespace": "<hex of the producer's namespace id>"}}}
 
   `chunks` counts the leading chunks that are on their way (readable or being stored in RAM, or
@@ -80,8 +80,9 @@ class Handoffs:
         self.manager = manager
         self.stats = stats
         self._clock = clock
-        # the engine's stores may take a job timeout into RAM, the tier's another one out of it
-        self._deadline_s = 2 * config.job_timeout_s
+        # a chunk may take two job timeouts into RAM (the engine's job, then its expiry: the
+        # tiered manager's `handoff_store_s`), and the tier's job another one out of it
+        self._deadline_s = 3 * config.job_timeout_s
 
     # -- the producer -------------------------------------------------------------------
 

@@ -52,7 +52,8 @@ COUNTERS = {
     "hinted_requests": "Requests that sent kvtier hints (session, retain_s, priority, next_turn_s, end_session).",
     "handoff_promises": "Disaggregated prefill: requests this engine handed off to a decode engine, a promise each.",
     "handoff_promised_chunks": "Disaggregated prefill: chunks this engine promised decode engines.",
-    "handoff_waits": "Disaggregated decode: requests that waited for chunks a prefill engine promised.",
+    "handoff_waits": "Disaggregated decode: requests that carried a prefill engine's promise for their prompt "
+    "(and waited for what of it was not there yet).",
     "handoff_timeouts": "Disaggregated decode: requests whose promised chunks did not all come by the deadline "
     "(handoff_wait_s): the rest was recomputed.",
     "handoff_unreachable": "Disaggregated decode: requests that did not wait because the hand-off tier did not answer.",
