@@ -31,7 +31,9 @@ Two copy paths, compared in one run:
 Which path each process took is what kvtier logs when it makes the backend (printed as `kvtier
 said:`; a line "kvtier: CUDA copies through ...; host slab pinned|pageable"). The per-run child
 relies on that fallback rule (vLLM's kernels found by importing `vllm._custom_ops`); before the
-backend uses vLLM's kernels at all, both paths are per-run, and its log line says so.
+backend uses vLLM's kernels at all, both paths are per-run, and its log line says so. This branch's
+backend has no switch of its own between the two paths; should it gain one (a `TransferEngine`
+option forcing per-run copies), the child should set that instead of hiding vLLM's modules.
 Where vLLM's kernels do not load (vLLM absent, or its CUDA extension not built for this torch),
 the as-built path is the per-run one: measured once, store_ratio and load_ratio print `na`.
 
@@ -43,7 +45,9 @@ backend (the suite's check that this script works) and claims no figure either:
 `RESULT skipped=cpu-dry-run roundtrip_ok=<0|1>`.
 
 Usage: PYTHONPATH=src python benchmarks/gpu_check.py [--quick] [--total-mib 1024] [--rounds 5]
-(vLLM's kernels: a vLLM package built for this torch importable, e.g. on PYTHONPATH.)
+It needs kvtier's dependencies (numpy, cbor2, xxhash, blake3, built for that Python) beside
+torch; without them it says which is missing, exits 1, last line `RESULT skipped=kvtier-not-importable`.
+vLLM's kernels: a vLLM package built for that torch, importable (e.g. on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -105,6 +109,16 @@ def vllm_kernels_load() -> bool:
         return hasattr(torch.ops._C_cache_ops, "swap_blocks_batch")
     except Exception:
         return False
+
+
+def kvtier_missing() -> str | None:
+    """Why kvtier's worker cannot be imported (a GPU machine with torch alone lacks kvtier's
+    other dependencies: cbor2, xxhash, blake3), or None."""
+    try:
+        import kvtier.worker  # noqa: F401
+    except ImportError as e:
+        return f"{e.name or e}: {e}"
+    return None
 
 
 def make_kv(
@@ -358,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.version.cuda}): nothing measured, no figure claimed")  # fmt: skip
         print("RESULT skipped=no-gpu")
         return 0
+    missing = kvtier_missing()
+    if missing:
+        print(f"gpu_check: kvtier cannot be imported here ({missing}): put kvtier (src/) and its "
+              "dependencies, built for this Python, on PYTHONPATH")  # fmt: skip
+        print("RESULT skipped=kvtier-not-importable")
+        return 1
     device = torch.device("cpu" if args.cpu_dry_run else "cuda")
     if args.per_run_child:
         print(CHILD_MARK + json.dumps(measure(args, device)))
