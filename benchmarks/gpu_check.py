@@ -1,8 +1,10 @@
 """GPU check of kvtier's CUDA copy path: byte-exact round trips engine <-> slab, and store/load
 GB/s against one pinned `copy_(non_blocking=True)` of the same bytes, measured in the same run.
 
-It drives kvtier's real worker, `kvtier.worker.TransferEngine`, over KV tensors on the GPU (as
-tests/test_transfer_engine.py and bench_transfer.py do on CPU); nothing here copies KV itself.
+It drives kvtier's real worker, `kvtier.worker.TransferEngine`, over KV tensors on the GPU and a
+shared-memory `HostSlab` as kvtier's workers use (a private pinned slab where /dev/shm has no room,
+said in its output), as tests/test_transfer_engine.py and bench_transfer.py do on CPU; nothing
+here copies KV itself.
 
 Round trips (each must return every byte; compared as int16 bit patterns, NaNs included): for
 each layout, dtype and block size, chunks at random blocks are stored into the slab by many jobs
@@ -30,8 +32,9 @@ Two copy paths, compared in one run:
   (per_run_store_ratio, per_run_load_ratio).
 Which path each process took is what kvtier logs when it makes the backend (printed as `kvtier
 said:`; a line "kvtier: CUDA copies through ...; host slab pinned|pageable"). The per-run child
-relies on that fallback rule (vLLM's kernels found by importing `vllm._custom_ops`); before the
-backend uses vLLM's kernels at all, both paths are per-run, and its log line says so. This branch's
+relies on that fallback rule (vLLM's kernels found by importing `vllm._custom_ops`). Where the
+backend does not use vLLM's kernels at all (this branch's `CudaBackend` copies run by run, always),
+both paths are per-run. This branch's
 backend has no switch of its own between the two paths; should it gain one (a `TransferEngine`
 option forcing per-run copies), the child should set that instead of hiding vLLM's modules.
 Where vLLM's kernels do not load (vLLM absent, or its CUDA extension not built for this torch),
