@@ -86,7 +86,8 @@ def install_in_fresh_venv(wheel: Path, venv: Path) -> Path:
     # a plain path line: this venv's .pth files (the editable kvtier) are not read
     Path(site.strip(), "borrowed_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--python", str(python)]
-    run([*pip, "install", "-q", "--no-deps", "--no-index", str(wheel)])
+    # --ignore-installed: the borrowed packages hold the editable kvtier, which pip would keep
+    run([*pip, "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)])
     return python
 
 
