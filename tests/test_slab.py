@@ -353,6 +353,30 @@ def test_a_worker_maps_the_slab_the_scheduler_side_made_and_stores_into_it(prefi
     assert segments(prefix) == []
 
 
+def test_a_worker_whose_slab_is_pinned_counts_it_once_in_its_stats(prefix, monkeypatch):
+    FakeVllmPinning(monkeypatch, accepts=True)
+    kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
+
+    def pinning_transfer(*args, slab, **kwargs):
+        # what TransferEngine does with a HostSlab when the KV caches are on CUDA
+        slab.pin_for_cuda()
+        return TransferEngine(*args, slab=slab, **kwargs)
+
+    worker = WorkerSide(
+        num_slots=4,
+        blocks_per_chunk=1,
+        layer_groups=kv.layer_groups,
+        slab_name=prefix + "r0",
+        transfer_factory=pinning_transfer,
+    )
+    worker.register_kv_caches(kv.tensors)
+    # reported once: a counter of pinned slabs, summed over workers
+    assert worker.take_stats() == {"pinned_slabs": 1}
+    assert worker.take_stats() == {}
+    worker.shutdown()
+    assert segments(prefix) == []
+
+
 def test_a_worker_whose_kv_caches_need_another_slot_size_is_a_config_error(prefix):
     kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
     slot_bytes = slot_bytes_of(build_group_layouts(kv.tensors, 1, kv.layer_groups))
