@@ -23,6 +23,11 @@ How ordering is kept without a task thread:
   (see `CopyTask.conflicts_with`) waits for that task's end event; only a load that waits for
   no such task lets the DMA engine read its source out of stream order (as vLLM's loads do).
 Completion is seen by polling end events, never by blocking the caller.
+
+Layer by layer (`kvtier.worker.layered`): a synchronous load cut into slices of layers is one
+task per slice, enqueued in the forward pass's order on the load stream, each with its own end
+event; `wait_layer_on_stream(layer)` makes the compute stream wait for the events of the slices
+holding that layer only.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from kvtier.worker.layouts import GroupLayout
 from kvtier.worker.pointers import CopyPointers, copy_pointers, plane_pointers
 from kvtier.worker.tasks import CopyTask, DoneCallback, plan_copies
 
-__all__ = ["CopyPaths", "CudaBackend", "cuda_usable", "select_copy_paths"]
+__all__ = ["CopyPaths", "CudaBackend", "cuda_usable", "holding_layer", "select_copy_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +133,10 @@ def select_copy_paths(layouts: Sequence[GroupLayout], host_is_pinned: bool) -> C
     if not host_is_pinned:
         return CopyPaths(batch, batch)
     page_sizes = [int(plane.nbytes) for layout in layouts for plane in layout.planes]
-    offsets = [int(plane.offset) for layout in layouts for plane in layout.planes]
-    # every slab offset is a sum of page-size multiples; engine rows start at plane offsets
-    is_aligned = all(offset % 8 == 0 for offset in offsets)
+    # Triton moves 8-byte words: every address must be a multiple of 8. Slab addresses are sums of
+    # page-size multiples (checked by the rule); engine rows start at offset + block * stride.
+    starts = [(plane.offset, plane.block_stride) for layout in layouts for plane in layout.planes]
+    is_aligned = all(offset % 8 == 0 and stride % 8 == 0 for offset, stride in starts)
     triton = _triton_op(page_sizes, is_aligned)
     if triton is None:
         return CopyPaths(batch, batch)
@@ -145,6 +151,18 @@ class _InFlight:
     num_bytes: int
     # the pointer tensors, alive until the copy ended (a Triton copy reads them asynchronously)
     pointers: tuple[torch.Tensor, ...] = ()
+
+
+def holding_layer(
+    flights: Sequence[_InFlight], job_ids: Container[int], layer: str
+) -> list[_InFlight]:
+    """The tasks in flight of `job_ids` that copy `layer`: a slice holding it, or all layers."""
+    return [
+        flight
+        for flight in flights
+        if flight.task.job_id in job_ids
+        and (flight.task.layers is None or layer in flight.task.layers)
+    ]
 
 
 class CudaBackend:
@@ -252,6 +270,16 @@ class CudaBackend:
             dst, src = (slab, engine) if task.is_store else (engine, slab)
             dst.copy_(src, non_blocking=True)
         return int(runs.nbytes.sum())
+
+    def wait_layer_on_stream(self, job_ids: Container[int], layer: str) -> None:
+        """Make the current (compute) stream wait for the copies of `layer` of `job_ids` only
+        (their end events), without blocking the caller: a load sliced by layers
+        (`kvtier.worker.layered`) then lets the forward pass run layer `L`'s attention as soon as
+        the slice holding `L` is in, while the later slices still copy on the load stream.
+        Unverified on a GPU."""
+        stream = torch.cuda.current_stream(self._device)
+        for flight in holding_layer(self._in_flight, job_ids, layer):
+            stream.wait_event(flight.end)
 
     def poll(self) -> None:
         """Report every task whose end event has completed."""

@@ -108,7 +108,7 @@ class WorkerSide:
         # ... and failed (reported whole)
         self._failed_loads: set[str] = set()
         self._stats: Counter[str] = Counter()
-        # the forward pass's layers (CPU copies only)
+        # the forward pass's layers (where the transfer engine can slice loads by layers)
         self._order: ForwardOrder | None = None
         # this step's loads, copied layer by layer
         self._layered: list[TransferJob] = []
