@@ -208,9 +208,11 @@ class CudaBackend:
         stream = self._store_stream if task.is_store else self._load_stream
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        # taken before entering the copy stream's context, inside which it is the copy stream
+        compute = torch.cuda.current_stream(self._device)
         with torch.cuda.device(self._device), torch.cuda.stream(stream):
             # see the module docstring
-            stream.wait_stream(torch.cuda.current_stream(self._device))
+            stream.wait_stream(compute)
             waited = False
             for other in self._in_flight:
                 if other.task.conflicts_with(task):
