@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 import uuid
 from pathlib import Path
 
@@ -23,7 +24,14 @@ from kvtier import shm as slab_module
 from kvtier.errors import ConfigError
 from kvtier.jobs import StepPlan
 from kvtier.sim.kv_cache import KVCache
-from kvtier.slab import SHM_DIR, HostSlab, remove_stale_slabs, shm_free_bytes, slab_name
+from kvtier.slab import (
+    SHM_DIR,
+    HostSlab,
+    host_registration,
+    remove_stale_slabs,
+    shm_free_bytes,
+    slab_name,
+)
 from kvtier.worker import TransferEngine, WorkerSide
 from kvtier.worker.layouts import build_group_layouts, slot_bytes_of
 from sched_helpers import make_engine
@@ -135,6 +143,60 @@ def test_pinning_for_cuda_is_skipped_without_cuda_and_never_fails(prefix):
     # the pinned path (cudaHostRegister) is unverified: no GPU on the development machines
     with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
         assert slab.pin_for_cuda() == torch.cuda.is_available()
+
+
+class FakeVllmPinning:
+    """Stands in for `vllm.v1.kv_offload.cpu.host_register` (no GPU here): records the calls,
+    says yes or no as told. What is under test is HostSlab's handling, not the registration."""
+
+    def __init__(self, monkeypatch, accepts: bool) -> None:
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.accepts = accepts
+        module = types.ModuleType("vllm.v1.kv_offload.cpu.host_register")
+        module.host_register = self.register
+        module.host_unregister = self.unregistered.append
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        # as on a CUDA machine
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def register(self, ptr: int, num_bytes: int) -> bool:
+        self.registered.append((ptr, num_bytes))
+        return self.accepts
+
+
+def test_a_slab_is_pinned_through_vllms_host_register_and_unpinned_at_close(prefix, monkeypatch):
+    vllm = FakeVllmPinning(monkeypatch, accepts=True)
+    slab = HostSlab(prefix + "r0", 2, 4096, owner=True)
+    ptr = slab.tensor.data_ptr()
+    # the whole mapping is registered, once
+    assert slab.pin_for_cuda() and slab.pin_for_cuda()
+    assert slab.is_pinned
+    assert vllm.registered == [(ptr, 2 * 4096)]
+    # close unregisters the same range through the same module
+    slab.close()
+    assert vllm.unregistered == [ptr]
+    assert not slab.is_pinned
+
+
+def test_a_refused_registration_is_a_warning_and_a_pageable_slab(prefix, monkeypatch, caplog):
+    vllm = FakeVllmPinning(monkeypatch, accepts=False)
+    with HostSlab(prefix + "r0", 2, 4096, owner=True) as slab:
+        assert not slab.pin_for_cuda()
+        assert not slab.is_pinned
+    assert "pinned=0" in caplog.text
+    # nothing registered: nothing to unregister
+    assert vllm.unregistered == []
+
+
+def test_without_vllms_host_register_the_torch_cuda_runtime_pins(monkeypatch):
+    # a vLLM without the module (or no vLLM): the fallback pair
+    monkeypatch.setitem(sys.modules, "vllm.v1.kv_offload.cpu.host_register", None)
+    assert host_registration().via == "torch cudaHostRegister"
+    vllm_module = types.ModuleType("vllm.v1.kv_offload.cpu.host_register")
+    vllm_module.host_register = vllm_module.host_unregister = print
+    monkeypatch.setitem(sys.modules, vllm_module.__name__, vllm_module)
+    assert host_registration().via == "vLLM host_register"
 
 
 def test_an_existing_segment_of_another_size_is_a_config_error(prefix):
@@ -288,6 +350,30 @@ def test_a_worker_maps_the_slab_the_scheduler_side_made_and_stores_into_it(prefi
         )
         assert torch.equal(torch.from_numpy(owner.rows[2]).view(torch.int8), expected)
         worker.shutdown()
+    assert segments(prefix) == []
+
+
+def test_a_worker_whose_slab_is_pinned_counts_it_once_in_its_stats(prefix, monkeypatch):
+    FakeVllmPinning(monkeypatch, accepts=True)
+    kv = KVCache(num_groups=1, num_blocks=8, block_size=4)
+
+    def pinning_transfer(*args, slab, **kwargs):
+        # what TransferEngine does with a HostSlab when the KV caches are on CUDA
+        slab.pin_for_cuda()
+        return TransferEngine(*args, slab=slab, **kwargs)
+
+    worker = WorkerSide(
+        num_slots=4,
+        blocks_per_chunk=1,
+        layer_groups=kv.layer_groups,
+        slab_name=prefix + "r0",
+        transfer_factory=pinning_transfer,
+    )
+    worker.register_kv_caches(kv.tensors)
+    # reported once: a counter of pinned slabs, summed over workers
+    assert worker.take_stats() == {"pinned_slabs": 1}
+    assert worker.take_stats() == {}
+    worker.shutdown()
     assert segments(prefix) == []
 
 

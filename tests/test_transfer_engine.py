@@ -211,7 +211,7 @@ def test_wait_times_out_then_succeeds(gate):
 
 
 def test_an_exception_in_a_copy_fails_the_job_not_the_thread(monkeypatch):
-    original = cpu_copy.plan_copies
+    original = cpu_copy.copy_pointers
     calls = []
 
     def broken_once(*args):
@@ -220,7 +220,7 @@ def test_an_exception_in_a_copy_fails_the_job_not_the_thread(monkeypatch):
             raise RuntimeError("simulated shape mismatch")
         return original(*args)
 
-    monkeypatch.setattr(cpu_copy, "plan_copies", broken_once)
+    monkeypatch.setattr(cpu_copy, "copy_pointers", broken_once)
     with TransferEngine(random_kv("blocks_first", 1, 8, 2), 1, 4) as engine:
         engine.submit(store_job(1, [0, 1], [0, 1]))
         engine.wait([1], timeout=HANG_S)

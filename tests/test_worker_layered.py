@@ -11,10 +11,12 @@ after a given number of batches: a gate in front of the real copy, which still r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,8 +26,10 @@ import kvtier.worker.memmove as memmove
 from helpers import HANG_S, load_job, store_job
 from kvtier.jobs import Endpoint, StepPlan, TransferJob, TransferPart
 from kvtier.worker import TransferEngine, WorkerSide
+from kvtier.worker.cuda import holding_layer
 from kvtier.worker.layered import layer_slices, slice_task
 from kvtier.worker.layouts import build_group_layouts
+from kvtier.worker.pointers import copy_pointers, plane_pointers
 from kvtier.worker.queue import TaskQueue
 from kvtier.worker.tasks import make_task
 from sched_helpers import FakeClock, close_after_test
@@ -510,3 +514,51 @@ def test_a_load_cancelled_in_one_layers_wait_is_counted_once_while_another_still
     assert results[3].success and "cancelled" in results[2].error
     assert all(same(kv[layer][4:6], stored[i][:2]) for i, layer in enumerate(LAYERS))
     assert worker.take_stats()["cancelled_jobs"] == 1
+
+
+# -- on CUDA: a slice per task, the compute stream waits for a layer's slices only ---------------
+# (the CUDA backend itself is unverified: no GPU here; what it hands the GPU is checked on CPU)
+
+
+def sliced_load(layout: str, slices: list[frozenset[str]]):
+    """A load of chunks [3, 0] <- blocks (skipping the first), whole and cut into `slices`."""
+    kv = kv_cache(layout, num_layers=4, num_blocks=8, content=8)
+    layouts = build_group_layouts(kv, 2)
+    part = TransferPart(
+        group=0, slot_ids=np.array([3, 0]), block_ids=np.array([5, 6, 1, 2]), skip_blocks=1
+    )
+    whole = make_task(7, 0, False, part, layouts, 2, 4)
+    return layouts, whole, slice_task(whole, slices, layouts[0], 2)
+
+
+@pytest.mark.parametrize("layout", ["blocks_first", "kv_first", "strided"])
+def test_the_slices_address_arrays_are_the_whole_loads_cut_by_layer(layout):
+    slices = layer_slices(LAYERS)
+    layouts, whole, tasks = sliced_load(layout, slices)
+    ptrs = plane_pointers(layouts)
+
+    def runs(batch):
+        pointers = copy_pointers(batch, layouts, ptrs, 1 << 40, layouts[0].chunk_bytes)
+        return sorted(zip(*(column.tolist() for column in pointers), strict=True))
+
+    # one task per slice, as the CUDA backend enqueues them; together exactly the whole load
+    assert len(tasks) == len(slices)
+    assert sorted(run for task in tasks for run in runs([task])) == runs([whole])
+    assert sum(task.num_bytes for task in tasks) == whole.num_bytes
+
+
+def test_a_layers_stream_wait_takes_only_the_slices_holding_it():
+    slices = layer_slices(LAYERS)
+    _, whole, tasks = sliced_load("kv_first", slices)
+    # in flight: job 7's slices, a whole (unsliced) load of job 8, and another job's slice
+    other = dataclasses.replace(tasks[1], job_id=9)
+    unsliced = dataclasses.replace(whole, job_id=8)
+    flights = [SimpleNamespace(task=task) for task in [*tasks, unsliced, other]]
+    # layer.0 is the first slice alone: only it, for job 7
+    assert [f.task for f in holding_layer(flights, {7}, "layer.0")] == [tasks[0]]
+    # a later layer: its slice only, never another job's
+    (holder,) = [t for t in tasks if "layer.2" in t.layers]
+    assert [f.task for f in holding_layer(flights, {7}, "layer.2")] == [holder]
+    # an unsliced load holds every layer
+    (holder,) = [t for t in tasks if "layer.3" in t.layers]
+    assert [f.task for f in holding_layer(flights, {7, 8}, "layer.3")] == [holder, unsliced]

@@ -12,6 +12,9 @@ opens it; the module's names are re-exported here); this module is the mapping:
 
 - **Unlink**: a slab opened with `owner=True` unlinks its name when closed, and at interpreter
   exit if it never was (`weakref.finalize`). The mapping outlives the name: views keep working.
+- **Pin** (CUDA only, `pin_for_cuda`): the mapping is page-locked after the fact with vLLM's own
+  `host_register` (a shared mapping cannot come from CUDA's pinned allocator), unregistered at
+  close; a refusal leaves it pageable, with a warning. Unverified on a GPU.
 - **Unmap**: `close` unmaps only when no view of it (`rows`, `tensor`, anything derived) is alive,
   since unmapping under a live view would turn its next access into a crash; otherwise the
   mapping goes with the last view.
@@ -25,11 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import logging
 import mmap
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,7 +53,9 @@ from kvtier.shm import (
 __all__ = [
     "SHM_DIR",
     "SLAB_PREFIX",
+    "HostRegistration",
     "HostSlab",
+    "host_registration",
     "remove_stale_slabs",
     "shm_free_bytes",
     "slab_name",
@@ -57,6 +65,43 @@ __all__ = [
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 logger = logging.getLogger(__name__)
+
+
+class HostRegistration(NamedTuple):
+    """How a host range is page-locked for CUDA: `register(ptr, num_bytes) -> bool` (True: it
+    needs `unregister(ptr)` later) and where the pair comes from, for the log."""
+
+    register: Callable[[int, int], bool]
+    unregister: Callable[[int], None]
+    via: str
+
+
+def _cudart_register(ptr: int, num_bytes: int) -> bool:
+    """`cudaHostRegister` through PyTorch's CUDA runtime bindings (flags 0: portable off)."""
+    error = int(torch.cuda.cudart().cudaHostRegister(ptr, num_bytes, 0))
+    if error != 0:
+        logger.warning("kvtier: cudaHostRegister failed (code=%d)", error)
+    return error == 0
+
+
+def _cudart_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def host_registration() -> HostRegistration:
+    """vLLM's own `host_register` / `host_unregister` (`vllm/v1/kv_offload/cpu/host_register.py`,
+    vLLM 0.32 and 0.33: what its offloading worker pins its shared region with) where this vLLM
+    has them; else `cudaHostRegister` through `torch.cuda.cudart()`. Import checks only."""
+    try:
+        vllm_pin = importlib.import_module("vllm.v1.kv_offload.cpu.host_register")
+    # no vLLM, or one without the module
+    except Exception:
+        vllm_pin = None
+    register = getattr(vllm_pin, "host_register", None)
+    unregister = getattr(vllm_pin, "host_unregister", None)
+    if register is not None and unregister is not None:
+        return HostRegistration(register, unregister, "vLLM host_register")
+    return HostRegistration(_cudart_register, _cudart_unregister, "torch cudaHostRegister")
 
 
 @dataclass(slots=True)
@@ -70,14 +115,19 @@ class _Segment:
     # a forked child inherits the finalizer: only the opener's process unlinks
     pid: int
     pinned_ptr: int = 0
+    # how `pinned_ptr` was registered, to unregister it the same way
+    unpin: Callable[[int], None] | None = None
 
 
 def _release(segment: _Segment) -> None:
     """Unpin, unmap (unless views are alive), unlock, and unlink if this process owns the name."""
-    if segment.pinned_ptr:
-        with contextlib.suppress(Exception):
-            torch.cuda.cudart().cudaHostUnregister(segment.pinned_ptr)
-        segment.pinned_ptr = 0
+    if segment.pinned_ptr and segment.unpin is not None:
+        try:
+            segment.unpin(segment.pinned_ptr)
+        # the mapping goes anyway; the driver drops its registration with it
+        except Exception as e:
+            logger.warning("kvtier: could not unpin the host slab %s: %r", segment.path, e)
+    segment.pinned_ptr = 0
     if segment.mm is not None:
         try:
             segment.mm.close()
@@ -152,11 +202,17 @@ class HostSlab:
     def is_closed(self) -> bool:
         return not self._finalizer.alive
 
+    @property
+    def is_pinned(self) -> bool:
+        """True while the mapping is page-locked by `pin_for_cuda`."""
+        return bool(self._segment.pinned_ptr)
+
     def pin_for_cuda(self) -> bool:
-        """Page-lock the mapping for fast, asynchronous CUDA copies (`cudaHostRegister`).
+        """Page-lock the mapping for fast, asynchronous CUDA copies (`host_registration`); `close`
+        unregisters it.
 
         UNVERIFIED: no GPU on the development machines. Pinning only speeds copies up: on
-        failure (or without CUDA) the slab stays pageable and copies still work.
+        failure (or without CUDA) the slab stays pageable, copies still work, and it says so.
         Returns:
             True when the mapping is pinned (now or before).
         """
@@ -164,21 +220,29 @@ class HostSlab:
             return True
         if self.is_closed or not torch.cuda.is_available():
             return False
+        registration = host_registration()
         ptr = self.tensor.data_ptr()
+        why = "registration refused"
         try:
-            error: object = int(torch.cuda.cudart().cudaHostRegister(ptr, self.num_bytes, 0))
+            is_pinned = bool(registration.register(ptr, self.num_bytes))
         # pinning is an optimization: say why it is off, go on
         except Exception as e:
-            error = repr(e)
-        if error != 0:
+            is_pinned = False
+            why = repr(e)
+        if not is_pinned:
             logger.warning(
-                "kvtier: could not pin the host slab %s (cudaHostRegister: %s); copies use pageable "
-                "memory",
+                "kvtier: could not pin the host slab %s through %s (%s); CUDA copies use "
+                "pageable memory (pinned=0)",
                 self.name,
-                error,
+                registration.via,
+                why,
             )
             return False
         self._segment.pinned_ptr = ptr
+        self._segment.unpin = registration.unregister
+        logger.info(
+            "kvtier: host slab %s pinned through %s (pinned=1)", self.name, registration.via
+        )
         return True
 
     def close(self) -> None:

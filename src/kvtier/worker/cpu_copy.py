@@ -25,14 +25,14 @@ from collections import deque
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvtier.worker.layouts import GroupLayout
 from kvtier.worker.memmove import CopyHandle, MemmoveCopier
+from kvtier.worker.pointers import copy_pointers, plane_pointers
 from kvtier.worker.queue import TaskQueue
 from kvtier.worker.results import CANCELLED
-from kvtier.worker.tasks import CopyTask, DoneCallback, plan_copies
+from kvtier.worker.tasks import CopyTask, DoneCallback
 
 __all__ = ["CpuBackend"]
 
@@ -73,9 +73,7 @@ class CpuBackend:
         self._layouts = layouts
         self._slab_ptr = slab.data_ptr()
         self._slot_bytes = slab.shape[1]
-        self._plane_ptrs = [
-            np.array([p.storage.data_ptr() for p in g.planes], dtype=np.int64) for g in layouts
-        ]
+        self._plane_ptrs = plane_pointers(layouts)
         self._on_done = on_done
         self._copier = MemmoveCopier(num_threads)
         self._queue = TaskQueue()
@@ -157,7 +155,10 @@ class CpuBackend:
         """Plan and start a batch; a planning error fails the batch, never the thread."""
         try:
             running.started_at = time.perf_counter()
-            handle = self._copier.start(*self._addresses(running.batch))
+            pointers = copy_pointers(
+                running.batch, self._layouts, self._plane_ptrs, self._slab_ptr, self._slot_bytes
+            )
+            handle = self._copier.start(*pointers)
         except Exception as e:
             with self._cond:
                 self._in_flight.remove(running)
@@ -208,30 +209,3 @@ class CpuBackend:
                 for task in batch
             ]
         )
-
-    def _addresses(self, batch: list[CopyTask]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(dst, src, nbytes) of every run of the batch, planned once per direction and group."""
-        parts = []
-        for is_store, group, layers in {(task.is_store, task.group, task.layers) for task in batch}:
-            tasks = [
-                task
-                for task in batch
-                if (task.is_store, task.group, task.layers) == (is_store, group, layers)
-            ]
-            block_ids = np.concatenate([task.block_ids for task in tasks])
-            slot_ids = np.concatenate([task.slot_ids for task in tasks])
-            first_pages = np.concatenate([task.first_pages() for task in tasks])
-            runs = plan_copies(
-                block_ids,
-                slot_ids,
-                self._layouts[group],
-                self._slot_bytes,
-                first_pages,
-                tasks[0].planes,
-            )
-            engine = self._plane_ptrs[group][runs.plane] + runs.engine_offset
-            slab = self._slab_ptr + runs.slab_offset
-            parts.append((slab, engine, runs.nbytes) if is_store else (engine, slab, runs.nbytes))
-        if len(parts) == 1:
-            return parts[0]
-        return tuple(np.concatenate(column) for column in zip(*parts, strict=True))  # type: ignore[return-value]

@@ -16,8 +16,9 @@ Only where it is known to be safe:
 - A step whose pass did not ask for every slice it loaded (a layer read without asking)
   reports all of that step's layered loads failed: the engine recomputes those blocks, and
   layered loading stops (logged).
-- CPU copies only (`TransferEngine.can_slice`): a CUDA copy is not sliced (not verified on a
-  GPU yet).
+- On CUDA, each slice is a task on the load stream with its own end event, and
+  `wait_for_layer_load` makes the compute stream wait for the events of the slices holding its
+  layer (`CudaBackend.wait_layer_on_stream`) instead of blocking: UNVERIFIED on a GPU.
 
 What it saves is the copy time of every slice but the first, as long as the compute of the
 layers before a slice takes longer than the slice's copy: measured in `bench_overlap`.

@@ -108,7 +108,7 @@ class WorkerSide:
         # ... and failed (reported whole)
         self._failed_loads: set[str] = set()
         self._stats: Counter[str] = Counter()
-        # the forward pass's layers (CPU copies only)
+        # the forward pass's layers (where the transfer engine can slice loads by layers)
         self._order: ForwardOrder | None = None
         # this step's loads, copied layer by layer
         self._layered: list[TransferJob] = []
@@ -143,6 +143,9 @@ class WorkerSide:
         except BaseException:
             self._close_slab()
             raise
+        # once per worker: summed over workers it counts the pinned slabs (pinned=1; 0: pageable)
+        if self.slab is not None and self.slab.is_pinned:
+            self._stats["pinned_slabs"] += 1
         self._order = ForwardOrder(list(kv_caches)) if self.transfer.can_slice else None
         where = f"shared memory {self.slab.path}" if self.slab is not None else "private memory"
         logger.info(
@@ -252,7 +255,7 @@ class WorkerSide:
     def take_stats(self) -> dict[str, float]:
         """Bytes and seconds per direction, cancelled jobs, and tasks of other jobs failed with
         them (`cancel_cut_tasks`: batched with a cancelled job's copy, which was cut short), since
-        the last call."""
+        the last call; `pinned_slabs` 1 once, after a CUDA worker page-locked its slab."""
         if not self._stats:
             return {}
         stats, self._stats = dict(self._stats), Counter()

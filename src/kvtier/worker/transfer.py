@@ -7,7 +7,8 @@ The worker side of kvtier. It makes no policy decision: it runs `kvtier.jobs.Tra
 1. `submit(job)`: start a job (one part per KV-cache group), asynchronously.
 2. `get_finished()`: the results since the last call, each job exactly once.
 3. `wait(job_ids, timeout)`: block until those jobs finished (e.g. loads before a forward);
-   `wait_layer(job_ids, layer, timeout)`: until their copies of one layer did.
+   `wait_layer(job_ids, layer, timeout)`: until their copies of one layer did (on CUDA, the
+   compute stream waits for them instead of the caller).
 4. `cancel(job_ids)`: jobs past their deadline fail whole; it returns once none of them copies.
 5. `shutdown()`.
 
@@ -146,8 +147,9 @@ class TransferEngine:
 
     @property
     def can_slice(self) -> bool:
-        """Whether `submit` copies a job slice by slice of layers (CPU copies only)."""
-        return isinstance(self._backend, CpuBackend)
+        """Whether `submit` copies a job slice by slice of layers: both backends do (CUDA's by
+        per-slice events, unverified on a GPU)."""
+        return isinstance(self._backend, (CpuBackend, CudaBackend))
 
     def submit(self, job: TransferJob, slices: Sequence[frozenset[str]] | None = None) -> None:
         """Start `job` asynchronously; its result comes back once, from `get_finished`.
@@ -280,8 +282,13 @@ class TransferEngine:
 
     def wait_layer(self, job_ids: Iterable[int], layer: str, timeout: float | None = None) -> bool:
         """As `wait`, for the tasks of `job_ids` that copy `layer` (a slice holding it, or all
-        layers) only: True once none of them copies any more, False if `timeout` passed first."""
+        layers) only: True once none of them copies any more, False if `timeout` passed first.
+        On CUDA it does not block: the current (compute) stream waits for those copies, True."""
         wanted = set(job_ids)
+        if isinstance(self._backend, CudaBackend):
+            # the compute stream waits for those copies' events; the caller does not (unverified)
+            self._backend.wait_layer_on_stream(wanted, layer)
+            return True
 
         def is_layer_copied() -> bool:
             # (a job that ended, no longer open, is done with every layer)
