@@ -50,6 +50,7 @@ COUNTERS = {
     "cancelled_jobs": "Transfer jobs a worker cancelled at their deadline.",
     "cancel_cut_tasks": "Copies of other jobs failed because a cancel cut short the batch they were copied in.",
     "hinted_requests": "Requests that sent kvtier hints (session, retain_s, priority, next_turn_s, end_session).",
+    "pinned_slabs": "Worker host slabs page-locked for CUDA copies (1 per worker at start; none: pageable copies).",
     "handoff_promises": "Disaggregated prefill: requests this engine handed off to a decode engine, a promise each.",
     "handoff_promised_chunks": "Disaggregated prefill: chunks this engine promised decode engines.",
     "handoff_waits": "Disaggregated decode: requests that carried a prefill engine's promise for their prompt "
