@@ -31,12 +31,9 @@ Two copy paths, compared in one run:
   cannot be imported, so the backend takes its fallback, one `copy_` per byte run
   (per_run_store_ratio, per_run_load_ratio).
 Which path each process took is what kvtier logs when it makes the backend (printed as `kvtier
-said:`; a line "kvtier: CUDA copies through ...; host slab pinned|pageable"). The per-run child
-relies on that fallback rule (vLLM's kernels found by importing `vllm._custom_ops`). Where the
-backend does not use vLLM's kernels at all (this branch's `CudaBackend` copies run by run, always),
-both paths are per-run. This branch's
-backend has no switch of its own between the two paths; should it gain one (a `TransferEngine`
-option forcing per-run copies), the child should set that instead of hiding vLLM's modules.
+said:`; a line "kvtier: CUDA copies on cuda:N: <path>; host slab pinned=<0|1>"). The per-run child
+relies on the backend's fallback rule (`select_copy_paths`: vLLM's kernels found by importing
+`vllm._custom_ops`); the backend has no switch of its own between the two paths.
 Where vLLM's kernels do not load (vLLM absent, or its CUDA extension not built for this torch),
 the as-built path is the per-run one: measured once, store_ratio and load_ratio print `na`.
 
@@ -330,7 +327,12 @@ def measure_per_run(argv: list[str]) -> dict:
     hide = "; ".join(f"sys.modules[{name!r}] = None" for name in VLLM_KERNEL_MODULES)
     code = f"import runpy, sys; {hide}; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     child = [sys.executable, "-c", code, __file__, *argv, "--per-run-child"]
-    done = subprocess.run(child, capture_output=True, text=True, check=False)
+    # bounded: a hung child must not spend the GPU machine's whole budget
+    try:
+        done = subprocess.run(child, capture_output=True, text=True, check=False, timeout=300)
+    except subprocess.TimeoutExpired:
+        print("per-run child did not end in 300 s")
+        return {"roundtrip_ok": False, "store_ratio": math.nan, "load_ratio": math.nan}
     for line in done.stdout.splitlines():
         if not line.startswith(CHILD_MARK):
             print(f"  [per-run] {line}")

@@ -46,8 +46,10 @@ def has_wheel_backend() -> bool:
 
 
 def has_c_compiler() -> bool:
+    """Whether the C copier can build here: a compiler, and Python's headers beside it."""
     compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")[0]
-    return shutil.which(os.environ.get("CC", compiler)) is not None
+    has_headers = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+    return has_headers and shutil.which(os.environ.get("CC", compiler)) is not None
 
 
 def run(argv: list[str], env: dict[str, str] | None = None) -> str:

@@ -339,7 +339,9 @@ def layered_worker(clock=time.monotonic) -> tuple[WorkerSide, KV, list[torch.Ten
     return worker, kv, fill_slots(worker.transfer, kv, [0, 1, 2, 3])
 
 
-def start_load(worker: WorkerSide, job_id: int, deadline: float | None = None) -> StepPlan:
+def start_load(
+    worker: WorkerSide, job_id: int, deadline: float | None = None, layer_waits: bool = True
+) -> StepPlan:
     """A step loading slots 0-3 into blocks 4-7, up to the forward pass."""
     part = TransferPart(group=0, slot_ids=np.arange(4), block_ids=np.arange(4, 8))
     deadline = time.monotonic() + 60 if deadline is None else deadline
@@ -356,7 +358,7 @@ def start_load(worker: WorkerSide, job_id: int, deadline: float | None = None) -
         ]
     )
     worker.handle_preemptions(plan)
-    worker.start_load_kv(plan)
+    worker.start_load_kv(plan, layer_waits=layer_waits)
     return plan
 
 
@@ -400,6 +402,28 @@ def test_loads_are_waited_for_whole_until_a_forward_pass_asked_for_every_layer(h
     load_whole(worker, kv, stored, held, 2, asked=LAYERS[:-1])
     # only from the next step on
     load_whole(worker, kv, stored, held, 3, asked=LAYERS)
+
+
+def test_a_pass_that_will_not_ask_for_layers_loads_whole_and_slicing_goes_on(held):
+    """vLLM replays a step as one FULL CUDA graph: no `wait_for_layer_load` comes, so the load is
+    waited for whole inside `start_load_kv`, and the pass asking for no layer fails nothing."""
+    worker, kv, stored = layered_worker()
+    forward(worker, StepPlan(), asked=LAYERS)
+    for t in kv.values():
+        t[4:].zero_()
+    held.hold_after(1)
+    plan = start_load(worker, 1, layer_waits=False)
+    assert worker.transfer.wait([1], timeout=0) and loaded(kv, stored), "not waited for whole"
+    forward(worker, plan, asked=[])
+    assert [r.success for r in worker.take_results()] == [True] and not worker.take_load_errors()
+    # the next pass that asks for its layers is sliced again
+    held.release()
+    held.hold_after(1)
+    plan = start_load(worker, 2)
+    assert not worker.transfer.wait([2], timeout=0), "slicing stopped"
+    held.release()
+    forward(worker, plan, asked=LAYERS)
+    assert [r.success for r in worker.take_results()] == [True] and not worker.take_load_errors()
 
 
 def test_after_a_pass_that_asked_for_every_layer_each_layer_is_waited_for_alone(held):

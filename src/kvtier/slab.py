@@ -121,7 +121,8 @@ class _Segment:
 
 def _release(segment: _Segment) -> None:
     """Unpin, unmap (unless views are alive), unlock, and unlink if this process owns the name."""
-    if segment.pinned_ptr and segment.unpin is not None:
+    # a forked child inherits the finalizer, not the CUDA registration: only the pinning process
+    if segment.pinned_ptr and segment.unpin is not None and segment.pid == os.getpid():
         try:
             segment.unpin(segment.pinned_ptr)
         # the mapping goes anyway; the driver drops its registration with it

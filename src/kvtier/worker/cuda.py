@@ -250,6 +250,12 @@ class CudaBackend:
             is_src_order_any = False
         else:
             copy = self.paths.for_load(int(pointers.nbytes.max()))
+        if copy is self.paths.small_load:
+            # vLLM's Triton copy moves them to the GPU asynchronously: from pinned memory, as vLLM's
+            # own descriptor buffers (from pageable memory the driver may wait for the stream)
+            src = src.pin_memory()
+            dst = dst.pin_memory()
+            sizes = sizes.pin_memory()
         copy(src, dst, sizes, is_src_access_order_any=is_src_order_any)  # type: ignore[misc]
         return (src, dst, sizes)
 

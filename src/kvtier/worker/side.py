@@ -167,13 +167,15 @@ class WorkerSide:
             self._started_early.add(job.job_id)
         self._await([self._running[i] for i in plan.flush_job_ids if i in self._running])
 
-    def start_load_kv(self, plan: StepPlan) -> None:
+    def start_load_kv(self, plan: StepPlan, layer_waits: bool = True) -> None:
         """Run the plan's loads and wait for them (until their deadline); start its asynchronous
-        ones (and, in a step where the engine computes nothing, wait for them a little too)."""
+        ones (and, in a step where the engine computes nothing, wait for them a little too).
+        `layer_waits` False: this pass will not call `wait_for_layer_load` (vLLM replays it as one
+        FULL CUDA graph), so its loads are waited for whole, never sliced."""
         for job in plan.async_load_jobs:
             self._async_load_ids.add(job.job_id)
             self._submit(job)
-        slices = self._order.slices if self._order is not None else None
+        slices = self._order.slices if self._order is not None and layer_waits else None
         for job in plan.load_jobs:
             self._submit(job, slices)
         loads = [self._running[job.job_id] for job in plan.load_jobs if job.job_id in self._running]

@@ -159,7 +159,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().handle_preemptions(kv_connector_metadata.plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._work().start_load_kv(self._plan())
+        # a step replayed as one FULL CUDA graph never calls wait_for_layer_load: load it whole
+        mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+        self._work().start_load_kv(self._plan(), layer_waits=getattr(mode, "name", "") != "FULL")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # the step's synchronous loads of this layer
