@@ -80,6 +80,7 @@ lint: $(VENV)/.stamp-core
 bench: $(VENV)/.stamp-vllm servers
 	$(PY) benchmarks/bench_manager.py --quick
 	$(PY) benchmarks/bench_scheduler.py --quick
+	$(PY) benchmarks/bench_sched_side.py --quick
 	$(PY) benchmarks/bench_transfer.py --quick
 	$(PY) benchmarks/bench_disk.py --quick
 	$(PY) benchmarks/bench_remote.py --quick
