@@ -22,7 +22,7 @@ asked for at every step, as vLLM's scheduler does. Capacities are equal: vLLM's
 16 tokens (one block). Each side runs its defaults otherwise (kvtier: adaptive policy, sync loads,
 cost-model load policy; vLLM: LRU, async loads).
 
-    python benchmarks/bench_sched_side.py [--quick] [--rounds N] [--profile]
+    python benchmarks/bench_sched_side.py [--quick] [--rounds N] [--profile] [--kvtier-config JSON]
 
 The two sides run interleaved, `--rounds` times (order alternating), fresh connectors each run;
 the figures are medians, with the spread of the per-round ratio. `--profile` adds a cProfile of
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import hashlib
 import io
@@ -85,6 +86,8 @@ class Workload:
     num_chunks: int
     docs_per_length: int = 4
     seed: int = 0
+    # kvtier's kv_connector_extra_config beyond its capacity (`--kvtier-config`)
+    kvtier_extra: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass
@@ -185,21 +188,21 @@ def configs(model: Path, transfer):
     return vllm_config, kv_cache_config
 
 
-def build_kvtier(model: Path, num_chunks: int):
+def build_kvtier(model: Path, num_chunks: int, extra: dict):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvtier.integrations.vllm import kv_transfer_config
     from kvtier.integrations.vllm.connector import KVTierConnector
 
     # 2 layers x 2 x 16 tokens x 2 heads x 16 x 2 bytes = 4 KiB a chunk
-    transfer = kv_transfer_config(cpu_bytes=num_chunks * 4096)
+    transfer = kv_transfer_config(**{**extra, "cpu_bytes": num_chunks * 4096})
     vllm_config, kv_cache_config = configs(model, transfer)
     conn = KVTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
     assert conn.layout.num_slots == num_chunks, conn.layout.num_slots
     return conn
 
 
-def build_vllm(model: Path, num_chunks: int):
+def build_vllm(model: Path, num_chunks: int, extra: dict):
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
@@ -521,7 +524,7 @@ class MiniEngine:
 
 
 def run_side(side: str, model: Path, trace: list, w: Workload, profiler=None) -> dict:
-    conn = SIDES[side][0](model, w.num_chunks)
+    conn = SIDES[side][0](model, w.num_chunks, dict(w.kvtier_extra) if side == "kvtier" else {})
     # the trace's millions of hashes out of the collector's reach: a full collection landed in
     # whichever call was running and moved a side's µs per step by 2x from run to run
     gc.collect()
@@ -553,9 +556,10 @@ def run_side(side: str, model: Path, trace: list, w: Workload, profiler=None) ->
     }
 
 
-def long_prompt(side: str, model: Path, length: int, num_decode: int) -> float:
+def long_prompt(side: str, model: Path, length: int, num_decode: int, kvtier_extra=()) -> float:
     """µs per decode step of one request of `length` prompt tokens, alone on the engine."""
     w = Workload(1, 1, ((length, 1.0),), (num_decode, num_decode), 1 << 14, seed=length)
+    w = dataclasses.replace(w, kvtier_extra=kvtier_extra)
     result = run_side(side, model, make_trace(w), w)
     # the decode steps: after the last prefill chunk (8,192 tokens a step)
     first_decode = -(-length // BUDGET)
@@ -614,6 +618,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3 quick, 5 full)")
     parser.add_argument("--profile", action="store_true", help="cProfile both sides once more")
     parser.add_argument("--top", type=int, default=25, help="profile lines per listing")
+    parser.add_argument(
+        "--kvtier-config",
+        default="{}",
+        help='JSON added to kvtier\'s kv_connector_extra_config, e.g. {"eviction_policy": "lru"}',
+    )
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     lengths = ((1024, 0.8), (16384, 0.17), (131072, 0.03))
@@ -621,7 +630,9 @@ def main() -> None:
     quick = Workload(160, 64, lengths, (64, 256), 1 << 15)
     w = quick if args.quick else Workload(1000, 256, lengths, (256, 1024), 1 << 17)
     num_rounds = args.rounds or (3 if args.quick else 5)
+    w = dataclasses.replace(w, kvtier_extra=tuple(json.loads(args.kvtier_config).items()))
     trace = make_trace(w)
+    print(f"kvtier's extra config: {dict(w.kvtier_extra)}")
     print(
         f"{w.num_requests} requests (prompts {'/'.join(str(n) for n, _ in lengths)} tokens, 3/4 a "
         f"shared document), {w.max_running} running, {w.decode[0]}-{w.decode[1]} decoded each; "
@@ -654,7 +665,9 @@ def main() -> None:
         long = {}
         for side in ("kvtier", "vllm"):
             for n in (1024, 131072):
-                long[side, n] = long_prompt(side, model, n, 64 if args.quick else 256)
+                long[side, n] = long_prompt(
+                    side, model, n, 64 if args.quick else 256, w.kvtier_extra
+                )
             print(
                 f"{side}: one request alone, µs per decode step: 1k prompt {long[side, 1024]:.1f}, "
                 f"128k prompt {long[side, 131072]:.1f}"
