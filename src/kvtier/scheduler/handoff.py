@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtier.base import OffloadingManager
+from kvtier.keys import OffloadKey
 from kvtier.scheduler.config import GroupKind, SchedulerOffloadConfig
 from kvtier.scheduler.promise import HandoffPromise
 from kvtier.scheduler.state import RequestOffloadState
@@ -102,9 +103,7 @@ class Handoffs:
         if end > 0:
             num_chunks = self._hand_off(state, end)
         medium = self.manager.handoff_medium or ""
-        key = b""
-        if num_chunks:
-            key = state.keys(0, num_chunks - 1, num_chunks)[0]
+        key = _promise_key(state, num_chunks) if num_chunks else b""
         self.stats.handoff_promises += 1
         self.stats.handoff_promised_chunks += num_chunks
         promise = HandoffPromise(
@@ -155,7 +154,7 @@ class Handoffs:
             return 0
         own_key = None
         if promise.chunks <= max_chunks:
-            own_key = state.keys(0, promise.chunks - 1, promise.chunks)[0]
+            own_key = _promise_key(state, promise.chunks)
         ours = self.config.namespace_id
         other_namespace = bool(ours and promise.namespace and promise.namespace != ours)
         if own_key != promise.key or other_namespace:
@@ -208,3 +207,9 @@ class Handoffs:
             state.handoff_chunks,
             why,
         )
+
+
+def _promise_key(state: RequestOffloadState, num_chunks: int) -> OffloadKey:
+    """What names a promise of `state`'s first `num_chunks` chunks, on both ends: the key of the
+    last one in group 0 (a chained hash: it names the whole prefix, `cache_salt` included)."""
+    return state.keys(0, num_chunks - 1, num_chunks)[0]

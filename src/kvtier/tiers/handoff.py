@@ -26,15 +26,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from kvtier.base import NOT_KNOWN_YET, LookupResult, ReqContext
 from kvtier.keys import OffloadKey
 from kvtier.tiers.cascade import SecondarySlot
 from kvtier.tiers.cpu.manager import CPUTierManager
 from kvtier.tiers.flights import Flight, FlightKind
 from kvtier.tiers.secondary import TierResult
-from kvtier.tiers.writedown import Submit, WriteDown
+from kvtier.tiers.writedown import WriteDown
 
 __all__ = ["HANDOFF_CTX", "HandOffs"]
 
@@ -47,9 +45,8 @@ class HandOffs:
     primary: the CPU tier's bookkeeping.
     slot: the hand-off tier, as the manager sees it.
     index: its index among the manager's secondary tiers.
-    slabs: the host slab of every worker rank (rows = the CPU tier's slots).
-    submit: starts a tier job (the manager's).
-    write_down: the manager's write-down (a chunk it is writing to the tier is not written twice).
+    write_down: the manager's write-down: writes a hand-off's chunks from their pinned slots, and
+        says which it is writing to the tier already (those are not written twice).
     wait_s: how long a chunk being stored may take to become READY before it is given up on.
     clock: monotonic seconds.
     """
@@ -59,8 +56,6 @@ class HandOffs:
         primary: CPUTierManager,
         slot: SecondarySlot,
         index: int,
-        slabs: Sequence[np.ndarray],
-        submit: Submit,
         write_down: WriteDown,
         wait_s: float,
         clock: Callable[[], float] = time.monotonic,
@@ -68,8 +63,6 @@ class HandOffs:
         self.primary = primary
         self.slot = slot
         self.index = index
-        self._slabs = list(slabs)
-        self._submit = submit
         self._write_down = write_down
         self._wait_s = wait_s
         self._clock = clock
@@ -172,9 +165,5 @@ class HandOffs:
         keys = [key for key in keys if key not in riding]
         if not keys:
             return
-        # pinned while the tier reads them; past the tier's backpressure on purpose
-        spec = self.primary.prepare_load(keys, HANDOFF_CTX)
-        buffers = tuple(
-            tuple(memoryview(slab[int(s)]) for slab in self._slabs) for s in spec.slot_ids
-        )
-        self._submit(FlightKind.HANDOFF, self.index, tuple(keys), HANDOFF_CTX, buffers, ())
+        # past the tier's admission rule and backpressure on purpose
+        self._write_down.write_pinned(FlightKind.HANDOFF, self.index, keys, HANDOFF_CTX)

@@ -168,15 +168,7 @@ class TieredManager(OffloadingManager):
             if not shared:
                 return None
             index = shared[0]
-        return HandOffs(
-            self.primary,
-            self._tiers[index],
-            index,
-            self._slabs,
-            self._submit,
-            self._write_down,
-            store_s,
-        )
+        return HandOffs(self.primary, self._tiers[index], index, self._write_down, store_s)
 
     @property
     def tiers(self) -> list[SecondaryTier]:

@@ -165,10 +165,17 @@ class WriteDown:
         if slot.is_backed_up(len(keys) * self.payload_bytes):
             slot.counters["backpressure_drops"] += len(keys)
             return
-        # pinned while the tier reads them
-        spec = self.primary.prepare_load(keys, CASCADE_CTX)
+        self.write_pinned(FlightKind.CASCADE, index, keys, CASCADE_CTX)
+        self._writing[index].update(keys)
+
+    def write_pinned(
+        self, kind: FlightKind, index: int, keys: list[OffloadKey], ctx: ReqContext
+    ) -> None:
+        """Write READY `keys` to the tier `index` from their slots, pinned under `ctx` while the
+        tier reads them (its `kind` of flight unpins them when it ends); no rule or backpressure
+        is checked here."""
+        spec = self.primary.prepare_load(keys, ctx)
         buffers = tuple(
             tuple(memoryview(slab[int(s)]) for slab in self._slabs) for s in spec.slot_ids
         )
-        self._submit(FlightKind.CASCADE, index, tuple(keys), CASCADE_CTX, buffers, ())
-        self._writing[index].update(keys)
+        self._submit(kind, index, tuple(keys), ctx, buffers, ())
