@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import socket
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -35,6 +36,7 @@ from kvtier.tiers.disk.tier import _RECHECK_EVERY_S, DiskTier
 from kvtier.tiers.namespace import Namespace
 from kvtier.tiers.remote.redis import RedisStore
 from kvtier.tiers.remote.tier import RemoteTier
+from kvtier.tiers.secondary import SecondaryTier
 from kvtier.tiers.tiered import TieredManager
 from sched_helpers import UNBOUNDED_DEFERRALS, FakeClock, close_after_test, prompt, run_until_done
 from tier_helpers import HeldTier
@@ -74,29 +76,34 @@ def side(
     clock: FakeClock,
     rules: TierRules | None = None,
     hold: bool = False,
-    tier=None,
+    tier: Callable[[Namespace], SecondaryTier] | None = None,
+    groups: tuple[GroupSpec, ...] = (GroupSpec(tokens_per_block=BLOCK_SIZE),),
+    quota: int | None = None,
     **config,
 ) -> Side:
-    slab = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
+    """One engine over a disk tier in `root` (held: `hold`) unless `tier` is given (a function of
+    the namespace); `quota`: the CPU slots a request of tenant "t" may hold."""
+    slab = make_slab(KVCache(len(groups), NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
+    row_bytes = slab.rows.shape[1]
     if tier is None:
-        disk = DiskTier(
-            root, namespace(slab.rows.shape[1]), 256 * (slab.rows.shape[1] + 4096), rescan_s=None
-        )
+        disk = DiskTier(root, namespace(row_bytes), 256 * (row_bytes + 4096), rescan_s=None)
         assert disk.wait_scanned(HANG_S)
-        tier = HeldTier(disk) if hold else disk
+        built: SecondaryTier = HeldTier(disk) if hold else disk
+    else:
+        built = tier(namespace(row_bytes))
+    quotas = None if quota is None else {"t": quota}
     manager = TieredManager(
-        CPUTierManager(NUM_SLOTS, store_threshold=config.pop("store_threshold", 1)),
+        CPUTierManager(
+            NUM_SLOTS, store_threshold=config.pop("store_threshold", 1), tenant_quotas=quotas
+        ),
         [slab.rows],
-        [(tier, rules or TierRules())],
+        [(built, rules or TierRules())],
         job_timeout_s=HANG_S,
         # the directory is shared: the tests' engines run side by side
-        handoff_tier=tier.medium,
+        handoff_tier=built.medium,
     )
     scheduler_config = SchedulerOffloadConfig(
-        groups=(GroupSpec(tokens_per_block=BLOCK_SIZE),),
-        max_deferrals=UNBOUNDED_DEFERRALS,
-        role=role,
-        **config,
+        groups=groups, max_deferrals=UNBOUNDED_DEFERRALS, role=role, **config
     )
     engine = FakeEngine(
         OffloadScheduler(scheduler_config, manager, clock=clock),
@@ -105,7 +112,7 @@ def side(
         clock=clock,
         slab=slab,
     )
-    return close_after_test(Side(engine, manager, tier))
+    return close_after_test(Side(engine, manager, built))
 
 
 def prefill(producer: Side, req_id: str, tokens: list[int], **kw) -> dict:
@@ -226,12 +233,7 @@ def test_a_promise_from_an_engine_of_another_namespace_is_not_awaited(tmp_path):
 def test_an_unreachable_tier_ends_the_wait_at_once(tmp_path):
     clock = FakeClock()
     producer = side(tmp_path, "kv_producer", clock, rules=NO_WRITE_DOWN, hold=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
-    ns = namespace(make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 1).rows.shape[1])
-    redis = RemoteTier(RedisStore(f"redis://127.0.0.1:{dead}"), ns, start_open=True)
-    consumer = side(tmp_path, "kv_consumer", clock, tier=redis)
+    consumer = side(tmp_path, "kv_consumer", clock, tier=_dead_redis)
     tokens = prompt(PROMPT_TOKENS, seed=6)
     params = prefill(producer, "p", tokens)
     handoff_of(params)["tier"] = "redis"
@@ -394,13 +396,17 @@ def test_seeded_walks_of_prefills_and_decodes(tmp_path, seed):
 # -- review findings ----------------------------------------------------------------------
 
 
-def _disk(root, num_files: int) -> DiskTier:
-    row_bytes = make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 1).rows.shape[1]
-    # a chunk file of these tests takes 8 KiB
-    disk = DiskTier(root, namespace(row_bytes), num_files * 8192, rescan_s=None)
-    assert disk.wait_scanned(HANG_S)
-    assert disk.capacity_files == num_files
-    return disk
+def _disk(root, num_files: int) -> Callable[[Namespace], DiskTier]:
+    """A disk tier in `root` of `num_files` chunk files, as `side` builds it."""
+
+    def make(ns: Namespace) -> DiskTier:
+        # a chunk file of these tests takes 8 KiB
+        disk = DiskTier(root, ns, num_files * 8192, rescan_s=None)
+        assert disk.wait_scanned(HANG_S)
+        assert disk.capacity_files == num_files
+        return disk
+
+    return make
 
 
 def _decode(consumer: Side, req_id: str, tokens: list[int], params: dict, **kw):
@@ -447,11 +453,11 @@ def test_a_consumer_whose_disk_index_is_full_still_sees_new_hand_offs(tmp_path):
     assert consumer.stats.handoff_timeouts == 0
 
 
-def _dead_redis() -> RemoteTier:
+def _dead_redis(ns: Namespace) -> RemoteTier:
+    """A Redis tier of a port nobody listens on, its breaker open."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
-    ns = namespace(make_slab(KVCache(1, NUM_BLOCKS, BLOCK_SIZE), 1, 1).rows.shape[1])
     return RemoteTier(RedisStore(f"redis://127.0.0.1:{dead}"), ns, start_open=True)
 
 
@@ -460,7 +466,7 @@ def test_a_hand_off_tier_that_is_down_when_the_request_ends_empties_the_promise(
     producer promised every chunk RAM held, to a tier whose breaker was open, so a decode engine
     that still reaches the tier waits its whole deadline for writes that were refused at once."""
     clock = FakeClock()
-    producer = side(tmp_path, "kv_producer", clock, tier=_dead_redis())
+    producer = side(tmp_path, "kv_producer", clock, tier=_dead_redis)
     params = prefill(producer, "p", prompt(PROMPT_TOKENS, seed=30))
     assert handoff_of(params)["tier"] == "redis"
     assert handoff_of(params)["chunks"] == 0
@@ -475,35 +481,11 @@ HYBRID = (
 def hybrid_side(
     root, role: str, clock: FakeClock, quota: int | None = None, tier=None, **config
 ) -> Side:
-    """A side whose model has a full-attention and a sliding-window KV-cache group, over a disk
-    tier in `root` unless `tier` is given (a function of the namespace); `quota`: the CPU slots a
-    request of tenant "t" may hold."""
-    slab = make_slab(KVCache(len(HYBRID), NUM_BLOCKS, BLOCK_SIZE), 1, NUM_SLOTS)
-    row_bytes = slab.rows.shape[1]
-    if tier is None:
-        tier = DiskTier(root, namespace(row_bytes), 256 * (row_bytes + 4096), rescan_s=None)
-        assert tier.wait_scanned(HANG_S)
-    else:
-        tier = tier(namespace(row_bytes))
-    quotas = None if quota is None else {"t": quota}
-    manager = TieredManager(
-        CPUTierManager(NUM_SLOTS, tenant_quotas=quotas),
-        [slab.rows],
-        [(tier, NO_WRITE_DOWN)],
-        job_timeout_s=HANG_S,
-        handoff_tier=tier.medium,
+    """A side whose model has a full-attention and a sliding-window KV-cache group, whose own
+    write-down writes nothing (only hand-offs reach the tier)."""
+    return side(
+        root, role, clock, rules=NO_WRITE_DOWN, tier=tier, groups=HYBRID, quota=quota, **config
     )
-    scheduler_config = SchedulerOffloadConfig(
-        groups=HYBRID, max_deferrals=UNBOUNDED_DEFERRALS, role=role, **config
-    )
-    engine = FakeEngine(
-        OffloadScheduler(scheduler_config, manager, clock=clock),
-        num_blocks=NUM_BLOCKS,
-        block_size=BLOCK_SIZE,
-        clock=clock,
-        slab=slab,
-    )
-    return close_after_test(Side(engine, manager, tier))
 
 
 def test_a_shortened_promise_of_a_hybrid_model_brings_its_window_too(tmp_path):
