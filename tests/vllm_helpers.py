@@ -59,9 +59,11 @@ def make_llm(
 
     from kvtier.integrations.vllm import kv_transfer_config
 
-    transfer = None
     if connector is not None:
-        transfer = kv_transfer_config(connector, module, role, **(extra or {"cpu_bytes": "1GiB"}))
+        kwargs["kv_transfer_config"] = kv_transfer_config(
+            connector, module, role, **(extra or {"cpu_bytes": "1GiB"})
+        )
+    # (a caller may give a transfer config of its own: a MultiConnector's)
     kwargs.setdefault("max_model_len", 4096)
     return LLM(
         model=str(model),
@@ -69,7 +71,6 @@ def make_llm(
         dtype="float32",
         seed=0,
         enforce_eager=True,
-        kv_transfer_config=transfer,
         **kwargs,
     )
 
