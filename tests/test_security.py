@@ -45,6 +45,7 @@ from redis_servers import ACL_USER
 from sched_helpers import UNBOUNDED_DEFERRALS, FakeClock, prompt, run_until_done
 from tier_helpers import disk_tiers
 from tier_jobs import Slab, load, store
+from vllm_helpers import scheduler_connector
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 SLOT = 4096
@@ -512,39 +513,6 @@ def test_kvtier_config_never_prints_a_secret(tmp_path):
             assert json.loads(done.stdout)["kv_connector_extra_config"][
                 "redis_password_file"
             ] == str(tmp_path / "pw")
-
-
-def scheduler_connector(model: Path, extra: dict):
-    """vLLM's scheduler-side KVTierConnector, built as an engine builds it (from a VllmConfig of the
-    tiny model and a KV-cache config of one full-attention group), without an engine around it."""
-    import torch
-    from vllm.config import ModelConfig, VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    from kvtier.integrations.vllm import kv_transfer_config
-    from kvtier.integrations.vllm.connector import KVTierConnector
-
-    model_config = ModelConfig(
-        model=str(model), dtype="float32", skip_tokenizer_init=True, max_model_len=1024
-    )
-    vllm_config = VllmConfig(
-        model_config=model_config, kv_transfer_config=kv_transfer_config(**extra)
-    )
-    spec = FullAttentionSpec(
-        block_size=vllm_config.cache_config.block_size,
-        num_kv_heads=4,
-        head_size=64,
-        dtype=torch.float32,
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=8,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(layer_names=["model.layers.0.self_attn.attn"], kv_cache_spec=spec)
-        ],
-    )
-    return vllm_config, KVTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
 def test_the_connector_logs_and_metrics_never_show_a_secret(

@@ -221,3 +221,36 @@ def write_small_llama(path: Path, seed: int = 0, **settings) -> Path:
         {name: t.to(torch.bfloat16) for name, t in tensors.items()}, str(path / "model.safetensors")
     )
     return path
+
+
+def scheduler_connector(model: Path, extra: dict):
+    """vLLM's scheduler-side KVTierConnector, built as an engine builds it (from a VllmConfig of the
+    tiny model and a KV-cache config of one full-attention group), without an engine around it."""
+    import torch
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvtier.integrations.vllm import kv_transfer_config
+    from kvtier.integrations.vllm.connector import KVTierConnector
+
+    model_config = ModelConfig(
+        model=str(model), dtype="float32", skip_tokenizer_init=True, max_model_len=1024
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config, kv_transfer_config=kv_transfer_config(**extra)
+    )
+    spec = FullAttentionSpec(
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=4,
+        head_size=64,
+        dtype=torch.float32,
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=["model.layers.0.self_attn.attn"], kv_cache_spec=spec)
+        ],
+    )
+    return vllm_config, KVTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
