@@ -73,3 +73,81 @@ def test_a_tiers_counters_exist_at_zero_from_its_first_report(prom):
     assert value("kvtier:tier_timeouts_total", tier="redis") == 1
     assert value("kvtier:load_decisions_total", tier="redis", decision="partial") == 3
     assert value("kvtier:load_decisions_total", tier="redis", decision="load") == 0
+
+
+# -- what the scheduler side reports, step by step (`SchedulerSide.get_stats`) -----------------------
+
+
+@pytest.fixture
+def side(model):
+    """A scheduler-side connector (no engine) on a clock the test moves."""
+    from vllm_helpers import scheduler_connector
+
+    _, connector = scheduler_connector(model, {"cpu_bytes": "1MiB"})
+    side = connector._scheduler
+    now = [100.0]
+    side._clock = lambda: now[0]
+    side.now = now
+    yield connector
+    connector.shutdown()
+
+
+def a_request(req_id: str, num_tokens: int):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(
+        req_id,
+        list(range(1, num_tokens + 1)),
+        SamplingParams(max_tokens=4),
+        None,
+        block_hasher=get_request_block_hasher(16, sha256),
+    )
+
+
+def test_a_busy_engine_gets_counters_each_step_and_gauges_once_a_second(side):
+    """vLLM asks at every step; the gauges and the tiers' stats (the miss-ratio curves among them)
+    are rebuilt at most once every `_REPORT_EVERY_S` while requests run, the counters' deltas
+    shipped whenever one moved, and nothing counted is lost between full reports."""
+    from kvtier.integrations.vllm.metrics import tier_stat_name
+    from kvtier.integrations.vllm.scheduler_side import _REPORT_EVERY_S
+
+    sched = side._scheduler
+    request = a_request("r0", 64)
+    side.get_num_new_matched_tokens(request, 0)
+    assert sched.core.num_requests() == 1
+    first = side.get_kv_connector_stats()
+    assert first is not None and "num_slots" in first.data["gauges"]
+    # the same instant, nothing moved: nothing to ship
+    assert side.get_kv_connector_stats() is None
+    sched.core.stats.deferrals += 2
+    second = side.get_kv_connector_stats()
+    assert second.data == {"counters": {"deferrals": 2}, "gauges": {}}
+    assert side.get_kv_connector_stats() is None
+    sched.now[0] += _REPORT_EVERY_S / 2
+    sched.core.stats.deferrals += 1
+    assert side.get_kv_connector_stats().data == {"counters": {"deferrals": 1}, "gauges": {}}
+    # a second after the last full report: one is due, counters moved or not
+    sched.now[0] += _REPORT_EVERY_S
+    third = side.get_kv_connector_stats()
+    assert third.data["counters"] == {} and "num_slots" in third.data["gauges"]
+    assert tier_stat_name("cpu", "used_bytes") in third.data["gauges"]
+
+
+def test_an_engine_going_idle_gets_a_full_report_at_once(side):
+    """vLLM steps no more once no request runs and kvtier has no job in flight: that last step's
+    report is a full one, whatever the clock says."""
+    sched = side._scheduler
+    request = a_request("r0", 64)
+    side.get_num_new_matched_tokens(request, 0)
+    assert "num_slots" in side.get_kv_connector_stats().data["gauges"]
+    sched.core.stats.deferrals += 1
+    assert side.get_kv_connector_stats().data["gauges"] == {}
+    side.request_finished(request, [])
+    assert sched.core.num_requests() == 0 and not sched.core.has_jobs_in_flight()
+    sched.core.stats.deferrals += 1
+    last = side.get_kv_connector_stats()
+    assert last.data["counters"] == {"deferrals": 1} and "num_slots" in last.data["gauges"]

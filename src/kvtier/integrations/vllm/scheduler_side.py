@@ -123,6 +123,8 @@ class SchedulerSide:
         self._evict_lookahead = evict_lookahead(vllm_config, layout)
         self._reported = SchedulerStats()
         self._reported_at = float("-inf")
+        # when reports were due (tests set it)
+        self._clock = time.monotonic
         self._reported_tiers: dict[str, Counter[str]] = {}
         role = self.core.config.role
         if role == "kv_producer" and self.manager.handoff_medium is None:
@@ -234,16 +236,20 @@ class SchedulerSide:
             slab.close()
 
     def get_stats(self) -> KVTierStats | None:
-        """Deltas of the scheduler's counters since the last report, plus occupancy gauges; None
-        (nothing to ship) while the scheduler's counters are unchanged and the last report is
-        younger than `_REPORT_EVERY_S`. vLLM asks at every step: a full report (the tiers' stats,
-        the estimates) cost ~1 ms a step, 2 % of a hit request's time on the tiny test model."""
+        """Deltas of the scheduler's counters since the last report; with them, at most once every
+        `_REPORT_EVERY_S` and whenever the engine goes idle, the gauges and the tiers' own counters
+        (a full report). None (nothing to ship) while the counters are unchanged and no full report
+        is due. vLLM asks at every step, and in a busy engine some counter changes at almost every
+        step: a full report (the tiers' stats, the estimates, the miss-ratio curves) cost ~0.4 ms a
+        step at 64 running requests (`benchmarks/bench_sched_side.py`), vLLM's own 5 µs. Idle means
+        no request tracked and no job in flight: vLLM steps no more, so what the tiers counted up
+        to then is shipped in that last step (a gauge keeps its last value between full reports)."""
         now = self.core.stats
         before = self._reported
-        clock = time.monotonic()
-        if now == before and clock - self._reported_at < _REPORT_EVERY_S:
+        clock = self._clock()
+        is_due = clock - self._reported_at >= _REPORT_EVERY_S or self._is_idle()
+        if now == before and not is_due:
             return None
-        self._reported_at = clock
         stats = KVTierStats()
         stats.add("hit_tokens", now.hit_tokens - before.hit_tokens)
         stats.add(
@@ -252,26 +258,26 @@ class SchedulerSide:
         )
         for name in _SCHEDULER_COUNTERS:
             stats.add(name, getattr(now, name) - getattr(before, name))
-        cpu = self.core.manager.stats()
-        for name in ("num_slots", "used_slots", "pinned_slots"):
-            stats.set_gauge(name, getattr(cpu, name))
-        stats.set_gauge("unsupported_groups", len(self.core.config.unsupported_groups()))
-        stats.set_gauge("jobs_in_flight", self.core.num_jobs_in_flight())
-        stats.set_gauge("tier_jobs_in_flight", cpu.extra.get("tier_jobs_in_flight", 0))
-        self._add_decision_stats(stats, now, before)
+        self._add_decision_counts(stats, now, before)
         self._reported = dataclasses.replace(
             now,
             # copies
             load_decisions=Counter(now.load_decisions),
             explorations=Counter(now.explorations),
         )
-        self._add_tier_stats(stats, cpu)
+        if is_due:
+            self._reported_at = clock
+            self._add_gauges(stats)
         return stats
 
-    def _add_decision_stats(
+    def _is_idle(self) -> bool:
+        """No request tracked and no job in flight: vLLM is about to stop stepping."""
+        return self.core.num_requests() == 0 and not self.core.has_jobs_in_flight()
+
+    def _add_decision_counts(
         self, stats: KVTierStats, now: SchedulerStats, before: SchedulerStats
     ) -> None:
-        """Load-or-recompute: decisions and load seconds since the last report, the current estimates."""
+        """Load-or-recompute: decisions and load seconds since the last report."""
         for (decision, medium), count in now.load_decisions.items():
             stats.add(
                 decision_stat_name(decision, medium),
@@ -283,6 +289,16 @@ class SchedulerSide:
             )
         stats.add("expected_load_seconds", (now.expected_load_us - before.expected_load_us) / 1e6)
         stats.add("measured_load_seconds", (now.measured_load_us - before.measured_load_us) / 1e6)
+
+    def _add_gauges(self, stats: KVTierStats) -> None:
+        """A full report's rest: occupancy, the cost model's estimates, and per tier its counters'
+        deltas since the last full report, its bytes and its miss-ratio curve."""
+        cpu = self.core.manager.stats()
+        for name in ("num_slots", "used_slots", "pinned_slots"):
+            stats.set_gauge(name, getattr(cpu, name))
+        stats.set_gauge("unsupported_groups", len(self.core.config.unsupported_groups()))
+        stats.set_gauge("jobs_in_flight", self.core.num_jobs_in_flight())
+        stats.set_gauge("tier_jobs_in_flight", cpu.extra.get("tier_jobs_in_flight", 0))
         costs = self.core.costs.snapshot()
         stats.set_gauge("prefill_tokens_per_second", round(costs.prefill_tokens_per_s, 1))
         for medium, estimate in costs.reads.items():
@@ -292,6 +308,7 @@ class SchedulerSide:
             stats.set_gauge(
                 tier_stat_name(medium, "read_latency_seconds"), round(estimate.latency_s, 6)
             )
+        self._add_tier_stats(stats, cpu)
 
     def _add_tier_stats(self, stats: KVTierStats, cpu: ManagerStats) -> None:
         """Per tier: counter deltas since the last report, used and capacity bytes."""
