@@ -23,6 +23,7 @@ asked for at every step, as vLLM's scheduler does. Capacities are equal: vLLM's
 cost-model load policy; vLLM: LRU, async loads).
 
     python benchmarks/bench_sched_side.py [--quick] [--rounds N] [--profile] [--kvtier-config JSON]
+        [--extras]
 
 The two sides run interleaved, `--rounds` times (order alternating), fresh connectors each run;
 the figures are medians, with the spread of the per-round ratio. `--profile` adds a cProfile of
@@ -88,6 +89,10 @@ class Workload:
     seed: int = 0
     # kvtier's kv_connector_extra_config beyond its capacity (`--kvtier-config`)
     kvtier_extra: tuple[tuple[str, object], ...] = ()
+    # kvtier's extra features on (`--extras`): each request carries a tenant (`cache_salt`, two
+    # tenants, each with a quota of 3/4 of the capacity) and client hints (its document's session,
+    # a next turn within 30 s)
+    extras: bool = False
 
 
 @dataclass
@@ -99,6 +104,9 @@ class TraceRequest:
     outputs: list[int]
     # one per full block of prompt + outputs
     hashes: list[bytes]
+    # `--extras`: the request's tenant and kv_transfer_params
+    cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
 
 
 def chain(tokens: np.ndarray, parent: bytes) -> list[bytes]:
@@ -129,6 +137,12 @@ def make_trace(w: Workload) -> list[TraceRequest]:
         rest = gen.integers(3, 32000, length - len(doc_tokens) + rng.randint(*w.decode))
         num_suffix = length - len(doc_tokens)
         hashes = doc_hashes + chain(rest, doc_hashes[-1])
+        salt = None
+        params = None
+        if w.extras:
+            # a document is its tenant's (the hashes stand for salted ones: no tenant shares one)
+            salt = f"tenant-{doc[1] % 2}"
+            params = {"kvtier": {"session": f"doc-{doc[0]}-{doc[1]}", "next_turn_s": 30}}
         trace.append(
             TraceRequest(
                 f"r{i}",
@@ -137,6 +151,8 @@ def make_trace(w: Workload) -> list[TraceRequest]:
                 doc_tokens.tolist() + rest[:num_suffix].tolist(),
                 rest[num_suffix:].tolist(),
                 hashes,
+                salt,
+                params,
             )
         )
     return trace
@@ -388,8 +404,20 @@ class MiniEngine:
 
         while self.trace and len(self.requests) < self.max_running:
             t = self.trace.popleft()
-            params = SamplingParams(max_tokens=len(t.outputs), ignore_eos=True)
-            req = Request(t.req_id, list(t.prompt), params, None, block_hasher=self._hasher)
+            extra_args = None
+            if t.kv_transfer_params is not None:
+                extra_args = {"kv_transfer_params": t.kv_transfer_params}
+            params = SamplingParams(
+                max_tokens=len(t.outputs), ignore_eos=True, extra_args=extra_args
+            )
+            req = Request(
+                t.req_id,
+                list(t.prompt),
+                params,
+                None,
+                cache_salt=t.cache_salt,
+                block_hasher=self._hasher,
+            )
             self.requests[t.req_id] = req
             self.waiting.append(req)
             self.call("on_new_request", "on_new_request", req)
@@ -524,7 +552,13 @@ class MiniEngine:
 
 
 def run_side(side: str, model: Path, trace: list, w: Workload, profiler=None) -> dict:
-    conn = SIDES[side][0](model, w.num_chunks, dict(w.kvtier_extra) if side == "kvtier" else {})
+    extra = {}
+    if side == "kvtier":
+        extra = dict(w.kvtier_extra)
+        if w.extras:
+            # 4 KiB chunks
+            extra.setdefault("tenant_quotas", {"*": w.num_chunks * 4096 * 3 // 4})
+    conn = SIDES[side][0](model, w.num_chunks, extra)
     # the trace's millions of hashes out of the collector's reach: a full collection landed in
     # whichever call was running and moved a side's µs per step by 2x from run to run
     gc.collect()
@@ -623,6 +657,12 @@ def main() -> None:
         default="{}",
         help='JSON added to kvtier\'s kv_connector_extra_config, e.g. {"eviction_policy": "lru"}',
     )
+    parser.add_argument(
+        "--extras",
+        action="store_true",
+        help="kvtier's extra features on: tenants with quotas, client hints (curves and events are "
+        "on in every run)",
+    )
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     lengths = ((1024, 0.8), (16384, 0.17), (131072, 0.03))
@@ -630,9 +670,16 @@ def main() -> None:
     quick = Workload(160, 64, lengths, (64, 256), 1 << 15)
     w = quick if args.quick else Workload(1000, 256, lengths, (256, 1024), 1 << 17)
     num_rounds = args.rounds or (3 if args.quick else 5)
-    w = dataclasses.replace(w, kvtier_extra=tuple(json.loads(args.kvtier_config).items()))
+    w = dataclasses.replace(
+        w, kvtier_extra=tuple(json.loads(args.kvtier_config).items()), extras=args.extras
+    )
     trace = make_trace(w)
     print(f"kvtier's extra config: {dict(w.kvtier_extra)}")
+    if w.extras:
+        print(
+            "extras: 2 tenants (cache_salt) with tenant_quotas of 3/4 the capacity each, every "
+            "request hinted (its document's session, next_turn_s 30)"
+        )
     print(
         f"{w.num_requests} requests (prompts {'/'.join(str(n) for n, _ in lengths)} tokens, 3/4 a "
         f"shared document), {w.max_running} running, {w.decode[0]}-{w.decode[1]} decoded each; "
