@@ -137,9 +137,10 @@ def test_a_busy_engine_gets_counters_each_step_and_gauges_once_a_second(side):
     assert tier_stat_name("cpu", "used_bytes") in third.data["gauges"]
 
 
-def test_an_engine_going_idle_gets_a_full_report_at_once(side):
-    """vLLM steps no more once no request runs and kvtier has no job in flight: that last step's
-    report is a full one, whatever the clock says."""
+def test_the_step_that_ends_the_last_request_gets_a_full_report(side):
+    """A client reads the metrics once its requests' outputs are back: the report of the step in
+    which the last running request ended is a full one, whatever the clock says (vLLM steps on
+    while kvtier's stores finish, but nobody waits for those steps' reports)."""
     sched = side._scheduler
     request = a_request("r0", 64)
     side.get_num_new_matched_tokens(request, 0)
@@ -147,7 +148,6 @@ def test_an_engine_going_idle_gets_a_full_report_at_once(side):
     sched.core.stats.deferrals += 1
     assert side.get_kv_connector_stats().data["gauges"] == {}
     side.request_finished(request, [])
-    assert sched.core.num_requests() == 0 and not sched.core.has_jobs_in_flight()
     sched.core.stats.deferrals += 1
     last = side.get_kv_connector_stats()
     assert last.data["counters"] == {"deferrals": 1} and "num_slots" in last.data["gauges"]

@@ -125,6 +125,8 @@ class SchedulerSide:
         self._reported_at = float("-inf")
         # when reports were due (tests set it)
         self._clock = time.monotonic
+        # ids of the requests looked up and not finished (`get_stats`)
+        self._running: set[str] = set()
         self._reported_tiers: dict[str, Counter[str]] = {}
         role = self.core.config.role
         if role == "kv_producer" and self.manager.handoff_medium is None:
@@ -149,6 +151,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        self._running.add(request.request_id)
         return self.core.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -173,6 +176,7 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> dict[str, Any] | None:
         """The request's promise to a decode engine if it is handed off (its `kv_transfer_params`
         in the engine's output; `kvtier.scheduler.handoff`), else None."""
+        self._running.discard(request.request_id)
         return self.core.request_finished(request_view(request))
 
     def bind_block_pool(self, block_pool: Any) -> None:
@@ -237,17 +241,18 @@ class SchedulerSide:
 
     def get_stats(self) -> KVTierStats | None:
         """Deltas of the scheduler's counters since the last report; with them, at most once every
-        `_REPORT_EVERY_S` and whenever the engine goes idle, the gauges and the tiers' own counters
-        (a full report). None (nothing to ship) while the counters are unchanged and no full report
-        is due. vLLM asks at every step, and in a busy engine some counter changes at almost every
+        `_REPORT_EVERY_S` and whenever no request is left running, the gauges and the tiers' own
+        counters (a full report). None (nothing to ship) while the counters are unchanged and no
+        full report is due. vLLM asks at every step, and in a busy engine some counter changes at almost every
         step: a full report (the tiers' stats, the estimates, the miss-ratio curves) cost ~0.4 ms a
-        step at 64 running requests (`benchmarks/bench_sched_side.py`), vLLM's own 5 µs. Idle means
-        no request tracked and no job in flight: vLLM steps no more, so what the tiers counted up
-        to then is shipped in that last step (a gauge keeps its last value between full reports)."""
+        step at 64 running requests (`benchmarks/bench_sched_side.py`), vLLM's own 5 µs. The step
+        in which the last running request ends is the last whose report a client reads with its
+        output (vLLM steps on while kvtier's stores finish): what the tiers counted up to then
+        ships in it. A gauge keeps its last value between full reports."""
         now = self.core.stats
         before = self._reported
         clock = self._clock()
-        is_due = clock - self._reported_at >= _REPORT_EVERY_S or self._is_idle()
+        is_due = clock - self._reported_at >= _REPORT_EVERY_S or not self._running
         if now == before and not is_due:
             return None
         stats = KVTierStats()
@@ -269,10 +274,6 @@ class SchedulerSide:
             self._reported_at = clock
             self._add_gauges(stats)
         return stats
-
-    def _is_idle(self) -> bool:
-        """No request tracked and no job in flight: vLLM is about to stop stepping."""
-        return self.core.num_requests() == 0 and not self.core.has_jobs_in_flight()
 
     def _add_decision_counts(
         self, stats: KVTierStats, now: SchedulerStats, before: SchedulerStats
