@@ -161,13 +161,19 @@ class _SameBonus:
 
     def __init__(self, source: SettingSelector):
         self.source = source
-        self.best = source.best
+
+    @property
+    def best(self) -> float:
+        """The full-size expert's choice now (the miniature follows it at its next call)."""
+        return self.source.best
+
+    def is_watched(self, key: OffloadKey) -> bool:
+        """No key is shown to a miniature's own miniatures: it runs none."""
+        return False
 
     def access(self, key: OffloadKey, level: int, now: float) -> bool:
-        """Whether the full-size expert's choice changed since the miniature last asked."""
-        previous = self.best
-        self.best = self.source.best
-        return previous != self.best
+        """Nothing to learn: `best` is the source's."""
+        return False
 
     def clear(self) -> None:
-        self.best = self.source.best
+        """Nothing kept."""

@@ -45,11 +45,13 @@ def is_sampled(key: OffloadKey, sample: int) -> bool:
 class _Miniature:
     """A scored cache of `capacity` keys for one setting."""
 
-    __slots__ = ("capacity", "heap", "hits", "scores", "setting")
+    __slots__ = ("bonus_of_level", "capacity", "heap", "hits", "scores", "setting")
 
     def __init__(self, capacity: int, setting: float):
         self.capacity = capacity
         self.setting = setting
+        # level -> the bonus rule's answer for this setting (computed once per level)
+        self.bonus_of_level: dict[int, float] = {}
         self.scores: dict[OffloadKey, float] = {}
         self.heap: list[tuple[float, OffloadKey]] = []
         self.hits = 0.0
@@ -96,8 +98,14 @@ class SettingSelector:
         self.best = settings[0]
         size = capacity // sample
         self._minis = [_Miniature(size, s) for s in settings] if size >= min_keys else []
+        self._is_running = bool(self._minis)
         self._period = period * capacity
         self._accesses = 0
+
+    def is_watched(self, key: OffloadKey) -> bool:
+        """Whether `access` shows `key` to the miniatures (its caller may skip the others)."""
+        # `is_sampled`, inlined: asked once per key a policy sees
+        return self._is_running and zlib.crc32(key) % self.sample == 0
 
     def access(self, key: OffloadKey, level: int, now: float) -> bool:
         """The policy saw `key` used (a hit) or stored (a miss) at key time `now`, at `level`.
@@ -105,10 +113,14 @@ class SettingSelector:
         Returns:
             True when `best` changed.
         """
-        if not self._minis or not is_sampled(key, self.sample):
+        if not self.is_watched(key):
             return False
         for mini in self._minis:
-            mini.access(key, now + self.bonus(mini.setting, level))
+            bonus = mini.bonus_of_level.get(level)
+            if bonus is None:
+                bonus = self.bonus(mini.setting, level)
+                mini.bonus_of_level[level] = bonus
+            mini.access(key, now + bonus)
         self._accesses += self.sample
         if self._accesses < self._period:
             return False

@@ -204,8 +204,9 @@ class RetainingPolicy(CachePolicy):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         # keys set aside: their order is the book's
         self.inner.touch(keys)
-        # a tier may be told of keys it lacks
-        self._measure([key for key in keys if key in self])
+        if len(self.book):
+            # a tier may be told of keys it lacks
+            self._measure([key for key in keys if key in self])
 
     def _measure(self, keys: Sequence[OffloadKey]) -> None:
         """Held `keys` were used: tell the eviction age and the guard, and refile every hinted key
@@ -254,13 +255,22 @@ class RetainingPolicy(CachePolicy):
         return Rank(Band.NOT_KEPT, rank.priority), near
 
     def order_chain(self, keys: Sequence[OffloadKey]) -> None:
-        self.inner.order_chain([key for key in keys if key in self.inner])
+        if not self._aside:
+            # all held (the contract), so all in the wrapped policy
+            self.inner.order_chain(keys)
+            return
+        aside = self._aside
+        self.inner.order_chain([key for key in keys if key not in aside])
 
     def rank_last(self, keys: Sequence[OffloadKey]) -> None:
         """Ordinary keys: the wrapped policy's. A key set aside keeps its rank and goes last among its
         equals (a head whose tail is held must not be popped and pushed back by every eviction that
         reaches its heap: an ended session's chain would cost each eviction its length), until it
         is filed again."""
+        if not self._aside:
+            # a key set aside is the only kind the wrapped policy does not hold
+            self.inner.rank_last(keys)
+            return
         self.inner.rank_last([key for key in keys if key in self.inner])
         for key in keys:
             filing = self._aside.get(key)

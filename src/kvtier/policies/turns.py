@@ -70,6 +70,11 @@ class TurnsPolicy(ScoredPolicy):
         self.selector = SettingSelector(
             capacity, self.bonuses, self._bonus_for, sample=self.sample, period=self.period
         )
+        # the setting in use, and its bonus by level (0 to `max_turns`): `_follow_setting`
+        self._setting = self.selector.best
+        self._bonus_of_level = [
+            self._bonus_for(self._setting, level) for level in range(self.max_turns + 1)
+        ]
 
     @property
     def bonus(self) -> float:
@@ -77,15 +82,26 @@ class TurnsPolicy(ScoredPolicy):
         return self.selector.best
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        held = [key for key in keys if key in self.scores]
-        depth = 1 + self.depth[held[-1]] if held else 1
+        self._follow_setting()
+        scores = self.scores
+        deepest = next((key for key in reversed(keys) if key in scores), None)
+        depth = 1 if deepest is None else 1 + self.depth[deepest]
+        level = self.level
+        last_use = self.last_use
+        is_watched = self.selector.is_watched
         for key in reversed(keys):
             self.clock += 1.0
             if key in self.scores:
-                self._use(key, depth)
-            self._sample(key, self.level.get(key, depth), self.clock)
+                # `_use`, inlined: this loop runs once per key of every prefix looked up
+                last_use[key] = self.clock
+                if level[key] < depth:
+                    level[key] = depth
+                self._rescore(key)
+            if is_watched(key):
+                self._sample(key, level.get(key, depth), self.clock)
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
+        self._follow_setting()
         for key in reversed(keys):
             self.clock += 1.0
             if key in self.scores:
@@ -98,6 +114,7 @@ class TurnsPolicy(ScoredPolicy):
             self._set(key, self.clock)
 
     def order_chain(self, keys: Sequence[OffloadKey]) -> None:
+        self._follow_setting()
         depth = 1
         for key in keys:
             known = self._fresh[key] if key in self._fresh else self.depth[key]
@@ -109,7 +126,8 @@ class TurnsPolicy(ScoredPolicy):
             if key in self._fresh:
                 ghost = self._fresh.pop(key)
                 self.depth[key] = depth if ghost is None else ghost
-                self._sample(key, depth, self.last_use[key])
+                if self.selector.is_watched(key):
+                    self._sample(key, depth, self.last_use[key])
             self.level[key] = max(self.level[key], depth)
             self.last_use[key] = max(self.last_use[key], latest + _CHAIN_STEP)
             latest = self.last_use[key]
@@ -122,6 +140,7 @@ class TurnsPolicy(ScoredPolicy):
         self.selector.clear()
 
     def _use(self, key: OffloadKey, depth: int) -> None:
+        # (as inlined in `touch`)
         self.last_use[key] = self.clock
         self.level[key] = max(self.level[key], depth)
         self._rescore(key)
@@ -136,19 +155,31 @@ class TurnsPolicy(ScoredPolicy):
         self._rescore(key)
 
     def _rescore(self, key: OffloadKey) -> None:
-        score = self.last_use[key] + self._bonus(self.level[key])
+        score = self.last_use[key] + self._bonus_of_level[min(self.level[key], self.max_turns)]
         if self.scores[key] != score:
             self._set(key, score)
 
     def _sample(self, key: OffloadKey, level: int, now: float) -> None:
-        """Show a use to the miniatures; when they pick another bonus, rescore every key."""
+        """Show a use of a watched key to the miniatures; when they pick another bonus, rescore
+        every key."""
         if self.selector.access(key, level, now):
-            self.rescore_all(
-                {key: self.last_use[key] + self._bonus(self.level[key]) for key in self.scores}
-            )
+            self._follow_setting()
+
+    def _follow_setting(self) -> None:
+        """Use the bonus the selector names (rescoring every key) if it is not the one in use: the
+        selector changes it in `_sample`, a miniature's `_SameBonus` whenever its source's does."""
+        if self.selector.best == self._setting:
+            return
+        self._setting = self.selector.best
+        self._bonus_of_level = [
+            self._bonus_for(self._setting, level) for level in range(self.max_turns + 1)
+        ]
+        self.rescore_all(
+            {key: self.last_use[key] + self._bonus(self.level[key]) for key in self.scores}
+        )
 
     def _bonus(self, level: int) -> float:
-        return self._bonus_for(self.selector.best, level)
+        return self._bonus_of_level[min(level, self.max_turns)]
 
     def _bonus_for(self, bonus: float, level: int) -> float:
         return self.capacity * bonus * (min(level, self.max_turns) - 1)
