@@ -29,7 +29,7 @@ from kvtier.errors import InvariantError
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 
-__all__ = ["PolicySelector", "SettingSelector", "is_sampled"]
+__all__ = ["PolicySelector", "SettingSelector", "is_sampled", "thinned"]
 
 # (setting, level) -> bonus in key time
 Bonus = Callable[[float, int], float]
@@ -40,6 +40,16 @@ MakePolicy = Callable[[str, int], CachePolicy]
 def is_sampled(key: OffloadKey, sample: int) -> bool:
     """Whether `key` falls in the 1/`sample` slice of the key space the miniatures see."""
     return zlib.crc32(key) % sample == 0
+
+
+def thinned(sample: int, capacity: int, max_keys: int | None) -> int:
+    """`sample`, or a sparser one if the miniatures of a cache of `capacity` keys would have more
+    than `max_keys` slots: SHARDS's fixed-size variant (Waldspurger et al., FAST 2015), the cost
+    per key then falling as 1/capacity. What the miniatures rank is their hits per period, and a
+    period holds as many sampled keys at any capacity past that (`period` x `max_keys`)."""
+    if max_keys is None or capacity <= sample * max_keys:
+        return sample
+    return -(-capacity // max_keys)
 
 
 class _Miniature:
@@ -82,6 +92,8 @@ class SettingSelector:
         sample: one key in `sample` is simulated. Capacities under `min_keys` x `sample`
             run no miniature (too few keys to rank anything): `best` stays the first setting.
         period: `best` is chosen again, and the hits halved, every `period` x capacity accesses.
+        max_keys: a miniature's most slots (None: no bound): past `max_keys` x `sample` the
+            sample thins instead, so their cost per key falls as the capacity grows (`thinned`).
     """
 
     def __init__(
@@ -92,11 +104,12 @@ class SettingSelector:
         sample: int = 8,
         min_keys: int = 64,
         period: int = 4,
+        max_keys: int | None = None,
     ):
-        self.sample = sample
+        self.sample = thinned(sample, capacity, max_keys)
         self.bonus = bonus
         self.best = settings[0]
-        size = capacity // sample
+        size = capacity // self.sample
         self._minis = [_Miniature(size, s) for s in settings] if size >= min_keys else []
         self._is_running = bool(self._minis)
         self._period = period * capacity
@@ -154,6 +167,8 @@ class PolicySelector:
         margin: another candidate replaces `best` when the keys only it held outnumber those only
             `best` held by `margin` x the square root of their sum (McNemar's test: the keys both
             held or both missed, most of them, say nothing about which is better).
+        max_keys: a miniature's most slots (None: no bound): past `max_keys` x `max_sample` the
+            sample thins instead (`thinned`).
     """
 
     def __init__(
@@ -166,8 +181,9 @@ class PolicySelector:
         period: int = 4,
         memory: float = 2.0,
         margin: float = 0.0,
+        max_keys: int | None = None,
     ):
-        self.sample = max(1, min(max_sample, capacity // min_keys))
+        self.sample = thinned(max(1, min(max_sample, capacity // min_keys)), capacity, max_keys)
         self.best = names[0]
         self.minis = {name: make(name, max(1, capacity // self.sample)) for name in names}
         self.hits = dict.fromkeys(names, 0.0)

@@ -54,6 +54,10 @@ class TurnsPolicy(ScoredPolicy):
     sample = 4
     # how often the miniatures choose (x capacity)
     period = 1
+    # a miniature's most slots: past 4 x this capacity the sample thins (`minisim.thinned`): at
+    # 32,768 slots 1 key in 16 instead of 4 (bench_sched_side: a lookup's touch paid 6
+    # miniature accesses for every 4th key of its whole prefix)
+    max_mini_keys = 2048
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -68,7 +72,12 @@ class TurnsPolicy(ScoredPolicy):
         self._ghosts: OrderedDict[OffloadKey, int] = OrderedDict()
         self._max_ghosts = min(self.ghosts_per_slot * capacity, self.max_ghosts)
         self.selector = SettingSelector(
-            capacity, self.bonuses, self._bonus_for, sample=self.sample, period=self.period
+            capacity,
+            self.bonuses,
+            self._bonus_for,
+            sample=self.sample,
+            period=self.period,
+            max_keys=self.max_mini_keys,
         )
         # the setting in use, and its bonus by level (0 to `max_turns`): `_follow_setting`
         self._setting = self.selector.best
