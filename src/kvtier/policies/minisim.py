@@ -46,10 +46,17 @@ def thinned(sample: int, capacity: int, max_keys: int | None) -> int:
     """`sample`, or a sparser one if the miniatures of a cache of `capacity` keys would have more
     than `max_keys` slots: SHARDS's fixed-size variant (Waldspurger et al., FAST 2015), the cost
     per key then falling as 1/capacity. What the miniatures rank is their hits per period, and a
-    period holds as many sampled keys at any capacity past that (`period` x `max_keys`)."""
-    if max_keys is None or capacity <= sample * max_keys:
+    period holds as many sampled keys at any capacity past that (`period` x `max_keys`).
+
+    The sample doubles, so that a thinner slice is a subset of the thicker one (a crc32 that is
+    0 mod 2n is 0 mod n): on bench_manager's replay (adaptive, 9,697 slots) the slices 1 in 2, 3,
+    4, 5, 6 and 8 hit 11,228, 11,275, 11,225, 10,892, 11,070 and 11,225 keys; a subset of the
+    slice a policy was tuned on keeps its answers closest."""
+    if max_keys is None:
         return sample
-    return -(-capacity // max_keys)
+    while capacity > sample * max_keys:
+        sample *= 2
+    return sample
 
 
 class _Miniature:

@@ -130,17 +130,33 @@ class TurnsPolicy(ScoredPolicy):
             if known is not None:
                 depth = 1 + known
         latest = float("-inf")
+        fresh = self._fresh
+        level = self.level
+        last_use = self.last_use
         # a head is as recent as its tail, and at least as deep
         for key in reversed(keys):
-            if key in self._fresh:
-                ghost = self._fresh.pop(key)
+            if key in fresh:
+                ghost = fresh.pop(key)
                 self.depth[key] = depth if ghost is None else ghost
                 if self.selector.is_watched(key):
-                    self._sample(key, depth, self.last_use[key])
-            self.level[key] = max(self.level[key], depth)
-            self.last_use[key] = max(self.last_use[key], latest + _CHAIN_STEP)
-            latest = self.last_use[key]
+                    self._sample(key, depth, last_use[key])
+            if level[key] < depth:
+                level[key] = depth
+            if last_use[key] < latest + _CHAIN_STEP:
+                last_use[key] = latest + _CHAIN_STEP
+            latest = last_use[key]
             self._rescore(key)
+
+    def rank_last(self, keys: Sequence[OffloadKey]) -> None:
+        """`ScoredPolicy.rank_last` (a key's last use raised to `clock`), its calls inlined: a store
+        ranks most of its chunks last (their tails are held)."""
+        last_use = self.last_use
+        for key in keys:
+            if key in self.scores:
+                self.clock += 1.0
+                if last_use[key] < self.clock:
+                    last_use[key] = self.clock
+                self._rescore(key)
 
     def clear(self) -> None:
         super().clear()

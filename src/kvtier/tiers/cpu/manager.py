@@ -210,8 +210,9 @@ class CPUTierManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         for key in reversed(keys):
             self.mrc.store(key)
-        # a hand-off's chunks are wanted by another engine whatever their offers
-        admit = None if ctx.hands_off else self._gate.admit
+        # a hand-off's chunks are wanted by another engine whatever their offers; at a threshold
+        # of 1 every offer is admitted (no call per key)
+        admit = None if ctx.hands_off or self._gate.threshold == 1 else self._gate.admit
         return self._reserve(keys, ctx, admit=admit, spared=())
 
     def prepare_promotion(
