@@ -98,16 +98,23 @@ class TurnsPolicy(ScoredPolicy):
         level = self.level
         last_use = self.last_use
         is_watched = self.selector.is_watched
+        bonus_of_level = self._bonus_of_level
+        clock = self.clock
         for key in reversed(keys):
-            self.clock += 1.0
+            clock += 1.0
             if key in self.scores:
-                # `_use`, inlined: this loop runs once per key of every prefix looked up
-                last_use[key] = self.clock
+                # `_use` and `_rescore`, inlined: once per key of every prefix looked up
+                last_use[key] = clock
                 if level[key] < depth:
                     level[key] = depth
-                self._rescore(key)
+                score = clock + bonus_of_level[min(level[key], self.max_turns)]
+                if self.scores[key] != score:
+                    self._set(key, score)
             if is_watched(key):
-                self._sample(key, level.get(key, depth), self.clock)
+                self._sample(key, level.get(key, depth), clock)
+                # (another setting: another table)
+                bonus_of_level = self._bonus_of_level
+        self.clock = clock
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         self._follow_setting()
