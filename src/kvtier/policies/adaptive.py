@@ -54,6 +54,8 @@ class AdaptivePolicy(CachePolicy):
     max_sample = 8
     # the miniatures' least size (keys)
     min_keys = 512
+    # their most size: past 8 x this capacity the sample thins (`minisim.thinned`)
+    max_keys = 2048
     # choose every capacity's worth of accesses, remembering ~64 of them, switching on a 2-sigma
     # lead: on the conversation trace at 20 %, where the three are within 0.01 of each other,
     # halving every 4 capacities and no margin switched on noise and lost 0.005
@@ -64,6 +66,9 @@ class AdaptivePolicy(CachePolicy):
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self.policies = {name: _EXPERTS[name](capacity) for name in self.experts}
+        # `_followers`' answer, and the leader it was for
+        self._follower_list: list[_Expert] = []
+        self._followers_of = ""
         self.selector = PolicySelector(
             capacity,
             self.experts,
@@ -73,6 +78,7 @@ class AdaptivePolicy(CachePolicy):
             period=self.period,
             memory=self.memory,
             margin=self.margin,
+            max_keys=self.max_keys,
         )
 
     @property
@@ -144,7 +150,12 @@ class AdaptivePolicy(CachePolicy):
         return key in self.policies[self.leader]
 
     def _followers(self) -> list[_Expert]:
-        return [policy for name, policy in self.policies.items() if name != self.leader]
+        """The experts but the leader (kept while it leads: asked at every eviction)."""
+        leader = self.leader
+        if leader != self._followers_of:
+            self._followers_of = leader
+            self._follower_list = [p for name, p in self.policies.items() if name != leader]
+        return self._follower_list
 
     def _miniature(self, name: str, capacity: int) -> _Expert:
         mini = _EXPERTS[name](capacity)
@@ -161,13 +172,19 @@ class _SameBonus:
 
     def __init__(self, source: SettingSelector):
         self.source = source
-        self.best = source.best
+
+    @property
+    def best(self) -> float:
+        """The full-size expert's choice now (the miniature follows it at its next call)."""
+        return self.source.best
+
+    def is_watched(self, key: OffloadKey) -> bool:
+        """No key is shown to a miniature's own miniatures: it runs none."""
+        return False
 
     def access(self, key: OffloadKey, level: int, now: float) -> bool:
-        """Whether the full-size expert's choice changed since the miniature last asked."""
-        previous = self.best
-        self.best = self.source.best
-        return previous != self.best
+        """Nothing to learn: `best` is the source's."""
+        return False
 
     def clear(self) -> None:
-        self.best = self.source.best
+        """Nothing kept."""

@@ -3,7 +3,7 @@
 A tier's eviction age is the horizon of its recency: a chunk used again within it would have
 stayed anyway, one used later was evicted first. `kvtier.policies.retaining` compares a
 `next_turn_s` hint with it (an expected chunk is held once its turn is that near). Measured on a
-hash-sampled 1 key in `sample` (`kvtier.policies.minisim.is_sampled`): when each was last used
+hash-sampled 1 key in `sample` (as `kvtier.policies.minisim.is_sampled`): when each was last used
 while held, and how long before its eviction, averaged over the last ~`memory` victims.
 
 Thread-safety: not thread-safe; its policy's tier serializes calls.
@@ -11,10 +11,10 @@ Thread-safety: not thread-safe; its policy's tier serializes calls.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 
 from kvtier.keys import OffloadKey
-from kvtier.policies.minisim import is_sampled
 
 __all__ = ["EvictionAge"]
 
@@ -31,9 +31,13 @@ class EvictionAge:
 
     def used(self, keys: Iterable[OffloadKey], now: float) -> None:
         """Held `keys` were used (stored or read) now."""
+        crc32 = zlib.crc32
+        sample = self.sample
+        seen = self._seen
         for key in keys:
-            if is_sampled(key, self.sample):
-                self._seen[key] = now
+            # `is_sampled`, inlined: asked for every key a hinted tier stores or reads
+            if crc32(key) % sample == 0:
+                seen[key] = now
 
     def evicted(self, keys: Iterable[OffloadKey], now: float) -> None:
         """Ordinary `keys` were evicted now."""

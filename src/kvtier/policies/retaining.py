@@ -28,7 +28,7 @@ ordinary chunk lasts here, sampled) before its hint's end (0.595). Where they ar
 (conversation trace: most chunks are used once), holding all wins (0.252 against 0.203). A guard
 chooses between the two modes (`GuardMode`) online, as the adaptive policy chooses its expert:
 LRU miniatures of this policy, one per mode, over a hash-sampled slice of the traffic
-(`kvtier.policies.minisim.PolicySelector`):
+(`kvtier.policies.minisim.PolicySelector`; at most 1,024 slots each, a thinner slice past that):
 
 - `GuardMode.ALL`: every expected chunk is honored (the horizon is infinite). It leads until
   the miniatures know better, and for good once the guard has failed.
@@ -171,6 +171,7 @@ class RetainingPolicy(CachePolicy):
                 (GuardMode.ALL, GuardMode.NEAR),
                 self._miniature,
                 min_keys=64,
+                max_keys=1024,
                 period=4,
                 memory=8.0,
                 margin=2.0,
@@ -204,8 +205,8 @@ class RetainingPolicy(CachePolicy):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         # keys set aside: their order is the book's
         self.inner.touch(keys)
-        # a tier may be told of keys it lacks
-        self._measure([key for key in keys if key in self])
+        # a tier may be told of keys it lacks (without hints nothing is measured: no filtering)
+        self._measure([key for key in keys if key in self] if len(self.book) else ())
 
     def _measure(self, keys: Sequence[OffloadKey]) -> None:
         """Held `keys` were used: tell the eviction age and the guard, and refile every hinted key
@@ -254,13 +255,18 @@ class RetainingPolicy(CachePolicy):
         return Rank(Band.NOT_KEPT, rank.priority), near
 
     def order_chain(self, keys: Sequence[OffloadKey]) -> None:
-        self.inner.order_chain([key for key in keys if key in self.inner])
+        # all held (the contract): only keys set aside are not in the wrapped policy
+        aside = self._aside
+        self.inner.order_chain([key for key in keys if key not in aside] if aside else keys)
 
     def rank_last(self, keys: Sequence[OffloadKey]) -> None:
         """Ordinary keys: the wrapped policy's. A key set aside keeps its rank and goes last among its
         equals (a head whose tail is held must not be popped and pushed back by every eviction that
         reaches its heap: an ended session's chain would cost each eviction its length), until it
         is filed again."""
+        if not self._aside:
+            self.inner.rank_last(keys)
+            return
         self.inner.rank_last([key for key in keys if key in self.inner])
         for key in keys:
             filing = self._aside.get(key)

@@ -165,8 +165,10 @@ class RetentionBook:
         with self._lock:
             changed: list[OffloadKey] = []
             if hints.is_empty:
+                entries = self._entries
                 for key in keys:
-                    if self._share(key):
+                    # (`_share` asks the same first: most keys were never hinted)
+                    if key in entries and self._share(key):
                         changed.append(key)
             else:
                 now = self.clock()

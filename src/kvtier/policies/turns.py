@@ -54,6 +54,10 @@ class TurnsPolicy(ScoredPolicy):
     sample = 4
     # how often the miniatures choose (x capacity)
     period = 1
+    # a miniature's most slots: past 4 x this capacity the sample thins (`minisim.thinned`): at
+    # 32,768 slots 1 key in 16 instead of 4 (bench_sched_side: a lookup's touch paid 6
+    # miniature accesses for every 4th key of its whole prefix)
+    max_mini_keys = 2048
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -68,8 +72,18 @@ class TurnsPolicy(ScoredPolicy):
         self._ghosts: OrderedDict[OffloadKey, int] = OrderedDict()
         self._max_ghosts = min(self.ghosts_per_slot * capacity, self.max_ghosts)
         self.selector = SettingSelector(
-            capacity, self.bonuses, self._bonus_for, sample=self.sample, period=self.period
+            capacity,
+            self.bonuses,
+            self._bonus_for,
+            sample=self.sample,
+            period=self.period,
+            max_keys=self.max_mini_keys,
         )
+        # the setting in use, and its bonus by level (0 to `max_turns`): `_follow_setting`
+        self._setting = self.selector.best
+        self._bonus_of_level = [
+            self._bonus_for(self._setting, level) for level in range(self.max_turns + 1)
+        ]
 
     @property
     def bonus(self) -> float:
@@ -77,15 +91,33 @@ class TurnsPolicy(ScoredPolicy):
         return self.selector.best
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        held = [key for key in keys if key in self.scores]
-        depth = 1 + self.depth[held[-1]] if held else 1
+        self._follow_setting()
+        scores = self.scores
+        deepest = next((key for key in reversed(keys) if key in scores), None)
+        depth = 1 if deepest is None else 1 + self.depth[deepest]
+        level = self.level
+        last_use = self.last_use
+        is_watched = self.selector.is_watched
+        bonus_of_level = self._bonus_of_level
+        clock = self.clock
         for key in reversed(keys):
-            self.clock += 1.0
+            clock += 1.0
             if key in self.scores:
-                self._use(key, depth)
-            self._sample(key, self.level.get(key, depth), self.clock)
+                # `_use` and `_rescore`, inlined: once per key of every prefix looked up
+                last_use[key] = clock
+                if level[key] < depth:
+                    level[key] = depth
+                score = clock + bonus_of_level[min(level[key], self.max_turns)]
+                if self.scores[key] != score:
+                    self._set(key, score)
+            if is_watched(key):
+                self._sample(key, level.get(key, depth), clock)
+                # (another setting: another table)
+                bonus_of_level = self._bonus_of_level
+        self.clock = clock
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
+        self._follow_setting()
         for key in reversed(keys):
             self.clock += 1.0
             if key in self.scores:
@@ -98,22 +130,40 @@ class TurnsPolicy(ScoredPolicy):
             self._set(key, self.clock)
 
     def order_chain(self, keys: Sequence[OffloadKey]) -> None:
+        self._follow_setting()
         depth = 1
         for key in keys:
             known = self._fresh[key] if key in self._fresh else self.depth[key]
             if known is not None:
                 depth = 1 + known
         latest = float("-inf")
+        fresh = self._fresh
+        level = self.level
+        last_use = self.last_use
         # a head is as recent as its tail, and at least as deep
         for key in reversed(keys):
-            if key in self._fresh:
-                ghost = self._fresh.pop(key)
+            if key in fresh:
+                ghost = fresh.pop(key)
                 self.depth[key] = depth if ghost is None else ghost
-                self._sample(key, depth, self.last_use[key])
-            self.level[key] = max(self.level[key], depth)
-            self.last_use[key] = max(self.last_use[key], latest + _CHAIN_STEP)
-            latest = self.last_use[key]
+                if self.selector.is_watched(key):
+                    self._sample(key, depth, last_use[key])
+            if level[key] < depth:
+                level[key] = depth
+            if last_use[key] < latest + _CHAIN_STEP:
+                last_use[key] = latest + _CHAIN_STEP
+            latest = last_use[key]
             self._rescore(key)
+
+    def rank_last(self, keys: Sequence[OffloadKey]) -> None:
+        """`ScoredPolicy.rank_last` (a key's last use raised to `clock`), its calls inlined: a store
+        ranks most of its chunks last (their tails are held)."""
+        last_use = self.last_use
+        for key in keys:
+            if key in self.scores:
+                self.clock += 1.0
+                if last_use[key] < self.clock:
+                    last_use[key] = self.clock
+                self._rescore(key)
 
     def clear(self) -> None:
         super().clear()
@@ -122,6 +172,7 @@ class TurnsPolicy(ScoredPolicy):
         self.selector.clear()
 
     def _use(self, key: OffloadKey, depth: int) -> None:
+        # (as inlined in `touch`)
         self.last_use[key] = self.clock
         self.level[key] = max(self.level[key], depth)
         self._rescore(key)
@@ -136,19 +187,31 @@ class TurnsPolicy(ScoredPolicy):
         self._rescore(key)
 
     def _rescore(self, key: OffloadKey) -> None:
-        score = self.last_use[key] + self._bonus(self.level[key])
+        score = self.last_use[key] + self._bonus_of_level[min(self.level[key], self.max_turns)]
         if self.scores[key] != score:
             self._set(key, score)
 
     def _sample(self, key: OffloadKey, level: int, now: float) -> None:
-        """Show a use to the miniatures; when they pick another bonus, rescore every key."""
+        """Show a use of a watched key to the miniatures; when they pick another bonus, rescore
+        every key."""
         if self.selector.access(key, level, now):
-            self.rescore_all(
-                {key: self.last_use[key] + self._bonus(self.level[key]) for key in self.scores}
-            )
+            self._follow_setting()
+
+    def _follow_setting(self) -> None:
+        """Use the bonus the selector names (rescoring every key) if it is not the one in use: the
+        selector changes it in `_sample`, a miniature's `_SameBonus` whenever its source's does."""
+        if self.selector.best == self._setting:
+            return
+        self._setting = self.selector.best
+        self._bonus_of_level = [
+            self._bonus_for(self._setting, level) for level in range(self.max_turns + 1)
+        ]
+        self.rescore_all(
+            {key: self.last_use[key] + self._bonus(self.level[key]) for key in self.scores}
+        )
 
     def _bonus(self, level: int) -> float:
-        return self._bonus_for(self.selector.best, level)
+        return self._bonus_of_level[min(level, self.max_turns)]
 
     def _bonus_for(self, bonus: float, level: int) -> float:
         return self.capacity * bonus * (min(level, self.max_turns) - 1)

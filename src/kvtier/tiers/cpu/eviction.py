@@ -57,7 +57,8 @@ class Protected:
         if self.spare_parked and self.chains.is_parked(key):  # type: ignore[arg-type]
             self.passed[key] = None  # type: ignore[index]
             return True
-        return any(key in spared for spared in self.spared)
+        # most often nothing is spared: no generator then (asked once per key an eviction scans)
+        return bool(self.spared) and any(key in spared for spared in self.spared)
 
 
 class Eviction:

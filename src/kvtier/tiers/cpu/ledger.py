@@ -48,20 +48,35 @@ class RequestLedger:
         self._pins: dict[str, Counter[OffloadKey]] = {}
         self._chains: dict[str, _Chain] = {}
 
-    def pin(self, req_id: str, key: OffloadKey) -> None:
-        self._pins.setdefault(req_id, Counter())[key] += 1
-
-    def unpin(self, req_id: str, key: OffloadKey) -> bool:
-        """Drop one of the request's pins on `key`; False if it held none."""
+    def pin_all(self, req_id: str, keys: Iterable[OffloadKey]) -> None:
+        """One pin of the request on each of `keys` (a load: O(keys), one look-up of the request)."""
         held = self._pins.get(req_id)
-        if held is None or held[key] <= 0:
-            return False
-        held[key] -= 1
-        if held[key] == 0:
-            del held[key]
-            if not held:
-                del self._pins[req_id]
-        return True
+        if held is None:
+            held = Counter()
+            self._pins[req_id] = held
+        for key in keys:
+            # (not `+= 1`: a Counter's missing key is a Python-level call)
+            held[key] = held.get(key, 0) + 1
+
+    def unpin_all(self, req_id: str, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """Drop one of the request's pins on each of `keys`; returns those it held one on (once per pin
+        dropped)."""
+        held = self._pins.get(req_id)
+        if held is None:
+            return []
+        dropped = []
+        for key in keys:
+            count = held.get(key, 0)
+            if count <= 0:
+                continue
+            dropped.append(key)
+            if count == 1:
+                del held[key]
+            else:
+                held[key] = count - 1
+        if not held:
+            del self._pins[req_id]
+        return dropped
 
     def extend_chain(self, req_id: str, keys: Iterable[OffloadKey]) -> None:
         """Append keys the request touched or offered (already listed ones keep their place). O(keys)."""

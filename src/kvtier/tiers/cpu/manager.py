@@ -175,17 +175,17 @@ class CPUTierManager(OffloadingManager):
                 raise NotReadyError(
                     f"prepare_load: key {key.hex()[:16]}… is not a HIT; look it up first"
                 )
-        slot_ids = np.empty(len(keys), dtype=np.int64)
-        for i, key in enumerate(keys):
+        slots = []
+        for key in keys:
             chunk = chunks[key]
             if chunk.pins == 0:
                 self._num_pinned += 1
                 self._num_evictable -= 1
             chunk.pins += 1
-            self._ledger.pin(ctx.req_id, key)
-            slot_ids[i] = chunk.slot
+            slots.append(chunk.slot)
+        self._ledger.pin_all(ctx.req_id, keys)
         self._note(keys, ctx)
-        return SlotSpec(self.medium, slot_ids)
+        return SlotSpec(self.medium, np.array(slots, dtype=np.int64))
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys)
@@ -199,9 +199,8 @@ class CPUTierManager(OffloadingManager):
         self._ledger.extend_chain(ctx.req_id, keys)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        for key in keys:
-            if self._ledger.unpin(ctx.req_id, key):
-                self._unpin(key)
+        for key in self._ledger.unpin_all(ctx.req_id, keys):
+            self._unpin(key)
 
     # -- stores ------------------------------------------------------------------------
 
@@ -210,8 +209,9 @@ class CPUTierManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         for key in reversed(keys):
             self.mrc.store(key)
-        # a hand-off's chunks are wanted by another engine whatever their offers
-        admit = None if ctx.hands_off else self._gate.admit
+        # a hand-off's chunks are wanted by another engine whatever their offers; at a threshold
+        # of 1 every offer is admitted (no call per key)
+        admit = None if ctx.hands_off or self._gate.threshold == 1 else self._gate.admit
         return self._reserve(keys, ctx, admit=admit, spared=())
 
     def prepare_promotion(
