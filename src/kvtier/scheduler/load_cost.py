@@ -104,8 +104,8 @@ class LoadCosts:
     # -- what the scheduler sees -------------------------------------------------------
 
     def step_planned(self, step: StepView, now: float) -> None:
-        tokens = sum(s.num_scheduled_tokens for s in step.scheduled)
-        self.prefill.step_started(now, tokens, frozenset(s.req_id for s in step.scheduled))
+        batch = step.scheduled
+        self.prefill.step_started(now, sum(batch.num_scheduled_tokens), frozenset(batch.req_ids))
 
     def worker_results(self, results: Iterable[tuple[JobResult, bool]], now: float) -> None:
         """Load results (`(result, is_load)`): the host RAM tier's bytes and copy seconds.

@@ -207,7 +207,8 @@ class RequestOffloadState:
         return keys[start:end]
 
     def set_block_ids(self, block_ids: tuple[list[int], ...], replace: bool) -> list[int]:
-        """Record blocks allocated to the request.
+        """Record blocks allocated to the request (copied: `block_ids` may be the engine's own lists,
+        which it goes on changing).
 
         Returns:
             The ids the engine may write next: new blocks, never the leading blocks its
