@@ -104,6 +104,8 @@ class JobRecord:
     deadline_cap: float = math.inf
     # a load its request is parked for (nobody waits for it in a step)
     is_async: bool = False
+    # a store's engine blocks (its fences), kept to lift them when it ends
+    read_blocks: set[int] = field(default_factory=set)
 
     @property
     def is_store(self) -> bool:
@@ -198,12 +200,18 @@ class RequestOffloadState:
 
     def keys(self, group: int, start: int, end: int) -> list[OffloadKey]:
         """Offload keys of chunks [start, end) of `group` (end <= num_hashed_chunks())."""
-        state = self.group_states[group]
-        keys = state.offload_keys
-        hashes = self.req.block_hashes
-        per_chunk = self.config.hashes_per_chunk
-        for chunk in range(len(keys), end):
-            keys.append(make_offload_key(hashes[(chunk + 1) * per_chunk - 1], group))
+        keys = self.group_states[group].offload_keys
+        if len(keys) < end:
+            hashes = self.req.block_hashes
+            per_chunk = self.config.hashes_per_chunk
+            # `make_offload_key(h, group)` is h + this suffix: built once, not per key
+            suffix = make_offload_key(b"", group)
+            keys += [
+                bytes(h) + suffix
+                for h in hashes[(len(keys) + 1) * per_chunk - 1 : end * per_chunk : per_chunk]
+            ]
+            if len(keys) < end:
+                raise IndexError(f"request {self.req_id}: chunk {end - 1} is not hashed yet")
         return keys[start:end]
 
     def set_block_ids(self, block_ids: tuple[list[int], ...], replace: bool) -> list[int]:
