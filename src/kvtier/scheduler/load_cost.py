@@ -263,6 +263,12 @@ class LoadCosts:
             for gs in state.group_states
             if gs.spec.kind is GroupKind.FULL
         ]
+        if len(per_group) == 1:
+            # one group: its own media up to its first miss (`_slowest` of one medium is itself;
+            # a long prompt's lookup walks thousands of chunks here)
+            located = per_group[0]
+            end_index = located.index(None) if None in located else len(located)
+            return located[:end_index]  # type: ignore[return-value]
         found: list[str] = []
         for media in zip(*per_group, strict=True):
             if None in media:

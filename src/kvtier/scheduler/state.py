@@ -181,6 +181,11 @@ class RequestOffloadState:
             for gs in self.group_states
             if gs.spec.kind is not GroupKind.UNSUPPORTED
         }
+        if len(firsts) == 1:
+            # one group: its keys in order, without a (group, chunk) per chunk (a lookup touches
+            # the whole prefix: 8,192 chunks of a 128k prompt)
+            ((group, first),) = firsts.items()
+            return self.keys(group, first, end) if first < end else []
         return self.chunk_major(firsts, end)[0]
 
     def chunk_major(
