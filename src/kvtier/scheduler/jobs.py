@@ -239,10 +239,10 @@ class TransferJobBook:
         """In-flight store jobs that still read any of `block_ids`."""
         by_block = self._stores_by_block
         found: set[int] = set()
-        for block in block_ids:
-            jobs = by_block.get(block)
-            if jobs is not None:
-                found |= jobs
+        # the blocks fenced among them, found in C: a request's admission writes every block of
+        # its prompt (8,192 for 128k tokens)
+        for block in by_block.keys() & block_ids:
+            found |= by_block[block]
         return found
 
     def start_new_generation(self) -> set[int]:
