@@ -155,3 +155,104 @@ def test_the_layout_slot_size_is_the_one_the_workers_measure():
     # tensors laid out otherwise than the spec says: the worker stops the engine, saying why
     with pytest.raises(ConfigError, match="KV-cache spec"):
         check_slot_bytes(layout, measured // 2)
+
+
+def scheduler_output(new_reqs, cached_ids, cached_blocks, cached_computed, resumed, counts):
+    """A vLLM `SchedulerOutput` of `new_reqs` (`NewRequestData`) and running requests."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    cached = CachedRequestData(
+        req_ids=cached_ids,
+        resumed_req_ids=resumed,
+        new_token_ids=[],
+        all_token_ids={},
+        new_block_ids=cached_blocks,
+        num_computed_tokens=cached_computed,
+        num_output_tokens=[0] * len(cached_ids),
+    )
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=counts,
+        total_num_scheduled_tokens=sum(counts.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids={"gone"},
+        free_encoder_mm_hashes=[],
+        preempted_req_ids={"paused"},
+    )
+
+
+def test_a_step_view_reads_vllms_lists_and_the_scheduler_keeps_copies():
+    # issue 37: step_view builds no object per request and copies no block ids; the scheduler
+    # copies what it keeps, so vLLM changing its lists afterwards changes nothing kvtier holds
+    from vllm.v1.core.sched.output import NewRequestData
+
+    from kvtier.integrations.vllm.convert import step_view
+    from kvtier.scheduler import (
+        OffloadScheduler,
+        RequestView,
+        ScheduledRequest,
+        SchedulerOffloadConfig,
+    )
+    from kvtier.tiers.cpu.manager import CPUTierManager
+
+    new = NewRequestData(
+        req_id="A",
+        prompt_token_ids=list(range(32)),
+        mm_features=[],
+        sampling_params=None,
+        pooling_params=None,
+        block_ids=([7, 8],),
+        num_computed_tokens=0,
+        lora_request=None,
+    )
+    running_blocks = ([9],)
+    out = scheduler_output(
+        [new],
+        ["B", "C"],
+        [running_blocks, None],
+        [16, 20],
+        {"B"},
+        {"A": 32, "B": 16, "C": 1},
+    )
+    step = step_view(out)
+    # A first (new), then B (resumed: its ids replace its list) and C (running, no new block)
+    assert list(step.scheduled) == [
+        ScheduledRequest(
+            req_id="A",
+            new_block_ids=([7, 8],),
+            is_new_or_resumed=True,
+            num_computed_tokens=0,
+            num_scheduled_tokens=32,
+        ),
+        ScheduledRequest(
+            req_id="B",
+            new_block_ids=([9],),
+            is_new_or_resumed=True,
+            num_computed_tokens=16,
+            num_scheduled_tokens=16,
+        ),
+        ScheduledRequest(
+            req_id="C",
+            new_block_ids=None,
+            is_new_or_resumed=False,
+            num_computed_tokens=20,
+            num_scheduled_tokens=1,
+        ),
+    ]
+    assert (step.preempted_req_ids, step.finished_req_ids) == ({"paused"}, {"gone"})
+    # the block id lists are vLLM's own, read in place
+    assert step.scheduled.new_block_ids[0] is new.block_ids
+
+    # the scheduler plans A's step from them: two 16-token chunks computed, both stored
+    sched = OffloadScheduler(SchedulerOffloadConfig(), CPUTierManager(8, policy="lru"))
+    hashes = [bytes([i]) * 32 for i in (1, 2)]
+    view = RequestView(req_id="A", block_hashes=hashes, num_tokens=32, num_prompt_tokens=32)
+    assert sched.get_num_new_matched_tokens(view, 0) == (0, False)
+    sched.update_state_after_alloc("A", ([7, 8],), 0)
+    (job,) = sched.build_connector_meta(step).store_jobs
+    assert job.read_blocks() == {7, 8}
+    # vLLM reuses its lists: what kvtier keeps is its own copy
+    new.block_ids[0][:] = [99, 98]
+    assert sched.request_state("A").group_states[0].block_ids == [7, 8]

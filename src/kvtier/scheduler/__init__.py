@@ -7,7 +7,7 @@ from kvtier.scheduler.core import OffloadScheduler
 from kvtier.scheduler.params import OffloadParams, parse_kv_transfer_params
 from kvtier.scheduler.state import RequestGroupState, RequestOffloadState
 from kvtier.scheduler.stats import SchedulerStats
-from kvtier.scheduler.types import RequestView, ScheduledRequest, StepView
+from kvtier.scheduler.types import RequestView, ScheduledBatch, ScheduledRequest, StepView
 
 __all__ = [
     "GroupKind",
@@ -17,6 +17,7 @@ __all__ = [
     "RequestGroupState",
     "RequestOffloadState",
     "RequestView",
+    "ScheduledBatch",
     "ScheduledRequest",
     "SchedulerOffloadConfig",
     "SchedulerStats",

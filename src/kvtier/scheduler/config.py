@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.costmodel.decision import LOAD_POLICIES
 from kvtier.errors import ConfigError
@@ -46,6 +46,10 @@ class GroupSpec:
     # UNSUPPORTED groups: why, for the warning at start
     reason: str = ""
     extra_retained_tokens: int = 0
+    # derived once (read for every request in every step): tokens_per_block x blocks_per_chunk
+    tokens_per_chunk: int = field(init=False, repr=False, compare=False)
+    # tokens of KV a sliding-window group keeps behind the next token (window + retained)
+    _kept_tokens: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0 or self.blocks_per_chunk <= 0:
@@ -64,10 +68,10 @@ class GroupSpec:
             raise ConfigError(
                 "extra_retained_tokens must be >= 0, and only a SLIDING_WINDOW group has any"
             )
-
-    @property
-    def tokens_per_chunk(self) -> int:
-        return self.tokens_per_block * self.blocks_per_chunk
+        object.__setattr__(self, "tokens_per_chunk", self.tokens_per_block * self.blocks_per_chunk)
+        object.__setattr__(
+            self, "_kept_tokens", (self.sliding_window or 0) + self.extra_retained_tokens
+        )
 
     def num_skipped_blocks(self, num_tokens: int) -> int:
         """Blocks wholly before the window of the token after `num_tokens`: the engine frees them
@@ -76,11 +80,6 @@ class GroupSpec:
         if self.sliding_window is None:
             return 0
         return max(0, num_tokens - self._kept_tokens + 1) // self.tokens_per_block
-
-    @property
-    def _kept_tokens(self) -> int:
-        """Tokens of KV a sliding-window group keeps behind the next token (window + retained)."""
-        return (self.sliding_window or 0) + self.extra_retained_tokens
 
     def first_needed_chunk(self, num_chunks: int) -> int:
         """First chunk whose KV this group needs to continue after `num_chunks` chunks.
@@ -163,6 +162,15 @@ class SchedulerOffloadConfig:
     handoff_wait_s: float = 5.0
     consumer_stores: bool = False
     namespace_id: str = ""
+    # Derived once, in `__post_init__` (plain attributes: the scheduler reads them for every
+    # running request in every step, issue 37). Tokens per chunk, the same in every group:
+    tokens_per_chunk: int = field(init=False, repr=False, compare=False)
+    # tokens per engine block hash (`hash_block_size`, else the first group's block size)
+    tokens_per_hash: int = field(init=False, repr=False, compare=False)
+    # engine block hashes per chunk
+    hashes_per_chunk: int = field(init=False, repr=False, compare=False)
+    # False when a group cannot be offloaded: the whole model then gets no hits
+    is_supported: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for key, check in CHECKS.items():
@@ -173,6 +181,10 @@ class SchedulerOffloadConfig:
             raise ConfigError(
                 "every KV-cache group needs the same tokens per chunk (block size x blocks_per_chunk)"
             )
+        object.__setattr__(self, "tokens_per_chunk", self.groups[0].tokens_per_chunk)
+        object.__setattr__(
+            self, "tokens_per_hash", self.hash_block_size or self.groups[0].tokens_per_block
+        )
         if self.tokens_per_chunk % self.tokens_per_hash:
             raise ConfigError(
                 f"a chunk ({self.tokens_per_chunk} tokens) must span whole hash blocks of "
@@ -185,23 +197,8 @@ class SchedulerOffloadConfig:
             )
         if self.num_workers < 1:
             raise ConfigError(f"num_workers must be >= 1, got {self.num_workers}")
-
-    @property
-    def tokens_per_chunk(self) -> int:
-        return self.groups[0].tokens_per_chunk
-
-    @property
-    def tokens_per_hash(self) -> int:
-        return self.hash_block_size or self.groups[0].tokens_per_block
-
-    @property
-    def hashes_per_chunk(self) -> int:
-        return self.tokens_per_chunk // self.tokens_per_hash
-
-    @property
-    def is_supported(self) -> bool:
-        """False when a group cannot be offloaded: the whole model then gets no hits."""
-        return not self.unsupported_groups()
+        object.__setattr__(self, "hashes_per_chunk", self.tokens_per_chunk // self.tokens_per_hash)
+        object.__setattr__(self, "is_supported", not self.unsupported_groups())
 
     def unsupported_groups(self) -> list[int]:
         """Indices of the groups kvtier cannot serve."""

@@ -279,20 +279,18 @@ class OffloadScheduler:
         self._completions.expire_jobs(plan)
         for req_id in step.preempted_req_ids:
             self._on_preempted(req_id, plan)
-        for sched in step.scheduled:
-            state = self._requests.get(sched.req_id)
+        # every running request, every step: names bound once
+        get_state = self._requests.get
+        plan_stores = self._stores.plan_stores
+        for req_id, new_ids, is_new, computed, num in step.scheduled.rows():
+            state = get_state(req_id)
             if state is None:
                 continue
-            if sched.new_block_ids is not None:
-                written = state.set_block_ids(sched.new_block_ids, replace=sched.is_new_or_resumed)
+            if new_ids is not None:
+                written = state.set_block_ids(new_ids, replace=is_new)
                 self._on_written(written, plan)
             if state.load_job_id is None and state.params.store:
-                self._stores.plan_stores(
-                    state,
-                    sched.num_computed_tokens + sched.num_scheduled_tokens,
-                    sched.num_computed_tokens,
-                    plan,
-                )
+                plan_stores(state, computed + num, computed, plan)
         self.stats.flushed_jobs += len(plan.flush_job_ids)
         self._jobs.dispatch(plan, self._clock())
         return plan

@@ -186,7 +186,9 @@ class TransferJobBook:
             parts,
             [k for ks, _, _ in per_group.values() for k in ks],
         )
-        for block in job.read_blocks():
+        record = self._records[job.job_id]
+        record.read_blocks = {b for _, _, blocks in per_group.values() for b in blocks}
+        for block in record.read_blocks:
             self._stores_by_block.setdefault(block, set()).add(job.job_id)
         return job
 
@@ -235,9 +237,12 @@ class TransferJobBook:
 
     def stores_reading(self, block_ids: Iterable[int]) -> set[int]:
         """In-flight store jobs that still read any of `block_ids`."""
+        by_block = self._stores_by_block
         found: set[int] = set()
-        for block in block_ids:
-            found |= self._stores_by_block.get(block, set())
+        # the blocks fenced among them, found in C: a request's admission writes every block of
+        # its prompt (8,192 for 128k tokens)
+        for block in by_block.keys() & block_ids:
+            found |= by_block[block]
         return found
 
     def start_new_generation(self) -> set[int]:
@@ -276,7 +281,7 @@ class TransferJobBook:
     def _forget(self, record: JobRecord) -> JobRecord:
         del self._records[record.job.job_id]
         if record.is_store:
-            for block in record.job.read_blocks():
+            for block in record.read_blocks:
                 jobs = self._stores_by_block.get(block)
                 if jobs is not None:
                     jobs.discard(record.job.job_id)
@@ -293,6 +298,8 @@ class TransferJobBook:
     def split_keys(record: JobRecord) -> tuple[list[OffloadKey], list[OffloadKey]]:
         """(succeeded, failed) keys of a completed job."""
         failed = record.failed_chunks
+        if not failed:
+            return list(record.keys), []
         return (
             [k for i, k in enumerate(record.keys) if i not in failed],
             [k for i, k in enumerate(record.keys) if i in failed],

@@ -104,8 +104,8 @@ class LoadCosts:
     # -- what the scheduler sees -------------------------------------------------------
 
     def step_planned(self, step: StepView, now: float) -> None:
-        tokens = sum(s.num_scheduled_tokens for s in step.scheduled)
-        self.prefill.step_started(now, tokens, frozenset(s.req_id for s in step.scheduled))
+        batch = step.scheduled
+        self.prefill.step_started(now, sum(batch.num_scheduled_tokens), frozenset(batch.req_ids))
 
     def worker_results(self, results: Iterable[tuple[JobResult, bool]], now: float) -> None:
         """Load results (`(result, is_load)`): the host RAM tier's bytes and copy seconds.
@@ -263,6 +263,12 @@ class LoadCosts:
             for gs in state.group_states
             if gs.spec.kind is GroupKind.FULL
         ]
+        if len(per_group) == 1:
+            # one group: its own media up to its first miss (`_slowest` of one medium is itself;
+            # a long prompt's lookup walks thousands of chunks here)
+            located = per_group[0]
+            end_index = located.index(None) if None in located else len(located)
+            return located[:end_index]  # type: ignore[return-value]
         found: list[str] = []
         for media in zip(*per_group, strict=True):
             if None in media:

@@ -104,6 +104,8 @@ class JobRecord:
     deadline_cap: float = math.inf
     # a load its request is parked for (nobody waits for it in a step)
     is_async: bool = False
+    # a store's engine blocks (its fences), kept to lift them when it ends
+    read_blocks: set[int] = field(default_factory=set)
 
     @property
     def is_store(self) -> bool:
@@ -179,6 +181,11 @@ class RequestOffloadState:
             for gs in self.group_states
             if gs.spec.kind is not GroupKind.UNSUPPORTED
         }
+        if len(firsts) == 1:
+            # one group: its keys in order, without a (group, chunk) per chunk (a lookup touches
+            # the whole prefix: 8,192 chunks of a 128k prompt)
+            ((group, first),) = firsts.items()
+            return self.keys(group, first, end) if first < end else []
         return self.chunk_major(firsts, end)[0]
 
     def chunk_major(
@@ -198,16 +205,23 @@ class RequestOffloadState:
 
     def keys(self, group: int, start: int, end: int) -> list[OffloadKey]:
         """Offload keys of chunks [start, end) of `group` (end <= num_hashed_chunks())."""
-        state = self.group_states[group]
-        keys = state.offload_keys
-        hashes = self.req.block_hashes
-        per_chunk = self.config.hashes_per_chunk
-        for chunk in range(len(keys), end):
-            keys.append(make_offload_key(hashes[(chunk + 1) * per_chunk - 1], group))
+        keys = self.group_states[group].offload_keys
+        if len(keys) < end:
+            hashes = self.req.block_hashes
+            per_chunk = self.config.hashes_per_chunk
+            # `make_offload_key(h, group)` is h + this suffix: built once, not per key
+            suffix = make_offload_key(b"", group)
+            keys += [
+                bytes(h) + suffix
+                for h in hashes[(len(keys) + 1) * per_chunk - 1 : end * per_chunk : per_chunk]
+            ]
+            if len(keys) < end:
+                raise IndexError(f"request {self.req_id}: chunk {end - 1} is not hashed yet")
         return keys[start:end]
 
     def set_block_ids(self, block_ids: tuple[list[int], ...], replace: bool) -> list[int]:
-        """Record blocks allocated to the request.
+        """Record blocks allocated to the request (copied: `block_ids` may be the engine's own lists,
+        which it goes on changing).
 
         Returns:
             The ids the engine may write next: new blocks, never the leading blocks its

@@ -83,6 +83,8 @@ class StorePlanning:
         self._next = next_plan
         self._is_supported = config.is_supported
         self._lazy = config.store_mode == "lazy"
+        self._prompt_only = config.offload_prompt_only
+        self._tokens_per_chunk = config.tokens_per_chunk
 
     def plan_stores(
         self, state: RequestOffloadState, num_tokens: int, window_from: int, plan: StepPlan
@@ -91,29 +93,29 @@ class StorePlanning:
         if not self._is_supported:
             # nothing stored could ever be loaded
             return
-        if self.config.offload_prompt_only:
+        if self._prompt_only:
             num_tokens = min(num_tokens, state.req.num_prompt_tokens)
+        num_chunks = num_tokens // self._tokens_per_chunk
+        # Most decode steps complete no chunk: every cursor is at or past the computed chunks
+        # already, and so past `end` below. Checked first: this runs for every running request in
+        # every step (issue 37: 0.2 µs a call here, 2 µs counting hashes and blocks first).
+        for gs in state.group_states:
+            if gs.next_store_chunk < num_chunks:
+                break
+        else:
+            return
         end = min(
-            num_tokens // self.config.tokens_per_chunk,
+            num_chunks,
             state.num_hashed_chunks(),
             *(gs.num_allocated_chunks() for gs in state.group_states),
         )
         if all(gs.next_store_chunk >= end for gs in state.group_states):
-            # most decode steps: no chunk completed since the last store (no candidates either)
+            # the chunks computed are not all hashed or allocated yet (no candidates either)
             return
         keys, chunks = self._jobs.store_candidates(state, end, window_from)
         if not keys:
             return
-        if self.observer is not None:
-            # describing chunks for events must never fail a step: without it, events go on
-            # undescribed
-            try:
-                self.observer(state.req, state.req_context, keys, chunks)
-            except Exception:
-                logger.exception(
-                    "kvtier: describing chunks for KV events failed; they are published by hash alone"
-                )
-                self.observer = None
+        self._describe(state, keys, chunks)
         groups = [group for group, _ in chunks]
         blocks = [state.group_states[group].chunk_blocks(chunk) for group, chunk in chunks]
         if self._lazy and not state.params.remote_decode:
@@ -128,6 +130,22 @@ class StorePlanning:
                 return
         for gs in state.group_states:
             gs.next_store_chunk = max(gs.next_store_chunk, end)
+
+    def _describe(
+        self, state: RequestOffloadState, keys: list[OffloadKey], chunks: list[tuple[int, int]]
+    ) -> None:
+        """Tell the observer, if any, of the chunks `state` offers. Describing chunks for events must
+        never fail a step: after a failure, events go on undescribed."""
+        observer = self.observer
+        if observer is None:
+            return
+        try:
+            observer(state.req, state.req_context, keys, chunks)
+        except Exception:
+            logger.exception(
+                "kvtier: describing chunks for KV events failed; they are published by hash alone"
+            )
+            self.observer = None
 
     def forget_blocks(self, blocks: list[int]) -> None:
         """The engine will write `blocks`: the chunks they held are no longer there to store

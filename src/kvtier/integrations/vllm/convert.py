@@ -11,7 +11,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.identity import engine_digest, weights_identity
 from kvtier.integrations.vllm.layout import EngineLayout, engine_layout
-from kvtier.scheduler import RequestView, ScheduledRequest, SchedulerOffloadConfig, StepView
+from kvtier.scheduler import RequestView, ScheduledBatch, SchedulerOffloadConfig, StepView
 from kvtier.scheduler.config import ROLES
 from kvtier.tiers.namespace import Namespace
 
@@ -49,34 +49,36 @@ def request_view(request: Any) -> RequestView:
 
 
 def step_view(scheduler_output: Any) -> StepView:
-    """A `StepView` of a `SchedulerOutput` (new, resumed and running requests)."""
-    scheduled = []
+    """A `StepView` of a `SchedulerOutput` (new, resumed and running requests, in its order).
+
+    Read in place, no object per request (issue 37): the block id lists are vLLM's own (the
+    scheduler copies what it keeps, within `build_connector_meta`), the running requests' columns
+    are copies of vLLM's lists, the new requests' read from their `NewRequestData`.
+    """
     counts = scheduler_output.num_scheduled_tokens
-    for new in scheduler_output.scheduled_new_reqs:
-        scheduled.append(
-            ScheduledRequest(
-                req_id=new.req_id,
-                new_block_ids=tuple(list(ids) for ids in new.block_ids),
-                is_new_or_resumed=True,
-                num_computed_tokens=new.num_computed_tokens,
-                num_scheduled_tokens=counts.get(new.req_id, 0),
-            )
-        )
+    new_reqs = scheduler_output.scheduled_new_reqs
     cached = scheduler_output.scheduled_cached_reqs
-    resumed = getattr(cached, "resumed_req_ids", set()) or set()
-    for i, req_id in enumerate(cached.req_ids):
-        new_ids = cached.new_block_ids[i]
-        scheduled.append(
-            ScheduledRequest(
-                req_id=req_id,
-                new_block_ids=None if new_ids is None else tuple(list(ids) for ids in new_ids),
-                is_new_or_resumed=req_id in resumed,
-                num_computed_tokens=cached.num_computed_tokens[i],
-                num_scheduled_tokens=counts.get(req_id, 0),
-            )
-        )
+    resumed = getattr(cached, "resumed_req_ids", None)
+    req_ids = [new.req_id for new in new_reqs]
+    req_ids += cached.req_ids
+    new_block_ids = [new.block_ids for new in new_reqs]
+    new_block_ids += cached.new_block_ids
+    num_computed = [new.num_computed_tokens for new in new_reqs]
+    num_computed += cached.num_computed_tokens
+    is_new_or_resumed = [True] * len(new_reqs)
+    if resumed:
+        is_new_or_resumed += [req_id in resumed for req_id in cached.req_ids]
+    else:
+        is_new_or_resumed += [False] * len(cached.req_ids)
+    batch = ScheduledBatch(
+        req_ids,
+        new_block_ids,
+        is_new_or_resumed,
+        num_computed,
+        [counts.get(req_id, 0) for req_id in req_ids],
+    )
     return StepView(
-        scheduled,
+        batch,
         set(scheduler_output.preempted_req_ids or ()),
         set(scheduler_output.finished_req_ids or ()),
     )
