@@ -68,8 +68,6 @@ __all__ = [
 
 # chunks no tier holds, still described (see KVEventTranslator._dropped)
 _MAX_DROPPED = 4096
-# vLLM's integer block hashes: the low 64 bits of the hash read big-endian
-_INT_HASH_MASK = (1 << 64) - 1
 
 
 @dataclass(slots=True)
@@ -318,7 +316,8 @@ class KVEventTranslator:
     def _external(self, hashes: Iterable[bytes]) -> list[Any]:
         """`hashes` as vLLM's events carry them (`maybe_convert_block_hash`)."""
         if self._int_hashes:
-            return [int.from_bytes(h, "big") & _INT_HASH_MASK for h in hashes]
+            # the low 64 bits of the hash read big-endian: its last 8 bytes
+            return [int.from_bytes(h[-8:], "big") for h in hashes]
         return list(hashes)
 
     def _stored(self, info: ChunkInfo, tier: str) -> BlockStored:
