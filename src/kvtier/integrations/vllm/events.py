@@ -4,8 +4,15 @@ KV-aware router (llm-d, Dynamo, Ray Serve) indexes kvtier's tiers as it indexes 
 A tier reports a chunk by its key alone (`kvtier.base.OffloadingEvent`). What a router needs beside it —
 the chunk's token ids, the hash of every block in it, its parent (the hash of the block before it), LoRA
 and `cache_salt` (`extra_keys`, filled by vLLM's own `generate_block_hash_extra_keys`), the session — is
-taken from the live request when the scheduler offers the chunk to the tiers (`chunk_info`, called for the
-chunks of the current step only) and kept by `KVEventTranslator` while a tier holds the chunk.
+taken from the live request when the scheduler offers the chunk to the tiers (`chunk_infos`, called once
+per offer for the chunks of the current step only) and kept by `KVEventTranslator` while a tier holds the
+chunk. It is taken then, not when a tier announces the chunk: the request may have ended by then (a lazy
+store mode writes a chunk when the engine is about to evict it), and a description kept for later would
+hold the whole request alive; in bench_sched_side's quick run 85 % of the chunks offered were stored.
+
+Cost (issue 37): per chunk, no call into vLLM's helpers unless the request has LoRA, multimodal inputs or
+prompt embeddings (a plain request's blocks have no extra keys but the first one's `cache_salt`), and
+vLLM's integer-hash setting (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`) read once, when the translator is built.
 
 Media: every event names its tier in the engine's vocabulary, as the tier's descriptor declares
 it (`kvtier.tiers.secondary.TierDescriptor`: `event_medium`, `locality`, and `ownership`
@@ -236,6 +243,8 @@ class KVEventTranslator:
         gone: set[OffloadKey] = set()
         for event in events:
             by_group: dict[int, list[Any]] = {}
+            # what each of the event's BlockStored says of its tier
+            media = None if event.removed else _descriptor(event.medium)
             for key in event.keys:
                 info = self._infos.get(key)
                 if event.removed:
@@ -249,7 +258,7 @@ class KVEventTranslator:
                     if key not in self._infos:
                         self.record(key, info)
                     info.enter(event.medium)
-                    out.append(self._stored(info, event.medium))
+                    out.append(self._stored(info, media))
             out.extend(self._removed(event.medium, by_group))
         # after the batch: a removal may come before another tier's store of the chunk
         for key in gone:
@@ -320,8 +329,7 @@ class KVEventTranslator:
             return [int.from_bytes(h[-8:], "big") for h in hashes]
         return list(hashes)
 
-    def _stored(self, info: ChunkInfo, tier: str) -> BlockStored:
-        descriptor = _descriptor(tier)
+    def _stored(self, info: ChunkInfo, descriptor: TierDescriptor | _Media) -> BlockStored:
         medium = descriptor.event_medium
         locality = descriptor.locality
         ownership = descriptor.ownership
