@@ -205,3 +205,77 @@ def test_events_survive_vllms_wire_format(request_and_gpu_event):
     out = events.translate([stored(keys, "redis"), removed(keys[:1], "redis")])
     wire = msgspec.msgpack.Encoder().encode(KVEventBatch(ts=1.0, events=out))
     assert msgspec.msgpack.Decoder(type=KVEventBatch).decode(wire).events == out
+
+
+def plain_request_and_gpu_event(cache_salt: str | None):
+    """A request with no LoRA, multimodal input nor prompt embeddings, and vLLM's own event for its
+    6 blocks."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    request = Request(
+        "plain",
+        PROMPT,
+        SamplingParams(max_tokens=1),
+        None,
+        cache_salt=cache_salt,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+    pool = BlockPool(16, True, BLOCK, enable_kv_cache_events=True)
+    pool.cache_full_blocks(request, pool.get_new_blocks(6), 0, 6, BLOCK, 0)
+    [gpu] = pool.take_events()
+    return request, gpu
+
+
+@pytest.mark.parametrize("cache_salt", [None, "tenant-b"])
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_a_request_without_lora_or_media_is_described_as_vllm_describes_it(
+    cache_salt, blocks_per_chunk
+):
+    from kvtier.integrations.vllm.events import KVEventTranslator, chunk_infos
+    from kvtier.keys import make_offload_key
+    from kvtier.scheduler.config import GroupKind, GroupSpec
+
+    request, gpu = plain_request_and_gpu_event(cache_salt)
+    num_chunks = 6 // blocks_per_chunk
+    spec = GroupSpec(GroupKind.FULL, BLOCK, blocks_per_chunk)
+    events = KVEventTranslator(max_entries=100)
+    # one offer of every chunk, as the scheduler side records it
+    infos = chunk_infos(request, [spec], [(0, c) for c in range(num_chunks)], BLOCK, None)
+    keys = [
+        make_offload_key(request.block_hashes[(c + 1) * blocks_per_chunk - 1], 0)
+        for c in range(num_chunks)
+    ]
+    for k, info in zip(keys, infos, strict=True):
+        events.record(k, info)
+    out = events.translate([stored(keys)])
+    # the same blocks, tokens and extra keys as the engine's own event: the salt in block 0 alone
+    assert [h for e in out for h in e.block_hashes] == gpu.block_hashes
+    assert [t for e in out for t in e.token_ids] == gpu.token_ids
+    assert [k for e in out for k in e.extra_keys] == gpu.extra_keys
+    assert gpu.extra_keys[0] == (None if cache_salt is None else (cache_salt,))
+    assert out[1].parent_block_hash == gpu.block_hashes[blocks_per_chunk - 1]
+    assert {(e.lora_id, e.lora_name, e.session_id) for e in out} == {(None, None, None)}
+
+
+@pytest.mark.parametrize("use_int", ["0", "1"])
+def test_hashes_take_the_form_vllms_setting_had_when_the_translator_was_built(
+    monkeypatch, request_and_gpu_event, use_int
+):
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    request, _ = request_and_gpu_event
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", use_int)
+    events, keys = translator_with(request, blocks_per_chunk=2, num_chunks=2)
+    expected = [maybe_convert_block_hash(h) for h in request.block_hashes[:4]]
+    # set after: read once, at construction
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1" if use_int == "0" else "0")
+    [first, second] = events.translate([stored(keys)])
+    assert first.block_hashes + second.block_hashes == expected
+    assert second.parent_block_hash == expected[1]
+    [gone] = events.translate([removed(keys)])
+    assert gone.block_hashes == expected

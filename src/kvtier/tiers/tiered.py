@@ -220,12 +220,13 @@ class TieredManager(OffloadingManager):
         RAM does not hold or that were promoted for this request (not loaded yet: the scheduler
         counts before it loads); see the module docstring."""
         cpu = self.primary
+        cpu.mrc.lookup_many(keys)
+        if not self._tiers:
+            return
         promoted = self._promotions.awaited_by(ctx.req_id)
-        for key in keys:
-            cpu.mrc.lookup(key)
-            if key in promoted or cpu.place(key) is None:
-                for slot in self._tiers:
-                    slot.mrc.lookup(key)
+        missed = [key for key in keys if key in promoted or cpu.place(key) is None]
+        for slot in self._tiers:
+            slot.mrc.lookup_many(missed)
 
     def read_estimates(self) -> dict[str, ReadEstimate]:
         self._poll()
@@ -408,8 +409,7 @@ class TieredManager(OffloadingManager):
         if kind in READS:
             self._tiers[index].tier.submit_load(job)
         else:
-            for key in keys:
-                self._tiers[index].mrc.store(key)
+            self._tiers[index].mrc.store_many(keys)
             self._tiers[index].tier.submit_store(job)
         return flight
 

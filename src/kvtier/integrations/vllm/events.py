@@ -4,8 +4,15 @@ KV-aware router (llm-d, Dynamo, Ray Serve) indexes kvtier's tiers as it indexes 
 A tier reports a chunk by its key alone (`kvtier.base.OffloadingEvent`). What a router needs beside it —
 the chunk's token ids, the hash of every block in it, its parent (the hash of the block before it), LoRA
 and `cache_salt` (`extra_keys`, filled by vLLM's own `generate_block_hash_extra_keys`), the session — is
-taken from the live request when the scheduler offers the chunk to the tiers (`chunk_info`, called for the
-chunks of the current step only) and kept by `KVEventTranslator` while a tier holds the chunk.
+taken from the live request when the scheduler offers the chunk to the tiers (`chunk_infos`, called once
+per offer for the chunks of the current step only) and kept by `KVEventTranslator` while a tier holds the
+chunk. It is taken then, not when a tier announces the chunk: the request may have ended by then (a lazy
+store mode writes a chunk when the engine is about to evict it), and a description kept for later would
+hold the whole request alive; in bench_sched_side's quick run 85 % of the chunks offered were stored.
+
+Cost (issue 37): per chunk, no call into vLLM's helpers unless the request has LoRA, multimodal inputs or
+prompt embeddings (a plain request's blocks have no extra keys but the first one's `cache_salt`), and
+vLLM's integer-hash setting (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`) read once, when the translator is built.
 
 Media: every event names its tier in the engine's vocabulary, as the tier's descriptor declares
 it (`kvtier.tiers.secondary.TierDescriptor`: `event_medium`, `locality`, and `ownership`
@@ -28,16 +35,13 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from vllm import envs
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import (
-    generate_block_hash_extra_keys,
-    maybe_convert_block_hash,
-    to_event_extra_keys,
-)
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
 from kvtier.base import OffloadingEvent
 from kvtier.errors import ConfigError
@@ -64,6 +68,7 @@ __all__ = [
     "ChunkInfo",
     "KVEventTranslator",
     "chunk_info",
+    "chunk_infos",
     "engine_publishes_events",
     "group_event_kinds",
 ]
@@ -109,13 +114,67 @@ def chunk_info(
     """`ChunkInfo` of chunk `chunk` of `group` of a live `vllm.v1.request.Request`, as vLLM's block pool
     describes its own blocks (`BlockPool.cache_full_blocks`): hashes and extra keys per block of the group's
     block size, the parent is the hash of the block before the chunk."""
-    tpb = spec.tokens_per_block
-    bpc = spec.blocks_per_chunk
-    scale = tpb // hash_block_size
-    first_block = chunk * bpc
+    return chunk_infos(request, {group: spec}, [(group, chunk)], hash_block_size, session_id)[0]
+
+
+def chunk_infos(
+    request: Any,
+    specs: Sequence[GroupSpec] | Mapping[int, GroupSpec],
+    chunks: Sequence[tuple[int, int]],
+    hash_block_size: int,
+    session_id: str | None,
+) -> list[ChunkInfo]:
+    """`chunk_info` of each (group, chunk) of `chunks` (`specs[group]` its group's), in one loop: what the
+    request says of all its chunks (LoRA, session, whether any block has extra keys) is read once.
+
+    A request with no multimodal inputs, LoRA nor prompt embeddings has extra keys in its first block
+    only, its `cache_salt`: every other block's are None without asking vLLM's
+    `generate_block_hash_extra_keys` (issue 37: 40k calls in a quick benchmark run).
+    """
     raw = request.block_hashes
-    hashes = tuple(raw[(first_block + j + 1) * scale - 1] for j in range(bpc))
-    start = first_block * tpb
+    tokens = request.all_token_ids
+    lora = request.lora_request
+    lora_id = lora.adapter_id if lora else None
+    lora_name = lora.name if lora else None
+    session = session_id or getattr(request, "session_id", None)
+    # blocks past the first have no extra keys
+    plain = not request.mm_features and lora is None and request.prompt_embeds is None
+    salted = bool(request.cache_salt)
+    infos = []
+    for group, chunk in chunks:
+        spec = specs[group]
+        tpb = spec.tokens_per_block
+        bpc = spec.blocks_per_chunk
+        scale = tpb // hash_block_size
+        first_block = chunk * bpc
+        start = first_block * tpb
+        # the first block's cache_salt, or vLLM's keys
+        asks_vllm = not plain or (start == 0 and salted)
+        extra = _extra_keys(request, start, tpb, bpc) if asks_vllm else [None] * bpc
+        infos.append(
+            ChunkInfo(
+                # the hash of each block's last hash block
+                block_hashes=tuple(
+                    raw[(first_block + 1) * scale - 1 : (first_block + bpc) * scale : scale]
+                ),
+                parent_block_hash=raw[first_block * scale - 1] if first_block else None,
+                token_ids=array("I", tokens[start : start + bpc * tpb]),
+                block_size=tpb,
+                group=group,
+                lora_id=lora_id,
+                lora_name=lora_name,
+                extra_keys=extra,
+                session_id=session,
+            )
+        )
+    return infos
+
+
+def _extra_keys(
+    request: Any, start: int, tpb: int, bpc: int
+) -> list[tuple[Any, ...] | None] | None:
+    """The untagged extra keys of `bpc` blocks of `tpb` tokens from token `start`, as vLLM's block pool
+    publishes them."""
     extra = []
     mm_idx = 0
     for j in range(bpc):
@@ -123,18 +182,7 @@ def chunk_info(
             request, start + j * tpb, start + (j + 1) * tpb, mm_idx
         )
         extra.append(keys)
-    lora = request.lora_request
-    return ChunkInfo(
-        block_hashes=hashes,
-        parent_block_hash=raw[first_block * scale - 1] if first_block else None,
-        token_ids=array("I", request.all_token_ids[start : start + bpc * tpb]),
-        block_size=tpb,
-        group=group,
-        lora_id=lora.adapter_id if lora else None,
-        lora_name=lora.name if lora else None,
-        extra_keys=to_event_extra_keys(extra),
-        session_id=session_id or getattr(request, "session_id", None),
-    )
+    return to_event_extra_keys(extra)
 
 
 def engine_publishes_events(vllm_config: Any) -> bool:
@@ -167,6 +215,10 @@ class KVEventTranslator:
     def __init__(self, max_entries: int, group_kinds: Sequence[tuple[str | None, int | None]] = ()):
         self.max_entries = max_entries
         self.group_kinds = tuple(group_kinds)
+        # vLLM's `maybe_convert_block_hash` reads this through `envs` (os.environ) per hash: 68k
+        # reads in a quick benchmark run (issue 37). Read once: vLLM's own caches it too once the
+        # engine has started (`envs.enable_envs_cache`)
+        self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
         self._infos: OrderedDict[OffloadKey, ChunkInfo] = OrderedDict()
         # chunks no tier holds any more, the latest few: a disk written on RAM's evictions (`on_evict`)
         # announces a chunk some steps after RAM dropped it
@@ -191,6 +243,8 @@ class KVEventTranslator:
         gone: set[OffloadKey] = set()
         for event in events:
             by_group: dict[int, list[Any]] = {}
+            # what each of the event's BlockStored says of its tier
+            media = None if event.removed else _descriptor(event.medium)
             for key in event.keys:
                 info = self._infos.get(key)
                 if event.removed:
@@ -204,7 +258,7 @@ class KVEventTranslator:
                     if key not in self._infos:
                         self.record(key, info)
                     info.enter(event.medium)
-                    out.append(self._stored(info, event.medium))
+                    out.append(self._stored(info, media))
             out.extend(self._removed(event.medium, by_group))
         # after the batch: a removal may come before another tier's store of the chunk
         for key in gone:
@@ -262,15 +316,20 @@ class KVEventTranslator:
             group=group,
         )
 
-    @staticmethod
-    def _hashes(key: OffloadKey, info: ChunkInfo | None) -> tuple[list[Any], int]:
+    def _hashes(self, key: OffloadKey, info: ChunkInfo | None) -> tuple[list[Any], int]:
         if info is not None:
-            return [maybe_convert_block_hash(h) for h in info.block_hashes], info.group
+            return self._external(info.block_hashes), info.group
         block_hash, group = split_offload_key(key)
-        return [maybe_convert_block_hash(block_hash)], group
+        return self._external((block_hash,)), group
 
-    def _stored(self, info: ChunkInfo, tier: str) -> BlockStored:
-        descriptor = _descriptor(tier)
+    def _external(self, hashes: Iterable[bytes]) -> list[Any]:
+        """`hashes` as vLLM's events carry them (`maybe_convert_block_hash`)."""
+        if self._int_hashes:
+            # the low 64 bits of the hash read big-endian: its last 8 bytes
+            return [int.from_bytes(h[-8:], "big") for h in hashes]
+        return list(hashes)
+
+    def _stored(self, info: ChunkInfo, descriptor: TierDescriptor | _Media) -> BlockStored:
         medium = descriptor.event_medium
         locality = descriptor.locality
         ownership = descriptor.ownership
@@ -292,9 +351,11 @@ class KVEventTranslator:
         if info.group < len(self.group_kinds):
             kind, window = self.group_kinds[info.group]
         parent = info.parent_block_hash
+        if parent is not None:
+            parent = self._external((parent,))[0]
         return BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in info.block_hashes],
-            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+            block_hashes=self._external(info.block_hashes),
+            parent_block_hash=parent,
             token_ids=info.token_ids.tolist(),
             block_size=info.block_size,
             lora_id=info.lora_id,

@@ -19,7 +19,11 @@ from kvtier.integrations.vllm.convert import (
     scheduler_config,
     step_view,
 )
-from kvtier.integrations.vllm.events import KVEventTranslator, chunk_info, engine_publishes_events
+from kvtier.integrations.vllm.events import (
+    KVEventTranslator,
+    chunk_infos,
+    engine_publishes_events,
+)
 from kvtier.integrations.vllm.layout import EngineLayout
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierStats, decision_stat_name, tier_stat_name
@@ -206,15 +210,15 @@ class SchedulerSide:
         request = req.engine_request
         if request is None or self._events is None:
             return
-        groups = self.core.config.groups
-        hash_block_size = self.core.config.tokens_per_hash
-        for key, (group, chunk) in zip(keys, chunks, strict=True):
-            self._events.record(
-                key,
-                chunk_info(
-                    request, groups[group], group, chunk, hash_block_size, ctx.hints.session
-                ),
-            )
+        infos = chunk_infos(
+            request,
+            self.core.config.groups,
+            chunks,
+            self.core.config.tokens_per_hash,
+            ctx.hints.session,
+        )
+        for key, info in zip(keys, infos, strict=True):
+            self._events.record(key, info)
 
     def has_pending_push_work(self) -> bool:
         return self.core.has_jobs_in_flight()

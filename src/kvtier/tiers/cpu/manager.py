@@ -108,7 +108,7 @@ class CPUTierManager(OffloadingManager):
         self._slots = SlotAllocator(num_slots)
         self._chunks: dict[OffloadKey, Chunk] = {}
         # this tier's hit ratio at other sizes, from its lookups and stores
-        self.mrc = MissRatioCurve()
+        self.mrc = MissRatioCurve(capacity_chunks=num_slots)
         self._ledger = RequestLedger()
         self._chains = ChainLinks(self._policy)
         self._eviction = Eviction(self._policy, self._chains, self._quotas)
@@ -159,8 +159,7 @@ class CPUTierManager(OffloadingManager):
         return found
 
     def count_query(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        for key in reversed(keys):
-            self.mrc.lookup(key)
+        self.mrc.lookup_many(reversed(keys))
 
     def is_readable(self, key: OffloadKey) -> bool:
         """Whether `key` is READY (counts no hit or miss)."""
@@ -207,8 +206,7 @@ class CPUTierManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
-        for key in reversed(keys):
-            self.mrc.store(key)
+        self.mrc.store_many(reversed(keys))
         # a hand-off's chunks are wanted by another engine whatever their offers; at a threshold
         # of 1 every offer is admitted (no call per key)
         admit = None if ctx.hands_off or self._gate.threshold == 1 else self._gate.admit
