@@ -108,6 +108,26 @@ def a_request(req_id: str, num_tokens: int):
     )
 
 
+def a_step(connector, *req_ids: str) -> None:
+    """vLLM plans a step of the running requests `req_ids` (one token each, no new blocks)."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    n = len(req_ids)
+    out = SchedulerOutput.make_empty()
+    out.scheduled_cached_reqs = CachedRequestData(
+        req_ids=list(req_ids),
+        resumed_req_ids=set(),
+        new_token_ids=[],
+        all_token_ids={},
+        new_block_ids=[None] * n,
+        num_computed_tokens=[0] * n,
+        num_output_tokens=[0] * n,
+    )
+    out.num_scheduled_tokens = dict.fromkeys(req_ids, 1)
+    out.total_num_scheduled_tokens = n
+    connector.build_connector_meta(out)
+
+
 def test_a_busy_engine_gets_counters_each_step_and_gauges_once_a_second(side):
     """vLLM asks at every step; the gauges and the tiers' stats (the miss-ratio curves among them)
     are rebuilt at most once every `_REPORT_EVERY_S` while requests run, the counters' deltas
@@ -118,11 +138,12 @@ def test_a_busy_engine_gets_counters_each_step_and_gauges_once_a_second(side):
     sched = side._scheduler
     request = a_request("r0", 64)
     side.get_num_new_matched_tokens(request, 0)
-    assert sched.core.num_requests() == 1
+    a_step(side, "r0")
     first = side.get_kv_connector_stats()
     assert first is not None and "num_slots" in first.data["gauges"]
     # the same instant, nothing moved: nothing to ship
     assert side.get_kv_connector_stats() is None
+    a_step(side, "r0")
     sched.core.stats.deferrals += 2
     second = side.get_kv_connector_stats()
     assert second.data == {"counters": {"deferrals": 2}, "gauges": {}}
@@ -140,14 +161,24 @@ def test_a_busy_engine_gets_counters_each_step_and_gauges_once_a_second(side):
 def test_the_step_that_ends_the_last_request_gets_a_full_report(side):
     """A client reads the metrics once its requests' outputs are back: the report of the step in
     which the last running request ended is a full one, whatever the clock says (vLLM steps on
-    while kvtier's stores finish, but nobody waits for those steps' reports)."""
+    while kvtier's stores finish, but nobody waits for those steps' reports). A request that is no
+    longer scheduled and never ended (a streaming-input session paused between turns) does not
+    count as running."""
     sched = side._scheduler
     request = a_request("r0", 64)
-    side.get_num_new_matched_tokens(request, 0)
+    other = a_request("r1", 64)
+    paused = a_request("s0", 64)
+    for req in (request, other, paused):
+        side.get_num_new_matched_tokens(req, 0)
+    a_step(side, "r0", "r1", "s0")
     assert "num_slots" in side.get_kv_connector_stats().data["gauges"]
+    a_step(side, "r0", "r1")
     sched.core.stats.deferrals += 1
-    assert side.get_kv_connector_stats().data["gauges"] == {}
     side.request_finished(request, [])
+    # r1 still runs
+    assert side.get_kv_connector_stats().data["gauges"] == {}
+    a_step(side, "r1")
+    side.request_finished(other, [])
     sched.core.stats.deferrals += 1
     last = side.get_kv_connector_stats()
     assert last.data["counters"] == {"deferrals": 1} and "num_slots" in last.data["gauges"]

@@ -129,8 +129,10 @@ class SchedulerSide:
         self._reported_at = float("-inf")
         # when reports were due (tests set it)
         self._clock = time.monotonic
-        # ids of the requests looked up and not finished (`get_stats`)
-        self._running: set[str] = set()
+        # the requests of the step planned last (vLLM's {id: tokens}, read in place) and those of
+        # them that ended since: when all have, no request is left running (`get_stats`)
+        self._scheduled: dict[str, int] = {}
+        self._ended: set[str] = set()
         self._reported_tiers: dict[str, Counter[str]] = {}
         role = self.core.config.role
         if role == "kv_producer" and self.manager.handoff_medium is None:
@@ -155,7 +157,6 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        self._running.add(request.request_id)
         return self.core.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -165,6 +166,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         plan = self.core.build_connector_meta(step_view(scheduler_output))
+        self._scheduled = scheduler_output.num_scheduled_tokens
+        self._ended = set()
         plan.engine_idle = scheduler_output.total_num_scheduled_tokens == 0
         return KVTierMetadata(plan)
 
@@ -180,7 +183,7 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> dict[str, Any] | None:
         """The request's promise to a decode engine if it is handed off (its `kv_transfer_params`
         in the engine's output; `kvtier.scheduler.handoff`), else None."""
-        self._running.discard(request.request_id)
+        self._ended.add(request.request_id)
         return self.core.request_finished(request_view(request))
 
     def bind_block_pool(self, block_pool: Any) -> None:
@@ -256,7 +259,7 @@ class SchedulerSide:
         now = self.core.stats
         before = self._reported
         clock = self._clock()
-        is_due = clock - self._reported_at >= _REPORT_EVERY_S or not self._running
+        is_due = clock - self._reported_at >= _REPORT_EVERY_S or self._none_running()
         if now == before and not is_due:
             return None
         stats = KVTierStats()
@@ -278,6 +281,12 @@ class SchedulerSide:
             self._reported_at = clock
             self._add_gauges(stats)
         return stats
+
+    def _none_running(self) -> bool:
+        """Whether every request of the step planned last has ended (a streaming-input session
+        paused between turns is not scheduled, and vLLM does not step for it)."""
+        ended = self._ended
+        return len(ended) >= len(self._scheduled) and ended.issuperset(self._scheduled)
 
     def _add_decision_counts(
         self, stats: KVTierStats, now: SchedulerStats, before: SchedulerStats
