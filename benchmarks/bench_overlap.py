@@ -25,20 +25,24 @@ request on every engine, back to back, the engines' order running through all th
 permutations (with three engines each precedes each other in half the pairs), so drift and
 whatever one engine leaves behind in the caches hit all alike. Each ratio is the geometric mean
 of the per-pair ratios, and its 95 % confidence interval is Student's t on the per-pair
-log-ratios: exp(mean ± t(0.975, n-1)·sd/√n). Per-request noise on a shared machine is 5-15 %:
-about (2·sd/0.01)² pairs resolve 1 % (`--pairs`). The CI covers the noise between requests, not
-between engine instances: rerun to see the latter.
+log-ratios: exp(mean ± t(0.975, n-1)·sd/√n); the printout says about how many pairs would bring
+it to ±1 % (`--pairs`). Another process's burst on a shared machine slows one side of a pair 2-5x
+and widens that interval most, so the median of the per-pair ratios is given too, with its
+distribution-free 95 % interval (`_median`, `_median_ci`: the sorted ratios at ranks
+n/2 ∓ 1.96·√n/2). Both intervals cover the noise between requests, not between engine
+instances: rerun to see the latter.
 
 glibc's malloc tunables are set for every engine (`GLIBC_TUNABLES`, unless already set;
 `--no-malloc-tunables` leaves glibc's defaults, as a user runs): its arena trimming faults pages
 back in at a rate that varies per engine instance, not per configuration.
 
-    python benchmarks/bench_overlap.py [--quick] [--pairs N] [--no-malloc-tunables]
+    python benchmarks/bench_overlap.py [--quick] [--pairs N] [--no-malloc-tunables] [--walls]
 
 Last line: RESULT itl_p99_ratio_async=… itl_p99_ratio_sync=… ttft_ratio_async=…
 zero_hit_overhead=… hit_vs_local=… zero_hit_overhead_async=… hit_vs_local_async=… hit_vs_own_local=…
 zero_hit_overhead_ci=<low>-<high> hit_vs_local_ci=… zero_hit_overhead_async_ci=…
-hit_vs_local_async_ci=… pairs=<n>
+hit_vs_local_async_ci=… zero_hit_overhead_median=… zero_hit_overhead_median_ci=<low>-<high> (and
+the same two for the other three ratios) pairs=<n>
 """
 
 from __future__ import annotations
@@ -100,6 +104,20 @@ def paired_ratio(numer: list[float], denom: list[float], level: float = 0.95) ->
         return RatioCI(math.exp(mean), math.nan, math.nan, n)
     half = t_quantile(0.5 + level / 2, n - 1) * statistics.stdev(logs) / math.sqrt(n)
     return RatioCI(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n)
+
+
+def median_ratio(numer: list[float], denom: list[float], level: float = 0.95) -> RatioCI:
+    """Median of numer[k] / denom[k], with its distribution-free interval (order statistics).
+
+    The bounds are the per-pair ratios at ranks n/2 -+ z·√n/2 (the sign test's normal
+    approximation): one pair slowed by another process's burst moves them by one rank at most.
+    """
+    ratios = sorted(a / b for a, b in zip(numer, denom, strict=True))
+    n = len(ratios)
+    spread = statistics.NormalDist().inv_cdf(0.5 + level / 2) * math.sqrt(n) / 2
+    low = max(0, math.floor(n / 2 - spread))
+    high = min(n - 1, math.ceil(n / 2 + spread) - 1)
+    return RatioCI(statistics.median(ratios), ratios[low], ratios[high], n)
 
 
 def params(max_tokens: int):
@@ -196,8 +214,10 @@ def paired_walls(
 def hit_pairs(engines: dict, num_pairs: int) -> dict[str, list[float]]:
     """Part 2: a document again with a new suffix, on every engine, for each pair.
 
-    The documents are computed once first (kvtier stores them), not timed. A kvtier engine
-    empties vLLM's prefix cache before each request (not timed): its prefix comes from
+    The documents are computed once first (kvtier stores them), then asked once more each, not
+    timed: right after a store, a kvtier engine's first hits on it took 4-5x a later one (214
+    and 238 ms against 45, a loaded machine), a transient that would swamp the mean. A kvtier
+    engine empties vLLM's prefix cache before each request (not timed): its prefix comes from
     kvtier's CPU tier, while the engine without kvtier serves it from its own prefix cache.
     """
     documents = [tokens(PREFIX_TOKENS, seed=6000 + d) for d in range(NUM_DOCUMENTS)]
@@ -211,6 +231,8 @@ def hit_pairs(engines: dict, num_pairs: int) -> dict[str, list[float]]:
             llm.reset_prefix_cache(reset_connector=False)
         return timed(llm, prompt)
 
+    # warm-up: one hit per document and engine, with suffixes the timed pairs do not use
+    paired_walls(engines, NUM_DOCUMENTS, lambda name, llm, k: serve(name, llm, -1 - k))
     return paired_walls(engines, num_pairs, serve)
 
 
@@ -301,6 +323,9 @@ def main() -> None:
         action="store_true",
         help="leave glibc's malloc defaults (as a user runs) instead of setting GLIBC_TUNABLES",
     )
+    parser.add_argument(
+        "--walls", action="store_true", help="print every pair's walls (ms) of parts 2 and 3"
+    )
     args = parser.parse_args()
     size = QUICK if args.quick else FULL
     num_pairs = size.pairs if args.pairs is None else args.pairs
@@ -331,7 +356,16 @@ def main() -> None:
         f"engines started in {measured - started:.0f} s, measured in "
         f"{time.perf_counter() - measured:.0f} s ({num_pairs} pairs)"
     )
+    if args.walls:
+        print_walls("hit", user_hits)
+        print_walls("zero-hit", walls)
     print_report(results, user_hits, walls, own)
+
+
+def print_walls(part: str, walls: dict[str, list[float]]) -> None:
+    """Each engine's walls in pair order, in ms."""
+    for name, ws in walls.items():
+        print(f"{part} walls {name} (ms): " + " ".join(f"{w * 1e3:.0f}" for w in ws))
 
 
 def prepare_machine(malloc_tunables: bool = True) -> Path:
@@ -391,17 +425,22 @@ def print_report(
             f"{f.get('hit_kvtier', float('nan')) * 1e3:15.1f} "
             f"{f.get('hit_local', float('nan')) * 1e3:14.1f}"
         )
-    ratios = {
-        "zero_hit_overhead": paired_ratio(walls["sync"], walls["none"]),
-        "hit_vs_local": paired_ratio(user_hits["sync"], user_hits["none"]),
-        "zero_hit_overhead_async": paired_ratio(walls["async"], walls["none"]),
-        "hit_vs_local_async": paired_ratio(user_hits["async"], user_hits["none"]),
+    pairs = {
+        "zero_hit_overhead": (walls["sync"], walls["none"]),
+        "hit_vs_local": (user_hits["sync"], user_hits["none"]),
+        "zero_hit_overhead_async": (walls["async"], walls["none"]),
+        "hit_vs_local_async": (user_hits["async"], user_hits["none"]),
     }
+    ratios = {key: paired_ratio(*walls_pair) for key, walls_pair in pairs.items()}
+    medians = {key: median_ratio(*walls_pair) for key, walls_pair in pairs.items()}
+    own_ratio = paired_ratio(*own)
     print("paired ratios (geometric mean of per-pair ratios; Student's t on the log-ratios):")
     for key, r in ratios.items():
         print(f"  {key:24} {ci_text(r)}")
-    own_ratio = paired_ratio(*own)
     print(f"  {'hit_vs_own_local':24} {ci_text(own_ratio)}")
+    print("median of the per-pair ratios (order-statistic CI, robust to one side's bursts):")
+    for key, m in medians.items():
+        print(f"  {key:24} {m.ratio:.3f} (95% CI {m.low:.3f}-{m.high:.3f})")
     none = results["none"]
     a = results["async"]
     s = results["sync"]
@@ -411,6 +450,11 @@ def print_report(
         + " ".join(f"{key}={r.ratio:.3f}" for key, r in ratios.items())
         + f" hit_vs_own_local={own_ratio.ratio:.3f} "
         + " ".join(f"{key}_ci={r.low:.3f}-{r.high:.3f}" for key, r in ratios.items())
+        + " "
+        + " ".join(
+            f"{key}_median={m.ratio:.3f} {key}_median_ci={m.low:.3f}-{m.high:.3f}"
+            for key, m in medians.items()
+        )
         + f" pairs={len(walls['none'])}"
     )
 

@@ -9,7 +9,7 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # benchmarks/, on sys.path above
-from bench_overlap import paired_ratio, paired_walls, t_quantile
+from bench_overlap import median_ratio, paired_ratio, paired_walls, t_quantile
 
 # Student's t, two-sided 95 % (0.975 quantile), from the tables
 T_975 = {4: 2.7764, 9: 2.2622, 29: 2.0452, 119: 1.9801}
@@ -89,3 +89,22 @@ def test_three_engines_each_precede_each_other_in_half_the_pairs():
     for first, second in [("none", "sync"), ("none", "async"), ("async", "sync")]:
         before = [order.index(first) < order.index(second) for order in orders]
         assert before.count(True) == 3
+
+
+def test_the_median_ratio_takes_its_bounds_from_the_order_statistics():
+    # 101 pairs at ratios 1.00, 1.01, ... 2.00 (shuffled: the order of pairs does not matter)
+    numer = [1.0 + i / 100 for i in range(101)]
+    numer = numer[50:] + numer[:50]
+    ratio = median_ratio(numer, [1.0] * 101)
+    assert ratio.ratio == pytest.approx(1.5)
+    # the sign test's 95 % ranks for n = 101: the 41st and 61st of the sorted ratios
+    assert ratio.low == pytest.approx(1.4)
+    assert ratio.high == pytest.approx(1.6)
+
+
+def test_one_burst_moves_the_median_ratio_little():
+    # nine pairs at 1.02, one where the engine without kvtier was stalled 5x
+    numer = [1.02] * 9 + [1.0]
+    denom = [1.0] * 9 + [5.0]
+    assert median_ratio(numer, denom).ratio == pytest.approx(1.02)
+    assert paired_ratio(numer, denom).ratio < 0.9
