@@ -186,13 +186,28 @@ def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]
     return {"itl": itls, "ttft": ttfts}
 
 
-def timed(llm, prompt: list[int]) -> float:
-    """Wall time of one `generate()` of `prompt`, OUTPUT_TOKENS greedy tokens."""
+class Served(NamedTuple):
+    """One request: its `generate()` wall time, and the prompt tokens it did not compute."""
+
+    seconds: float
+    # vLLM's prefix-cache hits plus the connector's (kvtier's loads)
+    num_cached_tokens: int
+
+
+def serve_one(llm, prompt: list[int]) -> Served:
+    """One `generate()` of `prompt`, OUTPUT_TOKENS greedy tokens."""
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(OUTPUT_TOKENS), use_tqdm=False)
-    return time.perf_counter() - started
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)], params(OUTPUT_TOKENS), use_tqdm=False
+    )
+    return Served(time.perf_counter() - started, outs[0].num_cached_tokens or 0)
+
+
+def timed(llm, prompt: list[int]) -> float:
+    """Wall time of one `generate()` of `prompt`, OUTPUT_TOKENS greedy tokens."""
+    return serve_one(llm, prompt).seconds
 
 
 def paired_walls(
@@ -211,7 +226,16 @@ def paired_walls(
     return walls
 
 
-def hit_pairs(engines: dict, num_pairs: int) -> dict[str, list[float]]:
+class HitWalls(NamedTuple):
+    """Part 2's walls per engine (timed pairs, warm-up), and its requests that computed prefix."""
+
+    walls: dict[str, list[float]]
+    warm_up: dict[str, list[float]]
+    # per engine: timed requests whose cached (or loaded) tokens fell short of the document
+    num_short: dict[str, int]
+
+
+def hit_pairs(engines: dict, num_pairs: int) -> HitWalls:
     """Part 2: a document again with a new suffix, on every engine, for each pair.
 
     The documents are computed once first (kvtier stores them), then asked once more each, not
@@ -219,21 +243,29 @@ def hit_pairs(engines: dict, num_pairs: int) -> dict[str, list[float]]:
     and 238 ms against 45, a loaded machine), a transient that would swamp the mean. A kvtier
     engine empties vLLM's prefix cache before each request (not timed): its prefix comes from
     kvtier's CPU tier, while the engine without kvtier serves it from its own prefix cache.
+    A request that got less than the whole document that way is counted (`num_short`).
     """
     documents = [tokens(PREFIX_TOKENS, seed=6000 + d) for d in range(NUM_DOCUMENTS)]
     for llm in engines.values():
         for document in documents:
             timed(llm, document)
+    num_short = dict.fromkeys(engines, 0)
 
     def serve(name: str, llm, k: int) -> float:
         prompt = documents[k % NUM_DOCUMENTS] + tokens(SUFFIX_TOKENS, seed=7000 + k)
         if name != "none":
             llm.reset_prefix_cache(reset_connector=False)
-        return timed(llm, prompt)
+        served = serve_one(llm, prompt)
+        if served.num_cached_tokens < PREFIX_TOKENS:
+            num_short[name] += 1
+        return served.seconds
 
     # warm-up: one hit per document and engine, with suffixes the timed pairs do not use
-    paired_walls(engines, NUM_DOCUMENTS, lambda name, llm, k: serve(name, llm, -1 - k))
-    return paired_walls(engines, num_pairs, serve)
+    warm_up = paired_walls(engines, NUM_DOCUMENTS, lambda name, llm, k: serve(name, llm, -1 - k))
+    # the warm-up's short hits are not counted
+    num_short.update(dict.fromkeys(engines, 0))
+    walls = paired_walls(engines, num_pairs, serve)
+    return HitWalls(walls, warm_up, num_short)
 
 
 def zero_hit_pairs(engines: dict, num_pairs: int) -> dict[str, list[float]]:
@@ -341,7 +373,7 @@ def main() -> None:
             timed(engines[name], tokens(ZERO_HIT_PROMPT_TOKENS, seed=9))
         measured = time.perf_counter()
         results = overlap_figures(engines, size)
-        user_hits = hit_pairs(engines, num_pairs)
+        hits = hit_pairs(engines, num_pairs)
         walls = zero_hit_pairs(engines, num_pairs)
         own = own_local_walls(engines["sync"], size.rounds)
     finally:
@@ -349,7 +381,7 @@ def main() -> None:
             shutdown(llm)
     for name in engines:
         results[name]["zero_hit"] = statistics.median(walls[name])
-        results[name]["user_hit"] = statistics.median(user_hits[name])
+        results[name]["user_hit"] = statistics.median(hits.walls[name])
     results["sync"]["hit_kvtier"] = statistics.median(own[0])
     results["sync"]["hit_local"] = statistics.median(own[1])
     print(
@@ -357,15 +389,20 @@ def main() -> None:
         f"{time.perf_counter() - measured:.0f} s ({num_pairs} pairs)"
     )
     if args.walls:
-        print_walls("hit", user_hits)
+        print_walls("hit warm-up", hits.warm_up)
+        print_walls("hit", hits.walls)
         print_walls("zero-hit", walls)
-    print_report(results, user_hits, walls, own)
+    print(
+        "hit requests that computed part of their document (the rest cached or loaded): "
+        + ", ".join(f"{name} {n}/{num_pairs}" for name, n in hits.num_short.items())
+    )
+    print_report(results, hits.walls, walls, own)
 
 
 def print_walls(part: str, walls: dict[str, list[float]]) -> None:
     """Each engine's walls in pair order, in ms."""
     for name, ws in walls.items():
-        print(f"{part} walls {name} (ms): " + " ".join(f"{w * 1e3:.0f}" for w in ws))
+        print(f"{part} walls {name} (ms): " + " ".join(f"{w * 1e3:.1f}" for w in ws))
 
 
 def prepare_machine(malloc_tunables: bool = True) -> Path:
