@@ -24,25 +24,30 @@ Parts 2 and 3 are measured in **pairs**, interleaved request by request: pair k 
 request on every engine, back to back, the engines' order running through all their
 permutations (with three engines each precedes each other in half the pairs), so drift and
 whatever one engine leaves behind in the caches hit all alike. Each ratio is the geometric mean
-of the per-pair ratios, and its 95 % confidence interval is Student's t on the per-pair
-log-ratios: exp(mean ± t(0.975, n-1)·sd/√n); the printout says about how many pairs would bring
-it to ±1 % (`--pairs`). Another process's burst on a shared machine slows one side of a pair 2-5x
-and widens that interval most, so the median of the per-pair ratios is given too, with its
-distribution-free 95 % interval (`_median`, `_median_ci`: the sorted ratios at ranks
-n/2 ∓ 1.96·√n/2). Both intervals cover the noise between requests, not between engine
-instances: rerun to see the latter.
+of the per-pair ratios with Student's t 95 % interval on their logs, and the median per-pair
+ratio with its order-statistic 95 % interval (`_median`, `_median_ci`; `paired_stats`): another
+process's burst slows one side of a pair 2-5x on a shared machine and widens the former most.
+The printout says about how many pairs would bring the t interval to ±1 % (`--pairs`).
+
+Both intervals cover the noise between requests of one set of engines, not the difference
+between engine instances, which was larger (zero-hit medians 0.98, 0.995 and 1.04 in three
+runs whose intervals were ±0.1-1 %): `--instances R` starts the three engines R times one after
+the other, and adds each set's median ratio and the t interval across the sets
+(`_instances`, `_instances_ci`). Parts 1 and 4 run on the first set only.
 
 glibc's malloc tunables are set for every engine (`GLIBC_TUNABLES`, unless already set;
 `--no-malloc-tunables` leaves glibc's defaults, as a user runs): its arena trimming faults pages
 back in at a rate that varies per engine instance, not per configuration.
 
-    python benchmarks/bench_overlap.py [--quick] [--pairs N] [--no-malloc-tunables] [--walls]
+    python benchmarks/bench_overlap.py [--quick] [--pairs N] [--instances R] [--no-malloc-tunables]
+        [--walls]
 
 Last line: RESULT itl_p99_ratio_async=… itl_p99_ratio_sync=… ttft_ratio_async=…
 zero_hit_overhead=… hit_vs_local=… zero_hit_overhead_async=… hit_vs_local_async=… hit_vs_own_local=…
 zero_hit_overhead_ci=<low>-<high> hit_vs_local_ci=… zero_hit_overhead_async_ci=…
 hit_vs_local_async_ci=… zero_hit_overhead_median=… zero_hit_overhead_median_ci=<low>-<high> (and
-the same two for the other three ratios) pairs=<n>
+the same two for the other three ratios) pairs=<n> [zero_hit_overhead_instances=…
+zero_hit_overhead_instances_ci=<low>-<high> (the same for the other three) instances=<R>]
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from paired_stats import RatioCI, median_ratio, paired_ratio
+
 PREFIX_TOKENS = 1536
 NUM_DOCUMENTS = 3
 SUFFIX_TOKENS = 32
@@ -71,53 +78,6 @@ MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_thresh
 def tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 8192) for _ in range(n)]
-
-
-class RatioCI(NamedTuple):
-    """A ratio from paired measurements, and its confidence interval."""
-
-    ratio: float
-    low: float
-    high: float
-    num_pairs: int
-
-
-def t_quantile(p: float, df: int) -> float:
-    """Student's t quantile: the normal one, Cornish-Fisher corrected (within 0.2 % for df >= 4)."""
-    z = statistics.NormalDist().inv_cdf(p)
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
-    return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
-
-
-def paired_ratio(numer: list[float], denom: list[float], level: float = 0.95) -> RatioCI:
-    """Geometric mean of numer[k] / denom[k], with the t interval of the mean log-ratio.
-
-    With fewer than two pairs the bounds are NaN.
-    """
-    logs = [math.log(a / b) for a, b in zip(numer, denom, strict=True)]
-    n = len(logs)
-    mean = statistics.fmean(logs)
-    if n < 2:
-        return RatioCI(math.exp(mean), math.nan, math.nan, n)
-    half = t_quantile(0.5 + level / 2, n - 1) * statistics.stdev(logs) / math.sqrt(n)
-    return RatioCI(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n)
-
-
-def median_ratio(numer: list[float], denom: list[float], level: float = 0.95) -> RatioCI:
-    """Median of numer[k] / denom[k], with its distribution-free interval (order statistics).
-
-    The bounds are the per-pair ratios at ranks n/2 -+ z·√n/2 (the sign test's normal
-    approximation): one pair slowed by another process's burst moves them by one rank at most.
-    """
-    ratios = sorted(a / b for a, b in zip(numer, denom, strict=True))
-    n = len(ratios)
-    spread = statistics.NormalDist().inv_cdf(0.5 + level / 2) * math.sqrt(n) / 2
-    low = max(0, math.floor(n / 2 - spread))
-    high = min(n - 1, math.ceil(n / 2 + spread) - 1)
-    return RatioCI(statistics.median(ratios), ratios[low], ratios[high], n)
 
 
 def params(max_tokens: int):
@@ -226,6 +186,23 @@ def paired_walls(
     return walls
 
 
+def child_pids() -> set[int]:
+    """This process's descendants now (an engine's core and worker processes among them)."""
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def minor_faults(pids: list[int]) -> int:
+    """The minor page faults the processes `pids` have taken so far (`/proc/<pid>/stat`)."""
+    total = 0
+    for pid in pids:
+        # the fields after the command's closing parenthesis start at the 3rd; minflt is the 10th
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[7])
+    return total
+
+
 class HitWalls(NamedTuple):
     """Part 2's walls per engine (timed pairs, warm-up), and its requests that computed prefix."""
 
@@ -233,9 +210,11 @@ class HitWalls(NamedTuple):
     warm_up: dict[str, list[float]]
     # per engine: timed requests whose cached (or loaded) tokens fell short of the document
     num_short: dict[str, int]
+    # per engine and timed request: the minor page faults its engine's processes took
+    faults: dict[str, list[int]]
 
 
-def hit_pairs(engines: dict, num_pairs: int) -> HitWalls:
+def hit_pairs(engines: dict, num_pairs: int, pids: dict[str, list[int]]) -> HitWalls:
     """Part 2: a document again with a new suffix, on every engine, for each pair.
 
     The documents are computed once first (kvtier stores them), then asked once more each, not
@@ -243,29 +222,35 @@ def hit_pairs(engines: dict, num_pairs: int) -> HitWalls:
     and 238 ms against 45, a loaded machine), a transient that would swamp the mean. A kvtier
     engine empties vLLM's prefix cache before each request (not timed): its prefix comes from
     kvtier's CPU tier, while the engine without kvtier serves it from its own prefix cache.
-    A request that got less than the whole document that way is counted (`num_short`).
+    A request that got less than the whole document that way is counted (`num_short`), and
+    the minor page faults of each engine's processes (`pids`) during each request are kept.
     """
     documents = [tokens(PREFIX_TOKENS, seed=6000 + d) for d in range(NUM_DOCUMENTS)]
     for llm in engines.values():
         for document in documents:
             timed(llm, document)
     num_short = dict.fromkeys(engines, 0)
+    faults: dict[str, list[int]] = {name: [] for name in engines}
 
     def serve(name: str, llm, k: int) -> float:
         prompt = documents[k % NUM_DOCUMENTS] + tokens(SUFFIX_TOKENS, seed=7000 + k)
         if name != "none":
             llm.reset_prefix_cache(reset_connector=False)
+        faults_before = minor_faults(pids[name])
         served = serve_one(llm, prompt)
+        faults[name].append(minor_faults(pids[name]) - faults_before)
         if served.num_cached_tokens < PREFIX_TOKENS:
             num_short[name] += 1
         return served.seconds
 
     # warm-up: one hit per document and engine, with suffixes the timed pairs do not use
     warm_up = paired_walls(engines, NUM_DOCUMENTS, lambda name, llm, k: serve(name, llm, -1 - k))
-    # the warm-up's short hits are not counted
+    # the warm-up's short hits and faults are not counted
     num_short.update(dict.fromkeys(engines, 0))
+    for name in engines:
+        faults[name].clear()
     walls = paired_walls(engines, num_pairs, serve)
-    return HitWalls(walls, warm_up, num_short)
+    return HitWalls(walls, warm_up, num_short, faults)
 
 
 def zero_hit_pairs(engines: dict, num_pairs: int) -> dict[str, list[float]]:
@@ -341,6 +326,45 @@ FULL = RunSize(pairs=120, rounds=9, num_background=6, num_loading=4)
 QUICK = RunSize(pairs=12, rounds=3, num_background=4, num_loading=2)
 
 
+class Measured(NamedTuple):
+    """What one set of engines measured (parts 1 and 4 only by the first set)."""
+
+    # part 1 per engine, or None
+    overlap: dict[str, dict[str, float]] | None
+    hits: HitWalls
+    # part 3's walls per engine
+    zero_hit: dict[str, list[float]]
+    # part 4's (kvtier hit, own prefix-cache hit) walls, or None
+    own: tuple[list[float], list[float]] | None
+
+
+def measure(model: Path, size: RunSize, num_pairs: int, first: bool) -> Measured:
+    """Start the three engines, measure, shut them down."""
+    engines = {}
+    pids: dict[str, list[int]] = {}
+    try:
+        # all three alive at once, on the same cores, measured in turns
+        for name, mode in ENGINES:
+            earlier = child_pids()
+            engines[name] = make_engine(model, mode)
+            pids[name] = sorted(child_pids() - earlier)
+            # warm-up
+            timed(engines[name], tokens(ZERO_HIT_PROMPT_TOKENS, seed=9))
+        results = overlap_figures(engines, size) if first else None
+        hits = hit_pairs(engines, num_pairs, pids)
+        walls = zero_hit_pairs(engines, num_pairs)
+        own = own_local_walls(engines["sync"], size.rounds) if first else None
+    finally:
+        for llm in engines.values():
+            shutdown(llm)
+    return Measured(results, hits, walls, own)
+
+
+def pooled(per_run: list[dict[str, list]]) -> dict[str, list]:
+    """Each engine's values of every run, run after run (pair k of run i stays paired)."""
+    return {name: [v for run in per_run for v in run[name]] for name in per_run[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer pairs, rounds and requests")
@@ -348,7 +372,13 @@ def main() -> None:
         "--pairs",
         type=int,
         default=None,
-        help=f"pairs of parts 2 and 3 (default {FULL.pairs}, --quick {QUICK.pairs})",
+        help=f"pairs of parts 2 and 3 per engine instance (default {FULL.pairs}, --quick {QUICK.pairs})",
+    )
+    parser.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="sets of engines started one after the other, each measuring --pairs pairs (default 1)",
     )
     parser.add_argument(
         "--no-malloc-tunables",
@@ -364,39 +394,64 @@ def main() -> None:
     model = prepare_machine(malloc_tunables=not args.no_malloc_tunables)
     print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}", flush=True)
     started = time.perf_counter()
-    engines = {}
-    try:
-        # all three alive at once, on the same cores, measured in turns
-        for name, mode in ENGINES:
-            engines[name] = make_engine(model, mode)
-            # warm-up
-            timed(engines[name], tokens(ZERO_HIT_PROMPT_TOKENS, seed=9))
-        measured = time.perf_counter()
-        results = overlap_figures(engines, size)
-        hits = hit_pairs(engines, num_pairs)
-        walls = zero_hit_pairs(engines, num_pairs)
-        own = own_local_walls(engines["sync"], size.rounds)
-    finally:
-        for llm in engines.values():
-            shutdown(llm)
-    for name in engines:
-        results[name]["zero_hit"] = statistics.median(walls[name])
-        results[name]["user_hit"] = statistics.median(hits.walls[name])
-    results["sync"]["hit_kvtier"] = statistics.median(own[0])
-    results["sync"]["hit_local"] = statistics.median(own[1])
+    runs = [measure(model, size, num_pairs, first=i == 0) for i in range(args.instances)]
     print(
-        f"engines started in {measured - started:.0f} s, measured in "
-        f"{time.perf_counter() - measured:.0f} s ({num_pairs} pairs)"
+        f"{args.instances} engine set(s), {num_pairs} pairs each: "
+        f"{time.perf_counter() - started:.0f} s with the engines' starts"
     )
+    hit_walls = pooled([run.hits.walls for run in runs])
+    walls = pooled([run.zero_hit for run in runs])
     if args.walls:
-        print_walls("hit warm-up", hits.warm_up)
-        print_walls("hit", hits.walls)
+        print_walls("hit warm-up", pooled([run.hits.warm_up for run in runs]))
+        print_walls("hit", hit_walls)
         print_walls("zero-hit", walls)
+    num_short = {name: sum(run.hits.num_short[name] for run in runs) for name in hit_walls}
     print(
         "hit requests that computed part of their document (the rest cached or loaded): "
-        + ", ".join(f"{name} {n}/{num_pairs}" for name, n in hits.num_short.items())
+        + ", ".join(f"{name} {n}/{len(hit_walls[name])}" for name, n in num_short.items())
     )
-    print_report(results, hits.walls, walls, own)
+    faults = pooled([run.hits.faults for run in runs])
+    print(
+        "minor page faults per hit request, the engine's processes (median, p90): "
+        + ", ".join(
+            f"{name} {statistics.median(fs):.0f}, {p(fs, 0.9):.0f}" for name, fs in faults.items()
+        )
+    )
+    results = runs[0].overlap
+    for name in results:
+        results[name]["zero_hit"] = statistics.median(walls[name])
+        results[name]["user_hit"] = statistics.median(hit_walls[name])
+    results["sync"]["hit_kvtier"] = statistics.median(runs[0].own[0])
+    results["sync"]["hit_local"] = statistics.median(runs[0].own[1])
+    extra = print_instances(runs) if args.instances > 1 else ""
+    print_report(results, hit_walls, walls, runs[0].own, extra)
+
+
+def instance_pairs(run: Measured) -> dict[str, tuple[list[float], list[float]]]:
+    """The four ratios' (kvtier walls, no-kvtier walls) of one set of engines."""
+    return {
+        "zero_hit_overhead": (run.zero_hit["sync"], run.zero_hit["none"]),
+        "hit_vs_local": (run.hits.walls["sync"], run.hits.walls["none"]),
+        "zero_hit_overhead_async": (run.zero_hit["async"], run.zero_hit["none"]),
+        "hit_vs_local_async": (run.hits.walls["async"], run.hits.walls["none"]),
+    }
+
+
+def print_instances(runs: list[Measured]) -> str:
+    """Each engine set's median ratio, and the t interval across the sets (their spread).
+
+    Returns the RESULT line's fields for them.
+    """
+    per_run = [instance_pairs(run) for run in runs]
+    print("median ratio per engine set, and across the sets (Student's t on their logs):")
+    fields = []
+    for key in per_run[0]:
+        medians = [median_ratio(*pairs[key]).ratio for pairs in per_run]
+        across = paired_ratio(medians, [1.0] * len(medians))
+        print(f"  {key:24} " + " ".join(f"{m:.3f}" for m in medians) + f" -> {ci_text(across)}")
+        fields.append(f"{key}_instances={across.ratio:.3f}")
+        fields.append(f"{key}_instances_ci={across.low:.3f}-{across.high:.3f}")
+    return " ".join(fields) + f" instances={len(runs)}"
 
 
 def print_walls(part: str, walls: dict[str, list[float]]) -> None:
@@ -449,8 +504,10 @@ def print_report(
     user_hits: dict[str, list[float]],
     walls: dict[str, list[float]],
     own: tuple[list[float], list[float]],
+    extra: str,
 ) -> None:
-    """The table, the paired ratios with their CIs, and the RESULT line (against no kvtier)."""
+    """The table, the paired ratios with their CIs, and the RESULT line (against no kvtier),
+    `extra`'s fields at its end."""
     print(
         f"{'engine':8} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'TTFT ms':>9} {'zero-hit ms':>12} {'hit ms':>7} "
         f"{'own: kvtier ms':>15} {'own: local ms':>14}"
@@ -493,6 +550,7 @@ def print_report(
             for key, m in medians.items()
         )
         + f" pairs={len(walls['none'])}"
+        + (f" {extra}" if extra else "")
     )
 
 

@@ -1,4 +1,4 @@
-"""bench_overlap's paired statistics on fixed numbers: the ratio, its t interval, the pair order."""
+"""bench_overlap's paired statistics (benchmarks/paired_stats.py) on fixed numbers, and its pair order."""
 
 import math
 import sys
@@ -9,7 +9,8 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # benchmarks/, on sys.path above
-from bench_overlap import median_ratio, paired_ratio, paired_walls, t_quantile
+from bench_overlap import paired_walls
+from paired_stats import median_ratio, paired_ratio, t_quantile
 
 # Student's t, two-sided 95 % (0.975 quantile), from the tables
 T_975 = {4: 2.7764, 9: 2.2622, 29: 2.0452, 119: 1.9801}
