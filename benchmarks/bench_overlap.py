@@ -30,14 +30,19 @@ process's burst slows one side of a pair 2-5x on a shared machine and widens the
 The printout says about how many pairs would bring the t interval to ±1 % (`--pairs`).
 
 Both intervals cover the noise between requests of one set of engines, not the difference
-between engine instances, which was larger (zero-hit medians 0.98, 0.995 and 1.04 in three
-runs whose intervals were ±0.1-1 %): `--instances R` starts the three engines R times one after
-the other, and adds each set's median ratio and the t interval across the sets
-(`_instances`, `_instances_ci`). Parts 1 and 4 run on the first set only.
+between sets of engines, which can be larger: on a shared machine, two runs of the same code and
+settings minutes apart gave `hit_vs_local_median` 1.014 (1.003-1.025) and 0.850 (0.777-0.894).
+`--instances R` starts the three engines R times one after the other, and adds each set's
+median ratio and the t interval across the sets (`_instances`, `_instances_ci`): 4 sets of 100
+pairs (`--instances 4 --pairs 100`, 11 min) gave `zero_hit_overhead_instances` 1.000
+(0.993-1.007) and `hit_vs_local_instances` 1.052 (1.027-1.077). Parts 1 and 4 run on the first
+set only.
 
 glibc's malloc tunables are set for every engine (`GLIBC_TUNABLES`, unless already set;
 `--no-malloc-tunables` leaves glibc's defaults, as a user runs): its arena trimming faults pages
-back in at a rate that varies per engine instance, not per configuration.
+back in at a rate that varies per engine instance, not per configuration. A hit request takes
+0-7 minor page faults in its engine's processes either way (printed): two runs without the
+tunables gave `hit_vs_local_median` 1.070 and 0.998, within the spread of runs with them.
 
     python benchmarks/bench_overlap.py [--quick] [--pairs N] [--instances R] [--no-malloc-tunables]
         [--walls]
