@@ -55,6 +55,24 @@ def nums(ks: list[bytes] | None) -> list[int] | None:
     return None if ks is None else [num(k) for k in ks]
 
 
+def access(p: Any, batch: list[bytes], victims: list[list[bytes]] | None = None) -> int:
+    """One request as a tier drives its policy `p`: touch the keys of `batch` it holds, store the
+    rest (evicting what it must, never the request's own keys; each eviction's victims appended to
+    `victims`). Returns the number of hits."""
+    held = [k for k in batch if k in p]
+    p.touch(held)
+    new = [k for k in batch if k not in p]
+    p.prepare_insert(new)
+    num_needed = len(p) + len(new) - p.capacity
+    if num_needed > 0:
+        evicted = p.evict(num_needed, set(batch))
+        assert evicted is not None
+        if victims is not None:
+            victims.append(evicted)
+    p.insert(new)
+    return len(held)
+
+
 def store_job(job_id, block_ids, slot_ids, group=0):
     """A one-part store job (ids passed through as given: validation is under test)."""
     part = TransferPart(group=group, slot_ids=slot_ids, block_ids=block_ids)

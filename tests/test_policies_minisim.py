@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from helpers import key
+from helpers import access, key
 from kvtier.policies import AdaptivePolicy, TurnsPolicy
 from kvtier.policies.minisim import PolicySelector, SettingSelector, is_sampled, thinned
 
@@ -77,16 +77,7 @@ def replay(seed: int) -> tuple[list[str], list[list[bytes]]]:
     for _ in range(600):
         base = rng.randrange(200) * 1000
         batch = [key(base + i) for i in range(rng.randrange(1, 24))]
-        held = [k for k in batch if k in p]
-        p.touch(held)
-        new = [k for k in batch if k not in p]
-        p.prepare_insert(new)
-        num_needed = len(p) + len(new) - p.capacity
-        if num_needed > 0:
-            victims = p.evict(num_needed, set(batch))
-            assert victims is not None
-            evictions.append(victims)
-        p.insert(new)
+        access(p, batch, evictions)
         p.order_chain(batch)
         leaders.append(p.leader)
     return leaders, evictions

@@ -14,9 +14,9 @@ import random
 import pytest
 
 import test_manager_contract
-from helpers import key, keys, nums
+from helpers import access, key, keys, nums
 from kvtier import CPUTierManager
-from kvtier.policies import AdaptivePolicy, CachePolicy, make_policy
+from kvtier.policies import AdaptivePolicy, make_policy
 from tier_helpers import make_tiered
 
 EXPERTS = AdaptivePolicy.experts
@@ -47,21 +47,6 @@ def check_same_keys(p: AdaptivePolicy, held: set[bytes]) -> None:
     assert len(p) == len(held) and all(k in p for k in held)
     for expert in p.policies.values():
         assert len(expert) == len(held) and all(k in expert for k in held)
-
-
-def access(p: CachePolicy, ids: list[int]) -> int:
-    """One request as a tier drives its policy: touch what it holds, store the rest (evicting
-    what it must, never the request's own keys). Returns the number of hits."""
-    batch = keys(*ids)
-    held = [k for k in batch if k in p]
-    p.touch(held)
-    new = [k for k in batch if k not in p]
-    p.prepare_insert(new)
-    num_needed = len(p) + len(new) - p.capacity
-    if num_needed > 0:
-        assert p.evict(num_needed, set(batch)) is not None
-    p.insert(new)
-    return len(held)
 
 
 @pytest.mark.parametrize("leader", EXPERTS)
@@ -161,7 +146,7 @@ def test_the_lead_goes_to_arc_where_a_scan_flushes_recency():
     hits = lru_hits = 0
     for step in range(1200):
         ids = [rng.randrange(32), *(next(fresh) for _ in range(8))]
-        hit, lru_hit = access(p, ids), access(lru, ids)
+        hit, lru_hit = access(p, keys(*ids)), access(lru, keys(*ids))
         if step >= 600:
             hits, lru_hits = hits + hit, lru_hits + lru_hit
     assert p.leader == "arc"
@@ -174,5 +159,5 @@ def test_the_lead_stays_when_the_experts_tie():
     p = AdaptivePolicy(64)
     rng = random.Random(2)
     for _ in range(2000):
-        access(p, rng.sample(range(48), 4))
+        access(p, keys(*rng.sample(range(48), 4)))
     assert p.leader == "turns"
