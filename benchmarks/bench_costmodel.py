@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import statistics
 import tempfile
@@ -49,6 +48,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from bench_overlap import shutdown, tiny_llm, tokens
 from servers.redis import RedisServer
 from servers.throttle import ThrottledProxy
 
@@ -77,35 +77,11 @@ DISK_ENGINE = {
 WARMUPS = 3
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 8192) for _ in range(n)]
-
-
 def make_engine(model: Path, extra: dict | None):
-    from vllm import LLM
-
     from kvtier.integrations.vllm import kv_transfer_config
 
     transfer = None if extra is None else kv_transfer_config(**extra)
-    return LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        seed=0,
-        enforce_eager=True,
-        max_model_len=4096,
-        kv_transfer_config=transfer,
-        disable_log_stats=extra is None,
-    )
-
-
-def shutdown(llm) -> None:
-    import gc
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    return tiny_llm(model, transfer, disable_log_stats=extra is None)
 
 
 def ttft(llm, prompt: list[int], salt: str | None = None, max_tokens: int = 1) -> float:

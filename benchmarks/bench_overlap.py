@@ -67,7 +67,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from paired_stats import RatioCI, median_ratio, paired_ratio
 
@@ -91,12 +91,12 @@ def params(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
 
 
-def make_engine(model: Path, mode: str | None):
+def tiny_llm(model: Path, transfer: Any, **settings):
+    """An offline `LLM` of the tiny Llama as the end-to-end benchmarks serve it (token ids in,
+    fp32, eager, seed 0), with `transfer` as its KV transfer config (None: no connector) and
+    `settings` as further `LLM` arguments (bench_costmodel and bench_pd build theirs here too)."""
     from vllm import LLM
 
-    from kvtier.integrations.vllm import kv_transfer_config
-
-    transfer = None if mode is None else kv_transfer_config(cpu_bytes="2GiB", load_mode=mode)
     return LLM(
         model=str(model),
         skip_tokenizer_init=True,
@@ -105,7 +105,15 @@ def make_engine(model: Path, mode: str | None):
         enforce_eager=True,
         max_model_len=4096,
         kv_transfer_config=transfer,
+        **settings,
     )
+
+
+def make_engine(model: Path, mode: str | None):
+    from kvtier.integrations.vllm import kv_transfer_config
+
+    transfer = None if mode is None else kv_transfer_config(cpu_bytes="2GiB", load_mode=mode)
+    return tiny_llm(model, transfer)
 
 
 def overlap(llm, num_background: int, num_loading: int) -> dict[str, list[float]]:

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
-from bench_overlap import prepare_machine, tokens
+from bench_overlap import prepare_machine, tiny_llm, tokens
 from servers.redis import RedisServer
 
 CHUNK = 128
@@ -143,24 +143,12 @@ class Served:
 
 
 def make_engine(model: Path, name: str, role: str | None = None, **extra) -> Engine:
-    from vllm import LLM
-
     from kvtier.integrations.vllm import kv_transfer_config
 
     transfer = None
     if role is not None:
         transfer = kv_transfer_config(role=role, **extra)
-    llm = LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        seed=0,
-        enforce_eager=True,
-        max_model_len=4096,
-        kv_transfer_config=transfer,
-        served_model_name=name,
-        disable_log_stats=False,
-    )
+    llm = tiny_llm(model, transfer, served_model_name=name, disable_log_stats=False)
     tally = KVTierTally()
     # `LLM` takes no stat logger of the caller's: added to its engine's (an internal list)
     llm.llm_engine.logger_manager.stat_loggers.append(tally)
